@@ -1,0 +1,133 @@
+"""The fence guard: a write on a protected row that the row itself refuses when the token is stale.
+
+The protected table carries two fence columns: the highest token it has accepted and the lease id that
+wrote it. A guarded write is ONE conditional UPDATE that accepts ``token > highest`` or ``token == highest``
+from the same lease id, so a stale epoch cannot write after a newer one has, and two leases handed the
+same number (a coordinator that lost its counter) cannot both write. Only on rejection does a second read
+tell a stale token apart from the write's own condition failing; it cannot change the decision.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from fencing._plan import Plan, run_async, run_sync
+from fencing.errors import ScopeMismatch, StaleToken
+from fencing.lease import Lease
+from fencing.sql import Rows, execute, execute_async
+
+FENCE_TOKEN_COLUMN = "fence_token"
+FENCE_LEASE_COLUMN = "fence_lease_id"
+
+
+def fence_columns(
+    token_column: str = FENCE_TOKEN_COLUMN, lease_column: str = FENCE_LEASE_COLUMN
+) -> tuple[sa.Column[int], sa.Column[str]]:
+    """The two fence columns, for a table definition: ``Table(..., *fence_columns())``."""
+    return (
+        sa.Column(token_column, sa.BigInteger, nullable=False, server_default="0"),
+        sa.Column(lease_column, sa.String(32), nullable=True),
+    )
+
+
+class FenceOutcome(enum.Enum):
+    APPLIED = "applied"
+    CONDITION_FAILED = "condition_failed"  # the token was current; the caller's condition was false
+    NO_ROW = "no_row"  # nothing matched ``where``
+
+
+@dataclass(frozen=True, slots=True)
+class FenceResult:
+    outcome: FenceOutcome
+    row: sa.Row[Any] | None = None  # the RETURNING row when applied
+
+    @property
+    def applied(self) -> bool:
+        return self.outcome is FenceOutcome.APPLIED
+
+
+@dataclass(frozen=True)
+class Fence:
+    """Guarded writes on ``table``. ``enforce=False`` drops the token condition (the fence columns are
+    still written): lease-only protection, for measuring what the fence prevents, never for production.
+    """
+
+    table: sa.Table
+    token_column: str = FENCE_TOKEN_COLUMN
+    lease_column: str = FENCE_LEASE_COLUMN
+    enforce: bool = True
+
+    @property
+    def _token(self) -> sa.Column[Any]:
+        return self.table.c[self.token_column]
+
+    @property
+    def _lease(self) -> sa.Column[Any]:
+        return self.table.c[self.lease_column]
+
+    def accepts(self, lease: Lease) -> sa.ColumnElement[bool]:
+        """The token condition as a SQL expression, for callers building their own statement."""
+        return sa.or_(
+            self._token < lease.token,
+            sa.and_(self._token == lease.token, self._lease == lease.lease_id),
+        )
+
+    def plan(
+        self,
+        lease: Lease,
+        *,
+        scope: str,
+        where: Sequence[sa.ColumnElement[bool]],
+        values: Mapping[str, Any],
+        condition: sa.ColumnElement[bool] | None = None,
+        returning: Sequence[sa.ColumnElement[Any]] = (),
+        operation: str = "write",
+    ) -> Plan[FenceResult]:
+        """The guarded write as a plan; ``update`` and ``update_async`` are its two shells."""
+        if lease.scope != scope:
+            raise ScopeMismatch(lease_scope=lease.scope, target_scope=scope)
+        lease.raise_if_lost()  # sticky: no round trip for a lease already known lost
+        guards = [*where]
+        if self.enforce:
+            guards.append(self.accepts(lease))
+        if condition is not None:
+            guards.append(condition)
+        stmt = (
+            sa.update(self.table)
+            .where(*guards)
+            .values({self.token_column: lease.token, self.lease_column: lease.lease_id, **values})
+        )
+        if returning:
+            stmt = stmt.returning(*returning)
+        written: Rows = yield stmt
+        if written.rowcount > 0:
+            return FenceResult(FenceOutcome.APPLIED, written.first())
+        fence: Rows = yield sa.select(self._token, self._lease).where(*where)
+        row = fence.first()
+        if row is None:
+            return FenceResult(FenceOutcome.NO_ROW)
+        highest, writer = int(row[0]), row[1]
+        if self.enforce and (highest > lease.token or (highest == lease.token and writer != lease.lease_id)):
+            lease.mark_lost(f"{operation} rejected: resource accepted token {highest}")
+            raise StaleToken(
+                scope=scope, presented=lease.token, highest=highest, lease_id=lease.lease_id,
+                holder=lease.holder,
+            )
+        return FenceResult(FenceOutcome.CONDITION_FAILED)
+
+    def update(self, conn: Connection, lease: Lease, **kwargs: Any) -> FenceResult:
+        """Run the guarded write on ``conn`` inside the caller's transaction.
+
+        Raises :class:`StaleToken` (and marks the lease lost) when a newer epoch already wrote.
+        """
+        return run_sync(self.plan(lease, **kwargs), lambda stmt: execute(conn, stmt))
+
+    async def update_async(self, conn: AsyncConnection, lease: Lease, **kwargs: Any) -> FenceResult:
+        return await run_async(self.plan(lease, **kwargs), lambda stmt: execute_async(conn, stmt))

@@ -1,0 +1,414 @@
+"""Lease managers: the public sync and async shells over one set of plans.
+
+``LeaseManager.from_url`` / ``AsyncLeaseManager.from_url`` pick the backend from the URL (``redis://``,
+``rediss://`` or any SQLAlchemy URL). Validation, waiting, backoff and repair decisions live in
+:class:`LeasePlans`; the shells only drive them and run the background renewal of :meth:`hold`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from typing import Any, Protocol
+
+import redis
+import redis.asyncio
+
+from fencing._plan import Atomic, Plan, Sleep
+from fencing.errors import FencingError, InvalidLeaseRequest, LeaseBusy, StaleToken
+from fencing.keys import DEFAULT_PREFIX, validate_prefix
+from fencing.lease import (
+    Clock,
+    Lease,
+    LeaseEvent,
+    LeaseInfo,
+    new_lease_id,
+    validate_holder,
+    validate_scope,
+    validate_token,
+    validate_ttl,
+)
+from fencing.redis_backend import AsyncRedisExecutor, RedisLeaseCore, SyncRedisExecutor
+from fencing.sql import AsyncSqlExecutor, SyncSqlExecutor, make_async_engine, make_engine, mask_url
+from fencing.sql_backend import SqlLeaseCore, metadata
+
+log = logging.getLogger("fencing")
+
+DEFAULT_HISTORY_CAP = 1000
+MAX_HISTORY_LIMIT = 10_000
+
+
+class LeaseCore(Protocol):
+    backend: str
+
+    def acquire(self, scope: str, ttl: float, holder: str, lease_id: str) -> Plan[Lease]: ...
+    def renew(self, lease: Lease) -> Plan[Lease]: ...
+    def release(self, lease: Lease) -> Plan[None]: ...
+    def break_lease(self, scope: str, reason: str) -> Plan[LeaseInfo | None]: ...
+    def repair(self, lease: Lease, highest: int) -> Plan[tuple[int, int] | None]: ...
+    def current(self, scope: str) -> Plan[LeaseInfo | None]: ...
+    def history(self, scope: str, limit: int) -> Plan[list[LeaseEvent]]: ...
+
+
+def backoff(attempt: int, retry_after: float, rng: random.Random) -> float:
+    """Full-jitter exponential backoff, capped by the time the current lease has left."""
+    ceiling = min(0.5, 0.005 * 2**attempt)
+    return min(max(retry_after, 0.001), rng.uniform(0.001, ceiling))
+
+
+def _check_lease(lease: object) -> Lease:
+    if not isinstance(lease, Lease):
+        raise InvalidLeaseRequest(f"expected a Lease, got {type(lease).__name__}")
+    return lease
+
+
+class LeasePlans:
+    """Validation and decisions shared by both shells."""
+
+    def __init__(self, core: LeaseCore, clock: Clock, rng: random.Random | None = None) -> None:
+        self.core = core
+        self.clock = clock
+        self.rng = rng or random.Random()
+
+    def acquire(self, scope: str, ttl: float, holder: str, wait: float) -> Plan[Lease]:
+        validate_scope(scope)
+        ttl = validate_ttl(ttl)
+        validate_holder(holder)
+        if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0 <= wait <= 3600:
+            raise InvalidLeaseRequest("wait must be between 0 and 3600 seconds")
+        deadline = self.clock() + wait
+        attempt = 0
+        while True:
+            try:
+                lease: Lease = yield Atomic(self.core.acquire(scope, ttl, holder, new_lease_id()))
+                return lease
+            except LeaseBusy as busy:
+                left = deadline - self.clock()
+                if left <= 0:
+                    raise
+                yield Sleep(min(left, backoff(attempt, busy.retry_after, self.rng)))
+                attempt += 1
+
+    def renew(self, lease: Lease) -> Plan[Lease]:
+        _check_lease(lease).raise_if_lost()  # renewal never resurrects a lost lease
+        renewed: Lease = yield Atomic(self.core.renew(lease))
+        return renewed
+
+    def release(self, lease: Lease) -> Plan[None]:
+        yield Atomic(self.core.release(_check_lease(lease)))
+
+    def current(self, scope: str) -> Plan[LeaseInfo | None]:
+        info: LeaseInfo | None = yield Atomic(self.core.current(validate_scope(scope)))
+        return info
+
+    def history(self, scope: str, limit: int) -> Plan[list[LeaseEvent]]:
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_HISTORY_LIMIT:
+            raise InvalidLeaseRequest(f"limit must be between 1 and {MAX_HISTORY_LIMIT}")
+        events: list[LeaseEvent] = yield Atomic(self.core.history(validate_scope(scope), limit))
+        return events
+
+    def break_lease(self, scope: str, reason: str) -> Plan[LeaseInfo | None]:
+        info: LeaseInfo | None = yield Atomic(self.core.break_lease(validate_scope(scope), reason))
+        if info is not None:
+            log.warning("lease on %r (token %d, holder %r) broken: %s", scope, info.token,
+                        info.holder, reason)
+        return info
+
+    def handle_stale(self, lease: Lease, error: StaleToken) -> Plan[bool]:
+        """Repair a coordinator whose counter went backwards; True if it did.
+
+        Only a holder that is still current at the coordinator proves the coordinator is behind; any
+        other stale rejection is an ordinary lost race and needs nothing. Either way the rejected
+        attempt stays lost.
+        """
+        _check_lease(lease).mark_lost(f"stale: resource accepted token {error.highest}")
+        if error.scope != lease.scope or error.presented != lease.token:
+            return False
+        validate_token(error.highest)
+        repaired = yield Atomic(self.core.repair(lease, error.highest))
+        if repaired is None:
+            return False
+        old, new = repaired
+        log.warning(
+            "fencing token regression on scope %r: the coordinator had issued %d but the resource "
+            "has accepted %d; counter raised from %d to %d",
+            lease.scope, lease.token, error.highest, old, new,
+        )
+        return True
+
+
+def _holder_default() -> str:
+    import os
+    import socket
+
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def _is_redis_url(url: str) -> bool:
+    return url.startswith(("redis://", "rediss://", "unix://"))
+
+
+def _renew_interval(lease: Lease, renew_every: float | None) -> float:
+    return renew_every if renew_every is not None else lease.ttl / 3
+
+
+class LeaseManager:
+    """Acquire, renew, release and inspect leases (blocking API, for Celery workers and scripts)."""
+
+    def __init__(
+        self,
+        core: LeaseCore,
+        executor: SyncRedisExecutor | SyncSqlExecutor,
+        *,
+        clock: Clock = time.monotonic,
+        url: str = "",
+    ) -> None:
+        self.plans = LeasePlans(core, clock)
+        self.executor = executor
+        self.url = mask_url(url) if url else ""
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        *,
+        prefix: str = DEFAULT_PREFIX,
+        history_cap: int = DEFAULT_HISTORY_CAP,
+        clock: Clock = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+        **client_options: Any,
+    ) -> LeaseManager:
+        core: LeaseCore
+        executor: SyncRedisExecutor | SyncSqlExecutor
+        if _is_redis_url(url):
+            client = redis.Redis.from_url(url, decode_responses=True, **client_options)
+            core = RedisLeaseCore(prefix=validate_prefix(prefix), history_cap=history_cap, clock=clock)
+            executor = SyncRedisExecutor(client, sleep)
+        else:
+            engine = make_engine(url, **client_options)
+            core = SqlLeaseCore(dialect=engine.dialect.name, clock=clock)
+            executor = SyncSqlExecutor(engine, sleep)
+        return cls(core, executor, clock=clock, url=url)
+
+    @property
+    def backend(self) -> str:
+        return self.plans.core.backend
+
+    def create_schema(self) -> None:
+        """Create the SQL backend's tables if missing (applications normally use migrations)."""
+        if isinstance(self.executor, SyncSqlExecutor):
+            metadata.create_all(self.executor.engine, checkfirst=True)
+
+    def acquire(self, scope: str, *, ttl: float, holder: str | None = None, wait: float = 0) -> Lease:
+        """Take the scope's lease and a new fencing token; :class:`LeaseBusy` if held past ``wait``."""
+        return self.executor.run(self.plans.acquire(scope, ttl, holder or _holder_default(), wait))  # type: ignore[no-any-return]
+
+    def renew(self, lease: Lease) -> Lease:
+        """Extend the lease, keeping its token; :class:`LeaseLost` (sticky) if it is no longer held."""
+        return self.executor.run(self.plans.renew(lease))  # type: ignore[no-any-return]
+
+    def release(self, lease: Lease) -> None:
+        """End the lease by its id; :class:`LeaseLost` if it had already expired or been superseded."""
+        self.executor.run(self.plans.release(lease))
+
+    def current(self, scope: str) -> LeaseInfo | None:
+        return self.executor.run(self.plans.current(scope))  # type: ignore[no-any-return]
+
+    def history(self, scope: str, *, limit: int = 100) -> list[LeaseEvent]:
+        return self.executor.run(self.plans.history(scope, limit))  # type: ignore[no-any-return]
+
+    def break_lease(self, scope: str, *, reason: str) -> LeaseInfo | None:
+        """Administrative: end the scope's current lease now. Its holder's next write is rejected."""
+        return self.executor.run(self.plans.break_lease(scope, reason))  # type: ignore[no-any-return]
+
+    def handle_stale(self, lease: Lease, error: StaleToken) -> bool:
+        return self.executor.run(self.plans.handle_stale(lease, error))  # type: ignore[no-any-return]
+
+    @contextmanager
+    def hold(
+        self,
+        scope: str,
+        *,
+        ttl: float,
+        holder: str | None = None,
+        wait: float = 0,
+        renew_every: float | None = None,
+    ) -> Iterator[Lease]:
+        """Hold the lease for the block, renewing it from a background thread.
+
+        The moment a renewal fails the lease is marked lost, so the next guarded write raises without a
+        round trip. A :class:`StaleToken` leaving the block triggers the regression repair check.
+        """
+        lease = self.acquire(scope, ttl=ttl, holder=holder, wait=wait)
+        stop = threading.Event()
+
+        def renew_loop() -> None:
+            while not stop.wait(_renew_interval(lease, renew_every)):
+                try:
+                    self.renew(lease)
+                except FencingError as exc:
+                    lease.mark_lost(f"renewal failed: {exc}")
+                    return
+
+        thread = threading.Thread(target=renew_loop, name=f"renew:{scope}", daemon=True)
+        thread.start()
+        try:
+            yield lease
+        except StaleToken as exc:
+            stop.set()
+            thread.join()
+            self._quietly(self.handle_stale, lease, exc)
+            raise
+        finally:
+            stop.set()
+            thread.join()
+            if not lease.lost:
+                self._quietly(self.release, lease)
+
+    def _quietly(self, fn: Callable[..., Any], *args: Any) -> None:
+        try:
+            fn(*args)
+        except FencingError as exc:
+            log.info("lease on %r: %s", args[0].scope, exc)
+
+    def close(self) -> None:
+        self.executor.close()
+
+    def __enter__(self) -> LeaseManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncLeaseManager:
+    """The asyncio shell: same plans, awaited I/O, renewal in a task instead of a thread."""
+
+    def __init__(
+        self,
+        core: LeaseCore,
+        executor: AsyncRedisExecutor | AsyncSqlExecutor,
+        *,
+        clock: Clock = time.monotonic,
+        url: str = "",
+    ) -> None:
+        self.plans = LeasePlans(core, clock)
+        self.executor = executor
+        self.url = mask_url(url) if url else ""
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        *,
+        prefix: str = DEFAULT_PREFIX,
+        history_cap: int = DEFAULT_HISTORY_CAP,
+        clock: Clock = time.monotonic,
+        sleep: Callable[[float], Any] = asyncio.sleep,
+        **client_options: Any,
+    ) -> AsyncLeaseManager:
+        core: LeaseCore
+        executor: AsyncRedisExecutor | AsyncSqlExecutor
+        if _is_redis_url(url):
+            client = redis.asyncio.Redis.from_url(url, decode_responses=True, **client_options)
+            core = RedisLeaseCore(prefix=validate_prefix(prefix), history_cap=history_cap, clock=clock)
+            executor = AsyncRedisExecutor(client, sleep)
+        else:
+            engine = make_async_engine(url, **client_options)
+            core = SqlLeaseCore(dialect=engine.dialect.name, clock=clock)
+            executor = AsyncSqlExecutor(engine, sleep)
+        return cls(core, executor, clock=clock, url=url)
+
+    @property
+    def backend(self) -> str:
+        return self.plans.core.backend
+
+    async def create_schema(self) -> None:
+        if isinstance(self.executor, AsyncSqlExecutor):
+            async with self.executor.engine.begin() as conn:
+                await conn.run_sync(metadata.create_all, checkfirst=True)
+
+    async def acquire(
+        self, scope: str, *, ttl: float, holder: str | None = None, wait: float = 0
+    ) -> Lease:
+        return await self.executor.run(self.plans.acquire(scope, ttl, holder or _holder_default(), wait))  # type: ignore[no-any-return]
+
+    async def renew(self, lease: Lease) -> Lease:
+        return await self.executor.run(self.plans.renew(lease))  # type: ignore[no-any-return]
+
+    async def release(self, lease: Lease) -> None:
+        await self.executor.run(self.plans.release(lease))
+
+    async def current(self, scope: str) -> LeaseInfo | None:
+        return await self.executor.run(self.plans.current(scope))  # type: ignore[no-any-return]
+
+    async def history(self, scope: str, *, limit: int = 100) -> list[LeaseEvent]:
+        return await self.executor.run(self.plans.history(scope, limit))  # type: ignore[no-any-return]
+
+    async def break_lease(self, scope: str, *, reason: str) -> LeaseInfo | None:
+        return await self.executor.run(self.plans.break_lease(scope, reason))  # type: ignore[no-any-return]
+
+    async def handle_stale(self, lease: Lease, error: StaleToken) -> bool:
+        return await self.executor.run(self.plans.handle_stale(lease, error))  # type: ignore[no-any-return]
+
+    @asynccontextmanager
+    async def hold(
+        self,
+        scope: str,
+        *,
+        ttl: float,
+        holder: str | None = None,
+        wait: float = 0,
+        renew_every: float | None = None,
+    ) -> AsyncIterator[Lease]:
+        lease = await self.acquire(scope, ttl=ttl, holder=holder, wait=wait)
+
+        async def renew_loop() -> None:
+            while True:
+                await asyncio.sleep(_renew_interval(lease, renew_every))
+                try:
+                    await self.renew(lease)
+                except FencingError as exc:
+                    lease.mark_lost(f"renewal failed: {exc}")
+                    return
+
+        renewer = asyncio.create_task(renew_loop(), name=f"renew:{scope}")
+        try:
+            yield lease
+        except StaleToken as exc:
+            await _cancel(renewer)
+            await self._quietly(self.handle_stale(lease, exc), lease)
+            raise
+        finally:
+            await _cancel(renewer)
+            if not lease.lost:
+                await self._quietly(self.release(lease), lease)
+
+    async def _quietly(self, call: Any, lease: Lease) -> None:
+        try:
+            await call
+        except FencingError as exc:
+            log.info("lease on %r: %s", lease.scope, exc)
+
+    async def close(self) -> None:
+        await self.executor.close()
+
+    async def __aenter__(self) -> AsyncLeaseManager:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+async def _cancel(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+

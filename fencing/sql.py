@@ -1,0 +1,227 @@
+"""SQL plumbing shared by the SQL lease backend and the fence guard: engines, the database clock, and
+the sync and async shells that run plans inside one transaction.
+
+Supported dialects: SQLite (3.35+, for RETURNING) and PostgreSQL through psycopg 3.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy import event
+from sqlalchemy.engine import URL, Connection, Engine, make_url
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.expression import Executable, FunctionElement
+
+from fencing._plan import Atomic, Plan, Sleep, run_async, run_sync
+from fencing.errors import BackendUnavailable, InvalidLeaseRequest
+
+SUPPORTED_DIALECTS = ("sqlite", "postgresql")
+
+
+class db_now_ms(FunctionElement[int]):  # noqa: N801 - reads like the SQL function it renders
+    """The database's wall clock in integer milliseconds since the epoch.
+
+    Lease expiry is judged by this clock, never the client's, so clients with skewed clocks agree.
+    """
+
+    type = sa.BigInteger()
+    inherit_cache = True
+
+
+@compiles(db_now_ms, "postgresql")
+def _now_pg(element: db_now_ms, compiler: Any, **kw: Any) -> str:
+    return "CAST(EXTRACT(EPOCH FROM clock_timestamp()) * 1000 AS BIGINT)"
+
+
+@compiles(db_now_ms, "sqlite")
+def _now_sqlite(element: db_now_ms, compiler: Any, **kw: Any) -> str:
+    return "CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)"
+
+
+def normalize_url(url: str | URL, *, asynchronous: bool = False) -> URL:
+    """Pick the drivers this package ships with: psycopg 3 for PostgreSQL, aiosqlite for async SQLite."""
+    parsed = make_url(url)
+    backend = parsed.get_backend_name()
+    if backend not in SUPPORTED_DIALECTS:
+        raise InvalidLeaseRequest(f"unsupported database {backend!r}; use sqlite or postgresql")
+    if backend == "postgresql":
+        return parsed.set(drivername="postgresql+psycopg")
+    return parsed.set(drivername="sqlite+aiosqlite" if asynchronous else "sqlite+pysqlite")
+
+
+def mask_url(url: str | URL) -> str:
+    """The URL as it may be printed: any password replaced by ``***``."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:
+        return "<unparseable url>"
+
+
+def _sqlite_setup(engine: Engine) -> None:
+    # pysqlite's own transaction handling defers BEGIN and breaks SAVEPOINTs; take control of it and
+    # start every transaction IMMEDIATE so two writers queue on the busy timeout instead of failing
+    # on a read-to-write lock upgrade.
+    @event.listens_for(engine, "connect")
+    def _connect(dbapi_connection: Any, record: Any) -> None:
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA busy_timeout=30000")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _begin(conn: Connection) -> None:
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+def make_engine(url: str | URL, **kwargs: Any) -> Engine:
+    parsed = normalize_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        kwargs.setdefault("connect_args", {"timeout": 30})
+        engine = sa.create_engine(parsed, **kwargs)
+        _sqlite_setup(engine)
+        return engine
+    kwargs.setdefault("pool_pre_ping", True)
+    return sa.create_engine(parsed, **kwargs)
+
+
+def make_async_engine(url: str | URL, **kwargs: Any) -> AsyncEngine:
+    parsed = normalize_url(url, asynchronous=True)
+    if parsed.get_backend_name() == "sqlite":
+        kwargs.setdefault("connect_args", {"timeout": 30})
+        engine = create_async_engine(parsed, **kwargs)
+        _sqlite_setup(engine.sync_engine)
+        return engine
+    kwargs.setdefault("pool_pre_ping", True)
+    return create_async_engine(parsed, **kwargs)
+
+
+@dataclass(frozen=True, slots=True)
+class Rows:
+    """A statement's result, fully read, so plans never hold a live cursor."""
+
+    rows: list[sa.Row[Any]]
+    rowcount: int
+
+    def first(self) -> sa.Row[Any] | None:
+        return self.rows[0] if self.rows else None
+
+
+def _rows(result: sa.CursorResult[Any]) -> Rows:
+    rows = list(result.all()) if result.returns_rows else []
+    return Rows(rows=rows, rowcount=result.rowcount)
+
+
+def unavailable(exc: DBAPIError, operation: str) -> BackendUnavailable | None:
+    """The error to raise for a database that cannot be reached, or None for any other database error."""
+    if isinstance(exc, OperationalError | InterfaceError) or exc.connection_invalidated:
+        detail = str(exc.orig).strip().splitlines()[0] if exc.orig else type(exc).__name__
+        return BackendUnavailable(backend="database", operation=operation, detail=detail)
+    return None
+
+
+def execute(conn: Connection, stmt: Executable) -> Rows:
+    """Run one statement of a plan on a sync connection."""
+    try:
+        return _rows(conn.execute(stmt))
+    except DBAPIError as exc:
+        mapped = unavailable(exc, "statement")
+        if mapped is None:
+            raise
+        raise mapped from exc
+
+
+async def execute_async(conn: AsyncConnection, stmt: Executable) -> Rows:
+    try:
+        return _rows(await conn.execute(stmt))
+    except DBAPIError as exc:
+        mapped = unavailable(exc, "statement")
+        if mapped is None:
+            raise
+        raise mapped from exc
+
+
+class SyncSqlExecutor:
+    """Runs each plan (and each :class:`Atomic` step) in its own transaction, opened at its first
+    statement so a plan that only waits never holds a connection."""
+
+    def __init__(self, engine: Engine, sleep: Callable[[float], None]) -> None:
+        self.engine = engine
+        self._sleep = sleep
+
+    def run(self, plan: Plan[Any]) -> Any:
+        conn: Connection | None = None
+
+        def handle(op: object) -> Any:
+            nonlocal conn
+            if isinstance(op, Sleep):
+                return self._sleep(op.seconds)
+            if isinstance(op, Atomic):
+                return self.run(op.plan)
+            if conn is None:
+                try:
+                    conn = self.engine.connect()
+                    conn.begin()
+                except DBAPIError as exc:
+                    raise (unavailable(exc, "connect") or exc) from exc
+            return execute(conn, op)  # type: ignore[arg-type]
+
+        try:
+            result = run_sync(plan, handle)
+            if conn is not None:
+                conn.commit()
+            return result
+        except DBAPIError as exc:
+            raise (unavailable(exc, "commit") or exc) from exc
+        finally:
+            if conn is not None:
+                conn.close()  # rolls back anything not committed
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+
+class AsyncSqlExecutor:
+    """The async shell of :class:`SyncSqlExecutor` over an ``AsyncEngine``."""
+
+    def __init__(self, engine: AsyncEngine, sleep: Callable[[float], Any]) -> None:
+        self.engine = engine
+        self._sleep = sleep
+
+    async def run(self, plan: Plan[Any]) -> Any:
+        conn: AsyncConnection | None = None
+
+        async def handle(op: object) -> Any:
+            nonlocal conn
+            if isinstance(op, Sleep):
+                return await self._sleep(op.seconds)
+            if isinstance(op, Atomic):
+                return await self.run(op.plan)
+            if conn is None:
+                try:
+                    conn = await self.engine.connect()
+                    await conn.begin()
+                except DBAPIError as exc:
+                    raise (unavailable(exc, "connect") or exc) from exc
+            return await execute_async(conn, op)  # type: ignore[arg-type]
+
+        try:
+            result = await run_async(plan, handle)
+            if conn is not None:
+                await conn.commit()
+            return result
+        except DBAPIError as exc:
+            raise (unavailable(exc, "commit") or exc) from exc
+        finally:
+            if conn is not None:
+                await conn.close()
+
+    async def close(self) -> None:
+        await self.engine.dispose()

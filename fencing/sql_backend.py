@@ -1,0 +1,221 @@
+"""SQL lease backend: one row per scope, expiry judged by the database's clock, tokens durable.
+
+Each operation is one transaction whose first statement is a write, so concurrent acquirers queue on the
+row (PostgreSQL) or the database (SQLite) instead of racing a read against a write.
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
+
+from fencing._plan import Plan
+from fencing.errors import LeaseBusy, LeaseLost
+from fencing.lease import MAX_HOLDER_CHARS, MAX_SCOPE_CHARS, Clock, Lease, LeaseEvent, LeaseInfo
+from fencing.sql import Rows, db_now_ms
+
+metadata = sa.MetaData()
+
+# ``state``: free (never held), held, released, broken; a held row past ``expires_ms`` has expired.
+# ``previous_end`` is written by the same UPDATE that starts an epoch, so RETURNING can report how the
+# previous epoch ended without a second read.
+leases = sa.Table(
+    "fencing_leases",
+    metadata,
+    sa.Column("scope", sa.String(MAX_SCOPE_CHARS), primary_key=True),
+    sa.Column("token", sa.BigInteger, nullable=False),
+    sa.Column("lease_id", sa.String(32)),
+    sa.Column("holder", sa.String(MAX_HOLDER_CHARS)),
+    sa.Column("state", sa.String(16), nullable=False),
+    sa.Column("acquired_ms", sa.BigInteger),
+    sa.Column("expires_ms", sa.BigInteger, nullable=False),
+    sa.Column("previous_end", sa.String(16)),
+    sa.CheckConstraint("token >= 0", name="ck_fencing_leases_token"),
+)
+
+lease_events = sa.Table(
+    "fencing_lease_events",
+    metadata,
+    sa.Column("id", sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True,
+              autoincrement=True),
+    sa.Column("scope", sa.String(MAX_SCOPE_CHARS), nullable=False),
+    sa.Column("event", sa.String(16), nullable=False),
+    sa.Column("token", sa.BigInteger, nullable=False),
+    sa.Column("lease_id", sa.String(32)),
+    sa.Column("holder", sa.String(MAX_HOLDER_CHARS)),
+    sa.Column("at_ms", sa.BigInteger, nullable=False),
+    sa.Column("previous_token", sa.BigInteger),
+    sa.Column("previous_end", sa.String(16)),
+    sa.Column("detail", sa.Text),
+    sa.Index("ix_fencing_lease_events_scope_id", "scope", "id"),
+)
+
+_live = sa.and_(leases.c.state == "held", leases.c.expires_ms > db_now_ms())
+
+
+def _ttl_ms(seconds: float) -> int:
+    return max(1, round(seconds * 1000))
+
+
+class SqlLeaseCore:
+    """Statements and parsing for the SQL backend; no I/O."""
+
+    backend = "sql"
+
+    def __init__(self, *, dialect: str, clock: Clock) -> None:
+        self.dialect = dialect
+        self.clock = clock
+
+    def _ensure_row(self, scope: str) -> sa.Executable:
+        insert = postgresql.insert if self.dialect == "postgresql" else sqlite.insert
+        return (
+            insert(leases)
+            .values(scope=scope, token=0, state="free", expires_ms=0)
+            .on_conflict_do_nothing(index_elements=["scope"])
+        )
+
+    def _event(self, **values: object) -> sa.Executable:
+        return sa.insert(lease_events).values(at_ms=db_now_ms(), **values)
+
+    def acquire(self, scope: str, ttl: float, holder: str, lease_id: str) -> Plan[Lease]:
+        sent_at = self.clock()
+        yield self._ensure_row(scope)
+        now = db_now_ms()
+        started: Rows = yield (
+            sa.update(leases)
+            .where(leases.c.scope == scope, sa.not_(_live))
+            .values(
+                token=leases.c.token + 1,
+                lease_id=lease_id,
+                holder=holder,
+                state="held",
+                acquired_ms=now,
+                expires_ms=now + _ttl_ms(ttl),
+                previous_end=sa.case((leases.c.state == "held", "expired"), else_=leases.c.state),
+            )
+            .returning(leases.c.token, leases.c.previous_end)
+        )
+        row = started.first()
+        if row is None:
+            busy: Rows = yield sa.select(
+                leases.c.holder, leases.c.token, leases.c.expires_ms - db_now_ms()
+            ).where(leases.c.scope == scope)
+            holder_now, token_now, left_ms = busy.rows[0]
+            raise LeaseBusy(
+                scope=scope, holder=holder_now, token=token_now, retry_after=max(left_ms, 0) / 1000
+            )
+        token, previous_end = int(row[0]), row[1]
+        yield self._event(
+            scope=scope,
+            event="acquired",
+            token=token,
+            lease_id=lease_id,
+            holder=holder,
+            previous_token=token - 1 if previous_end != "free" else None,
+            previous_end=previous_end if previous_end != "free" else None,
+            detail=f"ttl_ms={_ttl_ms(ttl)}",
+        )
+        return Lease(scope, token, lease_id, holder, ttl, sent_at, clock=self.clock)
+
+    def _end_or_extend(self, lease: Lease, values: dict[str, object]) -> Plan[int | None]:
+        changed: Rows = yield (
+            sa.update(leases)
+            .where(leases.c.scope == lease.scope, leases.c.lease_id == lease.lease_id, _live)
+            .values(**values)
+            .returning(leases.c.token)
+        )
+        row = changed.first()
+        return None if row is None else int(row[0])
+
+    def _lost(self, lease: Lease) -> Plan[LeaseLost]:
+        found: Rows = yield sa.select(leases.c.token, leases.c.lease_id).where(
+            leases.c.scope == lease.scope
+        )
+        row = found.first()
+        if row is not None and row[0] > lease.token:
+            reason = f"superseded by token {row[0]}"
+        elif row is not None and row[1] == lease.lease_id:
+            reason = "expired or released at the coordinator"
+        else:
+            reason = "the coordinator does not know this lease"
+        lease.mark_lost(reason)
+        return LeaseLost(scope=lease.scope, token=lease.token, lease_id=lease.lease_id, reason=reason)
+
+    def renew(self, lease: Lease) -> Plan[Lease]:
+        sent_at = self.clock()
+        token = yield from self._end_or_extend(
+            lease, {"expires_ms": db_now_ms() + _ttl_ms(lease.ttl)}
+        )
+        if token != lease.token:
+            raise (yield from self._lost(lease))
+        yield self._event(
+            scope=lease.scope, event="renewed", token=token, lease_id=lease.lease_id,
+            holder=lease.holder, detail=f"ttl_ms={_ttl_ms(lease.ttl)}",
+        )
+        lease._renewed(sent_at)
+        return lease
+
+    def release(self, lease: Lease) -> Plan[None]:
+        token = yield from self._end_or_extend(
+            lease, {"state": "released", "expires_ms": db_now_ms()}
+        )
+        if token != lease.token:
+            raise (yield from self._lost(lease))
+        yield self._event(
+            scope=lease.scope, event="released", token=token, lease_id=lease.lease_id,
+            holder=lease.holder,
+        )
+
+    def break_lease(self, scope: str, reason: str) -> Plan[LeaseInfo | None]:
+        ended: Rows = yield (
+            sa.update(leases)
+            .where(leases.c.scope == scope, _live)
+            .values(state="broken", expires_ms=db_now_ms())
+            .returning(leases.c.token, leases.c.holder, leases.c.lease_id)
+        )
+        row = ended.first()
+        if row is None:
+            return None
+        yield self._event(
+            scope=scope, event="broken", token=row[0], lease_id=row[2], holder=row[1], detail=reason
+        )
+        return LeaseInfo(scope=scope, token=int(row[0]), holder=row[1], time_left=0.0)
+
+    def repair(self, lease: Lease, highest: int) -> Plan[tuple[int, int] | None]:
+        raised = sa.case((leases.c.token < highest, highest), else_=leases.c.token)
+        new = yield from self._end_or_extend(
+            lease, {"token": raised, "state": "broken", "expires_ms": db_now_ms()}
+        )
+        if new is None:
+            return None
+        yield self._event(
+            scope=lease.scope, event="repaired", token=new, lease_id=lease.lease_id,
+            holder=lease.holder, previous_token=lease.token,
+            detail=f"counter raised past the resource's highest token {highest}",
+        )
+        return lease.token, new
+
+    def current(self, scope: str) -> Plan[LeaseInfo | None]:
+        found: Rows = yield sa.select(
+            leases.c.token, leases.c.holder, leases.c.expires_ms - db_now_ms()
+        ).where(leases.c.scope == scope, _live)
+        row = found.first()
+        if row is None:
+            return None
+        return LeaseInfo(scope=scope, token=int(row[0]), holder=row[1], time_left=row[2] / 1000)
+
+    def history(self, scope: str, limit: int) -> Plan[list[LeaseEvent]]:
+        found: Rows = yield (
+            sa.select(lease_events)
+            .where(lease_events.c.scope == scope)
+            .order_by(lease_events.c.id.desc())
+            .limit(limit)
+        )
+        return [
+            LeaseEvent(
+                scope=r.scope, event=r.event, token=r.token, holder=r.holder, lease_id=r.lease_id,
+                at=r.at_ms / 1000, previous_token=r.previous_token, previous_end=r.previous_end,
+                detail=r.detail,
+            )
+            for r in reversed(found.rows)
+        ]
