@@ -9,7 +9,7 @@ Every error a caller can see is a :class:`FencingError`; third-party errors are 
     ├── LeaseBusy                someone else holds the scope (holder, token, retry_after)
     ├── LostOwnership            authority is gone: stop all work under this lease, never retry with it
     │   ├── StaleToken           the resource has accepted a newer token (presented, highest)
-    │   └── LeaseLost            the coordinator no longer holds this lease (expired, released, renewal failed)
+    │   └── LeaseLost            the coordinator no longer holds this lease (expired, released, broken)
     └── BackendUnavailable       the coordinator or database could not be reached; the outcome is unknown
 """
 

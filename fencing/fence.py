@@ -46,7 +46,7 @@ class FenceOutcome(enum.Enum):
 @dataclass(frozen=True, slots=True)
 class FenceResult:
     outcome: FenceOutcome
-    row: sa.Row[Any] | None = None  # the RETURNING row when applied
+    row: Any = None  # the values of ``returning`` when applied
 
     @property
     def applied(self) -> bool:
@@ -104,11 +104,12 @@ class Fence:
             .where(*guards)
             .values({self.token_column: lease.token, self.lease_column: lease.lease_id, **values})
         )
-        if returning:
-            stmt = stmt.returning(*returning)
-        written: Rows = yield stmt
-        if written.rowcount > 0:
-            return FenceResult(FenceOutcome.APPLIED, written.first())
+        # RETURNING, not rowcount, tells whether the row was written: SQLite's driver reports no
+        # rowcount for UPDATE ... RETURNING until every row is read.
+        written: Rows = yield stmt.returning(self._token, *returning)
+        if written.rows:
+            row = written.rows[0]
+            return FenceResult(FenceOutcome.APPLIED, row[1:] if returning else None)
         fence: Rows = yield sa.select(self._token, self._lease).where(*where)
         row = fence.first()
         if row is None:

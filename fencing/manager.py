@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
+import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import asynccontextmanager, contextmanager, suppress
 from typing import Any, Protocol
 
 import redis
@@ -75,10 +77,10 @@ class LeasePlans:
         self.clock = clock
         self.rng = rng or random.Random()
 
-    def acquire(self, scope: str, ttl: float, holder: str, wait: float) -> Plan[Lease]:
+    def acquire(self, scope: str, ttl: float, holder: str | None, wait: float) -> Plan[Lease]:
         validate_scope(scope)
         ttl = validate_ttl(ttl)
-        validate_holder(holder)
+        holder = validate_holder(default_holder() if holder is None else holder)
         if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0 <= wait <= 3600:
             raise InvalidLeaseRequest("wait must be between 0 and 3600 seconds")
         deadline = self.clock() + wait
@@ -142,10 +144,8 @@ class LeasePlans:
         return True
 
 
-def _holder_default() -> str:
-    import os
-    import socket
-
+def default_holder() -> str:
+    """``host:pid``: enough for an operator to find the process that holds a lease."""
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
@@ -206,7 +206,7 @@ class LeaseManager:
 
     def acquire(self, scope: str, *, ttl: float, holder: str | None = None, wait: float = 0) -> Lease:
         """Take the scope's lease and a new fencing token; :class:`LeaseBusy` if held past ``wait``."""
-        return self.executor.run(self.plans.acquire(scope, ttl, holder or _holder_default(), wait))  # type: ignore[no-any-return]
+        return self.executor.run(self.plans.acquire(scope, ttl, holder, wait))  # type: ignore[no-any-return]
 
     def renew(self, lease: Lease) -> Lease:
         """Extend the lease, keeping its token; :class:`LeaseLost` (sticky) if it is no longer held."""
@@ -336,7 +336,7 @@ class AsyncLeaseManager:
     async def acquire(
         self, scope: str, *, ttl: float, holder: str | None = None, wait: float = 0
     ) -> Lease:
-        return await self.executor.run(self.plans.acquire(scope, ttl, holder or _holder_default(), wait))  # type: ignore[no-any-return]
+        return await self.executor.run(self.plans.acquire(scope, ttl, holder, wait))  # type: ignore[no-any-return]
 
     async def renew(self, lease: Lease) -> Lease:
         return await self.executor.run(self.plans.renew(lease))  # type: ignore[no-any-return]
@@ -407,8 +407,6 @@ class AsyncLeaseManager:
 
 async def _cancel(task: asyncio.Task[None]) -> None:
     task.cancel()
-    try:
+    with suppress(asyncio.CancelledError):
         await task
-    except asyncio.CancelledError:
-        pass
 

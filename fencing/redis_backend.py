@@ -264,7 +264,7 @@ class SyncRedisExecutor:
                     script = self._scripts[op.source] = self.client.register_script(op.source)
                 return script(keys=op.keys, args=op.args)
             assert isinstance(op, Command)
-            return self.client.execute_command(*op.args)
+            return self.client.execute_command(*op.args)  # type: ignore[no-untyped-call]
         except _UNAVAILABLE as exc:
             raise _unavailable(op, exc) from exc
 
@@ -295,7 +295,7 @@ class AsyncRedisExecutor:
                     script = self._scripts[op.source] = self.client.register_script(op.source)
                 return await script(keys=op.keys, args=op.args)
             assert isinstance(op, Command)
-            return await self.client.execute_command(*op.args)
+            return await self.client.execute_command(*op.args)  # type: ignore[no-untyped-call]
         except _UNAVAILABLE as exc:
             raise _unavailable(op, exc) from exc
 

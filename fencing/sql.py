@@ -24,7 +24,7 @@ from fencing.errors import BackendUnavailable, InvalidLeaseRequest
 SUPPORTED_DIALECTS = ("sqlite", "postgresql")
 
 
-class db_now_ms(FunctionElement[int]):  # noqa: N801 - reads like the SQL function it renders
+class db_now_ms(FunctionElement[int]):
     """The database's wall clock in integer milliseconds since the epoch.
 
     Lease expiry is judged by this clock, never the client's, so clients with skewed clocks agree.
@@ -107,16 +107,15 @@ def make_async_engine(url: str | URL, **kwargs: Any) -> AsyncEngine:
 class Rows:
     """A statement's result, fully read, so plans never hold a live cursor."""
 
-    rows: list[sa.Row[Any]]
-    rowcount: int
+    rows: list[Any]  # sqlalchemy Rows; typed loosely because their width depends on the statement
 
-    def first(self) -> sa.Row[Any] | None:
+    def first(self) -> Any:
         return self.rows[0] if self.rows else None
 
 
 def _rows(result: sa.CursorResult[Any]) -> Rows:
     rows = list(result.all()) if result.returns_rows else []
-    return Rows(rows=rows, rowcount=result.rowcount)
+    return Rows(rows=rows)
 
 
 def unavailable(exc: DBAPIError, operation: str) -> BackendUnavailable | None:

@@ -1,0 +1,261 @@
+"""Lease rules on every backend: token order, renewal, identity-checked release, expiry, history, holds,
+and the typed refusal of bad input. Each test runs against Redis, SQLite and PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import pytest
+
+from fencing import (
+    AsyncLeaseManager,
+    InvalidLeaseRequest,
+    Lease,
+    LeaseBusy,
+    LeaseLost,
+    LeaseManager,
+)
+from tests.conftest import Stack
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+    """Poll with a deadline: used only where the coordinator's own clock must pass a lease's expiry."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached before the deadline")
+        time.sleep(0.01)
+
+
+def test_tokens_strictly_increase_across_acquisitions(manager: LeaseManager) -> None:
+    tokens = []
+    for _ in range(5):
+        lease = manager.acquire("sku:A", ttl=5, holder="w1")
+        tokens.append(lease.token)
+        manager.release(lease)
+    assert tokens == sorted(set(tokens)) and len(tokens) == 5
+
+
+def test_busy_scope_names_holder_and_retry_after(manager: LeaseManager) -> None:
+    first = manager.acquire("sku:A", ttl=5, holder="host-1:11:task-a")
+    with pytest.raises(LeaseBusy) as busy:
+        manager.acquire("sku:A", ttl=5, holder="host-2:22:task-b")
+    assert busy.value.holder == "host-1:11:task-a"
+    assert busy.value.token == first.token
+    assert 0 < busy.value.retry_after <= 5
+
+
+def test_renewal_keeps_the_token_and_extends_the_lease(manager: LeaseManager) -> None:
+    lease = manager.acquire("sku:A", ttl=0.5, holder="w1")
+    before = lease.expires_at
+    renewed = manager.renew(lease)
+    assert renewed.token == lease.token
+    assert renewed.expires_at >= before
+    info = manager.current("sku:A")
+    assert info is not None and info.token == lease.token and info.holder == "w1"
+
+
+def test_scopes_are_independent(manager: LeaseManager) -> None:
+    a1 = manager.acquire("sku:A", ttl=5, holder="w1")
+    b1 = manager.acquire("sku:B", ttl=5, holder="w2")  # not blocked by A's lease
+    manager.release(a1)
+    a2 = manager.acquire("sku:A", ttl=5, holder="w1")
+    assert a2.token == a1.token + 1
+    assert manager.current("sku:B") is not None and b1.token == 1
+
+
+def test_expired_lease_is_superseded_and_cannot_renew_or_release(manager: LeaseManager) -> None:
+    old = manager.acquire("sku:A", ttl=0.1, holder="A")
+    wait_until(lambda: manager.current("sku:A") is None)
+    new = manager.acquire("sku:A", ttl=5, holder="B")
+    assert new.token > old.token
+    with pytest.raises(LeaseLost) as lost:
+        manager.renew(old)
+    assert "superseded" in lost.value.reason
+    assert old.lost
+    with pytest.raises(LeaseLost):
+        manager.release(old)
+    info = manager.current("sku:A")
+    assert info is not None and info.holder == "B"  # the stale holder deleted nothing
+
+
+def test_release_is_by_lease_id_only(manager: LeaseManager) -> None:
+    lease = manager.acquire("sku:A", ttl=5, holder="A")
+    forged = Lease("sku:A", lease.token, "0" * 32, "A", 5, time.monotonic())
+    with pytest.raises(LeaseLost):
+        manager.release(forged)
+    with pytest.raises(LeaseLost):
+        manager.renew(forged)
+    info = manager.current("sku:A")
+    assert info is not None and info.token == lease.token
+    manager.release(lease)
+    assert manager.current("sku:A") is None
+
+
+def test_lost_lease_is_sticky(manager: LeaseManager) -> None:
+    lease = manager.acquire("sku:A", ttl=5, holder="A")
+    manager.break_lease("sku:A", reason="operator")
+    with pytest.raises(LeaseLost):
+        manager.renew(lease)
+    # The scope is free and a new epoch can start, but the lost lease never comes back.
+    fresh = manager.acquire("sku:A", ttl=5, holder="B")
+    with pytest.raises(LeaseLost):
+        manager.renew(lease)
+    assert fresh.token == lease.token + 1
+
+
+def test_history_records_epochs_and_how_they_ended(manager: LeaseManager) -> None:
+    a = manager.acquire("sku:A", ttl=0.1, holder="A")
+    wait_until(lambda: manager.current("sku:A") is None)
+    b = manager.acquire("sku:A", ttl=5, holder="B")
+    manager.release(b)
+    c = manager.acquire("sku:A", ttl=5, holder="C")
+    manager.break_lease("sku:A", reason="stuck worker")
+    events = [(e.event, e.token, e.holder, e.previous_end) for e in manager.history("sku:A")]
+    assert events == [
+        ("acquired", a.token, "A", None),
+        ("acquired", b.token, "B", "expired"),
+        ("released", b.token, "B", None),
+        ("acquired", c.token, "C", "released"),
+        ("broken", c.token, "C", None),
+    ]
+    assert manager.history("sku:A", limit=2)[-1].event == "broken"
+    assert manager.history("sku:never") == []
+
+
+def test_acquire_with_wait_takes_the_lease_when_it_frees(manager: LeaseManager) -> None:
+    first = manager.acquire("sku:A", ttl=0.2, holder="A")
+    second = manager.acquire("sku:A", ttl=5, holder="B", wait=5)
+    assert second.token == first.token + 1
+
+
+def test_hold_renews_past_the_ttl_and_releases(manager: LeaseManager) -> None:
+    with manager.hold("sku:A", ttl=0.3, holder="A", renew_every=0.05) as lease:
+        deadline = lease.expires_at + 0.3
+        # Outlive the original ttl on the local clock while the background renewal keeps it alive.
+        wait_until(lambda: time.monotonic() > deadline)
+        info = manager.current("sku:A")
+        assert info is not None and info.token == lease.token
+        assert not lease.lost
+    assert manager.current("sku:A") is None
+
+
+def test_hold_marks_the_lease_lost_when_renewal_fails(manager: LeaseManager) -> None:
+    with manager.hold("sku:A", ttl=5, holder="A", renew_every=0.02) as lease:
+        manager.break_lease("sku:A", reason="test")
+        wait_until(lambda: lease.lost)
+        with pytest.raises(LeaseLost):
+            lease.raise_if_lost()
+        # Another owner can take over while the lost holder is still inside its block.
+        taker = manager.acquire("sku:A", ttl=5, holder="B")
+    info = manager.current("sku:A")
+    assert info is not None and info.token == taker.token  # the lost hold did not release B
+
+
+BAD_SCOPES = ["", " sku", "sku ", "x" * 201, "sku\nA", "sku\x00", "sku\x7f", "\ud800", 17, None]
+
+
+@pytest.mark.parametrize("scope", BAD_SCOPES, ids=repr)
+def test_bad_scope_is_refused_and_writes_nothing(manager: LeaseManager, scope: object) -> None:
+    with pytest.raises(InvalidLeaseRequest):
+        manager.acquire(scope, ttl=5, holder="A")  # type: ignore[arg-type]
+    with pytest.raises(InvalidLeaseRequest):
+        manager.current(scope)  # type: ignore[arg-type]
+
+
+ODD_SCOPES = ["sku:{A}", "sku:}{", "{", "sku:%7B", "ÜBER-ß-ナ", "x'; DROP TABLE fencing_leases;--", "x" * 200]
+
+
+@pytest.mark.parametrize("scope", ODD_SCOPES, ids=repr)
+def test_odd_but_valid_scopes_are_isolated(manager: LeaseManager, scope: str) -> None:
+    lease = manager.acquire(scope, ttl=5, holder="A")
+    assert manager.current("sku:A") is None
+    info = manager.current(scope)
+    assert info is not None and info.token == lease.token
+    manager.release(lease)
+
+
+@pytest.mark.parametrize("ttl", [0, -1, 0.001, 86401, float("nan"), float("inf"), True, "5", None])
+def test_bad_ttl_is_refused(manager: LeaseManager, ttl: object) -> None:
+    with pytest.raises(InvalidLeaseRequest):
+        manager.acquire("sku:A", ttl=ttl, holder="A")  # type: ignore[arg-type]
+    assert manager.current("sku:A") is None
+
+
+@pytest.mark.parametrize("holder", ["", "h" * 201, "a\tb", 5])
+def test_bad_holder_is_refused(manager: LeaseManager, holder: object) -> None:
+    with pytest.raises(InvalidLeaseRequest):
+        manager.acquire("sku:A", ttl=5, holder=holder)  # type: ignore[arg-type]
+    assert manager.current("sku:A") is None
+
+
+@pytest.mark.parametrize(
+    "token", [0, -1, 2**63, True, 1.5, "7", None], ids=repr
+)
+def test_malformed_token_cannot_make_a_lease(token: object) -> None:
+    with pytest.raises(InvalidLeaseRequest):
+        Lease("sku:A", token, "a" * 32, "A", 5, 0.0)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("lease_id", ["", "A" * 32, "a" * 31, "g" * 32, None])
+def test_malformed_lease_id_cannot_make_a_lease(lease_id: object) -> None:
+    with pytest.raises(InvalidLeaseRequest):
+        Lease("sku:A", 1, lease_id, "A", 5, 0.0)  # type: ignore[arg-type]
+
+
+def test_not_a_lease_is_refused(manager: LeaseManager) -> None:
+    with pytest.raises(InvalidLeaseRequest):
+        manager.release("sku:A")  # type: ignore[arg-type]
+
+
+def test_injected_clock_drives_local_validity(lease_stack: Stack) -> None:
+    now = [1000.0]
+    with lease_stack.manager(clock=lambda: now[0]) as manager:
+        lease = manager.acquire("sku:A", ttl=5, holder="A")
+        assert lease.acquired_at == 1000.0 and lease.time_left() == 5
+        lease.ensure_held(margin=1)
+        now[0] += 4.5
+        with pytest.raises(LeaseLost):
+            lease.ensure_held(margin=1)
+        assert not lease.lost  # local caution is not loss: the coordinator still says it is held
+
+
+async def test_async_manager_follows_the_same_rules(async_manager: AsyncLeaseManager) -> None:
+    a = await async_manager.acquire("sku:A", ttl=5, holder="A")
+    with pytest.raises(LeaseBusy):
+        await async_manager.acquire("sku:A", ttl=5, holder="B")
+    assert (await async_manager.renew(a)).token == a.token
+    await async_manager.release(a)
+    with pytest.raises(LeaseLost):
+        await async_manager.release(a)
+    b = await async_manager.acquire("sku:A", ttl=5, holder="B")
+    assert b.token == a.token + 1
+    info = await async_manager.current("sku:A")
+    assert info is not None and info.holder == "B"
+    events = await async_manager.history("sku:A")
+    assert [e.event for e in events] == ["acquired", "renewed", "released", "acquired"]
+
+
+async def test_async_hold_renews_and_releases(async_manager: AsyncLeaseManager) -> None:
+    import asyncio
+
+    async with async_manager.hold("sku:A", ttl=0.3, holder="A", renew_every=0.05) as lease:
+        deadline = lease.expires_at + 0.3
+        while time.monotonic() < deadline:  # outlive the ttl while renewals keep the lease
+            await asyncio.sleep(0.02)
+        info = await async_manager.current("sku:A")
+        assert info is not None and info.token == lease.token and not lease.lost
+    assert await async_manager.current("sku:A") is None
+
+
+async def test_async_hold_marks_lost_when_renewal_fails(async_manager: AsyncLeaseManager) -> None:
+    import asyncio
+
+    async with async_manager.hold("sku:A", ttl=5, holder="A", renew_every=0.02) as lease:
+        await async_manager.break_lease("sku:A", reason="test")
+        deadline = time.monotonic() + 5
+        while not lease.lost and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert lease.lost
