@@ -1,0 +1,1 @@
+"""Inventory reservations fenced by per-SKU leases (the domain over :mod:`fencing`)."""

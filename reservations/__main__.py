@@ -1,0 +1,3 @@
+from reservations.cli import main
+
+main()
