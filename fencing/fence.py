@@ -118,7 +118,10 @@ class Fence:
         if self.enforce and (highest > lease.token or (highest == lease.token and writer != lease.lease_id)):
             lease.mark_lost(f"{operation} rejected: resource accepted token {highest}")
             raise StaleToken(
-                scope=scope, presented=lease.token, highest=highest, lease_id=lease.lease_id,
+                scope=scope,
+                presented=lease.token,
+                highest=highest,
+                lease_id=lease.lease_id,
                 holder=lease.holder,
             )
         return FenceResult(FenceOutcome.CONDITION_FAILED)

@@ -117,8 +117,9 @@ class LeasePlans:
     def break_lease(self, scope: str, reason: str) -> Plan[LeaseInfo | None]:
         info: LeaseInfo | None = yield Atomic(self.core.break_lease(validate_scope(scope), reason))
         if info is not None:
-            log.warning("lease on %r (token %d, holder %r) broken: %s", scope, info.token,
-                        info.holder, reason)
+            log.warning(
+                "lease on %r (token %d, holder %r) broken: %s", scope, info.token, info.holder, reason
+            )
         return info
 
     def handle_stale(self, lease: Lease, error: StaleToken) -> Plan[bool]:
@@ -139,7 +140,11 @@ class LeasePlans:
         log.warning(
             "fencing token regression on scope %r: the coordinator had issued %d but the resource "
             "has accepted %d; counter raised from %d to %d",
-            lease.scope, lease.token, error.highest, old, new,
+            lease.scope,
+            lease.token,
+            error.highest,
+            old,
+            new,
         )
         return True
 
@@ -333,9 +338,7 @@ class AsyncLeaseManager:
             async with self.executor.engine.begin() as conn:
                 await conn.run_sync(metadata.create_all, checkfirst=True)
 
-    async def acquire(
-        self, scope: str, *, ttl: float, holder: str | None = None, wait: float = 0
-    ) -> Lease:
+    async def acquire(self, scope: str, *, ttl: float, holder: str | None = None, wait: float = 0) -> Lease:
         return await self.executor.run(self.plans.acquire(scope, ttl, holder, wait))  # type: ignore[no-any-return]
 
     async def renew(self, lease: Lease) -> Lease:
@@ -409,4 +412,3 @@ async def _cancel(task: asyncio.Task[None]) -> None:
     task.cancel()
     with suppress(asyncio.CancelledError):
         await task
-

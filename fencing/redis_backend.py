@@ -174,9 +174,7 @@ class RedisLeaseCore:
         return lease
 
     def release(self, lease: Lease) -> Plan[None]:
-        reply = yield ScriptCall(
-            RELEASE, self._keys(lease.scope).all, (lease.lease_id, self.history_cap)
-        )
+        reply = yield ScriptCall(RELEASE, self._keys(lease.scope).all, (lease.lease_id, self.history_cap))
         if int(reply[0]) != Reply.OK:
             raise _not_held(lease, int(reply[1]))
 

@@ -36,8 +36,7 @@ leases = sa.Table(
 lease_events = sa.Table(
     "fencing_lease_events",
     metadata,
-    sa.Column("id", sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True,
-              autoincrement=True),
+    sa.Column("id", sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True, autoincrement=True),
     sa.Column("scope", sa.String(MAX_SCOPE_CHARS), nullable=False),
     sa.Column("event", sa.String(16), nullable=False),
     sa.Column("token", sa.BigInteger, nullable=False),
@@ -128,9 +127,7 @@ class SqlLeaseCore:
         return None if row is None else int(row[0])
 
     def _lost(self, lease: Lease) -> Plan[LeaseLost]:
-        found: Rows = yield sa.select(leases.c.token, leases.c.lease_id).where(
-            leases.c.scope == lease.scope
-        )
+        found: Rows = yield sa.select(leases.c.token, leases.c.lease_id).where(leases.c.scope == lease.scope)
         row = found.first()
         if row is not None and row[0] > lease.token:
             reason = f"superseded by token {row[0]}"
@@ -143,26 +140,29 @@ class SqlLeaseCore:
 
     def renew(self, lease: Lease) -> Plan[Lease]:
         sent_at = self.clock()
-        token = yield from self._end_or_extend(
-            lease, {"expires_ms": db_now_ms() + _ttl_ms(lease.ttl)}
-        )
+        token = yield from self._end_or_extend(lease, {"expires_ms": db_now_ms() + _ttl_ms(lease.ttl)})
         if token != lease.token:
             raise (yield from self._lost(lease))
         yield self._event(
-            scope=lease.scope, event="renewed", token=token, lease_id=lease.lease_id,
-            holder=lease.holder, detail=f"ttl_ms={_ttl_ms(lease.ttl)}",
+            scope=lease.scope,
+            event="renewed",
+            token=token,
+            lease_id=lease.lease_id,
+            holder=lease.holder,
+            detail=f"ttl_ms={_ttl_ms(lease.ttl)}",
         )
         lease._renewed(sent_at)
         return lease
 
     def release(self, lease: Lease) -> Plan[None]:
-        token = yield from self._end_or_extend(
-            lease, {"state": "released", "expires_ms": db_now_ms()}
-        )
+        token = yield from self._end_or_extend(lease, {"state": "released", "expires_ms": db_now_ms()})
         if token != lease.token:
             raise (yield from self._lost(lease))
         yield self._event(
-            scope=lease.scope, event="released", token=token, lease_id=lease.lease_id,
+            scope=lease.scope,
+            event="released",
+            token=token,
+            lease_id=lease.lease_id,
             holder=lease.holder,
         )
 
@@ -189,8 +189,12 @@ class SqlLeaseCore:
         if new is None:
             return None
         yield self._event(
-            scope=lease.scope, event="repaired", token=new, lease_id=lease.lease_id,
-            holder=lease.holder, previous_token=lease.token,
+            scope=lease.scope,
+            event="repaired",
+            token=new,
+            lease_id=lease.lease_id,
+            holder=lease.holder,
+            previous_token=lease.token,
             detail=f"counter raised past the resource's highest token {highest}",
         )
         return lease.token, new
@@ -213,8 +217,14 @@ class SqlLeaseCore:
         )
         return [
             LeaseEvent(
-                scope=r.scope, event=r.event, token=r.token, holder=r.holder, lease_id=r.lease_id,
-                at=r.at_ms / 1000, previous_token=r.previous_token, previous_end=r.previous_end,
+                scope=r.scope,
+                event=r.event,
+                token=r.token,
+                holder=r.holder,
+                lease_id=r.lease_id,
+                at=r.at_ms / 1000,
+                previous_token=r.previous_token,
+                previous_end=r.previous_end,
                 detail=r.detail,
             )
             for r in reversed(found.rows)

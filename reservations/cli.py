@@ -27,12 +27,10 @@ def _root() -> None:
 
 @app.command("fence-demo")
 def fence_demo(
-    database: Annotated[
-        Path, typer.Option(help="SQLite file to (re)create for the demo.")
-    ] = Path("var/fence-demo.sqlite3"),
-    ttl: Annotated[
-        float, typer.Option(min=0.05, max=10, help="Lease ttl of worker A, in seconds.")
-    ] = 0.5,
+    database: Annotated[Path, typer.Option(help="SQLite file to (re)create for the demo.")] = Path(
+        "var/fence-demo.sqlite3"
+    ),
+    ttl: Annotated[float, typer.Option(min=0.05, max=10, help="Lease ttl of worker A, in seconds.")] = 0.5,
 ) -> None:
     """Replay the seed timeline: A's lease expires, B writes, A's late write is rejected.
 

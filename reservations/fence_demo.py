@@ -126,9 +126,7 @@ def run(database: Path, *, ttl: float = 0.5, console: Console | None = None) -> 
     console.print(table)
 
     ok = rejected is not None and available == 8 and highest == b.token
-    console.print(
-        f"\nStock of {SKU}: available {available} (10 - B's 2), highest accepted token {highest}."
-    )
+    console.print(f"\nStock of {SKU}: available {available} (10 - B's 2), highest accepted token {highest}.")
     console.print(
         "[bold green]Invariant holds:[/] the stale write changed nothing."
         if ok

@@ -79,7 +79,8 @@ LEASE_BACKENDS = ["redis", "sqlite", "postgresql"]
 
 def _stack(name: str, request: pytest.FixtureRequest, prefix: str, tmp_path: Path) -> Stack:
     db_url = (
-        request.getfixturevalue("pg_url") if name.endswith("postgresql")
+        request.getfixturevalue("pg_url")
+        if name.endswith("postgresql")
         else f"sqlite:///{tmp_path / 'fencing.sqlite3'}"
     )
     lease_url = REDIS_URL if name.startswith("redis") else db_url

@@ -36,9 +36,7 @@ def test_current_lease_writes_and_sets_the_fence(stack: Stack, resource: Resourc
     assert resource.row("sku:A") == (7, lease.token, lease.lease_id)
 
 
-def test_seed_timeline_late_write_from_expired_owner_is_rejected(
-    stack: Stack, resource: Resource
-) -> None:
+def test_seed_timeline_late_write_from_expired_owner_is_rejected(stack: Stack, resource: Resource) -> None:
     resource.create("sku:WIDGET", quantity=10)
     with stack.manager() as manager:
         a = manager.acquire("sku:WIDGET", ttl=5, holder="A")
@@ -179,9 +177,7 @@ def test_regressed_coordinator_is_repaired_and_the_scope_progresses(
             assert behind.token <= highest
             resource.write(behind, "sku:A", -1)
         assert behind.lost
-        assert any(
-            "regression" in r.message and str(highest) in r.message for r in caplog.records
-        )
+        assert any("regression" in r.message and str(highest) in r.message for r in caplog.records)
         after = manager.acquire("sku:A", ttl=5, holder="C")
         assert after.token > highest
         assert resource.write(after, "sku:A", -1).applied
@@ -211,8 +207,11 @@ async def test_async_guarded_write_refuses_stale_epochs(stack: Stack, resource: 
         a = await manager.acquire("sku:A", ttl=5, holder="A")
         await manager.break_lease("sku:A", reason="A paused")
         b = await manager.acquire("sku:A", ttl=5, holder="B")
-        write = {"scope": "sku:A", "where": [items.c.scope == "sku:A"],
-                 "values": {"quantity": items.c.quantity - 1}}
+        write = {
+            "scope": "sku:A",
+            "where": [items.c.scope == "sku:A"],
+            "values": {"quantity": items.c.quantity - 1},
+        }
         async with engine.begin() as conn:
             assert (await resource.fence.update_async(conn, b, **write)).applied
         async with engine.begin() as conn:

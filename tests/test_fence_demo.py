@@ -32,5 +32,7 @@ def test_fence_demo_rejects_the_late_write_and_keeps_the_stock(tmp_path: Path) -
     engine.dispose()
     assert (available, token) == (8, 2)
     assert [tuple(e) for e in events] == [
-        ("acquired", 1, None), ("acquired", 2, "expired"), ("released", 2, None)
+        ("acquired", 1, None),
+        ("acquired", 2, "expired"),
+        ("released", 2, None),
     ]

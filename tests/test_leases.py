@@ -191,9 +191,7 @@ def test_bad_holder_is_refused(manager: LeaseManager, holder: object) -> None:
     assert manager.current("sku:A") is None
 
 
-@pytest.mark.parametrize(
-    "token", [0, -1, 2**63, True, 1.5, "7", None], ids=repr
-)
+@pytest.mark.parametrize("token", [0, -1, 2**63, True, 1.5, "7", None], ids=repr)
 def test_malformed_token_cannot_make_a_lease(token: object) -> None:
     with pytest.raises(InvalidLeaseRequest):
         Lease("sku:A", token, "a" * 32, "A", 5, 0.0)  # type: ignore[arg-type]

@@ -1,0 +1,69 @@
+"""Errors of the inventory domain, one tree under :class:`ReservationError`.
+
+::
+
+    ReservationError
+    ├── InvalidRequest          malformed SKU, quantity, key or hold; nothing written (also a ValueError)
+    ├── UnknownSku              no stock row for the SKU
+    ├── UnknownReservation      no reservation with that id or key
+    ├── InvalidTransition       confirm/release of a reservation that is final or belongs to another SKU
+    ├── InsufficientStock       available < requested (sku, requested, available)
+    └── IdempotencyConflict     the key was used before for a different request
+
+Fencing errors (``StaleToken``, ``LeaseLost``, ``BackendUnavailable``, ...) pass through unchanged: they
+are about ownership and reachability, not about the inventory.
+"""
+
+from __future__ import annotations
+
+
+class ReservationError(Exception):
+    """Base of every inventory error. ``replayed`` is True when it is the stored outcome of a key."""
+
+    replayed: bool = False
+
+
+class InvalidRequest(ReservationError, ValueError):
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        self.field = field
+        super().__init__(message)
+
+
+class UnknownSku(ReservationError, LookupError):
+    def __init__(self, sku: str) -> None:
+        self.sku = sku
+        super().__init__(f"unknown SKU {sku!r}")
+
+
+class UnknownReservation(ReservationError, LookupError):
+    def __init__(self, reservation: str) -> None:
+        self.reservation = reservation
+        super().__init__(f"unknown reservation {reservation!r}")
+
+
+class InvalidTransition(ReservationError):
+    def __init__(self, *, reservation_id: str, status: str, operation: str, detail: str = "") -> None:
+        self.reservation_id = reservation_id
+        self.status = status
+        self.operation = operation
+        suffix = f": {detail}" if detail else ""
+        super().__init__(f"cannot {operation} reservation {reservation_id} (status {status}){suffix}")
+
+
+class InsufficientStock(ReservationError):
+    def __init__(self, *, sku: str, requested: int, available: int) -> None:
+        self.sku = sku
+        self.requested = requested
+        self.available = available
+        super().__init__(f"SKU {sku!r}: requested {requested}, available {available}")
+
+
+class IdempotencyConflict(ReservationError):
+    def __init__(self, *, key: str, operation: str, stored_operation: str) -> None:
+        self.key = key
+        self.operation = operation
+        self.stored_operation = stored_operation
+        super().__init__(
+            f"idempotency key {key!r} was used for a different request ({stored_operation}); "
+            f"refusing {operation}"
+        )

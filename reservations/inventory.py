@@ -1,0 +1,277 @@
+"""The inventory's public shells: :class:`Inventory` (blocking, for Celery workers and scripts) and
+:class:`AsyncInventory` (asyncio services). Both only drive the plans of :mod:`reservations.operations`
+and :mod:`reservations.reads`, each operation in its own transaction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
+from contextlib import AsyncExitStack, ExitStack, asynccontextmanager, contextmanager
+from typing import Any
+
+from fencing import AsyncLeaseManager, Lease, LeaseManager
+from fencing.sql import AsyncSqlExecutor, SyncSqlExecutor, make_async_engine, make_engine, mask_url
+from reservations import reads, schema
+from reservations import validation as valid
+from reservations.operations import InventoryPlans
+from reservations.views import HistoryEntry, Outcome, ReservationView, StockLevel
+
+# Idempotency records are kept this long by default; ``purge_idempotency`` deletes older ones. A retry
+# or redelivery arriving after its key was purged would be applied again, so keep this well above the
+# broker's redelivery horizon (visibility timeout plus the longest retry backoff).
+DEFAULT_IDEMPOTENCY_RETENTION = 7 * 24 * 3600.0
+
+
+def lock_order(skus: Iterable[str]) -> list[str]:
+    """The order in which an order's SKU leases are taken: sorted, so two orders cannot deadlock."""
+    return sorted({valid.sku(s) for s in skus})
+
+
+class Inventory:
+    """Fenced stock operations on one database (SQLite or PostgreSQL)."""
+
+    def __init__(self, executor: SyncSqlExecutor, *, url: str = "", enforce_fence: bool = True) -> None:
+        self.executor = executor
+        self.plans = InventoryPlans(enforce_fence=enforce_fence)
+        self.url = mask_url(url) if url else ""
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        *,
+        migrate: bool = False,
+        enforce_fence: bool = True,
+        sleep: Callable[[float], None] = time.sleep,
+        **engine_options: Any,
+    ) -> Inventory:
+        """``migrate=True`` brings the schema to the newest revision first (embedded use, tests)."""
+        if migrate:
+            schema.upgrade(url)
+        return cls(
+            SyncSqlExecutor(make_engine(url, **engine_options), sleep), url=url, enforce_fence=enforce_fence
+        )
+
+    def _run(self, plan: Any) -> Any:
+        return self.executor.run(plan)
+
+    # writes
+    def add_sku(self, sku: str, *, on_hand: int = 0) -> StockLevel:
+        return self._run(self.plans.add_sku(sku, on_hand))  # type: ignore[no-any-return]
+
+    def restock(self, lease: Lease, sku: str, quantity: int, *, key: str) -> Outcome:
+        return self._run(self.plans.restock(lease, sku, quantity, key))  # type: ignore[no-any-return]
+
+    def adjust(self, lease: Lease, sku: str, delta: int, *, key: str, reason: str | None = None) -> Outcome:
+        return self._run(self.plans.adjust(lease, sku, delta, key, reason))  # type: ignore[no-any-return]
+
+    def reserve(
+        self, lease: Lease, sku: str, quantity: int, *, key: str, hold_for: float | None = None
+    ) -> Outcome:
+        return self._run(self.plans.reserve(lease, sku, quantity, key, hold_for))  # type: ignore[no-any-return]
+
+    def reserve_many(
+        self,
+        leases: Mapping[str, Lease],
+        lines: list[tuple[str, int]],
+        *,
+        key: str,
+        hold_for: float | None = None,
+    ) -> Outcome:
+        return self._run(self.plans.reserve_many(leases, lines, key, hold_for))  # type: ignore[no-any-return]
+
+    def confirm(self, lease: Lease, reservation_id: str, *, key: str) -> Outcome:
+        return self._run(self.plans.confirm(lease, reservation_id, key))  # type: ignore[no-any-return]
+
+    def release(self, lease: Lease, reservation_id: str, *, key: str) -> Outcome:
+        return self._run(self.plans.release(lease, reservation_id, key))  # type: ignore[no-any-return]
+
+    cancel = release
+
+    def expire_due(self, lease: Lease, sku: str, *, key: str | None = None) -> Outcome:
+        return self._run(self.plans.expire_due(lease, sku, key))  # type: ignore[no-any-return]
+
+    def purge_idempotency(self, *, older_than: float = DEFAULT_IDEMPOTENCY_RETENTION) -> int:
+        return self._run(self.plans.purge_idempotency(older_than))  # type: ignore[no-any-return]
+
+    # reads
+    def stock(self, sku: str) -> StockLevel:
+        return self._run(reads.stock_level(sku))  # type: ignore[no-any-return]
+
+    def all_stock(self) -> list[StockLevel]:
+        return self._run(reads.all_stock())  # type: ignore[no-any-return]
+
+    def reservation(self, id_or_key: str) -> ReservationView:
+        return self._run(reads.reservation(id_or_key))  # type: ignore[no-any-return]
+
+    def reservations(
+        self,
+        sku: str | None = None,
+        *,
+        status: str | None = None,
+        order_key: str | None = None,
+        limit: int = 100,
+    ) -> list[ReservationView]:
+        return self._run(reads.reservation_list(sku, status=status, order_key=order_key, limit=limit))  # type: ignore[no-any-return]
+
+    def history(self, sku: str, *, limit: int = 1000, since: float | None = None) -> list[HistoryEntry]:
+        return self._run(reads.history(sku, limit=limit, since=since))  # type: ignore[no-any-return]
+
+    def rejection_counts(self, *, since: float | None = None) -> dict[str, int]:
+        return self._run(reads.rejection_counts(since))  # type: ignore[no-any-return]
+
+    def invariant_violations(self) -> list[str]:
+        return self._run(reads.invariant_violations())  # type: ignore[no-any-return]
+
+    @contextmanager
+    def hold_many(
+        self,
+        manager: LeaseManager,
+        skus: Iterable[str],
+        *,
+        ttl: float,
+        holder: str | None = None,
+        wait: float = 0,
+    ) -> Iterator[dict[str, Lease]]:
+        """Hold the leases of several SKUs, taken in :func:`lock_order`, for :meth:`reserve_many`."""
+        with ExitStack() as stack:
+            yield {
+                sku: stack.enter_context(manager.hold(valid.scope_of(sku), ttl=ttl, holder=holder, wait=wait))
+                for sku in lock_order(skus)
+            }
+
+    def close(self) -> None:
+        self.executor.close()
+
+    def __enter__(self) -> Inventory:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncInventory:
+    """The asyncio shell over the same plans."""
+
+    def __init__(self, executor: AsyncSqlExecutor, *, url: str = "", enforce_fence: bool = True) -> None:
+        self.executor = executor
+        self.plans = InventoryPlans(enforce_fence=enforce_fence)
+        self.url = mask_url(url) if url else ""
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        *,
+        migrate: bool = False,
+        enforce_fence: bool = True,
+        sleep: Callable[[float], Any] = asyncio.sleep,
+        **engine_options: Any,
+    ) -> AsyncInventory:
+        if migrate:
+            schema.upgrade(url)
+        return cls(
+            AsyncSqlExecutor(make_async_engine(url, **engine_options), sleep),
+            url=url,
+            enforce_fence=enforce_fence,
+        )
+
+    async def _run(self, plan: Any) -> Any:
+        return await self.executor.run(plan)
+
+    async def add_sku(self, sku: str, *, on_hand: int = 0) -> StockLevel:
+        return await self._run(self.plans.add_sku(sku, on_hand))  # type: ignore[no-any-return]
+
+    async def restock(self, lease: Lease, sku: str, quantity: int, *, key: str) -> Outcome:
+        return await self._run(self.plans.restock(lease, sku, quantity, key))  # type: ignore[no-any-return]
+
+    async def adjust(
+        self, lease: Lease, sku: str, delta: int, *, key: str, reason: str | None = None
+    ) -> Outcome:
+        return await self._run(self.plans.adjust(lease, sku, delta, key, reason))  # type: ignore[no-any-return]
+
+    async def reserve(
+        self, lease: Lease, sku: str, quantity: int, *, key: str, hold_for: float | None = None
+    ) -> Outcome:
+        return await self._run(self.plans.reserve(lease, sku, quantity, key, hold_for))  # type: ignore[no-any-return]
+
+    async def reserve_many(
+        self,
+        leases: Mapping[str, Lease],
+        lines: list[tuple[str, int]],
+        *,
+        key: str,
+        hold_for: float | None = None,
+    ) -> Outcome:
+        return await self._run(self.plans.reserve_many(leases, lines, key, hold_for))  # type: ignore[no-any-return]
+
+    async def confirm(self, lease: Lease, reservation_id: str, *, key: str) -> Outcome:
+        return await self._run(self.plans.confirm(lease, reservation_id, key))  # type: ignore[no-any-return]
+
+    async def release(self, lease: Lease, reservation_id: str, *, key: str) -> Outcome:
+        return await self._run(self.plans.release(lease, reservation_id, key))  # type: ignore[no-any-return]
+
+    cancel = release
+
+    async def expire_due(self, lease: Lease, sku: str, *, key: str | None = None) -> Outcome:
+        return await self._run(self.plans.expire_due(lease, sku, key))  # type: ignore[no-any-return]
+
+    async def purge_idempotency(self, *, older_than: float = DEFAULT_IDEMPOTENCY_RETENTION) -> int:
+        return await self._run(self.plans.purge_idempotency(older_than))  # type: ignore[no-any-return]
+
+    async def stock(self, sku: str) -> StockLevel:
+        return await self._run(reads.stock_level(sku))  # type: ignore[no-any-return]
+
+    async def all_stock(self) -> list[StockLevel]:
+        return await self._run(reads.all_stock())  # type: ignore[no-any-return]
+
+    async def reservation(self, id_or_key: str) -> ReservationView:
+        return await self._run(reads.reservation(id_or_key))  # type: ignore[no-any-return]
+
+    async def reservations(
+        self,
+        sku: str | None = None,
+        *,
+        status: str | None = None,
+        order_key: str | None = None,
+        limit: int = 100,
+    ) -> list[ReservationView]:
+        return await self._run(reads.reservation_list(sku, status=status, order_key=order_key, limit=limit))  # type: ignore[no-any-return]
+
+    async def history(self, sku: str, *, limit: int = 1000, since: float | None = None) -> list[HistoryEntry]:
+        return await self._run(reads.history(sku, limit=limit, since=since))  # type: ignore[no-any-return]
+
+    async def rejection_counts(self, *, since: float | None = None) -> dict[str, int]:
+        return await self._run(reads.rejection_counts(since))  # type: ignore[no-any-return]
+
+    async def invariant_violations(self) -> list[str]:
+        return await self._run(reads.invariant_violations())  # type: ignore[no-any-return]
+
+    @asynccontextmanager
+    async def hold_many(
+        self,
+        manager: AsyncLeaseManager,
+        skus: Iterable[str],
+        *,
+        ttl: float,
+        holder: str | None = None,
+        wait: float = 0,
+    ) -> AsyncIterator[dict[str, Lease]]:
+        async with AsyncExitStack() as stack:
+            leases = {}
+            for sku in lock_order(skus):
+                leases[sku] = await stack.enter_async_context(
+                    manager.hold(valid.scope_of(sku), ttl=ttl, holder=holder, wait=wait)
+                )
+            yield leases
+
+    async def close(self) -> None:
+        await self.executor.close()
+
+    async def __aenter__(self) -> AsyncInventory:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

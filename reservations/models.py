@@ -1,0 +1,123 @@
+"""The inventory tables: stock per SKU (the fenced row), reservations, idempotency records and the
+append-only per-SKU history. Times are database-clock milliseconds since the epoch.
+
+The schema itself is created by the Alembic migrations in ``reservations/migrations``; these classes
+are what the code reads and writes through (their ``__table__`` for the Core hot path).
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from sqlmodel import Field, SQLModel
+
+from fencing.fence import FENCE_LEASE_COLUMN, FENCE_TOKEN_COLUMN
+
+HELD, CONFIRMED, RELEASED, EXPIRED = "held", "confirmed", "released", "expired"
+RESERVATION_STATUSES = (HELD, CONFIRMED, RELEASED, EXPIRED)
+
+
+def _bigint(nullable: bool = False, **kwargs: object) -> sa.Column[int]:
+    return sa.Column(sa.BigInteger, nullable=nullable, **kwargs)  # type: ignore[arg-type]
+
+
+class Stock(SQLModel, table=True):
+    """One row per SKU; the row every stock change is fenced on.
+
+    ``available`` is stored, not derived, so the fenced UPDATE can test it in its own WHERE clause;
+    the CHECK keeps it equal to ``on_hand - reserved``.
+    """
+
+    __tablename__ = "stock"
+    __table_args__ = (
+        sa.CheckConstraint("available >= 0", name="ck_stock_available_nonnegative"),
+        sa.CheckConstraint("reserved >= 0", name="ck_stock_reserved_nonnegative"),
+        sa.CheckConstraint("on_hand = available + reserved", name="ck_stock_conservation"),
+    )
+
+    sku: str = Field(primary_key=True, max_length=64)
+    on_hand: int = Field(default=0)
+    reserved: int = Field(default=0)
+    available: int = Field(default=0)
+    fence_token: int = Field(
+        default=0, sa_column=sa.Column(FENCE_TOKEN_COLUMN, sa.BigInteger, nullable=False, server_default="0")
+    )
+    fence_lease_id: str | None = Field(
+        default=None, sa_column=sa.Column(FENCE_LEASE_COLUMN, sa.String(32), nullable=True)
+    )
+    updated_ms: int = Field(default=0, sa_column=_bigint(server_default="0"))
+
+
+class Reservation(SQLModel, table=True):
+    """Units set aside for one request. ``held`` is the only status that counts in ``stock.reserved``;
+    the final statuses never change again (a trigger refuses it)."""
+
+    __tablename__ = "reservations"
+    __table_args__ = (
+        sa.CheckConstraint("quantity > 0", name="ck_reservations_quantity_positive"),
+        sa.CheckConstraint(
+            "status IN ('held', 'confirmed', 'released', 'expired')", name="ck_reservations_status"
+        ),
+        sa.Index("ix_reservations_sku_status", "sku", "status"),
+        sa.Index("ix_reservations_status_hold", "status", "hold_expires_ms"),
+    )
+
+    id: str = Field(primary_key=True, max_length=34)
+    sku: str = Field(foreign_key="stock.sku", max_length=64)
+    quantity: int
+    status: str = Field(default=HELD, max_length=16)
+    hold_expires_ms: int | None = Field(default=None, sa_column=_bigint(nullable=True))
+    idempotency_key: str = Field(max_length=200, unique=True)
+    order_key: str | None = Field(default=None, max_length=200, index=True)
+    token: int = Field(sa_column=_bigint())
+    lease_id: str = Field(max_length=32)
+    created_ms: int = Field(sa_column=_bigint())
+    final_ms: int | None = Field(default=None, sa_column=_bigint(nullable=True))
+    final_token: int | None = Field(default=None, sa_column=_bigint(nullable=True))
+    final_key: str | None = Field(default=None, max_length=200)
+
+
+class IdempotencyRecord(SQLModel, table=True):
+    """A request's key, its fingerprint and its stored outcome, committed with the stock change."""
+
+    __tablename__ = "idempotency_keys"
+
+    key: str = Field(primary_key=True, max_length=200)
+    fingerprint: str = Field(max_length=64)
+    operation: str = Field(max_length=32)
+    outcome: str  # JSON
+    token: int | None = Field(default=None, sa_column=_bigint(nullable=True))
+    created_ms: int = Field(sa_column=_bigint(index=True))
+
+
+class SkuHistory(SQLModel, table=True):
+    """Append-only: every accepted stock change (with its deltas) and every refused stale write."""
+
+    __tablename__ = "sku_history"
+    __table_args__ = (sa.Index("ix_sku_history_sku_id", "sku", "id"),)
+
+    id: int | None = Field(
+        default=None,
+        sa_column=sa.Column(
+            sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True, autoincrement=True
+        ),
+    )
+    sku: str = Field(max_length=64)
+    at_ms: int = Field(sa_column=_bigint())
+    kind: str = Field(max_length=16)  # "write" or "rejected"
+    operation: str = Field(max_length=32)
+    token: int = Field(sa_column=_bigint())
+    lease_id: str | None = Field(default=None, max_length=32)
+    holder: str | None = Field(default=None, max_length=200)
+    quantity: int | None = None
+    idempotency_key: str | None = Field(default=None, max_length=200)
+    reservation_id: str | None = Field(default=None, max_length=34)
+    on_hand_delta: int = 0
+    reserved_delta: int = 0
+    highest_token: int | None = Field(default=None, sa_column=_bigint(nullable=True))
+    detail: str | None = None
+
+
+stock = Stock.__table__  # type: ignore[attr-defined]
+reservations = Reservation.__table__  # type: ignore[attr-defined]
+idempotency_keys = IdempotencyRecord.__table__  # type: ignore[attr-defined]
+sku_history = SkuHistory.__table__  # type: ignore[attr-defined]

@@ -1,0 +1,594 @@
+"""Fenced stock operations as plans: the one core behind :class:`Inventory` and :class:`AsyncInventory`.
+
+Each operation runs in one transaction: idempotency lookup, the fenced UPDATE of the stock row, the
+reservation change, the history row and the idempotency record commit together or not at all. A stale
+token rolls everything back and is then recorded in a transaction of its own, so the refusal is durable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import uuid
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.exc import IntegrityError
+
+from fencing import Fence, FenceOutcome, Lease, StaleToken
+from fencing._plan import Atomic, Plan
+from fencing.sql import Rows, db_now_ms
+from reservations import validation as valid
+from reservations.errors import (
+    IdempotencyConflict,
+    InsufficientStock,
+    InvalidRequest,
+    InvalidTransition,
+    ReservationError,
+    UnknownReservation,
+    UnknownSku,
+)
+from reservations.models import (
+    CONFIRMED,
+    EXPIRED,
+    HELD,
+    RELEASED,
+    idempotency_keys,
+    reservations,
+    sku_history,
+    stock,
+)
+from reservations.views import Outcome, StockLevel
+
+_STOCK_COLUMNS = (stock.c.sku, stock.c.on_hand, stock.c.reserved, stock.c.available, stock.c.fence_token)
+
+
+def fingerprint(operation: str, **request: Any) -> str:
+    """Identifies a request independent of its key: same key + different fingerprint is a conflict."""
+    canonical = json.dumps({"operation": operation, **request}, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def new_reservation_id() -> str:
+    return f"r_{uuid.uuid4().hex}"
+
+
+class _Refused(Exception):
+    """Carries a business refusal out of a rolled-back transaction so it can be stored on its own."""
+
+    def __init__(self, error: ReservationError) -> None:
+        self.error = error
+
+
+def _level(row: Any) -> StockLevel:
+    return StockLevel(
+        sku=row.sku,
+        on_hand=row.on_hand,
+        reserved=row.reserved,
+        available=row.available,
+        fence_token=row.fence_token,
+    )
+
+
+def _stored_error(data: dict[str, Any]) -> ReservationError:
+    error = InsufficientStock(sku=data["sku"], requested=data["requested"], available=data["available"])
+    error.replayed = True
+    return error
+
+
+class InventoryPlans:
+    """Decisions and statements for every inventory operation; no I/O."""
+
+    def __init__(self, *, enforce_fence: bool = True) -> None:
+        self.fence = Fence(stock, enforce=enforce_fence)
+
+    # -- the idempotent envelope -------------------------------------------------------------------
+
+    def _idempotent(
+        self,
+        key: str,
+        operation: str,
+        print_: str,
+        apply: Callable[[], Plan[Outcome]],
+        on_stale: Callable[[StaleToken], sa.Executable],
+    ) -> Plan[Outcome]:
+        for _ in range(3):
+            try:
+                outcome: Outcome = yield Atomic(self._attempt(key, operation, print_, apply))
+                return outcome
+            except _Refused as refused:
+                yield Atomic(self._store_refusal(key, operation, print_, refused.error))
+                raise refused.error from None
+            except StaleToken as stale:
+                yield Atomic(self._one(on_stale(stale)))
+                raise
+            except IntegrityError as exc:
+                # A concurrent attempt with the same key committed first; the next round replays it.
+                if "idempotency_keys" not in str(exc.orig):
+                    raise
+        raise RuntimeError(f"idempotency key {key!r} kept colliding")  # pragma: no cover
+
+    def _one(self, stmt: sa.Executable) -> Plan[None]:
+        yield stmt
+
+    def _attempt(
+        self, key: str, operation: str, print_: str, apply: Callable[[], Plan[Outcome]]
+    ) -> Plan[Outcome]:
+        found: Rows = yield sa.select(idempotency_keys).where(idempotency_keys.c.key == key)
+        stored = found.first()
+        if stored is not None:
+            return self._replay(stored, operation, print_)
+        try:
+            outcome = yield from apply()
+        except InsufficientStock as error:
+            raise _Refused(error) from None
+        yield sa.insert(idempotency_keys).values(
+            key=key,
+            fingerprint=print_,
+            operation=operation,
+            outcome=outcome.to_json(),
+            token=outcome.token,
+            created_ms=db_now_ms(),
+        )
+        return outcome
+
+    def _replay(self, stored: Any, operation: str, print_: str) -> Outcome:
+        if stored.fingerprint != print_:
+            raise IdempotencyConflict(key=stored.key, operation=operation, stored_operation=stored.operation)
+        data = json.loads(stored.outcome)
+        if "error" in data:
+            raise _stored_error(data)
+        return Outcome.from_json(stored.outcome, replayed=True)
+
+    def _store_refusal(self, key: str, operation: str, print_: str, error: ReservationError) -> Plan[None]:
+        assert isinstance(error, InsufficientStock)
+        outcome = json.dumps(
+            {
+                "error": "insufficient_stock",
+                "sku": error.sku,
+                "requested": error.requested,
+                "available": error.available,
+            }
+        )
+        found: Rows = yield sa.select(idempotency_keys.c.key).where(idempotency_keys.c.key == key)
+        if found.first() is None:
+            yield sa.insert(idempotency_keys).values(
+                key=key, fingerprint=print_, operation=operation, outcome=outcome, created_ms=db_now_ms()
+            )
+
+    def _rejection(
+        self,
+        stale: StaleToken,
+        lease: Lease,
+        sku: str,
+        operation: str,
+        key: str | None,
+        quantity: int | None,
+        reservation_id: str | None = None,
+    ) -> sa.Executable:
+        return sa.insert(sku_history).values(
+            sku=sku,
+            at_ms=db_now_ms(),
+            kind="rejected",
+            operation=operation,
+            token=stale.presented,
+            lease_id=lease.lease_id,
+            holder=lease.holder,
+            quantity=quantity,
+            idempotency_key=key,
+            reservation_id=reservation_id,
+            on_hand_delta=0,
+            reserved_delta=0,
+            highest_token=stale.highest,
+            detail=str(stale),
+        )
+
+    # -- building blocks ---------------------------------------------------------------------------
+
+    def _fenced(
+        self,
+        lease: Lease,
+        sku: str,
+        operation: str,
+        *,
+        on_hand: int,
+        reserved: int,
+        condition: sa.ColumnElement[bool] | None,
+    ) -> Plan[StockLevel]:
+        """The fenced stock change; UnknownSku if there is no row, None-safe condition check."""
+        result = yield from self.fence.plan(
+            lease,
+            scope=valid.scope_of(sku),
+            where=[stock.c.sku == sku],
+            values={
+                "on_hand": stock.c.on_hand + on_hand,
+                "reserved": stock.c.reserved + reserved,
+                "available": stock.c.available + (on_hand - reserved),
+                "updated_ms": db_now_ms(),
+            },
+            condition=condition,
+            returning=_STOCK_COLUMNS,
+            operation=operation,
+        )
+        if result.outcome is FenceOutcome.NO_ROW:
+            raise UnknownSku(sku)
+        if result.outcome is FenceOutcome.CONDITION_FAILED:
+            level = yield from self._stock_level(sku)
+            raise InsufficientStock(sku=sku, requested=max(reserved, -on_hand), available=level.available)
+        row = result.row
+        return StockLevel(sku=row[0], on_hand=row[1], reserved=row[2], available=row[3], fence_token=row[4])
+
+    def _stock_level(self, sku: str) -> Plan[StockLevel]:
+        found: Rows = yield sa.select(*_STOCK_COLUMNS).where(stock.c.sku == sku)
+        row = found.first()
+        if row is None:
+            raise UnknownSku(sku)
+        return _level(row)
+
+    def _history(
+        self,
+        lease: Lease,
+        sku: str,
+        operation: str,
+        key: str | None,
+        *,
+        quantity: int,
+        on_hand: int,
+        reserved: int,
+        reservation_id: str | None = None,
+        detail: str | None = None,
+    ) -> sa.Executable:
+        return sa.insert(sku_history).values(
+            sku=sku,
+            at_ms=db_now_ms(),
+            kind="write",
+            operation=operation,
+            token=lease.token,
+            lease_id=lease.lease_id,
+            holder=lease.holder,
+            quantity=quantity,
+            idempotency_key=key,
+            reservation_id=reservation_id,
+            on_hand_delta=on_hand,
+            reserved_delta=reserved,
+            detail=detail,
+        )
+
+    def _hold_line(
+        self,
+        lease: Lease,
+        sku: str,
+        quantity: int,
+        *,
+        key: str,
+        reservation_key: str,
+        order_key: str | None,
+        hold_ms: int | None,
+        operation: str,
+    ) -> Plan[tuple[str, StockLevel]]:
+        level = yield from self._fenced(
+            lease, sku, operation, on_hand=0, reserved=quantity, condition=stock.c.available >= quantity
+        )
+        reservation_id = new_reservation_id()
+        now = db_now_ms()
+        yield sa.insert(reservations).values(
+            id=reservation_id,
+            sku=sku,
+            quantity=quantity,
+            status=HELD,
+            hold_expires_ms=None if hold_ms is None else now + hold_ms,
+            idempotency_key=reservation_key,
+            order_key=order_key,
+            token=lease.token,
+            lease_id=lease.lease_id,
+            created_ms=now,
+        )
+        yield self._history(
+            lease,
+            sku,
+            operation,
+            key,
+            quantity=quantity,
+            on_hand=0,
+            reserved=quantity,
+            reservation_id=reservation_id,
+        )
+        return reservation_id, level
+
+    # -- operations --------------------------------------------------------------------------------
+
+    def add_sku(self, sku: str, on_hand: int) -> Plan[StockLevel]:
+        """Create a SKU's stock row (unfenced: no owner can exist for a row that does not)."""
+        valid.sku(sku)
+        if on_hand != 0:
+            valid.quantity(on_hand, field="on_hand")
+        created: StockLevel = yield Atomic(self._add_sku(sku, on_hand))
+        return created
+
+    def _add_sku(self, sku: str, on_hand: int) -> Plan[StockLevel]:
+        found: Rows = yield sa.select(stock.c.sku).where(stock.c.sku == sku)
+        if found.first() is not None:
+            raise InvalidRequest(f"SKU {sku!r} already exists", field="sku")
+        yield sa.insert(stock).values(
+            sku=sku, on_hand=on_hand, reserved=0, available=on_hand, fence_token=0, updated_ms=db_now_ms()
+        )
+        yield sa.insert(sku_history).values(
+            sku=sku,
+            at_ms=db_now_ms(),
+            kind="write",
+            operation="create",
+            token=0,
+            quantity=on_hand,
+            on_hand_delta=on_hand,
+            reserved_delta=0,
+        )
+        return StockLevel(sku=sku, on_hand=on_hand, reserved=0, available=on_hand, fence_token=0)
+
+    def purge_idempotency(self, older_than: float) -> Plan[int]:
+        """Delete idempotency records older than ``older_than`` seconds (database clock)."""
+        if isinstance(older_than, bool) or not isinstance(older_than, int | float) or older_than < 60:
+            raise InvalidRequest("retention must be at least 60 seconds", field="older_than")
+        purged: int = yield Atomic(self._purge(round(older_than * 1000)))
+        return purged
+
+    def _purge(self, older_than_ms: int) -> Plan[int]:
+        gone: Rows = yield (
+            sa.delete(idempotency_keys)
+            .where(idempotency_keys.c.created_ms < db_now_ms() - older_than_ms)
+            .returning(idempotency_keys.c.key)
+        )
+        return len(gone.rows)
+
+    def restock(self, lease: Lease, sku: str, quantity: int, key: str) -> Plan[Outcome]:
+        valid.sku(sku)
+        valid.quantity(quantity)
+        valid.idempotency_key(key)
+        return self._change_on_hand(lease, sku, quantity, key, "restock", None)
+
+    def adjust(
+        self, lease: Lease, sku: str, delta: int, key: str, reason: str | None = None
+    ) -> Plan[Outcome]:
+        valid.sku(sku)
+        valid.delta(delta)
+        valid.idempotency_key(key)
+        if reason is not None and (not isinstance(reason, str) or len(reason) > 500):
+            raise InvalidRequest("reason must be a string of at most 500 characters", field="reason")
+        return self._change_on_hand(lease, sku, delta, key, "adjust", reason)
+
+    def _change_on_hand(
+        self, lease: Lease, sku: str, delta: int, key: str, operation: str, reason: str | None
+    ) -> Plan[Outcome]:
+        def apply() -> Plan[Outcome]:
+            condition = None if delta > 0 else stock.c.available >= -delta
+            level = yield from self._fenced(
+                lease, sku, operation, on_hand=delta, reserved=0, condition=condition
+            )
+            yield self._history(
+                lease, sku, operation, key, quantity=delta, on_hand=delta, reserved=0, detail=reason
+            )
+            return Outcome(operation=operation, key=key, token=lease.token, stock=(level,), quantity=delta)
+
+        return self._idempotent(
+            key,
+            operation,
+            fingerprint(operation, sku=sku, delta=delta, reason=reason),
+            apply,
+            lambda stale: self._rejection(stale, lease, sku, operation, key, delta),
+        )
+
+    def reserve(
+        self, lease: Lease, sku: str, quantity: int, key: str, hold_for: float | None = None
+    ) -> Plan[Outcome]:
+        valid.sku(sku)
+        valid.quantity(quantity)
+        valid.idempotency_key(key)
+        hold = valid.hold_seconds(hold_for)
+        hold_ms = None if hold is None else max(1, round(hold * 1000))
+
+        def apply() -> Plan[Outcome]:
+            reservation_id, level = yield from self._hold_line(
+                lease,
+                sku,
+                quantity,
+                key=key,
+                reservation_key=key,
+                order_key=None,
+                hold_ms=hold_ms,
+                operation="reserve",
+            )
+            return Outcome(
+                operation="reserve",
+                key=key,
+                token=lease.token,
+                reservation_ids=(reservation_id,),
+                stock=(level,),
+                quantity=quantity,
+            )
+
+        return self._idempotent(
+            key,
+            "reserve",
+            fingerprint("reserve", sku=sku, quantity=quantity, hold_ms=hold_ms),
+            apply,
+            lambda stale: self._rejection(stale, lease, sku, "reserve", key, quantity),
+        )
+
+    def reserve_many(
+        self,
+        leases: Mapping[str, Lease],
+        lines: list[tuple[str, int]],
+        key: str,
+        hold_for: float | None = None,
+    ) -> Plan[Outcome]:
+        """All lines or none. Leases must cover every SKU (take them in :func:`lock_order`)."""
+        order = valid.order_lines(lines)
+        valid.idempotency_key(key)
+        hold = valid.hold_seconds(hold_for)
+        hold_ms = None if hold is None else max(1, round(hold * 1000))
+        missing = [sku for sku, _ in order if sku not in leases]
+        if missing:
+            raise InvalidRequest(f"no lease for SKU(s) {', '.join(missing)}", field="leases")
+
+        def apply() -> Plan[Outcome]:
+            ids, levels = [], []
+            for sku, quantity in order:
+                reservation_id, level = yield from self._hold_line(
+                    leases[sku],
+                    sku,
+                    quantity,
+                    key=key,
+                    reservation_key=f"{key}#{sku}",
+                    order_key=key,
+                    hold_ms=hold_ms,
+                    operation="reserve_many",
+                )
+                ids.append(reservation_id)
+                levels.append(level)
+            return Outcome(
+                operation="reserve_many",
+                key=key,
+                token=None,
+                reservation_ids=tuple(ids),
+                stock=tuple(levels),
+                quantity=sum(q for _, q in order),
+            )
+
+        def on_stale(stale: StaleToken) -> sa.Executable:
+            sku = stale.scope.removeprefix("sku:")
+            quantity = dict(order).get(sku)
+            return self._rejection(stale, leases[sku], sku, "reserve_many", key, quantity)
+
+        return self._idempotent(
+            key, "reserve_many", fingerprint("reserve_many", lines=order, hold_ms=hold_ms), apply, on_stale
+        )
+
+    def _finish(
+        self, lease: Lease, reservation_id: str, key: str, operation: str, status: str
+    ) -> Plan[Outcome]:
+        valid.reservation_id(reservation_id)
+        valid.idempotency_key(key)
+        sku_box: list[str] = []
+
+        def apply() -> Plan[Outcome]:
+            found: Rows = yield sa.select(reservations).where(reservations.c.id == reservation_id)
+            row = found.first()
+            if row is None:
+                raise UnknownReservation(reservation_id)
+            sku_box.append(row.sku)
+            if valid.scope_of(row.sku) != lease.scope:
+                raise InvalidTransition(
+                    reservation_id=reservation_id,
+                    status=row.status,
+                    operation=operation,
+                    detail=f"it belongs to SKU {row.sku}, the lease is for {lease.scope}",
+                )
+            if row.status != HELD:
+                raise InvalidTransition(reservation_id=reservation_id, status=row.status, operation=operation)
+            on_hand = -row.quantity if status == CONFIRMED else 0
+            level = yield from self._fenced(
+                lease, row.sku, operation, on_hand=on_hand, reserved=-row.quantity, condition=None
+            )
+            changed: Rows = yield (
+                sa.update(reservations)
+                .where(reservations.c.id == reservation_id, reservations.c.status == HELD)
+                .values(status=status, final_ms=db_now_ms(), final_token=lease.token, final_key=key)
+                .returning(reservations.c.id)
+            )
+            if not changed.rows:  # pragma: no cover - the fenced stock row serializes finishers
+                raise InvalidTransition(reservation_id=reservation_id, status="final", operation=operation)
+            yield self._history(
+                lease,
+                row.sku,
+                operation,
+                key,
+                quantity=row.quantity,
+                on_hand=on_hand,
+                reserved=-row.quantity,
+                reservation_id=reservation_id,
+            )
+            return Outcome(
+                operation=operation,
+                key=key,
+                token=lease.token,
+                reservation_ids=(reservation_id,),
+                stock=(level,),
+                quantity=row.quantity,
+            )
+
+        return self._idempotent(
+            key,
+            operation,
+            fingerprint(operation, reservation_id=reservation_id),
+            apply,
+            lambda stale: self._rejection(
+                stale, lease, sku_box[-1] if sku_box else "?", operation, key, None, reservation_id
+            ),
+        )
+
+    def confirm(self, lease: Lease, reservation_id: str, key: str) -> Plan[Outcome]:
+        """The held units become a committed deduction: they leave ``on_hand`` and ``reserved``."""
+        return self._finish(lease, reservation_id, key, "confirm", CONFIRMED)
+
+    def release(self, lease: Lease, reservation_id: str, key: str) -> Plan[Outcome]:
+        """The held units go back to ``available`` (cancel is the same operation)."""
+        return self._finish(lease, reservation_id, key, "release", RELEASED)
+
+    def expire_due(self, lease: Lease, sku: str, key: str | None = None) -> Plan[Outcome]:
+        """Every held reservation of ``sku`` whose hold has passed (database clock) goes back."""
+        valid.sku(sku)
+        if key is not None:
+            valid.idempotency_key(key)
+
+        def apply() -> Plan[Outcome]:
+            due: Rows = yield sa.select(reservations.c.id, reservations.c.quantity).where(
+                reservations.c.sku == sku,
+                reservations.c.status == HELD,
+                reservations.c.hold_expires_ms <= db_now_ms(),
+            )
+            total = sum(r.quantity for r in due.rows)
+            if not due.rows:
+                level = yield from self._stock_level(sku)
+                lease.raise_if_lost()
+                return Outcome(operation="expire", key=key, token=lease.token, stock=(level,))
+            level = yield from self._fenced(lease, sku, "expire", on_hand=0, reserved=-total, condition=None)
+            ids = tuple(r.id for r in due.rows)
+            yield (
+                sa.update(reservations)
+                .where(reservations.c.id.in_(ids), reservations.c.status == HELD)
+                .values(status=EXPIRED, final_ms=db_now_ms(), final_token=lease.token, final_key=key)
+            )
+            for r in due.rows:
+                yield self._history(
+                    lease,
+                    sku,
+                    "expire",
+                    key,
+                    quantity=r.quantity,
+                    on_hand=0,
+                    reserved=-r.quantity,
+                    reservation_id=r.id,
+                )
+            return Outcome(
+                operation="expire",
+                key=key,
+                token=lease.token,
+                reservation_ids=ids,
+                stock=(level,),
+                quantity=total,
+            )
+
+        on_stale = lambda stale: self._rejection(stale, lease, sku, "expire", key, None)  # noqa: E731
+        if key is None:
+            return self._unkeyed(apply, on_stale)
+        return self._idempotent(key, "expire", fingerprint("expire", sku=sku), apply, on_stale)
+
+    def _unkeyed(
+        self, apply: Callable[[], Plan[Outcome]], on_stale: Callable[[StaleToken], sa.Executable]
+    ) -> Plan[Outcome]:
+        try:
+            outcome: Outcome = yield Atomic(apply())
+            return outcome
+        except StaleToken as stale:
+            yield Atomic(self._one(on_stale(stale)))
+            raise

@@ -1,0 +1,93 @@
+"""Plain values the inventory hands back: stock levels, reservations, outcomes and history entries.
+
+An :class:`Outcome` is also what an idempotency record stores, so it round-trips through JSON.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class StockLevel:
+    sku: str
+    on_hand: int
+    reserved: int
+    available: int
+    fence_token: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReservationView:
+    id: str
+    sku: str
+    quantity: int
+    status: str
+    idempotency_key: str
+    order_key: str | None
+    token: int
+    created_at: float
+    hold_expires_at: float | None
+    final_at: float | None
+    final_token: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What an operation did. ``replayed`` is True when it came from the idempotency record."""
+
+    operation: str
+    key: str | None
+    token: int | None
+    reservation_ids: tuple[str, ...] = ()
+    stock: tuple[StockLevel, ...] = ()
+    quantity: int = 0
+    replayed: bool = False
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def reservation_id(self) -> str | None:
+        return self.reservation_ids[0] if self.reservation_ids else None
+
+    def to_json(self) -> str:
+        data = asdict(self)
+        data.pop("replayed")
+        return json.dumps(data, sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str, *, replayed: bool) -> Outcome:
+        data = json.loads(text)
+        return cls(
+            operation=data["operation"],
+            key=data["key"],
+            token=data["token"],
+            reservation_ids=tuple(data["reservation_ids"]),
+            stock=tuple(StockLevel(**s) for s in data["stock"]),
+            quantity=data["quantity"],
+            replayed=replayed,
+            detail=data["detail"],
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class HistoryEntry:
+    """One row of a SKU's history: an accepted write (``kind="write"``) or a refused stale write
+    (``kind="rejected"``, with ``token`` the presented token and ``highest_token`` the fence)."""
+
+    id: int
+    sku: str
+    at: float
+    kind: str
+    operation: str
+    token: int
+    lease_id: str | None
+    holder: str | None
+    quantity: int | None
+    idempotency_key: str | None
+    reservation_id: str | None
+    on_hand_delta: int
+    reserved_delta: int
+    highest_token: int | None
+    detail: str | None
