@@ -19,6 +19,7 @@ import sqlalchemy as sa
 
 from fencing import AsyncLeaseManager, LeaseManager
 from fencing.sql import make_engine
+from reservations import Inventory
 from tests.support import Resource
 
 REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -118,3 +119,30 @@ def resource(stack: Stack) -> Iterator[Resource]:
     res = Resource(stack.db_url)
     yield res
     res.close()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def inventory_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A migrated inventory database: a SQLite file or a fresh PostgreSQL schema."""
+    from reservations import schema
+
+    url = (
+        request.getfixturevalue("pg_url")
+        if request.param == "postgresql"
+        else f"sqlite:///{tmp_path / 'inventory.sqlite3'}"
+    )
+    schema.upgrade(url)
+    return url
+
+
+@pytest.fixture
+def inventory(inventory_url: str) -> Iterator[Inventory]:
+    with Inventory.from_url(inventory_url) as inv:
+        yield inv
+
+
+@pytest.fixture
+def leases(inventory_url: str) -> Iterator[LeaseManager]:
+    """The SQL lease backend on the inventory's own database (its tables come from the migrations)."""
+    with LeaseManager.from_url(inventory_url) as manager:
+        yield manager
