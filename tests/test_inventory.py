@@ -1,0 +1,437 @@
+"""Every inventory operation on SQLite and PostgreSQL: its effect, its idempotent replay, its fenced
+rejection (recorded durably, nothing changed), and the typed refusal of bad input.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.exc import IntegrityError
+
+from fencing import Lease, LeaseLost, LeaseManager, ScopeMismatch, StaleToken
+from fencing.sql import make_engine
+from reservations import (
+    AsyncInventory,
+    IdempotencyConflict,
+    InsufficientStock,
+    InvalidRequest,
+    InvalidTransition,
+    Inventory,
+    Outcome,
+    UnknownReservation,
+    UnknownSku,
+    scope_of,
+)
+from reservations.models import reservations, sku_history, stock
+
+
+def lease_for(leases: LeaseManager, sku: str, holder: str = "w1") -> Lease:
+    return leases.acquire(scope_of(sku), ttl=30, holder=holder)
+
+
+def snapshot(inventory_url: str) -> dict[str, Any]:
+    """Everything an operation could change, to prove a refused one changed nothing."""
+    engine = make_engine(inventory_url)
+    with engine.connect() as conn:
+        state = {
+            "stock": conn.execute(sa.select(stock).order_by(stock.c.sku)).all(),
+            "reservations": conn.execute(sa.select(reservations).order_by(reservations.c.id)).all(),
+            "writes": conn.execute(
+                sa.select(sku_history).where(sku_history.c.kind == "write").order_by(sku_history.c.id)
+            ).all(),
+            "keys": conn.execute(sa.text("SELECT key, outcome FROM idempotency_keys ORDER BY key")).all(),
+        }
+    engine.dispose()
+    return state
+
+
+@pytest.fixture
+def widget(inventory: Inventory) -> str:
+    inventory.add_sku("WIDGET", on_hand=10)
+    return "WIDGET"
+
+
+def level(inventory: Inventory, sku: str) -> tuple[int, int, int]:
+    s = inventory.stock(sku)
+    return s.on_hand, s.reserved, s.available
+
+
+# -- effects --------------------------------------------------------------------------------------
+
+
+def test_reserve_confirm_release_move_units(inventory: Inventory, leases: LeaseManager, widget: str) -> None:
+    lease = lease_for(leases, widget)
+    first = inventory.reserve(lease, widget, 3, key="order-1")
+    assert level(inventory, widget) == (10, 3, 7)
+    second = inventory.reserve(lease, widget, 2, key="order-2")
+    assert level(inventory, widget) == (10, 5, 5)
+    inventory.confirm(lease, first.reservation_id or "", key="confirm-1")
+    assert level(inventory, widget) == (7, 2, 5)
+    inventory.release(lease, second.reservation_id or "", key="release-2")
+    assert level(inventory, widget) == (7, 0, 7)
+    assert inventory.reservation(first.reservation_id or "").status == "confirmed"
+    assert inventory.reservation("order-2").status == "released"  # looked up by its key
+    assert inventory.invariant_violations() == []
+
+
+def test_restock_and_adjust_change_on_hand(inventory: Inventory, leases: LeaseManager, widget: str) -> None:
+    lease = lease_for(leases, widget)
+    inventory.restock(lease, widget, 5, key="rs-1")
+    assert level(inventory, widget) == (15, 0, 15)
+    inventory.adjust(lease, widget, -4, key="adj-1", reason="cycle count")
+    assert level(inventory, widget) == (11, 0, 11)
+    with pytest.raises(InsufficientStock):
+        inventory.adjust(lease, widget, -12, key="adj-2")
+    assert level(inventory, widget) == (11, 0, 11)
+
+
+def test_insufficient_stock_is_typed_and_changes_nothing(
+    inventory: Inventory, leases: LeaseManager, widget: str, inventory_url: str
+) -> None:
+    lease = lease_for(leases, widget)
+    before = snapshot(inventory_url)
+    with pytest.raises(InsufficientStock) as short:
+        inventory.reserve(lease, widget, 11, key="big")
+    assert (short.value.sku, short.value.requested, short.value.available) == (widget, 11, 10)
+    after = snapshot(inventory_url)
+    assert after["stock"] == before["stock"] and after["reservations"] == before["reservations"]
+    assert not lease.lost
+
+
+def test_expire_due_returns_only_expired_holds(
+    inventory: Inventory, leases: LeaseManager, widget: str
+) -> None:
+    lease = lease_for(leases, widget)
+    short = inventory.reserve(lease, widget, 2, key="short", hold_for=0.05)
+    inventory.reserve(lease, widget, 3, key="long", hold_for=3600)
+    inventory.reserve(lease, widget, 1, key="forever")
+    deadline = time.monotonic() + 5
+    expired: Outcome | None = None
+    while time.monotonic() < deadline:  # the hold ends by the database's clock; poll until it has
+        expired = inventory.expire_due(lease, widget)
+        if expired.reservation_ids:
+            break
+    assert expired is not None and expired.reservation_ids == short.reservation_ids
+    assert level(inventory, widget) == (10, 4, 6)
+    assert inventory.reservation("short").status == "expired"
+    with pytest.raises(InvalidTransition):
+        inventory.confirm(lease, short.reservation_id or "", key="too-late")
+    assert inventory.invariant_violations() == []
+
+
+def test_reserve_many_is_all_or_nothing(inventory: Inventory, leases: LeaseManager) -> None:
+    for sku, units in (("A-1", 5), ("B-2", 1), ("C-3", 5)):
+        inventory.add_sku(sku, on_hand=units)
+    with inventory.hold_many(leases, ["C-3", "A-1", "B-2"], ttl=30) as held:
+        assert list(held) == ["A-1", "B-2", "C-3"]  # lock order: sorted
+        with pytest.raises(InsufficientStock) as short:
+            inventory.reserve_many(held, [("C-3", 2), ("A-1", 2), ("B-2", 2)], key="order-9")
+        assert short.value.sku == "B-2"
+        assert [level(inventory, s) for s in ("A-1", "B-2", "C-3")] == [(5, 0, 5), (1, 0, 1), (5, 0, 5)]
+        done = inventory.reserve_many(held, [("C-3", 2), ("A-1", 2)], key="order-10")
+    assert len(done.reservation_ids) == 2
+    assert [level(inventory, s) for s in ("A-1", "C-3")] == [(5, 2, 3), (5, 2, 3)]
+    assert {r.sku for r in inventory.reservations(order_key="order-10")} == {"A-1", "C-3"}
+    assert inventory.invariant_violations() == []
+
+
+# -- idempotent replays ---------------------------------------------------------------------------
+
+OPERATIONS: dict[str, Callable[[Inventory, Lease, str], Outcome]] = {
+    "reserve": lambda inv, lease, key: inv.reserve(lease, "WIDGET", 2, key=key),
+    "restock": lambda inv, lease, key: inv.restock(lease, "WIDGET", 2, key=key),
+    "adjust": lambda inv, lease, key: inv.adjust(lease, "WIDGET", -2, key=key),
+    "confirm": lambda inv, lease, key: inv.confirm(lease, inv.reservation("held-1").id, key=key),
+    "release": lambda inv, lease, key: inv.release(lease, inv.reservation("held-1").id, key=key),
+    "reserve_many": lambda inv, lease, key: inv.reserve_many({"WIDGET": lease}, [("WIDGET", 1)], key=key),
+}
+
+
+@pytest.mark.parametrize("operation", sorted(OPERATIONS))
+def test_replay_returns_the_stored_outcome_and_changes_nothing(
+    inventory: Inventory, leases: LeaseManager, widget: str, inventory_url: str, operation: str
+) -> None:
+    lease = lease_for(leases, widget)
+    inventory.reserve(lease, widget, 1, key="held-1")
+    first = OPERATIONS[operation](inventory, lease, "the-key")
+    before = snapshot(inventory_url)
+    again = OPERATIONS[operation](inventory, lease, "the-key")
+    assert again.replayed and not first.replayed
+    assert (again.reservation_ids, again.stock, again.token) == (
+        first.reservation_ids,
+        first.stock,
+        first.token,
+    )
+    assert snapshot(inventory_url) == before
+
+
+def test_replay_after_a_lost_reply_does_not_apply_twice(
+    inventory: Inventory, leases: LeaseManager, widget: str
+) -> None:
+    """The first attempt committed but its caller never saw the reply; a new epoch retries the key."""
+    first = lease_for(leases, widget, holder="A")
+    inventory.reserve(first, widget, 4, key="lost-reply")
+    leases.break_lease(scope_of(widget), reason="A crashed before acknowledging")
+    second = lease_for(leases, widget, holder="B")
+    again = inventory.reserve(second, widget, 4, key="lost-reply")
+    assert again.replayed and again.token == first.token
+    assert level(inventory, widget) == (10, 4, 6)
+    assert len(inventory.reservations(widget)) == 1
+
+
+def test_stored_insufficient_outcome_replays(inventory: Inventory, leases: LeaseManager, widget: str) -> None:
+    lease = lease_for(leases, widget)
+    with pytest.raises(InsufficientStock) as first:
+        inventory.reserve(lease, widget, 50, key="too-many")
+    inventory.restock(lease, widget, 100, key="rs")
+    with pytest.raises(InsufficientStock) as again:
+        inventory.reserve(lease, widget, 50, key="too-many")
+    assert not first.value.replayed and again.value.replayed
+    assert again.value.available == 10  # the outcome as it was decided, not re-evaluated
+
+
+def test_same_key_for_a_different_request_is_a_conflict(
+    inventory: Inventory, leases: LeaseManager, widget: str, inventory_url: str
+) -> None:
+    lease = lease_for(leases, widget)
+    inventory.reserve(lease, widget, 2, key="k")
+    before = snapshot(inventory_url)
+    for attempt in (
+        lambda: inventory.reserve(lease, widget, 3, key="k"),
+        lambda: inventory.reserve(lease, widget, 2, key="k", hold_for=60),
+        lambda: inventory.restock(lease, widget, 2, key="k"),
+    ):
+        with pytest.raises(IdempotencyConflict) as conflict:
+            attempt()
+        assert conflict.value.key == "k"
+    assert snapshot(inventory_url) == before
+
+
+# -- fenced rejections ----------------------------------------------------------------------------
+
+STALE_WRITES: dict[str, Callable[[Inventory, Lease], Outcome]] = {
+    "reserve": lambda inv, lease: inv.reserve(lease, "WIDGET", 1, key="stale-op"),
+    "restock": lambda inv, lease: inv.restock(lease, "WIDGET", 1, key="stale-op"),
+    "adjust": lambda inv, lease: inv.adjust(lease, "WIDGET", -1, key="stale-op"),
+    "confirm": lambda inv, lease: inv.confirm(lease, inv.reservation("held-1").id, key="stale-op"),
+    "release": lambda inv, lease: inv.release(lease, inv.reservation("held-1").id, key="stale-op"),
+    "expire": lambda inv, lease: inv.expire_due(lease, "WIDGET", key="stale-op"),
+    "reserve_many": lambda inv, lease: inv.reserve_many({"WIDGET": lease}, [("WIDGET", 1)], key="stale-op"),
+}
+
+
+@pytest.mark.parametrize("operation", sorted(STALE_WRITES))
+def test_stale_epoch_is_rejected_recorded_and_changes_nothing(
+    inventory: Inventory, leases: LeaseManager, widget: str, inventory_url: str, operation: str
+) -> None:
+    old = lease_for(leases, widget, holder="A")
+    inventory.reserve(old, widget, 1, key="held-1", hold_for=0.001)
+    leases.break_lease(scope_of(widget), reason="A paused past its lease")
+    new = lease_for(leases, widget, holder="B")
+    inventory.restock(new, widget, 1, key="b-writes")
+    before = snapshot(inventory_url)
+    with pytest.raises(StaleToken) as stale:
+        STALE_WRITES[operation](inventory, old)
+    assert (stale.value.presented, stale.value.highest) == (old.token, new.token)
+    assert snapshot(inventory_url) == before
+    assert inventory.rejection_counts() == {widget: 1}
+    rejected = [h for h in inventory.history(widget) if h.kind == "rejected"]
+    assert [(h.token, h.highest_token, h.holder, h.operation) for h in rejected] == [
+        (old.token, new.token, "A", "expire" if operation == "expire" else operation)
+    ]
+    with pytest.raises(LeaseLost):  # sticky: refused without asking the database again
+        STALE_WRITES[operation](inventory, old)
+    assert inventory.rejection_counts() == {widget: 1}
+
+
+def test_fence_trigger_refuses_lowering_the_token(
+    inventory: Inventory, leases: LeaseManager, widget: str, inventory_url: str
+) -> None:
+    """A code path that forgets the guard still cannot move the fence backwards."""
+    inventory.restock(lease_for(leases, widget), widget, 1, key="rs")
+    engine = make_engine(inventory_url)
+    with pytest.raises(IntegrityError), engine.begin() as conn:
+        conn.execute(sa.update(stock).where(stock.c.sku == widget).values(fence_token=0))
+    engine.dispose()
+    assert inventory.stock(widget).fence_token >= 1
+
+
+def test_database_holds_the_invariants(
+    inventory: Inventory, leases: LeaseManager, widget: str, inventory_url: str
+) -> None:
+    lease = lease_for(leases, widget)
+    done = inventory.reserve(lease, widget, 2, key="r")
+    inventory.confirm(lease, done.reservation_id or "", key="c")
+    engine = make_engine(inventory_url)
+    breaking = [
+        sa.update(stock).where(stock.c.sku == widget).values(available=stock.c.available - 1),  # conservation
+        sa.update(stock).where(stock.c.sku == widget).values(available=-1, on_hand=-1),  # negative
+        sa.update(reservations).values(status="held"),  # a final reservation changes again
+        sa.delete(sku_history),  # history is append-only
+    ]
+    for statement in breaking:
+        with pytest.raises(IntegrityError), engine.begin() as conn:
+            conn.execute(statement)
+    engine.dispose()
+    assert inventory.invariant_violations() == []
+
+
+# -- bad input ------------------------------------------------------------------------------------
+
+BAD_SKUS = [
+    "",
+    "x" * 65,
+    "WID GET",
+    "WID'GET",
+    'W"X',
+    "{WIDGET}",
+    "sku:WIDGET",
+    "WÎDGET",
+    "'; DROP TABLE stock;--",
+    "-LEADING",
+    None,
+    7,
+]
+
+
+@pytest.mark.parametrize("sku", BAD_SKUS, ids=repr)
+def test_bad_sku_is_refused_and_nothing_written(
+    inventory: Inventory, leases: LeaseManager, widget: str, inventory_url: str, sku: Any
+) -> None:
+    lease = lease_for(leases, widget)
+    before = snapshot(inventory_url)
+    for attempt in (
+        lambda: inventory.add_sku(sku, on_hand=1),
+        lambda: inventory.reserve(lease, sku, 1, key="k"),
+        lambda: inventory.restock(lease, sku, 1, key="k"),
+        lambda: inventory.stock(sku),
+    ):
+        with pytest.raises(InvalidRequest) as refused:
+            attempt()
+        assert refused.value.field == "sku"
+    assert snapshot(inventory_url) == before
+
+
+@pytest.mark.parametrize("quantity", [0, -1, 1_000_001, 10**30, 1.5, True, "3", None], ids=repr)
+def test_bad_quantity_is_refused(
+    inventory: Inventory, leases: LeaseManager, widget: str, inventory_url: str, quantity: Any
+) -> None:
+    lease = lease_for(leases, widget)
+    before = snapshot(inventory_url)
+    for attempt in (
+        lambda: inventory.reserve(lease, widget, quantity, key="k"),
+        lambda: inventory.restock(lease, widget, quantity, key="k"),
+        lambda: inventory.reserve_many({widget: lease}, [(widget, quantity)], key="k"),
+    ):
+        with pytest.raises(InvalidRequest):
+            attempt()
+    assert snapshot(inventory_url) == before
+
+
+@pytest.mark.parametrize("key", ["", "has space", "k" * 201, "tab\t", "ключ", None, 5], ids=repr)
+def test_bad_idempotency_key_is_refused(
+    inventory: Inventory, leases: LeaseManager, widget: str, key: Any
+) -> None:
+    with pytest.raises(InvalidRequest) as refused:
+        inventory.reserve(lease_for(leases, widget), widget, 1, key=key)
+    assert refused.value.field == "idempotency_key"
+    assert level(inventory, widget) == (10, 0, 10)
+
+
+def test_unknown_sku_and_reservation(inventory: Inventory, leases: LeaseManager, widget: str) -> None:
+    ghost = lease_for(leases, "GHOST")
+    with pytest.raises(UnknownSku) as unknown:
+        inventory.reserve(ghost, "GHOST", 1, key="k")
+    assert unknown.value.sku == "GHOST"
+    with pytest.raises(UnknownSku):
+        inventory.stock("GHOST")
+    lease = lease_for(leases, widget)
+    with pytest.raises(UnknownReservation):
+        inventory.confirm(lease, "r_" + "0" * 32, key="k2")
+    with pytest.raises(InvalidRequest):
+        inventory.confirm(lease, "not-an-id", key="k3")
+    assert inventory.rejection_counts() == {}
+
+
+def test_lease_of_another_sku_cannot_write(inventory: Inventory, leases: LeaseManager, widget: str) -> None:
+    inventory.add_sku("GADGET", on_hand=5)
+    gadget_lease = lease_for(leases, "GADGET")
+    with pytest.raises(ScopeMismatch):
+        inventory.reserve(gadget_lease, widget, 1, key="k")
+    widget_lease = lease_for(leases, widget)
+    held = inventory.reserve(widget_lease, widget, 1, key="w")
+    with pytest.raises(InvalidTransition) as foreign:  # someone else's reservation
+        inventory.confirm(gadget_lease, held.reservation_id or "", key="k2")
+    assert "belongs to SKU WIDGET" in str(foreign.value)
+    assert level(inventory, widget) == (10, 1, 9)
+
+
+def test_final_reservation_cannot_be_finished_again(
+    inventory: Inventory, leases: LeaseManager, widget: str
+) -> None:
+    lease = lease_for(leases, widget)
+    held = inventory.reserve(lease, widget, 2, key="r")
+    inventory.release(lease, held.reservation_id or "", key="rel")
+    for attempt in (
+        lambda: inventory.confirm(lease, held.reservation_id or "", key="c"),
+        lambda: inventory.release(lease, held.reservation_id or "", key="rel-2"),
+    ):
+        with pytest.raises(InvalidTransition) as final:
+            attempt()
+        assert final.value.status == "released"
+    assert level(inventory, widget) == (10, 0, 10)
+
+
+def test_duplicate_sku_and_bad_order_lines(inventory: Inventory, leases: LeaseManager, widget: str) -> None:
+    with pytest.raises(InvalidRequest):
+        inventory.add_sku(widget, on_hand=1)
+    lease = lease_for(leases, widget)
+    for lines in ([], [(widget, 1), (widget, 2)], [(widget,)], "WIDGET", [("OTHER", 1)]):
+        with pytest.raises(InvalidRequest):
+            inventory.reserve_many({widget: lease}, lines, key="order")  # type: ignore[arg-type]
+    assert level(inventory, widget) == (10, 0, 10)
+
+
+def test_idempotency_retention_purges_only_old_records(
+    inventory: Inventory, leases: LeaseManager, widget: str
+) -> None:
+    inventory.reserve(lease_for(leases, widget), widget, 1, key="recent")
+    assert inventory.purge_idempotency(older_than=3600) == 0
+    with pytest.raises(InvalidRequest):
+        inventory.purge_idempotency(older_than=0)
+
+
+def test_history_explains_every_change(inventory: Inventory, leases: LeaseManager, widget: str) -> None:
+    lease = lease_for(leases, widget)
+    held = inventory.reserve(lease, widget, 3, key="r")
+    inventory.confirm(lease, held.reservation_id or "", key="c")
+    inventory.restock(lease, widget, 4, key="s")
+    entries = inventory.history(widget)
+    assert [(h.operation, h.on_hand_delta, h.reserved_delta) for h in entries] == [
+        ("create", 10, 0),
+        ("reserve", 0, 3),
+        ("confirm", -3, -3),
+        ("restock", 4, 0),
+    ]
+    assert sum(h.on_hand_delta for h in entries) == inventory.stock(widget).on_hand
+
+
+async def test_async_inventory_runs_the_same_operations(inventory_url: str, leases: LeaseManager) -> None:
+    async with AsyncInventory.from_url(inventory_url) as inventory:
+        await inventory.add_sku("ASYNC-1", on_hand=5)
+        old = lease_for(leases, "ASYNC-1", holder="A")
+        held = await inventory.reserve(old, "ASYNC-1", 2, key="a1")
+        assert (await inventory.reserve(old, "ASYNC-1", 2, key="a1")).replayed
+        leases.break_lease(scope_of("ASYNC-1"), reason="A paused")
+        new = lease_for(leases, "ASYNC-1", holder="B")
+        await inventory.confirm(new, held.reservation_id or "", key="c1")
+        with pytest.raises(StaleToken):
+            await inventory.restock(old, "ASYNC-1", 1, key="late")
+        level_now = await inventory.stock("ASYNC-1")
+        assert (level_now.on_hand, level_now.reserved, level_now.available) == (3, 0, 3)
+        assert await inventory.rejection_counts() == {"ASYNC-1": 1}
+        assert await inventory.invariant_violations() == []
