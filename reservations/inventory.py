@@ -16,6 +16,7 @@ from fencing.sql import AsyncSqlExecutor, SyncSqlExecutor, make_async_engine, ma
 from reservations import reads, schema
 from reservations import validation as valid
 from reservations.operations import InventoryPlans
+from reservations.timeline import TimelineEntry, merge
 from reservations.views import HistoryEntry, Outcome, ReservationView, StockLevel
 
 # Idempotency records are kept this long by default; ``purge_idempotency`` deletes older ones. A retry
@@ -124,6 +125,12 @@ class Inventory:
 
     def invariant_violations(self) -> list[str]:
         return self._run(reads.invariant_violations())  # type: ignore[no-any-return]
+
+    def timeline(self, sku: str, manager: LeaseManager, *, limit: int = 1000) -> list[TimelineEntry]:
+        """Lease events, accepted writes and rejections of ``sku`` as one ordered timeline."""
+        return merge(
+            manager.history(valid.scope_of(valid.sku(sku)), limit=limit), self.history(sku, limit=limit)
+        )
 
     @contextmanager
     def hold_many(
@@ -248,6 +255,12 @@ class AsyncInventory:
 
     async def invariant_violations(self) -> list[str]:
         return await self._run(reads.invariant_violations())  # type: ignore[no-any-return]
+
+    async def timeline(
+        self, sku: str, manager: AsyncLeaseManager, *, limit: int = 1000
+    ) -> list[TimelineEntry]:
+        lease_events = await manager.history(valid.scope_of(valid.sku(sku)), limit=limit)
+        return merge(lease_events, await self.history(sku, limit=limit))
 
     @asynccontextmanager
     async def hold_many(

@@ -435,3 +435,30 @@ async def test_async_inventory_runs_the_same_operations(inventory_url: str, leas
         assert (level_now.on_hand, level_now.reserved, level_now.available) == (3, 0, 3)
         assert await inventory.rejection_counts() == {"ASYNC-1": 1}
         assert await inventory.invariant_violations() == []
+
+
+def test_timeline_tells_the_seed_story(inventory: Inventory, leases: LeaseManager, widget: str) -> None:
+    from reservations.timeline import epochs
+
+    a = lease_for(leases, widget, holder="A")
+    leases.break_lease(scope_of(widget), reason="A paused")
+    b = lease_for(leases, widget, holder="B")
+    inventory.reserve(b, widget, 2, key="b-1")
+    leases.release(b)
+    with pytest.raises(StaleToken):
+        inventory.reserve(a, widget, 5, key="a-1")
+    timeline = inventory.timeline(widget, leases)
+    assert [(e.kind, e.token) for e in timeline] == [
+        ("write", 0),
+        ("acquired", a.token),
+        ("broken", a.token),
+        ("acquired", b.token),
+        ("write", b.token),
+        ("released", b.token),
+        ("rejected", a.token),
+    ]
+    by_token = {e.token: e for e in epochs(timeline)}
+    assert (by_token[a.token].holder, by_token[a.token].ended) == ("A", "broken")
+    assert [r.highest_token for r in by_token[a.token].rejections] == [b.token]
+    assert [(w.operation, w.quantity) for w in by_token[b.token].writes] == [("reserve", 2)]
+    assert by_token[b.token].ended == "released"

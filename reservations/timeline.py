@@ -1,0 +1,99 @@
+"""A SKU's token history as one ordered timeline: lease events from the coordinator, accepted writes and
+refused stale writes from the database, and the same facts grouped per token (one epoch per owner).
+
+Lease events carry the coordinator's clock and writes the database's; entries are ordered by time, and
+within a token by kind (acquired before its writes), which is the order that can actually happen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from itertools import pairwise
+
+from fencing import LeaseEvent
+from reservations.views import HistoryEntry
+
+_KIND_ORDER = {
+    "acquired": 0,
+    "renewed": 1,
+    "write": 2,
+    "rejected": 3,
+    "released": 4,
+    "broken": 4,
+    "repaired": 4,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class TimelineEntry:
+    at: float
+    kind: str  # acquired, renewed, released, broken, repaired (lease); write, rejected (database)
+    token: int
+    holder: str | None
+    operation: str | None = None
+    quantity: int | None = None
+    idempotency_key: str | None = None
+    highest_token: int | None = None
+    detail: str | None = None
+
+
+@dataclass
+class Epoch:
+    """Everything that happened under one token."""
+
+    token: int
+    holder: str | None = None
+    acquired_at: float | None = None
+    ended: str | None = None  # released, expired, broken, repaired, superseded, or None while current
+    writes: list[TimelineEntry] = field(default_factory=list)
+    rejections: list[TimelineEntry] = field(default_factory=list)
+
+
+def merge(lease_events: Iterable[LeaseEvent], history: Iterable[HistoryEntry]) -> list[TimelineEntry]:
+    entries = [
+        TimelineEntry(at=e.at, kind=e.event, token=e.token, holder=e.holder, detail=e.detail)
+        for e in lease_events
+    ]
+    entries += [
+        TimelineEntry(
+            at=h.at,
+            kind=h.kind,
+            token=h.token,
+            holder=h.holder,
+            operation=h.operation,
+            quantity=h.quantity,
+            idempotency_key=h.idempotency_key,
+            highest_token=h.highest_token,
+            detail=h.detail,
+        )
+        for h in history
+    ]
+    return sorted(entries, key=lambda e: (e.at, _KIND_ORDER.get(e.kind, 5), e.token))
+
+
+def epochs(timeline: Iterable[TimelineEntry]) -> list[Epoch]:
+    """Group a timeline by token. A rejected write belongs to the epoch of the token it presented."""
+    by_token: dict[int, Epoch] = {}
+    for entry in timeline:
+        if entry.token == 0:  # the SKU's creation, before any owner
+            continue
+        epoch = by_token.setdefault(entry.token, Epoch(token=entry.token))
+        if entry.kind == "acquired":
+            epoch.holder, epoch.acquired_at = entry.holder, entry.at
+        elif entry.kind in ("released", "broken", "repaired"):
+            epoch.ended = entry.kind
+        elif entry.kind == "write":
+            epoch.writes.append(entry)
+            epoch.holder = epoch.holder or entry.holder
+        elif entry.kind == "rejected":
+            epoch.rejections.append(entry)
+            epoch.holder = epoch.holder or entry.holder
+    ordered = [by_token[t] for t in sorted(by_token)]
+    for earlier, later in pairwise(ordered):
+        if earlier.ended is None and later.acquired_at is not None:
+            # The coordinator only hands out a new token once the old lease is gone.
+            earlier.ended = "expired"
+        elif earlier.ended is None:
+            earlier.ended = "superseded"
+    return ordered
