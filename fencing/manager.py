@@ -41,7 +41,10 @@ from fencing.sql_backend import SqlLeaseCore, metadata
 
 log = logging.getLogger("fencing")
 
-DEFAULT_HISTORY_CAP = 1000
+# Redis keeps each scope's last DEFAULT_HISTORY_CAP lease events (a capped stream, ~4 KB at least per
+# scope); the SQL backend keeps events until purge_history removes those older than the retention.
+DEFAULT_HISTORY_CAP = 256
+DEFAULT_HISTORY_RETENTION = 30 * 24 * 3600.0
 MAX_HISTORY_LIMIT = 10_000
 
 
@@ -55,6 +58,7 @@ class LeaseCore(Protocol):
     def repair(self, lease: Lease, highest: int) -> Plan[tuple[int, int] | None]: ...
     def current(self, scope: str) -> Plan[LeaseInfo | None]: ...
     def history(self, scope: str, limit: int) -> Plan[list[LeaseEvent]]: ...
+    def purge_history(self, older_than_ms: int) -> Plan[int]: ...
 
 
 def backoff(attempt: int, retry_after: float, rng: random.Random) -> float:
@@ -113,6 +117,12 @@ class LeasePlans:
             raise InvalidLeaseRequest(f"limit must be between 1 and {MAX_HISTORY_LIMIT}")
         events: list[LeaseEvent] = yield Atomic(self.core.history(validate_scope(scope), limit))
         return events
+
+    def purge_history(self, older_than: float) -> Plan[int]:
+        if isinstance(older_than, bool) or not isinstance(older_than, int | float) or older_than < 60:
+            raise InvalidLeaseRequest("history retention must be at least 60 seconds")
+        purged: int = yield Atomic(self.core.purge_history(round(older_than * 1000)))
+        return purged
 
     def break_lease(self, scope: str, reason: str) -> Plan[LeaseInfo | None]:
         info: LeaseInfo | None = yield Atomic(self.core.break_lease(validate_scope(scope), reason))
@@ -226,6 +236,10 @@ class LeaseManager:
 
     def history(self, scope: str, *, limit: int = 100) -> list[LeaseEvent]:
         return self.executor.run(self.plans.history(scope, limit))  # type: ignore[no-any-return]
+
+    def purge_history(self, *, older_than: float = DEFAULT_HISTORY_RETENTION) -> int:
+        """Delete SQL lease events older than ``older_than`` seconds; Redis streams are capped instead."""
+        return self.executor.run(self.plans.purge_history(older_than))  # type: ignore[no-any-return]
 
     def break_lease(self, scope: str, *, reason: str) -> LeaseInfo | None:
         """Administrative: end the scope's current lease now. Its holder's next write is rejected."""
@@ -352,6 +366,9 @@ class AsyncLeaseManager:
 
     async def history(self, scope: str, *, limit: int = 100) -> list[LeaseEvent]:
         return await self.executor.run(self.plans.history(scope, limit))  # type: ignore[no-any-return]
+
+    async def purge_history(self, *, older_than: float = DEFAULT_HISTORY_RETENTION) -> int:
+        return await self.executor.run(self.plans.purge_history(older_than))  # type: ignore[no-any-return]
 
     async def break_lease(self, scope: str, *, reason: str) -> LeaseInfo | None:
         return await self.executor.run(self.plans.break_lease(scope, reason))  # type: ignore[no-any-return]

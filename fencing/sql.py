@@ -88,7 +88,8 @@ def make_engine(url: str | URL, **kwargs: Any) -> Engine:
         engine = sa.create_engine(parsed, **kwargs)
         _sqlite_setup(engine)
         return engine
-    kwargs.setdefault("pool_pre_ping", True)
+    # No pool_pre_ping: it costs a round trip per transaction. A connection that died with the server
+    # fails its first statement, which surfaces as BackendUnavailable and invalidates the pool.
     return sa.create_engine(parsed, **kwargs)
 
 
@@ -99,7 +100,6 @@ def make_async_engine(url: str | URL, **kwargs: Any) -> AsyncEngine:
         engine = create_async_engine(parsed, **kwargs)
         _sqlite_setup(engine.sync_engine)
         return engine
-    kwargs.setdefault("pool_pre_ping", True)
     return create_async_engine(parsed, **kwargs)
 
 

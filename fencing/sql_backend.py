@@ -208,6 +208,14 @@ class SqlLeaseCore:
             return None
         return LeaseInfo(scope=scope, token=int(row[0]), holder=row[1], time_left=row[2] / 1000)
 
+    def purge_history(self, older_than_ms: int) -> Plan[int]:
+        gone: Rows = yield (
+            sa.delete(lease_events)
+            .where(lease_events.c.at_ms < db_now_ms() - older_than_ms)
+            .returning(lease_events.c.id)
+        )
+        return len(gone.rows)
+
     def history(self, scope: str, limit: int) -> Plan[list[LeaseEvent]]:
         found: Rows = yield (
             sa.select(lease_events)

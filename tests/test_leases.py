@@ -257,3 +257,11 @@ async def test_async_hold_marks_lost_when_renewal_fails(async_manager: AsyncLeas
         while not lease.lost and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         assert lease.lost
+
+
+def test_history_retention(manager: LeaseManager) -> None:
+    manager.release(manager.acquire("sku:A", ttl=5, holder="A"))
+    assert manager.purge_history(older_than=3600) == 0  # recent events stay
+    assert [e.event for e in manager.history("sku:A")] == ["acquired", "released"]
+    with pytest.raises(InvalidLeaseRequest):
+        manager.purge_history(older_than=1)

@@ -1,0 +1,133 @@
+"""``python -m bench``: run every benchmark against its baseline and print one table of ratios.
+
+Sections whose service is unreachable are skipped and listed; scratch keys, schemas and files are
+removed before exit whatever happens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+
+from rich.console import Console
+
+from bench.env import Scratch, Settings, probe
+from bench.leases import redis_vs_raw, sql_vs_redis_leases
+from bench.report import Plan, render_markdown, render_rich
+from bench.timing import Progress, Results
+from bench.writes import guarded_vs_plain
+
+# Sized for a 2-core machine to finish in well under a minute; SQL operations cost several round
+# trips and a commit each, so their sections run proportionally fewer iterations.
+DEFAULT_ITERATIONS = 1500
+QUICK_ITERATIONS = 200
+WRITE_SHARE = 10
+BACKEND_SHARE = 25
+MIN_ITERATIONS = 5
+WARMUP_FRACTION = 0.1
+SECTIONS = ("redis", "writes", "backends")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench",
+        description="Fencing benchmarks, each against a baseline measured in the same run. "
+        "Service URLs come from BENCH_REDIS_URL and BENCH_POSTGRES_URL.",
+    )
+    parser.add_argument(
+        "--iterations", type=int, metavar="N",
+        help=f"timed Redis pairs per run (default {DEFAULT_ITERATIONS}, {QUICK_ITERATIONS} with "
+        f"--quick); SQL writes run N/{WRITE_SHARE}, the backend comparison N/{BACKEND_SHARE}",
+    )
+    parser.add_argument("--quick", action="store_true", help="a fast smoke run with fewer iterations")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per case (default 3)")
+    parser.add_argument("--markdown", action="store_true", help="print the report as Markdown")
+    parser.add_argument(
+        "--only", action="append", choices=SECTIONS,
+        help="run only this section (repeatable): redis = lease vs raw Redis, writes = guarded vs "
+        "plain write, backends = SQL vs Redis lease backend",
+    )
+    args = parser.parse_args(argv)
+    if args.iterations is not None and args.iterations < MIN_ITERATIONS:
+        parser.error(f"--iterations must be at least {MIN_ITERATIONS}")
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    n = args.iterations or (QUICK_ITERATIONS if args.quick else DEFAULT_ITERATIONS)
+    plan = Plan(
+        redis_iterations=n,
+        write_iterations=max(MIN_ITERATIONS, n // WRITE_SHARE),
+        backend_iterations=max(MIN_ITERATIONS, n // BACKEND_SHARE),
+        repeats=args.repeats,
+        warmup_fraction=WARMUP_FRACTION,
+    )
+    wanted = set(args.only or SECTIONS)
+    settings = Settings.from_env()
+    errors = Console(stderr=True)
+    progress: Progress | None = None
+    if errors.is_terminal:
+        def progress(message: str) -> None:
+            errors.print(f"[dim]{message}[/dim]", highlight=False)
+
+    ctx = probe(settings)
+    redis_ok, postgres_ok = ctx.redis_version is not None, ctx.postgres_version is not None
+    results = Results()
+    if not redis_ok and wanted - {"writes"}:
+        results.skipped.append("Skipped the Redis and backend sections: Redis is unreachable.")
+    if not postgres_ok and wanted - {"redis"}:
+        results.skipped.append("Skipped the PostgreSQL rows: PostgreSQL is unreachable.")
+
+    def sizing(iterations: int) -> dict[str, int]:
+        return {
+            "iterations": iterations,
+            "warmup": max(10, round(iterations * WARMUP_FRACTION)),
+            "repeats": args.repeats,
+        }
+
+    # A terminated run (CI timeout, kill) must still reach the cleanup below; SystemExit does.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    started = time.perf_counter()
+    scratch = Scratch(settings)
+    try:
+        if "redis" in wanted and redis_ok:
+            if progress:
+                progress("Redis lease vs raw Redis lock")
+            redis_vs_raw(scratch, results, progress=progress, **sizing(plan.redis_iterations))
+        if "writes" in wanted:
+            targets = [("PostgreSQL", scratch.postgres_url)] if postgres_ok else []
+            targets.append(("SQLite", scratch.sqlite_url))
+            for label, url_of in targets:
+                if progress:
+                    progress(f"guarded vs plain write, {label}")
+                guarded_vs_plain(
+                    url_of(), label, results, progress=progress, **sizing(plan.write_iterations)
+                )
+        if "backends" in wanted and redis_ok:
+            if progress:
+                progress("SQL vs Redis lease backend")
+            sql_vs_redis_leases(
+                scratch, results, postgres=postgres_ok, sqlite=True, progress=progress,
+                **sizing(plan.backend_iterations),
+            )
+    finally:
+        for problem in scratch.close():
+            errors.print(f"cleanup: {problem}", highlight=False)
+    results.notes.append(f"Whole run: {time.perf_counter() - started:.1f} s.")
+
+    if args.markdown:
+        print(render_markdown(ctx, plan, results))
+    else:
+        # A pipe gets no terminal width; let the table keep its natural width instead of 80 columns.
+        out = Console() if sys.stdout.isatty() else Console(width=240)
+        render_rich(ctx, plan, results, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

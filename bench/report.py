@@ -1,0 +1,124 @@
+"""Rendering: the machine context and the table of rows, as a rich terminal table or as Markdown.
+
+Both renderings carry the same cells; Markdown exists so a run can be pasted into docs unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from bench.env import Context
+from bench.timing import BLOCKS, Results, Row
+
+HEADERS = ("benchmark", "baseline", "ops/s", "baseline ops/s", "ratio", "p50 / p99",
+           "baseline p50 / p99")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How the run was sized, for the header."""
+
+    redis_iterations: int
+    write_iterations: int
+    backend_iterations: int
+    repeats: int
+    warmup_fraction: float
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.0f} µs"
+    return f"{seconds * 1e3:.2f} ms"
+
+
+def _cells(row: Row) -> tuple[str, ...]:
+    s, b = row.subject, row.baseline
+    return (
+        s.name,
+        b.name,
+        f"{s.median_ops:,.0f}",
+        f"{b.median_ops:,.0f}",
+        f"{row.ratio:.2f}x",
+        f"{_duration(s.p50)} / {_duration(s.p99)}",
+        f"{_duration(b.p50)} / {_duration(b.p99)}",
+    )
+
+
+def _sections(rows: list[Row]) -> Iterator[tuple[str, list[Row]]]:
+    current: list[Row] = []
+    for row in rows:
+        if current and current[0].section != row.section:
+            yield current[0].section, current
+            current = []
+        current.append(row)
+    if current:
+        yield current[0].section, current
+
+
+def context_lines(ctx: Context, plan: Plan) -> list[str]:
+    redis = (f"{ctx.redis_version} at {ctx.redis_url}" if ctx.redis_version
+             else f"unavailable at {ctx.redis_url} ({ctx.redis_error})")
+    postgres = (f"{ctx.postgres_version} at {ctx.postgres_url}" if ctx.postgres_version
+                else f"unavailable at {ctx.postgres_url} ({ctx.postgres_error})")
+    packages = ", ".join(f"{name} {ver}" for name, ver in ctx.packages.items())
+    return [
+        f"Python: {ctx.python} on {ctx.platform}",
+        f"CPUs: {ctx.cpus} ({ctx.cpus_usable} usable by this process)",
+        f"Redis: {redis}",
+        f"PostgreSQL: {postgres}",
+        f"SQLite: {ctx.sqlite_version} (file in a temp dir)",
+        f"Packages: {packages}",
+        (
+            f"Method: per run {plan.redis_iterations} Redis pairs / {plan.write_iterations} writes / "
+            f"{plan.backend_iterations} backend pairs, after a {plan.warmup_fraction:.0%} warm-up; "
+            f"{plan.repeats} runs per case, each run interleaving its cases in {BLOCKS} blocks; medians"
+        ),
+    ]
+
+
+LEGEND = (
+    "ops/s: median over runs. ratio: median over runs of (ops/s ÷ baseline ops/s), both timed "
+    "back to back in the same run; below 1.00x means slower than the baseline. "
+    "p50 / p99: per-operation latency over all timed iterations."
+)
+
+
+def render_rich(ctx: Context, plan: Plan, results: Results, console: Console) -> None:
+    for line in context_lines(ctx, plan):
+        label, _, rest = line.partition(": ")
+        console.print(f"[bold]{label}:[/bold] {rest}", highlight=False)
+    console.print()
+    table = Table(box=box.SIMPLE_HEAVY, show_edge=False, pad_edge=False)
+    for i, header in enumerate(HEADERS):
+        table.add_column(header, justify="left" if i < 2 else "right", no_wrap=i >= 2)
+    for n, (section, rows) in enumerate(_sections(results.rows)):
+        if n:
+            table.add_section()
+        table.add_row(f"[bold cyan]{section}[/bold cyan]", *[""] * (len(HEADERS) - 1))
+        for row in rows:
+            table.add_row(*_cells(row))
+    console.print(table)
+    console.print()
+    for note in [LEGEND, *results.skipped, *results.notes]:
+        console.print(f"• {note}", highlight=False)
+
+
+def _md_escape(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def render_markdown(ctx: Context, plan: Plan, results: Results) -> str:
+    lines = [f"- {line}" for line in context_lines(ctx, plan)]
+    lines += ["", "| " + " | ".join(HEADERS) + " |",
+              "|" + "|".join(["---", "---", "--:", "--:", "--:", "--:", "--:"]) + "|"]
+    for section, rows in _sections(results.rows):
+        lines.append(f"| **{_md_escape(section)}** |" + " |" * (len(HEADERS) - 1))
+        lines += ["| " + " | ".join(_md_escape(c) for c in _cells(row)) + " |" for row in rows]
+    lines.append("")
+    lines += [f"- {_md_escape(note)}" for note in [LEGEND, *results.skipped, *results.notes]]
+    return "\n".join(lines)
