@@ -13,9 +13,10 @@ from typing import Any
 
 from fencing import AsyncLeaseManager, Lease, LeaseManager
 from fencing.sql import AsyncSqlExecutor, SyncSqlExecutor, make_async_engine, make_engine, mask_url
-from reservations import reads, schema
+from reservations import reads, requests, schema
 from reservations import validation as valid
 from reservations.operations import InventoryPlans
+from reservations.requests import Attempt, RequestResult
 from reservations.timeline import TimelineEntry, merge
 from reservations.views import HistoryEntry, Outcome, ReservationView, StockLevel
 
@@ -125,6 +126,23 @@ class Inventory:
 
     def invariant_violations(self) -> list[str]:
         return self._run(reads.invariant_violations())  # type: ignore[no-any-return]
+
+    def request_outcome(self, key: str) -> RequestResult | None:
+        return self._run(requests.request_outcome(key))  # type: ignore[no-any-return]
+
+    def record_outcome(
+        self, key: str, operation: str, status: str, detail: dict[str, Any], **who: Any
+    ) -> RequestResult:
+        return self._run(requests.record_outcome(key, operation, status, detail, **who))  # type: ignore[no-any-return]
+
+    def record_attempt(self, key: str, operation: str, result: str, **who: Any) -> None:
+        self._run(requests.record_attempt(key, operation, result, **who))
+
+    def attempts(self, key: str) -> list[Attempt]:
+        return self._run(requests.attempts(key))  # type: ignore[no-any-return]
+
+    def skus_with_due_holds(self, limit: int = 1000) -> list[str]:
+        return self._run(requests.skus_with_due_holds(limit))  # type: ignore[no-any-return]
 
     def timeline(self, sku: str, manager: LeaseManager, *, limit: int = 1000) -> list[TimelineEntry]:
         """Lease events, accepted writes and rejections of ``sku`` as one ordered timeline."""

@@ -121,3 +121,44 @@ stock = Stock.__table__  # type: ignore[attr-defined]
 reservations = Reservation.__table__  # type: ignore[attr-defined]
 idempotency_keys = IdempotencyRecord.__table__  # type: ignore[attr-defined]
 sku_history = SkuHistory.__table__  # type: ignore[attr-defined]
+
+
+class RequestOutcome(SQLModel, table=True):
+    """The one final outcome of a request, by its idempotency key: written once, never changed."""
+
+    __tablename__ = "request_outcomes"
+
+    key: str = Field(primary_key=True, max_length=200)
+    operation: str = Field(max_length=32)
+    status: str = Field(max_length=32)  # reserved, confirmed, released, restocked, insufficient_stock, ...
+    detail: str  # JSON
+    task_id: str | None = Field(default=None, max_length=64)
+    worker: str | None = Field(default=None, max_length=200)
+    epochs: int = 0
+    at_ms: int = Field(sa_column=_bigint())
+
+
+class TaskAttempt(SQLModel, table=True):
+    """One attempt at a request: applied, replayed, lost ownership, busy, transient failure, ..."""
+
+    __tablename__ = "task_attempts"
+    __table_args__ = (sa.Index("ix_task_attempts_key_id", "key", "id"),)
+
+    id: int | None = Field(
+        default=None,
+        sa_column=sa.Column(
+            sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True, autoincrement=True
+        ),
+    )
+    key: str = Field(max_length=200)
+    operation: str = Field(max_length=32)
+    task_id: str | None = Field(default=None, max_length=64)
+    worker: str | None = Field(default=None, max_length=200)
+    token: int | None = Field(default=None, sa_column=_bigint(nullable=True))
+    result: str = Field(max_length=32)
+    detail: str | None = None
+    at_ms: int = Field(sa_column=_bigint())
+
+
+request_outcomes = RequestOutcome.__table__  # type: ignore[attr-defined]
+task_attempts = TaskAttempt.__table__  # type: ignore[attr-defined]

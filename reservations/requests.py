@@ -1,0 +1,190 @@
+"""Requests as the queue sees them: the one final outcome per idempotency key, and the attempts behind it.
+
+The stock change itself is made idempotent by :mod:`reservations.operations`; this module records what
+a caller waits for. The first final outcome written for a key wins; later writers get it back.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.exc import IntegrityError
+
+from fencing._plan import Atomic, Plan
+from fencing.sql import Rows, db_now_ms
+from reservations import validation as valid
+from reservations.errors import InvalidRequest
+from reservations.models import HELD, request_outcomes, reservations, task_attempts
+
+FINAL_STATUSES = (
+    "reserved",
+    "confirmed",
+    "released",
+    "restocked",
+    "adjusted",
+    "insufficient_stock",
+    "invalid",
+    "dead_lettered",
+)
+ATTEMPT_RESULTS = (
+    "applied",
+    "replayed",
+    "lost_ownership",
+    "busy",
+    "transient",
+    "insufficient_stock",
+    "invalid",
+    "dead_lettered",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestResult:
+    key: str
+    operation: str
+    status: str
+    detail: dict[str, Any]
+    task_id: str | None
+    worker: str | None
+    epochs: int
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    key: str
+    operation: str
+    task_id: str | None
+    worker: str | None
+    token: int | None
+    result: str
+    detail: str | None
+    at: float
+
+
+def _result(row: Any) -> RequestResult:
+    return RequestResult(
+        key=row.key,
+        operation=row.operation,
+        status=row.status,
+        detail=json.loads(row.detail),
+        task_id=row.task_id,
+        worker=row.worker,
+        epochs=row.epochs,
+        at=row.at_ms / 1000,
+    )
+
+
+def request_outcome(key: str) -> Plan[RequestResult | None]:
+    found: Rows = yield sa.select(request_outcomes).where(
+        request_outcomes.c.key == valid.idempotency_key(key)
+    )
+    row = found.first()
+    return None if row is None else _result(row)
+
+
+def _insert_outcome(values: dict[str, Any]) -> Plan[RequestResult]:
+    found: Rows = yield sa.select(request_outcomes).where(request_outcomes.c.key == values["key"])
+    row = found.first()
+    if row is not None:
+        return _result(row)
+    yield sa.insert(request_outcomes).values(at_ms=db_now_ms(), **values)
+    stored: Rows = yield sa.select(request_outcomes).where(request_outcomes.c.key == values["key"])
+    return _result(stored.rows[0])
+
+
+def record_outcome(
+    key: str,
+    operation: str,
+    status: str,
+    detail: dict[str, Any],
+    *,
+    task_id: str | None = None,
+    worker: str | None = None,
+    epochs: int = 0,
+) -> Plan[RequestResult]:
+    """Write the request's final outcome unless one exists; return whichever is stored."""
+    valid.idempotency_key(key)
+    if status not in FINAL_STATUSES:
+        raise InvalidRequest(f"unknown final status {status!r}", field="status")
+    values = {
+        "key": key,
+        "operation": operation,
+        "status": status,
+        "detail": json.dumps(detail, sort_keys=True),
+        "task_id": task_id,
+        "worker": worker,
+        "epochs": epochs,
+    }
+    for _ in range(3):
+        try:
+            result: RequestResult = yield Atomic(_insert_outcome(values))
+            return result
+        except IntegrityError:  # a concurrent writer stored its outcome first; read it back
+            continue
+    raise RuntimeError(f"could not store the outcome of {key!r}")  # pragma: no cover
+
+
+def _insert_attempt(values: dict[str, Any]) -> Plan[None]:
+    yield sa.insert(task_attempts).values(at_ms=db_now_ms(), **values)
+
+
+def record_attempt(
+    key: str,
+    operation: str,
+    result: str,
+    *,
+    task_id: str | None = None,
+    worker: str | None = None,
+    token: int | None = None,
+    detail: str | None = None,
+) -> Plan[None]:
+    if result not in ATTEMPT_RESULTS:
+        raise InvalidRequest(f"unknown attempt result {result!r}", field="result")
+    yield Atomic(
+        _insert_attempt(
+            {
+                "key": key[: valid.MAX_KEY_CHARS],
+                "operation": operation,
+                "result": result,
+                "task_id": task_id,
+                "worker": worker,
+                "token": token,
+                "detail": detail,
+            }
+        )
+    )
+
+
+def attempts(key: str) -> Plan[list[Attempt]]:
+    found: Rows = yield (
+        sa.select(task_attempts).where(task_attempts.c.key == key).order_by(task_attempts.c.id)
+    )
+    return [
+        Attempt(
+            key=r.key,
+            operation=r.operation,
+            task_id=r.task_id,
+            worker=r.worker,
+            token=r.token,
+            result=r.result,
+            detail=r.detail,
+            at=r.at_ms / 1000,
+        )
+        for r in found.rows
+    ]
+
+
+def skus_with_due_holds(limit: int = 1000) -> Plan[list[str]]:
+    """SKUs that have held reservations past their hold (database clock): work for the expiry sweep."""
+    found: Rows = yield (
+        sa.select(reservations.c.sku)
+        .distinct()
+        .where(reservations.c.status == HELD, reservations.c.hold_expires_ms <= db_now_ms())
+        .order_by(reservations.c.sku)
+        .limit(limit)
+    )
+    return [r[0] for r in found.rows]
