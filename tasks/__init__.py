@@ -1,1 +1,22 @@
-"""Celery tasks that take a SKU's lease and carry its fencing token into every stock change."""
+"""Celery tasks that take a SKU's lease and carry its fencing token into every stock change.
+
+Start workers with ``celery -A tasks worker``; producers use :func:`enqueue_reservation` (asyncio) or
+:class:`ReservationClient` (both worlds). Configuration: :class:`tasks.settings.Settings`.
+"""
+
+from tasks import worker as _worker  # noqa: F401  (connects the per-process lifecycle signals)
+from tasks.app import app, create_app
+from tasks.client import OutcomeTimeout, ReservationClient, ReservationHandle, enqueue_reservation, request_id
+from tasks.settings import Settings, SettingsError
+
+__all__ = [
+    "OutcomeTimeout",
+    "ReservationClient",
+    "ReservationHandle",
+    "Settings",
+    "SettingsError",
+    "app",
+    "create_app",
+    "enqueue_reservation",
+    "request_id",
+]

@@ -1,0 +1,60 @@
+"""The Celery application, configured so that redelivery is safe and nothing but JSON crosses the broker.
+
+Late acks + reject-on-worker-loss: a message is acknowledged only after its task finished, so a worker
+killed mid-task gives the request back to the queue; the idempotency key makes the second run harmless.
+Prefetch of one: a worker holds no queue of other SKUs' requests while it waits on a lease.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery import Celery
+
+from tasks.settings import Settings
+
+
+def configure(app: Celery, settings: Settings) -> None:
+    transport: dict[str, Any] = {"visibility_timeout": settings.visibility_timeout}
+    app.conf.update(
+        broker_url=settings.broker_url,
+        result_backend=settings.result_backend,
+        task_serializer="json",
+        result_serializer="json",
+        accept_content=["json"],
+        result_accept_content=["json"],
+        event_serializer="json",
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        # A task that raised still acks: its outcome is recorded; redelivering it would not change it.
+        task_acks_on_failure_or_timeout=True,
+        worker_prefetch_multiplier=1,
+        broker_transport_options=transport,
+        result_backend_transport_options=transport,
+        result_expires=24 * 3600,
+        result_extended=True,
+        task_track_started=True,
+        broker_connection_retry_on_startup=True,
+        worker_hijack_root_logger=False,
+        beat_schedule={
+            "expire-due-holds": {
+                "task": "reservations.expire_holds",
+                "schedule": settings.expiry_interval,
+            }
+        },
+    )
+    app.conf.reservations_settings = settings
+
+
+def create_app(settings: Settings | None = None) -> Celery:
+    app = Celery("reservations", include=["tasks.jobs"])
+    configure(app, settings or Settings.from_env())
+    return app
+
+
+def settings_of(app: Celery) -> Settings:
+    settings: Settings = app.conf.reservations_settings
+    return settings
+
+
+app = create_app()

@@ -1,0 +1,101 @@
+"""One frozen settings object, built from environment variables, shared by workers, producers and the CLI.
+
+Variables (prefix ``RESERVATIONS_``), with defaults:
+
+- BROKER_URL: redis://127.0.0.1:6379/0 (Celery broker)
+- RESULT_BACKEND: redis://127.0.0.1:6379/1 (Celery result backend)
+- DATABASE_URL: sqlite:///var/reservations.sqlite3 (inventory; SQLite or PostgreSQL)
+- LEASE_URL: the database URL (lease backend: redis://... or a SQL URL)
+- LEASE_PREFIX: fencing (Redis key prefix of the leases)
+- LEASE_TTL: 30 (seconds a task's SKU lease lasts without renewal)
+- MAX_EPOCHS: 3 (lost-ownership redrives of one request before it is dead-lettered)
+- MAX_RETRIES: 200 (busy-lease retries before dead-letter; transient failures get at most 20)
+- VISIBILITY_TIMEOUT: 3600 (seconds before an unacknowledged message is redelivered)
+- EXPIRY_INTERVAL: 30 (seconds between hold-expiry sweeps by celery beat)
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+
+from fencing import mask_url
+
+PREFIX = "RESERVATIONS_"
+
+
+class SettingsError(ValueError):
+    """A setting that cannot be used; names the variable."""
+
+
+def _number(env: Mapping[str, str], name: str, default: float, low: float, high: float) -> float:
+    raw = env.get(PREFIX + name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise SettingsError(f"{PREFIX}{name} must be a number, got {raw!r}") from None
+    if not low <= value <= high:
+        raise SettingsError(f"{PREFIX}{name} must be between {low} and {high}, got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class Settings:
+    broker_url: str = "redis://127.0.0.1:6379/0"
+    result_backend: str = "redis://127.0.0.1:6379/1"
+    database_url: str = "sqlite:///var/reservations.sqlite3"
+    lease_url: str = ""  # empty: the SQL lease backend on the database
+    lease_prefix: str = "fencing"
+    lease_ttl: float = 30.0
+    max_epochs: int = 3
+    max_retries: int = 200
+    visibility_timeout: float = 3600.0
+    expiry_interval: float = 30.0
+    extra: dict[str, str] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.lease_url:
+            object.__setattr__(self, "lease_url", self.database_url)
+        # Redelivery must never overtake a live attempt: an unacked message comes back only after the
+        # longest a lease can be held plus the retry countdowns in between.
+        if self.visibility_timeout < 4 * self.lease_ttl:
+            raise SettingsError(
+                f"{PREFIX}VISIBILITY_TIMEOUT ({self.visibility_timeout}s) must be at least 4x the lease "
+                f"ttl ({self.lease_ttl}s)"
+            )
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
+        env = os.environ if env is None else env
+        defaults = cls()
+        database = env.get(PREFIX + "DATABASE_URL") or defaults.database_url
+        return cls(
+            broker_url=env.get(PREFIX + "BROKER_URL") or defaults.broker_url,
+            result_backend=env.get(PREFIX + "RESULT_BACKEND") or defaults.result_backend,
+            database_url=database,
+            lease_url=env.get(PREFIX + "LEASE_URL") or database,
+            lease_prefix=env.get(PREFIX + "LEASE_PREFIX") or defaults.lease_prefix,
+            lease_ttl=_number(env, "LEASE_TTL", defaults.lease_ttl, 0.05, 3600),
+            max_epochs=int(_number(env, "MAX_EPOCHS", defaults.max_epochs, 1, 100)),
+            max_retries=int(_number(env, "MAX_RETRIES", defaults.max_retries, 0, 100_000)),
+            visibility_timeout=_number(env, "VISIBILITY_TIMEOUT", defaults.visibility_timeout, 1, 7 * 86400),
+            expiry_interval=_number(env, "EXPIRY_INTERVAL", defaults.expiry_interval, 0.1, 86400),
+        )
+
+    def with_(self, **changes: object) -> Settings:
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+    def masked(self) -> dict[str, str]:
+        """The settings as they may be printed: every URL with its password hidden."""
+        return {
+            "broker_url": mask_url(self.broker_url),
+            "result_backend": mask_url(self.result_backend),
+            "database_url": mask_url(self.database_url),
+            "lease_url": mask_url(self.lease_url),
+            "lease_ttl": f"{self.lease_ttl:g}s",
+            "max_epochs": str(self.max_epochs),
+            "visibility_timeout": f"{self.visibility_timeout:g}s",
+        }

@@ -1,0 +1,75 @@
+"""Per-process clients for Celery workers: created after fork, closed at shutdown, never shared.
+
+A prefork child must not reuse the parent's sockets (two processes on one connection corrupt both), so
+each process builds its own lease manager and database pool on first use and drops inherited ones.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from celery.signals import worker_process_init, worker_process_shutdown, worker_shutdown
+
+from fencing import LeaseManager
+from reservations import Inventory
+from tasks.settings import Settings
+
+
+@dataclass
+class Resources:
+    settings: Settings
+    inventory: Inventory
+    leases: LeaseManager
+    pid: int
+
+    def close(self) -> None:
+        self.inventory.close()
+        self.leases.close()
+
+
+_lock = threading.Lock()
+_resources: Resources | None = None
+
+
+def worker_identity() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def resources(settings: Settings) -> Resources:
+    """This process's clients, created on first use (and again in a forked child)."""
+    global _resources
+    with _lock:
+        if _resources is None or _resources.pid != os.getpid():
+            if _resources is not None:
+                # Inherited from the parent: drop the pool without closing the parent's connections.
+                _resources.inventory.executor.engine.dispose(close=False)
+            _resources = Resources(
+                settings=settings,
+                inventory=Inventory.from_url(settings.database_url),
+                leases=LeaseManager.from_url(settings.lease_url, prefix=settings.lease_prefix),
+                pid=os.getpid(),
+            )
+        return _resources
+
+
+def close_resources(**_: Any) -> None:
+    global _resources
+    with _lock:
+        if _resources is not None and _resources.pid == os.getpid():
+            _resources.close()
+        _resources = None
+
+
+@worker_process_init.connect
+def _init_process(**_: Any) -> None:
+    from tasks.app import app, settings_of
+
+    resources(settings_of(app))
+
+
+worker_process_shutdown.connect(close_resources)
+worker_shutdown.connect(close_resources)
