@@ -37,6 +37,7 @@ from reservations import (
 from reservations import validation as valid
 from reservations.requests import RequestResult
 from tasks.app import app, settings_of
+from tasks.failpoints import failpoint
 from tasks.worker import Resources, resources, worker_identity
 
 log = logging.getLogger("tasks")
@@ -125,7 +126,9 @@ def run_request(
             res.leases, skus(res), ttl=settings.lease_ttl, holder=f"{worker}:{task_id}"
         ) as leases:
             lease_token = max((lease.token for lease in leases.values()), default=None)
+            failpoint("before_write")
             outcome = apply(res.inventory, leases)
+            failpoint("after_write")
         res.inventory.record_attempt(
             key, operation, "replayed" if outcome.replayed else "applied", token=outcome.token, **who
         )

@@ -1,0 +1,63 @@
+"""Named fault-injection points for fault tests and chaos runs; inert unless configured.
+
+``RESERVATIONS_FAILPOINTS="before_write=stop,once;after_write=kill"`` makes the worker stop itself with
+SIGSTOP right after taking its leases (a pause at the worst moment), or die with SIGKILL after its
+stock change committed but before its outcome was recorded and its message acknowledged. ``once`` fires
+in one process only, coordinated by an exclusive marker file in ``RESERVATIONS_FAILPOINT_DIR``.
+Actions: ``stop``, ``kill``, ``sleep:SECONDS``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from functools import cache
+from pathlib import Path
+
+log = logging.getLogger("tasks.failpoints")
+
+POINTS = ("before_write", "after_write")
+
+
+@cache
+def _configured(spec: str) -> dict[str, tuple[str, bool]]:
+    points: dict[str, tuple[str, bool]] = {}
+    for part in filter(None, (p.strip() for p in spec.split(";"))):
+        name, _, action = part.partition("=")
+        action, _, flag = action.partition(",")
+        if name not in POINTS or not (action in ("stop", "kill") or action.startswith("sleep:")):
+            raise ValueError(f"bad failpoint {part!r}; points: {', '.join(POINTS)}")
+        points[name] = (action, flag == "once")
+    return points
+
+
+def _claim(name: str) -> bool:
+    default = Path("/tmp") / f"reservations-failpoints-{os.getuid()}"
+    folder = Path(os.environ.get("RESERVATIONS_FAILPOINT_DIR") or default)
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        os.close(os.open(folder / name, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        return False
+
+
+def failpoint(name: str) -> None:
+    spec = os.environ.get("RESERVATIONS_FAILPOINTS")
+    if not spec:
+        return
+    configured = _configured(spec).get(name)
+    if configured is None:
+        return
+    action, once = configured
+    if once and not _claim(name):
+        return
+    log.warning("failpoint %s: %s in process %d", name, action, os.getpid())
+    if action == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    elif action == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    else:
+        time.sleep(float(action.removeprefix("sleep:")))
