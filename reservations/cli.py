@@ -11,6 +11,8 @@ from typing import Annotated
 
 import typer
 
+from fencing import mask_url
+
 app = typer.Typer(
     help="Fenced inventory reservations: demo and administration.",
     no_args_is_help=True,
@@ -42,6 +44,47 @@ def fence_demo(
 
     if not demo.run(database, ttl=ttl):
         raise typer.Exit(EXIT_FAILED)
+
+
+db_app = typer.Typer(
+    help="Database schema (Alembic migrations shipped with the package).", no_args_is_help=True
+)
+app.add_typer(db_app, name="db")
+
+DatabaseUrl = Annotated[
+    str,
+    typer.Option(
+        "--database-url",
+        envvar="RESERVATIONS_DATABASE_URL",
+        help="Inventory database URL (env RESERVATIONS_DATABASE_URL).",
+        show_default=False,
+    ),
+]
+
+
+@db_app.command("upgrade")
+def db_upgrade(database_url: DatabaseUrl, revision: str = "head") -> None:
+    """WRITES: migrate the database schema to REVISION (default: the newest).
+
+    Example: reservations db upgrade --database-url postgresql://app@db/reservations
+    """
+    from reservations import schema
+
+    schema.upgrade(database_url, revision)
+    typer.echo(f"{mask_url(database_url)} is at revision {schema.current(database_url)}")
+
+
+@db_app.command("current")
+def db_current(database_url: DatabaseUrl) -> None:
+    """Show the schema revision of the database and the newest one this package ships.
+
+    Example: reservations db current
+    """
+    from reservations import schema
+
+    typer.echo(f"database: {mask_url(database_url)}")
+    typer.echo(f"current:  {schema.current(database_url) or 'none (empty database)'}")
+    typer.echo(f"head:     {schema.head()}")
 
 
 def main() -> None:
