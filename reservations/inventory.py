@@ -274,6 +274,17 @@ class AsyncInventory:
     async def invariant_violations(self) -> list[str]:
         return await self._run(reads.invariant_violations())  # type: ignore[no-any-return]
 
+    async def request_outcome(self, key: str) -> RequestResult | None:
+        return await self._run(requests.request_outcome(key))  # type: ignore[no-any-return]
+
+    async def record_outcome(
+        self, key: str, operation: str, status: str, detail: dict[str, Any], **who: Any
+    ) -> RequestResult:
+        return await self._run(requests.record_outcome(key, operation, status, detail, **who))  # type: ignore[no-any-return]
+
+    async def attempts(self, key: str) -> list[Attempt]:
+        return await self._run(requests.attempts(key))  # type: ignore[no-any-return]
+
     async def timeline(
         self, sku: str, manager: AsyncLeaseManager, *, limit: int = 1000
     ) -> list[TimelineEntry]:
