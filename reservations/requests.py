@@ -7,6 +7,7 @@ a caller waits for. The first final outcome written for a key wins; later writer
 from __future__ import annotations
 
 import json
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +40,19 @@ ATTEMPT_RESULTS = (
     "invalid",
     "dead_lettered",
 )
+
+
+_REQUEST_NAMESPACE = uuid.UUID("6f1c3f0e-4a57-4d1e-9a43-2f3b0c9d7e11")
+
+
+def request_id(key: str) -> str:
+    """The queue's id for the request with this idempotency key: the same key always names one request."""
+    return str(uuid.uuid5(_REQUEST_NAMESPACE, valid.idempotency_key(key)))
+
+
+def task_name(operation: str) -> str:
+    """Celery task names are plain strings, so producers (the CLI too) need not import the workers."""
+    return f"reservations.{operation}"
 
 
 @dataclass(frozen=True, slots=True)

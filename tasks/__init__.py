@@ -4,9 +4,10 @@ Start workers with ``celery -A tasks worker``; producers use :func:`enqueue_rese
 :class:`ReservationClient` (both worlds). Configuration: :class:`tasks.settings.Settings`.
 """
 
+from reservations.requests import request_id
 from tasks import worker as _worker  # noqa: F401  (connects the per-process lifecycle signals)
 from tasks.app import app, create_app
-from tasks.client import OutcomeTimeout, ReservationClient, ReservationHandle, enqueue_reservation, request_id
+from tasks.client import OutcomeTimeout, ReservationClient, ReservationHandle, enqueue_reservation
 from tasks.settings import Settings, SettingsError
 
 __all__ = [

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -21,16 +20,9 @@ from celery import Celery
 
 from reservations import AsyncInventory, Inventory
 from reservations import validation as valid
-from reservations.requests import RequestResult
+from reservations.requests import RequestResult, request_id, task_name
 from tasks.app import app as default_app
 from tasks.app import settings_of
-
-_NAMESPACE = uuid.UUID("6f1c3f0e-4a57-4d1e-9a43-2f3b0c9d7e11")
-
-
-def request_id(key: str) -> str:
-    """The Celery task id of the request with this idempotency key."""
-    return str(uuid.uuid5(_NAMESPACE, valid.idempotency_key(key)))
 
 
 class OutcomeTimeout(TimeoutError):
@@ -89,7 +81,7 @@ class ReservationClient:
     ) -> ReservationHandle:
         valid.sku(sku), valid.quantity(quantity), valid.hold_seconds(hold_for)
         return self._send(
-            "reservations.reserve", idempotency_key, {"sku": sku, "quantity": quantity, "hold_for": hold_for}
+            task_name("reserve"), idempotency_key, {"sku": sku, "quantity": quantity, "hold_for": hold_for}
         )
 
     async def enqueue_reservation(
@@ -102,7 +94,7 @@ class ReservationClient:
             valid.idempotency_key(idempotency_key),
         )
         return await self._send_async(
-            "reservations.reserve", idempotency_key, {"sku": sku, "quantity": quantity, "hold_for": hold_for}
+            task_name("reserve"), idempotency_key, {"sku": sku, "quantity": quantity, "hold_for": hold_for}
         )
 
     async def enqueue_order(
@@ -111,7 +103,7 @@ class ReservationClient:
         order = valid.order_lines(lines)
         valid.idempotency_key(idempotency_key)
         return await self._send_async(
-            "reservations.reserve_order",
+            task_name("reserve_order"),
             idempotency_key,
             {"lines": [list(line) for line in order], "hold_for": hold_for},
         )
@@ -119,11 +111,11 @@ class ReservationClient:
     def enqueue_sync(self, operation: str, *, idempotency_key: str, **kwargs: Any) -> ReservationHandle:
         """Any request by task operation name: reserve, reserve_order, confirm, release, restock."""
         valid.idempotency_key(idempotency_key)
-        return self._send(f"reservations.{operation}", idempotency_key, kwargs)
+        return self._send(task_name(operation), idempotency_key, kwargs)
 
     async def enqueue(self, operation: str, *, idempotency_key: str, **kwargs: Any) -> ReservationHandle:
         valid.idempotency_key(idempotency_key)
-        return await self._send_async(f"reservations.{operation}", idempotency_key, kwargs)
+        return await self._send_async(task_name(operation), idempotency_key, kwargs)
 
     # -- waiting ------------------------------------------------------------------------------------
 

@@ -35,7 +35,7 @@ from reservations import (
     UnknownSku,
 )
 from reservations import validation as valid
-from reservations.requests import RequestResult
+from reservations.requests import RequestResult, task_name
 from tasks.app import app, settings_of
 from tasks.failpoints import failpoint
 from tasks.worker import Resources, resources, worker_identity
@@ -173,7 +173,7 @@ def run_request(
         raise task.retry(countdown=_jitter(0.1, task.request.retries)) from None
 
 
-@app.task(bind=True, max_retries=None, name="reservations.reserve")
+@app.task(bind=True, max_retries=None, name=task_name("reserve"))
 def reserve(
     self: Task, sku: str, quantity: int, idempotency_key: str, hold_for: float | None = None, epoch: int = 0
 ) -> dict[str, Any]:
@@ -187,7 +187,7 @@ def reserve(
     )
 
 
-@app.task(bind=True, max_retries=None, name="reservations.reserve_order")
+@app.task(bind=True, max_retries=None, name=task_name("reserve_order"))
 def reserve_order(
     self: Task, lines: list[list[Any]], idempotency_key: str, hold_for: float | None = None, epoch: int = 0
 ) -> dict[str, Any]:
@@ -218,17 +218,17 @@ def _finish(task: Task, operation: str, reservation_id: str, key: str, epoch: in
     return run_request(task, operation, key, skus, apply, epoch)
 
 
-@app.task(bind=True, max_retries=None, name="reservations.confirm")
+@app.task(bind=True, max_retries=None, name=task_name("confirm"))
 def confirm(self: Task, reservation_id: str, idempotency_key: str, epoch: int = 0) -> dict[str, Any]:
     return _finish(self, "confirm", reservation_id, idempotency_key, epoch)
 
 
-@app.task(bind=True, max_retries=None, name="reservations.release")
+@app.task(bind=True, max_retries=None, name=task_name("release"))
 def release(self: Task, reservation_id: str, idempotency_key: str, epoch: int = 0) -> dict[str, Any]:
     return _finish(self, "release", reservation_id, idempotency_key, epoch)
 
 
-@app.task(bind=True, max_retries=None, name="reservations.restock")
+@app.task(bind=True, max_retries=None, name=task_name("restock"))
 def restock(self: Task, sku: str, quantity: int, idempotency_key: str, epoch: int = 0) -> dict[str, Any]:
     return run_request(
         self,
@@ -240,7 +240,7 @@ def restock(self: Task, sku: str, quantity: int, idempotency_key: str, epoch: in
     )
 
 
-@app.task(name="reservations.expire_holds")
+@app.task(name=task_name("expire_holds"))
 def expire_holds() -> dict[str, int]:
     """Beat: return expired holds to stock, SKU by SKU; a SKU whose lease is busy waits for the next sweep."""
     res = resources(settings_of(app))
@@ -257,7 +257,7 @@ def expire_holds() -> dict[str, int]:
     return {"expired": expired, "skipped": busy}
 
 
-@app.task(name="reservations.noop")
+@app.task(name=task_name("noop"))
 def noop(value: int = 0) -> int:
     """A task that does nothing: the baseline for end-to-end throughput benchmarks."""
     return value
