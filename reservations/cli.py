@@ -1,30 +1,548 @@
-"""The ``reservations`` admin command line.
+"""The ``reservations`` admin command line: inspect token history, leases, stock and rejections; enqueue
+and operate. Reads go straight to the database and the lease coordinator; writes either go through the
+Celery workers (enqueued by task name, so this module never imports them) or say plainly that they write.
 
-Exit codes: 0 success, 1 the check a command performs failed, 2 bad usage or input, 3 not found,
-4 a backend (Redis or the database) is unreachable.
+Exit codes: 0 success, 1 a check failed, 2 bad usage or input, 3 not found, 4 a backend is unreachable.
 """
 
 from __future__ import annotations
 
+import datetime as dt
+import json
+import re
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any, NoReturn
 
 import typer
+from rich.console import Console
+from rich.table import Table
 
-from fencing import mask_url
+from fencing import BackendUnavailable, FencingError, InvalidLeaseRequest, LeaseManager, mask_url
+from reservations import validation as valid
+from reservations.errors import InvalidRequest, ReservationError, UnknownReservation, UnknownSku
+from reservations.inventory import Inventory
+from reservations.requests import request_id, task_name
+from reservations.timeline import epochs
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_UNREACHABLE = 0, 1, 2, 3, 4
 
 app = typer.Typer(
-    help="Fenced inventory reservations: demo and administration.",
+    help=(
+        "Fenced inventory reservations: inspect token history, leases, stock and rejections; operate.\n\n"
+        "Exit codes: 0 ok, 1 check failed, 2 bad usage or input, 3 not found, 4 backend unreachable."
+    ),
     no_args_is_help=True,
     add_completion=False,
+    pretty_exceptions_enable=False,
 )
+db_app = typer.Typer(
+    help="Database schema (Alembic migrations shipped with the package).", no_args_is_help=True
+)
+app.add_typer(db_app, name="db")
 
-EXIT_FAILED = 1
+out = Console(soft_wrap=False)
+err = Console(stderr=True, soft_wrap=True)
+
+
+class Config:
+    """Where the CLI reads and writes: the same environment variables the workers use."""
+
+    database_url: str = "sqlite:///var/reservations.sqlite3"
+    lease_url: str | None = None
+    lease_prefix: str = "fencing"
+    broker_url: str = "redis://127.0.0.1:6379/0"
+
+
+config = Config()
 
 
 @app.callback()
-def _root() -> None:
-    """Fenced inventory reservations: demo and administration."""
+def _root(
+    database_url: Annotated[
+        str, typer.Option(envvar="RESERVATIONS_DATABASE_URL", help="Inventory database URL.")
+    ] = Config.database_url,
+    lease_url: Annotated[
+        str | None,
+        typer.Option(envvar="RESERVATIONS_LEASE_URL", help="Lease backend URL (default: the database)."),
+    ] = None,
+    lease_prefix: Annotated[
+        str, typer.Option(envvar="RESERVATIONS_LEASE_PREFIX", help="Redis key prefix of leases.")
+    ] = Config.lease_prefix,
+    broker_url: Annotated[
+        str, typer.Option(envvar="RESERVATIONS_BROKER_URL", help="Celery broker, for enqueue commands.")
+    ] = Config.broker_url,
+) -> None:
+    config.database_url = database_url
+    config.lease_url = lease_url or None
+    config.lease_prefix = lease_prefix
+    config.broker_url = broker_url
+
+
+# -- plumbing -------------------------------------------------------------------------------------------
+
+
+def _fail(code: int, message: str) -> NoReturn:
+    err.print(f"[bold red]error:[/] {message}", highlight=False)
+    raise typer.Exit(code)
+
+
+@contextmanager
+def _errors() -> Iterator[None]:
+    """One clear line and a documented exit code instead of a traceback."""
+    import redis
+    from sqlalchemy.exc import DBAPIError
+
+    try:
+        yield
+    except (UnknownSku, UnknownReservation) as exc:
+        _fail(EXIT_NOT_FOUND, str(exc))
+    except (InvalidRequest, InvalidLeaseRequest) as exc:
+        _fail(EXIT_USAGE, str(exc))
+    except BackendUnavailable as exc:
+        _fail(EXIT_UNREACHABLE, f"{exc} ({mask_url(config.database_url)}, leases {_lease_url_shown()})")
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        _fail(EXIT_UNREACHABLE, f"Redis unreachable at {_lease_url_shown()}: {exc}")
+    except DBAPIError as exc:
+        first = str(exc.orig).strip().splitlines()[0] if exc.orig else type(exc).__name__
+        if "no such table" in first or "does not exist" in first:
+            _fail(EXIT_USAGE, f"the database has no schema; run `reservations db upgrade` ({first})")
+        _fail(EXIT_UNREACHABLE, f"database error at {mask_url(config.database_url)}: {first}")
+    except (ReservationError, FencingError) as exc:
+        _fail(EXIT_FAILED, str(exc))
+
+
+def _lease_url_shown() -> str:
+    return mask_url(config.lease_url or config.database_url)
+
+
+def _inventory() -> Inventory:
+    return Inventory.from_url(config.database_url)
+
+
+def _leases() -> LeaseManager:
+    return LeaseManager.from_url(config.lease_url or config.database_url, prefix=config.lease_prefix)
+
+
+def _emit_json(data: Any) -> None:
+    sys.stdout.write(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
+
+
+_RELATIVE = re.compile(r"(\d+(?:\.\d+)?)([smhd])")
+
+
+def parse_since(text: str | None) -> float | None:
+    """``30m``, ``2h``, ``1d`` ago, or an ISO 8601 time (UTC when it has no zone) -> epoch seconds."""
+    if text is None:
+        return None
+    match = _RELATIVE.fullmatch(text.strip())
+    if match:
+        unit = {"s": 1, "m": 60, "h": 3600, "d": 86400}[match.group(2)]
+        return time.time() - float(match.group(1)) * unit
+    try:
+        moment = dt.datetime.fromisoformat(text)
+    except ValueError:
+        raise InvalidRequest(f"--since {text!r}: use 30m, 2h, 1d or an ISO time", field="since") from None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=dt.UTC)
+    return moment.timestamp()
+
+
+def _when(seconds: float | None) -> str:
+    if seconds is None:
+        return ""
+    return dt.datetime.fromtimestamp(seconds, dt.UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+
+
+def _short_time(seconds: float | None) -> str:
+    return _when(seconds)[11:] if seconds is not None else ""
+
+
+JsonFlag = Annotated[bool, typer.Option("--json", help="Machine-readable output (stable field names).")]
+Limit = Annotated[int, typer.Option(min=1, max=10_000, help="At most this many entries.")]
+Since = Annotated[str | None, typer.Option(help="Only entries since: 30m, 2h, 1d or an ISO time.")]
+
+
+# -- read commands --------------------------------------------------------------------------------------
+
+
+@app.command("tokens")
+def tokens(sku: str, limit: Limit = 1000, since: Since = None, as_json: JsonFlag = False) -> None:
+    """The SKU's token history: each token with its holder, when it was acquired, how it ended, the
+    writes accepted under it and the stale writes refused (presented token, highest token, holder).
+
+    JSON: {"sku", "epochs": [{"token", "holder", "acquired_at", "ended", "writes": [{"at", "operation",
+    "quantity", "idempotency_key"}], "rejections": [{"at", "operation", "quantity", "presented_token",
+    "highest_token", "holder", "idempotency_key"}]}]}  (times are epoch seconds)
+
+    Example: reservations tokens WIDGET --since 1h
+    """
+    with _errors():
+        valid.sku(sku)
+        starting = parse_since(since)
+        with _inventory() as inventory, _leases() as leases:
+            inventory.stock(sku)  # unknown SKU -> exit 3
+            timeline = inventory.timeline(sku, leases, limit=limit)
+        if starting is not None:
+            timeline = [e for e in timeline if e.at >= starting]
+        grouped = epochs(timeline)
+    if as_json:
+        _emit_json(
+            {
+                "sku": sku,
+                "epochs": [
+                    {
+                        "token": e.token,
+                        "holder": e.holder,
+                        "acquired_at": e.acquired_at,
+                        "ended": e.ended,
+                        "writes": [
+                            {
+                                "at": w.at,
+                                "operation": w.operation,
+                                "quantity": w.quantity,
+                                "idempotency_key": w.idempotency_key,
+                            }
+                            for w in e.writes
+                        ],
+                        "rejections": [
+                            {
+                                "at": r.at,
+                                "operation": r.operation,
+                                "quantity": r.quantity,
+                                "presented_token": r.token,
+                                "highest_token": r.highest_token,
+                                "holder": r.holder,
+                                "idempotency_key": r.idempotency_key,
+                            }
+                            for r in e.rejections
+                        ],
+                    }
+                    for e in grouped
+                ],
+            }
+        )
+        return
+    table = Table(title=f"Tokens of {sku}", title_justify="left", expand=False)
+    table.add_column("token", justify="right")
+    table.add_column("holder", overflow="fold", max_width=22)
+    table.add_column("acquired (UTC)")
+    table.add_column("ended")
+    table.add_column("writes / rejected", overflow="fold", max_width=24)
+    for e in grouped:
+        lines = [f"+ {w.operation} {w.quantity if w.quantity is not None else ''}".rstrip() for w in e.writes]
+        lines += [f"x {r.operation}: stale vs {r.highest_token}" for r in e.rejections]
+        table.add_row(
+            str(e.token),
+            e.holder or "",
+            _short_time(e.acquired_at),
+            e.ended or "current",
+            "\n".join(lines) or "-",
+        )
+    out.print(table)
+    rejected = sum(len(e.rejections) for e in grouped)
+    out.print(f"{len(grouped)} tokens, {rejected} stale writes rejected")
+
+
+@app.command("leases")
+def leases_command(sku: Annotated[str | None, typer.Argument()] = None, as_json: JsonFlag = False) -> None:
+    """Current leases with holder, token and time left (of one SKU, or of every SKU in stock).
+
+    JSON: [{"sku", "token", "holder", "time_left"}]
+
+    Example: reservations leases WIDGET
+    """
+    with _errors(), _inventory() as inventory, _leases() as leases:
+        skus = [valid.sku(sku)] if sku else [s.sku for s in inventory.all_stock()]
+        rows: list[dict[str, Any]] = []
+        for name in skus:
+            info = leases.current(valid.scope_of(name))
+            if info is not None:
+                rows.append(
+                    {
+                        "sku": name,
+                        "token": info.token,
+                        "holder": info.holder,
+                        "time_left": round(info.time_left, 3),
+                    }
+                )
+    if as_json:
+        _emit_json(rows)
+        return
+    table = Table(title=f"Current leases ({_lease_url_shown()})", title_justify="left")
+    for column in ("sku", "token", "holder", "time left"):
+        table.add_column(column, overflow="fold")
+    for row in rows:
+        table.add_row(row["sku"], str(row["token"]), row["holder"], f"{row['time_left']:.1f}s")
+    out.print(table if rows else "no SKU is leased right now")
+
+
+@app.command("stock")
+def stock_command(sku: Annotated[str | None, typer.Argument()] = None, as_json: JsonFlag = False) -> None:
+    """On hand, reserved, available and the highest accepted token, of one SKU or all.
+
+    JSON: [{"sku", "on_hand", "reserved", "available", "fence_token"}]
+
+    Example: reservations stock --json
+    """
+    with _errors(), _inventory() as inventory:
+        levels = [inventory.stock(sku)] if sku else inventory.all_stock()
+    if as_json:
+        _emit_json([asdict(level) for level in levels])
+        return
+    table = Table(title="Stock", title_justify="left")
+    for column in ("sku", "on hand", "reserved", "available", "token"):
+        table.add_column(column, justify="left" if column == "sku" else "right")
+    for level in levels:
+        table.add_row(
+            level.sku, str(level.on_hand), str(level.reserved), str(level.available), str(level.fence_token)
+        )
+    out.print(table)
+
+
+@app.command("rejections")
+def rejections(
+    sku: Annotated[str | None, typer.Option(help="Only this SKU.")] = None,
+    since: Since = None,
+    limit: Limit = 100,
+    as_json: JsonFlag = False,
+) -> None:
+    """Stale writes the database refused, with counts per SKU.
+
+    JSON: {"counts": {sku: n}, "rejections": [{"sku", "at", "operation", "quantity", "presented_token",
+    "highest_token", "holder", "idempotency_key"}]}  (the list only with --sku)
+
+    Example: reservations rejections --since 1d
+    """
+    with _errors(), _inventory() as inventory:
+        starting = parse_since(since)
+        counts = inventory.rejection_counts(since=starting)
+        entries = []
+        if sku:
+            valid.sku(sku)
+            counts = {k: v for k, v in counts.items() if k == sku}
+            entries = [h for h in inventory.history(sku, limit=limit, since=starting) if h.kind == "rejected"]
+    if as_json:
+        _emit_json(
+            {
+                "counts": counts,
+                "rejections": [
+                    {
+                        "sku": h.sku,
+                        "at": h.at,
+                        "operation": h.operation,
+                        "quantity": h.quantity,
+                        "presented_token": h.token,
+                        "highest_token": h.highest_token,
+                        "holder": h.holder,
+                        "idempotency_key": h.idempotency_key,
+                    }
+                    for h in entries
+                ],
+            }
+        )
+        return
+    table = Table(title="Stale writes rejected", title_justify="left")
+    table.add_column("sku")
+    table.add_column("count", justify="right")
+    for name, count in counts.items():
+        table.add_row(name, str(count))
+    out.print(table if counts else "no stale write was rejected")
+    if entries:
+        detail = Table(title=f"Rejections of {sku}", title_justify="left")
+        for column in ("time (UTC)", "operation", "token", "highest", "holder"):
+            detail.add_column(column, overflow="fold")
+        for h in entries:
+            detail.add_row(_short_time(h.at), h.operation, str(h.token), str(h.highest_token), h.holder or "")
+        out.print(detail)
+
+
+@app.command("show")
+def show(key_or_id: str, as_json: JsonFlag = False) -> None:
+    """One request or reservation: its reservation, final outcome and attempts.
+
+    JSON: {"reservation": {...} | null, "outcome": {...} | null, "attempts": [...]}
+
+    Example: reservations show order-1042
+    """
+    with _errors(), _inventory() as inventory:
+        try:
+            found = inventory.reservation(key_or_id)
+        except UnknownReservation:
+            found = None
+        key = found.idempotency_key if found is not None else key_or_id
+        outcome = inventory.request_outcome(key) if _is_key(key) else None
+        attempts = inventory.attempts(key)
+        if found is None and outcome is None and not attempts:
+            raise UnknownReservation(key_or_id)
+    if as_json:
+        _emit_json(
+            {
+                "reservation": asdict(found) if found else None,
+                "outcome": asdict(outcome) if outcome else None,
+                "attempts": [asdict(a) for a in attempts],
+            }
+        )
+        return
+    if found is not None:
+        out.print(
+            f"reservation {found.id}: {found.status}, {found.quantity} x {found.sku} "
+            f"(token {found.token}, key {found.idempotency_key})"
+        )
+    if outcome is not None:
+        out.print(
+            f"outcome: {outcome.status} after {outcome.epochs} lost epoch(s) "
+            f"{json.dumps(outcome.detail, sort_keys=True)}"
+        )
+    for a in attempts:
+        out.print(f"  attempt {_short_time(a.at)} {a.result} token={a.token} worker={a.worker}")
+
+
+def _is_key(text: str) -> bool:
+    try:
+        valid.idempotency_key(text)
+        return True
+    except InvalidRequest:
+        return False
+
+
+# -- operating commands ---------------------------------------------------------------------------------
+
+
+def _enqueue(operation: str, key: str, kwargs: dict[str, Any], wait: bool, timeout: float) -> None:
+    """Hand the request to the workers by task name; with --wait, poll its final outcome."""
+    from celery import Celery
+
+    valid.idempotency_key(key)
+    producer = Celery("reservations-cli", broker=config.broker_url, set_as_current=False)
+    producer.conf.update(task_serializer="json", accept_content=["json"])
+    try:
+        producer.send_task(
+            task_name(operation), kwargs={**kwargs, "idempotency_key": key}, task_id=request_id(key)
+        )
+    except Exception as exc:  # kombu raises its own and socket errors; all mean the broker is unusable
+        _fail(EXIT_UNREACHABLE, f"broker unreachable at {mask_url(config.broker_url)}: {exc}")
+    out.print(f"enqueued {operation} {key} (request {request_id(key)}) on {mask_url(config.broker_url)}")
+    if not wait:
+        return
+    deadline = time.monotonic() + timeout
+    with _inventory() as inventory:
+        while (outcome := inventory.request_outcome(key)) is None:
+            if time.monotonic() > deadline:
+                _fail(EXIT_FAILED, f"no outcome for {key} within {timeout:g}s (is a worker running?)")
+            time.sleep(0.1)
+    out.print(f"outcome: {outcome.status} {json.dumps(outcome.detail, sort_keys=True)}")
+    if outcome.status not in ("reserved", "confirmed", "released", "restocked"):
+        raise typer.Exit(EXIT_FAILED)
+
+
+Key = Annotated[str, typer.Option("--key", help="Idempotency key: the same key never applies twice.")]
+Wait = Annotated[bool, typer.Option("--wait", help="Wait for the final outcome and print it.")]
+Timeout = Annotated[float, typer.Option(min=0.1, max=3600, help="Seconds to wait with --wait.")]
+
+
+def _operating(
+    operation: str, build: Callable[[], dict[str, Any]], key: str, wait: bool, timeout: float
+) -> None:
+    with _errors():
+        _enqueue(operation, key, build(), wait, timeout)
+
+
+@app.command("reserve")
+def reserve(sku: str, quantity: int, key: Key, wait: Wait = False, timeout: Timeout = 30) -> None:
+    """WRITES (through the workers): reserve QUANTITY units of SKU.
+
+    Example: reservations reserve WIDGET 2 --key order-1042 --wait
+    """
+    _operating(
+        "reserve", lambda: {"sku": valid.sku(sku), "quantity": valid.quantity(quantity)}, key, wait, timeout
+    )
+
+
+@app.command("restock")
+def restock(sku: str, quantity: int, key: Key, wait: Wait = False, timeout: Timeout = 30) -> None:
+    """WRITES (through the workers): add QUANTITY units to SKU's stock on hand.
+
+    Example: reservations restock WIDGET 100 --key delivery-77 --wait
+    """
+    _operating(
+        "restock", lambda: {"sku": valid.sku(sku), "quantity": valid.quantity(quantity)}, key, wait, timeout
+    )
+
+
+@app.command("confirm")
+def confirm(reservation_id: str, key: Key, wait: Wait = False, timeout: Timeout = 30) -> None:
+    """WRITES (through the workers): turn a held reservation into a committed deduction.
+
+    Example: reservations confirm r_0123... --key confirm-1042 --wait
+    """
+    _operating(
+        "confirm", lambda: {"reservation_id": valid.reservation_id(reservation_id)}, key, wait, timeout
+    )
+
+
+@app.command("release")
+def release(reservation_id: str, key: Key, wait: Wait = False, timeout: Timeout = 30) -> None:
+    """WRITES (through the workers): cancel a held reservation; its units become available again.
+
+    Example: reservations release r_0123... --key cancel-1042 --wait
+    """
+    _operating(
+        "release", lambda: {"reservation_id": valid.reservation_id(reservation_id)}, key, wait, timeout
+    )
+
+
+@app.command("add-sku")
+def add_sku(sku: str, on_hand: Annotated[int, typer.Option(min=0)] = 0) -> None:
+    """WRITES (directly to the database): create a SKU's stock row with ON_HAND units.
+
+    Example: reservations add-sku WIDGET --on-hand 100
+    """
+    with _errors(), _inventory() as inventory:
+        level = inventory.add_sku(sku, on_hand=on_hand)
+    out.print(f"created {level.sku} with {level.on_hand} on hand in {mask_url(config.database_url)}")
+
+
+@app.command("config")
+def show_config() -> None:
+    """Where this command line reads and writes (passwords masked)."""
+    out.print(f"database: {mask_url(config.database_url)}")
+    out.print(f"leases:   {_lease_url_shown()} (prefix {config.lease_prefix})")
+    out.print(f"broker:   {mask_url(config.broker_url)}")
+
+
+# -- schema and demo ------------------------------------------------------------------------------------
+
+
+@db_app.command("upgrade")
+def db_upgrade(revision: Annotated[str, typer.Argument()] = "head") -> None:
+    """WRITES: migrate the database schema to REVISION (default: the newest).
+
+    Example: RESERVATIONS_DATABASE_URL=postgresql://app@db/inv reservations db upgrade
+    """
+    from reservations import schema
+
+    with _errors():
+        schema.upgrade(config.database_url, revision)
+        out.print(f"{mask_url(config.database_url)} is at revision {schema.current(config.database_url)}")
+
+
+@db_app.command("current")
+def db_current() -> None:
+    """Show the database's schema revision and the newest one this package ships.
+
+    Example: reservations db current
+    """
+    from reservations import schema
+
+    with _errors():
+        out.print(f"database: {mask_url(config.database_url)}")
+        out.print(f"current:  {schema.current(config.database_url) or 'none (empty database)'}")
+        out.print(f"head:     {schema.head()}")
 
 
 @app.command("fence-demo")
@@ -34,7 +552,7 @@ def fence_demo(
     ),
     ttl: Annotated[float, typer.Option(min=0.05, max=10, help="Lease ttl of worker A, in seconds.")] = 0.5,
 ) -> None:
-    """Replay the seed timeline: A's lease expires, B writes, A's late write is rejected.
+    """Replay the seed timeline in-process: A's lease expires, B writes, A's late write is rejected.
 
     Runs on an embedded SQLite database with no services.
 
@@ -44,47 +562,6 @@ def fence_demo(
 
     if not demo.run(database, ttl=ttl):
         raise typer.Exit(EXIT_FAILED)
-
-
-db_app = typer.Typer(
-    help="Database schema (Alembic migrations shipped with the package).", no_args_is_help=True
-)
-app.add_typer(db_app, name="db")
-
-DatabaseUrl = Annotated[
-    str,
-    typer.Option(
-        "--database-url",
-        envvar="RESERVATIONS_DATABASE_URL",
-        help="Inventory database URL (env RESERVATIONS_DATABASE_URL).",
-        show_default=False,
-    ),
-]
-
-
-@db_app.command("upgrade")
-def db_upgrade(database_url: DatabaseUrl, revision: str = "head") -> None:
-    """WRITES: migrate the database schema to REVISION (default: the newest).
-
-    Example: reservations db upgrade --database-url postgresql://app@db/reservations
-    """
-    from reservations import schema
-
-    schema.upgrade(database_url, revision)
-    typer.echo(f"{mask_url(database_url)} is at revision {schema.current(database_url)}")
-
-
-@db_app.command("current")
-def db_current(database_url: DatabaseUrl) -> None:
-    """Show the schema revision of the database and the newest one this package ships.
-
-    Example: reservations db current
-    """
-    from reservations import schema
-
-    typer.echo(f"database: {mask_url(database_url)}")
-    typer.echo(f"current:  {schema.current(database_url) or 'none (empty database)'}")
-    typer.echo(f"head:     {schema.head()}")
 
 
 def main() -> None:

@@ -1,0 +1,186 @@
+"""The real ``reservations`` console script, run as a subprocess after a scripted race on PostgreSQL with
+Redis leases: the token history shows both owners, the accepted write and the refused stale one; bad input
+and unreachable backends get one line and a documented exit code, and write nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from fencing import LeaseManager, StaleToken
+from reservations import Inventory, scope_of
+from tests.conftest import REDIS_URL
+
+SCRIPT = shutil.which("reservations", path=str(Path(sys.executable).parent)) or "reservations"
+
+
+def cli(*args: str, env: dict[str, str], columns: int = 80) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [SCRIPT, *args],
+        env={**os.environ, **env, "COLUMNS": str(columns), "NO_COLOR": "1"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+@pytest.fixture
+def race(pg_url: str, redis_prefix: str) -> dict[str, Any]:
+    """A acquires, its lease expires (broken, as an expiry would), B acquires and writes, A's late write
+    is rejected."""
+    from reservations import schema
+
+    schema.upgrade(pg_url)
+    with (
+        Inventory.from_url(pg_url) as inventory,
+        LeaseManager.from_url(REDIS_URL, prefix=redis_prefix) as leases,
+    ):
+        inventory.add_sku("WIDGET", on_hand=10)
+        a = leases.acquire(scope_of("WIDGET"), ttl=30, holder="host-a:101:task-a")
+        leases.break_lease(scope_of("WIDGET"), reason="A paused past its lease")
+        b = leases.acquire(scope_of("WIDGET"), ttl=30, holder="host-b:202:task-b")
+        inventory.reserve(b, "WIDGET", 2, key="order-b")
+        with pytest.raises(StaleToken):
+            inventory.reserve(a, "WIDGET", 5, key="order-a")
+    env = {
+        "RESERVATIONS_DATABASE_URL": pg_url,
+        "RESERVATIONS_LEASE_URL": REDIS_URL,
+        "RESERVATIONS_LEASE_PREFIX": redis_prefix,
+    }
+    return {"env": env, "a": a.token, "b": b.token}
+
+
+def test_tokens_json_shows_both_owners_the_write_and_the_rejection(race: dict[str, Any]) -> None:
+    done = cli("tokens", "WIDGET", "--json", env=race["env"])
+    assert done.returncode == 0, done.stderr
+    data = json.loads(done.stdout)
+    by_token = {e["token"]: e for e in data["epochs"]}
+    a, b = by_token[race["a"]], by_token[race["b"]]
+    assert (a["holder"], a["ended"], a["writes"]) == ("host-a:101:task-a", "broken", [])
+    assert [(w["operation"], w["quantity"], w["idempotency_key"]) for w in b["writes"]] == [
+        ("reserve", 2, "order-b")
+    ]
+    assert [
+        (r["presented_token"], r["highest_token"], r["holder"], r["operation"]) for r in a["rejections"]
+    ] == [(race["a"], race["b"], "host-a:101:task-a", "reserve")]
+
+
+def test_human_output_fits_80_columns(race: dict[str, Any]) -> None:
+    for args in (
+        ("tokens", "WIDGET"),
+        ("stock",),
+        ("rejections", "--sku", "WIDGET"),
+        ("leases",),
+        ("show", "order-b"),
+        ("--help",),
+        ("tokens", "--help"),
+    ):
+        done = cli(*args, env=race["env"], columns=80)
+        assert done.returncode == 0, (args, done.stderr)
+        assert max(len(line) for line in done.stdout.splitlines()) <= 80, args
+    assert "stale" in cli("tokens", "WIDGET", env=race["env"]).stdout
+
+
+def test_stock_rejections_and_show(race: dict[str, Any]) -> None:
+    stock = json.loads(cli("stock", "--json", env=race["env"]).stdout)
+    assert stock == [
+        {"sku": "WIDGET", "on_hand": 10, "reserved": 2, "available": 8, "fence_token": race["b"]}
+    ]
+    rejections = json.loads(cli("rejections", "--sku", "WIDGET", "--json", env=race["env"]).stdout)
+    assert rejections["counts"] == {"WIDGET": 1}
+    assert rejections["rejections"][0]["presented_token"] == race["a"]
+    shown = json.loads(cli("show", "order-b", "--json", env=race["env"]).stdout)
+    assert shown["reservation"]["quantity"] == 2 and shown["reservation"]["status"] == "held"
+
+
+def _stock_of(env: dict[str, str]) -> Any:
+    return json.loads(cli("stock", "--json", env=env).stdout)
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "message"),
+    [
+        (("tokens", "NOPE"), 3, "unknown SKU"),
+        (("stock", "NOPE"), 3, "unknown SKU"),
+        (("show", "no-such-key"), 3, "unknown reservation"),
+        (("tokens", "WID GET"), 2, "SKU"),
+        (("tokens", "x" * 300), 2, "SKU"),
+        (("tokens", "WIDGET", "--since", "yesterday"), 2, "--since"),
+        (("reserve", "WIDGET", "0", "--key", "k"), 2, "quantity"),
+        (("reserve", "WIDGET", "two", "--key", "k"), 2, "Usage:"),
+        (("reserve", "WIDGET", "1", "--key", "has space"), 2, "idempotency key"),
+        (("restock", "WIDGET", "99999999", "--key", "k"), 2, "quantity"),
+        (("confirm", "not-an-id", "--key", "k"), 2, "reservation id"),
+        (("add-sku", "WIDGET", "--on-hand", "1"), 1, "already exists"),
+    ],
+)
+def test_bad_input_gets_one_line_and_writes_nothing(
+    race: dict[str, Any], args: tuple[str, ...], code: int, message: str
+) -> None:
+    before = _stock_of(race["env"])
+    done = cli(*args, env=race["env"])
+    assert done.returncode == code, (done.stdout, done.stderr)
+    assert message in done.stderr and "Traceback" not in done.stderr
+    assert _stock_of(race["env"]) == before
+
+
+@pytest.mark.parametrize(
+    ("override", "args"),
+    [
+        ({"RESERVATIONS_DATABASE_URL": "postgresql://app:s3cret@127.0.0.1:1/inv"}, ("stock",)),
+        ({"RESERVATIONS_LEASE_URL": "redis://:s3cret@127.0.0.1:1/0"}, ("leases",)),
+        (
+            {"RESERVATIONS_BROKER_URL": "redis://:s3cret@127.0.0.1:1/0"},
+            ("reserve", "WIDGET", "1", "--key", "k1"),
+        ),
+    ],
+)
+def test_unreachable_backend_is_exit_4_with_a_masked_url(
+    race: dict[str, Any], override: dict[str, str], args: tuple[str, ...]
+) -> None:
+    done = cli(*args, env={**race["env"], **override})
+    assert done.returncode == 4, done.stderr
+    assert "s3cret" not in done.stderr + done.stdout and "***" in done.stderr
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_reserve_enqueues_on_the_broker(race: dict[str, Any], redis_prefix: str) -> None:
+    """Without workers the request waits in the queue: the CLI wrote nothing to the stock itself."""
+    broker = f"redis://127.0.0.1:6379/{9}"
+    client = redis.Redis.from_url(broker)
+    queue = f"{redis_prefix}-queue"
+    before = _stock_of(race["env"])
+    try:
+        done = cli(
+            "reserve",
+            "WIDGET",
+            "1",
+            "--key",
+            "cli-1",
+            env={**race["env"], "RESERVATIONS_BROKER_URL": broker, "CELERY_DEFAULT_QUEUE": queue},
+        )
+        assert done.returncode == 0, done.stderr
+        assert "enqueued reserve cli-1" in done.stdout
+        assert client.llen("celery") >= 1
+    finally:
+        for raw in client.lrange("celery", 0, -1):
+            if b"cli-1" in raw:
+                client.lrem("celery", 0, raw)
+        client.close()
+    assert _stock_of(race["env"]) == before
+
+
+def test_writing_commands_say_so_in_their_help(race: dict[str, Any]) -> None:
+    for command in ("reserve", "restock", "confirm", "release", "add-sku"):
+        assert "WRITES" in cli(command, "--help", env=race["env"]).stdout
+    assert "WRITES" in cli("db", "upgrade", "--help", env=race["env"]).stdout
