@@ -10,7 +10,7 @@ tell a stale token apart from the write's own condition failing; it cannot chang
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,6 +63,9 @@ class Fence:
     token_column: str = FENCE_TOKEN_COLUMN
     lease_column: str = FENCE_LEASE_COLUMN
     enforce: bool = True
+    # Called after the local checks, just before the statement is sent: the window in which a pause or
+    # a delayed packet makes a write stale. A hook for fault injection; None in normal operation.
+    before_statement: Callable[[Lease], None] | None = None
 
     @property
     def _token(self) -> sa.Column[Any]:
@@ -94,6 +97,8 @@ class Fence:
         if lease.scope != scope:
             raise ScopeMismatch(lease_scope=lease.scope, target_scope=scope)
         lease.raise_if_lost()  # sticky: no round trip for a lease already known lost
+        if self.before_statement is not None:
+            self.before_statement(lease)
         guards = [*where]
         if self.enforce:
             guards.append(self.accepts(lease))

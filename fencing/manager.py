@@ -107,6 +107,8 @@ class LeasePlans:
 
     def release(self, lease: Lease) -> Plan[None]:
         yield Atomic(self.core.release(_check_lease(lease)))
+        # Authority ends with the release: a write issued after it is refused here, without a round trip.
+        lease.mark_lost("released by its holder")
 
     def current(self, scope: str) -> Plan[LeaseInfo | None]:
         info: LeaseInfo | None = yield Atomic(self.core.current(validate_scope(scope)))
@@ -139,9 +141,9 @@ class LeasePlans:
         other stale rejection is an ordinary lost race and needs nothing. Either way the rejected
         attempt stays lost.
         """
-        _check_lease(lease).mark_lost(f"stale: resource accepted token {error.highest}")
-        if error.scope != lease.scope or error.presented != lease.token:
-            return False
+        if _check_lease(lease).scope != error.scope or error.presented != lease.token:
+            return False  # another lease's rejection says nothing about this one
+        lease.mark_lost(f"stale: resource accepted token {error.highest}")
         validate_token(error.highest)
         repaired = yield Atomic(self.core.repair(lease, error.highest))
         if repaired is None:

@@ -27,7 +27,9 @@ SUPPORTED_DIALECTS = ("sqlite", "postgresql")
 class db_now_ms(FunctionElement[int]):
     """The database's wall clock in integer milliseconds since the epoch.
 
-    Lease expiry is judged by this clock, never the client's, so clients with skewed clocks agree.
+    Lease expiry is judged by this clock, never the client's, so clients with skewed clocks agree. It is
+    stable within one statement (PostgreSQL's statement_timestamp, SQLite's 'now'), so two columns set
+    from it in one INSERT agree exactly.
     """
 
     type = sa.BigInteger()
@@ -36,7 +38,7 @@ class db_now_ms(FunctionElement[int]):
 
 @compiles(db_now_ms, "postgresql")
 def _now_pg(element: db_now_ms, compiler: Any, **kw: Any) -> str:
-    return "CAST(EXTRACT(EPOCH FROM clock_timestamp()) * 1000 AS BIGINT)"
+    return "CAST(EXTRACT(EPOCH FROM statement_timestamp()) * 1000 AS BIGINT)"
 
 
 @compiles(db_now_ms, "sqlite")

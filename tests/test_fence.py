@@ -58,10 +58,11 @@ def test_older_epoch_that_never_wrote_is_still_refused_after_a_newer_write(
 ) -> None:
     resource.create("sku:A")
     with stack.manager() as manager:
+        # Broken, not released: the holders never learn their leases ended, so their writes reach the row.
         a = manager.acquire("sku:A", ttl=5, holder="A")
-        manager.release(a)
+        manager.break_lease("sku:A", reason="A expired")
         b = manager.acquire("sku:A", ttl=5, holder="B")
-        manager.release(b)
+        manager.break_lease("sku:A", reason="B expired")
         c = manager.acquire("sku:A", ttl=5, holder="C")
         assert resource.write(c, "sku:A", -1).applied
         for old in (a, b):

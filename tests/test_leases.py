@@ -265,3 +265,21 @@ def test_history_retention(manager: LeaseManager) -> None:
     assert [e.event for e in manager.history("sku:A")] == ["acquired", "released"]
     with pytest.raises(InvalidLeaseRequest):
         manager.purge_history(older_than=1)
+
+
+def test_released_lease_refuses_further_writes_locally(manager: LeaseManager) -> None:
+    lease = manager.acquire("sku:A", ttl=5, holder="A")
+    manager.release(lease)
+    assert lease.lost and lease.lost_reason == "released by its holder"
+    with pytest.raises(LeaseLost):
+        lease.raise_if_lost()
+
+
+def test_a_stale_rejection_on_one_scope_leaves_other_holds_intact(manager: LeaseManager) -> None:
+    from fencing import StaleToken
+
+    with pytest.raises(StaleToken), manager.hold("sku:A", ttl=30, holder="w") as a:  # noqa: SIM117
+        with manager.hold("sku:B", ttl=30, holder="w") as b:
+            raise StaleToken(scope="sku:A", presented=a.token, highest=a.token + 1)
+    assert a.lost and b.lost_reason == "released by its holder"
+    assert manager.current("sku:B") is None  # B was released, not left to block others until its ttl
