@@ -34,9 +34,16 @@ def lock_order(skus: Iterable[str]) -> list[str]:
 class Inventory:
     """Fenced stock operations on one database (SQLite or PostgreSQL)."""
 
-    def __init__(self, executor: SyncSqlExecutor, *, url: str = "", enforce_fence: bool = True) -> None:
+    def __init__(
+        self,
+        executor: SyncSqlExecutor,
+        *,
+        url: str = "",
+        enforce_fence: bool = True,
+        before_statement: Callable[[Lease], None] | None = None,
+    ) -> None:
         self.executor = executor
-        self.plans = InventoryPlans(enforce_fence=enforce_fence)
+        self.plans = InventoryPlans(enforce_fence=enforce_fence, before_statement=before_statement)
         self.url = mask_url(url) if url else ""
 
     @classmethod
@@ -46,14 +53,21 @@ class Inventory:
         *,
         migrate: bool = False,
         enforce_fence: bool = True,
+        before_statement: Callable[[Lease], None] | None = None,
         sleep: Callable[[float], None] = time.sleep,
         **engine_options: Any,
     ) -> Inventory:
-        """``migrate=True`` brings the schema to the newest revision first (embedded use, tests)."""
+        """``migrate=True`` brings the schema to the newest revision first (embedded use, tests).
+
+        ``before_statement`` runs just before each fenced statement is sent (fault injection).
+        """
         if migrate:
             schema.upgrade(url)
         return cls(
-            SyncSqlExecutor(make_engine(url, **engine_options), sleep), url=url, enforce_fence=enforce_fence
+            SyncSqlExecutor(make_engine(url, **engine_options), sleep),
+            url=url,
+            enforce_fence=enforce_fence,
+            before_statement=before_statement,
         )
 
     def _run(self, plan: Any) -> Any:
@@ -159,11 +173,16 @@ class Inventory:
         ttl: float,
         holder: str | None = None,
         wait: float = 0,
+        renew_every: float | None = None,
     ) -> Iterator[dict[str, Lease]]:
         """Hold the leases of several SKUs, taken in :func:`lock_order`, for :meth:`reserve_many`."""
         with ExitStack() as stack:
             yield {
-                sku: stack.enter_context(manager.hold(valid.scope_of(sku), ttl=ttl, holder=holder, wait=wait))
+                sku: stack.enter_context(
+                    manager.hold(
+                        valid.scope_of(sku), ttl=ttl, holder=holder, wait=wait, renew_every=renew_every
+                    )
+                )
                 for sku in lock_order(skus)
             }
 

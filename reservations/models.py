@@ -66,7 +66,8 @@ class Reservation(SQLModel, table=True):
     quantity: int
     status: str = Field(default=HELD, max_length=16)
     hold_expires_ms: int | None = Field(default=None, sa_column=_bigint(nullable=True))
-    idempotency_key: str = Field(max_length=200, unique=True)
+    # The request's key; an order's lines use "<order key> <sku>" (a space never occurs in a key).
+    idempotency_key: str = Field(max_length=300, unique=True)
     order_key: str | None = Field(default=None, max_length=200, index=True)
     token: int = Field(sa_column=_bigint())
     lease_id: str = Field(max_length=32)

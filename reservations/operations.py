@@ -80,8 +80,10 @@ def _stored_error(data: dict[str, Any]) -> ReservationError:
 class InventoryPlans:
     """Decisions and statements for every inventory operation; no I/O."""
 
-    def __init__(self, *, enforce_fence: bool = True) -> None:
-        self.fence = Fence(stock, enforce=enforce_fence)
+    def __init__(
+        self, *, enforce_fence: bool = True, before_statement: Callable[[Lease], None] | None = None
+    ) -> None:
+        self.fence = Fence(stock, enforce=enforce_fence, before_statement=before_statement)
 
     # -- the idempotent envelope -------------------------------------------------------------------
 
@@ -92,20 +94,28 @@ class InventoryPlans:
         print_: str,
         apply: Callable[[], Plan[Outcome]],
         on_stale: Callable[[StaleToken], sa.Executable],
+        lock: Callable[[], Plan[None]],
     ) -> Plan[Outcome]:
         for _ in range(3):
             try:
-                outcome: Outcome = yield Atomic(self._attempt(key, operation, print_, apply))
+                outcome: Outcome = yield Atomic(self._attempt(key, operation, print_, apply, lock))
                 return outcome
             except _Refused as refused:
-                yield Atomic(self._store_refusal(key, operation, print_, refused.error))
+                try:
+                    stored: Outcome | None = yield Atomic(
+                        self._store_refusal(key, operation, print_, refused.error)
+                    )
+                except IntegrityError:
+                    continue  # a concurrent attempt stored its outcome first: the next round replays it
+                if stored is not None:
+                    return stored  # a concurrent attempt applied the key meanwhile: its outcome stands
                 raise refused.error from None
             except StaleToken as stale:
                 yield Atomic(self._one(on_stale(stale)))
                 raise
             except IntegrityError as exc:
                 # A concurrent attempt with the same key committed first; the next round replays it.
-                if "idempotency_keys" not in str(exc.orig):
+                if "idempotency_key" not in str(exc.orig):
                     raise
         raise RuntimeError(f"idempotency key {key!r} kept colliding")  # pragma: no cover
 
@@ -113,8 +123,16 @@ class InventoryPlans:
         yield stmt
 
     def _attempt(
-        self, key: str, operation: str, print_: str, apply: Callable[[], Plan[Outcome]]
+        self,
+        key: str,
+        operation: str,
+        print_: str,
+        apply: Callable[[], Plan[Outcome]],
+        lock: Callable[[], Plan[None]],
     ) -> Plan[Outcome]:
+        # Stock rows first, then everything else: two attempts on the same SKU (a redelivery racing a
+        # retry, two epochs) queue here, and the second sees what the first committed.
+        yield from lock()
         found: Rows = yield sa.select(idempotency_keys).where(idempotency_keys.c.key == key)
         stored = found.first()
         if stored is not None:
@@ -133,6 +151,25 @@ class InventoryPlans:
         )
         return outcome
 
+    def _lock_skus(self, *skus: str) -> Callable[[], Plan[None]]:
+        """Lock the stock rows in sorted order (PostgreSQL; SQLite transactions are already exclusive)."""
+
+        def lock() -> Plan[None]:
+            for sku in sorted(set(skus)):
+                yield sa.select(stock.c.sku).where(stock.c.sku == sku).with_for_update()
+
+        return lock
+
+    def _lock_reservation_sku(self, reservation_id: str) -> Callable[[], Plan[None]]:
+        def lock() -> Plan[None]:
+            # A reservation's SKU never changes (a trigger refuses it), so it is safe to read unlocked.
+            found: Rows = yield sa.select(reservations.c.sku).where(reservations.c.id == reservation_id)
+            row = found.first()
+            if row is not None:
+                yield from self._lock_skus(row.sku)()
+
+        return lock
+
     def _replay(self, stored: Any, operation: str, print_: str) -> Outcome:
         if stored.fingerprint != print_:
             raise IdempotencyConflict(key=stored.key, operation=operation, stored_operation=stored.operation)
@@ -141,7 +178,10 @@ class InventoryPlans:
             raise _stored_error(data)
         return Outcome.from_json(stored.outcome, replayed=True)
 
-    def _store_refusal(self, key: str, operation: str, print_: str, error: ReservationError) -> Plan[None]:
+    def _store_refusal(
+        self, key: str, operation: str, print_: str, error: ReservationError
+    ) -> Plan[Outcome | None]:
+        """Store a refusal as the key's outcome, unless an outcome arrived meanwhile: then replay that."""
         assert isinstance(error, InsufficientStock)
         outcome = json.dumps(
             {
@@ -151,11 +191,14 @@ class InventoryPlans:
                 "available": error.available,
             }
         )
-        found: Rows = yield sa.select(idempotency_keys.c.key).where(idempotency_keys.c.key == key)
-        if found.first() is None:
-            yield sa.insert(idempotency_keys).values(
-                key=key, fingerprint=print_, operation=operation, outcome=outcome, created_ms=db_now_ms()
-            )
+        found: Rows = yield sa.select(idempotency_keys).where(idempotency_keys.c.key == key)
+        stored = found.first()
+        if stored is not None:
+            return self._replay(stored, operation, print_)
+        yield sa.insert(idempotency_keys).values(
+            key=key, fingerprint=print_, operation=operation, outcome=outcome, created_ms=db_now_ms()
+        )
+        return None
 
     def _rejection(
         self,
@@ -375,6 +418,7 @@ class InventoryPlans:
             fingerprint(operation, sku=sku, delta=delta, reason=reason),
             apply,
             lambda stale: self._rejection(stale, lease, sku, operation, key, delta),
+            self._lock_skus(sku),
         )
 
     def reserve(
@@ -412,6 +456,7 @@ class InventoryPlans:
             fingerprint("reserve", sku=sku, quantity=quantity, hold_ms=hold_ms),
             apply,
             lambda stale: self._rejection(stale, lease, sku, "reserve", key, quantity),
+            self._lock_skus(sku),
         )
 
     def reserve_many(
@@ -438,7 +483,7 @@ class InventoryPlans:
                     sku,
                     quantity,
                     key=key,
-                    reservation_key=f"{key}#{sku}",
+                    reservation_key=f"{key} {sku}",
                     order_key=key,
                     hold_ms=hold_ms,
                     operation="reserve_many",
@@ -460,7 +505,12 @@ class InventoryPlans:
             return self._rejection(stale, leases[sku], sku, "reserve_many", key, quantity)
 
         return self._idempotent(
-            key, "reserve_many", fingerprint("reserve_many", lines=order, hold_ms=hold_ms), apply, on_stale
+            key,
+            "reserve_many",
+            fingerprint("reserve_many", lines=order, hold_ms=hold_ms),
+            apply,
+            on_stale,
+            self._lock_skus(*(sku for sku, _ in order)),
         )
 
     def _finish(
@@ -495,7 +545,7 @@ class InventoryPlans:
                 .values(status=status, final_ms=db_now_ms(), final_token=lease.token, final_key=key)
                 .returning(reservations.c.id)
             )
-            if not changed.rows:  # pragma: no cover - the fenced stock row serializes finishers
+            if not changed.rows:  # finished (or expired) by someone else since we read it: roll back
                 raise InvalidTransition(reservation_id=reservation_id, status="final", operation=operation)
             yield self._history(
                 lease,
@@ -524,6 +574,7 @@ class InventoryPlans:
             lambda stale: self._rejection(
                 stale, lease, sku_box[-1] if sku_box else "?", operation, key, None, reservation_id
             ),
+            self._lock_reservation_sku(reservation_id),
         )
 
     def confirm(self, lease: Lease, reservation_id: str, key: str) -> Plan[Outcome]:
@@ -541,6 +592,8 @@ class InventoryPlans:
             valid.idempotency_key(key)
 
         def apply() -> Plan[Outcome]:
+            # Runs after the stock row is locked: a confirm or release of one of the due reservations
+            # queues behind it, so no unit can be returned twice.
             due: Rows = yield sa.select(reservations.c.id, reservations.c.quantity).where(
                 reservations.c.sku == sku,
                 reservations.c.status == HELD,
@@ -551,14 +604,18 @@ class InventoryPlans:
                 level = yield from self._stock_level(sku)
                 lease.raise_if_lost()
                 return Outcome(operation="expire", key=key, token=lease.token, stock=(level,))
-            level = yield from self._fenced(lease, sku, "expire", on_hand=0, reserved=-total, condition=None)
             ids = tuple(r.id for r in due.rows)
-            yield (
-                sa.update(reservations)
-                .where(reservations.c.id.in_(ids), reservations.c.status == HELD)
-                .values(status=EXPIRED, final_ms=db_now_ms(), final_token=lease.token, final_key=key)
-            )
             for r in due.rows:
+                # One reservation at a time, stock first: the database checks after every reservation
+                # row that the SKU's reserved units equal its held reservations.
+                level = yield from self._fenced(
+                    lease, sku, "expire", on_hand=0, reserved=-r.quantity, condition=None
+                )
+                yield (
+                    sa.update(reservations)
+                    .where(reservations.c.id == r.id, reservations.c.status == HELD)
+                    .values(status=EXPIRED, final_ms=db_now_ms(), final_token=lease.token, final_key=key)
+                )
                 yield self._history(
                     lease,
                     sku,
@@ -579,15 +636,23 @@ class InventoryPlans:
             )
 
         on_stale = lambda stale: self._rejection(stale, lease, sku, "expire", key, None)  # noqa: E731
+        lock = self._lock_skus(sku)
         if key is None:
-            return self._unkeyed(apply, on_stale)
-        return self._idempotent(key, "expire", fingerprint("expire", sku=sku), apply, on_stale)
+            return self._unkeyed(apply, on_stale, lock)
+        return self._idempotent(key, "expire", fingerprint("expire", sku=sku), apply, on_stale, lock)
 
     def _unkeyed(
-        self, apply: Callable[[], Plan[Outcome]], on_stale: Callable[[StaleToken], sa.Executable]
+        self,
+        apply: Callable[[], Plan[Outcome]],
+        on_stale: Callable[[StaleToken], sa.Executable],
+        lock: Callable[[], Plan[None]],
     ) -> Plan[Outcome]:
+        def locked() -> Plan[Outcome]:
+            yield from lock()
+            return (yield from apply())
+
         try:
-            outcome: Outcome = yield Atomic(apply())
+            outcome: Outcome = yield Atomic(locked())
             return outcome
         except StaleToken as stale:
             yield Atomic(self._one(on_stale(stale)))

@@ -462,3 +462,67 @@ def test_timeline_tells_the_seed_story(inventory: Inventory, leases: LeaseManage
     assert [r.highest_token for r in by_token[a.token].rejections] == [b.token]
     assert [(w.operation, w.quantity) for w in by_token[b.token].writes] == [("reserve", 2)]
     assert by_token[b.token].ended == "released"
+
+
+def test_expiry_and_a_concurrent_confirm_never_return_units_twice(
+    inventory: Inventory, leases: LeaseManager, widget: str, inventory_url: str
+) -> None:
+    """The expiry sweep reads what is due, then changes stock: a confirm of one of those reservations
+    committing in between must not be counted as well (it waits for the sweep, then finds it expired)."""
+    import threading
+
+    from fencing._plan import Atomic
+    from fencing.sql import execute
+
+    old = lease_for(leases, widget, holder="A")
+    r1 = inventory.reserve(old, widget, 2, key="r1", hold_for=0.001)
+    inventory.reserve(old, widget, 3, key="r2", hold_for=0.001)
+    leases.break_lease(scope_of(widget), reason="A paused")
+    new = lease_for(leases, widget, holder="B")
+    deadline = time.monotonic() + 5
+    while widget not in inventory.skus_with_due_holds():  # holds end by the database's clock
+        assert time.monotonic() < deadline
+    plan = inventory.plans.expire_due(new, widget)
+    step = next(plan)
+    assert isinstance(step, Atomic)
+    sweep = step.plan
+    engine = make_engine(inventory_url)
+    conn = engine.connect()
+    conn.begin()
+    statement = next(sweep)  # lock the stock row
+    statement = sweep.send(execute(conn, statement))  # read the due reservations
+    statement = sweep.send(execute(conn, statement))
+
+    errors: list[BaseException] = []
+
+    def confirm() -> None:
+        try:
+            inventory.confirm(old, r1.reservation_id or "", key="c1")
+        except BaseException as exc:  # the confirm must fail: stale, or the reservation expired
+            errors.append(exc)
+
+    racer = threading.Thread(target=confirm)
+    racer.start()
+    racer.join(timeout=1.0)
+    assert racer.is_alive(), "the confirm did not wait for the sweep holding the stock row"
+    try:
+        while True:
+            statement = sweep.send(execute(conn, statement))
+    except StopIteration:
+        conn.commit()
+    conn.close()
+    racer.join(timeout=30)
+    engine.dispose()
+    assert errors and isinstance(errors[0], StaleToken | InvalidTransition)
+    assert level(inventory, widget) == (10, 0, 10)
+    assert inventory.invariant_violations() == []
+
+
+def test_order_line_keys_never_collide_with_request_keys(
+    inventory: Inventory, leases: LeaseManager, widget: str
+) -> None:
+    lease = lease_for(leases, widget)
+    inventory.reserve_many({widget: lease}, [(widget, 1)], key="order-1")
+    single = inventory.reserve(lease, widget, 1, key=f"order-1#{widget}")
+    assert not single.replayed
+    assert level(inventory, widget) == (10, 2, 8)

@@ -171,7 +171,7 @@ def upgrade() -> None:
         sa.Column("quantity", sa.Integer, nullable=False),
         sa.Column("status", sa.String(16), nullable=False),
         sa.Column("hold_expires_ms", sa.BigInteger),
-        sa.Column("idempotency_key", sa.String(200), nullable=False, unique=True),
+        sa.Column("idempotency_key", sa.String(300), nullable=False, unique=True),
         sa.Column("order_key", sa.String(200)),
         sa.Column("token", sa.BigInteger, nullable=False),
         sa.Column("lease_id", sa.String(32), nullable=False),
