@@ -15,7 +15,12 @@ from tasks.settings import Settings
 
 
 def configure(app: Celery, settings: Settings) -> None:
-    transport: dict[str, Any] = {"visibility_timeout": settings.visibility_timeout}
+    # visibility_timeout is how Redis (and SQS) redeliver unacknowledged messages; other transports
+    # (the SQLAlchemy one passes its options to create_engine) must not receive it.
+    def transport_for(url: str) -> dict[str, Any]:
+        redelivering = url.startswith(("redis://", "rediss://", "sqs://"))
+        return {"visibility_timeout": settings.visibility_timeout} if redelivering else {}
+
     app.conf.update(
         broker_url=settings.broker_url,
         result_backend=settings.result_backend,
@@ -29,8 +34,8 @@ def configure(app: Celery, settings: Settings) -> None:
         # A task that raised still acks: its outcome is recorded; redelivering it would not change it.
         task_acks_on_failure_or_timeout=True,
         worker_prefetch_multiplier=1,
-        broker_transport_options=transport,
-        result_backend_transport_options=transport,
+        broker_transport_options=transport_for(settings.broker_url),
+        result_backend_transport_options=transport_for(settings.result_backend),
         result_expires=24 * 3600,
         result_extended=True,
         task_track_started=True,

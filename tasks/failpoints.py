@@ -1,8 +1,9 @@
 """Named fault-injection points for fault tests and chaos runs; inert unless configured.
 
 ``RESERVATIONS_FAILPOINTS="before_write=stop,once;after_write=kill"`` makes the worker stop itself with
-SIGSTOP right after taking its leases (a pause at the worst moment), or die with SIGKILL after its
-stock change committed but before its outcome was recorded and its message acknowledged. ``once`` fires
+SIGSTOP right after taking its leases, or die with SIGKILL after its stock change committed but before
+its outcome was recorded and its message acknowledged. ``in_write`` sits inside the fenced write, after
+the lease's local checks and before the statement is sent: a pause there is the delayed packet. ``once`` fires
 in one process only, coordinated by an exclusive marker file in ``RESERVATIONS_FAILPOINT_DIR``.
 Actions: ``stop``, ``kill``, ``sleep:SECONDS``.
 """
@@ -18,7 +19,7 @@ from pathlib import Path
 
 log = logging.getLogger("tasks.failpoints")
 
-POINTS = ("before_write", "after_write")
+POINTS = ("before_write", "in_write", "after_write")
 
 
 @cache

@@ -17,12 +17,10 @@ from celery import Task
 
 from fencing import (
     BackendUnavailable,
-    FencingError,
     InvalidLeaseRequest,
     Lease,
     LeaseBusy,
     LostOwnership,
-    StaleToken,
 )
 from reservations import (
     IdempotencyConflict,
@@ -92,19 +90,26 @@ def _detail(outcome: Outcome) -> dict[str, Any]:
     }
 
 
-def run_request(
-    task: Task, operation: str, key: str, skus: Callable[[Resources], list[str]], apply: Apply, epoch: int
-) -> dict[str, Any]:
-    """One attempt at a request; returns its final outcome or raises Celery's Retry."""
-    res = resources(settings_of(app))
-    settings = res.settings
-    worker = worker_identity()
-    task_id = task.request.id
-    who = {"task_id": task_id, "worker": worker}
+# Transient failures (Redis or the database unreachable) retry this many times, with their own count.
+MAX_TRANSIENT_RETRIES = 20
+COUNTERS = ("epoch", "busy", "transient")
 
-    def final(status: str, detail: dict[str, Any]) -> dict[str, Any]:
-        stored = res.inventory.record_outcome(key, operation, status, detail, epochs=epoch, **who)
-        return _as_result(stored)
+
+def run_request(
+    task: Task, operation: str, key: str, skus: Callable[[Resources], list[str]], apply: Apply
+) -> dict[str, Any]:
+    """One attempt at a request; returns its final outcome or raises Celery's Retry.
+
+    Three separate counters travel with the message: ``epoch`` (attempts that lost ownership), ``busy``
+    (lease-busy retries) and ``transient`` (unreachable backend), so one kind of retry never uses up
+    another's budget.
+    """
+    res = resources(settings_of(app))
+    sent = dict(task.request.kwargs or {})
+    counts = {name: int(sent.get(name) or 0) for name in COUNTERS}
+
+    def again(counter: str, countdown: float) -> Exception:
+        return task.retry(kwargs={**sent, counter: counts[counter] + 1}, countdown=countdown)  # type: ignore[no-any-return]
 
     try:
         valid.idempotency_key(key)
@@ -114,8 +119,39 @@ def run_request(
             "operation": operation,
             "status": "invalid",
             "detail": {"error": str(exc)},
-            "epochs": epoch,
+            "epochs": counts["epoch"],
         }
+    try:
+        return _attempt(task, res, operation, key, skus, apply, counts, again)
+    except BackendUnavailable as exc:
+        # Also covers an outcome or attempt that could not be recorded: nothing is final until it is.
+        if counts["transient"] >= MAX_TRANSIENT_RETRIES:
+            log.error("giving up on %s after %d transient failures: %s", key, counts["transient"], exc)
+            raise
+        raise again(
+            "transient", _jitter(0.2 * 2 ** min(counts["transient"], 5), counts["transient"])
+        ) from None
+
+
+def _attempt(
+    task: Task,
+    res: Resources,
+    operation: str,
+    key: str,
+    skus: Callable[[Resources], list[str]],
+    apply: Apply,
+    counts: dict[str, int],
+    again: Callable[[str, float], Exception],
+) -> dict[str, Any]:
+    settings = res.settings
+    worker = worker_identity()
+    task_id = task.request.id
+    who = {"task_id": task_id, "worker": worker}
+    epoch = counts["epoch"]
+
+    def final(status: str, detail: dict[str, Any]) -> dict[str, Any]:
+        stored = res.inventory.record_outcome(key, operation, status, detail, epochs=epoch, **who)
+        return _as_result(stored)
 
     lease_token: int | None = None
     try:
@@ -123,7 +159,11 @@ def run_request(
         if done is not None:
             return _as_result(done)
         with res.inventory.hold_many(
-            res.leases, skus(res), ttl=settings.lease_ttl, holder=f"{worker}:{task_id}"
+            res.leases,
+            skus(res),
+            ttl=settings.lease_ttl,
+            holder=f"{worker}:{task_id}",
+            renew_every=settings.lease_renew_every,
         ) as leases:
             lease_token = max((lease.token for lease in leases.values()), default=None)
             failpoint("before_write")
@@ -140,14 +180,13 @@ def run_request(
     except _INVALID as exc:
         return final("invalid", {"error": type(exc).__name__, "message": str(exc)})
     except LeaseBusy as busy:
-        if task.request.retries >= settings.max_retries:
+        if counts["busy"] >= settings.max_retries:
             return final("dead_lettered", {"reason": "lease busy", "holder": busy.holder})
-        raise task.retry(countdown=_jitter(busy.retry_after, task.request.retries)) from None
+        raise again("busy", _jitter(busy.retry_after, counts["busy"])) from None
     except LostOwnership as lost:
         # Terminal for this attempt and its lease: nothing more happens under it. The request itself
         # goes back to coordination: a new task run takes a new lease, and the idempotency key keeps an
         # effect that already landed from being applied twice.
-        kind = "stale token" if isinstance(lost, StaleToken) else "lease lost"
         log.warning(
             "lost ownership of %s (token %s) in task %s on %s: %s",
             lost.scope,
@@ -157,25 +196,16 @@ def run_request(
             lost,
         )
         res.inventory.record_attempt(
-            key, operation, "lost_ownership", token=lost.token or lease_token, detail=f"{kind}: {lost}", **who
+            key, operation, "lost_ownership", token=lost.token or lease_token, detail=str(lost), **who
         )
         if epoch + 1 >= settings.max_epochs:
             return final("dead_lettered", {"reason": f"lost ownership {epoch + 1} times", "last": str(lost)})
-        kwargs = {**(task.request.kwargs or {}), "epoch": epoch + 1}
-        raise task.retry(kwargs=kwargs, countdown=_jitter(0.01, epoch)) from None
-    except (BackendUnavailable, FencingError) as exc:
-        if task.request.retries >= min(settings.max_retries, 20):
-            log.error("giving up on %s after %d retries: %s", key, task.request.retries, exc)
-            try:
-                return final("dead_lettered", {"reason": "backend unavailable", "last": str(exc)})
-            except BackendUnavailable:
-                raise exc from None
-        raise task.retry(countdown=_jitter(0.1, task.request.retries)) from None
+        raise again("epoch", _jitter(0.01, epoch)) from None
 
 
 @app.task(bind=True, max_retries=None, name=task_name("reserve"))
 def reserve(
-    self: Task, sku: str, quantity: int, idempotency_key: str, hold_for: float | None = None, epoch: int = 0
+    self: Task, sku: str, quantity: int, idempotency_key: str, hold_for: float | None = None, **_counts: int
 ) -> dict[str, Any]:
     return run_request(
         self,
@@ -183,13 +213,12 @@ def reserve(
         idempotency_key,
         lambda _: [valid.sku(sku)],
         lambda inv, leases: inv.reserve(leases[sku], sku, quantity, key=idempotency_key, hold_for=hold_for),
-        epoch,
     )
 
 
 @app.task(bind=True, max_retries=None, name=task_name("reserve_order"))
 def reserve_order(
-    self: Task, lines: list[list[Any]], idempotency_key: str, hold_for: float | None = None, epoch: int = 0
+    self: Task, lines: list[list[Any]], idempotency_key: str, hold_for: float | None = None, **_counts: int
 ) -> dict[str, Any]:
     def skus(_: Resources) -> list[str]:
         return [sku for sku, _ in valid.order_lines([tuple(line) for line in lines])]
@@ -202,11 +231,10 @@ def reserve_order(
         lambda inv, leases: inv.reserve_many(
             leases, [(line[0], line[1]) for line in lines], key=idempotency_key, hold_for=hold_for
         ),
-        epoch,
     )
 
 
-def _finish(task: Task, operation: str, reservation_id: str, key: str, epoch: int) -> dict[str, Any]:
+def _finish(task: Task, operation: str, reservation_id: str, key: str) -> dict[str, Any]:
     def skus(res: Resources) -> list[str]:
         return [res.inventory.reservation(valid.reservation_id(reservation_id)).sku]
 
@@ -215,34 +243,33 @@ def _finish(task: Task, operation: str, reservation_id: str, key: str, epoch: in
         finish = inv.confirm if operation == "confirm" else inv.release
         return finish(lease, reservation_id, key=key)
 
-    return run_request(task, operation, key, skus, apply, epoch)
+    return run_request(task, operation, key, skus, apply)
 
 
 @app.task(bind=True, max_retries=None, name=task_name("confirm"))
-def confirm(self: Task, reservation_id: str, idempotency_key: str, epoch: int = 0) -> dict[str, Any]:
-    return _finish(self, "confirm", reservation_id, idempotency_key, epoch)
+def confirm(self: Task, reservation_id: str, idempotency_key: str, **_counts: int) -> dict[str, Any]:
+    return _finish(self, "confirm", reservation_id, idempotency_key)
 
 
 @app.task(bind=True, max_retries=None, name=task_name("release"))
-def release(self: Task, reservation_id: str, idempotency_key: str, epoch: int = 0) -> dict[str, Any]:
-    return _finish(self, "release", reservation_id, idempotency_key, epoch)
+def release(self: Task, reservation_id: str, idempotency_key: str, **_counts: int) -> dict[str, Any]:
+    return _finish(self, "release", reservation_id, idempotency_key)
 
 
 @app.task(bind=True, max_retries=None, name=task_name("restock"))
-def restock(self: Task, sku: str, quantity: int, idempotency_key: str, epoch: int = 0) -> dict[str, Any]:
+def restock(self: Task, sku: str, quantity: int, idempotency_key: str, **_counts: int) -> dict[str, Any]:
     return run_request(
         self,
         "restock",
         idempotency_key,
         lambda _: [valid.sku(sku)],
         lambda inv, leases: inv.restock(leases[sku], sku, quantity, key=idempotency_key),
-        epoch,
     )
 
 
 @app.task(name=task_name("expire_holds"))
 def expire_holds() -> dict[str, int]:
-    """Beat: return expired holds to stock, SKU by SKU; a SKU whose lease is busy waits for the next sweep."""
+    """Beat: return expired holds to stock SKU by SKU; a SKU whose lease is busy waits for the next sweep."""
     res = resources(settings_of(app))
     expired, busy = 0, 0
     for sku in res.inventory.skus_with_due_holds():

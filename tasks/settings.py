@@ -8,8 +8,9 @@ Variables (prefix ``RESERVATIONS_``), with defaults:
 - LEASE_URL: the database URL (lease backend: redis://... or a SQL URL)
 - LEASE_PREFIX: fencing (Redis key prefix of the leases)
 - LEASE_TTL: 30 (seconds a task's SKU lease lasts without renewal)
-- MAX_EPOCHS: 3 (lost-ownership redrives of one request before it is dead-lettered)
-- MAX_RETRIES: 200 (busy-lease retries before dead-letter; transient failures get at most 20)
+- LEASE_RENEW_EVERY: ttl/3 (seconds between background renewals while a task holds its lease)
+- MAX_EPOCHS: 3 (attempts of one request that may lose ownership; at that many it is dead-lettered)
+- MAX_RETRIES: 200 (lease-busy retries before dead-letter; unreachable backends get 20 of their own)
 - VISIBILITY_TIMEOUT: 3600 (seconds before an unacknowledged message is redelivered)
 - EXPIRY_INTERVAL: 30 (seconds between hold-expiry sweeps by celery beat)
 """
@@ -50,6 +51,7 @@ class Settings:
     lease_url: str = ""  # empty: the SQL lease backend on the database
     lease_prefix: str = "fencing"
     lease_ttl: float = 30.0
+    lease_renew_every: float | None = None  # None: a third of the ttl
     max_epochs: int = 3
     max_retries: int = 200
     visibility_timeout: float = 3600.0
@@ -79,6 +81,11 @@ class Settings:
             lease_url=env.get(PREFIX + "LEASE_URL") or database,
             lease_prefix=env.get(PREFIX + "LEASE_PREFIX") or defaults.lease_prefix,
             lease_ttl=_number(env, "LEASE_TTL", defaults.lease_ttl, 0.05, 3600),
+            lease_renew_every=(
+                _number(env, "LEASE_RENEW_EVERY", 0, 0.01, 3600)
+                if env.get(PREFIX + "LEASE_RENEW_EVERY")
+                else None
+            ),
             max_epochs=int(_number(env, "MAX_EPOCHS", defaults.max_epochs, 1, 100)),
             max_retries=int(_number(env, "MAX_RETRIES", defaults.max_retries, 0, 100_000)),
             visibility_timeout=_number(env, "VISIBILITY_TIMEOUT", defaults.visibility_timeout, 1, 7 * 86400),

@@ -16,6 +16,7 @@ from celery.signals import worker_process_init, worker_process_shutdown, worker_
 
 from fencing import LeaseManager
 from reservations import Inventory
+from tasks.failpoints import failpoint
 from tasks.settings import Settings
 
 
@@ -49,7 +50,9 @@ def resources(settings: Settings) -> Resources:
                 _resources.inventory.executor.engine.dispose(close=False)
             _resources = Resources(
                 settings=settings,
-                inventory=Inventory.from_url(settings.database_url),
+                inventory=Inventory.from_url(
+                    settings.database_url, before_statement=lambda lease: failpoint("in_write")
+                ),
                 leases=LeaseManager.from_url(settings.lease_url, prefix=settings.lease_prefix),
                 pid=os.getpid(),
             )
