@@ -14,7 +14,7 @@ $(STAMP): requirements.lock pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/reservations fence-demo
+	$(BIN)/reservations demo
 
 lint: $(STAMP)
 	$(BIN)/ruff check fencing reservations tasks tests bench

@@ -545,6 +545,30 @@ def db_current() -> None:
         out.print(f"head:     {schema.head()}")
 
 
+@app.command("demo")
+def demo_command(
+    folder: Annotated[
+        Path, typer.Option(help="Working folder for the embedded databases and worker logs.")
+    ] = Path("var/demo"),
+) -> None:
+    """The warehouse case study with real Celery workers: A is frozen with SIGSTOP past its lease, B takes
+    the next token and reserves, A resumes and its late write is rejected; A's request is driven again.
+
+    Needs no services (SQLite, SQL leases, Celery's SQLAlchemy transport); set RESERVATIONS_DATABASE_URL,
+    _BROKER_URL, _RESULT_BACKEND and _LEASE_URL to run it on PostgreSQL and Redis.
+
+    Example: reservations demo
+    """
+    from reservations import demo
+
+    try:
+        ok = demo.run(folder, out)
+    except demo.DemoFailed as exc:
+        _fail(EXIT_FAILED, str(exc))
+    if not ok:
+        raise typer.Exit(EXIT_FAILED)
+
+
 @app.command("fence-demo")
 def fence_demo(
     database: Annotated[Path, typer.Option(help="SQLite file to (re)create for the demo.")] = Path(

@@ -1,0 +1,327 @@
+"""The warehouse case study, replayed with real Celery worker processes.
+
+Worker A takes the SKU's lease (token N) and is frozen with SIGSTOP before its write; its lease expires;
+worker B takes N+1 and reserves; A is resumed with SIGCONT, its write is refused as lost ownership, and
+its request is driven again in a new epoch. Embedded defaults need no services: SQLite for the inventory
+and the leases, Celery's SQLAlchemy transport on SQLite as broker and result store. Setting
+RESERVATIONS_DATABASE_URL / _BROKER_URL / _RESULT_BACKEND / _LEASE_URL runs it on Redis and PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from celery import Celery
+from rich.console import Console
+from rich.table import Table
+
+from fencing import LeaseManager, mask_url
+from reservations import schema
+from reservations.inventory import Inventory
+from reservations.requests import RequestResult, request_id, task_name
+from reservations.timeline import TimelineEntry, epochs
+from reservations.validation import scope_of
+
+LEASE_TTL = 2.0
+
+
+class DemoFailed(RuntimeError):
+    pass
+
+
+@dataclass
+class Setup:
+    folder: Path
+    database_url: str
+    lease_url: str
+    broker_url: str
+    result_backend: str
+    sku: str
+    embedded: bool
+
+    @classmethod
+    def from_env(cls, folder: Path) -> Setup:
+        database = os.environ.get("RESERVATIONS_DATABASE_URL")
+        embedded = database is None
+        if embedded:
+            if folder.exists():
+                shutil.rmtree(folder)
+            folder.mkdir(parents=True)
+        else:
+            folder.mkdir(parents=True, exist_ok=True)
+        database = database or f"sqlite:///{folder / 'inventory.sqlite3'}"
+        return cls(
+            folder=folder,
+            database_url=database,
+            lease_url=os.environ.get("RESERVATIONS_LEASE_URL") or database,
+            broker_url=os.environ.get("RESERVATIONS_BROKER_URL")
+            or f"sqla+sqlite:///{folder / 'broker.sqlite3'}",
+            result_backend=os.environ.get("RESERVATIONS_RESULT_BACKEND")
+            or f"db+sqlite:///{folder / 'results.sqlite3'}",
+            # On a shared database the demo must not touch real SKUs: a fresh one per run.
+            sku="WIDGET" if embedded else f"DEMO-{uuid.uuid4().hex[:8].upper()}",
+            embedded=embedded,
+        )
+
+    def worker_env(self, name: str, *, freeze: bool) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RESERVATIONS_")}
+        env.update(
+            {
+                "RESERVATIONS_DATABASE_URL": self.database_url,
+                "RESERVATIONS_LEASE_URL": self.lease_url,
+                "RESERVATIONS_BROKER_URL": self.broker_url,
+                "RESERVATIONS_RESULT_BACKEND": self.result_backend,
+                "RESERVATIONS_LEASE_TTL": str(LEASE_TTL),
+                "RESERVATIONS_MAX_EPOCHS": "3",
+                "RESERVATIONS_FAILPOINT_DIR": str(self.folder / f"failpoints-{name}"),
+            }
+        )
+        if freeze:
+            env["RESERVATIONS_FAILPOINTS"] = "before_write=stop,once"
+            # A's renewal is slower than its pause, as for a request stuck in the network: nothing but
+            # the fence stands between its late write and the stock row.
+            env["RESERVATIONS_LEASE_RENEW_EVERY"] = "600"
+        return env
+
+
+@dataclass
+class Worker:
+    name: str
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    def pool_children(self) -> list[int]:
+        try:
+            text = Path(f"/proc/{self.process.pid}/task/{self.process.pid}/children").read_text()
+        except OSError:
+            return []
+        return [int(pid) for pid in text.split()]
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "?"
+
+
+def _poll(what: str, predicate: Callable[[], bool], timeout: float, interval: float = 0.05) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise DemoFailed(f"timed out waiting for {what}")
+        time.sleep(interval)
+
+
+@dataclass
+class Demo:
+    setup: Setup
+    console: Console
+    started: float = field(default_factory=time.monotonic)
+    workers: list[Worker] = field(default_factory=list)
+    steps: list[tuple[str, str, str]] = field(default_factory=list)
+
+    def step(self, who: str, what: str) -> None:
+        at = f"{time.monotonic() - self.started:5.1f}s"
+        self.steps.append((at, who, what))
+        self.console.print(f"[dim]{at}[/]  [bold]{who:<7}[/] {what}", highlight=False)
+
+    def start_worker(self, name: str, *, freeze: bool) -> Worker:
+        log = self.setup.folder / f"worker-{name}.log"
+        process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "celery",
+                "-A",
+                "tasks",
+                "worker",
+                "--pool",
+                "prefork",
+                "-c",
+                "1",
+                "-n",
+                f"{name}@%h",
+                "--without-gossip",
+                "--without-mingle",
+                "--without-heartbeat",
+                "--loglevel",
+                "INFO",
+            ],
+            env=self.setup.worker_env(name, freeze=freeze),
+            stdout=log.open("wb"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        worker = Worker(name, process, log)
+        self.workers.append(worker)
+        _poll(
+            f"worker {name} to start",
+            lambda: b" ready." in log.read_bytes() or process.poll() is not None,
+            timeout=60,
+        )
+        if process.poll() is not None:
+            raise DemoFailed(f"worker {name} exited: see {log}")
+        return worker
+
+    def stop_workers(self) -> None:
+        for worker in self.workers:
+            for pid in worker.pool_children():
+                _signal(pid, signal.SIGCONT)
+            _signal_group(worker.process, signal.SIGTERM)
+        for worker in self.workers:
+            try:
+                worker.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                _signal_group(worker.process, signal.SIGKILL)
+                worker.process.wait(timeout=10)
+
+
+def _signal(pid: int, sig: signal.Signals) -> None:
+    with suppress(ProcessLookupError):
+        os.kill(pid, sig)
+
+
+def _signal_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    with suppress(ProcessLookupError):
+        os.killpg(process.pid, sig)
+
+
+@contextmanager
+def _producer(setup: Setup) -> Iterator[Callable[[str, dict[str, object]], None]]:
+    app = Celery(
+        "reservations-demo", broker=setup.broker_url, backend=setup.result_backend, set_as_current=False
+    )
+    app.conf.update(task_serializer="json", accept_content=["json"], result_serializer="json")
+
+    def send(key: str, kwargs: dict[str, object]) -> None:
+        app.send_task(
+            task_name("reserve"), kwargs={**kwargs, "idempotency_key": key}, task_id=request_id(key)
+        )
+
+    try:
+        yield send
+    finally:
+        app.close()
+
+
+def _wait_outcome(inventory: Inventory, key: str, timeout: float) -> RequestResult:
+    found: list[RequestResult] = []
+
+    def done() -> bool:
+        outcome = inventory.request_outcome(key)
+        if outcome is not None:
+            found.append(outcome)
+        return bool(found)
+
+    _poll(f"the outcome of {key}", done, timeout, interval=0.1)
+    return found[0]
+
+
+def run(folder: Path, console: Console | None = None) -> bool:
+    """Replay the case study; True when A's late write was refused and every invariant holds."""
+    console = console or Console()
+    setup = Setup.from_env(folder)
+    sku, scope = setup.sku, scope_of(setup.sku)
+    run_id = uuid.uuid4().hex[:6]
+    key_a, key_b = f"demo-{run_id}-A", f"demo-{run_id}-B"
+    console.print(f"[bold]Warehouse case study[/]: SKU {sku}, lease ttl {LEASE_TTL:g}s")
+    console.print(
+        f"  inventory {mask_url(setup.database_url)}\n  leases    {mask_url(setup.lease_url)}\n"
+        f"  broker    {mask_url(setup.broker_url)}\n"
+    )
+    schema.upgrade(setup.database_url)
+    demo = Demo(setup, console)
+    try:
+        with (
+            Inventory.from_url(setup.database_url) as inventory,
+            LeaseManager.from_url(setup.lease_url) as leases,
+            _producer(setup) as send,
+        ):
+            inventory.add_sku(sku, on_hand=10)
+            demo.step("setup", f"{sku}: 10 on hand")
+            a = demo.start_worker("A", freeze=True)
+            demo.step("A", "worker A started (it freezes with SIGSTOP between taking its lease and writing)")
+            send(key_a, {"sku": sku, "quantity": 5})
+            demo.step("client", f"request {key_a}: reserve 5")
+            _poll(
+                "worker A to take the lease and stop",
+                lambda: any(_state(pid) == "T" for pid in a.pool_children()),
+                timeout=30,
+            )
+            held = leases.current(scope)
+            token_a = held.token if held else None
+            demo.step("A", f"took {scope} with token {token_a} and froze before its write (SIGSTOP)")
+            _poll("A's lease to expire", lambda: leases.current(scope) is None, timeout=LEASE_TTL + 10)
+            demo.step("lease", f"token {token_a} expires at the coordinator; A is still frozen")
+            demo.start_worker("B", freeze=False)
+            demo.step("B", "worker B started")
+            send(key_b, {"sku": sku, "quantity": 2})
+            demo.step("client", f"request {key_b}: reserve 2")
+            outcome_b = _wait_outcome(inventory, key_b, timeout=30)
+            demo.step("B", f"{key_b}: {outcome_b.status} under token {outcome_b.detail.get('token')}")
+            for pid in a.pool_children():
+                _signal(pid, signal.SIGCONT)
+            demo.step("A", "SIGCONT: A resumes; its write with the old token reaches the stock row")
+            outcome_a = _wait_outcome(inventory, key_a, timeout=40)
+            rejected = inventory.rejection_counts().get(sku, 0)
+            attempts = inventory.attempts(key_a)
+            lost = [t for t in attempts if t.result == "lost_ownership"]
+            for attempt in lost:
+                demo.step("fence", f"write with token {attempt.token} REJECTED: {attempt.detail}")
+            demo.step(
+                "A",
+                f"{key_a}: driven again in a new epoch -> {outcome_a.status} under token "
+                f"{outcome_a.detail.get('token')} (lost epochs: {outcome_a.epochs})",
+            )
+            timeline = inventory.timeline(sku, leases)
+            level = inventory.stock(sku)
+            violations = inventory.invariant_violations() if setup.embedded else []
+    finally:
+        demo.stop_workers()
+    _print_tokens(console, sku, timeline)
+    console.print(
+        f"\nStock of {sku}: on hand {level.on_hand}, reserved {level.reserved}, "
+        f"available {level.available}, highest accepted token {level.fence_token}"
+    )
+    expected = (10, 7, 3)
+    checks = [
+        ("A's stale write was rejected by the database", rejected >= 1 and bool(lost)),
+        ("every request reached one final outcome", {outcome_a.status, outcome_b.status} == {"reserved"}),
+        (
+            "stock is 10 on hand, 7 reserved, 3 available",
+            (level.on_hand, level.reserved, level.available) == expected,
+        ),
+        ("invariants hold (conservation, tokens, history, idempotency)", not violations),
+    ]
+    for text, ok in checks:
+        console.print(f"  {'[green]ok[/]  ' if ok else '[red]FAIL[/]'} {text}")
+    for violation in violations:
+        console.print(f"       [red]{violation}[/]")
+    return all(ok for _, ok in checks)
+
+
+def _print_tokens(console: Console, sku: str, timeline: list[TimelineEntry]) -> None:
+    table = Table(title=f"Token history of {sku}", title_justify="left")
+    for column in ("token", "holder", "ended", "accepted writes", "rejected"):
+        table.add_column(column, overflow="fold")
+    for epoch in epochs(timeline):
+        table.add_row(
+            str(epoch.token),
+            (epoch.holder or "").rsplit(":", 1)[0],
+            epoch.ended or "current",
+            ", ".join(f"{w.operation} {w.quantity}" for w in epoch.writes) or "-",
+            ", ".join(f"{r.operation} (highest {r.highest_token})" for r in epoch.rejections) or "-",
+        )
+    console.print()
+    console.print(table)
