@@ -7,27 +7,34 @@ removed before exit whatever happens.
 from __future__ import annotations
 
 import argparse
+import shutil
 import signal
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import replace
 
 from rich.console import Console
 
 from bench.env import Scratch, Settings, probe
 from bench.leases import redis_vs_raw, sql_vs_redis_leases
 from bench.report import Plan, render_markdown, render_rich
+from bench.tasks_e2e import tasks_vs_noop
 from bench.timing import Progress, Results
 from bench.writes import guarded_vs_plain
 
 # Sized for a 2-core machine to finish in well under a minute; SQL operations cost several round
-# trips and a commit each, so their sections run proportionally fewer iterations.
+# trips and a commit each, so their sections run proportionally fewer iterations. A Celery task costs
+# milliseconds (broker, result backend, several transactions) and every case of the tasks section is a
+# burst of that many tasks per run.
 DEFAULT_ITERATIONS = 1500
 QUICK_ITERATIONS = 200
 WRITE_SHARE = 10
 BACKEND_SHARE = 25
+TASK_SHARE = 5
 MIN_ITERATIONS = 5
 WARMUP_FRACTION = 0.1
-SECTIONS = ("redis", "writes", "backends")
+SECTIONS = ("redis", "writes", "backends", "tasks")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -39,7 +46,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--iterations", type=int, metavar="N",
         help=f"timed Redis pairs per run (default {DEFAULT_ITERATIONS}, {QUICK_ITERATIONS} with "
-        f"--quick); SQL writes run N/{WRITE_SHARE}, the backend comparison N/{BACKEND_SHARE}",
+        f"--quick); SQL writes run N/{WRITE_SHARE}, the backend comparison N/{BACKEND_SHARE}, "
+        f"Celery bursts N/{TASK_SHARE} tasks",
     )
     parser.add_argument("--quick", action="store_true", help="a fast smoke run with fewer iterations")
     parser.add_argument("--repeats", type=int, default=3, help="runs per case (default 3)")
@@ -47,7 +55,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--only", action="append", choices=SECTIONS,
         help="run only this section (repeatable): redis = lease vs raw Redis, writes = guarded vs "
-        "plain write, backends = SQL vs Redis lease backend",
+        "plain write, backends = SQL vs Redis lease backend, tasks = Celery reservation tasks vs no-op "
+        "tasks end to end (own redis-server and workers; needs PostgreSQL)",
+    )
+    parser.add_argument(
+        "--no-sql-leases", action="store_true",
+        help="tasks section: skip the second worker on the SQL lease backend (saves its bursts)",
     )
     args = parser.parse_args(argv)
     if args.iterations is not None and args.iterations < MIN_ITERATIONS:
@@ -64,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         redis_iterations=n,
         write_iterations=max(MIN_ITERATIONS, n // WRITE_SHARE),
         backend_iterations=max(MIN_ITERATIONS, n // BACKEND_SHARE),
+        task_iterations=max(MIN_ITERATIONS, n // TASK_SHARE),
         repeats=args.repeats,
         warmup_fraction=WARMUP_FRACTION,
     )
@@ -78,10 +92,16 @@ def main(argv: list[str] | None = None) -> int:
     ctx = probe(settings)
     redis_ok, postgres_ok = ctx.redis_version is not None, ctx.postgres_version is not None
     results = Results()
-    if not redis_ok and wanted - {"writes"}:
+    # The tasks section runs its own redis-server (the shared one may carry other jobs' queues), so it
+    # needs the binary instead of BENCH_REDIS_URL.
+    redis_server = shutil.which("redis-server")
+    if not redis_ok and wanted & {"redis", "backends"}:
         results.skipped.append("Skipped the Redis and backend sections: Redis is unreachable.")
     if not postgres_ok and wanted - {"redis"}:
-        results.skipped.append("Skipped the PostgreSQL rows: PostgreSQL is unreachable.")
+        what = "the PostgreSQL rows" + (" and the Celery section" if "tasks" in wanted else "")
+        results.skipped.append(f"Skipped {what}: PostgreSQL is unreachable.")
+    if redis_server is None and "tasks" in wanted:
+        results.skipped.append("Skipped the Celery section: no redis-server on PATH for a private broker.")
 
     def sizing(iterations: int) -> dict[str, int]:
         return {
@@ -100,7 +120,9 @@ def main(argv: list[str] | None = None) -> int:
                 progress("Redis lease vs raw Redis lock")
             redis_vs_raw(scratch, results, progress=progress, **sizing(plan.redis_iterations))
         if "writes" in wanted:
-            targets = [("PostgreSQL", scratch.postgres_url)] if postgres_ok else []
+            targets: list[tuple[str, Callable[[], str]]] = (
+                [("PostgreSQL", scratch.postgres_url)] if postgres_ok else []
+            )
             targets.append(("SQLite", scratch.sqlite_url))
             for label, url_of in targets:
                 if progress:
@@ -115,6 +137,14 @@ def main(argv: list[str] | None = None) -> int:
                 scratch, results, postgres=postgres_ok, sqlite=True, progress=progress,
                 **sizing(plan.backend_iterations),
             )
+        if "tasks" in wanted and postgres_ok and redis_server is not None:
+            if progress:
+                progress("Celery end to end: reservation vs no-op tasks, hot vs spread SKUs")
+            timed = tasks_vs_noop(
+                scratch, results, sql_leases=not args.no_sql_leases, fit_budget=args.iterations is None,
+                progress=progress, **sizing(plan.task_iterations),
+            )
+            plan = replace(plan, task_iterations=timed)
     finally:
         for problem in scratch.close():
             errors.print(f"cleanup: {problem}", highlight=False)

@@ -102,7 +102,7 @@ def probe(settings: Settings) -> Context:
         postgres_error=postgres_error,
         sqlite_version=sqlite3.sqlite_version,
         packages={
-            name: _package_version(name) for name in ("redis", "SQLAlchemy", "psycopg")
+            name: _package_version(name) for name in ("redis", "SQLAlchemy", "psycopg", "celery", "kombu")
         },
         redis_url=mask_url(settings.redis_url),
         postgres_url=mask_url(settings.postgres_url),
@@ -118,7 +118,7 @@ class Scratch:
         self.redis_prefix = f"bench-{run}"
         self.pg_schema = f"bench_{run}"
         self._redis_used = False
-        self._pg_created = False
+        self._pg_schemas: list[str] = []
         self._tmpdir: Path | None = None
 
     def redis_client(self) -> redis.Redis:
@@ -132,24 +132,28 @@ class Scratch:
         self._redis_used = True
         return LeaseManager.from_url(self.settings.redis_url, prefix=self.redis_prefix)
 
-    def postgres_url(self) -> str:
-        """The PostgreSQL URL with the run's schema first on the search path.
+    def postgres_url(self, part: str = "") -> str:
+        """The PostgreSQL URL with the run's schema (or its sibling ``<schema>_<part>``) first on the
+        search path.
 
         The SQL lease backend's tables have fixed names; a private schema keeps them (and the
-        benchmark tables) away from anything already in the database.
+        benchmark tables) away from anything already in the database. A section whose tables are
+        created by migrations asks for its own ``part``, since those would collide with the tables
+        another section created by hand.
         """
-        if not self._pg_created:
+        name = f"{self.pg_schema}_{part}" if part else self.pg_schema
+        if name not in self._pg_schemas:
             engine = make_engine(self.settings.postgres_url)
             try:
                 with engine.begin() as conn:
-                    conn.execute(CreateSchema(self.pg_schema))
+                    conn.execute(CreateSchema(name))
             finally:
                 engine.dispose()
-            self._pg_created = True
+            self._pg_schemas.append(name)
         url = make_url(self.settings.postgres_url)
         given = url.query.get("options", ())
         parts = [given] if isinstance(given, str) else list(given)
-        options = " ".join([*parts, f"-csearch_path={self.pg_schema}"])
+        options = " ".join([*parts, f"-csearch_path={name}"])
         return url.update_query_dict({"options": options}).render_as_string(hide_password=False)
 
     def sqlite_url(self) -> str:
@@ -171,16 +175,16 @@ class Scratch:
                     client.close()
             except (redis.RedisError, OSError) as exc:
                 problems.append(f"redis keys {self.redis_prefix}:* not removed: {_short_error(exc)}")
-        if self._pg_created:
+        for name in self._pg_schemas:
             try:
                 engine = make_engine(self.settings.postgres_url)
                 try:
                     with engine.begin() as conn:
-                        conn.execute(DropSchema(self.pg_schema, cascade=True))
+                        conn.execute(DropSchema(name, cascade=True))
                 finally:
                     engine.dispose()
             except Exception as exc:
-                problems.append(f"schema {self.pg_schema} not dropped: {_short_error(exc)}")
+                problems.append(f"schema {name} not dropped: {_short_error(exc)}")
         if self._tmpdir is not None:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
         return problems

@@ -26,6 +26,7 @@ class Plan:
     redis_iterations: int
     write_iterations: int
     backend_iterations: int
+    task_iterations: int
     repeats: int
     warmup_fraction: float
 
@@ -33,6 +34,8 @@ class Plan:
 def _duration(seconds: float) -> str:
     if seconds < 1e-3:
         return f"{seconds * 1e6:.0f} µs"
+    if seconds >= 1:  # end-to-end task latencies in a burst
+        return f"{seconds:.2f} s"
     return f"{seconds * 1e3:.2f} ms"
 
 
@@ -60,7 +63,8 @@ def _sections(rows: list[Row]) -> Iterator[tuple[str, list[Row]]]:
         yield current[0].section, current
 
 
-def context_lines(ctx: Context, plan: Plan) -> list[str]:
+def context_lines(ctx: Context, plan: Plan, extra: list[str]) -> list[str]:
+    """The machine context, then ``extra``: what sections that ran reported about themselves."""
     redis = (f"{ctx.redis_version} at {ctx.redis_url}" if ctx.redis_version
              else f"unavailable at {ctx.redis_url} ({ctx.redis_error})")
     postgres = (f"{ctx.postgres_version} at {ctx.postgres_url}" if ctx.postgres_version
@@ -75,9 +79,11 @@ def context_lines(ctx: Context, plan: Plan) -> list[str]:
         f"Packages: {packages}",
         (
             f"Method: per run {plan.redis_iterations} Redis pairs / {plan.write_iterations} writes / "
-            f"{plan.backend_iterations} backend pairs, after a {plan.warmup_fraction:.0%} warm-up; "
-            f"{plan.repeats} runs per case, each run interleaving its cases in {BLOCKS} blocks; medians"
+            f"{plan.backend_iterations} backend pairs / {plan.task_iterations} Celery tasks, after a "
+            f"{plan.warmup_fraction:.0%} warm-up; {plan.repeats} runs per case, each run interleaving its "
+            f"cases in {BLOCKS} blocks (Celery: one burst per case and run); medians"
         ),
+        *extra,
     ]
 
 
@@ -89,7 +95,7 @@ LEGEND = (
 
 
 def render_rich(ctx: Context, plan: Plan, results: Results, console: Console) -> None:
-    for line in context_lines(ctx, plan):
+    for line in context_lines(ctx, plan, results.context):
         label, _, rest = line.partition(": ")
         console.print(f"[bold]{label}:[/bold] {rest}", highlight=False)
     console.print()
@@ -113,7 +119,7 @@ def _md_escape(text: str) -> str:
 
 
 def render_markdown(ctx: Context, plan: Plan, results: Results) -> str:
-    lines = [f"- {line}" for line in context_lines(ctx, plan)]
+    lines = [f"- {line}" for line in context_lines(ctx, plan, results.context)]
     lines += ["", "| " + " | ".join(HEADERS) + " |",
               "|" + "|".join(["---", "---", "--:", "--:", "--:", "--:", "--:"]) + "|"]
     for section, rows in _sections(results.rows):

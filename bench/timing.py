@@ -108,9 +108,11 @@ def measure(
 
 @dataclass
 class Results:
-    """The rows of the report in print order, plus footnotes the benchmarks want to add."""
+    """The rows of the report in print order, plus footnotes and context lines (what a section ran
+    on, known only once it ran) the benchmarks want to add."""
 
     rows: list[Row] = field(default_factory=list)
+    context: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
 

@@ -1,0 +1,558 @@
+"""End to end through Celery: reservation tasks against no-op tasks on the same real workers, and one hot
+SKU against requests spread over many. One case is a burst of N tasks enqueued at once, timed from the
+first enqueue to the last outcome; the broker, results and leases live on a private redis-server.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from importlib.metadata import version
+from pathlib import Path
+from typing import IO, Any
+
+import redis
+from celery import Celery
+from celery.result import AsyncResult
+
+from bench.env import Scratch
+from bench.leases import UnexpectedReply
+from bench.timing import CaseStats, Progress, Results
+from fencing import mask_url
+from reservations import Inventory, schema
+from tasks import ReservationClient, ReservationHandle, Settings, create_app, request_id
+
+ROOT = Path(__file__).resolve().parent.parent
+CONCURRENCY = 2
+POOL = "prefork"
+START_TIMEOUT = 60.0  # imports of celery, SQLAlchemy and the app take seconds on a busy 2-CPU box
+STOP_TIMEOUT = 10.0
+POLL = 0.05
+# A burst that is not done by then has a dead or wedged worker; generous because a hot SKU retries.
+BURST_TIMEOUT_PER_TASK = 0.5
+MIN_BURST_TIMEOUT = 30.0
+# The timed bursts of all cases and runs together; with worker start-up and warm-up the section then
+# stays near a minute on a 2-core machine.
+TIMED_BUDGET = 40.0
+MIN_BURST = 20  # a few times the pool's concurrency, so the pool is full for most of a burst
+MAX_WARMUP = 20  # enough for each pool child to open its connections and fill its statement caches
+
+SPREAD = 32
+ON_HAND = 10**6
+
+NOOP = "noop task, AsyncResult.get"
+SPREAD_RESULT = f"reserve, {SPREAD} SKUs, AsyncResult.get"
+SPREAD_POLL = f"reserve, {SPREAD} SKUs, DB outcome poll"
+HOT_RESULT = "reserve, 1 hot SKU, AsyncResult.get"
+SQL_SPREAD_RESULT = f"reserve, {SPREAD} SKUs, SQL leases, AsyncResult.get"
+
+
+@dataclass(frozen=True)
+class Burst:
+    """One timed burst: wall time, each task's enqueue-to-outcome latency, and Celery retries in it
+    (``None`` where the wait does not see them: the outcome row does not record retries)."""
+
+    seconds: float
+    latencies: list[float]
+    retries: int | None
+
+
+BurstFn = Callable[[str, int], Burst]  # (unique tag for this burst's keys, task count) -> Burst
+
+
+@dataclass(frozen=True)
+class TaskCase:
+    name: str
+    run: BurstFn
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _wait_until(check: Callable[[], bool], *, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"gave up after {timeout:.0f}s waiting for {what}")
+        time.sleep(POLL)
+
+
+def _signal(process: subprocess.Popen[bytes], sig: signal.Signals, *, group: bool) -> None:
+    try:
+        if group:
+            os.killpg(process.pid, sig)  # started in its own session: the group is its pid
+        else:
+            process.send_signal(sig)
+    except ProcessLookupError:
+        pass
+
+
+def _end(processes: list[subprocess.Popen[bytes]], *, group: bool) -> None:
+    """SIGTERM all at once (for a worker the whole session: its pool children too), then SIGKILL
+    whatever is still there after the grace period."""
+    for process in processes:
+        if process.poll() is None:
+            _signal(process, signal.SIGTERM, group=group)
+    deadline = time.monotonic() + STOP_TIMEOUT
+    for process in processes:
+        try:
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _signal(process, signal.SIGKILL, group=group)
+            process.wait()
+        if group:  # the main process is gone; a pool child it orphaned must not outlive us
+            _signal(process, signal.SIGKILL, group=group)
+
+
+@contextmanager
+def private_redis(workdir: Path) -> Iterator[tuple[str, str]]:
+    """A redis-server of our own (no persistence): yields its base URL and version; stopped on exit.
+
+    The shared Redis on 6379 serves other jobs, and a broker's queues and result keys must not land there.
+    """
+    port = _free_port()
+    process = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--dir", str(workdir)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,  # a Ctrl-C in the terminal reaches us, and we stop it after the workers
+    )
+    try:
+        client = redis.Redis(port=port, socket_connect_timeout=0.5, socket_timeout=0.5)
+
+        def answers() -> bool:
+            if process.poll() is not None:  # e.g. the port was taken between _free_port() and bind
+                raise RuntimeError(f"redis-server on port {port} exited with {process.returncode}")
+            try:
+                return bool(client.ping())
+            except redis.ConnectionError:
+                return False
+
+        try:
+            _wait_until(answers, timeout=10, what=f"redis-server on port {port} to answer PING")
+            server_version = str(client.info("server")["redis_version"])
+        finally:
+            client.close()
+        yield f"redis://127.0.0.1:{port}", server_version
+    finally:
+        _end([process], group=False)
+
+
+class Worker:
+    """One ``celery worker`` in its own session, logging to a file that is polled for readiness."""
+
+    def __init__(self, name: str, env: Mapping[str, str], log_path: Path) -> None:
+        self.name = name
+        self.log_path = log_path
+        self._log: IO[bytes] = log_path.open("wb")
+        self.process = subprocess.Popen(
+            [
+                sys.executable, "-m", "celery", "-A", "tasks", "worker", "--pool", POOL,
+                "-c", str(CONCURRENCY), "--without-gossip", "--without-mingle", "--without-heartbeat",
+                "-n", f"{name}@%h", "--loglevel", "INFO",
+            ],
+            env=dict(env),
+            cwd=ROOT,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group: the stop signal reaches the pool children
+        )
+
+    def tail(self, lines: int = 25) -> str:
+        text = self.log_path.read_text(errors="replace").splitlines()[-lines:]
+        return f"--- last lines of worker {self.name}'s log ---\n" + "\n".join(text)
+
+    def wait_ready(self, deadline: float) -> None:
+        ready = re.compile(rf"\b{re.escape(self.name)}@\S+ ready\.")
+
+        def is_ready() -> bool:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"worker {self.name} exited with {self.process.returncode}\n{self.tail()}")
+            return bool(ready.search(self.log_path.read_text(errors="replace")))
+
+        try:
+            _wait_until(is_ready, timeout=max(0.0, deadline - time.monotonic()),
+                        what=f"worker {self.name} to log 'ready.'")
+        except TimeoutError as exc:
+            raise TimeoutError(f"{exc}\n{self.tail()}") from None
+
+    def close_log(self) -> None:
+        self._log.close()
+
+
+def stop_workers(workers: list[Worker]) -> None:
+    """Warm shutdown for all of them together: each finishes the task it is running, in parallel."""
+    try:
+        _end([worker.process for worker in workers], group=True)
+    finally:
+        for worker in workers:
+            worker.close_log()
+
+
+def worker_env(settings: Mapping[str, str]) -> dict[str, str]:
+    """Our environment without any RESERVATIONS_* of the caller's, plus ``settings``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RESERVATIONS_")}
+    env.update(settings)
+    env["PYTHONUNBUFFERED"] = "1"  # readiness is read from the log; it must not sit in a buffer
+    return env
+
+
+def _done_at(result: AsyncResult) -> float:
+    """When the worker stored the result (its clock; same host as ours), as a Unix time."""
+    done = result.date_done
+    if not isinstance(done, dt.datetime):
+        raise UnexpectedReply(f"task {result.id} has no date_done: {done!r}")
+    if done.tzinfo is None:  # Celery stores UTC; older versions leave it naive
+        done = done.replace(tzinfo=dt.UTC)
+    return done.timestamp()
+
+
+def _deadline(count: int) -> float:
+    return time.monotonic() + max(MIN_BURST_TIMEOUT, count * BURST_TIMEOUT_PER_TASK)
+
+
+def _left(deadline: float) -> float:
+    return max(0.1, deadline - time.monotonic())
+
+
+class InFlight:
+    """The AsyncResults of the burst under way, released from their backend if the burst never ends.
+
+    Each one is subscribed to its task's result channel. An interrupted burst's results outlive it in
+    the traceback's frames, and their ``__del__`` unsubscribes: after our redis-server is gone Celery
+    retries that reconnect for many seconds before giving up, so a Ctrl-C would hang. Released while
+    the server is still up, their later ``__del__`` has nothing left to unsubscribe.
+    """
+
+    def __init__(self) -> None:
+        self.results: list[AsyncResult] = []
+
+    def track(self, result: AsyncResult) -> AsyncResult:
+        self.results.append(result)
+        return result
+
+    def done(self) -> None:
+        self.results.clear()
+
+    def release(self) -> None:
+        for result in self.results:
+            result.backend.remove_pending_result(result)
+        self.results.clear()
+
+
+def noop_burst(app: Celery, in_flight: InFlight) -> BurstFn:
+    def run(tag: str, count: int) -> Burst:
+        deadline = _deadline(count)
+        sent: list[tuple[float, AsyncResult]] = []
+        start = time.perf_counter()
+        for i in range(count):
+            sent.append((time.time(), in_flight.track(app.send_task("reservations.noop", args=[i]))))
+        values = [result.get(timeout=_left(deadline)) for _, result in sent]
+        seconds = time.perf_counter() - start
+        in_flight.done()
+        if values != list(range(count)):
+            raise UnexpectedReply(f"noop burst {tag} returned {values[:5]}...")
+        return Burst(seconds, [_done_at(result) - at for at, result in sent], retries=0)
+
+    return run
+
+
+def _enqueue(
+    client: ReservationClient, skus: list[str], tag: str, count: int
+) -> Iterator[tuple[float, ReservationHandle]]:
+    for i in range(count):
+        at = time.time()
+        yield at, client.enqueue_reservation_sync(skus[i % len(skus)], 1, idempotency_key=f"{tag}-{i}")
+
+
+def _not_reserved(tag: str, count: int, statuses: list[Any]) -> None:
+    wrong = [status for status in statuses if status != "reserved"]
+    if wrong:
+        raise UnexpectedReply(f"{len(wrong)} of {count} reservations in {tag} not reserved: {wrong[:3]}")
+
+
+def reserve_burst_result(
+    app: Celery, client: ReservationClient, skus: list[str], in_flight: InFlight
+) -> BurstFn:
+    """Waits through the Celery result backend, exactly as the no-op baseline does."""
+
+    def run(tag: str, count: int) -> Burst:
+        deadline = _deadline(count)
+        start = time.perf_counter()
+        sent = [
+            (at, in_flight.track(app.AsyncResult(request_id(handle.key))))
+            for at, handle in _enqueue(client, skus, tag, count)
+        ]
+        outcomes = [result.get(timeout=_left(deadline)) for _, result in sent]
+        seconds = time.perf_counter() - start
+        in_flight.done()
+        _not_reserved(tag, count, [outcome.get("status") for outcome in outcomes])
+        return Burst(
+            seconds,
+            [_done_at(result) - at for at, result in sent],
+            retries=sum(result.retries or 0 for _, result in sent),
+        )
+
+    return run
+
+
+def reserve_burst_poll(client: ReservationClient, skus: list[str]) -> BurstFn:
+    """Waits the way the client's API does: polling the request's outcome row in the database."""
+
+    def run(tag: str, count: int) -> Burst:
+        deadline = _deadline(count)
+        start = time.perf_counter()
+        sent = list(_enqueue(client, skus, tag, count))
+        outcomes = [handle.result_sync(timeout=_left(deadline)) for _, handle in sent]
+        seconds = time.perf_counter() - start
+        _not_reserved(tag, count, [outcome.status for outcome in outcomes])
+        # The outcome row's time is the database's clock, on this same host.
+        latencies = [outcome.at - at for (at, _), outcome in zip(sent, outcomes, strict=True)]
+        return Burst(seconds, latencies, retries=None)
+
+    return run
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """The burst size actually timed, and why it differs from the one asked for."""
+
+    tasks: int
+    asked: int
+    estimate: float  # seconds the timed bursts would have taken at the warm-up rates, at ``asked``
+
+
+def _fit(asked: int, repeats: int, rates: list[float], budget: float | None) -> Sizing:
+    """Shrink the bursts so that every case's timed runs fit ``budget`` seconds at the warm-up rates.
+
+    A Celery task costs milliseconds on an idle machine and ten times that on a busy one; a fixed size
+    would either take minutes there or time too little here.
+    """
+    per_task = repeats * sum(1 / rate for rate in rates)
+    estimate = asked * per_task
+    if budget is None or estimate <= budget or asked <= MIN_BURST:
+        return Sizing(asked, asked, estimate)
+    return Sizing(max(MIN_BURST, int(budget / per_task)), asked, estimate)
+
+
+def _run_cases(
+    cases: list[TaskCase],
+    *,
+    run_id: str,
+    iterations: int,
+    warmup: int,
+    repeats: int,
+    budget: float | None,
+    progress: Progress | None,
+) -> tuple[dict[str, CaseStats], dict[str, int | None], Sizing]:
+    """A warm-up burst per case, then ``repeats`` runs of one burst per case, rotating the case order
+    run by run: a burst leaves work behind (result keys, WAL, dead tuples) that slows whatever comes
+    next, so no case may always follow the same one. Returns the stats, the Celery retries per case
+    over the timed runs, and the burst size used."""
+    rates = []
+    for n, case in enumerate(cases):
+        if progress:
+            progress(f"  warm-up: {case.name} ({warmup} tasks)")
+        rates.append(warmup / case.run(f"{run_id}-w{n}", warmup).seconds)
+    sizing = _fit(iterations, repeats, rates, budget)
+    count = sizing.tasks
+    stats = {case.name: CaseStats(case.name) for case in cases}
+    retries: dict[str, int | None] = dict.fromkeys(stats, 0)
+    for repeat in range(repeats):
+        shift = repeat % len(cases)
+        for case in [*cases[shift:], *cases[:shift]]:
+            if progress:
+                progress(f"  run {repeat + 1}/{repeats}: {case.name} ({count} tasks)")
+            burst = case.run(f"{run_id}-r{repeat}-{cases.index(case)}", count)
+            stats[case.name].ops_per_s.append(count / burst.seconds)
+            stats[case.name].latencies.extend(burst.latencies)
+            seen = retries[case.name]
+            retries[case.name] = None if seen is None or burst.retries is None else seen + burst.retries
+    return stats, retries, sizing
+
+
+def _round_robin(skus: list[str], bursts: list[int]) -> dict[str, int]:
+    """Units reserved per SKU by bursts that each hand out their tasks round-robin over ``skus``."""
+    counts = dict.fromkeys(skus, 0)
+    for count in bursts:
+        for i in range(count):
+            counts[skus[i % len(skus)]] += 1
+    return counts
+
+
+def _seed(url: str, skus: list[str]) -> None:
+    with Inventory.from_url(url) as inventory:
+        for sku in skus:
+            inventory.add_sku(sku, on_hand=ON_HAND)
+
+
+def _check_stock(url: str, expected: dict[str, int]) -> str:
+    """Every SKU holds exactly the reservations its requests asked for and the inventory is consistent:
+    a burst that applied a request twice (or lost one) would have timed different work."""
+    with Inventory.from_url(url) as inventory:
+        problems = inventory.invariant_violations()
+        reserved = {level.sku: level.reserved for level in inventory.all_stock()}
+    wrong = [(sku, reserved.get(sku), want) for sku, want in expected.items() if reserved.get(sku) != want]
+    if problems or wrong:
+        raise UnexpectedReply(f"stock check failed: {problems[:3]}; (sku, reserved, wanted): {wrong[:3]}")
+    return f"{sum(expected.values())} reservations on {len(expected)} SKUs"
+
+
+def tasks_vs_noop(
+    scratch: Scratch,
+    results: Results,
+    *,
+    iterations: int,
+    warmup: int,
+    repeats: int,
+    sql_leases: bool = True,
+    fit_budget: bool = True,
+    progress: Progress | None = None,
+) -> int:
+    """Needs PostgreSQL (the inventory) and a ``redis-server`` binary; the caller checks both.
+
+    With ``fit_budget`` the bursts shrink below ``iterations`` when the warm-up rates say they would not
+    fit :data:`TIMED_BUDGET`; returns the burst size timed.
+    """
+    run_id = f"b{uuid.uuid4().hex[:8]}"
+    warmup = min(warmup, MAX_WARMUP)
+    with ExitStack() as stack:
+        workdir = Path(tempfile.mkdtemp(prefix="fencing-bench-tasks-"))
+        stack.callback(shutil.rmtree, workdir, ignore_errors=True)
+        if progress:
+            progress("  starting a private redis-server, migrating a fresh schema, starting workers")
+        base, redis_version = stack.enter_context(private_redis(workdir))
+        in_flight = InFlight()
+        stack.callback(in_flight.release)  # after the workers stop, before the redis-server does
+        database_url = scratch.postgres_url("tasks")
+        schema.upgrade(database_url)
+        # Separate SKUs for the SQL-leased worker: each lease backend counts its own fencing tokens,
+        # and a stock row fenced by one backend's high token refuses the other's low one as stale.
+        hot, spread = ["HOT-0"], [f"S-{n}" for n in range(SPREAD)]
+        sql_spread = [f"Q-{n}" for n in range(SPREAD)]
+        _seed(database_url, hot + spread + (sql_spread if sql_leases else []))
+
+        # One redis-server, one database number per role; the SQL-leased worker gets its own queue
+        # database so the two workers never take each other's tasks.
+        redis_env = {
+            "RESERVATIONS_BROKER_URL": f"{base}/0",
+            "RESERVATIONS_RESULT_BACKEND": f"{base}/1",
+            "RESERVATIONS_DATABASE_URL": database_url,
+            "RESERVATIONS_LEASE_URL": f"{base}/2",
+        }
+        sql_env = {
+            **redis_env,
+            "RESERVATIONS_BROKER_URL": f"{base}/3",
+            "RESERVATIONS_RESULT_BACKEND": f"{base}/4",
+            "RESERVATIONS_LEASE_URL": database_url,
+        }
+        envs = {"bench-redis": redis_env, **({"bench-sql": sql_env} if sql_leases else {})}
+        workers: list[Worker] = []
+        stack.callback(stop_workers, workers)
+        started = time.monotonic()
+        for name, env in envs.items():  # all start before any is waited for: their imports overlap
+            workers.append(Worker(name, worker_env(env), workdir / f"{name}.log"))
+        ready_by = time.monotonic() + START_TIMEOUT
+        for worker in workers:
+            worker.wait_ready(ready_by)
+        startup = time.monotonic() - started
+
+        def producer(env: Mapping[str, str]) -> tuple[Celery, ReservationClient]:
+            app = create_app(Settings.from_env(env))
+            stack.callback(app.close)
+            client = ReservationClient(app)
+            stack.callback(client.close)
+            return app, client
+
+        app, client = producer(redis_env)
+        cases = [
+            TaskCase(NOOP, noop_burst(app, in_flight)),
+            TaskCase(SPREAD_RESULT, reserve_burst_result(app, client, spread, in_flight)),
+            TaskCase(SPREAD_POLL, reserve_burst_poll(client, spread)),
+            TaskCase(HOT_RESULT, reserve_burst_result(app, client, hot, in_flight)),
+        ]
+        if sql_leases:
+            sql_app, sql_client = producer(sql_env)
+            sql_case = reserve_burst_result(sql_app, sql_client, sql_spread, in_flight)
+            cases.append(TaskCase(SQL_SPREAD_RESULT, sql_case))
+        try:
+            stats, retries, sizing = _run_cases(
+                cases, run_id=run_id, iterations=iterations, warmup=warmup, repeats=repeats,
+                budget=TIMED_BUDGET if fit_budget else None, progress=progress,
+            )
+        except Exception as exc:  # a failed burst is usually explained by the workers' logs
+            tails = "\n".join(worker.tail() for worker in workers)
+            raise RuntimeError(f"{type(exc).__name__}: {exc}\n{tails}") from exc
+
+        count = sizing.tasks
+        bursts = [warmup, *[count] * repeats]
+        # Both spread cases on the Redis-leased worker reserve on the same SKUs.
+        expected = _round_robin(spread, bursts + bursts) | _round_robin(hot, bursts)
+        if sql_leases:
+            expected |= _round_robin(sql_spread, bursts)
+        checked = _check_stock(database_url, expected)
+
+    section = f"Celery end to end: reservation task vs no-op task (bursts of {count})"
+    results.add(section, stats, SPREAD_RESULT, NOOP)
+    results.add(section, stats, SPREAD_POLL, NOOP)
+    results.add(section, stats, SPREAD_POLL, SPREAD_RESULT)
+    results.add(f"Celery end to end: one hot SKU vs {SPREAD} SKUs (bursts of {count})", stats,
+                HOT_RESULT, SPREAD_RESULT)
+    if sql_leases:
+        results.add(f"Celery end to end: SQL lease backend vs Redis lease backend (bursts of {count})",
+                    stats, SQL_SPREAD_RESULT, SPREAD_RESULT)
+
+    leases = f"redis at {mask_url(redis_env['RESERVATIONS_LEASE_URL'])} (as compose.yaml deploys it)"
+    if sql_leases:
+        leases += "; SQL on the inventory database for the 'SQL leases' row, on a worker of its own"
+    broker, backend = (mask_url(redis_env[f"RESERVATIONS_{v}"]) for v in ("BROKER_URL", "RESULT_BACKEND"))
+    results.context += [
+        f"Celery workers: {len(workers)} x celery {version('celery')} worker --pool {POOL} -c {CONCURRENCY} "
+        f"--without-gossip --without-mingle --without-heartbeat (acks late, prefetch 1, INFO log)"
+        + ("; one per lease backend, the other idling meanwhile" if sql_leases else "")
+        + f"; ready {startup:.1f} s after start",
+        f"Celery broker / results: private redis-server {redis_version}, {broker} / {backend}"
+        + (" (the SQL-leased worker: databases 3 / 4)" if sql_leases else ""),
+        f"Lease backend: {leases}",
+        f"Inventory: PostgreSQL at {mask_url(database_url)}",
+    ]
+    per_request = {
+        name: f"{seen / (count * repeats):.2f}" if seen is not None else "not visible"
+        for name, seen in retries.items() if name != NOOP
+    }
+    results.notes.append(
+        f"Celery rows: a run is one burst of {count} tasks enqueued back to back, timed from the first "
+        f"enqueue to the last outcome seen (ops/s = tasks per second); cases rotate run by run after a "
+        f"{warmup}-task warm-up burst each. Waits are in enqueue order: 'AsyncResult.get' is Celery's "
+        f"result backend (the no-op baseline's only option), 'DB outcome poll' is "
+        f"ReservationHandle.result_sync, polling the outcome row with backoff. p50 / p99: enqueue to "
+        f"outcome stored (worker or database clock) per task; in a burst that is mostly queueing."
+    )
+    results.notes.append(
+        "Celery retries per request (busy lease -> task.retry with jittered countdown): "
+        + ", ".join(f"{name}: {value}" for name, value in per_request.items())
+        + f". Stock after the run: {checked}, as requested, no invariant violations."
+    )
+    if sizing.tasks < sizing.asked:
+        results.notes.append(
+            f"Celery bursts cut from {sizing.asked} to {sizing.tasks} tasks: at the warm-up rates the timed "
+            f"bursts would have taken ~{sizing.estimate:.0f} s against a budget of {TIMED_BUDGET:.0f} s, so "
+            "the machine is slower or busier than the sizing assumes (an explicit --iterations is never cut)."
+        )
+    return count
