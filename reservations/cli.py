@@ -346,7 +346,7 @@ def rejections(
             }
         )
         return
-    table = Table(title="Stale writes rejected", title_justify="left")
+    table = Table(title="Rejected", title_justify="left")
     table.add_column("sku")
     table.add_column("count", justify="right")
     for name, count in counts.items():
