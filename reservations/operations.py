@@ -39,9 +39,8 @@ from reservations.models import (
     sku_history,
     stock,
 )
+from reservations.reads import STOCK_COLUMNS, stock_level
 from reservations.views import Outcome, StockLevel
-
-_STOCK_COLUMNS = (stock.c.sku, stock.c.on_hand, stock.c.reserved, stock.c.available, stock.c.fence_token)
 
 
 def fingerprint(operation: str, **request: Any) -> str:
@@ -59,16 +58,6 @@ class _Refused(Exception):
 
     def __init__(self, error: ReservationError) -> None:
         self.error = error
-
-
-def _level(row: Any) -> StockLevel:
-    return StockLevel(
-        sku=row.sku,
-        on_hand=row.on_hand,
-        reserved=row.reserved,
-        available=row.available,
-        fence_token=row.fence_token,
-    )
 
 
 def _stored_error(data: dict[str, Any]) -> ReservationError:
@@ -210,21 +199,50 @@ class InventoryPlans:
         quantity: int | None,
         reservation_id: str | None = None,
     ) -> sa.Executable:
+        return self._history_row(
+            lease,
+            sku,
+            operation,
+            key,
+            kind="rejected",
+            token=stale.presented,
+            quantity=quantity,
+            reservation_id=reservation_id,
+            highest_token=stale.highest,
+            detail=str(stale),
+        )
+
+    def _history_row(
+        self,
+        lease: Lease,
+        sku: str,
+        operation: str,
+        key: str | None,
+        *,
+        kind: str,
+        token: int,
+        quantity: int | None,
+        on_hand: int = 0,
+        reserved: int = 0,
+        reservation_id: str | None = None,
+        highest_token: int | None = None,
+        detail: str | None = None,
+    ) -> sa.Executable:
         return sa.insert(sku_history).values(
             sku=sku,
             at_ms=db_now_ms(),
-            kind="rejected",
+            kind=kind,
             operation=operation,
-            token=stale.presented,
+            token=token,
             lease_id=lease.lease_id,
             holder=lease.holder,
             quantity=quantity,
             idempotency_key=key,
             reservation_id=reservation_id,
-            on_hand_delta=0,
-            reserved_delta=0,
-            highest_token=stale.highest,
-            detail=str(stale),
+            on_hand_delta=on_hand,
+            reserved_delta=reserved,
+            highest_token=highest_token,
+            detail=detail,
         )
 
     # -- building blocks ---------------------------------------------------------------------------
@@ -251,23 +269,16 @@ class InventoryPlans:
                 "updated_ms": db_now_ms(),
             },
             condition=condition,
-            returning=_STOCK_COLUMNS,
+            returning=STOCK_COLUMNS,
             operation=operation,
         )
         if result.outcome is FenceOutcome.NO_ROW:
             raise UnknownSku(sku)
         if result.outcome is FenceOutcome.CONDITION_FAILED:
-            level = yield from self._stock_level(sku)
+            level = yield from stock_level(sku)
             raise InsufficientStock(sku=sku, requested=max(reserved, -on_hand), available=level.available)
         row = result.row
         return StockLevel(sku=row[0], on_hand=row[1], reserved=row[2], available=row[3], fence_token=row[4])
-
-    def _stock_level(self, sku: str) -> Plan[StockLevel]:
-        found: Rows = yield sa.select(*_STOCK_COLUMNS).where(stock.c.sku == sku)
-        row = found.first()
-        if row is None:
-            raise UnknownSku(sku)
-        return _level(row)
 
     def _history(
         self,
@@ -282,19 +293,17 @@ class InventoryPlans:
         reservation_id: str | None = None,
         detail: str | None = None,
     ) -> sa.Executable:
-        return sa.insert(sku_history).values(
-            sku=sku,
-            at_ms=db_now_ms(),
+        return self._history_row(
+            lease,
+            sku,
+            operation,
+            key,
             kind="write",
-            operation=operation,
             token=lease.token,
-            lease_id=lease.lease_id,
-            holder=lease.holder,
             quantity=quantity,
-            idempotency_key=key,
+            on_hand=on_hand,
+            reserved=reserved,
             reservation_id=reservation_id,
-            on_hand_delta=on_hand,
-            reserved_delta=reserved,
             detail=detail,
         )
 
@@ -601,7 +610,7 @@ class InventoryPlans:
             )
             total = sum(r.quantity for r in due.rows)
             if not due.rows:
-                level = yield from self._stock_level(sku)
+                level = yield from stock_level(sku)
                 lease.raise_if_lost()
                 return Outcome(operation="expire", key=key, token=lease.token, stock=(level,))
             ids = tuple(r.id for r in due.rows)

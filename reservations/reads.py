@@ -13,10 +13,20 @@ from fencing.sql import Rows
 from reservations import validation as valid
 from reservations.errors import InvalidRequest, UnknownReservation, UnknownSku
 from reservations.models import HELD, RESERVATION_STATUSES, reservations, sku_history, stock
-from reservations.operations import _STOCK_COLUMNS, _level
 from reservations.views import HistoryEntry, ReservationView, StockLevel
 
 MAX_LIMIT = 10_000
+STOCK_COLUMNS = (stock.c.sku, stock.c.on_hand, stock.c.reserved, stock.c.available, stock.c.fence_token)
+
+
+def _level(row: Any) -> StockLevel:
+    return StockLevel(
+        sku=row.sku,
+        on_hand=row.on_hand,
+        reserved=row.reserved,
+        available=row.available,
+        fence_token=row.fence_token,
+    )
 
 
 def _limit(limit: object) -> int:
@@ -47,7 +57,7 @@ def _reservation(row: Any) -> ReservationView:
 
 def stock_level(sku: str) -> Plan[StockLevel]:
     valid.sku(sku)
-    found: Rows = yield sa.select(*_STOCK_COLUMNS).where(stock.c.sku == sku)
+    found: Rows = yield sa.select(*STOCK_COLUMNS).where(stock.c.sku == sku)
     row = found.first()
     if row is None:
         raise UnknownSku(sku)
@@ -55,7 +65,7 @@ def stock_level(sku: str) -> Plan[StockLevel]:
 
 
 def all_stock() -> Plan[list[StockLevel]]:
-    found: Rows = yield sa.select(*_STOCK_COLUMNS).order_by(stock.c.sku)
+    found: Rows = yield sa.select(*STOCK_COLUMNS).order_by(stock.c.sku)
     return [_level(r) for r in found.rows]
 
 
@@ -134,7 +144,7 @@ def invariant_violations() -> Plan[list[str]]:
     carry a token lower than an earlier accepted write; each idempotency key created one reservation.
     """
     problems: list[str] = []
-    levels: Rows = yield sa.select(*_STOCK_COLUMNS)
+    levels: Rows = yield sa.select(*STOCK_COLUMNS)
     held: Rows = yield (
         sa.select(reservations.c.sku, sa.func.sum(reservations.c.quantity))
         .where(reservations.c.status == HELD)
