@@ -121,7 +121,7 @@ def _stock_of(env: dict[str, str]) -> Any:
         (("reserve", "WIDGET", "1", "--key", "has space"), 2, "idempotency key"),
         (("restock", "WIDGET", "99999999", "--key", "k"), 2, "quantity"),
         (("confirm", "not-an-id", "--key", "k"), 2, "reservation id"),
-        (("add-sku", "WIDGET", "--on-hand", "1"), 1, "already exists"),
+        (("add-sku", "WIDGET", "--on-hand", "1"), 2, "already exists"),
     ],
 )
 def test_bad_input_gets_one_line_and_writes_nothing(

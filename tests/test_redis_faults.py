@@ -49,8 +49,17 @@ class RedisServer:
         assert self.process is None, "already running"
         self.process = subprocess.Popen(
             [
-                "redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
-                "--save", "", "--appendonly", "no", "--dir", str(self.workdir),
+                "redis-server",
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self.workdir),
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -113,9 +122,7 @@ def server(tmp_path: Path) -> Iterator[RedisServer]:
 @pytest.fixture
 def manager(server: RedisServer) -> Iterator[LeaseManager]:
     # Short socket timeouts keep the outage test quick; a refused connection fails at once anyway.
-    with LeaseManager.from_url(
-        server.url, prefix=PREFIX, socket_connect_timeout=1, socket_timeout=1
-    ) as mgr:
+    with LeaseManager.from_url(server.url, prefix=PREFIX, socket_connect_timeout=1, socket_timeout=1) as mgr:
         yield mgr
 
 
@@ -123,7 +130,8 @@ def manager(server: RedisServer) -> Iterator[LeaseManager]:
 def protected(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Resource]:
     """The protected rows, on PostgreSQL or on a SQLite file: the fence must hold on both."""
     url = (
-        request.getfixturevalue("pg_url") if request.param == "postgresql"
+        request.getfixturevalue("pg_url")
+        if request.param == "postgresql"
         else f"sqlite:///{tmp_path / 'resource.sqlite3'}"
     )
     res = Resource(url).create(SCOPE, quantity=100)
@@ -137,7 +145,9 @@ def write_epoch(manager: LeaseManager, resource: Resource, *, release: bool = Tr
     lease = manager.acquire(SCOPE, ttl=TTL, holder="before-restart")
     assert resource.write(lease, SCOPE, -1).applied
     if release:
-        manager.release(lease)
+        # Ended at the coordinator without the holder noticing (an expiry): a released lease would
+        # refuse its own late writes locally and never show the fence at work.
+        manager.break_lease(SCOPE, reason="epoch ended")
     return lease
 
 
@@ -185,7 +195,10 @@ def test_wiped_restart_regresses_the_counter_but_the_fence_holds(
     assert_rejected(protected, old2, highest=3)
 
     assert [(token, lease_id) for token, lease_id, _ in protected.log(SCOPE)] == [
-        (1, old1.lease_id), (2, old2.lease_id), (3, old3.lease_id), (3, old3.lease_id),
+        (1, old1.lease_id),
+        (2, old2.lease_id),
+        (3, old3.lease_id),
+        (3, old3.lease_id),
     ]
     assert protected.row(SCOPE) == (96, 3, old3.lease_id)
 
@@ -242,7 +255,11 @@ def test_stale_rejection_of_the_current_holder_repairs_the_counter(
     with caplog.at_level(logging.WARNING, logger="fencing"):
         repair(manager, protected)
 
-    warnings = [r for r in caplog.records if r.name == "fencing" and r.levelno == logging.WARNING]
+    warnings = [
+        r
+        for r in caplog.records
+        if r.name == "fencing" and r.levelno == logging.WARNING and "regression" in r.getMessage()
+    ]
     assert len(warnings) == 1
     message = warnings[0].getMessage()
     assert SCOPE in message
@@ -264,7 +281,7 @@ def test_stale_rejection_of_the_current_holder_repairs_the_counter(
     with pytest.raises(StaleToken) as caught:
         protected.write(stale_epochs[0], SCOPE, -1)
     assert manager.handle_stale(stale_epochs[0], caught.value) is False
-    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not [r for r in caplog.records if "regression" in r.getMessage()]
     assert [t for t, _, _ in protected.log(SCOPE)] == [1, 2, 3, after.token]
 
 
