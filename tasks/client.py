@@ -42,6 +42,15 @@ def _poll_intervals() -> Callable[[], float]:
     return step
 
 
+def _reservation(sku: str, quantity: int, hold_for: float | None) -> dict[str, Any]:
+    """A reserve request's payload, refused before publishing if it could never succeed."""
+    return {
+        "sku": valid.sku(sku),
+        "quantity": valid.quantity(quantity),
+        "hold_for": valid.hold_seconds(hold_for),
+    }
+
+
 @dataclass(frozen=True)
 class ReservationHandle:
     key: str
@@ -68,7 +77,7 @@ class ReservationClient:
     # -- publishing ---------------------------------------------------------------------------------
 
     def _send(self, name: str, key: str, kwargs: dict[str, Any]) -> ReservationHandle:
-        task_id = request_id(key)
+        task_id = request_id(key)  # also validates the key, before anything is published
         self.app.send_task(name, kwargs={**kwargs, "idempotency_key": key}, task_id=task_id)
         return ReservationHandle(key=key, task_id=task_id, client=self)
 
@@ -79,22 +88,13 @@ class ReservationClient:
     def enqueue_reservation_sync(
         self, sku: str, quantity: int, *, idempotency_key: str, hold_for: float | None = None
     ) -> ReservationHandle:
-        valid.sku(sku), valid.quantity(quantity), valid.hold_seconds(hold_for)
-        return self._send(
-            task_name("reserve"), idempotency_key, {"sku": sku, "quantity": quantity, "hold_for": hold_for}
-        )
+        return self._send(task_name("reserve"), idempotency_key, _reservation(sku, quantity, hold_for))
 
     async def enqueue_reservation(
         self, sku: str, quantity: int, *, idempotency_key: str, hold_for: float | None = None
     ) -> ReservationHandle:
-        (
-            valid.sku(sku),
-            valid.quantity(quantity),
-            valid.hold_seconds(hold_for),
-            valid.idempotency_key(idempotency_key),
-        )
         return await self._send_async(
-            task_name("reserve"), idempotency_key, {"sku": sku, "quantity": quantity, "hold_for": hold_for}
+            task_name("reserve"), idempotency_key, _reservation(sku, quantity, hold_for)
         )
 
     async def enqueue_order(
