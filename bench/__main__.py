@@ -19,6 +19,7 @@ from rich.console import Console
 from bench.env import Scratch, Settings, probe
 from bench.leases import redis_vs_raw, sql_vs_redis_leases
 from bench.report import Plan, render_markdown, render_rich
+from bench.reserve import reserve_vs_plain
 from bench.tasks_e2e import tasks_vs_noop
 from bench.timing import Progress, Results
 from bench.writes import guarded_vs_plain
@@ -26,15 +27,17 @@ from bench.writes import guarded_vs_plain
 # Sized for a 2-core machine to finish in well under a minute; SQL operations cost several round
 # trips and a commit each, so their sections run proportionally fewer iterations. A Celery task costs
 # milliseconds (broker, result backend, several transactions) and every case of the tasks section is a
-# burst of that many tasks per run.
+# burst of that many tasks per run. A reserve is a transaction of eight round trips and milliseconds of
+# client CPU, timed next to a plain one of six.
 DEFAULT_ITERATIONS = 1500
 QUICK_ITERATIONS = 200
 WRITE_SHARE = 10
+RESERVE_SHARE = 5
 BACKEND_SHARE = 25
 TASK_SHARE = 5
 MIN_ITERATIONS = 5
 WARMUP_FRACTION = 0.1
-SECTIONS = ("redis", "writes", "backends", "tasks")
+SECTIONS = ("redis", "writes", "reserve", "backends", "tasks")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -46,8 +49,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--iterations", type=int, metavar="N",
         help=f"timed Redis pairs per run (default {DEFAULT_ITERATIONS}, {QUICK_ITERATIONS} with "
-        f"--quick); SQL writes run N/{WRITE_SHARE}, the backend comparison N/{BACKEND_SHARE}, "
-        f"Celery bursts N/{TASK_SHARE} tasks",
+        f"--quick); SQL writes run N/{WRITE_SHARE}, reserves N/{RESERVE_SHARE}, the backend comparison "
+        f"N/{BACKEND_SHARE}, Celery bursts N/{TASK_SHARE} tasks",
     )
     parser.add_argument("--quick", action="store_true", help="a fast smoke run with fewer iterations")
     parser.add_argument("--repeats", type=int, default=3, help="runs per case (default 3)")
@@ -55,7 +58,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--only", action="append", choices=SECTIONS,
         help="run only this section (repeatable): redis = lease vs raw Redis, writes = guarded vs "
-        "plain write, backends = SQL vs Redis lease backend, tasks = Celery reservation tasks vs no-op "
+        "plain write, reserve = Inventory.reserve vs the same rows by plain psycopg (PostgreSQL), "
+        "backends = SQL vs Redis lease backend, tasks = Celery reservation tasks vs no-op "
         "tasks end to end (own redis-server and workers; needs PostgreSQL)",
     )
     parser.add_argument(
@@ -76,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = Plan(
         redis_iterations=n,
         write_iterations=max(MIN_ITERATIONS, n // WRITE_SHARE),
+        reserve_iterations=max(MIN_ITERATIONS, n // RESERVE_SHARE),
         backend_iterations=max(MIN_ITERATIONS, n // BACKEND_SHARE),
         task_iterations=max(MIN_ITERATIONS, n // TASK_SHARE),
         repeats=args.repeats,
@@ -130,6 +135,10 @@ def main(argv: list[str] | None = None) -> int:
                 guarded_vs_plain(
                     url_of(), label, results, progress=progress, **sizing(plan.write_iterations)
                 )
+        if "reserve" in wanted and postgres_ok:
+            if progress:
+                progress("fenced reserve vs plain psycopg, PostgreSQL")
+            reserve_vs_plain(scratch, results, progress=progress, **sizing(plan.reserve_iterations))
         if "backends" in wanted and redis_ok:
             if progress:
                 progress("SQL vs Redis lease backend")

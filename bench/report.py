@@ -25,6 +25,7 @@ class Plan:
 
     redis_iterations: int
     write_iterations: int
+    reserve_iterations: int
     backend_iterations: int
     task_iterations: int
     repeats: int
@@ -79,6 +80,7 @@ def context_lines(ctx: Context, plan: Plan, extra: list[str]) -> list[str]:
         f"Packages: {packages}",
         (
             f"Method: per run {plan.redis_iterations} Redis pairs / {plan.write_iterations} writes / "
+            f"{plan.reserve_iterations} reserves / "
             f"{plan.backend_iterations} backend pairs / {plan.task_iterations} Celery tasks, after a "
             f"{plan.warmup_fraction:.0%} warm-up; {plan.repeats} runs per case, each run interleaving its "
             f"cases in {BLOCKS} blocks (Celery: one burst per case and run); medians"
