@@ -26,7 +26,7 @@ from fencing import BackendUnavailable, FencingError, InvalidLeaseRequest, Lease
 from reservations import validation as valid
 from reservations.errors import InvalidRequest, ReservationError, UnknownReservation, UnknownSku
 from reservations.inventory import Inventory
-from reservations.requests import request_id, task_name
+from reservations.requests import request_id
 from reservations.timeline import epochs
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_UNREACHABLE = 0, 1, 2, 3, 4
@@ -415,15 +415,12 @@ def _is_key(text: str) -> bool:
 
 def _enqueue(operation: str, key: str, kwargs: dict[str, Any], wait: bool, timeout: float) -> None:
     """Hand the request to the workers by task name; with --wait, poll its final outcome."""
-    from celery import Celery
+    from reservations.producer import Producer
 
     valid.idempotency_key(key)
-    producer = Celery("reservations-cli", broker=config.broker_url, set_as_current=False)
-    producer.conf.update(task_serializer="json", accept_content=["json"])
     try:
-        producer.send_task(
-            task_name(operation), kwargs={**kwargs, "idempotency_key": key}, task_id=request_id(key)
-        )
+        with Producer(config.broker_url) as producer:
+            producer.send(operation, key, kwargs)
     except Exception as exc:  # kombu raises its own and socket errors; all mean the broker is unusable
         _fail(EXIT_UNREACHABLE, f"broker unreachable at {mask_url(config.broker_url)}: {exc}")
     out.print(f"enqueued {operation} {key} (request {request_id(key)}) on {mask_url(config.broker_url)}")
@@ -565,6 +562,73 @@ def demo_command(
         ok = demo.run(folder, out)
     except demo.DemoFailed as exc:
         _fail(EXIT_FAILED, str(exc))
+    if not ok:
+        raise typer.Exit(EXIT_FAILED)
+
+
+@app.command("chaos")
+def chaos_command(
+    workers: Annotated[int, typer.Option(min=2, max=16, help="Celery worker processes.")] = 3,
+    skus: Annotated[int, typer.Option(min=1, max=50, help="SKUs the requests spread over.")] = 3,
+    requests: Annotated[
+        int, typer.Option(min=1, max=5000, help="Requests per run (replays included).")
+    ] = 120,
+    duration: Annotated[
+        float, typer.Option(min=2, max=600, help="Seconds of request stream and faults, per run.")
+    ] = 20.0,
+    drain: Annotated[float, typer.Option(min=1, max=600, help="Longest wait for the last outcomes.")] = 40.0,
+    seed: Annotated[int, typer.Option(help="Seed of the request stream.")] = 1,
+    lease_redis_restart: Annotated[
+        bool, typer.Option(help="Restart the lease Redis mid-run, losing its data (token counters).")
+    ] = True,
+    proxy_delay: Annotated[
+        float,
+        typer.Option(
+            min=0,
+            max=30,
+            help="One worker reaches PostgreSQL through a proxy delaying its packets this long.",
+        ),
+    ] = 0.0,
+    postgres_url: Annotated[
+        str, typer.Option(envvar="RESERVATIONS_CHAOS_POSTGRES_URL", help="PostgreSQL for the run schemas.")
+    ] = "postgresql+psycopg://postgres@127.0.0.1:5432/test",
+    folder: Annotated[
+        Path | None, typer.Option(help="Keep worker logs here (default: a temporary folder, removed).")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print both runs' metrics as JSON.")] = False,
+) -> None:
+    """WRITES (own schemas, dropped afterwards): the fault-injection run, twice, fenced and lease-only.
+
+    Real workers on PostgreSQL and two private redis-servers (broker; leases) take a stream of requests
+    while workers freeze past their lease, one is SIGKILLed and restarted and the lease Redis loses its
+    data; a checker then audits the database. Exit 1 when the fenced run has any violation.
+
+    JSON fields per run (fenced, lease_only): enqueued, replayed, faults, statuses,
+    rejected_stale_writes, violations, checks (rule -> sentences).
+
+    Example: reservations chaos --workers 3 --skus 3 --requests 120 --duration 20
+    """
+    from reservations import chaos
+
+    options = chaos.Options(
+        workers=workers,
+        skus=skus,
+        requests=requests,
+        duration=duration,
+        drain=drain,
+        seed=seed,
+        restart_lease_redis=lease_redis_restart,
+        proxy_delay=proxy_delay,
+        postgres_url=postgres_url,
+        folder=folder,
+    )
+    try:
+        ok = chaos.run(options, None if as_json else out, as_json=as_json)
+    except chaos.ChaosFailed as exc:
+        _fail(EXIT_FAILED, str(exc))
+    except KeyboardInterrupt:
+        err.print("interrupted: workers, redis-servers and schemas cleaned up")
+        raise typer.Exit(130) from None
     if not ok:
         raise typer.Exit(EXIT_FAILED)
 

@@ -16,19 +16,19 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from celery import Celery
 from rich.console import Console
 from rich.table import Table
 
 from fencing import LeaseManager, mask_url
 from reservations import schema
 from reservations.inventory import Inventory
-from reservations.requests import RequestResult, request_id, task_name
+from reservations.producer import Producer
+from reservations.requests import RequestResult
 from reservations.timeline import TimelineEntry, epochs
 from reservations.validation import scope_of
 
@@ -197,24 +197,6 @@ def _signal_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None
         os.killpg(process.pid, sig)
 
 
-@contextmanager
-def _producer(setup: Setup) -> Iterator[Callable[[str, dict[str, object]], None]]:
-    app = Celery(
-        "reservations-demo", broker=setup.broker_url, backend=setup.result_backend, set_as_current=False
-    )
-    app.conf.update(task_serializer="json", accept_content=["json"], result_serializer="json")
-
-    def send(key: str, kwargs: dict[str, object]) -> None:
-        app.send_task(
-            task_name("reserve"), kwargs={**kwargs, "idempotency_key": key}, task_id=request_id(key)
-        )
-
-    try:
-        yield send
-    finally:
-        app.close()
-
-
 def _wait_outcome(inventory: Inventory, key: str, timeout: float) -> RequestResult:
     found: list[RequestResult] = []
 
@@ -246,13 +228,13 @@ def run(folder: Path, console: Console | None = None) -> bool:
         with (
             Inventory.from_url(setup.database_url) as inventory,
             LeaseManager.from_url(setup.lease_url) as leases,
-            _producer(setup) as send,
+            Producer(setup.broker_url, setup.result_backend) as producer,
         ):
             inventory.add_sku(sku, on_hand=10)
             demo.step("setup", f"{sku}: 10 on hand")
             a = demo.start_worker("A", freeze=True)
             demo.step("A", "worker A started (it freezes with SIGSTOP between taking its lease and writing)")
-            send(key_a, {"sku": sku, "quantity": 5})
+            producer.send("reserve", key_a, {"sku": sku, "quantity": 5})
             demo.step("client", f"request {key_a}: reserve 5")
             _poll(
                 "worker A to take the lease and stop",
@@ -266,7 +248,7 @@ def run(folder: Path, console: Console | None = None) -> bool:
             demo.step("lease", f"token {token_a} expires at the coordinator; A is still frozen")
             demo.start_worker("B", freeze=False)
             demo.step("B", "worker B started")
-            send(key_b, {"sku": sku, "quantity": 2})
+            producer.send("reserve", key_b, {"sku": sku, "quantity": 2})
             demo.step("client", f"request {key_b}: reserve 2")
             outcome_b = _wait_outcome(inventory, key_b, timeout=30)
             demo.step("B", f"{key_b}: {outcome_b.status} under token {outcome_b.detail.get('token')}")

@@ -13,6 +13,7 @@ Variables (prefix ``RESERVATIONS_``), with defaults:
 - MAX_RETRIES: 200 (lease-busy retries before dead-letter; unreachable backends get 20 of their own)
 - VISIBILITY_TIMEOUT: 3600 (seconds before an unacknowledged message is redelivered)
 - EXPIRY_INTERVAL: 30 (seconds between hold-expiry sweeps by celery beat)
+- ENFORCE_FENCE: 1 (0 drops the token condition from stock writes: lease-only, for chaos comparisons only)
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ class Settings:
     max_retries: int = 200
     visibility_timeout: float = 3600.0
     expiry_interval: float = 30.0
+    enforce_fence: bool = True
     extra: dict[str, str] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -90,6 +92,7 @@ class Settings:
             max_retries=int(_number(env, "MAX_RETRIES", defaults.max_retries, 0, 100_000)),
             visibility_timeout=_number(env, "VISIBILITY_TIMEOUT", defaults.visibility_timeout, 1, 7 * 86400),
             expiry_interval=_number(env, "EXPIRY_INTERVAL", defaults.expiry_interval, 0.1, 86400),
+            enforce_fence=bool(_number(env, "ENFORCE_FENCE", 1, 0, 1)),
         )
 
     def with_(self, **changes: object) -> Settings:

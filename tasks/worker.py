@@ -51,7 +51,9 @@ def resources(settings: Settings) -> Resources:
             _resources = Resources(
                 settings=settings,
                 inventory=Inventory.from_url(
-                    settings.database_url, before_statement=lambda lease: failpoint("in_write")
+                    settings.database_url,
+                    enforce_fence=settings.enforce_fence,
+                    before_statement=lambda lease: failpoint("in_write"),
                 ),
                 leases=LeaseManager.from_url(settings.lease_url, prefix=settings.lease_prefix),
                 pid=os.getpid(),

@@ -1,0 +1,38 @@
+"""Hand requests to the Celery workers by task name, without importing them.
+
+The admin CLI, the demo and the chaos run live below the ``tasks`` package in the import order, so they
+publish plain JSON messages with the task id derived from the idempotency key, exactly as
+``tasks.ReservationClient`` does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery import Celery
+
+from reservations import validation as valid
+from reservations.requests import request_id, task_name
+
+
+class Producer:
+    def __init__(self, broker_url: str, result_backend: str | None = None) -> None:
+        self.app = Celery(
+            "reservations-producer", broker=broker_url, backend=result_backend, set_as_current=False
+        )
+        self.app.conf.update(task_serializer="json", accept_content=["json"], result_serializer="json")
+
+    def send(self, operation: str, key: str, kwargs: dict[str, Any]) -> str:
+        """Publish ``operation`` for ``key``; returns the request's task id (the same for the same key)."""
+        task_id = request_id(valid.idempotency_key(key))
+        self.app.send_task(task_name(operation), kwargs={**kwargs, "idempotency_key": key}, task_id=task_id)
+        return task_id
+
+    def close(self) -> None:
+        self.app.close()
+
+    def __enter__(self) -> Producer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
