@@ -57,12 +57,20 @@ def normalize_url(url: str | URL, *, asynchronous: bool = False) -> URL:
     return parsed.set(drivername="sqlite+aiosqlite" if asynchronous else "sqlite+pysqlite")
 
 
+_SECRET_QUERY_KEYS = ("password", "passwd", "pwd", "secret", "token", "sslpassword")
+
+
 def mask_url(url: str | URL) -> str:
-    """The URL as it may be printed: any password replaced by ``***``."""
+    """The URL as it may be printed: the password, and password-like query parameters, as ``***``."""
     try:
-        return make_url(url).render_as_string(hide_password=True)
+        parsed = make_url(url)
     except Exception:
         return "<unparseable url>"
+    query = {
+        key: ("***" if any(word in key.lower() for word in _SECRET_QUERY_KEYS) else value)
+        for key, value in parsed.query.items()
+    }
+    return parsed.set(query=query).render_as_string(hide_password=True).replace("%2A%2A%2A", "***")
 
 
 def _sqlite_setup(engine: Engine) -> None:

@@ -648,7 +648,11 @@ def fence_demo(
     """
     from reservations import fence_demo as demo
 
-    if not demo.run(database, ttl=ttl):
+    try:
+        ok = demo.run(database, ttl=ttl)
+    except ValueError as exc:
+        _fail(EXIT_USAGE, str(exc))
+    if not ok:
         raise typer.Exit(EXIT_FAILED)
 
 

@@ -33,6 +33,7 @@ from reservations.timeline import TimelineEntry, epochs
 from reservations.validation import scope_of
 
 LEASE_TTL = 2.0
+MARKER = ".reservations-demo"
 
 
 class DemoFailed(RuntimeError):
@@ -54,9 +55,15 @@ class Setup:
         database = os.environ.get("RESERVATIONS_DATABASE_URL")
         embedded = database is None
         if embedded:
+            # Only a folder this demo made (or an empty one) is wiped: --folder could point anywhere.
+            if folder.exists() and any(folder.iterdir()) and not (folder / MARKER).exists():
+                raise DemoFailed(
+                    f"{folder} is not empty and was not made by the demo; choose another --folder"
+                )
             if folder.exists():
                 shutil.rmtree(folder)
             folder.mkdir(parents=True)
+            (folder / MARKER).touch()
         else:
             folder.mkdir(parents=True, exist_ok=True)
         database = database or f"sqlite:///{folder / 'inventory.sqlite3'}"

@@ -8,7 +8,8 @@
     ├── UnknownReservation      no reservation with that id or key
     ├── InvalidTransition       confirm/release of a reservation that is final or belongs to another SKU
     ├── InsufficientStock       available < requested (sku, requested, available)
-    └── IdempotencyConflict     the key was used before for a different request
+    ├── IdempotencyConflict     the key was used before for a different request
+    └── RequestClosed           the key's request already ended without effect (invalid, dead-lettered)
 
 Fencing errors (``StaleToken``, ``LeaseLost``, ``BackendUnavailable``, ...) pass through unchanged: they
 are about ownership and reachability, not about the inventory.
@@ -67,3 +68,12 @@ class IdempotencyConflict(ReservationError):
             f"idempotency key {key!r} was used for a different request ({stored_operation}); "
             f"refusing {operation}"
         )
+
+
+class RequestClosed(ReservationError):
+    """The request with this key already ended without changing stock; a late copy must not apply."""
+
+    def __init__(self, *, key: str, status: str) -> None:
+        self.key = key
+        self.status = status
+        super().__init__(f"request {key!r} already ended as {status}; it cannot take effect now")

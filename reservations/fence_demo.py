@@ -69,10 +69,22 @@ def _wait_until(predicate: Callable[[], bool], timeout: float) -> None:
         time.sleep(0.02)
 
 
+def _is_demo_database(path: Path) -> bool:
+    engine = sa.create_engine(f"sqlite:///{path}")
+    try:
+        return sa.inspect(engine).has_table("demo_stock")
+    except sa.exc.DatabaseError:
+        return False
+    finally:
+        engine.dispose()
+
+
 def run(database: Path, *, ttl: float = 0.5, console: Console | None = None) -> bool:
     """Replay the timeline; True when A's late write was refused and the stock is right."""
     console = console or Console()
     database.parent.mkdir(parents=True, exist_ok=True)
+    if database.exists() and not _is_demo_database(database):
+        raise ValueError(f"{database} exists and is not a fence-demo database; choose another --database")
     database.unlink(missing_ok=True)
     url = f"sqlite:///{database}"
     console.print(f"[bold]Fencing demo[/] on {mask_url(url)} (SQL lease backend, no services)\n")

@@ -25,6 +25,7 @@ from reservations.errors import (
     InsufficientStock,
     InvalidRequest,
     InvalidTransition,
+    RequestClosed,
     ReservationError,
     UnknownReservation,
     UnknownSku,
@@ -40,6 +41,7 @@ from reservations.models import (
     stock,
 )
 from reservations.reads import STOCK_COLUMNS, stock_level
+from reservations.requests import TOMBSTONE_FINGERPRINT
 from reservations.views import Outcome, StockLevel
 
 
@@ -103,9 +105,16 @@ class InventoryPlans:
                 yield Atomic(self._one(on_stale(stale)))
                 raise
             except IntegrityError as exc:
-                # A concurrent attempt with the same key committed first; the next round replays it.
-                if "idempotency_key" not in str(exc.orig):
+                text = str(exc.orig)
+                if "reservations" in text and "idempotency_key" in text:
+                    # Attempts on one SKU queue on its stock row, so this is not a race: the key's
+                    # record was purged, but the reservation it created is still there.
+                    raise IdempotencyConflict(
+                        key=key, operation=operation, stored_operation="a reservation whose record expired"
+                    ) from None
+                if "idempotency_key" not in text:
                     raise
+                # A concurrent attempt with the same key committed first; the next round replays it.
         raise RuntimeError(f"idempotency key {key!r} kept colliding")  # pragma: no cover
 
     def _one(self, stmt: sa.Executable) -> Plan[None]:
@@ -160,6 +169,8 @@ class InventoryPlans:
         return lock
 
     def _replay(self, stored: Any, operation: str, print_: str) -> Outcome:
+        if stored.fingerprint == TOMBSTONE_FINGERPRINT:
+            raise RequestClosed(key=stored.key, status=json.loads(stored.outcome).get("status", "closed"))
         if stored.fingerprint != print_:
             raise IdempotencyConflict(key=stored.key, operation=operation, stored_operation=stored.operation)
         data = json.loads(stored.outcome)

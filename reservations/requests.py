@@ -18,7 +18,7 @@ from fencing._plan import Atomic, Plan
 from fencing.sql import Rows, db_now_ms
 from reservations import validation as valid
 from reservations.errors import InvalidRequest
-from reservations.models import HELD, request_outcomes, reservations, task_attempts
+from reservations.models import HELD, idempotency_keys, request_outcomes, reservations, task_attempts
 
 FINAL_STATUSES = (
     "reserved",
@@ -100,11 +100,37 @@ def request_outcome(key: str) -> Plan[RequestResult | None]:
     return None if row is None else _result(row)
 
 
+# Outcomes that end a request without any stock change. Recording one also closes the key for good: a
+# tombstone in the idempotency records makes a copy of the request still in flight (a redelivery, a
+# duplicate enqueue) replay "closed" instead of applying late, and whichever commits first wins.
+NO_EFFECT = ("invalid", "dead_lettered")
+TOMBSTONE_FINGERPRINT = "closed"
+
+
+class AlreadyApplied(Exception):
+    """The key took effect after all: its final outcome is the applied one, not the refusal."""
+
+
 def _insert_outcome(values: dict[str, Any]) -> Plan[RequestResult]:
     found: Rows = yield sa.select(request_outcomes).where(request_outcomes.c.key == values["key"])
     row = found.first()
     if row is not None:
         return _result(row)
+    if values["status"] in NO_EFFECT:
+        applied: Rows = yield sa.select(idempotency_keys.c.outcome).where(
+            idempotency_keys.c.key == values["key"]
+        )
+        record = applied.first()
+        if record is not None and "error" not in json.loads(record.outcome):
+            raise AlreadyApplied(values["key"])
+        if record is None:
+            yield sa.insert(idempotency_keys).values(
+                key=values["key"],
+                fingerprint=TOMBSTONE_FINGERPRINT,
+                operation=values["operation"],
+                outcome=json.dumps({"error": "closed", "status": values["status"]}),
+                created_ms=db_now_ms(),
+            )
     yield sa.insert(request_outcomes).values(at_ms=db_now_ms(), **values)
     stored: Rows = yield sa.select(request_outcomes).where(request_outcomes.c.key == values["key"])
     return _result(stored.rows[0])

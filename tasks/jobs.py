@@ -11,9 +11,11 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Callable
+from contextlib import suppress
 from typing import Any
 
 from celery import Task
+from celery.exceptions import Retry
 
 from fencing import (
     BackendUnavailable,
@@ -29,11 +31,12 @@ from reservations import (
     InvalidTransition,
     Inventory,
     Outcome,
+    RequestClosed,
     UnknownReservation,
     UnknownSku,
 )
 from reservations import validation as valid
-from reservations.requests import RequestResult, task_name
+from reservations.requests import AlreadyApplied, RequestResult, task_name
 from tasks.app import app, settings_of
 from tasks.failpoints import failpoint
 from tasks.worker import Resources, resources, worker_identity
@@ -48,6 +51,7 @@ FINAL_STATUS = {
     "restock": "restocked",
 }
 _INVALID = (
+    RequestClosed,
     InvalidRequest,
     UnknownSku,
     UnknownReservation,
@@ -123,14 +127,33 @@ def run_request(
         }
     try:
         return _attempt(task, res, operation, key, skus, apply, counts, again)
+    except AlreadyApplied:
+        # A copy of this request applied it while this one was giving up: look again and report that.
+        raise task.retry(kwargs=sent, countdown=0.01) from None
     except BackendUnavailable as exc:
         # Also covers an outcome or attempt that could not be recorded: nothing is final until it is.
         if counts["transient"] >= MAX_TRANSIENT_RETRIES:
             log.error("giving up on %s after %d transient failures: %s", key, counts["transient"], exc)
             raise
-        raise again(
-            "transient", _jitter(0.2 * 2 ** min(counts["transient"], 5), counts["transient"])
-        ) from None
+        # Its own backoff, growing to half a minute: a database restart or a Redis failover takes that long.
+        ceiling = min(30.0, 0.2 * 2 ** counts["transient"])
+        raise again("transient", random.uniform(ceiling / 2, ceiling)) from None
+    except Exception as exc:
+        if isinstance(exc, Retry):
+            raise
+        # A bug or an unforeseen input must still end the request, or its caller waits forever.
+        log.exception("request %s failed unexpectedly", key)
+        with suppress(Exception):
+            res.inventory.record_outcome(
+                key,
+                operation,
+                "dead_lettered",
+                {"reason": "unexpected error", "error": repr(exc)[:500]},
+                task_id=task.request.id,
+                worker=worker_identity(),
+                epochs=counts["epoch"],
+            )
+        raise
 
 
 def _attempt(
@@ -156,6 +179,15 @@ def _attempt(
     lease_token: int | None = None
     try:
         done = res.inventory.request_outcome(key)
+        if done is not None and done.operation != operation:
+            # The key belongs to another request: report the conflict, store nothing under it.
+            return {
+                "key": key,
+                "operation": operation,
+                "status": "invalid",
+                "epochs": epoch,
+                "detail": {"error": "IdempotencyConflict", "stored_operation": done.operation},
+            }
         if done is not None:
             return _as_result(done)
         with res.inventory.hold_many(
@@ -221,7 +253,7 @@ def reserve_order(
     self: Task, lines: list[list[Any]], idempotency_key: str, hold_for: float | None = None, **_counts: int
 ) -> dict[str, Any]:
     def skus(_: Resources) -> list[str]:
-        return [sku for sku, _ in valid.order_lines([tuple(line) for line in lines])]
+        return [sku for sku, _ in valid.order_lines(lines)]
 
     return run_request(
         self,

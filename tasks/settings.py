@@ -98,6 +98,10 @@ class Settings:
     def with_(self, **changes: object) -> Settings:
         return replace(self, **changes)  # type: ignore[arg-type]
 
+    def __repr__(self) -> str:
+        # Celery prints its configuration (``celery report``); this object must not leak passwords there.
+        return f"Settings({', '.join(f'{k}={v}' for k, v in self.masked().items())})"
+
     def masked(self) -> dict[str, str]:
         """The settings as they may be printed: every URL with its password hidden."""
         return {

@@ -526,3 +526,45 @@ def test_order_line_keys_never_collide_with_request_keys(
     single = inventory.reserve(lease, widget, 1, key=f"order-1#{widget}")
     assert not single.replayed
     assert level(inventory, widget) == (10, 2, 8)
+
+
+def test_a_request_closed_without_effect_can_never_apply_late(
+    inventory: Inventory, leases: LeaseManager, widget: str, inventory_url: str
+) -> None:
+    """A dead-lettered request's key is closed: a copy still in flight replays that instead of reserving."""
+    from reservations import RequestClosed
+
+    closed = inventory.record_outcome("late-copy", "reserve", "dead_lettered", {"reason": "test"})
+    assert closed.status == "dead_lettered"
+    before = snapshot(inventory_url)
+    with pytest.raises(RequestClosed) as late:
+        inventory.reserve(lease_for(leases, widget), widget, 1, key="late-copy")
+    assert late.value.status == "dead_lettered"
+    assert snapshot(inventory_url) == before
+
+
+def test_an_applied_request_cannot_be_recorded_as_dead_lettered(
+    inventory: Inventory, leases: LeaseManager, widget: str
+) -> None:
+    from reservations.requests import AlreadyApplied
+
+    inventory.reserve(lease_for(leases, widget), widget, 1, key="applied")
+    with pytest.raises(AlreadyApplied):
+        inventory.record_outcome("applied", "reserve", "dead_lettered", {"reason": "test"})
+    assert inventory.request_outcome("applied") is None
+    done = inventory.record_outcome("applied", "reserve", "reserved", {})
+    assert done.status == "reserved"
+
+
+def test_a_purged_key_reused_is_a_typed_conflict(
+    inventory: Inventory, leases: LeaseManager, widget: str, inventory_url: str
+) -> None:
+    lease = lease_for(leases, widget)
+    inventory.reserve(lease, widget, 1, key="old-key")
+    engine = make_engine(inventory_url)
+    with engine.begin() as conn:  # what purge_idempotency does once the record is old enough
+        conn.execute(sa.text("DELETE FROM idempotency_keys WHERE key = 'old-key'"))
+    engine.dispose()
+    with pytest.raises(IdempotencyConflict):
+        inventory.reserve(lease, widget, 1, key="old-key")
+    assert level(inventory, widget) == (10, 1, 9)

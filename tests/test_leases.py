@@ -283,3 +283,12 @@ def test_a_stale_rejection_on_one_scope_leaves_other_holds_intact(manager: Lease
             raise StaleToken(scope="sku:A", presented=a.token, highest=a.token + 1)
     assert a.lost and b.lost_reason == "released by its holder"
     assert manager.current("sku:B") is None  # B was released, not left to block others until its ttl
+
+
+def test_masked_urls_hide_every_password() -> None:
+    from fencing import mask_url
+
+    assert mask_url("postgresql://app:s3cret@db/inv") == "postgresql://app:***@db/inv"
+    assert "s3cret" not in mask_url("postgresql://app@db/inv?password=s3cret&sslmode=require")
+    assert mask_url("redis://:s3cret@h:6379/0") == "redis://:***@h:6379/0"
+    assert mask_url("sqlite:////tmp/x.sqlite3") == "sqlite:////tmp/x.sqlite3"

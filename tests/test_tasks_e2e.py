@@ -440,3 +440,10 @@ def test_request_losing_its_only_epoch_is_dead_lettered(redis_leases: Stack) -> 
     level = inv.stock(sku)
     assert (level.on_hand, level.reserved, level.available) == (10, 3, 7)
     assert inv.invariant_violations() == []
+
+
+def test_settings_never_print_passwords() -> None:
+    from tasks import Settings
+
+    shown = repr(Settings(database_url="postgresql://app:s3cret@db/inv", broker_url="redis://:pw2@r:6379/0"))
+    assert "s3cret" not in shown and "pw2" not in shown and "***" in shown
