@@ -102,6 +102,7 @@ class ReservationClient:
     ) -> ReservationHandle:
         order = valid.order_lines(lines)
         valid.idempotency_key(idempotency_key)
+        hold_for = valid.hold_seconds(hold_for)
         return await self._send_async(
             task_name("reserve_order"),
             idempotency_key,

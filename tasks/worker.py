@@ -15,6 +15,7 @@ from typing import Any
 from celery.signals import worker_process_init, worker_process_shutdown, worker_shutdown
 
 from fencing import LeaseManager
+from fencing.sql import SyncSqlExecutor
 from reservations import Inventory
 from tasks.failpoints import failpoint
 from tasks.settings import Settings
@@ -48,6 +49,8 @@ def resources(settings: Settings) -> Resources:
             if _resources is not None:
                 # Inherited from the parent: drop the pool without closing the parent's connections.
                 _resources.inventory.executor.engine.dispose(close=False)
+                if isinstance(_resources.leases.executor, SyncSqlExecutor):
+                    _resources.leases.executor.engine.dispose(close=False)
             _resources = Resources(
                 settings=settings,
                 inventory=Inventory.from_url(
