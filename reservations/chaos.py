@@ -36,6 +36,7 @@ from fencing.sql import make_engine
 from reservations import schema
 from reservations.inventory import Inventory
 from reservations.models import request_outcomes, reservations, sku_history, stock
+from reservations.picture import save_timeline
 from reservations.producer import Producer
 from reservations.proxy import DelayProxy
 
@@ -73,6 +74,7 @@ class Options:
     proxy_delay: float = 0.0  # > 0: one more worker reaches PostgreSQL through a DelayProxy (needs 3 workers)
     postgres_url: str = POSTGRES_URL
     folder: Path | None = None  # worker logs; a temporary folder by default
+    pictures: Path = Path("var/chaos")  # one SVG timeline per run is saved here
 
 
 @dataclass
@@ -95,6 +97,7 @@ class RunReport:
     checks: dict[str, list[str]] = field(default_factory=dict)
     rejected_stale_writes: int = 0
     sent: dict[str, Sent] = field(default_factory=dict)
+    picture: Path | None = None
 
     @property
     def violations(self) -> int:
@@ -113,6 +116,7 @@ class RunReport:
             "lost_ownership_by_worker_role": dict(self.lost_by_role),
             "violations": self.violations,
             "checks": self.checks,
+            "picture": str(self.picture) if self.picture else None,
         }
 
 
@@ -405,6 +409,11 @@ def run_once(options: Options, *, fenced: bool, folder: Path, console: Console) 
                 report.checks = check(database_url, {s: INITIAL_STOCK for s in skus}, report.sent)
                 report.statuses = _statuses(database_url)
                 report.rejected_stale_writes = sum(inventory.rejection_counts().values())
+                report.picture = save_timeline(
+                    options.pictures / f"timeline-{mode}.svg",
+                    f"{mode}: {options.workers} workers, {options.requests} requests",
+                    {sku: inventory.history(sku, limit=10_000) for sku in skus},
+                )
             if proxy is not None:
                 report.faults["client->postgres chunks delayed"] = proxy.delayed_chunks
             for worker in workers:
@@ -669,6 +678,9 @@ def _print(console: Console, fenced: RunReport, lease_only: RunReport) -> None:
     row("VIOLATIONS", lambda r: r.violations)
     row("seconds", lambda r: f"{r.seconds:.1f}")
     console.print(table)
+    for report in (fenced, lease_only):
+        if report.picture is not None:
+            console.print(f"timeline of the {report.mode} run: {report.picture}", highlight=False)
     for report in (fenced, lease_only):
         for name, problems in report.checks.items():
             for problem in problems[:5]:

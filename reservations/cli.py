@@ -595,6 +595,9 @@ def chaos_command(
     folder: Annotated[
         Path | None, typer.Option(help="Keep worker logs here (default: a temporary folder, removed).")
     ] = None,
+    pictures: Annotated[
+        Path, typer.Option(help="Folder for the SVG timeline of each run (token bands, writes, refusals).")
+    ] = Path("var/chaos"),
     as_json: Annotated[bool, typer.Option("--json", help="Print both runs' metrics as JSON.")] = False,
 ) -> None:
     """WRITES (own schemas, dropped afterwards): the fault-injection run, twice, fenced and lease-only.
@@ -621,6 +624,7 @@ def chaos_command(
         proxy_delay=proxy_delay,
         postgres_url=postgres_url,
         folder=folder,
+        pictures=pictures,
     )
     try:
         ok = chaos.run(options, None if as_json else out, as_json=as_json)

@@ -45,7 +45,7 @@ def test_fenced_run_is_clean_and_lease_only_run_is_not(tmp_path: Path) -> None:
         [
             *(SCRIPT, "chaos", "--workers", "3", "--skus", "3", "--requests", "50", "--duration", "10"),
             *("--drain", "30", "--proxy-delay", "1.5", "--postgres-url", POSTGRES_URL),
-            *("--folder", str(tmp_path / "logs"), "--json"),
+            *("--folder", str(tmp_path / "logs"), "--pictures", str(tmp_path / "pictures"), "--json"),
         ],
         env=env,
         capture_output=True,
@@ -71,6 +71,12 @@ def test_fenced_run_is_clean_and_lease_only_run_is_not(tmp_path: Path) -> None:
     assert lease_only["violations"] >= 1, lease_only
     assert lease_only["checks"]["writes_after_newer_token"], lease_only["checks"]
     assert lease_only["rejected_stale_writes"] == 0  # nothing refuses a stale write without the fence
+    # The pictures show what the numbers say: refused stale writes only in the fenced run, writes
+    # behind a newer token only in the lease-only one.
+    fenced_svg = Path(fenced["picture"]).read_text()
+    lease_only_svg = Path(lease_only["picture"]).read_text()
+    assert "refused, highest" in fenced_svg and "<polygon" not in fenced_svg
+    assert "<polygon" in lease_only_svg and "refused, highest" not in lease_only_svg
 
     # Nothing is left behind: no new chaos schema, no worker or redis-server started for the run (the
     # workers carry the run's folder in their environment; the redis-servers run in it).
