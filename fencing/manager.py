@@ -127,6 +127,8 @@ class LeasePlans:
         return purged
 
     def break_lease(self, scope: str, reason: str) -> Plan[LeaseInfo | None]:
+        if not isinstance(reason, str) or not reason or len(reason) > 500:
+            raise InvalidLeaseRequest("reason must be a non-empty string of at most 500 characters")
         info: LeaseInfo | None = yield Atomic(self.core.break_lease(validate_scope(scope), reason))
         if info is not None:
             log.warning(
@@ -170,6 +172,13 @@ def _is_redis_url(url: str) -> bool:
     return url.startswith(("redis://", "rediss://", "unix://"))
 
 
+def _redis_client(kind: Any, url: str, options: dict[str, Any]) -> Any:
+    try:
+        return kind.from_url(url, decode_responses=True, **options)
+    except ValueError as exc:  # a malformed port, database number or option
+        raise InvalidLeaseRequest(f"not a usable Redis URL: {mask_url(url)} ({exc})") from None
+
+
 def _renew_interval(lease: Lease, renew_every: float | None) -> float:
     return renew_every if renew_every is not None else lease.ttl / 3
 
@@ -203,7 +212,7 @@ class LeaseManager:
         core: LeaseCore
         executor: SyncRedisExecutor | SyncSqlExecutor
         if _is_redis_url(url):
-            client = redis.Redis.from_url(url, decode_responses=True, **client_options)
+            client = _redis_client(redis.Redis, url, client_options)
             core = RedisLeaseCore(prefix=validate_prefix(prefix), history_cap=history_cap, clock=clock)
             executor = SyncRedisExecutor(client, sleep)
         else:
@@ -336,7 +345,7 @@ class AsyncLeaseManager:
         core: LeaseCore
         executor: AsyncRedisExecutor | AsyncSqlExecutor
         if _is_redis_url(url):
-            client = redis.asyncio.Redis.from_url(url, decode_responses=True, **client_options)
+            client = _redis_client(redis.asyncio.Redis, url, client_options)
             core = RedisLeaseCore(prefix=validate_prefix(prefix), history_cap=history_cap, clock=clock)
             executor = AsyncRedisExecutor(client, sleep)
         else:

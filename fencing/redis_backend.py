@@ -236,7 +236,9 @@ def _event(scope: str, entry_id: str, fields: dict[str, str]) -> LeaseEvent:
     )
 
 
-_UNAVAILABLE = (redis.ConnectionError, redis.TimeoutError, redis.ReadOnlyError)
+# Error replies (out of memory, MISCONF, BUSY script, read-only replica) mean Redis cannot serve the
+# operation now; none of them can be a partial lease change, since each script is atomic.
+_UNAVAILABLE = (redis.ConnectionError, redis.TimeoutError, redis.ResponseError)
 
 
 def _unavailable(op: object, exc: redis.RedisError) -> BackendUnavailable:

@@ -48,7 +48,10 @@ def _now_sqlite(element: db_now_ms, compiler: Any, **kw: Any) -> str:
 
 def normalize_url(url: str | URL, *, asynchronous: bool = False) -> URL:
     """Pick the drivers this package ships with: psycopg 3 for PostgreSQL, aiosqlite for async SQLite."""
-    parsed = make_url(url)
+    try:
+        parsed = make_url(url)
+    except Exception as exc:  # ArgumentError, ValueError: the caller only needs "not a usable URL"
+        raise InvalidLeaseRequest(f"not a database URL: {mask_url(str(url))}") from exc
     backend = parsed.get_backend_name()
     if backend not in SUPPORTED_DIALECTS:
         raise InvalidLeaseRequest(f"unsupported database {backend!r}; use sqlite or postgresql")

@@ -292,3 +292,17 @@ def test_masked_urls_hide_every_password() -> None:
     assert "s3cret" not in mask_url("postgresql://app@db/inv?password=s3cret&sslmode=require")
     assert mask_url("redis://:s3cret@h:6379/0") == "redis://:***@h:6379/0"
     assert mask_url("sqlite:////tmp/x.sqlite3") == "sqlite:////tmp/x.sqlite3"
+
+
+@pytest.mark.parametrize("url", ["redis://127.0.0.1:notaport/0", "not a url", "mysql://app@db/inv"])
+def test_unusable_url_is_a_typed_error(url: str) -> None:
+    with pytest.raises(InvalidLeaseRequest):
+        LeaseManager.from_url(url)
+
+
+def test_break_needs_a_reason(manager: LeaseManager) -> None:
+    lease = manager.acquire("sku:A", ttl=5, holder="A")
+    with pytest.raises(InvalidLeaseRequest):
+        manager.break_lease("sku:A", reason=None)  # type: ignore[arg-type]
+    info = manager.current("sku:A")
+    assert info is not None and info.token == lease.token
