@@ -45,7 +45,9 @@ def configure(app: Celery, settings: Settings) -> None:
             "expire-due-holds": {
                 "task": "reservations.expire_holds",
                 "schedule": settings.expiry_interval,
-            }
+            },
+            # Retention: idempotency records and SQL lease events older than their retention go.
+            "purge-old-records": {"task": "reservations.purge", "schedule": 3600.0},
         },
     )
     app.conf.reservations_settings = settings

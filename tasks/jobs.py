@@ -316,6 +316,17 @@ def expire_holds() -> dict[str, int]:
     return {"expired": expired, "skipped": busy}
 
 
+@app.task(name=task_name("purge"))
+def purge() -> dict[str, int]:
+    """Beat: apply the retention of idempotency records (keep it far above the redelivery horizon) and of
+    SQL lease events; Redis lease streams are capped instead."""
+    res = resources(settings_of(app))
+    return {
+        "idempotency_records": res.inventory.purge_idempotency(),
+        "lease_events": res.leases.purge_history(),
+    }
+
+
 @app.task(name=task_name("noop"))
 def noop(value: int = 0) -> int:
     """A task that does nothing: the baseline for end-to-end throughput benchmarks."""
