@@ -112,6 +112,10 @@ class Inventory:
     def purge_idempotency(self, *, older_than: float = DEFAULT_IDEMPOTENCY_RETENTION) -> int:
         return self._run(self.plans.purge_idempotency(older_than))  # type: ignore[no-any-return]
 
+    def purge_requests(self, *, older_than: float = DEFAULT_IDEMPOTENCY_RETENTION) -> int:
+        """Delete request outcomes and attempts past the same retention as the idempotency records."""
+        return self._run(requests.purge(older_than))  # type: ignore[no-any-return]
+
     # reads
     def stock(self, sku: str) -> StockLevel:
         return self._run(reads.stock_level(sku))  # type: ignore[no-any-return]

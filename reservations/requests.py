@@ -228,3 +228,20 @@ def skus_with_due_holds(limit: int = 1000) -> Plan[list[str]]:
         .limit(limit)
     )
     return [r[0] for r in found.rows]
+
+
+def purge(older_than: float) -> Plan[int]:
+    """Delete final outcomes and attempts older than ``older_than`` seconds (database clock)."""
+    if isinstance(older_than, bool) or not isinstance(older_than, int | float) or older_than < 60:
+        raise InvalidRequest("retention must be at least 60 seconds", field="older_than")
+    purged: int = yield Atomic(_purge(round(older_than * 1000)))
+    return purged
+
+
+def _purge(older_than_ms: int) -> Plan[int]:
+    cutoff = db_now_ms() - older_than_ms
+    outcomes: Rows = yield (
+        sa.delete(request_outcomes).where(request_outcomes.c.at_ms < cutoff).returning(request_outcomes.c.key)
+    )
+    yield sa.delete(task_attempts).where(task_attempts.c.at_ms < cutoff)
+    return len(outcomes.rows)

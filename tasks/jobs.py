@@ -323,6 +323,7 @@ def purge() -> dict[str, int]:
     res = resources(settings_of(app))
     return {
         "idempotency_records": res.inventory.purge_idempotency(),
+        "request_outcomes": res.inventory.purge_requests(),
         "lease_events": res.leases.purge_history(),
     }
 

@@ -400,9 +400,14 @@ def test_idempotency_retention_purges_only_old_records(
     inventory: Inventory, leases: LeaseManager, widget: str
 ) -> None:
     inventory.reserve(lease_for(leases, widget), widget, 1, key="recent")
+    inventory.record_outcome("recent", "reserve", "reserved", {})
     assert inventory.purge_idempotency(older_than=3600) == 0
+    assert inventory.purge_requests(older_than=3600) == 0
+    assert inventory.request_outcome("recent") is not None
     with pytest.raises(InvalidRequest):
         inventory.purge_idempotency(older_than=0)
+    with pytest.raises(InvalidRequest):
+        inventory.purge_requests(older_than=1)
 
 
 def test_history_explains_every_change(inventory: Inventory, leases: LeaseManager, widget: str) -> None:
