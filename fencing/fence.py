@@ -18,9 +18,9 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from fencing._plan import Plan, run_async, run_sync
 from fencing.errors import ScopeMismatch, StaleToken
 from fencing.lease import Lease
+from fencing.plan import Plan, run_async, run_sync
 from fencing.sql import Rows, execute, execute_async
 
 FENCE_TOKEN_COLUMN = "fence_token"

@@ -21,7 +21,6 @@ from typing import Any, Protocol
 import redis
 import redis.asyncio
 
-from fencing._plan import Atomic, Plan, Sleep
 from fencing.errors import FencingError, InvalidLeaseRequest, LeaseBusy, StaleToken
 from fencing.keys import DEFAULT_PREFIX, validate_prefix
 from fencing.lease import (
@@ -35,6 +34,7 @@ from fencing.lease import (
     validate_token,
     validate_ttl,
 )
+from fencing.plan import Atomic, Plan, Sleep
 from fencing.redis_backend import AsyncRedisExecutor, RedisLeaseCore, SyncRedisExecutor
 from fencing.sql import AsyncSqlExecutor, SyncSqlExecutor, make_async_engine, make_engine, mask_url
 from fencing.sql_backend import SqlLeaseCore, metadata

@@ -14,10 +14,10 @@ from typing import Any
 import redis
 import redis.asyncio
 
-from fencing._plan import Atomic, Plan, Sleep, run_async, run_sync
 from fencing.errors import BackendUnavailable, LeaseBusy, LeaseLost
 from fencing.keys import ScopeKeys, scope_keys
 from fencing.lease import Clock, Lease, LeaseEvent, LeaseInfo
+from fencing.plan import Atomic, Plan, Sleep, run_async, run_sync
 
 
 class Reply(enum.IntEnum):

@@ -18,8 +18,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.expression import Executable, FunctionElement
 
-from fencing._plan import Atomic, Plan, Sleep, run_async, run_sync
 from fencing.errors import BackendUnavailable, InvalidLeaseRequest
+from fencing.plan import Atomic, Plan, Sleep, run_async, run_sync
 
 SUPPORTED_DIALECTS = ("sqlite", "postgresql")
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 
-from fencing._plan import Plan
 from fencing.errors import LeaseBusy, LeaseLost
 from fencing.lease import MAX_HOLDER_CHARS, MAX_SCOPE_CHARS, Clock, Lease, LeaseEvent, LeaseInfo
+from fencing.plan import Plan
 from fencing.sql import Rows, db_now_ms
 
 metadata = sa.MetaData()

@@ -17,7 +17,7 @@ import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 
 from fencing import Fence, FenceOutcome, Lease, StaleToken
-from fencing._plan import Atomic, Plan
+from fencing.plan import Atomic, Plan
 from fencing.sql import Rows, db_now_ms
 from reservations import validation as valid
 from reservations.errors import (

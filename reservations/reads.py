@@ -8,7 +8,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from fencing._plan import Plan
+from fencing.plan import Plan
 from fencing.sql import Rows
 from reservations import validation as valid
 from reservations.errors import InvalidRequest, UnknownReservation, UnknownSku

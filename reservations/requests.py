@@ -14,7 +14,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 
-from fencing._plan import Atomic, Plan
+from fencing.plan import Atomic, Plan
 from fencing.sql import Rows, db_now_ms
 from reservations import validation as valid
 from reservations.errors import InvalidRequest

@@ -476,7 +476,7 @@ def test_expiry_and_a_concurrent_confirm_never_return_units_twice(
     committing in between must not be counted as well (it waits for the sweep, then finds it expired)."""
     import threading
 
-    from fencing._plan import Atomic
+    from fencing.plan import Atomic
     from fencing.sql import execute
 
     old = lease_for(leases, widget, holder="A")
