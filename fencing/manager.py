@@ -61,10 +61,21 @@ class LeaseCore(Protocol):
     def purge_history(self, older_than_ms: int) -> Plan[int]: ...
 
 
-def backoff(attempt: int, retry_after: float, rng: random.Random) -> float:
-    """Full-jitter exponential backoff, capped by the time the current lease has left."""
-    ceiling = min(0.5, 0.005 * 2**attempt)
-    return min(max(retry_after, 0.001), rng.uniform(0.001, ceiling))
+def backoff(
+    attempt: int,
+    retry_after: float,
+    rng: random.Random,
+    *,
+    first: float = 0.005,
+    cap: float = 0.5,
+    floor: float = 0.001,
+) -> float:
+    """Full-jitter exponential backoff, capped by the time the current lease has left.
+
+    The holder usually releases long before its ttl runs out, so ``retry_after`` is a ceiling, not a wait.
+    """
+    ceiling = min(cap, first * 2 ** min(attempt, 30))
+    return min(max(retry_after, floor), rng.uniform(floor, ceiling))
 
 
 def _check_lease(lease: object) -> Lease:

@@ -24,6 +24,7 @@ from fencing import (
     LeaseBusy,
     LostOwnership,
 )
+from fencing.manager import backoff
 from reservations import (
     IdempotencyConflict,
     InsufficientStock,
@@ -63,13 +64,12 @@ _INVALID = (
 Apply = Callable[[Inventory, dict[str, Lease]], Outcome]
 
 
-def _jitter(retry_after: float, attempt: int) -> float:
-    """Full-jitter exponential backoff, capped by the time the current lease can still last.
+_rng = random.Random()
 
-    The holder usually releases long before its ttl runs out, so ``retry_after`` is a ceiling, not a wait.
-    """
-    ceiling = min(1.0, 0.01 * 2 ** min(attempt, 10))
-    return min(max(retry_after, 0.005), random.uniform(0.005, ceiling))
+
+def _jitter(retry_after: float, attempt: int) -> float:
+    """Backoff between task retries: the lease backoff with a broker round trip's larger steps."""
+    return backoff(attempt, retry_after, _rng, first=0.01, cap=1.0, floor=0.005)
 
 
 def _as_result(result: RequestResult) -> dict[str, Any]:
@@ -137,7 +137,7 @@ def run_request(
             raise
         # Its own backoff, growing to half a minute: a database restart or a Redis failover takes that long.
         ceiling = min(30.0, 0.2 * 2 ** counts["transient"])
-        raise again("transient", random.uniform(ceiling / 2, ceiling)) from None
+        raise again("transient", _rng.uniform(ceiling / 2, ceiling)) from None
     except Exception as exc:
         if isinstance(exc, Retry):
             raise
