@@ -17,6 +17,8 @@ are about ownership and reachability, not about the inventory.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class ReservationError(Exception):
     """Base of every inventory error. ``replayed`` is True when it is the stored outcome of a key."""
@@ -57,6 +59,10 @@ class InsufficientStock(ReservationError):
         self.requested = requested
         self.available = available
         super().__init__(f"SKU {sku!r}: requested {requested}, available {available}")
+
+    def summary(self) -> dict[str, Any]:
+        """The detail of the request's final ``insufficient_stock`` outcome."""
+        return {"sku": self.sku, "requested": self.requested, "available": self.available}
 
 
 class IdempotencyConflict(ReservationError):

@@ -13,7 +13,7 @@ from typing import Any
 
 from fencing import AsyncLeaseManager, Lease, LeaseManager
 from fencing.sql import AsyncSqlExecutor, SyncSqlExecutor, make_async_engine, make_engine, mask_url
-from reservations import reads, requests, schema
+from reservations import batching, reads, requests, schema
 from reservations import validation as valid
 from reservations.operations import InventoryPlans
 from reservations.requests import Attempt, RequestResult
@@ -162,6 +162,40 @@ class Inventory:
     def skus_with_due_holds(self, limit: int = 1000) -> list[str]:
         return self._run(requests.skus_with_due_holds(limit))  # type: ignore[no-any-return]
 
+    # hot-SKU batching
+    def hand_off(
+        self,
+        sku: str,
+        quantity: int,
+        *,
+        key: str,
+        hold_for: float | None = None,
+        task_id: str | None = None,
+        epochs: int = 0,
+    ) -> RequestResult | None:
+        """Queue a reservation for the SKU's lease holder; its final outcome if it already has one."""
+        return self._run(batching.hand_off(sku, quantity, key, hold_for, task_id=task_id, epochs=epochs))  # type: ignore[no-any-return]
+
+    def has_pending(self, sku: str) -> bool:
+        return self._run(batching.has_pending(sku))  # type: ignore[no-any-return]
+
+    def pending_count(self, sku: str | None = None) -> int:
+        return self._run(batching.pending_count(sku))  # type: ignore[no-any-return]
+
+    def serve_pending(
+        self,
+        lease: Lease,
+        sku: str,
+        *,
+        limit: int = 100,
+        task_id: str | None = None,
+        worker: str | None = None,
+    ) -> list[RequestResult]:
+        """Serve up to ``limit`` pending reservations of ``sku`` in one fenced transaction."""
+        return self._run(  # type: ignore[no-any-return]
+            batching.serve(self.plans, lease, sku, limit=limit, task_id=task_id, worker=worker)
+        )
+
     def timeline(self, sku: str, manager: LeaseManager, *, limit: int = 1000) -> list[TimelineEntry]:
         """Lease events, accepted writes and rejections of ``sku`` as one ordered timeline."""
         return merge(
@@ -307,6 +341,36 @@ class AsyncInventory:
 
     async def attempts(self, key: str) -> list[Attempt]:
         return await self._run(requests.attempts(key))  # type: ignore[no-any-return]
+
+    async def hand_off(
+        self,
+        sku: str,
+        quantity: int,
+        *,
+        key: str,
+        hold_for: float | None = None,
+        task_id: str | None = None,
+        epochs: int = 0,
+    ) -> RequestResult | None:
+        return await self._run(  # type: ignore[no-any-return]
+            batching.hand_off(sku, quantity, key, hold_for, task_id=task_id, epochs=epochs)
+        )
+
+    async def pending_count(self, sku: str | None = None) -> int:
+        return await self._run(batching.pending_count(sku))  # type: ignore[no-any-return]
+
+    async def serve_pending(
+        self,
+        lease: Lease,
+        sku: str,
+        *,
+        limit: int = 100,
+        task_id: str | None = None,
+        worker: str | None = None,
+    ) -> list[RequestResult]:
+        return await self._run(  # type: ignore[no-any-return]
+            batching.serve(self.plans, lease, sku, limit=limit, task_id=task_id, worker=worker)
+        )
 
     async def timeline(
         self, sku: str, manager: AsyncLeaseManager, *, limit: int = 1000

@@ -163,3 +163,33 @@ class TaskAttempt(SQLModel, table=True):
 
 request_outcomes = RequestOutcome.__table__  # type: ignore[attr-defined]
 task_attempts = TaskAttempt.__table__  # type: ignore[attr-defined]
+
+
+class PendingReservation(SQLModel, table=True):
+    """A reservation request that found its SKU's lease busy and waits for the holder to serve it.
+
+    Removed in the same transaction that writes its final outcome; served oldest first.
+    """
+
+    __tablename__ = "pending_reservations"
+    __table_args__ = (
+        sa.CheckConstraint("quantity > 0", name="ck_pending_reservations_quantity_positive"),
+        sa.Index("ix_pending_reservations_sku_id", "sku", "id"),
+    )
+
+    id: int | None = Field(
+        default=None,
+        sa_column=sa.Column(
+            sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True, autoincrement=True
+        ),
+    )
+    key: str = Field(max_length=200, unique=True)
+    sku: str = Field(max_length=64)
+    quantity: int
+    hold_ms: int | None = Field(default=None, sa_column=_bigint(nullable=True))
+    task_id: str | None = Field(default=None, max_length=64)
+    epochs: int = 0
+    enqueued_ms: int = Field(sa_column=_bigint())
+
+
+pending_reservations = PendingReservation.__table__  # type: ignore[attr-defined]

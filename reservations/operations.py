@@ -102,7 +102,7 @@ class InventoryPlans:
                     return stored  # a concurrent attempt applied the key meanwhile: its outcome stands
                 raise refused.error from None
             except StaleToken as stale:
-                yield Atomic(self._one(on_stale(stale)))
+                yield Atomic(self.one(on_stale(stale)))
                 raise
             except IntegrityError as exc:
                 text = str(exc.orig)
@@ -117,7 +117,7 @@ class InventoryPlans:
                 # A concurrent attempt with the same key committed first; the next round replays it.
         raise RuntimeError(f"idempotency key {key!r} kept colliding")  # pragma: no cover
 
-    def _one(self, stmt: sa.Executable) -> Plan[None]:
+    def one(self, stmt: sa.Executable) -> Plan[None]:
         yield stmt
 
     def _attempt(
@@ -134,7 +134,7 @@ class InventoryPlans:
         found: Rows = yield sa.select(idempotency_keys).where(idempotency_keys.c.key == key)
         stored = found.first()
         if stored is not None:
-            return self._replay(stored, operation, print_)
+            return self.replay(stored, operation, print_)
         try:
             outcome = yield from apply()
         except InsufficientStock as error:
@@ -168,7 +168,7 @@ class InventoryPlans:
 
         return lock
 
-    def _replay(self, stored: Any, operation: str, print_: str) -> Outcome:
+    def replay(self, stored: Any, operation: str, print_: str) -> Outcome:
         if stored.fingerprint == TOMBSTONE_FINGERPRINT:
             raise RequestClosed(key=stored.key, status=json.loads(stored.outcome).get("status", "closed"))
         if stored.fingerprint != print_:
@@ -194,13 +194,13 @@ class InventoryPlans:
         found: Rows = yield sa.select(idempotency_keys).where(idempotency_keys.c.key == key)
         stored = found.first()
         if stored is not None:
-            return self._replay(stored, operation, print_)
+            return self.replay(stored, operation, print_)
         yield sa.insert(idempotency_keys).values(
             key=key, fingerprint=print_, operation=operation, outcome=outcome, created_ms=db_now_ms()
         )
         return None
 
-    def _rejection(
+    def rejection(
         self,
         stale: StaleToken,
         lease: Lease,
@@ -318,7 +318,7 @@ class InventoryPlans:
             detail=detail,
         )
 
-    def _hold_line(
+    def hold_line(
         self,
         lease: Lease,
         sku: str,
@@ -437,7 +437,7 @@ class InventoryPlans:
             operation,
             fingerprint(operation, sku=sku, delta=delta, reason=reason),
             apply,
-            lambda stale: self._rejection(stale, lease, sku, operation, key, delta),
+            lambda stale: self.rejection(stale, lease, sku, operation, key, delta),
             self._lock_skus(sku),
         )
 
@@ -451,7 +451,7 @@ class InventoryPlans:
         hold_ms = None if hold is None else max(1, round(hold * 1000))
 
         def apply() -> Plan[Outcome]:
-            reservation_id, level = yield from self._hold_line(
+            reservation_id, level = yield from self.hold_line(
                 lease,
                 sku,
                 quantity,
@@ -475,7 +475,7 @@ class InventoryPlans:
             "reserve",
             fingerprint("reserve", sku=sku, quantity=quantity, hold_ms=hold_ms),
             apply,
-            lambda stale: self._rejection(stale, lease, sku, "reserve", key, quantity),
+            lambda stale: self.rejection(stale, lease, sku, "reserve", key, quantity),
             self._lock_skus(sku),
         )
 
@@ -498,7 +498,7 @@ class InventoryPlans:
         def apply() -> Plan[Outcome]:
             ids, levels = [], []
             for sku, quantity in order:
-                reservation_id, level = yield from self._hold_line(
+                reservation_id, level = yield from self.hold_line(
                     leases[sku],
                     sku,
                     quantity,
@@ -522,7 +522,7 @@ class InventoryPlans:
         def on_stale(stale: StaleToken) -> sa.Executable:
             sku = stale.scope.removeprefix("sku:")
             quantity = dict(order).get(sku)
-            return self._rejection(stale, leases[sku], sku, "reserve_many", key, quantity)
+            return self.rejection(stale, leases[sku], sku, "reserve_many", key, quantity)
 
         return self._idempotent(
             key,
@@ -591,7 +591,7 @@ class InventoryPlans:
             operation,
             fingerprint(operation, reservation_id=reservation_id),
             apply,
-            lambda stale: self._rejection(
+            lambda stale: self.rejection(
                 stale, lease, sku_box[-1] if sku_box else "?", operation, key, None, reservation_id
             ),
             self._lock_reservation_sku(reservation_id),
@@ -655,7 +655,7 @@ class InventoryPlans:
                 quantity=total,
             )
 
-        on_stale = lambda stale: self._rejection(stale, lease, sku, "expire", key, None)  # noqa: E731
+        on_stale = lambda stale: self.rejection(stale, lease, sku, "expire", key, None)  # noqa: E731
         lock = self._lock_skus(sku)
         if key is None:
             return self._unkeyed(apply, on_stale, lock)
@@ -675,5 +675,5 @@ class InventoryPlans:
             outcome: Outcome = yield Atomic(locked())
             return outcome
         except StaleToken as stale:
-            yield Atomic(self._one(on_stale(stale)))
+            yield Atomic(self.one(on_stale(stale)))
             raise

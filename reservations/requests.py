@@ -79,7 +79,7 @@ class Attempt:
     at: float
 
 
-def _result(row: Any) -> RequestResult:
+def result_of(row: Any) -> RequestResult:
     return RequestResult(
         key=row.key,
         operation=row.operation,
@@ -97,7 +97,7 @@ def request_outcome(key: str) -> Plan[RequestResult | None]:
         request_outcomes.c.key == valid.idempotency_key(key)
     )
     row = found.first()
-    return None if row is None else _result(row)
+    return None if row is None else result_of(row)
 
 
 # Outcomes that end a request without any stock change. Recording one also closes the key for good: a
@@ -115,7 +115,7 @@ def _insert_outcome(values: dict[str, Any]) -> Plan[RequestResult]:
     found: Rows = yield sa.select(request_outcomes).where(request_outcomes.c.key == values["key"])
     row = found.first()
     if row is not None:
-        return _result(row)
+        return result_of(row)
     if values["status"] in NO_EFFECT:
         applied: Rows = yield sa.select(idempotency_keys.c.outcome).where(
             idempotency_keys.c.key == values["key"]
@@ -133,7 +133,7 @@ def _insert_outcome(values: dict[str, Any]) -> Plan[RequestResult]:
             )
     yield sa.insert(request_outcomes).values(at_ms=db_now_ms(), **values)
     stored: Rows = yield sa.select(request_outcomes).where(request_outcomes.c.key == values["key"])
-    return _result(stored.rows[0])
+    return result_of(stored.rows[0])
 
 
 def record_outcome(

@@ -51,6 +51,18 @@ class Outcome:
     def reservation_id(self) -> str | None:
         return self.reservation_ids[0] if self.reservation_ids else None
 
+    def summary(self) -> dict[str, Any]:
+        """The part of the outcome a request's final outcome carries (JSON-ready)."""
+        return {
+            "reservation_ids": list(self.reservation_ids),
+            "token": self.token,
+            "quantity": self.quantity,
+            "stock": [
+                {"sku": s.sku, "on_hand": s.on_hand, "reserved": s.reserved, "available": s.available}
+                for s in self.stock
+            ],
+        }
+
     def to_json(self) -> str:
         data = asdict(self)
         data.pop("replayed")

@@ -1,0 +1,275 @@
+"""Batched reservations of a hot SKU: a request that finds the SKU's lease busy waits in a pending list,
+and whoever holds that lease serves the list oldest first, each batch one fenced transaction under its
+token that also writes every served request's final outcome and removes it from the list.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.exc import IntegrityError
+
+from fencing import Lease, StaleToken
+from fencing.plan import Atomic, Plan
+from fencing.sql import Rows, db_now_ms
+from reservations import validation as valid
+from reservations.errors import (
+    IdempotencyConflict,
+    InsufficientStock,
+    InvalidRequest,
+    RequestClosed,
+    UnknownSku,
+)
+from reservations.models import (
+    idempotency_keys,
+    pending_reservations,
+    request_outcomes,
+    stock,
+    task_attempts,
+)
+from reservations.operations import InventoryPlans, fingerprint
+from reservations.requests import TOMBSTONE_FINGERPRINT, RequestResult, result_of
+from reservations.views import Outcome
+
+MAX_BATCH = 1000
+
+
+def hold_ms_of(hold_for: float | None) -> int | None:
+    hold = valid.hold_seconds(hold_for)
+    return None if hold is None else max(1, round(hold * 1000))
+
+
+def hand_off(
+    sku: str,
+    quantity: int,
+    key: str,
+    hold_for: float | None = None,
+    *,
+    task_id: str | None = None,
+    epochs: int = 0,
+) -> Plan[RequestResult | None]:
+    """Put a reservation on its SKU's pending list; its final outcome if it already has one, else None.
+
+    A copy of a request already on the list (a redelivery) is not added twice: the key names one request.
+    """
+    values = {
+        "key": valid.idempotency_key(key),
+        "sku": valid.sku(sku),
+        "quantity": valid.quantity(quantity),
+        "hold_ms": hold_ms_of(hold_for),
+        "task_id": task_id,
+        "epochs": epochs,
+    }
+    for _ in range(3):
+        try:
+            done: RequestResult | None = yield Atomic(_hand_off(values))
+            return done
+        except IntegrityError:  # the same key was added concurrently: look again
+            continue
+    raise RuntimeError(f"could not hand off {key!r}")  # pragma: no cover
+
+
+def _hand_off(values: dict[str, Any]) -> Plan[RequestResult | None]:
+    found: Rows = yield sa.select(request_outcomes).where(request_outcomes.c.key == values["key"])
+    row = found.first()
+    if row is not None:
+        return result_of(row)
+    waiting: Rows = yield sa.select(pending_reservations.c.id).where(
+        pending_reservations.c.key == values["key"]
+    )
+    if waiting.first() is None:
+        yield sa.insert(pending_reservations).values(enqueued_ms=db_now_ms(), **values)
+    return None
+
+
+def has_pending(sku: str) -> Plan[bool]:
+    found: Rows = yield (
+        sa.select(pending_reservations.c.id).where(pending_reservations.c.sku == valid.sku(sku)).limit(1)
+    )
+    return found.first() is not None
+
+
+def pending_count(sku: str | None = None) -> Plan[int]:
+    query = sa.select(sa.func.count()).select_from(pending_reservations)
+    if sku is not None:
+        query = query.where(pending_reservations.c.sku == valid.sku(sku))
+    found: Rows = yield query
+    return int(found.rows[0][0])
+
+
+def serve(
+    plans: InventoryPlans,
+    lease: Lease,
+    sku: str,
+    *,
+    limit: int,
+    task_id: str | None = None,
+    worker: str | None = None,
+) -> Plan[list[RequestResult]]:
+    """Serve up to ``limit`` of the SKU's pending reservations in one fenced transaction.
+
+    Returns the final outcomes written (empty: nothing was pending). A stale token rolls the whole batch
+    back, is recorded in the SKU's history, and raises: the requests stay pending for the next holder.
+    """
+    valid.sku(sku)
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_BATCH:
+        raise InvalidRequest(f"batch limit must be between 1 and {MAX_BATCH}", field="limit")
+    if valid.scope_of(sku) != lease.scope:
+        raise InvalidRequest(f"the lease is for {lease.scope}, not SKU {sku!r}", field="lease")
+    lease.raise_if_lost()
+    for _ in range(3):
+        try:
+            served: list[RequestResult] = yield Atomic(_batch(plans, lease, sku, limit, task_id, worker))
+            return served
+        except StaleToken as stale:
+            yield Atomic(plans.one(plans.rejection(stale, lease, sku, "reserve", None, None)))
+            raise
+        except IntegrityError:
+            # A request of this batch got its outcome elsewhere meanwhile (its own retry dead-lettered
+            # it): the next round sees that and only removes it from the list.
+            continue
+    raise RuntimeError(f"the pending reservations of {sku!r} kept colliding")  # pragma: no cover
+
+
+def _batch(
+    plans: InventoryPlans, lease: Lease, sku: str, limit: int, task_id: str | None, worker: str | None
+) -> Plan[list[RequestResult]]:
+    # The stock row first, as every operation on the SKU does: batches and single requests queue here.
+    locked: Rows = yield sa.select(stock.c.sku).where(stock.c.sku == sku).with_for_update()
+    known = locked.first() is not None
+    found: Rows = yield (
+        sa.select(pending_reservations)
+        .where(pending_reservations.c.sku == sku)
+        .order_by(pending_reservations.c.id)
+        .limit(limit)
+    )
+    waiting = found.rows
+    if not waiting:
+        return []
+    keys = [r.key for r in waiting]
+    ended: Rows = yield sa.select(request_outcomes.c.key).where(request_outcomes.c.key.in_(keys))
+    done = {r.key for r in ended.rows}
+    stored_rows: Rows = yield sa.select(idempotency_keys).where(idempotency_keys.c.key.in_(keys))
+    stored = {r.key: r for r in stored_rows.rows}
+
+    now = db_now_ms()
+    records: list[dict[str, Any]] = []
+    outcomes: list[dict[str, Any]] = []
+    attempts: list[dict[str, Any]] = []
+    serving = sum(1 for r in waiting if r.key not in done)
+    for request in waiting:
+        if request.key in done:
+            continue
+        status, detail, attempt = yield from _serve_one(plans, lease, request, known, stored, records, now)
+        detail["served_by"] = task_id
+        outcomes.append(
+            {
+                "key": request.key,
+                "operation": "reserve",
+                "status": status,
+                "detail": json.dumps(detail, sort_keys=True),
+                "task_id": request.task_id,
+                "worker": worker,
+                "epochs": request.epochs,
+                "at_ms": now,
+            }
+        )
+        attempts.append(
+            {
+                "key": request.key,
+                "operation": "reserve",
+                "result": attempt,
+                "task_id": task_id,
+                "worker": worker,
+                "token": lease.token,
+                "detail": f"served in a batch of {serving} for task {request.task_id}",
+                "at_ms": now,
+            }
+        )
+    if records:
+        yield sa.insert(idempotency_keys).values(records)
+    if outcomes:
+        yield sa.insert(request_outcomes).values(outcomes)
+        yield sa.insert(task_attempts).values(attempts)
+    yield sa.delete(pending_reservations).where(pending_reservations.c.key.in_(keys))
+    written: Rows = yield sa.select(request_outcomes).where(
+        request_outcomes.c.key.in_([o["key"] for o in outcomes])
+    )
+    return [result_of(r) for r in written.rows]
+
+
+def _serve_one(
+    plans: InventoryPlans,
+    lease: Lease,
+    request: Any,
+    known: bool,
+    stored: dict[str, Any],
+    records: list[dict[str, Any]],
+    now: Any,
+) -> Plan[tuple[str, dict[str, Any], str]]:
+    """One request of a batch: (final status, detail, attempt result). Records it adds go to ``records``."""
+    sku, key, quantity = request.sku, request.key, request.quantity
+    print_ = fingerprint("reserve", sku=sku, quantity=quantity, hold_ms=request.hold_ms)
+    try:
+        if not known:
+            raise UnknownSku(sku)
+        if key in stored:
+            outcome = plans.replay(stored[key], "reserve", print_)
+            return "reserved", outcome.summary(), "replayed"
+        reservation_id, level = yield from plans.hold_line(
+            lease,
+            sku,
+            quantity,
+            key=key,
+            reservation_key=key,
+            order_key=None,
+            hold_ms=request.hold_ms,
+            operation="reserve",
+        )
+        outcome = Outcome(
+            operation="reserve",
+            key=key,
+            token=lease.token,
+            reservation_ids=(reservation_id,),
+            stock=(level,),
+            quantity=quantity,
+        )
+        records.append(
+            {
+                "key": key,
+                "fingerprint": print_,
+                "operation": "reserve",
+                "outcome": outcome.to_json(),
+                "token": lease.token,
+                "created_ms": now,
+            }
+        )
+        return "reserved", outcome.summary(), "applied"
+    except InsufficientStock as refused:
+        if not getattr(refused, "replayed", False):
+            records.append(
+                {
+                    "key": key,
+                    "fingerprint": print_,
+                    "operation": "reserve",
+                    "outcome": json.dumps({"error": "insufficient_stock", **refused.summary()}),
+                    "token": None,
+                    "created_ms": now,
+                }
+            )
+        return "insufficient_stock", refused.summary(), "insufficient_stock"
+    except (UnknownSku, RequestClosed, IdempotencyConflict) as invalid:
+        if key not in stored:  # close the key, as every request that ends without effect does
+            records.append(
+                {
+                    "key": key,
+                    "fingerprint": TOMBSTONE_FINGERPRINT,
+                    "operation": "reserve",
+                    "outcome": json.dumps({"error": "closed", "status": "invalid"}),
+                    "token": None,
+                    "created_ms": now,
+                }
+            )
+        return "invalid", {"error": type(invalid).__name__, "message": str(invalid)}, "invalid"
