@@ -12,6 +12,7 @@ import logging
 import random
 from collections.abc import Callable
 from contextlib import suppress
+from dataclasses import dataclass
 from typing import Any
 
 from celery import Task
@@ -82,31 +83,38 @@ def _as_result(result: RequestResult) -> dict[str, Any]:
     }
 
 
-def _detail(outcome: Outcome) -> dict[str, Any]:
-    return {
-        "reservation_ids": list(outcome.reservation_ids),
-        "token": outcome.token,
-        "quantity": outcome.quantity,
-        "stock": [
-            {"sku": s.sku, "on_hand": s.on_hand, "reserved": s.reserved, "available": s.available}
-            for s in outcome.stock
-        ],
-    }
-
-
 # Transient failures (Redis or the database unreachable) retry this many times, with their own count.
 MAX_TRANSIENT_RETRIES = 20
-COUNTERS = ("epoch", "busy", "transient")
+COUNTERS = ("epoch", "busy", "transient", "handoff")
+# A task serving a SKU's pending reservations gives up the lease after this many batches and takes it
+# again (a new token) if the list is still not empty, at most this many times; waiting requests check on
+# themselves, so a bound here never strands one.
+BATCHES_PER_LEASE = 50
+SERVE_ROUNDS = 20
+
+
+@dataclass(frozen=True)
+class Batchable:
+    """A single-SKU reservation: what the holder of a busy lease can serve in a batch for its sender."""
+
+    sku: str
+    quantity: int
+    hold_for: float | None
 
 
 def run_request(
-    task: Task, operation: str, key: str, skus: Callable[[Resources], list[str]], apply: Apply
+    task: Task,
+    operation: str,
+    key: str,
+    skus: Callable[[Resources], list[str]],
+    apply: Apply,
+    batch: Batchable | None = None,
 ) -> dict[str, Any]:
     """One attempt at a request; returns its final outcome or raises Celery's Retry.
 
-    Three separate counters travel with the message: ``epoch`` (attempts that lost ownership), ``busy``
-    (lease-busy retries) and ``transient`` (unreachable backend), so one kind of retry never uses up
-    another's budget.
+    Separate counters travel with the message: ``epoch`` (attempts that lost ownership), ``busy``
+    (lease-busy retries), ``transient`` (unreachable backend) and ``handoff`` (checks of a request
+    waiting to be served in a batch), so one kind of retry never uses up another's budget.
     """
     res = resources(settings_of(app))
     sent = dict(task.request.kwargs or {})
@@ -126,7 +134,9 @@ def run_request(
             "epochs": counts["epoch"],
         }
     try:
-        return _attempt(task, res, operation, key, skus, apply, counts, again)
+        if batch is not None and not res.settings.batching:
+            batch = None
+        return _attempt(task, res, operation, key, skus, apply, counts, again, batch)
     except AlreadyApplied:
         # A copy of this request applied it while this one was giving up: look again and report that.
         raise task.retry(kwargs=sent, countdown=0.01) from None
@@ -165,6 +175,7 @@ def _attempt(
     apply: Apply,
     counts: dict[str, int],
     again: Callable[[str, float], Exception],
+    batch: Batchable | None,
 ) -> dict[str, Any]:
     settings = res.settings
     worker = worker_identity()
@@ -190,6 +201,8 @@ def _attempt(
             }
         if done is not None:
             return _as_result(done)
+        if batch is not None and counts["handoff"]:
+            return _wait_for_holder(res, key, batch, counts, again, final, who)
         with res.inventory.hold_many(
             res.leases,
             skus(res),
@@ -204,14 +217,14 @@ def _attempt(
         res.inventory.record_attempt(
             key, operation, "replayed" if outcome.replayed else "applied", token=outcome.token, **who
         )
-        return final(FINAL_STATUS[operation], _detail(outcome))
+        return _then_serve(res, batch, who, final(FINAL_STATUS[operation], outcome.summary()))
     except InsufficientStock as exc:
-        return final(
-            "insufficient_stock", {"sku": exc.sku, "requested": exc.requested, "available": exc.available}
-        )
+        return _then_serve(res, batch, who, final("insufficient_stock", exc.summary()))
     except _INVALID as exc:
         return final("invalid", {"error": type(exc).__name__, "message": str(exc)})
     except LeaseBusy as busy:
+        if batch is not None:
+            return _wait_for_holder(res, key, batch, counts, again, final, who)
         if counts["busy"] >= settings.max_retries:
             return final("dead_lettered", {"reason": "lease busy", "holder": busy.holder})
         raise again("busy", _jitter(busy.retry_after, counts["busy"])) from None
@@ -235,6 +248,90 @@ def _attempt(
         raise again("epoch", _jitter(0.01, epoch)) from None
 
 
+def _wait_for_holder(
+    res: Resources,
+    key: str,
+    batch: Batchable,
+    counts: dict[str, int],
+    again: Callable[[str, float], Exception],
+    final: Callable[[str, dict[str, Any]], dict[str, Any]],
+    who: dict[str, Any],
+) -> dict[str, Any]:
+    """The lease is busy: queue the request for the holder instead of spinning on the lease.
+
+    The task then checks on the request later, sooner first and up to a lease ttl apart. A check that
+    finds the lease free serves the list itself, so a request whose holder died is served by its own
+    retry if no other request of the SKU comes along first.
+    """
+    settings = res.settings
+    done = res.inventory.hand_off(
+        batch.sku,
+        batch.quantity,
+        key=key,
+        hold_for=batch.hold_for,
+        task_id=who["task_id"],
+        epochs=counts["epoch"],
+    )
+    if done is None:
+        serve_pending(res, batch.sku, **who)
+        done = res.inventory.request_outcome(key)
+    if done is not None:
+        return _as_result(done)
+    if counts["handoff"] >= settings.max_retries:
+        return final("dead_lettered", {"reason": "never served while waiting for the lease holder"})
+    check = min(settings.lease_ttl, settings.handoff_check * 2 ** counts["handoff"])
+    raise again("handoff", _rng.uniform(check * 0.8, check))
+
+
+def _then_serve(
+    res: Resources, batch: Batchable | None, who: dict[str, Any], result: dict[str, Any]
+) -> dict[str, Any]:
+    """After a batchable request ran under its own lease: serve whatever queued up meanwhile."""
+    if batch is not None:
+        try:
+            serve_pending(res, batch.sku, **who)
+        except BackendUnavailable as exc:  # this request is done; the waiting ones check on themselves
+            log.warning("could not serve the pending reservations of %s: %s", batch.sku, exc)
+    return result
+
+
+def serve_pending(res: Resources, sku: str, *, task_id: str | None, worker: str) -> int:
+    """Serve the SKU's pending reservations unless its lease is busy; returns how many got an outcome.
+
+    After releasing the lease it looks again: a request may have queued itself after the last batch
+    while still finding the lease held, and then nobody else would serve it until its own check.
+    """
+    settings = res.settings
+    served = 0
+    for _ in range(SERVE_ROUNDS):
+        if not res.inventory.has_pending(sku):
+            break
+        try:
+            with res.leases.hold(
+                valid.scope_of(sku),
+                ttl=settings.lease_ttl,
+                holder=f"{worker}:{task_id}",
+                renew_every=settings.lease_renew_every,
+            ) as lease:
+                for _ in range(BATCHES_PER_LEASE):
+                    failpoint("before_write")
+                    outcomes = res.inventory.serve_pending(
+                        lease, sku, limit=settings.batch_size, task_id=task_id, worker=worker
+                    )
+                    failpoint("after_write")
+                    served += len(outcomes)
+                    if not outcomes:
+                        break
+        except LeaseBusy:
+            break  # its holder looks again after releasing
+        except LostOwnership as lost:
+            # Terminal for this lease: the batch rolled back and its requests stay queued for the next
+            # holder or their own checks.
+            log.warning("lost ownership of %s while serving pending reservations: %s", sku, lost)
+            break
+    return served
+
+
 @app.task(bind=True, max_retries=None, name=task_name("reserve"))
 def reserve(
     self: Task, sku: str, quantity: int, idempotency_key: str, hold_for: float | None = None, **_counts: int
@@ -245,6 +342,7 @@ def reserve(
         idempotency_key,
         lambda _: [valid.sku(sku)],
         lambda inv, leases: inv.reserve(leases[sku], sku, quantity, key=idempotency_key, hold_for=hold_for),
+        Batchable(sku, quantity, hold_for),
     )
 
 

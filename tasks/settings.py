@@ -14,6 +14,11 @@ Variables (prefix ``RESERVATIONS_``), with defaults:
 - VISIBILITY_TIMEOUT: 3600 (seconds before an unacknowledged message is redelivered)
 - EXPIRY_INTERVAL: 30 (seconds between hold-expiry sweeps by celery beat)
 - ENFORCE_FENCE: 1 (0 drops the token condition from stock writes: lease-only, for chaos comparisons only)
+- BATCHING: 1 (a reservation that finds its SKU's lease busy waits for the holder to serve it in a batch;
+  0 retries it through the broker until it gets the lease itself)
+- BATCH_SIZE: 100 (pending reservations served per fenced transaction)
+- HANDOFF_CHECK: 1 (seconds until a waiting reservation first checks on itself; doubles up to the lease
+  ttl, and a check that finds the lease free serves the list itself)
 """
 
 from __future__ import annotations
@@ -58,6 +63,9 @@ class Settings:
     visibility_timeout: float = 3600.0
     expiry_interval: float = 30.0
     enforce_fence: bool = True
+    batching: bool = True
+    batch_size: int = 100
+    handoff_check: float = 1.0
     extra: dict[str, str] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -93,6 +101,9 @@ class Settings:
             visibility_timeout=_number(env, "VISIBILITY_TIMEOUT", defaults.visibility_timeout, 1, 7 * 86400),
             expiry_interval=_number(env, "EXPIRY_INTERVAL", defaults.expiry_interval, 0.1, 86400),
             enforce_fence=bool(_number(env, "ENFORCE_FENCE", 1, 0, 1)),
+            batching=bool(_number(env, "BATCHING", 1, 0, 1)),
+            batch_size=int(_number(env, "BATCH_SIZE", defaults.batch_size, 1, 1000)),
+            handoff_check=_number(env, "HANDOFF_CHECK", defaults.handoff_check, 0.01, 3600),
         )
 
     def with_(self, **changes: object) -> Settings:
@@ -112,4 +123,5 @@ class Settings:
             "lease_ttl": f"{self.lease_ttl:g}s",
             "max_epochs": str(self.max_epochs),
             "visibility_timeout": f"{self.visibility_timeout:g}s",
+            "batching": f"on, {self.batch_size} per batch" if self.batching else "off",
         }

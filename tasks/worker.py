@@ -36,6 +36,15 @@ class Resources:
 _lock = threading.Lock()
 _resources: Resources | None = None
 
+# A thread pool runs many tasks in one process on these clients: let the connection pool grow with it
+# (connections open only when needed) instead of queueing tasks on five connections.
+SQL_POOL: dict[str, Any] = {"pool_size": 5, "max_overflow": 64}
+
+
+def _pool_options(url: str) -> dict[str, Any]:
+    in_memory = url.startswith("sqlite") and (":memory:" in url or url.rstrip("/") == "sqlite:")
+    return {} if url.startswith(("redis", "rediss")) or in_memory else SQL_POOL
+
 
 def worker_identity() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
@@ -57,8 +66,11 @@ def resources(settings: Settings) -> Resources:
                     settings.database_url,
                     enforce_fence=settings.enforce_fence,
                     before_statement=lambda lease: failpoint("in_write"),
+                    **_pool_options(settings.database_url),
                 ),
-                leases=LeaseManager.from_url(settings.lease_url, prefix=settings.lease_prefix),
+                leases=LeaseManager.from_url(
+                    settings.lease_url, prefix=settings.lease_prefix, **_pool_options(settings.lease_url)
+                ),
                 pid=os.getpid(),
             )
         return _resources
