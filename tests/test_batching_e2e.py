@@ -1,0 +1,188 @@
+"""Hot-SKU batching end to end through real Celery workers: requests queued behind a busy lease are served
+in batches by its holder, a request whose holder died is served by its own check, a holder paused while
+serving is fenced off, and every request ends with exactly one outcome that its asyncio handle sees.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from reservations import scope_of
+from reservations.requests import RequestResult
+from tasks import ReservationClient, request_id
+from tests.test_tasks_e2e import FAULT_TIMEOUT, Stack, client_result, identity, stack
+from tests.workers import process_state, redis_server, wait_until
+
+pytestmark = pytest.mark.slow
+
+TTL = 1.0
+OUTCOME_TIMEOUT = 30.0
+
+
+@pytest.fixture(scope="module")
+def hot(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """Two workers, SQL leases with a short ttl, waiting requests checking on themselves every 0.2 s+."""
+    with (
+        redis_server(tmp_path_factory.mktemp("redis")) as server,
+        stack(
+            "hot",
+            tmp_path_factory.mktemp("hot_cluster"),
+            server,
+            0,
+            RESERVATIONS_LEASE_TTL=str(TTL),
+            RESERVATIONS_HANDOFF_CHECK="0.2",
+        ) as running,
+    ):
+        yield running
+
+
+def queued_behind(stack: Stack, sku: str, keys: list[str], quantity: int = 1) -> None:
+    """Enqueue ``keys`` while the test holds the SKU's lease; return once all of them wait for the holder."""
+    for key in keys:
+        stack.client.enqueue_reservation_sync(sku, quantity, idempotency_key=key)
+    try:
+        wait_until(
+            lambda: stack.inventory.pending_count(sku) == len(keys),
+            timeout=OUTCOME_TIMEOUT,
+            what=f"{len(keys)} requests to queue for the holder of {sku}",
+        )
+    except TimeoutError as exc:
+        raise AssertionError(f"{exc}\n{stack.cluster.tails()}") from None
+
+
+def exactly_once(stack: Stack, sku: str, outcomes: dict[str, RequestResult]) -> None:
+    """Each reserved key holds one reservation from one write; the SKU's books and the queue agree."""
+    inv = stack.inventory
+    for key, outcome in outcomes.items():
+        assert inv.request_outcome(key) == outcome
+        assert outcome.task_id == request_id(key)
+        expected = 1 if outcome.status == "reserved" else 0
+        assert len(stack.reservations_of(sku, key)) == expected, key
+        assert stack.writes_of(sku, key) == ["reserve"] * expected, key
+        assert Counter(a.result for a in inv.attempts(key))["applied"] == expected, inv.attempts(key)
+    reserved = sum(1 for o in outcomes.values() if o.status == "reserved")
+    assert inv.stock(sku).reserved == sum(
+        o.detail["quantity"] for o in outcomes.values() if o.status == "reserved"
+    )
+    assert reserved > 0
+    assert inv.pending_count(sku) == 0
+    assert inv.invariant_violations() == []
+
+
+def test_requests_behind_a_dead_holder_are_served_by_their_own_checks(hot: Stack) -> None:
+    sku, inv = "DEAD", hot.inventory
+    inv.add_sku(sku, on_hand=5)
+    keys = [f"dead-{i}" for i in range(8)]
+    # The test is the holder; it queues everything behind itself, then dies without releasing.
+    dead = hot.leases.acquire(scope_of(sku), ttl=30, holder="dead-holder")
+    queued_behind(hot, sku, keys)
+    hot.leases.break_lease(scope_of(sku), reason="the holder died")
+
+    outcomes = {
+        key: wait_until(
+            lambda key=key: inv.request_outcome(key), timeout=OUTCOME_TIMEOUT, what=f"an outcome for {key}"
+        )
+        for key in keys
+    }
+    assert Counter(o.status for o in outcomes.values()) == {"reserved": 5, "insufficient_stock": 3}
+    # The earliest requests got the stock: served oldest first, in batches by one of the waiting tasks.
+    servers = {o.detail["served_by"] for o in outcomes.values()}
+    assert servers <= {request_id(k) for k in keys}, servers
+    assert all(o.detail["token"] > dead.token for o in outcomes.values() if o.status == "reserved")
+    exactly_once(hot, sku, outcomes)
+    # Celery's own result settles too, at the request's next check.
+    for key, outcome in outcomes.items():
+        result = client_result(hot, request_id(key))
+        assert (result["key"], result["status"]) == (key, outcome.status)
+
+
+def test_a_hot_burst_awaited_from_asyncio_gets_one_outcome_each(hot: Stack) -> None:
+    sku, inv = "FLASH", hot.inventory
+    inv.add_sku(sku, on_hand=15)
+    keys = [f"flash-{i}" for i in range(40)]
+
+    async def burst() -> list[RequestResult]:
+        client = ReservationClient(hot.cluster.app())
+        try:
+            handles = await asyncio.gather(
+                *(client.enqueue_reservation(sku, 1, idempotency_key=key) for key in keys)
+            )
+            return list(await asyncio.gather(*(h.result(timeout=OUTCOME_TIMEOUT) for h in handles)))
+        finally:
+            client.close()
+            client.app.close()
+
+    outcomes = dict(zip(keys, asyncio.run(burst()), strict=True))
+    assert Counter(o.status for o in outcomes.values()) == {"reserved": 15, "insufficient_stock": 25}
+    exactly_once(hot, sku, outcomes)
+    batched = sum(1 for o in outcomes.values() if o.detail.get("served_by") not in (None, o.task_id))
+    print(f"\n{batched} of {len(keys)} requests served in a batch by another request's task")
+
+
+def test_a_holder_paused_while_serving_is_fenced_off(hot: Stack) -> None:
+    sku, inv, leases = "PAUSE", hot.inventory, hot.leases
+    inv.add_sku(sku, on_hand=20)
+    keys = [f"pause-{i}" for i in range(6)]
+    mine = leases.acquire(scope_of(sku), ttl=30, holder="test")
+    queued_behind(hot, sku, keys, quantity=2)
+    # The first task to take the lease after us stops itself right before serving its first batch.
+    hot.cluster.arm("before_write")
+    leases.release(mine)
+    stopped = None
+    try:
+        try:
+            _worker, stopped = wait_until(
+                hot.cluster.worker_with_stopped_child, timeout=FAULT_TIMEOUT, what="a server to stop itself"
+            )
+        except TimeoutError as exc:
+            raise AssertionError(f"{exc}\n{hot.cluster.tails()}") from None
+        events = leases.history(scope_of(sku))
+        (paused,) = [
+            e for e in events if e.event == "acquired" and (e.holder or "").startswith(identity(stopped))
+        ]
+        # Its lease runs out; another request's check takes a newer one and serves the whole queue.
+        outcomes = {
+            key: wait_until(
+                lambda key=key: inv.request_outcome(key),
+                timeout=OUTCOME_TIMEOUT,
+                what=f"an outcome for {key}",
+            )
+            for key in keys
+        }
+        assert process_state(stopped) == "T", "the paused server must still be stopped"
+    finally:
+        if stopped is not None:
+            os.kill(stopped, signal.SIGCONT)
+    assert {o.status for o in outcomes.values()} == {"reserved"}
+    assert all(o.detail["token"] > paused.token for o in outcomes.values())
+    # Resumed, the paused server's batch is refused (at the row, or locally once its renewal finds the
+    # lease gone); either way it writes nothing. Wait for its task to finish before checking.
+    for key in keys:
+        assert client_result(hot, request_id(key))["status"] == "reserved"
+    rejected = [h for h in inv.history(sku) if h.kind == "rejected"]
+    assert [(h.token, h.idempotency_key) for h in rejected] in ([], [(paused.token, None)])
+    assert not [r for r in inv.reservations(sku) if r.token == paused.token]
+    exactly_once(hot, sku, outcomes)
+    assert inv.stock(sku).reserved == 12
+
+
+def test_batching_off_still_serves_a_hot_sku_by_retrying(tmp_path: Path) -> None:
+    with (
+        redis_server(tmp_path / "redis") as server,
+        stack("nobatch", tmp_path / "cluster", server, 0, RESERVATIONS_BATCHING="0") as running,
+    ):
+        sku = "NOBATCH"
+        running.inventory.add_sku(sku, on_hand=6)
+        keys = [f"nobatch-{i}" for i in range(10)]
+        handles = [running.client.enqueue_reservation_sync(sku, 1, idempotency_key=k) for k in keys]
+        outcomes = dict(zip(keys, running.results(handles), strict=True))
+        assert Counter(o.status for o in outcomes.values()) == {"reserved": 6, "insufficient_stock": 4}
+        assert all("served_by" not in o.detail for o in outcomes.values())
+        exactly_once(running, sku, outcomes)
