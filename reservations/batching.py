@@ -99,6 +99,31 @@ def pending_count(sku: str | None = None) -> Plan[int]:
     return int(found.rows[0][0])
 
 
+def waiting_by_sku() -> Plan[dict[str, int]]:
+    """How many requests wait for each SKU's lease holder (SKUs with none are left out)."""
+    found: Rows = yield (
+        sa.select(pending_reservations.c.sku, sa.func.count())
+        .group_by(pending_reservations.c.sku)
+        .order_by(pending_reservations.c.sku)
+    )
+    return {r[0]: int(r[1]) for r in found.rows}
+
+
+def drop_ended() -> Plan[int]:
+    """Remove queued requests that ended elsewhere (their own check dead-lettered them) and whose SKU saw
+    no batch since: the next batch would remove them too, but a SKU may never get another request."""
+    gone: Rows = yield Atomic(_drop_ended())
+    return len(gone.rows)
+
+
+def _drop_ended() -> Plan[Rows]:
+    ended = sa.select(request_outcomes.c.key).where(request_outcomes.c.key == pending_reservations.c.key)
+    gone: Rows = yield (
+        sa.delete(pending_reservations).where(sa.exists(ended)).returning(pending_reservations.c.key)
+    )
+    return gone
+
+
 def serve(
     plans: InventoryPlans,
     lease: Lease,

@@ -283,23 +283,30 @@ def leases_command(sku: Annotated[str | None, typer.Argument()] = None, as_json:
 
 @app.command("stock")
 def stock_command(sku: Annotated[str | None, typer.Argument()] = None, as_json: JsonFlag = False) -> None:
-    """On hand, reserved, available and the highest accepted token, of one SKU or all.
+    """On hand, reserved, available, the highest accepted token and the requests waiting for the SKU's
+    lease holder to serve them in a batch, of one SKU or all.
 
-    JSON: [{"sku", "on_hand", "reserved", "available", "fence_token"}]
+    JSON: [{"sku", "on_hand", "reserved", "available", "fence_token", "waiting"}]
 
     Example: reservations stock --json
     """
     with _errors(), _inventory() as inventory:
         levels = [inventory.stock(sku)] if sku else inventory.all_stock()
+        waiting = inventory.waiting_by_sku()
     if as_json:
-        _emit_json([asdict(level) for level in levels])
+        _emit_json([{**asdict(level), "waiting": waiting.get(level.sku, 0)} for level in levels])
         return
     table = Table(title="Stock", title_justify="left")
-    for column in ("sku", "on hand", "reserved", "available", "token"):
+    for column in ("sku", "on hand", "reserved", "available", "token", "waiting"):
         table.add_column(column, justify="left" if column == "sku" else "right")
     for level in levels:
         table.add_row(
-            level.sku, str(level.on_hand), str(level.reserved), str(level.available), str(level.fence_token)
+            level.sku,
+            str(level.on_hand),
+            str(level.reserved),
+            str(level.available),
+            str(level.fence_token),
+            str(waiting.get(level.sku, 0)),
         )
     out.print(table)
 

@@ -182,6 +182,12 @@ class Inventory:
     def pending_count(self, sku: str | None = None) -> int:
         return self._run(batching.pending_count(sku))  # type: ignore[no-any-return]
 
+    def waiting_by_sku(self) -> dict[str, int]:
+        return self._run(batching.waiting_by_sku())  # type: ignore[no-any-return]
+
+    def purge_ended_waits(self) -> int:
+        return self._run(batching.drop_ended())  # type: ignore[no-any-return]
+
     def serve_pending(
         self,
         lease: Lease,

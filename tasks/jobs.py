@@ -417,11 +417,13 @@ def expire_holds() -> dict[str, int]:
 @app.task(name=task_name("purge"))
 def purge() -> dict[str, int]:
     """Beat: apply the retention of idempotency records (keep it far above the redelivery horizon) and of
-    SQL lease events; Redis lease streams are capped instead."""
+    SQL lease events, and drop queued requests that ended elsewhere; Redis lease streams are capped
+    instead."""
     res = resources(settings_of(app))
     return {
         "idempotency_records": res.inventory.purge_idempotency(),
         "request_outcomes": res.inventory.purge_requests(),
+        "ended_waits": res.inventory.purge_ended_waits(),
         "lease_events": res.leases.purge_history(),
     }
 

@@ -273,3 +273,21 @@ async def test_async_inventory_hands_off_and_serves(inventory_url: str, leases: 
         served = await inventory.serve_pending(lease_for(leases, "ASYNC"), "ASYNC", limit=10)
         assert [r.status for r in served] == ["reserved"]
         assert (await inventory.stock("ASYNC")).available == 1
+
+
+def test_waiting_counts_and_the_purge_of_ended_waits(
+    inventory: Inventory, leases: LeaseManager, hot: str
+) -> None:
+    inventory.add_sku("COLD", on_hand=1)
+    for i in range(3):
+        inventory.hand_off(hot, 1, key=f"w-{i}")
+    inventory.hand_off("COLD", 1, key="cold-0")
+    assert inventory.waiting_by_sku() == {"COLD": 1, hot: 3}
+    # A waiting request that ended on its own (dead-lettered by its check) is dropped by the purge;
+    # the others keep waiting.
+    inventory.record_outcome("cold-0", "reserve", "dead_lettered", {"reason": "test"})
+    assert inventory.purge_ended_waits() == 1
+    assert inventory.waiting_by_sku() == {hot: 3}
+    assert inventory.purge_ended_waits() == 0
+    inventory.serve_pending(lease_for(leases, hot), hot, limit=10)
+    assert inventory.waiting_by_sku() == {}

@@ -94,7 +94,14 @@ def test_human_output_fits_80_columns(race: dict[str, Any]) -> None:
 def test_stock_rejections_and_show(race: dict[str, Any]) -> None:
     stock = json.loads(cli("stock", "--json", env=race["env"]).stdout)
     assert stock == [
-        {"sku": "WIDGET", "on_hand": 10, "reserved": 2, "available": 8, "fence_token": race["b"]}
+        {
+            "sku": "WIDGET",
+            "on_hand": 10,
+            "reserved": 2,
+            "available": 8,
+            "fence_token": race["b"],
+            "waiting": 0,
+        }
     ]
     rejections = json.loads(cli("rejections", "--sku", "WIDGET", "--json", env=race["env"]).stdout)
     assert rejections["counts"] == {"WIDGET": 1}
