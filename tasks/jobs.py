@@ -272,8 +272,8 @@ def _wait_for_holder(
         task_id=who["task_id"],
         epochs=counts["epoch"],
     )
-    if done is None:
-        serve_pending(res, batch.sku, **who)
+    # Served nothing: the lease is busy, and its holder serves this request or its check finds out.
+    if done is None and serve_pending(res, batch.sku, known_waiting=True, **who):
         done = res.inventory.request_outcome(key)
     if done is not None:
         return _as_result(done)
@@ -290,21 +290,24 @@ def _then_serve(
     if batch is not None:
         try:
             serve_pending(res, batch.sku, **who)
-        except BackendUnavailable as exc:  # this request is done; the waiting ones check on themselves
-            log.warning("could not serve the pending reservations of %s: %s", batch.sku, exc)
+        except Exception:  # this request is done whatever happens here; the waiting ones check on themselves
+            log.exception("could not serve the pending reservations of %s", batch.sku)
     return result
 
 
-def serve_pending(res: Resources, sku: str, *, task_id: str | None, worker: str) -> int:
+def serve_pending(
+    res: Resources, sku: str, *, task_id: str | None, worker: str, known_waiting: bool = False
+) -> int:
     """Serve the SKU's pending reservations unless its lease is busy; returns how many got an outcome.
 
     After releasing the lease it looks again: a request may have queued itself after the last batch
     while still finding the lease held, and then nobody else would serve it until its own check.
+    ``known_waiting`` skips the first look (the caller has just queued a request).
     """
     settings = res.settings
     served = 0
-    for _ in range(SERVE_ROUNDS):
-        if not res.inventory.has_pending(sku):
+    for round_ in range(SERVE_ROUNDS):
+        if not (known_waiting and round_ == 0) and not res.inventory.has_pending(sku):
             break
         try:
             with res.leases.hold(

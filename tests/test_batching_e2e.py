@@ -57,6 +57,13 @@ def queued_behind(stack: Stack, sku: str, keys: list[str], quantity: int = 1) ->
         raise AssertionError(f"{exc}\n{stack.cluster.tails()}") from None
 
 
+def outcome_of(stack: Stack, key: str) -> RequestResult:
+    def found() -> RequestResult | None:
+        return stack.inventory.request_outcome(key)
+
+    return wait_until(found, timeout=OUTCOME_TIMEOUT, what=f"an outcome for {key}")
+
+
 def exactly_once(stack: Stack, sku: str, outcomes: dict[str, RequestResult]) -> None:
     """Each reserved key holds one reservation from one write; the SKU's books and the queue agree."""
     inv = stack.inventory
@@ -80,19 +87,15 @@ def test_requests_behind_a_dead_holder_are_served_by_their_own_checks(hot: Stack
     sku, inv = "DEAD", hot.inventory
     inv.add_sku(sku, on_hand=5)
     keys = [f"dead-{i}" for i in range(8)]
-    # The test is the holder; it queues everything behind itself, then dies without releasing.
+    # The test is the holder; everything queues behind it, then its lease ends without it ever serving
+    # (as when a dead holder's lease runs out) and without any new request of the SKU arriving.
     dead = hot.leases.acquire(scope_of(sku), ttl=30, holder="dead-holder")
     queued_behind(hot, sku, keys)
     hot.leases.break_lease(scope_of(sku), reason="the holder died")
 
-    outcomes = {
-        key: wait_until(
-            lambda key=key: inv.request_outcome(key), timeout=OUTCOME_TIMEOUT, what=f"an outcome for {key}"
-        )
-        for key in keys
-    }
+    outcomes = {key: outcome_of(hot, key) for key in keys}
     assert Counter(o.status for o in outcomes.values()) == {"reserved": 5, "insufficient_stock": 3}
-    # The earliest requests got the stock: served oldest first, in batches by one of the waiting tasks.
+    # Served in batches by the waiting requests' own checks.
     servers = {o.detail["served_by"] for o in outcomes.values()}
     assert servers <= {request_id(k) for k in keys}, servers
     assert all(o.detail["token"] > dead.token for o in outcomes.values() if o.status == "reserved")
@@ -147,30 +150,36 @@ def test_a_holder_paused_while_serving_is_fenced_off(hot: Stack) -> None:
         (paused,) = [
             e for e in events if e.event == "acquired" and (e.holder or "").startswith(identity(stopped))
         ]
-        # Its lease runs out; another request's check takes a newer one and serves the whole queue.
-        outcomes = {
-            key: wait_until(
-                lambda key=key: inv.request_outcome(key),
-                timeout=OUTCOME_TIMEOUT,
-                what=f"an outcome for {key}",
-            )
-            for key in keys
-        }
-        assert process_state(stopped) == "T", "the paused server must still be stopped"
+        wait_until(
+            lambda: leases.current(scope_of(sku)) is None, timeout=FAULT_TIMEOUT, what="its lease to expire"
+        )
+        # A newer holder (the test) serves the queue, and more requests queue up behind the paused one.
+        with leases.hold(scope_of(sku), ttl=30, holder="newer") as newer:
+            served = inv.serve_pending(newer, sku, limit=100)
+            later = [f"pause-late-{i}" for i in range(3)]
+            for key in later:
+                inv.hand_off(sku, 1, key=key, task_id=request_id(key))
+        assert sorted(r.key for r in served) == keys
+        assert process_state(stopped) == "T", "the server must still be stopped"
     finally:
         if stopped is not None:
             os.kill(stopped, signal.SIGCONT)
-    assert {o.status for o in outcomes.values()} == {"reserved"}
-    assert all(o.detail["token"] > paused.token for o in outcomes.values())
-    # Resumed, the paused server's batch is refused (at the row, or locally once its renewal finds the
-    # lease gone); either way it writes nothing. Wait for its task to finish before checking.
+    # Resumed, the paused server's batch is refused whole (at the row, or locally once its renewal finds
+    # the lease gone) and it stops serving; its own request already has the outcome the newer holder wrote.
     for key in keys:
         assert client_result(hot, request_id(key))["status"] == "reserved"
     rejected = [h for h in inv.history(sku) if h.kind == "rejected"]
     assert [(h.token, h.idempotency_key) for h in rejected] in ([], [(paused.token, None)])
     assert not [r for r in inv.reservations(sku) if r.token == paused.token]
-    exactly_once(hot, sku, outcomes)
-    assert inv.stock(sku).reserved == 12
+    assert all(inv.request_outcome(key) is None for key in later)  # nothing written under the old token
+    assert inv.pending_count(sku) == len(later)
+    # The late requests' own tasks (same keys) serve them under a fresh lease.
+    handles = [hot.client.enqueue_reservation_sync(sku, 1, idempotency_key=key) for key in later]
+    outcomes = {key: inv.request_outcome(key) for key in keys}
+    outcomes.update(zip(later, hot.results(handles), strict=True))
+    assert {o.status for o in outcomes.values() if o is not None} == {"reserved"}
+    exactly_once(hot, sku, {k: o for k, o in outcomes.items() if o is not None})
+    assert inv.stock(sku).reserved == 2 * len(keys) + len(later)
 
 
 def test_batching_off_still_serves_a_hot_sku_by_retrying(tmp_path: Path) -> None:
