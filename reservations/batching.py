@@ -109,6 +109,25 @@ def waiting_by_sku() -> Plan[dict[str, int]]:
     return {r[0]: int(r[1]) for r in found.rows}
 
 
+def skus_waiting(older_than: float) -> Plan[list[str]]:
+    """SKUs with a request waiting longer than ``older_than`` seconds (database clock), oldest first."""
+    if (
+        isinstance(older_than, bool)
+        or not isinstance(older_than, int | float)
+        or not 0 <= older_than <= 86400
+    ):
+        raise InvalidRequest("older_than must be between 0 and 86400 seconds", field="older_than")
+    oldest = sa.func.min(pending_reservations.c.enqueued_ms)
+    found: Rows = yield (
+        sa.select(pending_reservations.c.sku)
+        .group_by(pending_reservations.c.sku)
+        .having(oldest <= db_now_ms() - round(older_than * 1000))
+        .order_by(oldest)
+        .limit(1000)
+    )
+    return [r[0] for r in found.rows]
+
+
 def drop_ended() -> Plan[int]:
     """Remove queued requests that ended elsewhere (their own check dead-lettered them) and whose SKU saw
     no batch since: the next batch would remove them too, but a SKU may never get another request."""

@@ -185,6 +185,10 @@ class Inventory:
     def waiting_by_sku(self) -> dict[str, int]:
         return self._run(batching.waiting_by_sku())  # type: ignore[no-any-return]
 
+    def skus_waiting(self, *, older_than: float) -> list[str]:
+        """SKUs with a request waiting for its holder longer than ``older_than`` seconds."""
+        return self._run(batching.skus_waiting(older_than))  # type: ignore[no-any-return]
+
     def purge_ended_waits(self) -> int:
         return self._run(batching.drop_ended())  # type: ignore[no-any-return]
 

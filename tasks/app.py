@@ -46,6 +46,12 @@ def configure(app: Celery, settings: Settings) -> None:
                 "task": "reservations.expire_holds",
                 "schedule": settings.expiry_interval,
             },
+            # A safety net for hot-SKU batching: queued requests whose own checks are stuck in a frozen
+            # worker still get served within a sweep.
+            "serve-waiting-requests": {
+                "task": "reservations.serve_waiting",
+                "schedule": settings.expiry_interval,
+            },
             # Retention: idempotency records and SQL lease events older than their retention go.
             "purge-old-records": {"task": "reservations.purge", "schedule": 3600.0},
         },

@@ -417,6 +417,20 @@ def expire_holds() -> dict[str, int]:
     return {"expired": expired, "skipped": busy}
 
 
+@app.task(bind=True, name=task_name("serve_waiting"))
+def serve_waiting(self: Task) -> dict[str, int]:
+    """Beat: serve SKUs whose requests have waited longer than a lease ttl. Their holder and their own
+    checks normally serve them within a ttl; a check can be stuck in a frozen worker's prefetch."""
+    res = resources(settings_of(app))
+    served, skus = 0, 0
+    for sku in res.inventory.skus_waiting(older_than=res.settings.lease_ttl):
+        skus += 1
+        served += serve_pending(
+            res, sku, task_id=self.request.id, worker=worker_identity(), known_waiting=True
+        )
+    return {"skus": skus, "served": served}
+
+
 @app.task(name=task_name("purge"))
 def purge() -> dict[str, int]:
     """Beat: apply the retention of idempotency records (keep it far above the redelivery horizon) and of

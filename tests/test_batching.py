@@ -291,3 +291,15 @@ def test_waiting_counts_and_the_purge_of_ended_waits(
     assert inventory.purge_ended_waits() == 0
     inventory.serve_pending(lease_for(leases, hot), hot, limit=10)
     assert inventory.waiting_by_sku() == {}
+
+
+def test_skus_waiting_lists_only_requests_older_than_asked(
+    inventory: Inventory, leases: LeaseManager, hot: str
+) -> None:
+    inventory.hand_off(hot, 1, key="old-enough")
+    assert inventory.skus_waiting(older_than=0) == [hot]
+    assert inventory.skus_waiting(older_than=3600) == []
+    with pytest.raises(InvalidRequest):
+        inventory.skus_waiting(older_than=-1)
+    inventory.serve_pending(lease_for(leases, hot), hot, limit=10)
+    assert inventory.skus_waiting(older_than=0) == []

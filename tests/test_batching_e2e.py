@@ -182,6 +182,27 @@ def test_a_holder_paused_while_serving_is_fenced_off(hot: Stack) -> None:
     assert inv.stock(sku).reserved == 2 * len(keys) + len(later)
 
 
+def test_the_sweep_serves_requests_nobody_else_would(hot: Stack) -> None:
+    """Requests queued with no task of their own to check on them (as when their checks sit in a frozen
+    worker) are served by the beat sweep once they waited longer than a lease ttl."""
+    sku, inv = "SWEPT", hot.inventory
+    inv.add_sku(sku, on_hand=3)
+    keys = [f"swept-{i}" for i in range(4)]
+    for key in keys:
+        inv.hand_off(sku, 1, key=key, task_id=request_id(key))
+
+    def swept() -> bool:
+        if not inv.skus_waiting(older_than=0):
+            return True
+        hot.client.app.send_task("reservations.serve_waiting").get(timeout=OUTCOME_TIMEOUT)
+        return not inv.skus_waiting(older_than=0)
+
+    wait_until(swept, timeout=OUTCOME_TIMEOUT, what="the sweep to serve the queue", interval=TTL / 2)
+    outcomes = {key: outcome_of(hot, key) for key in keys}
+    assert Counter(o.status for o in outcomes.values()) == {"reserved": 3, "insufficient_stock": 1}
+    exactly_once(hot, sku, outcomes)
+
+
 def test_batching_off_still_serves_a_hot_sku_by_retrying(tmp_path: Path) -> None:
     with (
         redis_server(tmp_path / "redis") as server,
