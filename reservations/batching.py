@@ -29,16 +29,10 @@ from reservations.models import (
     stock,
     task_attempts,
 )
-from reservations.operations import InventoryPlans, fingerprint
+from reservations.operations import InventoryPlans, fingerprint, hold_ms_of
 from reservations.requests import TOMBSTONE_FINGERPRINT, RequestResult, result_of
-from reservations.views import Outcome
 
 MAX_BATCH = 1000
-
-
-def hold_ms_of(hold_for: float | None) -> int | None:
-    hold = valid.hold_seconds(hold_for)
-    return None if hold is None else max(1, round(hold * 1000))
 
 
 def hand_off(
@@ -262,24 +256,7 @@ def _serve_one(
         if key in stored:
             outcome = plans.replay(stored[key], "reserve", print_)
             return "reserved", outcome.summary(), "replayed"
-        reservation_id, level = yield from plans.hold_line(
-            lease,
-            sku,
-            quantity,
-            key=key,
-            reservation_key=key,
-            order_key=None,
-            hold_ms=request.hold_ms,
-            operation="reserve",
-        )
-        outcome = Outcome(
-            operation="reserve",
-            key=key,
-            token=lease.token,
-            reservation_ids=(reservation_id,),
-            stock=(level,),
-            quantity=quantity,
-        )
+        outcome = yield from plans.hold_one(lease, sku, quantity, key, request.hold_ms)
         records.append(
             {
                 "key": key,

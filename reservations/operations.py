@@ -51,6 +51,12 @@ def fingerprint(operation: str, **request: Any) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
+def hold_ms_of(hold_for: float | None) -> int | None:
+    """A validated hold in whole milliseconds (at least 1), or None for a hold without expiry."""
+    hold = valid.hold_seconds(hold_for)
+    return None if hold is None else max(1, round(hold * 1000))
+
+
 def new_reservation_id() -> str:
     return f"r_{uuid.uuid4().hex}"
 
@@ -359,6 +365,27 @@ class InventoryPlans:
         )
         return reservation_id, level
 
+    def hold_one(self, lease: Lease, sku: str, quantity: int, key: str, hold_ms: int | None) -> Plan[Outcome]:
+        """The body of a single-SKU reservation (alone, or as one request of a batch)."""
+        reservation_id, level = yield from self.hold_line(
+            lease,
+            sku,
+            quantity,
+            key=key,
+            reservation_key=key,
+            order_key=None,
+            hold_ms=hold_ms,
+            operation="reserve",
+        )
+        return Outcome(
+            operation="reserve",
+            key=key,
+            token=lease.token,
+            reservation_ids=(reservation_id,),
+            stock=(level,),
+            quantity=quantity,
+        )
+
     # -- operations --------------------------------------------------------------------------------
 
     def add_sku(self, sku: str, on_hand: int) -> Plan[StockLevel]:
@@ -447,28 +474,10 @@ class InventoryPlans:
         valid.sku(sku)
         valid.quantity(quantity)
         valid.idempotency_key(key)
-        hold = valid.hold_seconds(hold_for)
-        hold_ms = None if hold is None else max(1, round(hold * 1000))
+        hold_ms = hold_ms_of(hold_for)
 
         def apply() -> Plan[Outcome]:
-            reservation_id, level = yield from self.hold_line(
-                lease,
-                sku,
-                quantity,
-                key=key,
-                reservation_key=key,
-                order_key=None,
-                hold_ms=hold_ms,
-                operation="reserve",
-            )
-            return Outcome(
-                operation="reserve",
-                key=key,
-                token=lease.token,
-                reservation_ids=(reservation_id,),
-                stock=(level,),
-                quantity=quantity,
-            )
+            return (yield from self.hold_one(lease, sku, quantity, key, hold_ms))
 
         return self._idempotent(
             key,
@@ -489,8 +498,7 @@ class InventoryPlans:
         """All lines or none. Leases must cover every SKU (take them in :func:`lock_order`)."""
         order = valid.order_lines(lines)
         valid.idempotency_key(key)
-        hold = valid.hold_seconds(hold_for)
-        hold_ms = None if hold is None else max(1, round(hold * 1000))
+        hold_ms = hold_ms_of(hold_for)
         missing = [sku for sku, _ in order if sku not in leases]
         if missing:
             raise InvalidRequest(f"no lease for SKU(s) {', '.join(missing)}", field="leases")
