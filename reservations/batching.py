@@ -6,6 +6,7 @@ token that also writes every served request's final outcome and removes it from 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
@@ -35,6 +36,15 @@ from reservations.requests import TOMBSTONE_FINGERPRINT, RequestResult, result_o
 MAX_BATCH = 1000
 
 
+@dataclass(frozen=True, slots=True)
+class HandOff:
+    """What queueing a request found: its final outcome if it already had one, and whether it was the
+    first request waiting on its SKU (its sender then arranges a later look at the SKU's queue)."""
+
+    outcome: RequestResult | None
+    first: bool
+
+
 def hand_off(
     sku: str,
     quantity: int,
@@ -43,8 +53,8 @@ def hand_off(
     *,
     task_id: str | None = None,
     epochs: int = 0,
-) -> Plan[RequestResult | None]:
-    """Put a reservation on its SKU's pending list; its final outcome if it already has one, else None.
+) -> Plan[HandOff]:
+    """Put a reservation on its SKU's pending list, unless it already ended.
 
     A copy of a request already on the list (a redelivery) is not added twice: the key names one request.
     """
@@ -58,24 +68,26 @@ def hand_off(
     }
     for _ in range(3):
         try:
-            done: RequestResult | None = yield Atomic(_hand_off(values))
-            return done
+            queued: HandOff = yield Atomic(_hand_off(values))
+            return queued
         except IntegrityError:  # the same key was added concurrently: look again
             continue
     raise RuntimeError(f"could not hand off {key!r}")  # pragma: no cover
 
 
-def _hand_off(values: dict[str, Any]) -> Plan[RequestResult | None]:
+def _hand_off(values: dict[str, Any]) -> Plan[HandOff]:
     found: Rows = yield sa.select(request_outcomes).where(request_outcomes.c.key == values["key"])
     row = found.first()
     if row is not None:
-        return result_of(row)
-    waiting: Rows = yield sa.select(pending_reservations.c.id).where(
-        pending_reservations.c.key == values["key"]
+        return HandOff(outcome=result_of(row), first=False)
+    waiting: Rows = yield (
+        sa.select(pending_reservations.c.key).where(pending_reservations.c.sku == values["sku"]).limit(1)
     )
-    if waiting.first() is None:
+    first = waiting.first() is None
+    mine: Rows = yield sa.select(pending_reservations.c.id).where(pending_reservations.c.key == values["key"])
+    if mine.first() is None:
         yield sa.insert(pending_reservations).values(enqueued_ms=db_now_ms(), **values)
-    return None
+    return HandOff(outcome=None, first=first)
 
 
 def has_pending(sku: str) -> Plan[bool]:

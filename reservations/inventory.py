@@ -172,8 +172,8 @@ class Inventory:
         hold_for: float | None = None,
         task_id: str | None = None,
         epochs: int = 0,
-    ) -> RequestResult | None:
-        """Queue a reservation for the SKU's lease holder; its final outcome if it already has one."""
+    ) -> batching.HandOff:
+        """Queue a reservation for the SKU's lease holder (or find the outcome it already has)."""
         return self._run(batching.hand_off(sku, quantity, key, hold_for, task_id=task_id, epochs=epochs))  # type: ignore[no-any-return]
 
     def has_pending(self, sku: str) -> bool:
@@ -361,7 +361,7 @@ class AsyncInventory:
         hold_for: float | None = None,
         task_id: str | None = None,
         epochs: int = 0,
-    ) -> RequestResult | None:
+    ) -> batching.HandOff:
         return await self._run(  # type: ignore[no-any-return]
             batching.hand_off(sku, quantity, key, hold_for, task_id=task_id, epochs=epochs)
         )

@@ -15,8 +15,8 @@ from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
 
-from celery import Task
-from celery.exceptions import Retry
+from celery import Task, states
+from celery.exceptions import Ignore, Retry
 
 from fencing import (
     BackendUnavailable,
@@ -85,7 +85,7 @@ def _as_result(result: RequestResult) -> dict[str, Any]:
 
 # Transient failures (Redis or the database unreachable) retry this many times, with their own count.
 MAX_TRANSIENT_RETRIES = 20
-COUNTERS = ("epoch", "busy", "transient", "handoff")
+COUNTERS = ("epoch", "busy", "transient")
 # A task serving a SKU's pending reservations gives up the lease after this many batches and takes it
 # again (a new token) if the list is still not empty, at most this many times; waiting requests check on
 # themselves, so a bound here never strands one.
@@ -110,11 +110,12 @@ def run_request(
     apply: Apply,
     batch: Batchable | None = None,
 ) -> dict[str, Any]:
-    """One attempt at a request; returns its final outcome or raises Celery's Retry.
+    """One attempt at a request; returns its final outcome, raises Celery's Retry, or (a request queued
+    for its SKU's lease holder) raises Ignore: the server of its batch writes its result.
 
-    Separate counters travel with the message: ``epoch`` (attempts that lost ownership), ``busy``
-    (lease-busy retries), ``transient`` (unreachable backend) and ``handoff`` (checks of a request
-    waiting to be served in a batch), so one kind of retry never uses up another's budget.
+    Three separate counters travel with the message: ``epoch`` (attempts that lost ownership), ``busy``
+    (lease-busy retries) and ``transient`` (unreachable backend), so one kind of retry never uses up
+    another's budget.
     """
     res = resources(settings_of(app))
     sent = dict(task.request.kwargs or {})
@@ -149,7 +150,7 @@ def run_request(
         ceiling = min(30.0, 0.2 * 2 ** counts["transient"])
         raise again("transient", _rng.uniform(ceiling / 2, ceiling)) from None
     except Exception as exc:
-        if isinstance(exc, Retry):
+        if isinstance(exc, Retry | Ignore):
             raise
         # A bug or an unforeseen input must still end the request, or its caller waits forever.
         log.exception("request %s failed unexpectedly", key)
@@ -201,8 +202,6 @@ def _attempt(
             }
         if done is not None:
             return _as_result(done)
-        if batch is not None and counts["handoff"]:
-            return _wait_for_holder(res, key, batch, counts, again, final, who)
         with res.inventory.hold_many(
             res.leases,
             skus(res),
@@ -224,7 +223,7 @@ def _attempt(
         return final("invalid", {"error": type(exc).__name__, "message": str(exc)})
     except LeaseBusy as busy:
         if batch is not None:
-            return _wait_for_holder(res, key, batch, counts, again, final, who)
+            return _wait_for_holder(res, key, batch, counts["epoch"], who)
         if counts["busy"] >= settings.max_retries:
             return final("dead_lettered", {"reason": "lease busy", "holder": busy.holder})
         raise again("busy", _jitter(busy.retry_after, counts["busy"])) from None
@@ -249,38 +248,28 @@ def _attempt(
 
 
 def _wait_for_holder(
-    res: Resources,
-    key: str,
-    batch: Batchable,
-    counts: dict[str, int],
-    again: Callable[[str, float], Exception],
-    final: Callable[[str, dict[str, Any]], dict[str, Any]],
-    who: dict[str, Any],
+    res: Resources, key: str, batch: Batchable, epoch: int, who: dict[str, Any]
 ) -> dict[str, Any]:
     """The lease is busy: queue the request for the holder instead of spinning on the lease.
 
-    The task then checks on the request later, sooner first and up to a lease ttl apart. A check that
-    finds the lease free serves the list itself, so a request whose holder died is served by its own
-    retry if no other request of the SKU comes along first.
+    The task then ends without a result of its own: whoever serves the request writes its outcome row
+    and its Celery result. The first request to wait on the SKU also schedules a watch of the SKU's queue,
+    which serves it once the lease is free if the holder died.
     """
     settings = res.settings
-    done = res.inventory.hand_off(
-        batch.sku,
-        batch.quantity,
-        key=key,
-        hold_for=batch.hold_for,
-        task_id=who["task_id"],
-        epochs=counts["epoch"],
+    queued = res.inventory.hand_off(
+        batch.sku, batch.quantity, key=key, hold_for=batch.hold_for, task_id=who["task_id"], epochs=epoch
     )
-    # Served nothing: the lease is busy, and its holder serves this request or its check finds out.
-    if done is None and serve_pending(res, batch.sku, known_waiting=True, **who):
+    if queued.outcome is not None:
+        return _as_result(queued.outcome)
+    if queued.first:
+        watch_waiting.apply_async(args=[valid.sku(batch.sku)], countdown=settings.handoff_check)
+    # Served nothing: the lease is busy, and its holder looks at the queue again after releasing.
+    if serve_pending(res, batch.sku, known_waiting=True, **who):
         done = res.inventory.request_outcome(key)
-    if done is not None:
-        return _as_result(done)
-    if counts["handoff"] >= settings.max_retries:
-        return final("dead_lettered", {"reason": "never served while waiting for the lease holder"})
-    check = min(settings.lease_ttl, settings.handoff_check * 2 ** counts["handoff"])
-    raise again("handoff", _rng.uniform(check * 0.8, check))
+        if done is not None:
+            return _as_result(done)
+    raise Ignore()
 
 
 def _then_serve(
@@ -293,6 +282,20 @@ def _then_serve(
         except Exception:  # this request is done whatever happens here; the waiting ones check on themselves
             log.exception("could not serve the pending reservations of %s", batch.sku)
     return result
+
+
+def _publish(outcomes: list[RequestResult]) -> None:
+    """Give each served request's own Celery task its result, as if it had run the request itself.
+
+    The outcome rows are already committed and are what callers wait on; a result lost here (the server
+    died in between) leaves only ``AsyncResult`` of that request waiting.
+    """
+    for outcome in outcomes:
+        if outcome.task_id:
+            try:
+                app.backend.store_result(outcome.task_id, _as_result(outcome), states.SUCCESS)
+            except Exception as exc:  # the result backend is a convenience here, never the record
+                log.warning("could not store the Celery result of %s: %s", outcome.key, exc)
 
 
 def serve_pending(
@@ -322,6 +325,7 @@ def serve_pending(
                         lease, sku, limit=settings.batch_size, task_id=task_id, worker=worker
                     )
                     failpoint("after_write")
+                    _publish(outcomes)
                     served += len(outcomes)
                     if not outcomes:
                         break
@@ -415,6 +419,28 @@ def expire_holds() -> dict[str, int]:
             busy += 1
             log.info("expiry of %s skipped: %s", sku, exc)
     return {"expired": expired, "skipped": busy}
+
+
+@app.task(bind=True, ignore_result=True, name=task_name("watch_waiting"))
+def watch_waiting(self: Task, sku: str, round_: int = 0) -> None:
+    """Looks after one SKU's queue until it is empty, sooner first, then up to a lease ttl apart: serves it
+    whenever the lease is free. The request that found the queue empty scheduled it; it is what serves a
+    queue whose holder died when no new request of the SKU comes along."""
+    res = resources(settings_of(app))
+    settings = res.settings
+    try:
+        serve_pending(res, sku, task_id=self.request.id, worker=worker_identity())
+        left = res.inventory.has_pending(sku)
+    except BackendUnavailable as exc:
+        log.warning("watch of %s could not look at its queue: %s", sku, exc)
+        left = True
+    if not left:
+        return
+    if round_ >= settings.max_retries:
+        log.error("stopped watching the queue of %s after %d rounds; the beat sweep takes over", sku, round_)
+        return
+    countdown = min(settings.lease_ttl, settings.handoff_check * 2**round_)
+    self.apply_async(args=[sku], kwargs={"round_": round_ + 1}, countdown=countdown)
 
 
 @app.task(bind=True, name=task_name("serve_waiting"))

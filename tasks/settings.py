@@ -17,8 +17,8 @@ Variables (prefix ``RESERVATIONS_``), with defaults:
 - BATCHING: 1 (a reservation that finds its SKU's lease busy waits for the holder to serve it in a batch;
   0 retries it through the broker until it gets the lease itself)
 - BATCH_SIZE: 100 (pending reservations served per fenced transaction)
-- HANDOFF_CHECK: 1 (seconds until a waiting reservation first checks on itself; doubles up to the lease
-  ttl, and a check that finds the lease free serves the list itself)
+- HANDOFF_CHECK: 1 (seconds until a SKU's queue is first looked after by its watch task, should its
+  holder not serve it; then doubling up to the lease ttl until the queue is empty)
 """
 
 from __future__ import annotations

@@ -37,7 +37,8 @@ def test_holder_serves_queued_requests_in_one_batch(
 ) -> None:
     keys = [f"flash-{i}" for i in range(5)]
     for i, key in enumerate(keys):
-        assert inventory.hand_off(hot, 1 + i % 2, key=key, task_id=f"task-{i}") is None
+        queued = inventory.hand_off(hot, 1 + i % 2, key=key, task_id=f"task-{i}")
+        assert queued.outcome is None and queued.first == (i == 0)
     assert inventory.pending_count(hot) == 5
     assert statuses(inventory, keys) == dict.fromkeys(keys)
 
@@ -119,11 +120,11 @@ def test_a_key_applied_directly_is_replayed_not_applied_again(
 def test_handing_off_twice_queues_once_and_an_ended_request_not_at_all(
     inventory: Inventory, leases: LeaseManager, hot: str
 ) -> None:
-    assert inventory.hand_off(hot, 1, key="dup") is None
-    assert inventory.hand_off(hot, 1, key="dup") is None
+    assert inventory.hand_off(hot, 1, key="dup").outcome is None
+    assert inventory.hand_off(hot, 1, key="dup").outcome is None
     assert inventory.pending_count(hot) == 1
     inventory.serve_pending(lease_for(leases, hot), hot, limit=10)
-    again = inventory.hand_off(hot, 1, key="dup")
+    again = inventory.hand_off(hot, 1, key="dup").outcome
     assert again is not None and again.status == "reserved"
     assert inventory.pending_count() == 0
     assert level(inventory, hot) == (10, 1, 9)
@@ -268,7 +269,7 @@ def test_pending_rows_carry_what_the_request_asked(
 async def test_async_inventory_hands_off_and_serves(inventory_url: str, leases: LeaseManager) -> None:
     async with AsyncInventory.from_url(inventory_url) as inventory:
         await inventory.add_sku("ASYNC", on_hand=3)
-        assert await inventory.hand_off("ASYNC", 2, key="a-1") is None
+        assert (await inventory.hand_off("ASYNC", 2, key="a-1")).first
         assert await inventory.pending_count("ASYNC") == 1
         served = await inventory.serve_pending(lease_for(leases, "ASYNC"), "ASYNC", limit=10)
         assert [r.status for r in served] == ["reserved"]
