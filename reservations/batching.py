@@ -135,7 +135,7 @@ def skus_waiting(older_than: float) -> Plan[list[str]]:
 
 
 def drop_ended() -> Plan[int]:
-    """Remove queued requests that ended elsewhere (their own check dead-lettered them) and whose SKU saw
+    """Remove queued requests that ended elsewhere (a copy of the request was dead-lettered) and whose SKU saw
     no batch since: the next batch would remove them too, but a SKU may never get another request."""
     gone: Rows = yield Atomic(_drop_ended())
     return len(gone.rows)

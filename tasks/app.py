@@ -46,7 +46,7 @@ def configure(app: Celery, settings: Settings) -> None:
                 "task": "reservations.expire_holds",
                 "schedule": settings.expiry_interval,
             },
-            # A safety net for hot-SKU batching: queued requests whose own checks are stuck in a frozen
+            # A safety net for hot-SKU batching: queued requests whose watch is stuck in a frozen
             # worker still get served within a sweep.
             "serve-waiting-requests": {
                 "task": "reservations.serve_waiting",

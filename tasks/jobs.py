@@ -304,7 +304,7 @@ def serve_pending(
     """Serve the SKU's pending reservations unless its lease is busy; returns how many got an outcome.
 
     After releasing the lease it looks again: a request may have queued itself after the last batch
-    while still finding the lease held, and then nobody else would serve it until its own check.
+    while still finding the lease held, and then nobody else would serve it until its SKU's watch looks.
     ``known_waiting`` skips the first look (the caller has just queued a request).
     """
     settings = res.settings
@@ -333,7 +333,7 @@ def serve_pending(
             break  # its holder looks again after releasing
         except LostOwnership as lost:
             # Terminal for this lease: the batch rolled back and its requests stay queued for the next
-            # holder or their own checks.
+            # holder or the watch.
             log.warning("lost ownership of %s while serving pending reservations: %s", sku, lost)
             break
     return served

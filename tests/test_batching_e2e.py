@@ -1,5 +1,5 @@
 """Hot-SKU batching end to end through real Celery workers: requests queued behind a busy lease are served
-in batches by its holder, a request whose holder died is served by its own check, a holder paused while
+in batches by its holder, a request whose holder died is served by its SKU's watch, a holder paused while
 serving is fenced off, and every request ends with exactly one outcome that its asyncio handle sees.
 """
 
