@@ -445,8 +445,8 @@ def watch_waiting(self: Task, sku: str, round_: int = 0) -> None:
 
 @app.task(bind=True, name=task_name("serve_waiting"))
 def serve_waiting(self: Task) -> dict[str, int]:
-    """Beat: serve SKUs whose requests have waited longer than a lease ttl. Their holder and their own
-    checks normally serve them within a ttl; a check can be stuck in a frozen worker's prefetch."""
+    """Beat: serve SKUs whose requests have waited longer than a lease ttl. Their holder and their SKU's
+    watch normally serve them within a ttl; a watch can be stuck in a frozen worker's prefetch."""
     res = resources(settings_of(app))
     served, skus = 0, 0
     for sku in res.inventory.skus_waiting(older_than=res.settings.lease_ttl):
