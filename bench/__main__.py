@@ -7,6 +7,7 @@ removed before exit whatever happens.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import signal
 import sys
@@ -17,6 +18,8 @@ from dataclasses import replace
 from rich.console import Console
 
 from bench.env import Scratch, Settings, probe
+from bench.hot_sku import PER_SLOT, SLOTS, hot_vs_many
+from bench.hot_sku import SPREAD as SPREAD_SKUS
 from bench.leases import redis_vs_raw, sql_vs_redis_leases
 from bench.report import Plan, render_markdown, render_rich
 from bench.reserve import reserve_vs_plain
@@ -24,20 +27,22 @@ from bench.tasks_e2e import tasks_vs_noop
 from bench.timing import Progress, Results
 from bench.writes import guarded_vs_plain
 
-# Sized for a 2-core machine to finish in well under a minute; SQL operations cost several round
-# trips and a commit each, so their sections run proportionally fewer iterations. A Celery task costs
-# milliseconds (broker, result backend, several transactions) and every case of the tasks section is a
-# burst of that many tasks per run. A reserve is a transaction of eight round trips and milliseconds of
-# client CPU, timed next to a plain one of six.
+# Sized for a 2-core machine: every section but the hot-SKU one finishes in well under a minute; SQL
+# operations cost several round trips and a commit each, so their sections run proportionally fewer
+# iterations. A Celery task costs milliseconds (broker, result backend, several transactions) and every
+# case of the tasks section is a burst of that many tasks per run. A reserve is a transaction of eight
+# round trips and milliseconds of client CPU, timed next to a plain one of six. The hot-SKU section
+# times 12 cases (3 slot counts x batching on/off x hot/spread) on 6 workers and takes a few minutes.
 DEFAULT_ITERATIONS = 1500
 QUICK_ITERATIONS = 200
 WRITE_SHARE = 10
 RESERVE_SHARE = 5
 BACKEND_SHARE = 25
 TASK_SHARE = 5
+HOT_SHARE = 10
 MIN_ITERATIONS = 5
 WARMUP_FRACTION = 0.1
-SECTIONS = ("redis", "writes", "reserve", "backends", "tasks")
+SECTIONS = ("redis", "writes", "reserve", "backends", "tasks", "hot")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -50,7 +55,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--iterations", type=int, metavar="N",
         help=f"timed Redis pairs per run (default {DEFAULT_ITERATIONS}, {QUICK_ITERATIONS} with "
         f"--quick); SQL writes run N/{WRITE_SHARE}, reserves N/{RESERVE_SHARE}, the backend comparison "
-        f"N/{BACKEND_SHARE}, Celery bursts N/{TASK_SHARE} tasks",
+        f"N/{BACKEND_SHARE}, Celery bursts N/{TASK_SHARE} tasks, hot-SKU bursts N/{HOT_SHARE} requests "
+        f"(at least {PER_SLOT} a task slot)",
     )
     parser.add_argument("--quick", action="store_true", help="a fast smoke run with fewer iterations")
     parser.add_argument("--repeats", type=int, default=3, help="runs per case (default 3)")
@@ -60,7 +66,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="run only this section (repeatable): redis = lease vs raw Redis, writes = guarded vs "
         "plain write, reserve = Inventory.reserve vs the same rows by plain psycopg (PostgreSQL), "
         "backends = SQL vs Redis lease backend, tasks = Celery reservation tasks vs no-op "
-        "tasks end to end (own redis-server and workers; needs PostgreSQL)",
+        "tasks end to end (own redis-server and workers; needs PostgreSQL), hot = one hot SKU vs "
+        f"{SPREAD_SKUS} SKUs on a thread pool of {', '.join(map(str, SLOTS))} task slots, batching on and "
+        "off (same needs)",
     )
     parser.add_argument(
         "--no-sql-leases", action="store_true",
@@ -74,6 +82,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def _load() -> str:
+    """The load averages, which say how much else ran on the machine next to the benchmarks."""
+    try:
+        return " / ".join(f"{value:.1f}" for value in os.getloadavg())
+    except OSError:
+        return "unknown"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     n = args.iterations or (QUICK_ITERATIONS if args.quick else DEFAULT_ITERATIONS)
@@ -83,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         reserve_iterations=max(MIN_ITERATIONS, n // RESERVE_SHARE),
         backend_iterations=max(MIN_ITERATIONS, n // BACKEND_SHARE),
         task_iterations=max(MIN_ITERATIONS, n // TASK_SHARE),
+        hot_iterations=max(MIN_ITERATIONS, n // HOT_SHARE),
         repeats=args.repeats,
         warmup_fraction=WARMUP_FRACTION,
     )
@@ -103,10 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     if not redis_ok and wanted & {"redis", "backends"}:
         results.skipped.append("Skipped the Redis and backend sections: Redis is unreachable.")
     if not postgres_ok and wanted - {"redis"}:
-        what = "the PostgreSQL rows" + (" and the Celery section" if "tasks" in wanted else "")
+        what = "the PostgreSQL rows" + (" and the Celery sections" if wanted & {"tasks", "hot"} else "")
         results.skipped.append(f"Skipped {what}: PostgreSQL is unreachable.")
-    if redis_server is None and "tasks" in wanted:
-        results.skipped.append("Skipped the Celery section: no redis-server on PATH for a private broker.")
+    if redis_server is None and wanted & {"tasks", "hot"}:
+        results.skipped.append("Skipped the Celery sections: no redis-server on PATH for a private broker.")
 
     def sizing(iterations: int) -> dict[str, int]:
         return {
@@ -118,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     # A terminated run (CI timeout, kill) must still reach the cleanup below; SystemExit does.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     started = time.perf_counter()
+    load_before = _load()
     scratch = Scratch(settings)
     try:
         if "redis" in wanted and redis_ok:
@@ -154,10 +172,22 @@ def main(argv: list[str] | None = None) -> int:
                 progress=progress, **sizing(plan.task_iterations),
             )
             plan = replace(plan, task_iterations=timed)
+        if "hot" in wanted and postgres_ok and redis_server is not None:
+            if progress:
+                progress("Celery end to end on a thread pool: one hot SKU vs many, batching on and off")
+            hot = sizing(plan.hot_iterations)
+            sizes = hot_vs_many(
+                scratch, results, iterations=hot["iterations"], warmup=hot["warmup"],
+                repeats=hot["repeats"], progress=progress,
+            )
+            plan = replace(plan, hot_bursts=tuple(sizes.items()))
     finally:
         for problem in scratch.close():
             errors.print(f"cleanup: {problem}", highlight=False)
     results.notes.append(f"Whole run: {time.perf_counter() - started:.1f} s.")
+    results.context.append(
+        f"Machine load (1 / 5 / 15 min load averages) at start: {load_before}; at end: {_load()}"
+    )
 
     if args.markdown:
         print(render_markdown(ctx, plan, results))

@@ -10,6 +10,7 @@ import os
 import platform
 import shutil
 import sqlite3
+import subprocess
 import tempfile
 import uuid
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from sqlalchemy.schema import CreateSchema, DropSchema
 from fencing import LeaseManager, mask_url
 from fencing.sql import make_engine
 
+ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_POSTGRES_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 
@@ -62,6 +64,25 @@ class Context:
     packages: dict[str, str]
     redis_url: str
     postgres_url: str
+    code: str
+
+
+def code_revision(root: Path = ROOT) -> str:
+    """The commit measured and the files changed since, as ``git`` sees them; 'unknown' without git."""
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10,
+                              check=True)
+        return done.stdout
+
+    try:
+        commit = git("rev-parse", "--short", "HEAD").strip()
+        changed = [line[3:] for line in git("status", "--porcelain", "--untracked-files=no").splitlines()]
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (no git checkout)"
+    if not changed:
+        return f"commit {commit}, no uncommitted changes"
+    shown = ", ".join(changed[:10]) + (f" and {len(changed) - 10} more" if len(changed) > 10 else "")
+    return f"commit {commit} with uncommitted changes to {shown}"
 
 
 def _package_version(name: str) -> str:
@@ -106,6 +127,7 @@ def probe(settings: Settings) -> Context:
         },
         redis_url=mask_url(settings.redis_url),
         postgres_url=mask_url(settings.postgres_url),
+        code=code_revision(),
     )
 
 

@@ -28,8 +28,10 @@ class Plan:
     reserve_iterations: int
     backend_iterations: int
     task_iterations: int
+    hot_iterations: int
     repeats: int
     warmup_fraction: float
+    hot_bursts: tuple[tuple[int, int], ...] = ()  # (task slots, requests a burst) as the hot section ran
 
 
 def _duration(seconds: float) -> str:
@@ -71,6 +73,10 @@ def context_lines(ctx: Context, plan: Plan, extra: list[str]) -> list[str]:
     postgres = (f"{ctx.postgres_version} at {ctx.postgres_url}" if ctx.postgres_version
                 else f"unavailable at {ctx.postgres_url} ({ctx.postgres_error})")
     packages = ", ".join(f"{name} {ver}" for name, ver in ctx.packages.items())
+    hot = (
+        " / hot-SKU bursts of " + ", ".join(f"{size} at {slots} slots" for slots, size in plan.hot_bursts)
+        if plan.hot_bursts else ""
+    )
     return [
         f"Python: {ctx.python} on {ctx.platform}",
         f"CPUs: {ctx.cpus} ({ctx.cpus_usable} usable by this process)",
@@ -78,10 +84,11 @@ def context_lines(ctx: Context, plan: Plan, extra: list[str]) -> list[str]:
         f"PostgreSQL: {postgres}",
         f"SQLite: {ctx.sqlite_version} (file in a temp dir)",
         f"Packages: {packages}",
+        f"Code: {ctx.code}",
         (
             f"Method: per run {plan.redis_iterations} Redis pairs / {plan.write_iterations} writes / "
             f"{plan.reserve_iterations} reserves / "
-            f"{plan.backend_iterations} backend pairs / {plan.task_iterations} Celery tasks, after a "
+            f"{plan.backend_iterations} backend pairs / {plan.task_iterations} Celery tasks{hot}, after a "
             f"{plan.warmup_fraction:.0%} warm-up; {plan.repeats} runs per case, each run interleaving its "
             f"cases in {BLOCKS} blocks (Celery: one burst per case and run); medians"
         ),
