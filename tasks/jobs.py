@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from celery import Task, states
-from celery.exceptions import Ignore, Retry
+from celery.exceptions import Retry
 
 from fencing import (
     BackendUnavailable,
@@ -110,8 +110,8 @@ def run_request(
     apply: Apply,
     batch: Batchable | None = None,
 ) -> dict[str, Any]:
-    """One attempt at a request; returns its final outcome, raises Celery's Retry, or (a request queued
-    for its SKU's lease holder) raises Ignore: the server of its batch writes its result.
+    """One attempt at a request; returns its final outcome (or "queued", not stored, for a request queued
+    for its SKU's lease holder: the server of its batch writes its result) or raises Celery's Retry.
 
     Three separate counters travel with the message: ``epoch`` (attempts that lost ownership), ``busy``
     (lease-busy retries) and ``transient`` (unreachable backend), so one kind of retry never uses up
@@ -150,7 +150,7 @@ def run_request(
         ceiling = min(30.0, 0.2 * 2 ** counts["transient"])
         raise again("transient", _rng.uniform(ceiling / 2, ceiling)) from None
     except Exception as exc:
-        if isinstance(exc, Retry | Ignore):
+        if isinstance(exc, Retry):
             raise
         # A bug or an unforeseen input must still end the request, or its caller waits forever.
         log.exception("request %s failed unexpectedly", key)
@@ -223,7 +223,7 @@ def _attempt(
         return final("invalid", {"error": type(exc).__name__, "message": str(exc)})
     except LeaseBusy as busy:
         if batch is not None:
-            return _wait_for_holder(res, key, batch, counts["epoch"], who)
+            return _wait_for_holder(task, res, key, batch, counts["epoch"], who)
         if counts["busy"] >= settings.max_retries:
             return final("dead_lettered", {"reason": "lease busy", "holder": busy.holder})
         raise again("busy", _jitter(busy.retry_after, counts["busy"])) from None
@@ -248,13 +248,13 @@ def _attempt(
 
 
 def _wait_for_holder(
-    res: Resources, key: str, batch: Batchable, epoch: int, who: dict[str, Any]
+    task: Task, res: Resources, key: str, batch: Batchable, epoch: int, who: dict[str, Any]
 ) -> dict[str, Any]:
     """The lease is busy: queue the request for the holder instead of spinning on the lease.
 
-    The task then ends without a result of its own: whoever serves the request writes its outcome row
-    and its Celery result. The first request to wait on the SKU also schedules a watch of the SKU's queue,
-    which serves it once the lease is free if the holder died.
+    The task then ends at once, returning "queued" without storing it: whoever serves the request writes
+    its outcome row and its Celery result. The first request to wait on the SKU also schedules a watch
+    of the SKU's queue, which serves it once the lease is free if the holder died.
     """
     settings = res.settings
     queued = res.inventory.hand_off(
@@ -269,7 +269,17 @@ def _wait_for_holder(
         done = res.inventory.request_outcome(key)
         if done is not None:
             return _as_result(done)
-    raise Ignore()
+    # Per-request ignore_result, read by Celery when it stores the return value: the server's result
+    # for this task id must not be overwritten by "queued". (Raising Ignore does the same but costs a
+    # formatted traceback per request.)
+    task.request.ignore_result = True
+    return {
+        "key": key,
+        "operation": "reserve",
+        "status": "queued",
+        "detail": {"sku": batch.sku},
+        "epochs": epoch,
+    }
 
 
 def _then_serve(
