@@ -263,7 +263,10 @@ def _wait_for_holder(
     if queued.outcome is not None:
         return _as_result(queued.outcome)
     if queued.first:
-        watch_waiting.apply_async(args=[valid.sku(batch.sku)], countdown=settings.handoff_check)
+        try:
+            watch_waiting.apply_async(args=[valid.sku(batch.sku)], countdown=settings.handoff_check)
+        except Exception as exc:  # the request is queued: the holder or the beat sweep still serve it
+            log.warning("could not schedule the watch of %s: %s", batch.sku, exc)
     # Served nothing: the lease is busy, and its holder looks at the queue again after releasing.
     if serve_pending(res, batch.sku, known_waiting=True, **who):
         done = res.inventory.request_outcome(key)
