@@ -3,9 +3,9 @@ of 2, 8 and 32 task slots, with hot-SKU batching on and off.
 
 Every case is a burst of reserve requests enqueued back to back and timed from the first enqueue until
 every request has its final outcome row in the database: that row is what a caller waits for, and with
-batching it is written by the lease holder's batch, before the waiting task's own Celery result settles
-at its later check. After the timed part the burst is drained until every task's Celery result is final
-(untimed), so no retry or check of one burst runs during the next. Each slot count and batching setting
+batching it is written by the lease holder's batch, which then writes the waiting task's Celery result.
+After the timed part the burst is drained until every task's Celery result is final (untimed), so no
+retry or watch of one burst runs during the next. Each slot count and batching setting
 gets a worker of its own, started fresh on its own broker and result databases and fully stopped before
 the next one starts.
 """
@@ -57,8 +57,8 @@ POLL = 0.02  # seconds between polls of the outcome rows; the end of a burst is 
 # A burst that is not done by then has a dead or wedged worker; generous because retries back off.
 BURST_TIMEOUT_PER_TASK = 0.5
 MIN_BURST_TIMEOUT = 60.0
-# Waiting requests check on themselves at 1, 2, 4, ... seconds (up to the lease ttl): a drain can take a
-# few of those steps.
+# A SKU's watch looks at its queue at 1, 2, 4, ... seconds (up to the lease ttl), and busy-lease retries
+# back off: a drain can take a few of those steps.
 DRAIN_TIMEOUT = 180.0
 FINAL_STATES = frozenset({"SUCCESS", "FAILURE", "REVOKED"})
 LEASE_DB = 0  # one lease database for all modes: every mode reserves on SKUs of its own
@@ -107,7 +107,7 @@ class Tally:
     """What one case's timed bursts did besides taking their time."""
 
     requests: int = 0
-    retries: int = 0  # Celery retries: busy-lease retries (batching off) or hand-off checks (on)
+    retries: int = 0  # Celery retries: busy-lease retries (batching off; with it on, none are expected)
     cpu: float | None = 0.0  # the worker's CPU seconds (all its threads) from first enqueue to drained
     settle_lag: list[float] = field(default_factory=list)  # last outcome row -> last Celery result
     keys: list[str] = field(default_factory=list)
@@ -377,7 +377,7 @@ def hot_vs_many(
         f"the next; ready after {startups} s",
         f"Hot-SKU services: private redis-server {redis_version} at {mask_url(base)} (broker, results, "
         f"leases on database {LEASE_DB}); inventory PostgreSQL at {mask_url(database_url)}; "
-        f"batch size {settings.batch_size}, first hand-off check after {settings.handoff_check:g} s, "
+        f"batch size {settings.batch_size}, first watch of a queue after {settings.handoff_check:g} s, "
         f"lease ttl {settings.lease_ttl:g} s (defaults)",
     ]
     results.notes.append(
@@ -387,9 +387,10 @@ def hot_vs_many(
         "ops/s = requests per second; hot and spread alternate run by run after a warm-up burst each "
         f"({MIN_WARMUP} requests a slot at least), and each burst is drained (every Celery result final) "
         "before the next starts. Batching on: a request that finds the lease busy is queued for the "
-        "holder and its task checks on it later; off: it retries through the broker until it gets the "
-        "lease. p50 / p99: enqueue to outcome row per request. Below, per mode: worker CPU = the worker "
-        "process's CPU time (all threads) from a burst's first enqueue until it is drained, per request."
+        "holder, which serves the queue in batches and writes the queued tasks' results; off: it retries "
+        "through the broker until it gets the lease. p50 / p99: enqueue to outcome row per request. "
+        "Below, per mode: worker CPU = the worker process's CPU time (all threads) from a burst's first "
+        "enqueue until it is drained, per request."
     )
     results.notes += described
     results.notes.append(f"Hot-SKU stock after the run: {checked}, as requested, no invariant violations.")

@@ -551,7 +551,7 @@ def tasks_vs_noop(
     )
     results.notes.append(
         "Celery retries per request (with batching on, the default, a request that finds its lease busy "
-        "is handed to the holder and its task checks on it through retries): "
+        "is queued for the holder instead of retrying): "
         + ", ".join(f"{name}: {value}" for name, value in per_request.items())
         + f". Stock after the run: {checked}, as requested, no invariant violations."
     )
