@@ -27,6 +27,7 @@ from reservations.models import (
     idempotency_keys,
     pending_reservations,
     request_outcomes,
+    reservations,
     stock,
     task_attempts,
 )
@@ -203,6 +204,15 @@ def _batch(
     done = {r.key for r in ended.rows}
     stored_rows: Rows = yield sa.select(idempotency_keys).where(idempotency_keys.c.key.in_(keys))
     stored = {r.key: r for r in stored_rows.rows}
+    # A key whose record was purged while its reservation lives on would collide with that reservation
+    # (and fail the whole batch, every time): it is a conflict, as for a single reserve.
+    unrecorded = [k for k in keys if k not in done and k not in stored]
+    clashing: set[str] = set()
+    if unrecorded:
+        held: Rows = yield sa.select(reservations.c.idempotency_key).where(
+            reservations.c.idempotency_key.in_(unrecorded)
+        )
+        clashing = {r[0] for r in held.rows}
 
     now = db_now_ms()
     records: list[dict[str, Any]] = []
@@ -212,7 +222,9 @@ def _batch(
     for request in waiting:
         if request.key in done:
             continue
-        status, detail, attempt = yield from _serve_one(plans, lease, request, known, stored, records, now)
+        status, detail, attempt = yield from _serve_one(
+            plans, lease, request, known, stored, clashing, records, now
+        )
         detail["served_by"] = task_id
         outcomes.append(
             {
@@ -256,6 +268,7 @@ def _serve_one(
     request: Any,
     known: bool,
     stored: dict[str, Any],
+    clashing: set[str],
     records: list[dict[str, Any]],
     now: Any,
 ) -> Plan[tuple[str, dict[str, Any], str]]:
@@ -268,6 +281,10 @@ def _serve_one(
         if key in stored:
             outcome = plans.replay(stored[key], "reserve", print_)
             return "reserved", outcome.summary(), "replayed"
+        if key in clashing:
+            raise IdempotencyConflict(
+                key=key, operation="reserve", stored_operation="a reservation whose record expired"
+            )
         outcome = yield from plans.hold_one(lease, sku, quantity, key, request.hold_ms)
         records.append(
             {

@@ -268,7 +268,12 @@ def _wait_for_holder(
         except Exception as exc:  # the request is queued: the holder or the beat sweep still serve it
             log.warning("could not schedule the watch of %s: %s", batch.sku, exc)
     # Served nothing: the lease is busy, and its holder looks at the queue again after releasing.
-    if serve_pending(res, batch.sku, known_waiting=True, **who):
+    try:
+        served = serve_pending(res, batch.sku, known_waiting=True, **who)
+    except Exception:  # the request is queued: the holder, the watch or the sweep serve it
+        log.exception("could not serve the queue of %s", batch.sku)
+        served = 0
+    if served:
         done = res.inventory.request_outcome(key)
         if done is not None:
             return _as_result(done)
@@ -444,8 +449,8 @@ def watch_waiting(self: Task, sku: str, round_: int = 0) -> None:
     try:
         serve_pending(res, sku, task_id=self.request.id, worker=worker_identity())
         left = res.inventory.has_pending(sku)
-    except BackendUnavailable as exc:
-        log.warning("watch of %s could not look at its queue: %s", sku, exc)
+    except Exception:  # whatever went wrong, the queue still needs looking after
+        log.exception("watch of %s could not serve its queue", sku)
         left = True
     if not left:
         return
@@ -464,9 +469,12 @@ def serve_waiting(self: Task) -> dict[str, int]:
     served, skus = 0, 0
     for sku in res.inventory.skus_waiting(older_than=res.settings.lease_ttl):
         skus += 1
-        served += serve_pending(
-            res, sku, task_id=self.request.id, worker=worker_identity(), known_waiting=True
-        )
+        try:
+            served += serve_pending(
+                res, sku, task_id=self.request.id, worker=worker_identity(), known_waiting=True
+            )
+        except Exception:  # one SKU that cannot be served must not hold up the others
+            log.exception("sweep could not serve the queue of %s", sku)
     return {"skus": skus, "served": served}
 
 

@@ -304,3 +304,22 @@ def test_skus_waiting_lists_only_requests_older_than_asked(
         inventory.skus_waiting(older_than=-1)
     inventory.serve_pending(lease_for(leases, hot), hot, limit=10)
     assert inventory.skus_waiting(older_than=0) == []
+
+
+def test_a_purged_key_whose_reservation_lives_on_does_not_block_the_queue(
+    inventory: Inventory, leases: LeaseManager, hot: str, inventory_url: str
+) -> None:
+    lease = lease_for(leases, hot)
+    inventory.reserve(lease, hot, 1, key="old-key")
+    engine = make_engine(inventory_url)
+    with engine.begin() as conn:  # what the retention purge does once the record is old enough
+        conn.execute(sa.text("DELETE FROM idempotency_keys WHERE key = 'old-key'"))
+    engine.dispose()
+    for key in ("old-key", "new-1", "new-2"):
+        inventory.hand_off(hot, 1, key=key)
+    served = {r.key: r for r in inventory.serve_pending(lease, hot, limit=10)}
+    assert served["old-key"].status == "invalid"
+    assert served["old-key"].detail["error"] == "IdempotencyConflict"
+    assert (served["new-1"].status, served["new-2"].status) == ("reserved", "reserved")
+    assert inventory.pending_count(hot) == 0
+    assert level(inventory, hot) == (10, 3, 7)
