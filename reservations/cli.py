@@ -596,6 +596,17 @@ def chaos_command(
             help="One worker reaches PostgreSQL through a proxy delaying its packets this long.",
         ),
     ] = 0.0,
+    hot: Annotated[
+        float,
+        typer.Option(
+            min=0,
+            max=0.9,
+            help="Share of the requests that are a flash sale: bursts of reservations of one SKU (0: none).",
+        ),
+    ] = 0.5,
+    batching: Annotated[
+        bool, typer.Option(help="A busy SKU's reservations wait for its holder to serve them in batches.")
+    ] = True,
     postgres_url: Annotated[
         str, typer.Option(envvar="RESERVATIONS_CHAOS_POSTGRES_URL", help="PostgreSQL for the run schemas.")
     ] = "postgresql+psycopg://postgres@127.0.0.1:5432/test",
@@ -609,12 +620,17 @@ def chaos_command(
 ) -> None:
     """WRITES (own schemas, dropped afterwards): the fault-injection run, twice, fenced and lease-only.
 
-    Real workers on PostgreSQL and two private redis-servers (broker; leases) take a stream of requests
-    while workers freeze past their lease, one is SIGKILLed and restarted and the lease Redis loses its
-    data; a checker then audits the database. Exit 1 when the fenced run has any violation.
+    Real workers (and celery beat) on PostgreSQL and two private redis-servers (broker; leases) take a
+    stream of requests, a share of them a flash sale of one hot SKU served in batches, while workers
+    freeze past their lease (batch servers among them), one is SIGKILLed and restarted and the lease
+    Redis loses its data; a checker then audits the database. Exit 1 when the fenced run has any
+    violation.
 
-    JSON fields per run (fenced, lease_only): enqueued, replayed, faults, statuses,
-    rejected_stale_writes, violations, checks (rule -> sentences).
+    JSON fields per run (fenced, lease_only): enqueued, replayed, resent, faults, statuses,
+    rejected_stale_writes, lost_ownership_by_worker_role, lost_ownership_serving_batches_by_worker_role,
+    batching_on, hot_sku, hot_stock, flash_sale {requests, statuses}, batching {batches, requests,
+    for_others, largest, stale_refused, writes_behind_newer_token, left_pending, watches, swept,
+    longest_wait}, violations, checks (rule -> sentences), picture.
 
     Example: reservations chaos --workers 3 --skus 3 --requests 120 --duration 20
     """
@@ -629,6 +645,8 @@ def chaos_command(
         seed=seed,
         restart_lease_redis=lease_redis_restart,
         proxy_delay=proxy_delay,
+        hot=hot,
+        batching=batching,
         postgres_url=postgres_url,
         folder=folder,
         pictures=pictures,

@@ -1,6 +1,10 @@
 """``reservations chaos`` as an operator runs it: the console script in a subprocess, small and short, with
 JSON output. The fenced run must come out clean with stale writes refused; the lease-only run of the same
 workload must show what the fence prevents; nothing the run created may be left behind.
+
+The run includes the flash sale (half the requests reserve one hot SKU, in bursts) with batching on, so
+the same run also shows that requests served in batches under faults keep every rule: one final outcome
+each, that the database agrees with, no key applied twice, nothing written behind a newer token.
 """
 
 from __future__ import annotations
@@ -16,7 +20,17 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
+from fencing import LeaseManager, StaleToken
 from fencing.sql import make_engine
+from reservations import Inventory, scope_of
+from reservations.chaos import (
+    SERVER_FROZEN,
+    SERVER_KILLED,
+    SERVER_PAUSED,
+    Sent,
+    batching_figures,
+    check,
+)
 from reservations.proxy import DelayProxy
 from tests.conftest import POSTGRES_URL
 
@@ -38,13 +52,14 @@ def _chaos_schemas() -> set[str]:
         engine.dispose()
 
 
-def test_fenced_run_is_clean_and_lease_only_run_is_not(tmp_path: Path) -> None:
+def test_fenced_run_is_clean_and_lease_only_run_is_not_with_a_batched_flash_sale(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RESERVATIONS_")}
     schemas_before = _chaos_schemas()
     done = subprocess.run(
         [
             *(SCRIPT, "chaos", "--workers", "3", "--skus", "3", "--requests", "50", "--duration", "10"),
-            *("--drain", "30", "--proxy-delay", "1.5", "--postgres-url", POSTGRES_URL),
+            *("--drain", "30", "--proxy-delay", "1.5", "--hot", "0.5", "--batching"),
+            *("--postgres-url", POSTGRES_URL),
             *("--folder", str(tmp_path / "logs"), "--pictures", str(tmp_path / "pictures"), "--json"),
         ],
         env=env,
@@ -59,8 +74,35 @@ def test_fenced_run_is_clean_and_lease_only_run_is_not(tmp_path: Path) -> None:
 
     assert fenced["violations"] == 0, fenced["checks"]
     assert fenced["rejected_stale_writes"] >= 1, fenced
+    # Every request exactly one final outcome (one row per key), and the database agrees with each. A
+    # request still queued when the run re-sends what has no outcome is not re-sent: the batching alone
+    # has to serve it.
     assert fenced["checks"]["missing_outcomes"] == []
+    assert fenced["checks"]["unexpected_outcomes"] == []
     assert sum(fenced["statuses"].values()) == fenced["enqueued"]
+    assert fenced["checks"]["outcomes_contradicted"] == []
+    assert fenced["checks"]["keys_applied_twice"] == []
+    assert fenced["checks"]["writes_after_newer_token"] == []
+
+    # The flash sale happened and was batched: requests found the hot SKU's lease busy, waited, and were
+    # served in fenced batches, some by another task than their own; none of them without an outcome.
+    flash, batching = fenced["flash_sale"], fenced["batching"]
+    assert fenced["hot_sku"] == "HOT" and fenced["batching_on"] is True
+    assert flash["requests"] >= 10, flash
+    assert "no outcome" not in flash["statuses"], flash
+    assert batching["batches"] >= 1 and batching["requests"] >= 2, batching
+    assert batching["for_others"] >= 1, batching
+    assert 1 <= batching["largest"] <= batching["requests"], batching
+    assert batching["writes_behind_newer_token"] == 0, batching
+    # The faults reached holders serving batches: frozen, paused or killed while serving one, a batch
+    # holder that lost ownership, or a whole batch refused at the stock row (a paused holder's, or one
+    # under a token the restarted lease Redis handed out again).
+    hit = (
+        sum(fenced["faults"].get(fault, 0) for fault in (SERVER_FROZEN, SERVER_PAUSED, SERVER_KILLED))
+        + sum(fenced["lost_ownership_serving_batches_by_worker_role"].values())
+        + batching["stale_refused"]
+    )
+    assert hit >= 1, (fenced["faults"], batching)
     # The faults really happened, in both runs alike.
     for run in (fenced, lease_only):
         assert run["faults"]["pool child frozen past its lease"] >= 1, run["faults"]
@@ -71,6 +113,8 @@ def test_fenced_run_is_clean_and_lease_only_run_is_not(tmp_path: Path) -> None:
     assert lease_only["violations"] >= 1, lease_only
     assert lease_only["checks"]["writes_after_newer_token"], lease_only["checks"]
     assert lease_only["rejected_stale_writes"] == 0  # nothing refuses a stale write without the fence
+    assert lease_only["batching"]["stale_refused"] == 0
+    assert lease_only["batching"]["batches"] >= 1, lease_only["batching"]
     # The pictures show what the numbers say: refused stale writes only in the fenced run, writes
     # behind a newer token only in the lease-only one.
     fenced_svg = Path(fenced["picture"]).read_text()
@@ -82,6 +126,43 @@ def test_fenced_run_is_clean_and_lease_only_run_is_not(tmp_path: Path) -> None:
     # workers carry the run's folder in their environment; the redis-servers run in it).
     assert _chaos_schemas() <= schemas_before
     assert _processes_mentioning(str(tmp_path)) == []
+
+
+def test_checker_counts_batches_and_refusals_and_catches_an_outcome_the_database_contradicts(
+    inventory_url: str, inventory: Inventory, leases: LeaseManager
+) -> None:
+    """The figures the chaos report prints about batching, and its outcome check, on a known history."""
+    inventory.add_sku("HOT", on_hand=3)
+    sent = {f"flash-{i}": Sent(f"flash-{i}", "reserve", {"sku": "HOT", "quantity": 1}) for i in range(5)}
+    old = leases.acquire(scope_of("HOT"), ttl=30, holder="A")
+    for i in range(4):
+        inventory.hand_off("HOT", 1, key=f"flash-{i}", task_id=f"task-{i}")
+    leases.break_lease(scope_of("HOT"), reason="A paused past its lease")
+    new = leases.acquire(scope_of("HOT"), ttl=30, holder="B")
+    served = inventory.serve_pending(new, "HOT", limit=100, task_id="task-B", worker="w")
+    assert sorted(r.status for r in served) == ["insufficient_stock", *["reserved"] * 3]
+    inventory.hand_off("HOT", 1, key="flash-4", task_id="task-4")
+    with pytest.raises(StaleToken):  # A wakes up and serves what arrived since: refused whole
+        inventory.serve_pending(old, "HOT", limit=100, task_id="task-A", worker="w")
+    inventory.serve_pending(new, "HOT", limit=100, task_id="task-4", worker="w")  # by its own task
+
+    figures = batching_figures(inventory_url)
+    assert (figures.batches, figures.requests, figures.for_others, figures.largest) == (2, 5, 4, 4)
+    assert (figures.stale_refused, figures.writes_behind_newer_token, figures.left_pending) == (1, 0, 0)
+    assert sum(len(found) for found in check(inventory_url, {"HOT": 3}, sent).values()) == 0
+
+    # Outcomes that say something the database does not: a reservation that was never made, and a
+    # refusal for a key that did reserve.
+    inventory.record_outcome("made-up", "reserve", "reserved", {"reservation_ids": ["r_none"]})
+    inventory.restock(new, "HOT", 1, key="more")
+    inventory.reserve(new, "HOT", 1, key="quiet")
+    inventory.record_outcome("quiet", "reserve", "insufficient_stock", {"sku": "HOT"})
+    for key in ("made-up", "quiet"):
+        sent[key] = Sent(key, "reserve", {"sku": "HOT", "quantity": 1})
+    assert check(inventory_url, {"HOT": 3}, sent)["outcomes_contradicted"] == [
+        "made-up: outcome reserved, but nothing in the history was written under the key",
+        "quiet: outcome insufficient_stock, but the history has a write under the key",
+    ]
 
 
 def test_delay_proxy_holds_client_chunks_and_keeps_the_conversation_intact() -> None:
