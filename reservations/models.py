@@ -45,6 +45,9 @@ class Stock(SQLModel, table=True):
         default=None, sa_column=sa.Column(FENCE_LEASE_COLUMN, sa.String(32), nullable=True)
     )
     updated_ms: int = Field(default=0, sa_column=_bigint(server_default="0"))
+    # Maintained by a trigger on reservations (never written by the code): the units of the SKU's held
+    # reservations, which the trigger keeps equal to ``reserved``.
+    held_units: int = Field(default=0, sa_column=_bigint(server_default="0"))
 
 
 class Reservation(SQLModel, table=True):
