@@ -271,6 +271,16 @@ def test_database_holds_the_invariants(
         sa.update(stock).where(stock.c.sku == widget).values(available=stock.c.available - 1),  # conservation
         sa.update(stock).where(stock.c.sku == widget).values(available=-1, on_hand=-1),  # negative
         sa.update(reservations).values(status="held"),  # a final reservation changes again
+        sa.insert(reservations).values(  # units held without being taken from the stock row
+            id="r_rogue",
+            sku=widget,
+            quantity=1,
+            status="held",
+            idempotency_key="rogue",
+            token=1,
+            lease_id="rogue",
+            created_ms=0,
+        ),
         sa.delete(sku_history),  # history is append-only
     ]
     for statement in breaking:
