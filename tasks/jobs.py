@@ -87,8 +87,8 @@ def _as_result(result: RequestResult) -> dict[str, Any]:
 MAX_TRANSIENT_RETRIES = 20
 COUNTERS = ("epoch", "busy", "transient")
 # A task serving a SKU's pending reservations gives up the lease after this many batches and takes it
-# again (a new token) if the list is still not empty, at most this many times; waiting requests check on
-# themselves, so a bound here never strands one.
+# again (a new token) if the list is still not empty, at most this many times; the SKU's watch and the
+# beat sweep look again, so a bound here never strands one.
 BATCHES_PER_LEASE = 50
 SERVE_ROUNDS = 20
 
@@ -268,12 +268,7 @@ def _wait_for_holder(
         except Exception as exc:  # the request is queued: the holder or the beat sweep still serve it
             log.warning("could not schedule the watch of %s: %s", batch.sku, exc)
     # Served nothing: the lease is busy, and its holder looks at the queue again after releasing.
-    try:
-        served = serve_pending(res, batch.sku, known_waiting=True, **who)
-    except Exception:  # the request is queued: the holder, the watch or the sweep serve it
-        log.exception("could not serve the queue of %s", batch.sku)
-        served = 0
-    if served:
+    if _serve_quietly(res, batch.sku, known_waiting=True, **who):
         done = res.inventory.request_outcome(key)
         if done is not None:
             return _as_result(done)
@@ -295,11 +290,18 @@ def _then_serve(
 ) -> dict[str, Any]:
     """After a batchable request ran under its own lease: serve whatever queued up meanwhile."""
     if batch is not None:
-        try:
-            serve_pending(res, batch.sku, **who)
-        except Exception:  # this request is done whatever happens here; the waiting ones check on themselves
-            log.exception("could not serve the pending reservations of %s", batch.sku)
+        _serve_quietly(res, batch.sku, **who)
     return result
+
+
+def _serve_quietly(res: Resources, sku: str, **kwargs: Any) -> int:
+    """:func:`serve_pending` for callers whose own work is done or queued: a failure is logged, never
+    raised, because the SKU's holder, its watch or the beat sweep serve the queue anyway."""
+    try:
+        return serve_pending(res, sku, **kwargs)
+    except Exception:
+        log.exception("could not serve the queue of %s", sku)
+        return 0
 
 
 def _publish(outcomes: list[RequestResult]) -> None:
@@ -469,12 +471,10 @@ def serve_waiting(self: Task) -> dict[str, int]:
     served, skus = 0, 0
     for sku in res.inventory.skus_waiting(older_than=res.settings.lease_ttl):
         skus += 1
-        try:
-            served += serve_pending(
-                res, sku, task_id=self.request.id, worker=worker_identity(), known_waiting=True
-            )
-        except Exception:  # one SKU that cannot be served must not hold up the others
-            log.exception("sweep could not serve the queue of %s", sku)
+        # Quietly: one SKU that cannot be served must not hold up the others.
+        served += _serve_quietly(
+            res, sku, task_id=self.request.id, worker=worker_identity(), known_waiting=True
+        )
     return {"skus": skus, "served": served}
 
 
