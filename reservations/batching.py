@@ -81,14 +81,15 @@ def _hand_off(values: dict[str, Any]) -> Plan[HandOff]:
     row = found.first()
     if row is not None:
         return HandOff(outcome=result_of(row), first=False)
-    waiting: Rows = yield (
-        sa.select(pending_reservations.c.key).where(pending_reservations.c.sku == values["sku"]).limit(1)
+    # One round trip for both: is anything waiting on the SKU, and is this key already among it?
+    waiting: Rows = yield sa.select(
+        sa.exists().where(pending_reservations.c.sku == values["sku"]),
+        sa.exists().where(pending_reservations.c.key == values["key"]),
     )
-    first = waiting.first() is None
-    mine: Rows = yield sa.select(pending_reservations.c.id).where(pending_reservations.c.key == values["key"])
-    if mine.first() is None:
+    any_waiting, already = waiting.rows[0]
+    if not already:
         yield sa.insert(pending_reservations).values(enqueued_ms=db_now_ms(), **values)
-    return HandOff(outcome=None, first=first)
+    return HandOff(outcome=None, first=not any_waiting)
 
 
 def has_pending(sku: str) -> Plan[bool]:
