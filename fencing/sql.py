@@ -94,7 +94,28 @@ def _sqlite_setup(engine: Engine) -> None:
         conn.exec_driver_sql("BEGIN IMMEDIATE")
 
 
-def make_engine(url: str | URL, **kwargs: Any) -> Engine:
+def _bound_transactions(engine: Engine, seconds: float) -> None:
+    # A holder frozen or cut off inside its transaction keeps the rows it locked until the database ends
+    # that transaction: the server does so after ``seconds`` idle, and a writer waiting on a row lock
+    # gives up after as long (both surface as errors: the first as lost ownership, the second as a
+    # transient failure). Set once per new connection, so pooled transactions pay nothing for it.
+    millis = max(1, round(seconds * 1000))
+
+    @event.listens_for(engine, "connect")
+    def _connect(dbapi_connection: Any, record: Any) -> None:
+        cursor = dbapi_connection.cursor()
+        cursor.execute(
+            "SELECT set_config('idle_in_transaction_session_timeout', %s, false),"
+            " set_config('lock_timeout', %s, false)",
+            (f"{millis}ms", f"{millis}ms"),
+        )
+        cursor.close()
+        dbapi_connection.commit()  # a rolled-back transaction would take the settings with it
+
+
+def make_engine(url: str | URL, *, transaction_timeout: float | None = None, **kwargs: Any) -> Engine:
+    """An engine for ``url``. ``transaction_timeout`` (PostgreSQL) bounds how long a transaction may sit
+    idle, and how long a statement may wait for a row lock, in seconds; set it to the lease ttl."""
     parsed = normalize_url(url)
     if parsed.get_backend_name() == "sqlite":
         kwargs.setdefault("connect_args", {"timeout": 30})
@@ -103,17 +124,25 @@ def make_engine(url: str | URL, **kwargs: Any) -> Engine:
         return engine
     # No pool_pre_ping: it costs a round trip per transaction. A connection that died with the server
     # fails its first statement, which surfaces as BackendUnavailable and invalidates the pool.
-    return sa.create_engine(parsed, **kwargs)
+    engine = sa.create_engine(parsed, **kwargs)
+    if transaction_timeout is not None:
+        _bound_transactions(engine, transaction_timeout)
+    return engine
 
 
-def make_async_engine(url: str | URL, **kwargs: Any) -> AsyncEngine:
+def make_async_engine(
+    url: str | URL, *, transaction_timeout: float | None = None, **kwargs: Any
+) -> AsyncEngine:
     parsed = normalize_url(url, asynchronous=True)
     if parsed.get_backend_name() == "sqlite":
         kwargs.setdefault("connect_args", {"timeout": 30})
         engine = create_async_engine(parsed, **kwargs)
         _sqlite_setup(engine.sync_engine)
         return engine
-    return create_async_engine(parsed, **kwargs)
+    engine = create_async_engine(parsed, **kwargs)
+    if transaction_timeout is not None:
+        _bound_transactions(engine.sync_engine, transaction_timeout)
+    return engine
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,9 +160,17 @@ def _rows(result: sa.CursorResult[Any]) -> Rows:
     return Rows(rows=rows)
 
 
+# SQLSTATEs that end the session rather than the statement: the server shut down or terminated it, or
+# ended a transaction left idle past idle_in_transaction_session_timeout (psycopg raises the last one as
+# an InternalError).
+_SESSION_ENDED = ("57P01", "57P02", "57P03", "25P03")
+
+
 def unavailable(exc: DBAPIError, operation: str) -> BackendUnavailable | None:
     """The error to raise for a database that cannot be reached, or None for any other database error."""
-    if isinstance(exc, OperationalError | InterfaceError) or exc.connection_invalidated:
+    sqlstate = getattr(exc.orig, "sqlstate", None)
+    ended = isinstance(sqlstate, str) and (sqlstate.startswith("08") or sqlstate in _SESSION_ENDED)
+    if isinstance(exc, OperationalError | InterfaceError) or exc.connection_invalidated or ended:
         detail = str(exc.orig).strip().splitlines()[0] if exc.orig else type(exc).__name__
         return BackendUnavailable(backend="database", operation=operation, detail=detail)
     return None

@@ -40,10 +40,12 @@ MAX_BATCH = 1000
 @dataclass(frozen=True, slots=True)
 class HandOff:
     """What queueing a request found: its final outcome if it already had one, and whether it was the
-    first request waiting on its SKU (its sender then arranges a later look at the SKU's queue)."""
+    first request waiting on its SKU (its sender then arranges a later look at the SKU's queue).
+    ``conflict`` is True when its key was already queued for a different request: nothing was queued."""
 
     outcome: RequestResult | None
     first: bool
+    conflict: bool = False
 
 
 def hand_off(
@@ -81,12 +83,22 @@ def _hand_off(values: dict[str, Any]) -> Plan[HandOff]:
     row = found.first()
     if row is not None:
         return HandOff(outcome=result_of(row), first=False)
-    # One round trip for both: is anything waiting on the SKU, and is this key already among it?
+    # One round trip for all three: is anything waiting on the SKU, is this key already among it, and is
+    # it queued as this very request (a redelivery) rather than a different one under the same key?
+    pending = pending_reservations.c
     waiting: Rows = yield sa.select(
-        sa.exists().where(pending_reservations.c.sku == values["sku"]),
-        sa.exists().where(pending_reservations.c.key == values["key"]),
+        sa.exists().where(pending.sku == values["sku"]),
+        sa.exists().where(pending.key == values["key"]),
+        sa.exists().where(
+            pending.key == values["key"],
+            pending.sku == values["sku"],
+            pending.quantity == values["quantity"],
+            sa.func.coalesce(pending.hold_ms, -1) == (-1 if values["hold_ms"] is None else values["hold_ms"]),
+        ),
     )
-    any_waiting, already = waiting.rows[0]
+    any_waiting, already, same = waiting.rows[0]
+    if already and not same:
+        return HandOff(outcome=None, first=False, conflict=True)
     if not already:
         yield sa.insert(pending_reservations).values(enqueued_ms=db_now_ms(), **values)
     return HandOff(outcome=None, first=not any_waiting)
@@ -223,8 +235,9 @@ def _batch(
     for request in waiting:
         if request.key in done:
             continue
+        print_ = fingerprint("reserve", sku=request.sku, quantity=request.quantity, hold_ms=request.hold_ms)
         status, detail, attempt = yield from _serve_one(
-            plans, lease, request, known, stored, clashing, records, now
+            plans, lease, request, print_, known, stored, clashing, records, now
         )
         detail["served_by"] = task_id
         outcomes.append(
@@ -237,6 +250,7 @@ def _batch(
                 "worker": worker,
                 "epochs": request.epochs,
                 "at_ms": now,
+                "fingerprint": print_,
             }
         )
         attempts.append(
@@ -267,6 +281,7 @@ def _serve_one(
     plans: InventoryPlans,
     lease: Lease,
     request: Any,
+    print_: str,
     known: bool,
     stored: dict[str, Any],
     clashing: set[str],
@@ -275,7 +290,6 @@ def _serve_one(
 ) -> Plan[tuple[str, dict[str, Any], str]]:
     """One request of a batch: (final status, detail, attempt result). Records it adds go to ``records``."""
     sku, key, quantity = request.sku, request.key, request.quantity
-    print_ = fingerprint("reserve", sku=sku, quantity=quantity, hold_ms=request.hold_ms)
     try:
         if not known:
             raise UnknownSku(sku)

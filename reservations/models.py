@@ -35,9 +35,9 @@ class Stock(SQLModel, table=True):
     )
 
     sku: str = Field(primary_key=True, max_length=64)
-    on_hand: int = Field(default=0)
-    reserved: int = Field(default=0)
-    available: int = Field(default=0)
+    on_hand: int = Field(default=0, sa_column=_bigint(server_default="0"))
+    reserved: int = Field(default=0, sa_column=_bigint(server_default="0"))
+    available: int = Field(default=0, sa_column=_bigint(server_default="0"))
     fence_token: int = Field(
         default=0, sa_column=sa.Column(FENCE_TOKEN_COLUMN, sa.BigInteger, nullable=False, server_default="0")
     )
@@ -66,7 +66,7 @@ class Reservation(SQLModel, table=True):
 
     id: str = Field(primary_key=True, max_length=34)
     sku: str = Field(foreign_key="stock.sku", max_length=64)
-    quantity: int
+    quantity: int = Field(sa_column=_bigint())
     status: str = Field(default=HELD, max_length=16)
     hold_expires_ms: int | None = Field(default=None, sa_column=_bigint(nullable=True))
     # The request's key; an order's lines use "<order key> <sku>" (a space never occurs in a key).
@@ -112,11 +112,11 @@ class SkuHistory(SQLModel, table=True):
     token: int = Field(sa_column=_bigint())
     lease_id: str | None = Field(default=None, max_length=32)
     holder: str | None = Field(default=None, max_length=200)
-    quantity: int | None = None
+    quantity: int | None = Field(default=None, sa_column=_bigint(nullable=True))
     idempotency_key: str | None = Field(default=None, max_length=200)
     reservation_id: str | None = Field(default=None, max_length=34)
-    on_hand_delta: int = 0
-    reserved_delta: int = 0
+    on_hand_delta: int = Field(default=0, sa_column=_bigint())
+    reserved_delta: int = Field(default=0, sa_column=_bigint())
     highest_token: int | None = Field(default=None, sa_column=_bigint(nullable=True))
     detail: str | None = None
 
@@ -140,6 +140,9 @@ class RequestOutcome(SQLModel, table=True):
     worker: str | None = Field(default=None, max_length=200)
     epochs: int = 0
     at_ms: int = Field(sa_column=_bigint())
+    # The fingerprint of the request that produced this outcome (as in the idempotency records): a
+    # request that names the same key with different arguments is a conflict, not this outcome's owner.
+    fingerprint: str | None = Field(default=None, max_length=64)
 
 
 class TaskAttempt(SQLModel, table=True):
@@ -188,7 +191,7 @@ class PendingReservation(SQLModel, table=True):
     )
     key: str = Field(max_length=200, unique=True)
     sku: str = Field(max_length=64)
-    quantity: int
+    quantity: int = Field(sa_column=_bigint())
     hold_ms: int | None = Field(default=None, sa_column=_bigint(nullable=True))
     task_id: str | None = Field(default=None, max_length=64)
     epochs: int = 0

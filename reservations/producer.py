@@ -1,8 +1,9 @@
 """Hand requests to the Celery workers by task name, without importing them.
 
 The admin CLI, the demo and the chaos run live below the ``tasks`` package in the import order, so they
-publish plain JSON messages with the task id derived from the idempotency key, exactly as
-``tasks.ReservationClient`` does.
+publish plain JSON messages with the task id derived from the idempotency key; ``tasks.ReservationClient``
+publishes through this class too. Without a result backend, publishing never touches one: outcomes are
+read from the database, so a result backend that is down does not stop requests from being enqueued.
 """
 
 from __future__ import annotations
@@ -16,11 +17,23 @@ from reservations.requests import request_id, task_name
 
 
 class Producer:
-    def __init__(self, broker_url: str, result_backend: str | None = None) -> None:
+    def __init__(
+        self,
+        broker_url: str,
+        result_backend: str | None = None,
+        *,
+        transport_options: dict[str, Any] | None = None,
+    ) -> None:
         self.app = Celery(
             "reservations-producer", broker=broker_url, backend=result_backend, set_as_current=False
         )
-        self.app.conf.update(task_serializer="json", accept_content=["json"], result_serializer="json")
+        self.app.conf.update(
+            task_serializer="json",
+            accept_content=["json"],
+            result_serializer="json",
+            broker_transport_options=transport_options or {},
+            broker_connection_retry_on_startup=True,
+        )
 
     def send(self, operation: str, key: str, kwargs: dict[str, Any]) -> str:
         """Publish ``operation`` for ``key``; returns the request's task id (the same for the same key)."""

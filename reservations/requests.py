@@ -65,6 +65,15 @@ class RequestResult:
     worker: str | None
     epochs: int
     at: float
+    # The fingerprint of the request this outcome belongs to (None on outcomes older than fingerprints).
+    fingerprint: str | None = None
+
+    def belongs_to(self, operation: str, fingerprint: str) -> bool:
+        """Whether this is the outcome of the request with this operation and fingerprint, rather than of
+        a different request that used the same key first."""
+        if self.fingerprint is None:
+            return self.operation == operation
+        return self.fingerprint == fingerprint
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +98,7 @@ def result_of(row: Any) -> RequestResult:
         worker=row.worker,
         epochs=row.epochs,
         at=row.at_ms / 1000,
+        fingerprint=row.fingerprint,
     )
 
 
@@ -108,7 +118,8 @@ TOMBSTONE_FINGERPRINT = "closed"
 
 
 class AlreadyApplied(Exception):
-    """The key took effect after all: its final outcome is the applied one, not the refusal."""
+    """The key was decided after all (applied, or refused for lack of stock): its final outcome is that
+    decision, not this refusal."""
 
 
 def _insert_outcome(values: dict[str, Any]) -> Plan[RequestResult]:
@@ -117,11 +128,12 @@ def _insert_outcome(values: dict[str, Any]) -> Plan[RequestResult]:
     if row is not None:
         return result_of(row)
     if values["status"] in NO_EFFECT:
-        applied: Rows = yield sa.select(idempotency_keys.c.outcome).where(
+        decided: Rows = yield sa.select(idempotency_keys.c.fingerprint).where(
             idempotency_keys.c.key == values["key"]
         )
-        record = applied.first()
-        if record is not None and "error" not in json.loads(record.outcome):
+        record = decided.first()
+        if record is not None and record.fingerprint != TOMBSTONE_FINGERPRINT:
+            # A request under this key was applied or refused, and writes that outcome itself.
             raise AlreadyApplied(values["key"])
         if record is None:
             yield sa.insert(idempotency_keys).values(
@@ -145,8 +157,10 @@ def record_outcome(
     task_id: str | None = None,
     worker: str | None = None,
     epochs: int = 0,
+    fingerprint: str | None = None,
 ) -> Plan[RequestResult]:
-    """Write the request's final outcome unless one exists; return whichever is stored."""
+    """Write the request's final outcome unless one exists; return whichever is stored (compare its
+    fingerprint: it may belong to a different request that used the key first)."""
     valid.idempotency_key(key)
     if status not in FINAL_STATUSES:
         raise InvalidRequest(f"unknown final status {status!r}", field="status")
@@ -158,6 +172,7 @@ def record_outcome(
         "task_id": task_id,
         "worker": worker,
         "epochs": epochs,
+        "fingerprint": fingerprint,
     }
     for _ in range(3):
         try:

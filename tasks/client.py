@@ -2,7 +2,9 @@
 
 The task id is derived from the idempotency key, so enqueueing the same key twice names the same request.
 Outcomes are read from the database's request outcomes (durable, written once per key) rather than the
-result backend, so a handle resolves even after the result expired or the worker that produced it died.
+result backend, so a handle resolves even after the result expired or the worker that produced it died,
+and publishing needs only the broker. An outcome stored under the key by a different request (same key,
+other arguments) raises :class:`IdempotencyConflict` instead of being handed over.
 Publishing is blocking kombu I/O and runs in a small thread pool; waiting is pure asyncio.
 """
 
@@ -18,9 +20,11 @@ from typing import Any
 
 from celery import Celery
 
-from reservations import AsyncInventory, Inventory
+from reservations import AsyncInventory, IdempotencyConflict, InvalidRequest, Inventory
 from reservations import validation as valid
-from reservations.requests import RequestResult, request_id, task_name
+from reservations.messages import SHAPES, request_fingerprint
+from reservations.producer import Producer
+from reservations.requests import RequestResult
 from tasks.app import app as default_app
 from tasks.app import settings_of
 
@@ -51,17 +55,39 @@ def _reservation(sku: str, quantity: int, hold_for: float | None) -> dict[str, A
     }
 
 
+def _known(operation: str) -> str:
+    if operation not in SHAPES:
+        raise InvalidRequest(
+            f"unknown operation {operation!r}; one of {', '.join(sorted(SHAPES))}", field="operation"
+        )
+    return operation
+
+
 @dataclass(frozen=True)
 class ReservationHandle:
+    """One enqueued request. ``result`` raises :class:`IdempotencyConflict` when the outcome under its key
+    belongs to a different request (the key was used first with other arguments)."""
+
     key: str
     task_id: str
     client: ReservationClient
+    operation: str | None = None
+    fingerprint: str | None = None
 
     async def result(self, timeout: float = 30.0) -> RequestResult:
-        return await self.client.wait(self.key, timeout=timeout)
+        return self._own(await self.client.wait(self.key, timeout=timeout))
 
     def result_sync(self, timeout: float = 30.0) -> RequestResult:
-        return self.client.wait_sync(self.key, timeout=timeout)
+        return self._own(self.client.wait_sync(self.key, timeout=timeout))
+
+    def _own(self, stored: RequestResult) -> RequestResult:
+        if self.operation is None or self.fingerprint is None:
+            return stored
+        if not stored.belongs_to(self.operation, self.fingerprint):
+            raise IdempotencyConflict(
+                key=self.key, operation=self.operation, stored_operation=stored.operation
+            )
+        return stored
 
 
 class ReservationClient:
@@ -70,6 +96,10 @@ class ReservationClient:
     def __init__(self, app: Celery | None = None) -> None:
         self.app = app or default_app
         self.settings = settings_of(self.app)
+        # Publishing through a producer without a result backend: the outcome is read from the database.
+        self._producer = Producer(
+            self.settings.broker_url, transport_options=self.app.conf.broker_transport_options
+        )
         self._publisher = ThreadPoolExecutor(max_workers=4, thread_name_prefix="enqueue")
         self._async_inventory: AsyncInventory | None = None
         self._inventory: Inventory | None = None
@@ -77,9 +107,14 @@ class ReservationClient:
     # -- publishing ---------------------------------------------------------------------------------
 
     def _send(self, name: str, key: str, kwargs: dict[str, Any]) -> ReservationHandle:
-        task_id = request_id(key)  # also validates the key, before anything is published
-        self.app.send_task(name, kwargs={**kwargs, "idempotency_key": key}, task_id=task_id)
-        return ReservationHandle(key=key, task_id=task_id, client=self)
+        task_id = self._producer.send(name, key, kwargs)  # validates the key before publishing
+        return ReservationHandle(
+            key=key,
+            task_id=task_id,
+            client=self,
+            operation=SHAPES[name].operation,
+            fingerprint=request_fingerprint(name, kwargs),
+        )
 
     async def _send_async(self, name: str, key: str, kwargs: dict[str, Any]) -> ReservationHandle:
         loop = asyncio.get_running_loop()
@@ -88,14 +123,12 @@ class ReservationClient:
     def enqueue_reservation_sync(
         self, sku: str, quantity: int, *, idempotency_key: str, hold_for: float | None = None
     ) -> ReservationHandle:
-        return self._send(task_name("reserve"), idempotency_key, _reservation(sku, quantity, hold_for))
+        return self._send("reserve", idempotency_key, _reservation(sku, quantity, hold_for))
 
     async def enqueue_reservation(
         self, sku: str, quantity: int, *, idempotency_key: str, hold_for: float | None = None
     ) -> ReservationHandle:
-        return await self._send_async(
-            task_name("reserve"), idempotency_key, _reservation(sku, quantity, hold_for)
-        )
+        return await self._send_async("reserve", idempotency_key, _reservation(sku, quantity, hold_for))
 
     async def enqueue_order(
         self, lines: list[tuple[str, int]], *, idempotency_key: str, hold_for: float | None = None
@@ -104,7 +137,7 @@ class ReservationClient:
         valid.idempotency_key(idempotency_key)
         hold_for = valid.hold_seconds(hold_for)
         return await self._send_async(
-            task_name("reserve_order"),
+            "reserve_order",
             idempotency_key,
             {"lines": [list(line) for line in order], "hold_for": hold_for},
         )
@@ -112,11 +145,11 @@ class ReservationClient:
     def enqueue_sync(self, operation: str, *, idempotency_key: str, **kwargs: Any) -> ReservationHandle:
         """Any request by task operation name: reserve, reserve_order, confirm, release, restock."""
         valid.idempotency_key(idempotency_key)
-        return self._send(task_name(operation), idempotency_key, kwargs)
+        return self._send(_known(operation), idempotency_key, kwargs)
 
     async def enqueue(self, operation: str, *, idempotency_key: str, **kwargs: Any) -> ReservationHandle:
         valid.idempotency_key(idempotency_key)
-        return await self._send_async(task_name(operation), idempotency_key, kwargs)
+        return await self._send_async(_known(operation), idempotency_key, kwargs)
 
     # -- waiting ------------------------------------------------------------------------------------
 
@@ -157,6 +190,7 @@ class ReservationClient:
             self._inventory.close()
             self._inventory = None
         self._publisher.shutdown(wait=False)
+        self._producer.close()
 
 
 _clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, ReservationClient] = (

@@ -23,6 +23,7 @@ from fencing import (
     InvalidLeaseRequest,
     Lease,
     LeaseBusy,
+    LeaseLost,
     LostOwnership,
 )
 from fencing.manager import backoff
@@ -36,8 +37,10 @@ from reservations import (
     RequestClosed,
     UnknownReservation,
     UnknownSku,
+    messages,
 )
 from reservations import validation as valid
+from reservations.messages import Message
 from reservations.requests import AlreadyApplied, RequestResult, task_name
 from tasks.app import app, settings_of
 from tasks.failpoints import failpoint
@@ -83,9 +86,26 @@ def _as_result(result: RequestResult) -> dict[str, Any]:
     }
 
 
-# Transient failures (Redis or the database unreachable) retry this many times, with their own count.
-MAX_TRANSIENT_RETRIES = 20
-COUNTERS = ("epoch", "busy", "transient")
+def _answer(task: Task, message: Message, stored: RequestResult) -> dict[str, Any]:
+    """What this message's sender is told about the outcome stored under its key: that outcome if it is
+    this request's, else a conflict (and the key's Celery result is left to the request that owns it)."""
+    if stored.belongs_to(message.operation, message.fingerprint):
+        return _as_result(stored)
+    task.request.ignore_result = True
+    return {
+        "key": message.key,
+        "operation": message.operation,
+        "status": "invalid",
+        "epochs": message.counts["epoch"],
+        "detail": {
+            "error": "IdempotencyConflict",
+            "message": f"idempotency key {message.key!r} names a different {stored.operation} request",
+            "stored_operation": stored.operation,
+        },
+    }
+
+
+COUNTERS = messages.COUNTERS
 # A task serving a SKU's pending reservations gives up the lease after this many batches and takes it
 # again (a new token) if the list is still not empty, at most this many times; the SKU's watch and the
 # beat sweep look again, so a bound here never strands one.
@@ -102,116 +122,207 @@ class Batchable:
     hold_for: float | None
 
 
-def run_request(
-    task: Task,
-    operation: str,
-    key: str,
-    skus: Callable[[Resources], list[str]],
-    apply: Apply,
-    batch: Batchable | None = None,
-) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Work:
+    """What a checked message does: the SKUs whose leases it takes, the fenced operation under them, and
+    (for a single-SKU reservation) how a busy lease's holder can serve it instead."""
+
+    skus: Callable[[Resources], list[str]]
+    apply: Apply
+    batch: Batchable | None = None
+
+
+def _work_of(message: Message) -> Work:
+    args, key = message.args, message.key
+    if message.name == "reserve":
+        sku, quantity, hold_for = args["sku"], args["quantity"], args["hold_for"]
+        return Work(
+            lambda _: [sku],
+            lambda inv, leases: inv.reserve(leases[sku], sku, quantity, key=key, hold_for=hold_for),
+            Batchable(sku, quantity, hold_for),
+        )
+    if message.name == "reserve_order":
+        lines = args["lines"]
+        return Work(
+            lambda _: [sku for sku, _ in lines],
+            lambda inv, leases: inv.reserve_many(leases, lines, key=key, hold_for=args["hold_for"]),
+        )
+    if message.name == "restock":
+        sku, quantity = args["sku"], args["quantity"]
+        return Work(lambda _: [sku], lambda inv, leases: inv.restock(leases[sku], sku, quantity, key=key))
+    reservation_id = args["reservation_id"]
+
+    def apply(inv: Inventory, leases: dict[str, Lease]) -> Outcome:
+        (lease,) = leases.values()
+        finish = inv.confirm if message.name == "confirm" else inv.release
+        return finish(lease, reservation_id, key=key)
+
+    return Work(lambda res: [res.inventory.reservation(reservation_id).sku], apply)
+
+
+def _counter(kwargs: dict[str, Any], name: str) -> int:
+    value = kwargs.get(name, 0)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+
+
+def run_request(task: Task, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
     """One attempt at a request; returns its final outcome (or "queued", not stored, for a request queued
     for its SKU's lease holder: the server of its batch writes its result) or raises Celery's Retry.
 
+    The message is checked before anything else; a message that can never succeed ends ``invalid``.
     Three separate counters travel with the message: ``epoch`` (attempts that lost ownership), ``busy``
     (lease-busy retries) and ``transient`` (unreachable backend), so one kind of retry never uses up
-    another's budget.
+    another's budget. Every way out but a retry records the request's final outcome.
     """
     res = resources(settings_of(app))
+    settings = res.settings
     sent = dict(task.request.kwargs or {})
-    counts = {name: int(sent.get(name) or 0) for name in COUNTERS}
+    transient = _counter(sent, "transient")
+    who = {"task_id": task.request.id, "worker": worker_identity()}
+    operation = messages.SHAPES[name].operation
 
     def again(counter: str, countdown: float) -> Exception:
-        return task.retry(kwargs={**sent, counter: counts[counter] + 1}, countdown=countdown)  # type: ignore[no-any-return]
+        return task.retry(kwargs={**sent, counter: _counter(sent, counter) + 1}, countdown=countdown)  # type: ignore[no-any-return]
 
+    message: Message | None = None
     try:
-        valid.idempotency_key(key)
-    except InvalidRequest as exc:  # nowhere to record it by key: the Celery result carries it
-        return {
-            "key": None,
-            "operation": operation,
-            "status": "invalid",
-            "detail": {"error": str(exc)},
-            "epochs": counts["epoch"],
-        }
-    try:
-        if batch is not None and not res.settings.batching:
-            batch = None
-        return _attempt(task, res, operation, key, skus, apply, counts, again, batch)
+        try:
+            message = messages.parse(name, args, kwargs)
+        except messages.InvalidMessage as exc:
+            if exc.key is None:  # nowhere to record it by key: the Celery result carries it
+                return {
+                    "key": None,
+                    "operation": operation,
+                    "status": "invalid",
+                    "detail": {"error": "InvalidRequest", "message": str(exc)},
+                    "epochs": 0,
+                }
+            stored = res.inventory.record_outcome(
+                exc.key,
+                operation,
+                "invalid",
+                {"error": "InvalidRequest", "message": str(exc)},
+                fingerprint=exc.fingerprint,
+                **who,
+            )
+            return _as_result(stored)
+        if transient > settings.max_transient_retries:
+            return _give_up(task, res, message, who, "the backend stayed unreachable")
+        batch = _work_of(message).batch if settings.batching else None
+        return _attempt(task, res, message, _work_of(message), batch, again, who)
     except AlreadyApplied:
-        # A copy of this request applied it while this one was giving up: look again and report that.
+        # A copy of this request (or another request under its key) decided it while this one was giving
+        # up: look again and report that.
         raise task.retry(kwargs=sent, countdown=0.01) from None
     except BackendUnavailable as exc:
         # Also covers an outcome or attempt that could not be recorded: nothing is final until it is.
-        if counts["transient"] >= MAX_TRANSIENT_RETRIES:
-            log.error("giving up on %s after %d transient failures: %s", key, counts["transient"], exc)
-            raise
+        if message is None:
+            # A refusal that could not be recorded yet: the same message comes back (its counters are not
+            # trusted, so none is touched) until the database answers.
+            raise task.retry(kwargs=sent, countdown=_rng.uniform(1.0, 30.0)) from None
+        if transient >= settings.max_transient_retries:
+            log.error("giving up on %s after %d transient failures: %s", message.key, transient, exc)
+            try:
+                return _give_up(task, res, message, who, str(exc))
+            except BackendUnavailable:
+                # Not even the dead letter can be written: keep coming back at the slowest pace until it
+                # can, so the request still ends with an outcome once the database answers.
+                sent["transient"] = settings.max_transient_retries + 1
+                raise task.retry(kwargs=sent, countdown=_rng.uniform(15.0, 30.0)) from None
         # Its own backoff, growing to half a minute: a database restart or a Redis failover takes that long.
-        ceiling = min(30.0, 0.2 * 2 ** counts["transient"])
+        ceiling = min(30.0, 0.2 * 2**transient)
         raise again("transient", _rng.uniform(ceiling / 2, ceiling)) from None
     except Exception as exc:
         if isinstance(exc, Retry):
             raise
         # A bug or an unforeseen input must still end the request, or its caller waits forever.
+        key = message.key if message is not None else sent.get("idempotency_key")
         log.exception("request %s failed unexpectedly", key)
-        with suppress(Exception):
-            res.inventory.record_outcome(
-                key,
-                operation,
-                "dead_lettered",
-                {"reason": "unexpected error", "error": repr(exc)[:500]},
-                task_id=task.request.id,
-                worker=worker_identity(),
-                epochs=counts["epoch"],
-            )
+        if message is not None:
+            with suppress(Exception):
+                res.inventory.record_outcome(
+                    message.key,
+                    message.operation,
+                    "dead_lettered",
+                    {"reason": "unexpected error", "error": repr(exc)[:500]},
+                    epochs=message.counts["epoch"],
+                    fingerprint=message.fingerprint,
+                    **who,
+                )
         raise
+
+
+def _give_up(
+    task: Task, res: Resources, message: Message, who: dict[str, Any], error: str
+) -> dict[str, Any]:
+    """Dead-letter a request whose backend stayed unreachable through every transient retry."""
+    stored = res.inventory.record_outcome(
+        message.key,
+        message.operation,
+        "dead_lettered",
+        {"reason": "backend unavailable", "error": error[:500]},
+        epochs=message.counts["epoch"],
+        fingerprint=message.fingerprint,
+        **who,
+    )
+    return _answer(task, message, stored)
+
+
+def _lost_with_the_lease(leases: dict[str, Lease], exc: BackendUnavailable) -> LeaseLost | None:
+    """A database error after the lease ran out is lost ownership, not a passing outage: the database
+    ends a transaction left idle past the lease ttl (a frozen or cut-off worker), so the rows it locked
+    go to the next holder instead of waiting for the pause to end."""
+    for lease in leases.values():
+        if lease.lost or lease.time_left() <= 0:
+            return LeaseLost(
+                scope=lease.scope,
+                token=lease.token,
+                lease_id=lease.lease_id,
+                reason=f"the database ended the transaction after the lease ran out: {exc}",
+            )
+    return None
 
 
 def _attempt(
     task: Task,
     res: Resources,
-    operation: str,
-    key: str,
-    skus: Callable[[Resources], list[str]],
-    apply: Apply,
-    counts: dict[str, int],
-    again: Callable[[str, float], Exception],
+    message: Message,
+    work: Work,
     batch: Batchable | None,
+    again: Callable[[str, float], Exception],
+    who: dict[str, Any],
 ) -> dict[str, Any]:
     settings = res.settings
-    worker = worker_identity()
-    task_id = task.request.id
-    who = {"task_id": task_id, "worker": worker}
-    epoch = counts["epoch"]
+    key, operation = message.key, message.operation
+    epoch = message.counts["epoch"]
 
     def final(status: str, detail: dict[str, Any]) -> dict[str, Any]:
-        stored = res.inventory.record_outcome(key, operation, status, detail, epochs=epoch, **who)
-        return _as_result(stored)
+        stored = res.inventory.record_outcome(
+            key, operation, status, detail, epochs=epoch, fingerprint=message.fingerprint, **who
+        )
+        return _answer(task, message, stored)
 
     lease_token: int | None = None
     try:
         done = res.inventory.request_outcome(key)
-        if done is not None and done.operation != operation:
-            # The key belongs to another request: report the conflict, store nothing under it.
-            return {
-                "key": key,
-                "operation": operation,
-                "status": "invalid",
-                "epochs": epoch,
-                "detail": {"error": "IdempotencyConflict", "stored_operation": done.operation},
-            }
         if done is not None:
-            return _as_result(done)
+            return _answer(task, message, done)
         with res.inventory.hold_many(
             res.leases,
-            skus(res),
+            work.skus(res),
             ttl=settings.lease_ttl,
-            holder=f"{worker}:{task_id}",
+            holder=f"{who['worker']}:{who['task_id']}",
             renew_every=settings.lease_renew_every,
         ) as leases:
             lease_token = max((lease.token for lease in leases.values()), default=None)
             failpoint("before_write")
-            outcome = apply(res.inventory, leases)
+            try:
+                outcome = work.apply(res.inventory, leases)
+            except BackendUnavailable as exc:
+                lost = _lost_with_the_lease(leases, exc)
+                if lost is None:
+                    raise
+                raise lost from exc
             failpoint("after_write")
         res.inventory.record_attempt(
             key, operation, "replayed" if outcome.replayed else "applied", token=outcome.token, **who
@@ -220,13 +331,15 @@ def _attempt(
     except InsufficientStock as exc:
         return _then_serve(res, batch, who, final("insufficient_stock", exc.summary()))
     except _INVALID as exc:
+        # A conflict is recorded only where the key has no outcome yet (its record was purged); otherwise
+        # the stored outcome, which belongs to the other request, comes back and the answer says so.
         return final("invalid", {"error": type(exc).__name__, "message": str(exc)})
     except LeaseBusy as busy:
         if batch is not None:
-            return _wait_for_holder(task, res, key, batch, counts["epoch"], who)
-        if counts["busy"] >= settings.max_retries:
+            return _wait_for_holder(task, res, message, batch, who)
+        if message.counts["busy"] >= settings.max_retries:
             return final("dead_lettered", {"reason": "lease busy", "holder": busy.holder})
-        raise again("busy", _jitter(busy.retry_after, counts["busy"])) from None
+        raise again("busy", _jitter(busy.retry_after, message.counts["busy"])) from None
     except LostOwnership as lost:
         # Terminal for this attempt and its lease: nothing more happens under it. The request itself
         # goes back to coordination: a new task run takes a new lease, and the idempotency key keeps an
@@ -235,8 +348,8 @@ def _attempt(
             "lost ownership of %s (token %s) in task %s on %s: %s",
             lost.scope,
             lost.token,
-            task_id,
-            worker,
+            who["task_id"],
+            who["worker"],
             lost,
         )
         res.inventory.record_attempt(
@@ -248,7 +361,7 @@ def _attempt(
 
 
 def _wait_for_holder(
-    task: Task, res: Resources, key: str, batch: Batchable, epoch: int, who: dict[str, Any]
+    task: Task, res: Resources, message: Message, batch: Batchable, who: dict[str, Any]
 ) -> dict[str, Any]:
     """The lease is busy: queue the request for the holder instead of spinning on the lease.
 
@@ -257,21 +370,36 @@ def _wait_for_holder(
     of the SKU's queue, which serves it once the lease is free if the holder died.
     """
     settings = res.settings
+    key, epoch = message.key, message.counts["epoch"]
     queued = res.inventory.hand_off(
         batch.sku, batch.quantity, key=key, hold_for=batch.hold_for, task_id=who["task_id"], epochs=epoch
     )
     if queued.outcome is not None:
-        return _as_result(queued.outcome)
+        return _answer(task, message, queued.outcome)
+    if queued.conflict:
+        # Its key waits in the queue as a different request: that one is served, this one conflicts.
+        task.request.ignore_result = True
+        return {
+            "key": key,
+            "operation": message.operation,
+            "status": "invalid",
+            "epochs": epoch,
+            "detail": {
+                "error": "IdempotencyConflict",
+                "message": f"idempotency key {key!r} is queued for a different reserve request",
+                "stored_operation": "reserve",
+            },
+        }
     if queued.first:
         try:
-            watch_waiting.apply_async(args=[valid.sku(batch.sku)], countdown=settings.handoff_check)
+            watch_waiting.apply_async(args=[batch.sku], countdown=settings.handoff_check)
         except Exception as exc:  # the request is queued: the holder or the beat sweep still serve it
             log.warning("could not schedule the watch of %s: %s", batch.sku, exc)
     # Served nothing: the lease is busy, and its holder looks at the queue again after releasing.
     if _serve_quietly(res, batch.sku, known_waiting=True, **who):
         done = res.inventory.request_outcome(key)
         if done is not None:
-            return _as_result(done)
+            return _answer(task, message, done)
     # Per-request ignore_result, read by Celery when it stores the return value: the server's result
     # for this task id must not be overwritten by "queued". (Raising Ignore does the same but costs a
     # formatted traceback per request.)
@@ -359,69 +487,37 @@ def serve_pending(
     return served
 
 
-@app.task(bind=True, max_retries=None, name=task_name("reserve"))
-def reserve(
-    self: Task, sku: str, quantity: int, idempotency_key: str, hold_for: float | None = None, **_counts: int
-) -> dict[str, Any]:
-    return run_request(
-        self,
-        "reserve",
-        idempotency_key,
-        lambda _: [valid.sku(sku)],
-        lambda inv, leases: inv.reserve(leases[sku], sku, quantity, key=idempotency_key, hold_for=hold_for),
-        Batchable(sku, quantity, hold_for),
-    )
+# The request tasks take their arguments as sent and check them in :func:`messages.parse`, so that a
+# malformed message (a missing or unknown argument, a bad retry counter) still ends with a recorded
+# outcome instead of a TypeError before any code of ours runs. Parameters, in positional order:
+# reserve(sku, quantity, idempotency_key, hold_for=None); reserve_order(lines, idempotency_key,
+# hold_for=None); confirm / release(reservation_id, idempotency_key); restock(sku, quantity,
+# idempotency_key).
 
 
-@app.task(bind=True, max_retries=None, name=task_name("reserve_order"))
-def reserve_order(
-    self: Task, lines: list[list[Any]], idempotency_key: str, hold_for: float | None = None, **_counts: int
-) -> dict[str, Any]:
-    def skus(_: Resources) -> list[str]:
-        return [sku for sku, _ in valid.order_lines(lines)]
-
-    return run_request(
-        self,
-        "reserve_many",
-        idempotency_key,
-        skus,
-        lambda inv, leases: inv.reserve_many(
-            leases, [(line[0], line[1]) for line in lines], key=idempotency_key, hold_for=hold_for
-        ),
-    )
+@app.task(bind=True, max_retries=None, typing=False, name=task_name("reserve"))
+def reserve(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    return run_request(self, "reserve", args, kwargs)
 
 
-def _finish(task: Task, operation: str, reservation_id: str, key: str) -> dict[str, Any]:
-    def skus(res: Resources) -> list[str]:
-        return [res.inventory.reservation(valid.reservation_id(reservation_id)).sku]
-
-    def apply(inv: Inventory, leases: dict[str, Lease]) -> Outcome:
-        (lease,) = leases.values()
-        finish = inv.confirm if operation == "confirm" else inv.release
-        return finish(lease, reservation_id, key=key)
-
-    return run_request(task, operation, key, skus, apply)
+@app.task(bind=True, max_retries=None, typing=False, name=task_name("reserve_order"))
+def reserve_order(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    return run_request(self, "reserve_order", args, kwargs)
 
 
-@app.task(bind=True, max_retries=None, name=task_name("confirm"))
-def confirm(self: Task, reservation_id: str, idempotency_key: str, **_counts: int) -> dict[str, Any]:
-    return _finish(self, "confirm", reservation_id, idempotency_key)
+@app.task(bind=True, max_retries=None, typing=False, name=task_name("confirm"))
+def confirm(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    return run_request(self, "confirm", args, kwargs)
 
 
-@app.task(bind=True, max_retries=None, name=task_name("release"))
-def release(self: Task, reservation_id: str, idempotency_key: str, **_counts: int) -> dict[str, Any]:
-    return _finish(self, "release", reservation_id, idempotency_key)
+@app.task(bind=True, max_retries=None, typing=False, name=task_name("release"))
+def release(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    return run_request(self, "release", args, kwargs)
 
 
-@app.task(bind=True, max_retries=None, name=task_name("restock"))
-def restock(self: Task, sku: str, quantity: int, idempotency_key: str, **_counts: int) -> dict[str, Any]:
-    return run_request(
-        self,
-        "restock",
-        idempotency_key,
-        lambda _: [valid.sku(sku)],
-        lambda inv, leases: inv.restock(leases[sku], sku, quantity, key=idempotency_key),
-    )
+@app.task(bind=True, max_retries=None, typing=False, name=task_name("restock"))
+def restock(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    return run_request(self, "restock", args, kwargs)
 
 
 @app.task(name=task_name("expire_holds"))
@@ -441,13 +537,21 @@ def expire_holds() -> dict[str, int]:
     return {"expired": expired, "skipped": busy}
 
 
-@app.task(bind=True, ignore_result=True, name=task_name("watch_waiting"))
-def watch_waiting(self: Task, sku: str, round_: int = 0) -> None:
+@app.task(bind=True, ignore_result=True, typing=False, name=task_name("watch_waiting"))
+def watch_waiting(self: Task, sku: object, round_: object = 0) -> None:
     """Looks after one SKU's queue until it is empty, sooner first, then up to a lease ttl apart: serves it
     whenever the lease is free. The request that found the queue empty scheduled it; it is what serves a
     queue whose holder died when no new request of the SKU comes along."""
     res = resources(settings_of(app))
     settings = res.settings
+    try:
+        sku = valid.sku(sku)
+    except InvalidRequest as exc:  # no queue can exist for it: watching again would fail the same way
+        log.error("not watching a queue for a malformed SKU: %s", exc)
+        return
+    if isinstance(round_, bool) or not isinstance(round_, int) or not 0 <= round_ <= settings.max_retries:
+        log.error("not watching the queue of %s: round %r is not a whole number from 0", sku, round_)
+        return
     try:
         serve_pending(res, sku, task_id=self.request.id, worker=worker_identity())
         left = res.inventory.has_pending(sku)

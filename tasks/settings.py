@@ -10,7 +10,9 @@ Variables (prefix ``RESERVATIONS_``), with defaults:
 - LEASE_TTL: 30 (seconds a task's SKU lease lasts without renewal)
 - LEASE_RENEW_EVERY: ttl/3 (seconds between background renewals while a task holds its lease)
 - MAX_EPOCHS: 3 (attempts of one request that may lose ownership; at that many it is dead-lettered)
-- MAX_RETRIES: 200 (lease-busy retries before dead-letter; unreachable backends get 20 of their own)
+- MAX_RETRIES: 200 (lease-busy retries before dead-letter)
+- MAX_TRANSIENT_RETRIES: 20 (retries while Redis or the database is unreachable, backing off to 30 s;
+  then the request is dead-lettered, as soon as its outcome can be written)
 - VISIBILITY_TIMEOUT: 3600 (seconds before an unacknowledged message is redelivered)
 - EXPIRY_INTERVAL: 30 (seconds between hold-expiry sweeps by celery beat)
 - ENFORCE_FENCE: 1 (0 drops the token condition from stock writes: lease-only, for chaos comparisons only)
@@ -60,6 +62,7 @@ class Settings:
     lease_renew_every: float | None = None  # None: a third of the ttl
     max_epochs: int = 3
     max_retries: int = 200
+    max_transient_retries: int = 20
     visibility_timeout: float = 3600.0
     expiry_interval: float = 30.0
     enforce_fence: bool = True
@@ -98,6 +101,9 @@ class Settings:
             ),
             max_epochs=int(_number(env, "MAX_EPOCHS", defaults.max_epochs, 1, 100)),
             max_retries=int(_number(env, "MAX_RETRIES", defaults.max_retries, 0, 100_000)),
+            max_transient_retries=int(
+                _number(env, "MAX_TRANSIENT_RETRIES", defaults.max_transient_retries, 0, 1000)
+            ),
             visibility_timeout=_number(env, "VISIBILITY_TIMEOUT", defaults.visibility_timeout, 1, 7 * 86400),
             expiry_interval=_number(env, "EXPIRY_INTERVAL", defaults.expiry_interval, 0.1, 86400),
             enforce_fence=bool(_number(env, "ENFORCE_FENCE", 1, 0, 1)),

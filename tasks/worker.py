@@ -66,6 +66,7 @@ def resources(settings: Settings) -> Resources:
                     settings.database_url,
                     enforce_fence=settings.enforce_fence,
                     before_statement=lambda lease: failpoint("in_write"),
+                    transaction_timeout=settings.lease_ttl,
                     **_pool_options(settings.database_url),
                 ),
                 leases=LeaseManager.from_url(

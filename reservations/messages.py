@@ -1,0 +1,160 @@
+"""Request messages as a queue carries them: every argument and retry counter checked before anything else,
+and the fingerprint that names the request independent of its key.
+
+Workers parse each message here; producers compute the same fingerprint before publishing, so a caller
+whose key already belongs to a different request learns that instead of receiving that request's outcome.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from reservations import validation as valid
+from reservations.errors import InvalidRequest
+from reservations.operations import fingerprint, hold_ms_of
+
+# Retry counters travel with the message (see tasks.jobs); a producer never sets them.
+COUNTERS = ("epoch", "busy", "transient")
+MAX_COUNTER = 1_000_000
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """One request type: its domain operation and its message parameters in positional order."""
+
+    operation: str
+    params: tuple[str, ...]
+    optional: frozenset[str] = frozenset()
+
+
+# Keyed by the task name's suffix (``reservations.<name>``); an order is the ``reserve_many`` operation.
+SHAPES = {
+    "reserve": Shape("reserve", ("sku", "quantity", "idempotency_key", "hold_for"), frozenset({"hold_for"})),
+    "reserve_order": Shape("reserve_many", ("lines", "idempotency_key", "hold_for"), frozenset({"hold_for"})),
+    "confirm": Shape("confirm", ("reservation_id", "idempotency_key")),
+    "release": Shape("release", ("reservation_id", "idempotency_key")),
+    "restock": Shape("restock", ("sku", "quantity", "idempotency_key")),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """A request message that passed every check: normalized arguments, its fingerprint, its counters."""
+
+    name: str
+    operation: str
+    key: str
+    args: dict[str, Any]
+    fingerprint: str
+    counts: dict[str, int]
+
+
+class InvalidMessage(InvalidRequest):
+    """A message that can never succeed. ``key`` and ``fingerprint`` are set when its idempotency key itself
+    was usable, so the refusal can be recorded as that request's outcome."""
+
+    def __init__(
+        self, message: str, *, key: str | None, fingerprint: str | None = None, field: str | None = None
+    ) -> None:
+        self.key = key
+        self.fingerprint = fingerprint
+        super().__init__(message, field=field)
+
+
+def _normalized(name: str, args: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
+    """Checked arguments and the fingerprint the operation stores in its idempotency record."""
+    if name == "reserve":
+        sku, quantity = valid.sku(args["sku"]), valid.quantity(args["quantity"])
+        hold_for = valid.hold_seconds(args.get("hold_for"))
+        hold_ms = hold_ms_of(hold_for)
+        checked = {"sku": sku, "quantity": quantity, "hold_for": hold_for}
+        return checked, fingerprint("reserve", sku=sku, quantity=quantity, hold_ms=hold_ms)
+    if name == "reserve_order":
+        order = valid.order_lines(args["lines"])
+        hold_for = valid.hold_seconds(args.get("hold_for"))
+        checked = {"lines": order, "hold_for": hold_for}
+        return checked, fingerprint("reserve_many", lines=order, hold_ms=hold_ms_of(hold_for))
+    if name in ("confirm", "release"):
+        reservation = valid.reservation_id(args["reservation_id"])
+        return {"reservation_id": reservation}, fingerprint(name, reservation_id=reservation)
+    if name == "restock":
+        sku, quantity = valid.sku(args["sku"]), valid.quantity(args["quantity"])
+        print_ = fingerprint("restock", sku=sku, delta=quantity, reason=None)
+        return {"sku": sku, "quantity": quantity}, print_
+    raise InvalidRequest(f"unknown request type {name!r}", field="task")  # pragma: no cover
+
+
+def _raw_fingerprint(name: str, args: Mapping[str, Any]) -> str:
+    # A request that can never succeed still names one request: the same malformed arguments replay
+    # its refusal, different ones conflict with it. JSON first, as the broker would carry them.
+    carried = json.loads(json.dumps(dict(args), sort_keys=True, default=repr))
+    return fingerprint(f"malformed {name}", arguments=carried)
+
+
+def _shape_problem(name: str, claimed: Mapping[str, Any]) -> str | None:
+    shape = SHAPES[name]
+    unknown = sorted(set(claimed) - set(shape.params))
+    if unknown:
+        return f"{name} does not take {', '.join(map(repr, unknown))}"
+    needed = set(shape.params) - shape.optional - {"idempotency_key"}
+    missing = [p for p in shape.params if p in needed and p not in claimed]
+    if missing:
+        return f"{name} needs {', '.join(map(repr, missing))}"
+    return None
+
+
+def request_fingerprint(name: str, args: Mapping[str, Any]) -> str:
+    """The fingerprint a worker will record for this request (``args`` without the idempotency key)."""
+    claimed = {k: v for k, v in args.items() if k != "idempotency_key"}
+    try:
+        if _shape_problem(name, claimed) is None:
+            return _normalized(name, claimed)[1]
+    except InvalidRequest:
+        pass
+    return _raw_fingerprint(name, claimed)
+
+
+def parse(name: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Message:
+    """Check a message of task ``name`` (positional ``args`` map onto its parameters in order).
+
+    Raises :class:`InvalidMessage` for anything a producer could not have meant: unknown or missing
+    arguments, malformed values, retry counters that are not small non-negative whole numbers.
+    """
+    shape = SHAPES[name]
+    if not isinstance(args, list | tuple) or not isinstance(kwargs, Mapping):
+        raise InvalidMessage("message arguments must be a list and a mapping", key=None)
+    if len(args) > len(shape.params):
+        raise InvalidMessage(f"{name} takes at most {len(shape.params)} positional arguments", key=None)
+    given: dict[str, Any] = dict(zip(shape.params, args, strict=False))
+    for param, value in kwargs.items():
+        if param in given:
+            raise InvalidMessage(f"{name} got {param!r} twice", key=None)
+        given[param] = value
+    try:
+        key = valid.idempotency_key(given.pop("idempotency_key", None))
+    except InvalidRequest as exc:
+        raise InvalidMessage(str(exc), key=None, field="idempotency_key") from None
+    claimed = {k: v for k, v in given.items() if k not in COUNTERS}
+
+    def refuse(problem: str, field: str | None = None) -> InvalidMessage:
+        return InvalidMessage(problem, key=key, fingerprint=request_fingerprint(name, claimed), field=field)
+
+    counts: dict[str, int] = {}
+    for counter in COUNTERS:
+        value = given.get(counter, 0)
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_COUNTER:
+            raise refuse(f"retry counter {counter} must be a whole number from 0 to {MAX_COUNTER}", counter)
+        counts[counter] = value
+    problem = _shape_problem(name, claimed)
+    if problem is not None:
+        raise refuse(problem)
+    try:
+        checked, print_ = _normalized(name, claimed)
+    except InvalidRequest as exc:
+        raise refuse(str(exc), exc.field) from None
+    return Message(
+        name=name, operation=shape.operation, key=key, args=checked, fingerprint=print_, counts=counts
+    )
