@@ -13,7 +13,8 @@ Variables (prefix ``RESERVATIONS_``), with defaults:
 - MAX_RETRIES: 200 (lease-busy retries before dead-letter)
 - MAX_TRANSIENT_RETRIES: 20 (retries while Redis or the database is unreachable, backing off to 30 s;
   then the request is dead-lettered, as soon as its outcome can be written)
-- VISIBILITY_TIMEOUT: 3600 (seconds before an unacknowledged message is redelivered)
+- VISIBILITY_TIMEOUT: 300 (seconds before an unacknowledged message is redelivered: the bound on how long
+  the requests of a worker host that died wait; at least 4 lease ttls)
 - EXPIRY_INTERVAL: 30 (seconds between hold-expiry sweeps by celery beat)
 - ENFORCE_FENCE: 1 (0 drops the token condition from stock writes: lease-only, for chaos comparisons only)
 - BATCHING: 1 (a reservation that finds its SKU's lease busy waits for the holder to serve it in a batch;
@@ -63,7 +64,7 @@ class Settings:
     max_epochs: int = 3
     max_retries: int = 200
     max_transient_retries: int = 20
-    visibility_timeout: float = 3600.0
+    visibility_timeout: float = 300.0
     expiry_interval: float = 30.0
     enforce_fence: bool = True
     batching: bool = True

@@ -22,6 +22,7 @@ from reservations import InvalidRequest, Inventory
 from reservations.requests import RequestResult
 from tasks import OutcomeTimeout, ReservationClient, ReservationHandle, request_id
 from tests.workers import (
+    FAILPOINTS,
     Cluster,
     RedisServer,
     Worker,
@@ -72,7 +73,15 @@ class Stack:
 
 
 @contextmanager
-def stack(name: str, workdir: Path, server: RedisServer, broker_db: int, **settings: str) -> Iterator[Stack]:
+def stack(
+    name: str,
+    workdir: Path,
+    server: RedisServer,
+    broker_db: int,
+    *,
+    failpoint_spec: str = FAILPOINTS,
+    **settings: str,
+) -> Iterator[Stack]:
     """Workers ``<name>1`` and ``<name>2`` on their own schema and broker/result databases of ``server``."""
     with pg_schema() as db:
         env = {
@@ -81,7 +90,7 @@ def stack(name: str, workdir: Path, server: RedisServer, broker_db: int, **setti
             "RESERVATIONS_DATABASE_URL": db,
             **settings,
         }
-        with cluster(workdir, env, prefix=name) as running:
+        with cluster(workdir, env, prefix=name, failpoint_spec=failpoint_spec) as running:
             client = running.client()
             inventory = Inventory.from_url(db)
             leases = LeaseManager.from_url(running.lease_url)

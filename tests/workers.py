@@ -319,16 +319,21 @@ def worker_env(settings: Mapping[str, str]) -> dict[str, str]:
 
 @contextmanager
 def cluster(
-    workdir: Path, settings: Mapping[str, str], *, count: int = 2, prefix: str = "w"
+    workdir: Path,
+    settings: Mapping[str, str],
+    *,
+    count: int = 2,
+    prefix: str = "w",
+    failpoint_spec: str = FAILPOINTS,
 ) -> Iterator[Cluster]:
-    """``count`` workers with the given RESERVATIONS_* settings and both failpoints configured, disarmed."""
+    """``count`` workers with the given RESERVATIONS_* settings and the failpoints configured, disarmed."""
     failpoints = workdir / "failpoints"
     failpoints.mkdir(parents=True, exist_ok=True)
-    for point in ("before_write", "after_write"):
-        (failpoints / point).touch()
+    for part in failpoint_spec.split(";"):
+        (failpoints / part.partition("=")[0]).touch()
     full = {
         **settings,
-        "RESERVATIONS_FAILPOINTS": FAILPOINTS,
+        "RESERVATIONS_FAILPOINTS": failpoint_spec,
         "RESERVATIONS_FAILPOINT_DIR": str(failpoints),
     }
     env = worker_env(full)
