@@ -14,13 +14,15 @@ from fencing.errors import (
     LostOwnership,
     ScopeMismatch,
     StaleToken,
+    TokenOverflow,
 )
 from fencing.fence import Fence, FenceOutcome, FenceResult, fence_columns
-from fencing.lease import Lease, LeaseEvent, LeaseInfo
+from fencing.lease import MAX_TOKEN, Lease, LeaseEvent, LeaseInfo
 from fencing.manager import AsyncLeaseManager, LeaseManager
 from fencing.sql import mask_url
 
 __all__ = [
+    "MAX_TOKEN",
     "AsyncLeaseManager",
     "BackendUnavailable",
     "Fence",
@@ -37,6 +39,7 @@ __all__ = [
     "LostOwnership",
     "ScopeMismatch",
     "StaleToken",
+    "TokenOverflow",
     "fence_columns",
     "mask_url",
 ]

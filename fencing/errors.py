@@ -5,7 +5,8 @@ Every error a caller can see is a :class:`FencingError`; third-party errors are 
 
     FencingError
     ├── InvalidLeaseRequest      bad scope, holder, ttl, token or lease (also a ValueError); nothing written
-    │   └── ScopeMismatch        a lease of one scope presented for another scope
+    │   ├── ScopeMismatch        a lease of one scope presented for another scope
+    │   └── TokenOverflow        a token past MAX_TOKEN, or a scope whose counter has reached it
     ├── LeaseBusy                someone else holds the scope (holder, token, retry_after)
     ├── LostOwnership            authority is gone: stop all work under this lease, never retry with it
     │   ├── StaleToken           the resource has accepted a newer token (presented, highest)
@@ -31,6 +32,23 @@ class ScopeMismatch(InvalidLeaseRequest):
         self.lease_scope = lease_scope
         self.target_scope = target_scope
         super().__init__(f"lease for scope {lease_scope!r} cannot guard scope {target_scope!r}")
+
+
+class TokenOverflow(InvalidLeaseRequest):
+    """A token beyond :data:`fencing.lease.MAX_TOKEN` was presented, or the scope's counter has reached it
+    and cannot issue another. Refused before anything is written.
+
+    Only a forged token (a hand-built lease, a corrupted coordinator) gets near the limit: at a million
+    acquisitions a second a scope would need centuries to count that far.
+    """
+
+    def __init__(self, *, token: object, limit: int, scope: str | None = None, detail: str = "") -> None:
+        self.scope = scope
+        self.token = token
+        self.limit = limit
+        where = f" for scope {scope!r}" if scope is not None else ""
+        suffix = f": {detail}" if detail else ""
+        super().__init__(f"token {token!r}{where} is beyond the limit {limit}{suffix}")
 
 
 class LeaseBusy(FencingError):

@@ -19,7 +19,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from fencing.errors import ScopeMismatch, StaleToken
-from fencing.lease import Lease
+from fencing.lease import Lease, check_lease
 from fencing.plan import Plan, run_async, run_sync
 from fencing.sql import Rows, execute, execute_async
 
@@ -94,6 +94,8 @@ class Fence:
         operation: str = "write",
     ) -> Plan[FenceResult]:
         """The guarded write as a plan; ``update`` and ``update_async`` are its two shells."""
+        # The token becomes the row's fence: one past MAX_TOKEN would lock out every later epoch.
+        check_lease(lease)
         if lease.scope != scope:
             raise ScopeMismatch(lease_scope=lease.scope, target_scope=scope)
         lease.raise_if_lost()  # sticky: no round trip for a lease already known lost

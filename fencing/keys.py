@@ -14,8 +14,8 @@ from fencing.errors import InvalidLeaseRequest
 DEFAULT_PREFIX = "fencing"
 
 
-def validate_prefix(prefix: str) -> str:
-    if not prefix or any(ch in prefix for ch in "{}%") or not prefix.isprintable():
+def validate_prefix(prefix: object) -> str:
+    if not isinstance(prefix, str) or not prefix.isprintable() or not prefix or set(prefix) & set("{}%"):
         raise InvalidLeaseRequest("key prefix must be non-empty, printable, without braces or '%'")
     return prefix
 

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from fencing.errors import InvalidLeaseRequest, LeaseLost
+from fencing.errors import InvalidLeaseRequest, LeaseLost, TokenOverflow
 
 Clock = Callable[[], float]
 
@@ -22,7 +22,16 @@ MAX_SCOPE_CHARS = 200
 MAX_HOLDER_CHARS = 200
 MIN_TTL = 0.01
 MAX_TTL = 24 * 3600.0
-MAX_TOKEN = 2**63 - 1
+# The largest fencing token: 2**53 - 1, not the 2**63 - 1 a BIGINT holds. Redis runs its scripts on Lua
+# 5.1, whose one number type is a double, so a counter the acquire and repair scripts read, compare and
+# hand back is exact only up to 2**53; so is every JSON reader that parses numbers as doubles (dashboards,
+# jq). 2**62 would leave int64 headroom but not exactness: two tokens near it compare equal in Lua. Far
+# below int64, a counter at the limit also cannot overflow Redis's HINCRBY or a BIGINT column if a check
+# were ever missed. The range lasts 285 years at a million acquisitions a second on one scope.
+MAX_TOKEN = 2**53 - 1
+# Retentions beyond a century are a mistake, and their milliseconds must still fit a BIGINT.
+MAX_RETENTION = 100 * 365 * 24 * 3600.0
+MAX_REASON_CHARS = 500
 _LEASE_ID = re.compile(r"[0-9a-f]{32}")
 
 
@@ -44,6 +53,7 @@ def validate_scope(scope: object) -> str:
 
 
 def validate_holder(holder: object) -> str:
+    """Who holds a lease, for operators: ``host:pid:task``; printable, at most 200 characters."""
     if not isinstance(holder, str) or not holder:
         raise InvalidLeaseRequest("holder must be a non-empty string such as 'host:pid:task'")
     if len(holder) > MAX_HOLDER_CHARS:
@@ -62,13 +72,75 @@ def validate_ttl(ttl: object) -> float:
     return float(ttl)
 
 
-def validate_token(token: object) -> int:
-    """A fencing token is a positive signed 64-bit integer (what a BIGINT column holds)."""
+def validate_token(token: object, *, scope: str | None = None) -> int:
+    """A fencing token: an integer from 1 to :data:`MAX_TOKEN`; :class:`TokenOverflow` beyond it."""
     if isinstance(token, bool) or not isinstance(token, int):
         raise InvalidLeaseRequest(f"token must be an integer, not {type(token).__name__}")
-    if not 1 <= token <= MAX_TOKEN:
-        raise InvalidLeaseRequest(f"token must be between 1 and 2**63-1, got {token}")
+    if token > MAX_TOKEN:
+        raise TokenOverflow(token=token, limit=MAX_TOKEN, scope=scope)
+    if token < 1:
+        raise InvalidLeaseRequest(f"token must be between 1 and {MAX_TOKEN}, got {token}")
     return token
+
+
+def parse_token(raw: object) -> int | None:
+    """A token as stored by a backend (an int, or decimal digits in Redis), or None when it is not one:
+    history readers skip what they cannot trust instead of failing on it. 0 means "none yet"."""
+    if isinstance(raw, bool):
+        return None
+    if isinstance(raw, str):
+        if not raw.isascii() or not raw.isdigit() or len(raw) > 16:
+            return None
+        raw = int(raw)
+    if not isinstance(raw, int) or not 0 <= raw <= MAX_TOKEN:
+        return None
+    return raw
+
+
+def check_lease(lease: object) -> Lease:
+    """``lease`` if it is a :class:`Lease` whose token is in range (a frozen dataclass can still be
+    altered with ``object.__setattr__``), before it reaches a coordinator or a fenced row."""
+    if not isinstance(lease, Lease):
+        raise InvalidLeaseRequest(f"expected a Lease, got {type(lease).__name__}")
+    validate_token(lease.token, scope=lease.scope)
+    return lease
+
+
+def validate_reason(reason: object) -> str:
+    """Free text an operator gives (why a lease was broken): stored and printed, so printable."""
+    if not isinstance(reason, str) or not reason or len(reason) > MAX_REASON_CHARS:
+        raise InvalidLeaseRequest(
+            f"reason must be a non-empty string of at most {MAX_REASON_CHARS} characters"
+        )
+    if _has_control(reason):
+        raise InvalidLeaseRequest("reason contains control characters or lone surrogates")
+    return reason
+
+
+def validate_retention(older_than: object) -> float:
+    """How long history is kept, in seconds: at least a minute, at most :data:`MAX_RETENTION`."""
+    if isinstance(older_than, bool) or not isinstance(older_than, int | float):
+        raise InvalidLeaseRequest(f"retention must be a number of seconds, not {type(older_than).__name__}")
+    if not math.isfinite(older_than) or not 60 <= older_than <= MAX_RETENTION:
+        raise InvalidLeaseRequest(
+            f"history retention must be between 60 and {MAX_RETENTION:.0f} seconds, got {older_than!r}"
+        )
+    return float(older_than)
+
+
+def validate_renew_every(renew_every: object) -> float | None:
+    """The background renewal interval: None (a third of the ttl) or a finite number of seconds within
+    the ttl's own bounds, so a renewal loop can neither spin on zero nor fail on NaN."""
+    if renew_every is None:
+        return None
+    if isinstance(renew_every, bool) or not isinstance(renew_every, int | float):
+        kind = type(renew_every).__name__
+        raise InvalidLeaseRequest(f"renew_every must be a number of seconds, not {kind}")
+    if not math.isfinite(renew_every) or not MIN_TTL <= renew_every <= MAX_TTL:
+        raise InvalidLeaseRequest(
+            f"renew_every must be between {MIN_TTL} and {MAX_TTL} seconds, got {renew_every!r}"
+        )
+    return float(renew_every)
 
 
 def validate_lease_id(lease_id: object) -> str:
@@ -124,10 +196,15 @@ class Lease:
 
     def __post_init__(self) -> None:
         validate_scope(self.scope)
-        validate_token(self.token)
+        validate_token(self.token, scope=self.scope)
         validate_lease_id(self.lease_id)
         validate_holder(self.holder)
         validate_ttl(self.ttl)
+        acquired = self.acquired_at
+        if isinstance(acquired, bool) or not isinstance(acquired, int | float) or not math.isfinite(acquired):
+            raise InvalidLeaseRequest("acquired_at must be a finite reading of the lease's clock")
+        if not callable(self.clock):
+            raise InvalidLeaseRequest("clock must be a callable returning monotonic seconds")
         object.__setattr__(self, "_status", _LeaseStatus(self.acquired_at + self.ttl))
 
     @property

@@ -28,8 +28,12 @@ from fencing.lease import (
     Lease,
     LeaseEvent,
     LeaseInfo,
+    check_lease,
     new_lease_id,
     validate_holder,
+    validate_reason,
+    validate_renew_every,
+    validate_retention,
     validate_scope,
     validate_token,
     validate_ttl,
@@ -44,6 +48,7 @@ log = logging.getLogger("fencing")
 # Redis keeps each scope's last DEFAULT_HISTORY_CAP lease events (a capped stream, ~4 KB at least per
 # scope); the SQL backend keeps events until purge_history removes those older than the retention.
 DEFAULT_HISTORY_CAP = 256
+MAX_HISTORY_CAP = 100_000
 DEFAULT_HISTORY_RETENTION = 30 * 24 * 3600.0
 MAX_HISTORY_LIMIT = 10_000
 
@@ -78,12 +83,6 @@ def backoff(
     return min(max(retry_after, floor), rng.uniform(floor, ceiling))
 
 
-def _check_lease(lease: object) -> Lease:
-    if not isinstance(lease, Lease):
-        raise InvalidLeaseRequest(f"expected a Lease, got {type(lease).__name__}")
-    return lease
-
-
 class LeasePlans:
     """Validation and decisions shared by both shells."""
 
@@ -112,12 +111,12 @@ class LeasePlans:
                 attempt += 1
 
     def renew(self, lease: Lease) -> Plan[Lease]:
-        _check_lease(lease).raise_if_lost()  # renewal never resurrects a lost lease
+        check_lease(lease).raise_if_lost()  # renewal never resurrects a lost lease
         renewed: Lease = yield Atomic(self.core.renew(lease))
         return renewed
 
     def release(self, lease: Lease) -> Plan[None]:
-        yield Atomic(self.core.release(_check_lease(lease)))
+        yield Atomic(self.core.release(check_lease(lease)))
         # Authority ends with the release: a write issued after it is refused here, without a round trip.
         lease.mark_lost("released by its holder")
 
@@ -132,14 +131,11 @@ class LeasePlans:
         return events
 
     def purge_history(self, older_than: float) -> Plan[int]:
-        if isinstance(older_than, bool) or not isinstance(older_than, int | float) or older_than < 60:
-            raise InvalidLeaseRequest("history retention must be at least 60 seconds")
-        purged: int = yield Atomic(self.core.purge_history(round(older_than * 1000)))
+        purged: int = yield Atomic(self.core.purge_history(round(validate_retention(older_than) * 1000)))
         return purged
 
     def break_lease(self, scope: str, reason: str) -> Plan[LeaseInfo | None]:
-        if not isinstance(reason, str) or not reason or len(reason) > 500:
-            raise InvalidLeaseRequest("reason must be a non-empty string of at most 500 characters")
+        validate_reason(reason)
         info: LeaseInfo | None = yield Atomic(self.core.break_lease(validate_scope(scope), reason))
         if info is not None:
             log.warning(
@@ -154,10 +150,14 @@ class LeasePlans:
         other stale rejection is an ordinary lost race and needs nothing. Either way the rejected
         attempt stays lost.
         """
-        if _check_lease(lease).scope != error.scope or error.presented != lease.token:
+        if not isinstance(error, StaleToken):
+            raise InvalidLeaseRequest(f"expected a StaleToken, got {type(error).__name__}")
+        if check_lease(lease).scope != error.scope or error.presented != lease.token:
             return False  # another lease's rejection says nothing about this one
+        # Checked before anything changes: raising the counter past MAX_TOKEN would leave it unable to
+        # issue another token, or overflow it.
+        validate_token(error.highest, scope=lease.scope)
         lease.mark_lost(f"stale: resource accepted token {error.highest}")
-        validate_token(error.highest)
         repaired = yield Atomic(self.core.repair(lease, error.highest))
         if repaired is None:
             return False
@@ -179,8 +179,17 @@ def default_holder() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
-def _is_redis_url(url: str) -> bool:
+def _is_redis_url(url: object) -> bool:
+    if not isinstance(url, str) or not url:
+        raise InvalidLeaseRequest(f"the lease URL must be a non-empty string, not {type(url).__name__}")
     return url.startswith(("redis://", "rediss://", "unix://"))
+
+
+def _history_cap(cap: object) -> int:
+    """How many events a Redis stream keeps per scope (the ``MAXLEN`` of every ``XADD``)."""
+    if isinstance(cap, bool) or not isinstance(cap, int) or not 1 <= cap <= MAX_HISTORY_CAP:
+        raise InvalidLeaseRequest(f"history_cap must be a whole number from 1 to {MAX_HISTORY_CAP}")
+    return cap
 
 
 def _redis_client(kind: Any, url: str, options: dict[str, Any]) -> Any:
@@ -224,7 +233,9 @@ class LeaseManager:
         executor: SyncRedisExecutor | SyncSqlExecutor
         if _is_redis_url(url):
             client = _redis_client(redis.Redis, url, client_options)
-            core = RedisLeaseCore(prefix=validate_prefix(prefix), history_cap=history_cap, clock=clock)
+            core = RedisLeaseCore(
+                prefix=validate_prefix(prefix), history_cap=_history_cap(history_cap), clock=clock
+            )
             executor = SyncRedisExecutor(client, sleep)
         else:
             engine = make_engine(url, **client_options)
@@ -285,6 +296,7 @@ class LeaseManager:
         The moment a renewal fails the lease is marked lost, so the next guarded write raises without a
         round trip. A :class:`StaleToken` leaving the block triggers the regression repair check.
         """
+        validate_renew_every(renew_every)
         lease = self.acquire(scope, ttl=ttl, holder=holder, wait=wait)
         stop = threading.Event()
 
@@ -357,7 +369,9 @@ class AsyncLeaseManager:
         executor: AsyncRedisExecutor | AsyncSqlExecutor
         if _is_redis_url(url):
             client = _redis_client(redis.asyncio.Redis, url, client_options)
-            core = RedisLeaseCore(prefix=validate_prefix(prefix), history_cap=history_cap, clock=clock)
+            core = RedisLeaseCore(
+                prefix=validate_prefix(prefix), history_cap=_history_cap(history_cap), clock=clock
+            )
             executor = AsyncRedisExecutor(client, sleep)
         else:
             engine = make_async_engine(url, **client_options)
@@ -408,6 +422,7 @@ class AsyncLeaseManager:
         wait: float = 0,
         renew_every: float | None = None,
     ) -> AsyncIterator[Lease]:
+        validate_renew_every(renew_every)
         lease = await self.acquire(scope, ttl=ttl, holder=holder, wait=wait)
 
         async def renew_loop() -> None:

@@ -7,6 +7,7 @@ lease never resets the count. History is appended to a capped stream inside the 
 from __future__ import annotations
 
 import enum
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -14,9 +15,9 @@ from typing import Any
 import redis
 import redis.asyncio
 
-from fencing.errors import BackendUnavailable, LeaseBusy, LeaseLost
+from fencing.errors import BackendUnavailable, LeaseBusy, LeaseLost, TokenOverflow
 from fencing.keys import ScopeKeys, scope_keys
-from fencing.lease import Clock, Lease, LeaseEvent, LeaseInfo
+from fencing.lease import MAX_TOKEN, Clock, Lease, LeaseEvent, LeaseInfo, parse_token, validate_token
 from fencing.plan import Atomic, Plan, Sleep, run_async, run_sync
 
 
@@ -26,17 +27,27 @@ class Reply(enum.IntEnum):
     OK = 0
     BUSY = 1
     NOT_HELD = 2
+    OUT_OF_RANGE = 3  # a token past the largest one (MAX_TOKEN); nothing was written
 
+
+log = logging.getLogger("fencing")
+
+# Tokens stay within MAX_TOKEN (2**53 - 1), where Lua's doubles are exact: comparisons, the integer
+# replies and the decimal text Redis makes of a number passed to redis.call all keep every digit.
 
 # KEYS[1] lease, KEYS[2] state, KEYS[3] events
-# ARGV[1] lease id, ARGV[2] holder, ARGV[3] ttl in ms, ARGV[4] history cap
-# returns {OK, token} | {BUSY, holder, token, pttl_ms}
+# ARGV[1] lease id, ARGV[2] holder, ARGV[3] ttl in ms, ARGV[4] history cap, ARGV[5] largest token
+# returns {OK, token} | {BUSY, holder, token, pttl_ms} | {OUT_OF_RANGE, counter as stored}
 ACQUIRE = """
 if redis.call('EXISTS', KEYS[1]) == 1 then
   local s = redis.call('HMGET', KEYS[2], 'holder', 'token')
   return {1, s[1] or '', tonumber(s[2]) or 0, redis.call('PTTL', KEYS[1])}
 end
 local prev = redis.call('HMGET', KEYS[2], 'token', 'end')
+local counter = prev[1] or '0'
+if not string.find(counter, '^%d+$') or tonumber(counter) >= tonumber(ARGV[5]) then
+  return {3, counter}
+end
 local prev_end = prev[2] or ''
 if prev_end == 'held' then prev_end = 'expired' end
 local token = redis.call('HINCRBY', KEYS[2], 'token', 1)
@@ -94,9 +105,10 @@ return {0, tonumber(s[1]), s[2] or ''}
 # Raise a counter that went backwards (data loss, failover to a lagging replica) past the highest token
 # the resource accepted. Only the *current* holder may trigger it: its rejection proves the counter,
 # not the holder, is behind. Its epoch ends too, since its token can never write.
-# KEYS as above; ARGV[1] lease id, ARGV[2] highest accepted token, ARGV[3] history cap
-# returns {OK, old counter, new counter} | {NOT_HELD}
+# KEYS as above; ARGV[1] lease id, ARGV[2] highest accepted token, ARGV[3] history cap, ARGV[4] largest token
+# returns {OK, old counter, new counter} | {NOT_HELD} | {OUT_OF_RANGE}
 REPAIR = """
+if not string.find(ARGV[2], '^%d+$') or tonumber(ARGV[2]) > tonumber(ARGV[4]) then return {3} end
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return {2} end
 local old = tonumber(redis.call('HGET', KEYS[2], 'token')) or 0
 local new = old
@@ -152,8 +164,10 @@ class RedisLeaseCore:
     def acquire(self, scope: str, ttl: float, holder: str, lease_id: str) -> Plan[Lease]:
         sent_at = self.clock()
         reply = yield ScriptCall(
-            ACQUIRE, self._keys(scope).all, (lease_id, holder, _ms(ttl), self.history_cap)
+            ACQUIRE, self._keys(scope).all, (lease_id, holder, _ms(ttl), self.history_cap, MAX_TOKEN)
         )
+        if int(reply[0]) == Reply.OUT_OF_RANGE:
+            raise _exhausted(scope, reply[1])
         if int(reply[0]) == Reply.BUSY:
             raise LeaseBusy(
                 scope=scope,
@@ -185,9 +199,12 @@ class RedisLeaseCore:
         return LeaseInfo(scope=scope, token=int(reply[1]), holder=reply[2], time_left=0.0)
 
     def repair(self, lease: Lease, highest: int) -> Plan[tuple[int, int] | None]:
+        validate_token(highest, scope=lease.scope)
         reply = yield ScriptCall(
-            REPAIR, self._keys(lease.scope).all, (lease.lease_id, highest, self.history_cap)
+            REPAIR, self._keys(lease.scope).all, (lease.lease_id, highest, self.history_cap, MAX_TOKEN)
         )
+        if int(reply[0]) == Reply.OUT_OF_RANGE:
+            raise TokenOverflow(token=highest, limit=MAX_TOKEN, scope=lease.scope)
         if int(reply[0]) != Reply.OK:
             return None
         return int(reply[1]), int(reply[2])
@@ -207,7 +224,25 @@ class RedisLeaseCore:
 
     def history(self, scope: str, limit: int) -> Plan[list[LeaseEvent]]:
         entries = yield Command(("XREVRANGE", self._keys(scope).events, "+", "-", "COUNT", limit))
-        return [_event(scope, entry_id, fields) for entry_id, fields in reversed(entries)]
+        events = []
+        for entry_id, fields in reversed(entries):
+            event = _event(scope, entry_id, fields)
+            if event is None:
+                # An entry no script of this package wrote (by hand, or by a version that let tokens
+                # overflow): one unreadable entry must not hide the rest of the scope's history.
+                log.warning("lease history of %r: skipped unreadable entry %s %r", scope, entry_id, fields)
+            else:
+                events.append(event)
+        return events
+
+
+def _exhausted(scope: str, counter: str) -> TokenOverflow:
+    return TokenOverflow(
+        token=int(counter) if counter.isascii() and counter.isdigit() else counter,
+        limit=MAX_TOKEN,
+        scope=scope,
+        detail="the coordinator's counter cannot issue another token",
+    )
 
 
 def _not_held(lease: Lease, current_token: int) -> LeaseLost:
@@ -221,16 +256,23 @@ def _not_held(lease: Lease, current_token: int) -> LeaseLost:
     return LeaseLost(scope=lease.scope, token=lease.token, lease_id=lease.lease_id, reason=reason)
 
 
-def _event(scope: str, entry_id: str, fields: dict[str, str]) -> LeaseEvent:
+def _event(scope: str, entry_id: str, fields: dict[str, str]) -> LeaseEvent | None:
+    """The stream entry as an event, or None when its event name, token or id cannot be trusted."""
+    token = parse_token(fields.get("token") or "0")
+    event = fields.get("event")
+    millis = entry_id.split("-", 1)[0]
+    if token is None or not event or not millis.isdigit():
+        return None
     previous = fields.get("previous_token") or ""
     return LeaseEvent(
         scope=scope,
-        event=fields["event"],
-        token=int(fields.get("token") or 0),
+        event=event,
+        token=token,
         holder=fields.get("holder") or None,
         lease_id=fields.get("lease_id") or None,
-        at=int(entry_id.split("-", 1)[0]) / 1000,
-        previous_token=int(previous) if previous else None,
+        at=int(millis) / 1000,
+        # An unreadable previous token only loses that detail, not the event.
+        previous_token=parse_token(previous) if previous else None,
         previous_end=fields.get("previous_end") or None,
         detail=fields.get("detail") or None,
     )

@@ -6,11 +6,23 @@ row (PostgreSQL) or the database (SQLite) instead of racing a read against a wri
 
 from __future__ import annotations
 
+import logging
+
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 
-from fencing.errors import LeaseBusy, LeaseLost
-from fencing.lease import MAX_HOLDER_CHARS, MAX_SCOPE_CHARS, Clock, Lease, LeaseEvent, LeaseInfo
+from fencing.errors import LeaseBusy, LeaseLost, TokenOverflow
+from fencing.lease import (
+    MAX_HOLDER_CHARS,
+    MAX_SCOPE_CHARS,
+    MAX_TOKEN,
+    Clock,
+    Lease,
+    LeaseEvent,
+    LeaseInfo,
+    parse_token,
+    validate_token,
+)
 from fencing.plan import Plan
 from fencing.sql import Rows, db_now_ms
 
@@ -51,6 +63,8 @@ lease_events = sa.Table(
 
 _live = sa.and_(leases.c.state == "held", leases.c.expires_ms > db_now_ms())
 
+log = logging.getLogger("fencing")
+
 
 def _ttl_ms(seconds: float) -> int:
     return max(1, round(seconds * 1000))
@@ -82,7 +96,8 @@ class SqlLeaseCore:
         now = db_now_ms()
         started: Rows = yield (
             sa.update(leases)
-            .where(leases.c.scope == scope, sa.not_(_live))
+            # A counter at MAX_TOKEN issues nothing more (see MAX_TOKEN for why the limit is below BIGINT's).
+            .where(leases.c.scope == scope, sa.not_(_live), leases.c.token < MAX_TOKEN)
             .values(
                 token=leases.c.token + 1,
                 lease_id=lease_id,
@@ -97,9 +112,16 @@ class SqlLeaseCore:
         row = started.first()
         if row is None:
             busy: Rows = yield sa.select(
-                leases.c.holder, leases.c.token, leases.c.expires_ms - db_now_ms()
+                leases.c.holder, leases.c.token, leases.c.expires_ms - db_now_ms(), _live
             ).where(leases.c.scope == scope)
-            holder_now, token_now, left_ms = busy.rows[0]
+            holder_now, token_now, left_ms, live = busy.rows[0]
+            if not live:
+                raise TokenOverflow(
+                    token=token_now,
+                    limit=MAX_TOKEN,
+                    scope=scope,
+                    detail="the coordinator's counter cannot issue another token",
+                )
             raise LeaseBusy(
                 scope=scope, holder=holder_now, token=token_now, retry_after=max(left_ms, 0) / 1000
             )
@@ -119,7 +141,12 @@ class SqlLeaseCore:
     def _end_or_extend(self, lease: Lease, values: dict[str, object]) -> Plan[int | None]:
         changed: Rows = yield (
             sa.update(leases)
-            .where(leases.c.scope == lease.scope, leases.c.lease_id == lease.lease_id, _live)
+            .where(
+                leases.c.scope == lease.scope,
+                leases.c.lease_id == lease.lease_id,
+                leases.c.token == lease.token,
+                _live,
+            )
             .values(**values)
             .returning(leases.c.token)
         )
@@ -182,6 +209,7 @@ class SqlLeaseCore:
         return LeaseInfo(scope=scope, token=int(row[0]), holder=row[1], time_left=0.0)
 
     def repair(self, lease: Lease, highest: int) -> Plan[tuple[int, int] | None]:
+        validate_token(highest, scope=lease.scope)
         raised = sa.case((leases.c.token < highest, highest), else_=leases.c.token)
         new = yield from self._end_or_extend(
             lease, {"token": raised, "state": "broken", "expires_ms": db_now_ms()}
@@ -223,17 +251,25 @@ class SqlLeaseCore:
             .order_by(lease_events.c.id.desc())
             .limit(limit)
         )
-        return [
-            LeaseEvent(
-                scope=r.scope,
-                event=r.event,
-                token=r.token,
-                holder=r.holder,
-                lease_id=r.lease_id,
-                at=r.at_ms / 1000,
-                previous_token=r.previous_token,
-                previous_end=r.previous_end,
-                detail=r.detail,
+        events = []
+        for r in reversed(found.rows):
+            token = parse_token(r.token)
+            if token is None:
+                # Not written by this backend (a row inserted by hand or restored from elsewhere): one
+                # unreadable row must not hide the rest of the scope's history.
+                log.warning("lease history of %r: skipped event %s with token %r", scope, r.id, r.token)
+                continue
+            events.append(
+                LeaseEvent(
+                    scope=r.scope,
+                    event=r.event,
+                    token=token,
+                    holder=r.holder,
+                    lease_id=r.lease_id,
+                    at=r.at_ms / 1000,
+                    previous_token=parse_token(r.previous_token),
+                    previous_end=r.previous_end,
+                    detail=r.detail,
+                )
             )
-            for r in reversed(found.rows)
-        ]
+        return events
