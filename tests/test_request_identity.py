@@ -1,0 +1,210 @@
+"""A key names one request: message checks, fingerprints on outcomes and queued requests, on SQLite and
+PostgreSQL; the columns that count stock are 64-bit; a transaction frozen while it holds a SKU's row is
+ended by the database after the bound its engine was given.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from fencing import BackendUnavailable, Lease, LeaseManager
+from fencing.sql import make_engine
+from reservations import Inventory, scope_of
+from reservations.messages import InvalidMessage, parse, request_fingerprint
+from reservations.operations import fingerprint
+
+# -- the message parser ------------------------------------------------------------------------------------
+
+
+def test_a_checked_message_carries_the_fingerprint_its_operation_stores() -> None:
+    message = parse("reserve", ["W1", 2], {"idempotency_key": "k1", "epoch": 1})
+    assert (message.operation, message.key, message.counts) == (
+        "reserve",
+        "k1",
+        {"epoch": 1, "busy": 0, "transient": 0},
+    )
+    assert message.fingerprint == fingerprint("reserve", sku="W1", quantity=2, hold_ms=None)
+    # The producer computes the same fingerprint from the arguments it publishes.
+    assert (
+        request_fingerprint("reserve", {"sku": "W1", "quantity": 2, "hold_for": None}) == message.fingerprint
+    )
+    order = parse("reserve_order", [], {"lines": [["B", 1], ["A", 2]], "idempotency_key": "k2"})
+    assert order.operation == "reserve_many"
+    assert order.fingerprint == fingerprint("reserve_many", lines=[("A", 2), ("B", 1)], hold_ms=None)
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "recordable"),
+    [
+        ([], {"sku": "W1", "quantity": "3", "idempotency_key": "k"}, True),
+        ([], {"sku": "W1", "quantity": 3.0, "idempotency_key": "k"}, True),
+        ([], {"sku": "W1", "quantity": 3, "idempotency_key": "k", "epoch": -1000}, True),
+        ([], {"sku": "W1", "quantity": 3, "idempotency_key": "k", "epoch": "abc"}, True),
+        ([], {"sku": "W1", "quantity": 3, "idempotency_key": "k", "transient": 10**9}, True),
+        ([], {"sku": "W1", "quantity": 3, "idempotency_key": "k", "colour": "red"}, True),
+        ([], {"sku": "W1", "idempotency_key": "k"}, True),
+        (["W1", 3, "k", None, "extra"], {}, False),
+        (["W1"], {"sku": "W2", "quantity": 1, "idempotency_key": "k"}, False),
+        ([], {"sku": "W1", "quantity": 3, "idempotency_key": "bad key"}, False),
+        ([], {"sku": "W1", "quantity": 3}, False),
+    ],
+)
+def test_malformed_messages_are_refused_with_the_key_when_it_is_usable(
+    args: list[Any], kwargs: dict[str, Any], recordable: bool
+) -> None:
+    with pytest.raises(InvalidMessage) as refused:
+        parse("reserve", args, kwargs)
+    assert (refused.value.key == "k") is recordable
+    assert (refused.value.fingerprint is not None) is recordable
+
+
+def test_a_malformed_request_has_a_fingerprint_of_its_own() -> None:
+    text = request_fingerprint("reserve", {"sku": "W1", "quantity": "3"})
+    assert text == request_fingerprint("reserve", {"sku": "W1", "quantity": "3"})
+    assert text != request_fingerprint("reserve", {"sku": "W1", "quantity": 3})
+    assert text != request_fingerprint("reserve", {"sku": "W1", "quantity": [3]})
+
+
+# -- outcomes and queued requests belong to one request ------------------------------------------------------
+
+
+def test_an_outcome_belongs_only_to_the_request_that_produced_it(inventory: Inventory) -> None:
+    mine = fingerprint("reserve", sku="W1", quantity=2, hold_ms=None)
+    other = fingerprint("reserve", sku="W1", quantity=3, hold_ms=None)
+    stored = inventory.record_outcome("id-k1", "reserve", "invalid", {"error": "x"}, fingerprint=mine)
+    assert stored.fingerprint == mine and stored.belongs_to("reserve", mine)
+    # A second writer under the key gets the first outcome back, and can tell it is not its own.
+    again = inventory.record_outcome("id-k1", "reserve", "invalid", {"error": "y"}, fingerprint=other)
+    assert again == stored
+    assert not again.belongs_to("reserve", other)
+    assert not again.belongs_to("restock", mine + "x")
+
+
+def test_a_key_queued_for_one_request_is_a_conflict_for_another(inventory: Inventory) -> None:
+    inventory.add_sku("Q1", on_hand=10)
+    first = inventory.hand_off("Q1", 1, key="queued-k")
+    assert (first.outcome, first.first, first.conflict) == (None, True, False)
+    again = inventory.hand_off("Q1", 1, key="queued-k")  # a redelivery of the same request
+    assert (again.first, again.conflict) == (False, False)
+    for quantity, hold_for in ((2, None), (1, 60.0)):
+        other = inventory.hand_off("Q1", quantity, key="queued-k", hold_for=hold_for)
+        assert other.conflict and other.outcome is None
+    assert inventory.pending_count("Q1") == 1
+
+
+def test_a_served_batch_records_each_requests_fingerprint(inventory: Inventory, leases: LeaseManager) -> None:
+    inventory.add_sku("Q2", on_hand=10)
+    inventory.hand_off("Q2", 2, key="served-k", hold_for=30.0)
+    lease = leases.acquire(scope_of("Q2"), ttl=30, holder="holder")
+    (served,) = inventory.serve_pending(lease, "Q2", limit=10)
+    assert served.fingerprint == request_fingerprint(
+        "reserve", {"sku": "Q2", "quantity": 2, "hold_for": 30.0}
+    )
+
+
+# -- 64-bit stock counts -------------------------------------------------------------------------------------
+
+
+UNIT_COLUMNS = [
+    ("stock", "on_hand"),
+    ("stock", "reserved"),
+    ("stock", "available"),
+    ("reservations", "quantity"),
+    ("pending_reservations", "quantity"),
+    ("sku_history", "quantity"),
+    ("sku_history", "on_hand_delta"),
+    ("sku_history", "reserved_delta"),
+]
+
+
+def test_stock_counts_are_64_bit_on_postgresql(pg_url: str) -> None:
+    Inventory.from_url(pg_url, migrate=True).close()
+    engine = make_engine(pg_url)
+    try:
+        with engine.connect() as conn:
+            types = {
+                (table, column): conn.execute(
+                    sa.text(
+                        "SELECT data_type FROM information_schema.columns"
+                        " WHERE table_schema = current_schema() AND table_name = :t AND column_name = :c"
+                    ),
+                    {"t": table, "c": column},
+                ).scalar()
+                for table, column in UNIT_COLUMNS
+            }
+    finally:
+        engine.dispose()
+    assert types == dict.fromkeys(UNIT_COLUMNS, "bigint")
+
+
+def test_stock_past_32_bits_is_counted_exactly(inventory: Inventory, leases: LeaseManager) -> None:
+    inventory.add_sku("BIG", on_hand=1_000_000)
+    engine = inventory.executor.engine
+    with engine.begin() as conn:  # an existing warehouse figure, as an earlier import would have left it
+        conn.execute(
+            sa.text("UPDATE stock SET on_hand = :n, available = :n WHERE sku = 'BIG'"), {"n": 2**31 - 5}
+        )
+    lease = leases.acquire(scope_of("BIG"), ttl=30, holder="holder")
+    inventory.restock(lease, "BIG", 1_000, key="big-restock")
+    level = inventory.stock("BIG")
+    assert (level.on_hand, level.available) == (2**31 - 5 + 1_000, 2**31 - 5 + 1_000)
+
+
+# -- a transaction frozen while holding a SKU's row ----------------------------------------------------------
+
+
+@pytest.fixture
+def bounded(pg_url: str) -> Iterator[tuple[Inventory, LeaseManager]]:
+    other_side = Inventory.from_url(pg_url, migrate=True, transaction_timeout=0.5)
+    leases = LeaseManager.from_url(pg_url)
+    try:
+        yield other_side, leases
+    finally:
+        leases.close()
+        other_side.close()
+
+
+def test_a_frozen_transaction_releases_its_sku_after_the_bound(
+    bounded: tuple[Inventory, LeaseManager], pg_url: str
+) -> None:
+    other_side, leases = bounded
+    paused, resume = threading.Event(), threading.Event()
+
+    def freeze(lease: Lease) -> None:  # the holder stops between locking the row and writing it
+        paused.set()
+        resume.wait(30)
+
+    frozen_side = Inventory.from_url(pg_url, transaction_timeout=0.5, before_statement=freeze)
+    other_side.add_sku("FZ", on_hand=10)
+    errors: list[BaseException] = []
+
+    def frozen_holder() -> None:
+        lease = leases.acquire(scope_of("FZ"), ttl=0.3, holder="frozen")
+        try:
+            frozen_side.reserve(lease, "FZ", 2, key="frozen-k")
+        except BaseException as exc:
+            errors.append(exc)
+
+    holder = threading.Thread(target=frozen_holder)
+    holder.start()
+    try:
+        assert paused.wait(10), "the holder never reached its write"
+        lease = leases.acquire(scope_of("FZ"), ttl=30, holder="next", wait=5)
+        started = time.monotonic()
+        other_side.reserve(lease, "FZ", 3, key="next-k")
+        waited = time.monotonic() - started
+    finally:
+        resume.set()
+        holder.join(30)
+        frozen_side.close()
+    # Without the bound the second holder would wait for the whole pause (30 s here).
+    assert waited < 5.0, waited
+    assert len(errors) == 1 and isinstance(errors[0], BackendUnavailable), errors
+    level = other_side.stock("FZ")
+    assert (level.on_hand, level.reserved) == (10, 3)
