@@ -11,15 +11,17 @@ from reservations.errors import (
     InvalidTransition,
     RequestClosed,
     ReservationError,
+    StockLimitExceeded,
     UnknownReservation,
     UnknownSku,
 )
 from reservations.inventory import DEFAULT_IDEMPOTENCY_RETENTION, AsyncInventory, Inventory, lock_order
-from reservations.validation import scope_of
+from reservations.validation import MAX_ON_HAND, scope_of
 from reservations.views import HistoryEntry, Outcome, ReservationView, StockLevel
 
 __all__ = [
     "DEFAULT_IDEMPOTENCY_RETENTION",
+    "MAX_ON_HAND",
     "AsyncInventory",
     "HistoryEntry",
     "IdempotencyConflict",
@@ -32,6 +34,7 @@ __all__ = [
     "ReservationError",
     "ReservationView",
     "StockLevel",
+    "StockLimitExceeded",
     "UnknownReservation",
     "UnknownSku",
     "lock_order",

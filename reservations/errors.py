@@ -3,7 +3,8 @@
 ::
 
     ReservationError
-    ├── InvalidRequest          malformed SKU, quantity, key or hold; nothing written (also a ValueError)
+    ├── InvalidRequest          malformed SKU, quantity, key, lease, text...; nothing written (a ValueError)
+    │   └── StockLimitExceeded  the change would take on_hand past MAX_ON_HAND (sku, on_hand, delta, limit)
     ├── UnknownSku              no stock row for the SKU
     ├── UnknownReservation      no reservation with that id or key
     ├── InvalidTransition       confirm/release of a reservation that is final or belongs to another SKU
@@ -30,6 +31,18 @@ class InvalidRequest(ReservationError, ValueError):
     def __init__(self, message: str, *, field: str | None = None) -> None:
         self.field = field
         super().__init__(message)
+
+
+class StockLimitExceeded(InvalidRequest):
+    """A restock or adjustment would take ``on_hand`` past its upper bound; refused in the write itself."""
+
+    def __init__(self, *, sku: str, on_hand: int, delta: int, limit: int) -> None:
+        self.sku = sku
+        self.on_hand = on_hand
+        self.delta = delta
+        self.limit = limit
+        message = f"SKU {sku!r}: on hand {on_hand} + {delta} would pass the limit of {limit} units"
+        super().__init__(message, field="quantity")
 
 
 class UnknownSku(ReservationError, LookupError):

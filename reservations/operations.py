@@ -27,6 +27,7 @@ from reservations.errors import (
     InvalidTransition,
     RequestClosed,
     ReservationError,
+    StockLimitExceeded,
     UnknownReservation,
     UnknownSku,
 )
@@ -274,7 +275,15 @@ class InventoryPlans:
         reserved: int,
         condition: sa.ColumnElement[bool] | None,
     ) -> Plan[StockLevel]:
-        """The fenced stock change; UnknownSku if there is no row, None-safe condition check."""
+        """The fenced stock change; UnknownSku if there is no row, None-safe condition check.
+
+        Units coming in must keep ``on_hand`` within MAX_ON_HAND; the bound is part of the UPDATE's own
+        condition, so two restocks racing each other cannot both pass it.
+        """
+        if on_hand > 0:
+            # Compared against a bound computed here: ``on_hand + delta`` could overflow in SQL first.
+            within = stock.c.on_hand <= valid.MAX_ON_HAND - on_hand
+            condition = within if condition is None else sa.and_(condition, within)
         result = yield from self.fence.plan(
             lease,
             scope=valid.scope_of(sku),
@@ -293,6 +302,9 @@ class InventoryPlans:
             raise UnknownSku(sku)
         if result.outcome is FenceOutcome.CONDITION_FAILED:
             level = yield from stock_level(sku)
+            if on_hand > 0 and level.on_hand > valid.MAX_ON_HAND - on_hand:
+                limit = valid.MAX_ON_HAND
+                raise StockLimitExceeded(sku=sku, on_hand=level.on_hand, delta=on_hand, limit=limit)
             raise InsufficientStock(sku=sku, requested=max(reserved, -on_hand), available=level.available)
         row = result.row
         return StockLevel(sku=row[0], on_hand=row[1], reserved=row[2], available=row[3], fence_token=row[4])
@@ -391,8 +403,7 @@ class InventoryPlans:
     def add_sku(self, sku: str, on_hand: int) -> Plan[StockLevel]:
         """Create a SKU's stock row (unfenced: no owner can exist for a row that does not)."""
         valid.sku(sku)
-        if on_hand != 0:
-            valid.quantity(on_hand, field="on_hand")
+        valid.on_hand(on_hand)
         created: StockLevel = yield Atomic(self._add_sku(sku, on_hand))
         return created
 
@@ -417,9 +428,7 @@ class InventoryPlans:
 
     def purge_idempotency(self, older_than: float) -> Plan[int]:
         """Delete idempotency records older than ``older_than`` seconds (database clock)."""
-        if isinstance(older_than, bool) or not isinstance(older_than, int | float) or older_than < 60:
-            raise InvalidRequest("retention must be at least 60 seconds", field="older_than")
-        purged: int = yield Atomic(self._purge(round(older_than * 1000)))
+        purged: int = yield Atomic(self._purge(round(valid.retention(older_than) * 1000)))
         return purged
 
     def _purge(self, older_than_ms: int) -> Plan[int]:
@@ -431,6 +440,7 @@ class InventoryPlans:
         return len(gone.rows)
 
     def restock(self, lease: Lease, sku: str, quantity: int, key: str) -> Plan[Outcome]:
+        valid.lease(lease)
         valid.sku(sku)
         valid.quantity(quantity)
         valid.idempotency_key(key)
@@ -439,11 +449,11 @@ class InventoryPlans:
     def adjust(
         self, lease: Lease, sku: str, delta: int, key: str, reason: str | None = None
     ) -> Plan[Outcome]:
+        valid.lease(lease)
         valid.sku(sku)
         valid.delta(delta)
         valid.idempotency_key(key)
-        if reason is not None and (not isinstance(reason, str) or len(reason) > 500):
-            raise InvalidRequest("reason must be a string of at most 500 characters", field="reason")
+        valid.text(reason, field="reason", max_chars=valid.MAX_REASON_CHARS)
         return self._change_on_hand(lease, sku, delta, key, "adjust", reason)
 
     def _change_on_hand(
@@ -471,6 +481,7 @@ class InventoryPlans:
     def reserve(
         self, lease: Lease, sku: str, quantity: int, key: str, hold_for: float | None = None
     ) -> Plan[Outcome]:
+        valid.lease(lease)
         valid.sku(sku)
         valid.quantity(quantity)
         valid.idempotency_key(key)
@@ -496,6 +507,7 @@ class InventoryPlans:
         hold_for: float | None = None,
     ) -> Plan[Outcome]:
         """All lines or none. Leases must cover every SKU (take them in :func:`lock_order`)."""
+        valid.leases(leases)
         order = valid.order_lines(lines)
         valid.idempotency_key(key)
         hold_ms = hold_ms_of(hold_for)
@@ -544,6 +556,7 @@ class InventoryPlans:
     def _finish(
         self, lease: Lease, reservation_id: str, key: str, operation: str, status: str
     ) -> Plan[Outcome]:
+        valid.lease(lease)
         valid.reservation_id(reservation_id)
         valid.idempotency_key(key)
         sku_box: list[str] = []
@@ -615,6 +628,7 @@ class InventoryPlans:
 
     def expire_due(self, lease: Lease, sku: str, key: str | None = None) -> Plan[Outcome]:
         """Every held reservation of ``sku`` whose hold has passed (database clock) goes back."""
+        valid.lease(lease)
         valid.sku(sku)
         if key is not None:
             valid.idempotency_key(key)

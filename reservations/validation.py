@@ -6,20 +6,43 @@ log lines and URLs, and a grammar is easier to audit than an escaping scheme in 
 
 from __future__ import annotations
 
+import json
 import math
 import re
+from collections.abc import Iterable, Mapping
+from typing import Any
 
+from fencing import MAX_TOKEN, Lease
+from fencing.lease import has_control
 from reservations.errors import InvalidRequest
 
 MAX_SKU_CHARS = 64
 MAX_QUANTITY = 1_000_000
+# The most units one SKU may have on hand. Far above any real count, yet a stock row never nears what a
+# BIGINT holds, and every level stays exact as a double (below 2**53), so outcomes stored as JSON keep
+# each unit for any JSON reader. Checked in the fenced UPDATE itself, so concurrent restocks cannot pass it.
+MAX_ON_HAND = 10**12
 MAX_KEY_CHARS = 200
 MAX_HOLD_SECONDS = 30 * 24 * 3600
 MAX_ORDER_LINES = 100
+MAX_LIMIT = 10_000
+MAX_REASON_CHARS = 500
+MAX_DETAIL_CHARS = 10_000  # an attempt's detail: an exception's message, kept whole for the operator
+MAX_DETAIL_JSON_CHARS = 100_000  # a final outcome's detail, as stored JSON
+MAX_TASK_ID_CHARS = 64
+MAX_WORKER_CHARS = 200
+MAX_EPOCHS = 1_000_000
+# Retentions beyond a century are a mistake, and their milliseconds must still fit a BIGINT.
+MAX_RETENTION_SECONDS = 100 * 365 * 24 * 3600.0
+# 9999-12-31T23:59:59Z: any later "since" is a unit mistake (milliseconds for seconds) or garbage.
+MAX_TIMESTAMP = 253_402_300_799.0
 
 _SKU = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _KEY = re.compile(r"[!-~]{1,200}")  # printable ASCII, no spaces
 _RESERVATION_ID = re.compile(r"r_[0-9a-f]{32}")
+_OPERATION = re.compile(r"[a-z][a-z_]{0,31}")
+# What a reservation can be looked up by: its id, its request's key, or an order line's "<key> <sku>".
+_RESERVATION_REF = re.compile(rf"[!-~][ -~]{{0,{MAX_KEY_CHARS + MAX_SKU_CHARS}}}")
 
 
 def sku(value: object) -> str:
@@ -44,6 +67,13 @@ def quantity(value: object, *, field: str = "quantity") -> int:
     return value
 
 
+def on_hand(value: object) -> int:
+    """A new SKU's units: zero, or a quantity."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequest(f"on_hand must be a whole number, not {type(value).__name__}", field="on_hand")
+    return 0 if value == 0 else quantity(value, field="on_hand")
+
+
 def delta(value: object) -> int:
     """A non-zero stock correction within +-:data:`MAX_QUANTITY`."""
     if isinstance(value, bool) or not isinstance(value, int):
@@ -59,6 +89,13 @@ def idempotency_key(value: object) -> str:
             f"idempotency key must be 1-{MAX_KEY_CHARS} printable ASCII characters without spaces",
             field="idempotency_key",
         )
+    return value
+
+
+def reservation_ref(value: object) -> str:
+    """A reservation id, or the key (an order line's ``"<key> <sku>"``) that created it."""
+    if not isinstance(value, str) or not _RESERVATION_REF.fullmatch(value):
+        raise InvalidRequest("give a reservation id or an idempotency key", field="reservation")
     return value
 
 
@@ -96,3 +133,133 @@ def order_lines(lines: object) -> list[tuple[str, int]]:
 def scope_of(name: str) -> str:
     """The lease scope that guards a SKU's stock row."""
     return f"sku:{name}"
+
+
+def text(value: object, *, field: str, max_chars: int) -> str | None:
+    """Optional free text (a reason, an attempt's detail): stored and printed, so no control characters
+    (PostgreSQL refuses NUL outright) and no lone surrogates."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise InvalidRequest(f"{field} must be a string, not {type(value).__name__}", field=field)
+    if len(value) > max_chars:
+        raise InvalidRequest(f"{field} is {len(value)} characters, the limit is {max_chars}", field=field)
+    if has_control(value):
+        raise InvalidRequest(f"{field} contains control characters or lone surrogates", field=field)
+    return value
+
+
+def name(value: object, *, field: str, max_chars: int) -> str | None:
+    """An optional identifier (a task id, a worker): like :func:`text`, and never empty."""
+    if value == "":
+        raise InvalidRequest(f"{field} must not be empty", field=field)
+    return text(value, field=field, max_chars=max_chars)
+
+
+def operation(value: object) -> str:
+    """An operation name as requests record it: ``reserve``, ``reserve_many``, ``confirm``, ..."""
+    if not isinstance(value, str) or not _OPERATION.fullmatch(value):
+        raise InvalidRequest("operation must be 1-32 characters of a-z and _", field="operation")
+    return value
+
+
+def lease(value: object) -> Lease:
+    if not isinstance(value, Lease):
+        raise InvalidRequest(f"expected a fencing Lease, got {type(value).__name__}", field="lease")
+    return value
+
+
+def leases(value: object) -> Mapping[str, Lease]:
+    """An order's leases by SKU."""
+    if not isinstance(value, Mapping):
+        raise InvalidRequest(f"leases must map SKUs to leases, not {type(value).__name__}", field="leases")
+    for key, held in value.items():
+        if not isinstance(key, str) or not isinstance(held, Lease):
+            raise InvalidRequest(
+                f"leases must map SKUs to leases, found {type(key).__name__} -> {type(held).__name__}",
+                field="leases",
+            )
+    return value
+
+
+def skus(value: object) -> list[str]:
+    """Several SKUs (a string is one SKU, never a sequence of one-letter SKUs)."""
+    if isinstance(value, str | bytes) or not isinstance(value, Iterable):
+        raise InvalidRequest("give the SKUs as a list", field="skus")
+    return [sku(s) for s in value]
+
+
+def limit(value: object, *, maximum: int = MAX_LIMIT) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= maximum:
+        raise InvalidRequest(f"limit must be a whole number between 1 and {maximum}", field="limit")
+    return value
+
+
+def since(value: object) -> float | None:
+    """A point in time in seconds since the epoch, or None for all time."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        kind = type(value).__name__
+        raise InvalidRequest(f"since must be seconds since the epoch, not {kind}", field="since")
+    if not math.isfinite(value) or not 0 <= value <= MAX_TIMESTAMP:
+        raise InvalidRequest(f"since must be between 0 and {MAX_TIMESTAMP:.0f}, got {value!r}", field="since")
+    return float(value)
+
+
+def retention(value: object) -> float:
+    """How long records are kept, in seconds: at least a minute, at most a century."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidRequest(
+            f"retention must be a number of seconds, not {type(value).__name__}", field="older_than"
+        )
+    if not math.isfinite(value) or not 60 <= value <= MAX_RETENTION_SECONDS:
+        raise InvalidRequest(
+            f"retention must be between 60 and {MAX_RETENTION_SECONDS:.0f} seconds, got {value!r}",
+            field="older_than",
+        )
+    return float(value)
+
+
+def epochs(value: object) -> int:
+    """How many leases a request has outlived."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_EPOCHS:
+        raise InvalidRequest(f"epochs must be a whole number from 0 to {MAX_EPOCHS}", field="epochs")
+    return value
+
+
+def token(value: object) -> int | None:
+    """An optional fencing token, as an attempt records it."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_TOKEN:
+        raise InvalidRequest(f"token must be a whole number from 1 to {MAX_TOKEN}", field="token")
+    return value
+
+
+def fingerprint(value: object) -> str | None:
+    """A request fingerprint: a SHA-256 in hex."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not re.fullmatch(r"[0-9a-f]{64}", value):
+        raise InvalidRequest("fingerprint must be 64 lowercase hex digits", field="fingerprint")
+    return value
+
+
+def detail(value: object) -> dict[str, Any]:
+    """A final outcome's detail: a JSON object, finite numbers only, of bounded size."""
+    if not isinstance(value, dict):
+        raise InvalidRequest(f"detail must be a dict, not {type(value).__name__}", field="detail")
+    try:
+        stored = json.dumps(value, allow_nan=False, sort_keys=True)
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequest(f"detail must be plain JSON: {exc}", field="detail") from None
+    if len(stored) > MAX_DETAIL_JSON_CHARS:
+        raise InvalidRequest(f"detail is over {MAX_DETAIL_JSON_CHARS} characters as JSON", field="detail")
+    return value
+
+
+def task_and_worker(task_id: object = None, worker: object = None) -> None:
+    """The task and worker a request's record names."""
+    name(task_id, field="task_id", max_chars=MAX_TASK_ID_CHARS)
+    name(worker, field="worker", max_chars=MAX_WORKER_CHARS)

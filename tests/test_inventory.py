@@ -15,6 +15,7 @@ from sqlalchemy.exc import IntegrityError
 from fencing import Lease, LeaseLost, LeaseManager, ScopeMismatch, StaleToken
 from fencing.sql import make_engine
 from reservations import (
+    MAX_ON_HAND,
     AsyncInventory,
     IdempotencyConflict,
     InsufficientStock,
@@ -22,6 +23,7 @@ from reservations import (
     InvalidTransition,
     Inventory,
     Outcome,
+    StockLimitExceeded,
     UnknownReservation,
     UnknownSku,
     scope_of,
@@ -100,6 +102,59 @@ def test_insufficient_stock_is_typed_and_changes_nothing(
     after = snapshot(inventory_url)
     assert after["stock"] == before["stock"] and after["reservations"] == before["reservations"]
     assert not lease.lost
+
+
+def seed_on_hand(inventory_url: str, sku: str, on_hand: int) -> None:
+    """Setup: a SKU whose stock grew over years of restocks, recorded as one adjustment in its history."""
+    engine = make_engine(inventory_url)
+    with engine.begin() as conn:
+        added = on_hand - conn.execute(sa.select(stock.c.on_hand).where(stock.c.sku == sku)).scalar_one()
+        conn.execute(
+            sa.update(stock)
+            .where(stock.c.sku == sku)
+            .values(on_hand=stock.c.on_hand + added, available=stock.c.available + added)
+        )
+        conn.execute(
+            sa.insert(sku_history).values(
+                sku=sku,
+                at_ms=int(time.time() * 1000),
+                kind="write",
+                operation="adjust",
+                token=0,
+                quantity=added,
+                on_hand_delta=added,
+                reserved_delta=0,
+            )
+        )
+    engine.dispose()
+
+
+def test_stock_past_its_bound_is_typed_and_changes_nothing(
+    inventory: Inventory, leases: LeaseManager, widget: str, inventory_url: str
+) -> None:
+    lease = lease_for(leases, widget)
+    seed_on_hand(inventory_url, widget, MAX_ON_HAND - 15)
+    inventory.restock(lease, widget, 10, key="near")
+    assert level(inventory, widget) == (MAX_ON_HAND - 5, 0, MAX_ON_HAND - 5)
+    before, entries = snapshot(inventory_url), len(inventory.history(widget))
+    for attempt in (
+        lambda: inventory.restock(lease, widget, 6, key="past"),
+        lambda: inventory.adjust(lease, widget, 6, key="past-adjust", reason="cycle count"),
+    ):
+        with pytest.raises(StockLimitExceeded) as refused:
+            attempt()
+        assert isinstance(refused.value, InvalidRequest)
+        assert (refused.value.sku, refused.value.on_hand, refused.value.delta) == (widget, MAX_ON_HAND - 5, 6)
+        assert refused.value.limit == MAX_ON_HAND
+    assert snapshot(inventory_url) == before and len(inventory.history(widget)) == entries
+    assert inventory.request_outcome("past") is None and not lease.lost
+    inventory.restock(lease, widget, 5, key="to-the-bound")  # exactly the bound is allowed
+    with pytest.raises(StockLimitExceeded):
+        inventory.restock(lease, widget, 1, key="one-more")
+    inventory.adjust(lease, widget, -1, key="shrink")  # taking units away needs no headroom
+    inventory.reserve(lease, widget, 1, key="held")
+    assert level(inventory, widget) == (MAX_ON_HAND - 1, 1, MAX_ON_HAND - 2)
+    assert inventory.invariant_violations() == []
 
 
 def test_expire_due_returns_only_expired_holds(
