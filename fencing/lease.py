@@ -35,7 +35,9 @@ MAX_REASON_CHARS = 500
 _LEASE_ID = re.compile(r"[0-9a-f]{32}")
 
 
-def _has_control(text: str) -> bool:
+def has_control(text: str) -> bool:
+    """Control characters and lone surrogates: what no stored name or free text may carry (PostgreSQL
+    refuses NUL in text, a surrogate cannot be encoded, and the rest garbles logs and terminals)."""
     return any(ord(ch) < 32 or 0x7F <= ord(ch) < 0xA0 or 0xD800 <= ord(ch) < 0xE000 for ch in text)
 
 
@@ -47,7 +49,7 @@ def validate_scope(scope: object) -> str:
         raise InvalidLeaseRequest("scope must be non-empty and carry no leading or trailing spaces")
     if len(scope) > MAX_SCOPE_CHARS:
         raise InvalidLeaseRequest(f"scope is {len(scope)} characters, the limit is {MAX_SCOPE_CHARS}")
-    if _has_control(scope):
+    if has_control(scope):
         raise InvalidLeaseRequest("scope contains control characters or lone surrogates")
     return scope
 
@@ -58,7 +60,7 @@ def validate_holder(holder: object) -> str:
         raise InvalidLeaseRequest("holder must be a non-empty string such as 'host:pid:task'")
     if len(holder) > MAX_HOLDER_CHARS:
         raise InvalidLeaseRequest(f"holder is {len(holder)} characters, limit {MAX_HOLDER_CHARS}")
-    if _has_control(holder):
+    if has_control(holder):
         raise InvalidLeaseRequest("holder contains control characters or lone surrogates")
     return holder
 
@@ -112,7 +114,7 @@ def validate_reason(reason: object) -> str:
         raise InvalidLeaseRequest(
             f"reason must be a non-empty string of at most {MAX_REASON_CHARS} characters"
         )
-    if _has_control(reason):
+    if has_control(reason):
         raise InvalidLeaseRequest("reason contains control characters or lone surrogates")
     return reason
 

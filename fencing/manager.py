@@ -231,11 +231,11 @@ class LeaseManager:
     ) -> LeaseManager:
         core: LeaseCore
         executor: SyncRedisExecutor | SyncSqlExecutor
+        # Checked on every backend, though only Redis uses them: a bad argument is a bug either way.
+        prefix, history_cap = validate_prefix(prefix), _history_cap(history_cap)
         if _is_redis_url(url):
             client = _redis_client(redis.Redis, url, client_options)
-            core = RedisLeaseCore(
-                prefix=validate_prefix(prefix), history_cap=_history_cap(history_cap), clock=clock
-            )
+            core = RedisLeaseCore(prefix=prefix, history_cap=history_cap, clock=clock)
             executor = SyncRedisExecutor(client, sleep)
         else:
             engine = make_engine(url, **client_options)
@@ -367,11 +367,11 @@ class AsyncLeaseManager:
     ) -> AsyncLeaseManager:
         core: LeaseCore
         executor: AsyncRedisExecutor | AsyncSqlExecutor
+        # Checked on every backend, though only Redis uses them: a bad argument is a bug either way.
+        prefix, history_cap = validate_prefix(prefix), _history_cap(history_cap)
         if _is_redis_url(url):
             client = _redis_client(redis.asyncio.Redis, url, client_options)
-            core = RedisLeaseCore(
-                prefix=validate_prefix(prefix), history_cap=_history_cap(history_cap), clock=clock
-            )
+            core = RedisLeaseCore(prefix=prefix, history_cap=history_cap, clock=clock)
             executor = AsyncRedisExecutor(client, sleep)
         else:
             engine = make_async_engine(url, **client_options)

@@ -12,9 +12,11 @@ from contextlib import AsyncExitStack, ExitStack, asynccontextmanager, contextma
 from typing import Any
 
 from fencing import AsyncLeaseManager, Lease, LeaseManager
+from fencing.plan import Plan
 from fencing.sql import AsyncSqlExecutor, SyncSqlExecutor, make_async_engine, make_engine, mask_url
 from reservations import batching, reads, requests, schema
 from reservations import validation as valid
+from reservations.errors import InvalidRequest
 from reservations.operations import InventoryPlans
 from reservations.requests import Attempt, RequestResult
 from reservations.timeline import TimelineEntry, merge
@@ -28,7 +30,81 @@ DEFAULT_IDEMPOTENCY_RETENTION = 7 * 24 * 3600.0
 
 def lock_order(skus: Iterable[str]) -> list[str]:
     """The order in which an order's SKU leases are taken: sorted, so two orders cannot deadlock."""
-    return sorted({valid.sku(s) for s in skus})
+    return sorted(set(valid.skus(skus)))
+
+
+# The checks of the arguments that the plans of reservations.requests and reservations.batching take
+# unchecked, shared by both shells so neither sends a value the database would refuse with a raw error.
+
+_OUTCOME_FIELDS = frozenset({"task_id", "worker", "epochs", "fingerprint"})
+_ATTEMPT_FIELDS = frozenset({"task_id", "worker", "token", "detail"})
+
+
+def _check_who(who: Mapping[str, Any], allowed: frozenset[str]) -> None:
+    unknown = sorted(set(who) - allowed)
+    if unknown:
+        raise InvalidRequest(f"unexpected field(s): {', '.join(unknown)}", field=unknown[0])
+    valid.task_and_worker(who.get("task_id"), who.get("worker"))
+    if "epochs" in who:
+        valid.epochs(who["epochs"])
+    if "fingerprint" in who:
+        valid.fingerprint(who["fingerprint"])
+    if "token" in who:
+        valid.token(who["token"])
+    if "detail" in who:
+        valid.text(who["detail"], field="detail", max_chars=valid.MAX_DETAIL_CHARS)
+
+
+def _record_outcome(
+    key: str, operation: str, status: str, detail: dict[str, Any], who: Mapping[str, Any]
+) -> Plan[requests.RequestResult]:
+    valid.idempotency_key(key)
+    valid.operation(operation)
+    valid.detail(detail)
+    _check_who(who, _OUTCOME_FIELDS)
+    return requests.record_outcome(key, operation, status, detail, **who)
+
+
+def _record_attempt(key: str, operation: str, result: str, who: Mapping[str, Any]) -> Plan[None]:
+    valid.idempotency_key(key)
+    valid.operation(operation)
+    _check_who(who, _ATTEMPT_FIELDS)
+    return requests.record_attempt(key, operation, result, **who)
+
+
+def _attempts(key: str) -> Plan[list[Attempt]]:
+    return requests.attempts(valid.idempotency_key(key))
+
+
+def _purge_requests(older_than: float) -> Plan[int]:
+    return requests.purge(valid.retention(older_than))
+
+
+def _skus_with_due_holds(limit: int) -> Plan[list[str]]:
+    return requests.skus_with_due_holds(valid.limit(limit))
+
+
+def _hand_off(
+    sku: str, quantity: int, key: str, hold_for: float | None, task_id: str | None, epochs: int
+) -> Plan[batching.HandOff]:
+    valid.task_and_worker(task_id)
+    valid.epochs(epochs)
+    return batching.hand_off(sku, quantity, key, hold_for, task_id=task_id, epochs=epochs)
+
+
+def _serve_pending(
+    plans: InventoryPlans, lease: Lease, sku: str, limit: int, task_id: str | None, worker: str | None
+) -> Plan[list[RequestResult]]:
+    valid.lease(lease)
+    valid.task_and_worker(task_id, worker)
+    return batching.serve(plans, lease, sku, limit=limit, task_id=task_id, worker=worker)
+
+
+def _timeline_args(manager: object, kind: type, sku: str, limit: int) -> str:
+    if not isinstance(manager, kind):
+        raise InvalidRequest(f"expected a {kind.__name__}, got {type(manager).__name__}", field="manager")
+    valid.limit(limit)
+    return valid.scope_of(valid.sku(sku))
 
 
 class Inventory:
@@ -114,7 +190,7 @@ class Inventory:
 
     def purge_requests(self, *, older_than: float = DEFAULT_IDEMPOTENCY_RETENTION) -> int:
         """Delete request outcomes and attempts past the same retention as the idempotency records."""
-        return self._run(requests.purge(older_than))  # type: ignore[no-any-return]
+        return self._run(_purge_requests(older_than))  # type: ignore[no-any-return]
 
     # reads
     def stock(self, sku: str) -> StockLevel:
@@ -151,16 +227,16 @@ class Inventory:
     def record_outcome(
         self, key: str, operation: str, status: str, detail: dict[str, Any], **who: Any
     ) -> RequestResult:
-        return self._run(requests.record_outcome(key, operation, status, detail, **who))  # type: ignore[no-any-return]
+        return self._run(_record_outcome(key, operation, status, detail, who))  # type: ignore[no-any-return]
 
     def record_attempt(self, key: str, operation: str, result: str, **who: Any) -> None:
-        self._run(requests.record_attempt(key, operation, result, **who))
+        self._run(_record_attempt(key, operation, result, who))
 
     def attempts(self, key: str) -> list[Attempt]:
-        return self._run(requests.attempts(key))  # type: ignore[no-any-return]
+        return self._run(_attempts(key))  # type: ignore[no-any-return]
 
     def skus_with_due_holds(self, limit: int = 1000) -> list[str]:
-        return self._run(requests.skus_with_due_holds(limit))  # type: ignore[no-any-return]
+        return self._run(_skus_with_due_holds(limit))  # type: ignore[no-any-return]
 
     # hot-SKU batching
     def hand_off(
@@ -174,7 +250,7 @@ class Inventory:
         epochs: int = 0,
     ) -> batching.HandOff:
         """Queue a reservation for the SKU's lease holder (or find the outcome it already has)."""
-        return self._run(batching.hand_off(sku, quantity, key, hold_for, task_id=task_id, epochs=epochs))  # type: ignore[no-any-return]
+        return self._run(_hand_off(sku, quantity, key, hold_for, task_id, epochs))  # type: ignore[no-any-return]
 
     def has_pending(self, sku: str) -> bool:
         return self._run(batching.has_pending(sku))  # type: ignore[no-any-return]
@@ -202,15 +278,12 @@ class Inventory:
         worker: str | None = None,
     ) -> list[RequestResult]:
         """Serve up to ``limit`` pending reservations of ``sku`` in one fenced transaction."""
-        return self._run(  # type: ignore[no-any-return]
-            batching.serve(self.plans, lease, sku, limit=limit, task_id=task_id, worker=worker)
-        )
+        return self._run(_serve_pending(self.plans, lease, sku, limit, task_id, worker))  # type: ignore[no-any-return]
 
     def timeline(self, sku: str, manager: LeaseManager, *, limit: int = 1000) -> list[TimelineEntry]:
         """Lease events, accepted writes and rejections of ``sku`` as one ordered timeline."""
-        return merge(
-            manager.history(valid.scope_of(valid.sku(sku)), limit=limit), self.history(sku, limit=limit)
-        )
+        scope = _timeline_args(manager, LeaseManager, sku, limit)
+        return merge(manager.history(scope, limit=limit), self.history(sku, limit=limit))
 
     @contextmanager
     def hold_many(
@@ -224,6 +297,8 @@ class Inventory:
         renew_every: float | None = None,
     ) -> Iterator[dict[str, Lease]]:
         """Hold the leases of several SKUs, taken in :func:`lock_order`, for :meth:`reserve_many`."""
+        if not isinstance(manager, LeaseManager):
+            raise InvalidRequest(f"expected a LeaseManager, got {type(manager).__name__}", field="manager")
         with ExitStack() as stack:
             yield {
                 sku: stack.enter_context(
@@ -347,10 +422,10 @@ class AsyncInventory:
     async def record_outcome(
         self, key: str, operation: str, status: str, detail: dict[str, Any], **who: Any
     ) -> RequestResult:
-        return await self._run(requests.record_outcome(key, operation, status, detail, **who))  # type: ignore[no-any-return]
+        return await self._run(_record_outcome(key, operation, status, detail, who))  # type: ignore[no-any-return]
 
     async def attempts(self, key: str) -> list[Attempt]:
-        return await self._run(requests.attempts(key))  # type: ignore[no-any-return]
+        return await self._run(_attempts(key))  # type: ignore[no-any-return]
 
     async def hand_off(
         self,
@@ -362,9 +437,7 @@ class AsyncInventory:
         task_id: str | None = None,
         epochs: int = 0,
     ) -> batching.HandOff:
-        return await self._run(  # type: ignore[no-any-return]
-            batching.hand_off(sku, quantity, key, hold_for, task_id=task_id, epochs=epochs)
-        )
+        return await self._run(_hand_off(sku, quantity, key, hold_for, task_id, epochs))  # type: ignore[no-any-return]
 
     async def pending_count(self, sku: str | None = None) -> int:
         return await self._run(batching.pending_count(sku))  # type: ignore[no-any-return]
@@ -378,14 +451,13 @@ class AsyncInventory:
         task_id: str | None = None,
         worker: str | None = None,
     ) -> list[RequestResult]:
-        return await self._run(  # type: ignore[no-any-return]
-            batching.serve(self.plans, lease, sku, limit=limit, task_id=task_id, worker=worker)
-        )
+        return await self._run(_serve_pending(self.plans, lease, sku, limit, task_id, worker))  # type: ignore[no-any-return]
 
     async def timeline(
         self, sku: str, manager: AsyncLeaseManager, *, limit: int = 1000
     ) -> list[TimelineEntry]:
-        lease_events = await manager.history(valid.scope_of(valid.sku(sku)), limit=limit)
+        scope = _timeline_args(manager, AsyncLeaseManager, sku, limit)
+        lease_events = await manager.history(scope, limit=limit)
         return merge(lease_events, await self.history(sku, limit=limit))
 
     @asynccontextmanager
@@ -398,6 +470,10 @@ class AsyncInventory:
         holder: str | None = None,
         wait: float = 0,
     ) -> AsyncIterator[dict[str, Lease]]:
+        if not isinstance(manager, AsyncLeaseManager):
+            raise InvalidRequest(
+                f"expected an AsyncLeaseManager, got {type(manager).__name__}", field="manager"
+            )
         async with AsyncExitStack() as stack:
             leases = {}
             for sku in lock_order(skus):

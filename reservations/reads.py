@@ -15,7 +15,6 @@ from reservations.errors import InvalidRequest, UnknownReservation, UnknownSku
 from reservations.models import HELD, RESERVATION_STATUSES, reservations, sku_history, stock
 from reservations.views import HistoryEntry, ReservationView, StockLevel
 
-MAX_LIMIT = 10_000
 STOCK_COLUMNS = (stock.c.sku, stock.c.on_hand, stock.c.reserved, stock.c.available, stock.c.fence_token)
 
 
@@ -27,12 +26,6 @@ def _level(row: Any) -> StockLevel:
         available=row.available,
         fence_token=row.fence_token,
     )
-
-
-def _limit(limit: object) -> int:
-    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIMIT:
-        raise InvalidRequest(f"limit must be between 1 and {MAX_LIMIT}", field="limit")
-    return limit
 
 
 def _seconds(ms: int | None) -> float | None:
@@ -71,8 +64,7 @@ def all_stock() -> Plan[list[StockLevel]]:
 
 def reservation(id_or_key: str) -> Plan[ReservationView]:
     """A reservation by id (``r_...``) or by the idempotency key that created it."""
-    if not isinstance(id_or_key, str) or not id_or_key or len(id_or_key) > valid.MAX_KEY_CHARS:
-        raise InvalidRequest("give a reservation id or an idempotency key", field="reservation")
+    valid.reservation_ref(id_or_key)
     found: Rows = yield sa.select(reservations).where(
         sa.or_(reservations.c.id == id_or_key, reservations.c.idempotency_key == id_or_key)
     )
@@ -85,9 +77,8 @@ def reservation(id_or_key: str) -> Plan[ReservationView]:
 def reservation_list(
     sku: str | None = None, *, status: str | None = None, order_key: str | None = None, limit: int = 100
 ) -> Plan[list[ReservationView]]:
-    query = (
-        sa.select(reservations).order_by(reservations.c.created_ms, reservations.c.id).limit(_limit(limit))
-    )
+    rows = valid.limit(limit)
+    query = sa.select(reservations).order_by(reservations.c.created_ms, reservations.c.id).limit(rows)
     if sku is not None:
         query = query.where(reservations.c.sku == valid.sku(sku))
     if status is not None:
@@ -103,9 +94,11 @@ def reservation_list(
 def history(sku: str, *, limit: int = 1000, since: float | None = None) -> Plan[list[HistoryEntry]]:
     """A SKU's accepted writes and refused stale writes, oldest first (the newest ``limit``)."""
     query = sa.select(sku_history).where(sku_history.c.sku == valid.sku(sku))
-    if since is not None:
-        query = query.where(sku_history.c.at_ms >= int(since * 1000))
-    found: Rows = yield query.order_by(sku_history.c.id.desc()).limit(_limit(limit))
+    starting = valid.since(since)
+    rows = valid.limit(limit)
+    if starting is not None:
+        query = query.where(sku_history.c.at_ms >= int(starting * 1000))
+    found: Rows = yield query.order_by(sku_history.c.id.desc()).limit(rows)
     return [
         HistoryEntry(
             id=r.id,
@@ -130,8 +123,9 @@ def history(sku: str, *, limit: int = 1000, since: float | None = None) -> Plan[
 
 def rejection_counts(since: float | None = None) -> Plan[dict[str, int]]:
     query = sa.select(sku_history.c.sku, sa.func.count()).where(sku_history.c.kind == "rejected")
-    if since is not None:
-        query = query.where(sku_history.c.at_ms >= int(since * 1000))
+    starting = valid.since(since)
+    if starting is not None:
+        query = query.where(sku_history.c.at_ms >= int(starting * 1000))
     found: Rows = yield query.group_by(sku_history.c.sku).order_by(sku_history.c.sku)
     return {r[0]: int(r[1]) for r in found.rows}
 
