@@ -39,14 +39,14 @@ log = logging.getLogger("fencing")
 # ARGV[1] lease id, ARGV[2] holder, ARGV[3] ttl in ms, ARGV[4] history cap, ARGV[5] largest token
 # returns {OK, token} | {BUSY, holder, token, pttl_ms} | {OUT_OF_RANGE, counter as stored}
 ACQUIRE = """
-if redis.call('EXISTS', KEYS[1]) == 1 then
-  local s = redis.call('HMGET', KEYS[2], 'holder', 'token')
-  return {1, s[1] or '', tonumber(s[2]) or 0, redis.call('PTTL', KEYS[1])}
-end
 local prev = redis.call('HMGET', KEYS[2], 'token', 'end')
 local counter = prev[1] or '0'
 if not string.find(counter, '^%d+$') or tonumber(counter) >= tonumber(ARGV[5]) then
   return {3, counter}
+end
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  local s = redis.call('HMGET', KEYS[2], 'holder', 'token')
+  return {1, s[1] or '', tonumber(s[2]) or 0, redis.call('PTTL', KEYS[1])}
 end
 local prev_end = prev[2] or ''
 if prev_end == 'held' then prev_end = 'expired' end

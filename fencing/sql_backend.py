@@ -112,10 +112,12 @@ class SqlLeaseCore:
         row = started.first()
         if row is None:
             busy: Rows = yield sa.select(
-                leases.c.holder, leases.c.token, leases.c.expires_ms - db_now_ms(), _live
+                leases.c.holder, leases.c.token, leases.c.expires_ms - db_now_ms()
             ).where(leases.c.scope == scope)
-            holder_now, token_now, left_ms, live = busy.rows[0]
-            if not live:
+            holder_now, token_now, left_ms = busy.rows[0]
+            # Judged by the counter, not by liveness: the lease may have expired since the UPDATE, and
+            # that is an ordinary busy race, while a counter at the limit refuses every later acquirer.
+            if token_now >= MAX_TOKEN:
                 raise TokenOverflow(
                     token=token_now,
                     limit=MAX_TOKEN,

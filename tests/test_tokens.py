@@ -133,6 +133,19 @@ def test_a_counter_at_or_past_the_bound_issues_no_token(lease_stack: Stack, coun
         assert manager.current("sku:A") is None
 
 
+def test_an_exhausted_counter_is_overflow_even_while_its_last_lease_is_held(lease_stack: Stack) -> None:
+    """Not LeaseBusy: waiting for the holder would never help, on any backend."""
+    with lease_stack.manager() as manager:
+        manager.acquire("sku:A", ttl=30, holder="A")
+        set_counter(lease_stack, "sku:A", MAX_TOKEN)
+        before = coordinator_state(lease_stack, "sku:A")
+        with pytest.raises(TokenOverflow):
+            manager.acquire("sku:A", ttl=5, holder="B", wait=1)
+        assert coordinator_state(lease_stack, "sku:A") == before
+        info = manager.current("sku:A")
+        assert info is not None and info.holder == "A"
+
+
 def test_repair_past_the_bound_is_refused_and_changes_nothing(lease_stack: Stack) -> None:
     with lease_stack.manager() as manager:
         lease = manager.acquire("sku:A", ttl=5, holder="A")
