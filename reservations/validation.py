@@ -34,7 +34,8 @@ MAX_WORKER_CHARS = 200
 MAX_EPOCHS = 1_000_000
 # Retentions beyond a century are a mistake, and their milliseconds must still fit a BIGINT.
 MAX_RETENTION_SECONDS = 100 * 365 * 24 * 3600.0
-# 9999-12-31T23:59:59Z: any later "since" is a unit mistake (milliseconds for seconds) or garbage.
+# 9999-12-31T23:59:59Z: a "since" further from the epoch is a unit mistake (milliseconds for seconds) or
+# garbage, and its milliseconds would not fit the database's integers.
 MAX_TIMESTAMP = 253_402_300_799.0
 
 _SKU = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -202,8 +203,10 @@ def since(value: object) -> float | None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         kind = type(value).__name__
         raise InvalidRequest(f"since must be seconds since the epoch, not {kind}", field="since")
-    if not math.isfinite(value) or not 0 <= value <= MAX_TIMESTAMP:
-        raise InvalidRequest(f"since must be between 0 and {MAX_TIMESTAMP:.0f}, got {value!r}", field="since")
+    # Before the epoch is allowed: "--since 60000d" means everything, not a mistake.
+    if not math.isfinite(value) or not -MAX_TIMESTAMP <= value <= MAX_TIMESTAMP:
+        message = f"since must be within +-{MAX_TIMESTAMP:.0f} seconds of the epoch, got {value!r}"
+        raise InvalidRequest(message, field="since")
     return float(value)
 
 

@@ -163,7 +163,8 @@ INVENTORY_CASES = [
     case("history since=inf", lambda w: w.inventory.history(W, since=INF)),
     case("history since=-inf", lambda w: w.inventory.history(W, since=-INF)),
     case("history since=1e300", lambda w: w.inventory.history(W, since=1e300)),
-    case("history since=-1", lambda w: w.inventory.history(W, since=-1)),
+    case("history since=-1e300", lambda w: w.inventory.history(W, since=-1e300)),
+    case("history since ms", lambda w: w.inventory.history(W, since=time.time() * 1e6)),
     case("history since=str", lambda w: w.inventory.history(W, since="1h")),
     case("history since=True", lambda w: w.inventory.history(W, since=True)),
     case("history limit=-1", lambda w: w.inventory.history(W, limit=-1)),
@@ -562,3 +563,4 @@ def test_a_refused_request_can_still_be_made_correctly(world: World) -> None:
     world.inventory.record_attempt("fixed-reason", "adjust", "applied", worker="h:1", token=done.token)
     assert [(a.result, a.worker) for a in world.inventory.attempts("fixed-reason")] == [("applied", "h:1")]
     assert world.inventory.history(W, since=time.time() - 3600)[-1].detail == "a b"
+    assert world.inventory.history(W, since=-86400 * 60_000)[-1].detail == "a b"  # before the epoch: all
