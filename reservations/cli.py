@@ -2,7 +2,8 @@
 and operate. Reads go straight to the database and the lease coordinator; writes either go through the
 Celery workers (enqueued by task name, so this module never imports them) or say plainly that they write.
 
-Exit codes: 0 success, 1 a check failed, 2 bad usage or input, 3 not found, 4 a backend is unreachable.
+Exit codes: 0 success, 1 a check failed, 2 bad usage or input, 3 not found, 4 a backend is unreachable
+(or reachable without its schema: ``reservations db upgrade`` creates it).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, Any, NoReturn, TypeVar
 
 import typer
 from rich.console import Console
@@ -34,7 +35,8 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_UNREACHABLE = 0, 1, 2, 3,
 app = typer.Typer(
     help=(
         "Fenced inventory reservations: inspect token history, leases, stock and rejections; operate.\n\n"
-        "Exit codes: 0 ok, 1 check failed, 2 bad usage or input, 3 not found, 4 backend unreachable."
+        "Exit codes: 0 ok, 1 check failed, 2 bad usage or input, 3 not found, 4 backend unreachable "
+        "(or without its schema)."
     ),
     no_args_is_help=True,
     add_completion=False,
@@ -97,23 +99,62 @@ def _errors() -> Iterator[None]:
     import redis
     from sqlalchemy.exc import DBAPIError
 
+    from reservations.schema import RevisionNotFound
+
     try:
         yield
     except (UnknownSku, UnknownReservation) as exc:
         _fail(EXIT_NOT_FOUND, str(exc))
-    except (InvalidRequest, InvalidLeaseRequest) as exc:
+    except (InvalidRequest, InvalidLeaseRequest, RevisionNotFound) as exc:
         _fail(EXIT_USAGE, str(exc))
     except BackendUnavailable as exc:
+        # The SQL lease backend reports every OperationalError as unreachable, and SQLite's "no such
+        # table" is one: a database that answers but was never migrated needs an upgrade, not a network.
+        _fail_if_schema_missing(exc)
         _fail(EXIT_UNREACHABLE, f"{exc} ({mask_url(config.database_url)}, leases {_lease_url_shown()})")
     except (redis.ConnectionError, redis.TimeoutError) as exc:
         _fail(EXIT_UNREACHABLE, f"Redis unreachable at {_lease_url_shown()}: {exc}")
     except DBAPIError as exc:
+        _fail_if_schema_missing(exc)
         first = str(exc.orig).strip().splitlines()[0] if exc.orig else type(exc).__name__
-        if "no such table" in first or "does not exist" in first:
-            _fail(EXIT_USAGE, f"the database has no schema; run `reservations db upgrade` ({first})")
         _fail(EXIT_UNREACHABLE, f"database error at {mask_url(config.database_url)}: {first}")
     except (ReservationError, FencingError) as exc:
         _fail(EXIT_FAILED, str(exc))
+
+
+# A table or column the migrations create, as PostgreSQL (SQLSTATE) and SQLite (message) report it.
+_SCHEMA_STATES = {"42P01": "missing", "42703": "out of date"}
+_SCHEMA_MESSAGES = {
+    "no such table": "missing",
+    "no such column": "out of date",
+    "has no column": "out of date",
+}
+
+
+def _fail_if_schema_missing(exc: BaseException) -> None:
+    """Exit with one line naming the upgrade when the database error in ``exc``'s chain is a table or
+    column the migrations create; return for any other error."""
+    from sqlalchemy.exc import DBAPIError
+
+    seen: BaseException | None = exc
+    while seen is not None and not isinstance(seen, DBAPIError):
+        seen = seen.__cause__ or seen.__context__
+    if seen is None or seen.orig is None:
+        return
+    first = str(seen.orig).strip().splitlines()[0]
+    state = getattr(seen.orig, "sqlstate", None)
+    if state is not None:
+        problem = _SCHEMA_STATES.get(state)
+    else:
+        problem = next((v for k, v in _SCHEMA_MESSAGES.items() if k in first), None)
+    if problem is None:
+        return
+    # The lease tables may live in a database of their own (RESERVATIONS_LEASE_URL): name the one to upgrade.
+    if config.lease_url and "fencing_lease" in first:
+        where = f" on the lease database {mask_url(config.lease_url)}"
+    else:
+        where = f" on {mask_url(config.database_url)}"
+    _fail(EXIT_UNREACHABLE, f"schema {problem}: run `reservations db upgrade`{where} ({first})")
 
 
 def _lease_url_shown() -> str:
@@ -132,14 +173,14 @@ def _emit_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
 
 
-_RELATIVE = re.compile(r"(\d+(?:\.\d+)?)([smhd])")
+_RELATIVE = re.compile(r"([0-9]+(?:\.[0-9]+)?)([smhd])")
 
 
 def parse_since(text: str | None) -> float | None:
     """``30m``, ``2h``, ``1d`` ago, or an ISO 8601 time (UTC when it has no zone) -> epoch seconds."""
     if text is None:
         return None
-    match = _RELATIVE.fullmatch(text.strip())
+    match = _RELATIVE.fullmatch(text)
     if match:
         unit = {"s": 1, "m": 60, "h": 3600, "d": 86400}[match.group(2)]
         return time.time() - float(match.group(1)) * unit
@@ -162,8 +203,58 @@ def _short_time(seconds: float | None) -> str:
     return _when(seconds)[11:] if seconds is not None else ""
 
 
+# Python's int() and float() also take " 3", "1_000", non-ASCII digits, "1e3" and "nan", and typer's
+# int type takes "3.0": none of those is how a person writes a count, so numbers are matched first.
+_WHOLE = re.compile(r"[0-9]+")
+_DECIMAL = re.compile(r"[0-9]+(?:\.[0-9]+)?")
+
+
+def whole(name: str, low: int = 0, high: int | None = None) -> Callable[[str | int], int]:
+    """A typer parser for a whole number written with the digits 0-9 only, within [low, high]."""
+
+    def parse(text: str | int) -> int:
+        if isinstance(text, int):  # a default, already typed
+            return text
+        if not _WHOLE.fullmatch(text):
+            _fail(EXIT_USAGE, f"{name} {text!r}: write a whole number with the digits 0-9 only")
+        return _within(name, int(text), low, high)
+
+    return parse
+
+
+def decimal(name: str, low: float, high: float) -> Callable[[str | float], float]:
+    """A typer parser for a number written as digits 0-9 with an optional fraction (``2``, ``0.5``)."""
+
+    def parse(text: str | float) -> float:
+        if isinstance(text, int | float):  # a default, already typed
+            return float(text)
+        if not _DECIMAL.fullmatch(text):
+            _fail(EXIT_USAGE, f"{name} {text!r}: write a number with the digits 0-9, like 2 or 0.5")
+        return _within(name, float(text), low, high)
+
+    return parse
+
+
+Number = TypeVar("Number", int, float)
+
+
+def _within(name: str, value: Number, low: Number, high: Number | None) -> Number:
+    if value < low or (high is not None and value > high):
+        span = f"at least {low:g}" if high is None else f"between {low:g} and {high:g}"
+        _fail(EXIT_USAGE, f"{name} must be {span}, got {value:g}")
+    return value
+
+
+def _count(name: str, low: int, high: int, help: str) -> Any:
+    return typer.Option(name, parser=whole(name, low, high), help=f"{help} [{low}-{high}]")
+
+
+def _seconds(name: str, low: float, high: float, help: str) -> Any:
+    return typer.Option(name, parser=decimal(name, low, high), help=f"{help} [{low:g}-{high:g}]")
+
+
 JsonFlag = Annotated[bool, typer.Option("--json", help="Machine-readable output (stable field names).")]
-Limit = Annotated[int, typer.Option(min=1, max=10_000, help="At most this many entries.")]
+Limit = Annotated[int, _count("--limit", 1, 10_000, "At most this many entries.")]
 Since = Annotated[str | None, typer.Option(help="Only entries since: 30m, 2h, 1d or an ISO time.")]
 
 
@@ -257,7 +348,7 @@ def leases_command(sku: Annotated[str | None, typer.Argument()] = None, as_json:
     Example: reservations leases WIDGET
     """
     with _errors(), _inventory() as inventory, _leases() as leases:
-        skus = [valid.sku(sku)] if sku else [s.sku for s in inventory.all_stock()]
+        skus = [valid.sku(sku)] if sku is not None else [s.sku for s in inventory.all_stock()]
         rows: list[dict[str, Any]] = []
         for name in skus:
             info = leases.current(valid.scope_of(name))
@@ -291,7 +382,7 @@ def stock_command(sku: Annotated[str | None, typer.Argument()] = None, as_json: 
     Example: reservations stock --json
     """
     with _errors(), _inventory() as inventory:
-        levels = [inventory.stock(sku)] if sku else inventory.all_stock()
+        levels = [inventory.stock(valid.sku(sku))] if sku is not None else inventory.all_stock()
         waiting = inventory.waiting_by_sku()
     if as_json:
         _emit_json([{**asdict(level), "waiting": waiting.get(level.sku, 0)} for level in levels])
@@ -329,7 +420,7 @@ def rejections(
         starting = parse_since(since)
         counts = inventory.rejection_counts(since=starting)
         entries = []
-        if sku:
+        if sku is not None:
             valid.sku(sku)
             counts = {k: v for k, v in counts.items() if k == sku}
             entries = [h for h in inventory.history(sku, limit=limit, since=starting) if h.kind == "rejected"]
@@ -446,7 +537,9 @@ def _enqueue(operation: str, key: str, kwargs: dict[str, Any], wait: bool, timeo
 
 Key = Annotated[str, typer.Option("--key", help="Idempotency key: the same key never applies twice.")]
 Wait = Annotated[bool, typer.Option("--wait", help="Wait for the final outcome and print it.")]
-Timeout = Annotated[float, typer.Option(min=0.1, max=3600, help="Seconds to wait with --wait.")]
+Timeout = Annotated[float, _seconds("--timeout", 0.1, 3600, "Seconds to wait with --wait.")]
+# The range of a quantity is the domain's (validation.quantity), checked with the other fields.
+Quantity = Annotated[int, typer.Argument(parser=whole("quantity"))]
 
 
 def _operating(
@@ -457,7 +550,7 @@ def _operating(
 
 
 @app.command("reserve")
-def reserve(sku: str, quantity: int, key: Key, wait: Wait = False, timeout: Timeout = 30) -> None:
+def reserve(sku: str, quantity: Quantity, key: Key, wait: Wait = False, timeout: Timeout = 30) -> None:
     """WRITES (through the workers): reserve QUANTITY units of SKU.
 
     Example: reservations reserve WIDGET 2 --key order-1042 --wait
@@ -468,7 +561,7 @@ def reserve(sku: str, quantity: int, key: Key, wait: Wait = False, timeout: Time
 
 
 @app.command("restock")
-def restock(sku: str, quantity: int, key: Key, wait: Wait = False, timeout: Timeout = 30) -> None:
+def restock(sku: str, quantity: Quantity, key: Key, wait: Wait = False, timeout: Timeout = 30) -> None:
     """WRITES (through the workers): add QUANTITY units to SKU's stock on hand.
 
     Example: reservations restock WIDGET 100 --key delivery-77 --wait
@@ -501,7 +594,12 @@ def release(reservation_id: str, key: Key, wait: Wait = False, timeout: Timeout 
 
 
 @app.command("add-sku")
-def add_sku(sku: str, on_hand: Annotated[int, typer.Option(min=0)] = 0) -> None:
+def add_sku(
+    sku: str,
+    on_hand: Annotated[
+        int, typer.Option(parser=whole("--on-hand"), help="Units on hand (0, or a valid quantity).")
+    ] = 0,
+) -> None:
     """WRITES (directly to the database): create a SKU's stock row with ON_HAND units.
 
     Example: reservations add-sku WIDGET --on-hand 100
@@ -575,33 +673,32 @@ def demo_command(
 
 @app.command("chaos")
 def chaos_command(
-    workers: Annotated[int, typer.Option(min=2, max=16, help="Celery worker processes.")] = 3,
-    skus: Annotated[int, typer.Option(min=1, max=50, help="SKUs the requests spread over.")] = 3,
-    requests: Annotated[
-        int, typer.Option(min=1, max=5000, help="Requests per run (replays included).")
-    ] = 120,
+    workers: Annotated[int, _count("--workers", 2, 16, "Celery worker processes.")] = 3,
+    skus: Annotated[int, _count("--skus", 1, 50, "SKUs the requests spread over.")] = 3,
+    requests: Annotated[int, _count("--requests", 1, 5000, "Requests per run (replays included).")] = 120,
     duration: Annotated[
-        float, typer.Option(min=2, max=600, help="Seconds of request stream and faults, per run.")
+        float, _seconds("--duration", 2, 600, "Seconds of request stream and faults, per run.")
     ] = 20.0,
-    drain: Annotated[float, typer.Option(min=1, max=600, help="Longest wait for the last outcomes.")] = 40.0,
-    seed: Annotated[int, typer.Option(help="Seed of the request stream.")] = 1,
+    drain: Annotated[float, _seconds("--drain", 1, 600, "Longest wait for the last outcomes.")] = 40.0,
+    seed: Annotated[int, typer.Option(parser=whole("--seed"), help="Seed of the request stream.")] = 1,
     lease_redis_restart: Annotated[
         bool, typer.Option(help="Restart the lease Redis mid-run, losing its data (token counters).")
     ] = True,
     proxy_delay: Annotated[
         float,
-        typer.Option(
-            min=0,
-            max=30,
-            help="One worker reaches PostgreSQL through a proxy delaying its packets this long.",
+        _seconds(
+            "--proxy-delay",
+            0,
+            30,
+            "One worker reaches PostgreSQL through a proxy delaying its packets this long.",
         ),
     ] = 0.0,
     hot: Annotated[
         float,
         typer.Option(
-            min=0,
-            max=0.9,
-            help="Share of the requests that are a flash sale: bursts of reservations of one SKU (0: none).",
+            parser=decimal("--hot", 0, 0.9),
+            help="Share of the requests that are a flash sale: bursts of reservations of one SKU (0: none) "
+            "[0-0.9]",
         ),
     ] = 0.5,
     batching: Annotated[
@@ -667,7 +764,7 @@ def fence_demo(
     database: Annotated[Path, typer.Option(help="SQLite file to (re)create for the demo.")] = Path(
         "var/fence-demo.sqlite3"
     ),
-    ttl: Annotated[float, typer.Option(min=0.05, max=10, help="Lease ttl of worker A, in seconds.")] = 0.5,
+    ttl: Annotated[float, _seconds("--ttl", 0.05, 10, "Lease ttl of worker A, in seconds.")] = 0.5,
 ) -> None:
     """Replay the seed timeline in-process: A's lease expires, B writes, A's late write is rejected.
 

@@ -10,8 +10,18 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
+from alembic.util import CommandError
 
 from fencing.sql import make_engine
+
+
+class RevisionNotFound(ValueError):
+    """A revision (the one asked for, or the one the database is at) that the migrations shipped with
+    this package do not know."""
+
+    def __init__(self, revision: str, detail: str) -> None:
+        self.revision = revision
+        super().__init__(f"cannot migrate to {revision!r}: {detail} (this package's newest is {head()})")
 
 
 def _config(url: str) -> Config:
@@ -23,7 +33,11 @@ def _config(url: str) -> Config:
 
 
 def upgrade(url: str, revision: str = "head") -> None:
-    command.upgrade(_config(url), revision)
+    try:
+        command.upgrade(_config(url), revision)
+    except CommandError as exc:
+        # Alembic raises this when it cannot resolve a revision, before any migration runs.
+        raise RevisionNotFound(revision, str(exc)) from exc
 
 
 def current(url: str) -> str | None:
