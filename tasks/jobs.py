@@ -71,6 +71,12 @@ Apply = Callable[[Inventory, dict[str, Lease]], Outcome]
 _rng = random.Random()
 
 
+def _printable(error: BaseException, limit: int = 500) -> str:
+    """An error as stored free text: a database's message may carry newlines or tabs, which the attempt
+    log refuses (it is printed by the CLI)."""
+    return "".join(ch if ch.isprintable() else " " for ch in str(error))[:limit]
+
+
 def _jitter(retry_after: float, attempt: int) -> float:
     """Backoff between task retries: the lease backoff with a broker round trip's larger steps."""
     return backoff(attempt, retry_after, _rng, first=0.01, cap=1.0, floor=0.005)
@@ -353,7 +359,7 @@ def _attempt(
             lost,
         )
         res.inventory.record_attempt(
-            key, operation, "lost_ownership", token=lost.token or lease_token, detail=str(lost), **who
+            key, operation, "lost_ownership", token=lost.token or lease_token, detail=_printable(lost), **who
         )
         if epoch + 1 >= settings.max_epochs:
             return final("dead_lettered", {"reason": f"lost ownership {epoch + 1} times", "last": str(lost)})
