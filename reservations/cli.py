@@ -14,7 +14,7 @@ import re
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated, Any, NoReturn, TypeVar
@@ -58,6 +58,7 @@ class Config:
     lease_url: str | None = None
     lease_prefix: str = "fencing"
     broker_url: str = "redis://127.0.0.1:6379/0"
+    result_backend: str = "redis://127.0.0.1:6379/1"
 
 
 config = Config()
@@ -78,11 +79,18 @@ def _root(
     broker_url: Annotated[
         str, typer.Option(envvar="RESERVATIONS_BROKER_URL", help="Celery broker, for enqueue commands.")
     ] = Config.broker_url,
+    result_backend: Annotated[
+        str,
+        typer.Option(
+            envvar="RESERVATIONS_RESULT_BACKEND", help="Celery result backend (demo --use-configured)."
+        ),
+    ] = Config.result_backend,
 ) -> None:
     config.database_url = database_url
     config.lease_url = lease_url or None
     config.lease_prefix = lease_prefix
     config.broker_url = broker_url
+    config.result_backend = result_backend
 
 
 # -- plumbing -------------------------------------------------------------------------------------------
@@ -615,6 +623,7 @@ def show_config() -> None:
     out.print(f"database: {mask_url(config.database_url)}")
     out.print(f"leases:   {_lease_url_shown()} (prefix {config.lease_prefix})")
     out.print(f"broker:   {mask_url(config.broker_url)}")
+    out.print(f"results:  {mask_url(config.result_backend)}")
 
 
 # -- schema and demo ------------------------------------------------------------------------------------
@@ -650,25 +659,67 @@ def db_current() -> None:
 @app.command("demo")
 def demo_command(
     folder: Annotated[
-        Path, typer.Option(help="Working folder for the embedded databases and worker logs.")
+        Path, typer.Option(help="The demo's own folder, recreated on every run (databases, worker logs).")
     ] = Path("var/demo"),
+    use_configured: Annotated[
+        bool,
+        typer.Option(
+            "--use-configured",
+            help="Run on the configured database, leases, broker and result backend, and WRITE there.",
+        ),
+    ] = False,
 ) -> None:
-    """The warehouse case study with real Celery workers: A is frozen with SIGSTOP past its lease, B takes
-    the next token and reserves, A resumes and its late write is rejected; A's request is driven again.
+    """WRITES (to its own folder, or with --use-configured to the configured database): the warehouse
+    case study with real Celery workers. A is frozen with SIGSTOP past its lease, B takes the next token
+    and reserves, A resumes and its late write is rejected; A's request is driven again.
 
-    Needs no services (SQLite, SQL leases, Celery's SQLAlchemy transport); set RESERVATIONS_DATABASE_URL,
-    _BROKER_URL, _RESULT_BACKEND and _LEASE_URL to run it on PostgreSQL and Redis.
+    By default it needs no services and writes only to FOLDER, which it recreates on every run (it wipes
+    only a folder it made, or an empty one): the inventory and the SQL leases in a SQLite file, Celery's
+    SQLAlchemy transport as broker and result store. The configured URLs are not used.
+
+    --use-configured runs it on RESERVATIONS_DATABASE_URL, _LEASE_URL, _LEASE_PREFIX, _BROKER_URL and
+    _RESULT_BACKEND (or the options before the command), e.g. PostgreSQL and Redis. It WRITES there: it
+    migrates the database to the newest schema and creates a new SKU DEMO-XXXXXXXX on every run, whose
+    held units and history stay. Give it a broker no other worker consumes: its two requests are for
+    its own workers A and B.
 
     Example: reservations demo
     """
     from reservations import demo
 
-    try:
-        ok = demo.run(folder, out)
-    except demo.DemoFailed as exc:
-        _fail(EXIT_FAILED, str(exc))
+    if not use_configured:
+        given = [name for name, value in _given_urls().items() if value]
+        if given:
+            out.print(
+                f"not using the configured {', '.join(given)} (--use-configured would)", highlight=False
+            )
+        backends = None
+    else:
+        backends = demo.Backends(
+            database_url=config.database_url,
+            lease_url=config.lease_url or config.database_url,
+            lease_prefix=config.lease_prefix,
+            broker_url=config.broker_url,
+            result_backend=config.result_backend,
+        )
+    # Errors name the configured URLs, which only a run on them should report.
+    with _errors() if use_configured else nullcontext():
+        try:
+            ok = demo.run(folder, out, backends)
+        except demo.DemoFailed as exc:
+            _fail(EXIT_FAILED, str(exc))
     if not ok:
         raise typer.Exit(EXIT_FAILED)
+
+
+def _given_urls() -> dict[str, bool]:
+    """Which URLs were given (by environment or option) rather than left at their defaults."""
+    return {
+        "database": config.database_url != Config.database_url,
+        "leases": config.lease_url is not None,
+        "broker": config.broker_url != Config.broker_url,
+        "result backend": config.result_backend != Config.result_backend,
+    }
 
 
 @app.command("chaos")

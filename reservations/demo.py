@@ -2,9 +2,14 @@
 
 Worker A takes the SKU's lease (token N) and is frozen with SIGSTOP before its write; its lease expires;
 worker B takes N+1 and reserves; A is resumed with SIGCONT, its write is refused as lost ownership, and
-its request is driven again in a new epoch. Embedded defaults need no services: SQLite for the inventory
-and the leases, Celery's SQLAlchemy transport on SQLite as broker and result store. Setting
-RESERVATIONS_DATABASE_URL / _BROKER_URL / _RESULT_BACKEND / _LEASE_URL runs it on Redis and PostgreSQL.
+its request is driven again in a new epoch.
+
+It writes. By default only to its own folder, recreated on every run: SQLite for the inventory and the
+leases, Celery's SQLAlchemy transport on SQLite as broker and result store, the worker logs and the
+failpoint markers; no services are needed and the configured ``RESERVATIONS_*`` URLs are left alone.
+Given :class:`Backends` (the CLI's ``--use-configured``) it runs on them instead, for example PostgreSQL
+and Redis: it migrates that database and creates a new SKU there on every run, whose held units and
+history stay; the folder then holds only the worker logs and the markers.
 """
 
 from __future__ import annotations
@@ -40,54 +45,79 @@ class DemoFailed(RuntimeError):
     pass
 
 
+@dataclass(frozen=True)
+class Backends:
+    """Configured services to run the demo on instead of its own folder."""
+
+    database_url: str
+    lease_url: str
+    lease_prefix: str
+    broker_url: str
+    result_backend: str
+
+
+def _fresh_folder(folder: Path) -> None:
+    """Recreate the demo's folder, so that nothing of an earlier run (a once-only failpoint marker above
+    all, which would keep worker A from freezing) is there. Only a folder this demo made, or an empty one,
+    is wiped: --folder could point anywhere."""
+    if folder.exists() and any(folder.iterdir()) and not (folder / MARKER).exists():
+        raise DemoFailed(f"{folder} is not empty and was not made by the demo; choose another --folder")
+    if folder.exists():
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True)
+    (folder / MARKER).touch()
+
+
 @dataclass
 class Setup:
     folder: Path
-    database_url: str
-    lease_url: str
-    broker_url: str
-    result_backend: str
+    backends: Backends
     sku: str
-    embedded: bool
+    configured: bool
 
     @classmethod
-    def from_env(cls, folder: Path) -> Setup:
-        database = os.environ.get("RESERVATIONS_DATABASE_URL")
-        embedded = database is None
-        if embedded:
-            # Only a folder this demo made (or an empty one) is wiped: --folder could point anywhere.
-            if folder.exists() and any(folder.iterdir()) and not (folder / MARKER).exists():
-                raise DemoFailed(
-                    f"{folder} is not empty and was not made by the demo; choose another --folder"
-                )
-            if folder.exists():
-                shutil.rmtree(folder)
-            folder.mkdir(parents=True)
-            (folder / MARKER).touch()
-        else:
-            folder.mkdir(parents=True, exist_ok=True)
-        database = database or f"sqlite:///{folder / 'inventory.sqlite3'}"
-        return cls(
-            folder=folder,
+    def own(cls, folder: Path) -> Setup:
+        """Everything in the folder: no services, nothing written outside it."""
+        _fresh_folder(folder)
+        database = f"sqlite:///{folder / 'inventory.sqlite3'}"
+        backends = Backends(
             database_url=database,
-            lease_url=os.environ.get("RESERVATIONS_LEASE_URL") or database,
-            broker_url=os.environ.get("RESERVATIONS_BROKER_URL")
-            or f"sqla+sqlite:///{folder / 'broker.sqlite3'}",
-            result_backend=os.environ.get("RESERVATIONS_RESULT_BACKEND")
-            or f"db+sqlite:///{folder / 'results.sqlite3'}",
-            # On a shared database the demo must not touch real SKUs: a fresh one per run.
-            sku="WIDGET" if embedded else f"DEMO-{uuid.uuid4().hex[:8].upper()}",
-            embedded=embedded,
+            lease_url=database,
+            lease_prefix="fencing",
+            broker_url=f"sqla+sqlite:///{folder / 'broker.sqlite3'}",
+            result_backend=f"db+sqlite:///{folder / 'results.sqlite3'}",
+        )
+        return cls(folder=folder, backends=backends, sku="WIDGET", configured=False)
+
+    @classmethod
+    def on(cls, folder: Path, backends: Backends) -> Setup:
+        _fresh_folder(folder)
+        # On a shared database the demo must not touch real SKUs, nor an earlier run's: a fresh one per run.
+        sku = f"DEMO-{uuid.uuid4().hex[:8].upper()}"
+        return cls(folder=folder, backends=backends, sku=sku, configured=True)
+
+    def writes(self) -> str:
+        """What this run writes, and where, in one sentence."""
+        if not self.configured:
+            return (
+                f"WRITES only to its own folder {self.folder} (recreated on every run): SQLite inventory, "
+                "leases, broker and results, and the worker logs"
+            )
+        return (
+            f"WRITES to the configured database {mask_url(self.backends.database_url)}: migrates it to the "
+            f"newest schema and creates SKU {self.sku}, whose held units and history stay there; worker "
+            f"logs in {self.folder} (recreated on every run)"
         )
 
     def worker_env(self, name: str, *, freeze: bool) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("RESERVATIONS_")}
         env.update(
             {
-                "RESERVATIONS_DATABASE_URL": self.database_url,
-                "RESERVATIONS_LEASE_URL": self.lease_url,
-                "RESERVATIONS_BROKER_URL": self.broker_url,
-                "RESERVATIONS_RESULT_BACKEND": self.result_backend,
+                "RESERVATIONS_DATABASE_URL": self.backends.database_url,
+                "RESERVATIONS_LEASE_URL": self.backends.lease_url,
+                "RESERVATIONS_LEASE_PREFIX": self.backends.lease_prefix,
+                "RESERVATIONS_BROKER_URL": self.backends.broker_url,
+                "RESERVATIONS_RESULT_BACKEND": self.backends.result_backend,
                 "RESERVATIONS_LEASE_TTL": str(LEASE_TTL),
                 "RESERVATIONS_MAX_EPOCHS": "3",
                 "RESERVATIONS_FAILPOINT_DIR": str(self.folder / f"failpoints-{name}"),
@@ -217,25 +247,28 @@ def _wait_outcome(inventory: Inventory, key: str, timeout: float) -> RequestResu
     return found[0]
 
 
-def run(folder: Path, console: Console | None = None) -> bool:
-    """Replay the case study; True when A's late write was refused and every invariant holds."""
+def run(folder: Path, console: Console | None = None, backends: Backends | None = None) -> bool:
+    """Replay the case study in ``folder``, or on ``backends`` when given; True when A's late write was
+    refused and every invariant holds."""
     console = console or Console()
-    setup = Setup.from_env(folder)
+    setup = Setup.own(folder) if backends is None else Setup.on(folder, backends)
+    urls = setup.backends
     sku, scope = setup.sku, scope_of(setup.sku)
     run_id = uuid.uuid4().hex[:6]
     key_a, key_b = f"demo-{run_id}-A", f"demo-{run_id}-B"
+    console.print(setup.writes(), highlight=False)
     console.print(f"[bold]Warehouse case study[/]: SKU {sku}, lease ttl {LEASE_TTL:g}s")
     console.print(
-        f"  inventory {mask_url(setup.database_url)}\n  leases    {mask_url(setup.lease_url)}\n"
-        f"  broker    {mask_url(setup.broker_url)}\n"
+        f"  inventory {mask_url(urls.database_url)}\n  leases    {mask_url(urls.lease_url)}\n"
+        f"  broker    {mask_url(urls.broker_url)}\n"
     )
-    schema.upgrade(setup.database_url)
+    schema.upgrade(urls.database_url)
     demo = Demo(setup, console)
     try:
         with (
-            Inventory.from_url(setup.database_url) as inventory,
-            LeaseManager.from_url(setup.lease_url) as leases,
-            Producer(setup.broker_url, setup.result_backend) as producer,
+            Inventory.from_url(urls.database_url) as inventory,
+            LeaseManager.from_url(urls.lease_url, prefix=urls.lease_prefix) as leases,
+            Producer(urls.broker_url, urls.result_backend) as producer,
         ):
             inventory.add_sku(sku, on_hand=10)
             demo.step("setup", f"{sku}: 10 on hand")

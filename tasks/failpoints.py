@@ -4,7 +4,9 @@
 SIGSTOP right after taking its leases, or die with SIGKILL after its stock change committed but before
 its outcome was recorded and its message acknowledged. ``in_write`` sits inside the fenced write, after
 the lease's local checks and before the statement is sent: a pause there is the delayed packet. ``once`` fires
-in one process only, coordinated by an exclusive marker file in ``RESERVATIONS_FAILPOINT_DIR``.
+in one process only, coordinated by an exclusive marker file in ``RESERVATIONS_FAILPOINT_DIR``, which it
+requires: the markers outlive the processes, so whoever starts a run gives it a directory of its own (or
+empties it) and a later run is not left with a failpoint that already fired.
 Actions: ``stop``, ``kill``, ``sleep:SECONDS``.
 """
 
@@ -35,8 +37,12 @@ def _configured(spec: str) -> dict[str, tuple[str, bool]]:
 
 
 def _claim(name: str) -> bool:
-    default = Path("/tmp") / f"reservations-failpoints-{os.getuid()}"
-    folder = Path(os.environ.get("RESERVATIONS_FAILPOINT_DIR") or default)
+    configured = os.environ.get("RESERVATIONS_FAILPOINT_DIR")
+    if not configured:
+        raise ValueError(
+            f"failpoint {name}: 'once' needs RESERVATIONS_FAILPOINT_DIR, a directory for this run"
+        )
+    folder = Path(configured)
     folder.mkdir(parents=True, exist_ok=True)
     try:
         os.close(os.open(folder / name, os.O_CREAT | os.O_EXCL | os.O_WRONLY))

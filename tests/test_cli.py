@@ -190,6 +190,6 @@ def test_reserve_enqueues_on_the_broker(race: dict[str, Any], redis_prefix: str)
 
 
 def test_writing_commands_say_so_in_their_help(race: dict[str, Any]) -> None:
-    for command in ("reserve", "restock", "confirm", "release", "add-sku"):
+    for command in ("reserve", "restock", "confirm", "release", "add-sku", "demo"):
         assert "WRITES" in cli(command, "--help", env=race["env"]).stdout
     assert "WRITES" in cli("db", "upgrade", "--help", env=race["env"]).stdout
