@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.env import Context
-from bench.timing import BLOCKS, Results, Row
+from bench.timing import BLOCKS, Cost, Results, Row
 
 HEADERS = ("benchmark", "baseline", "ops/s", "baseline ops/s", "ratio", "p50 / p99",
            "baseline p50 / p99")
@@ -64,6 +64,18 @@ def _sections(rows: list[Row]) -> Iterator[tuple[str, list[Row]]]:
         current.append(row)
     if current:
         yield current[0].section, current
+
+
+def _cost_tables(costs: list[Cost]) -> Iterator[tuple[str, list[str], list[list[str]]]]:
+    """Per section: its title, the column headers (case, then every value name in first-seen order)
+    and one line per case; a value a case does not have is a dash."""
+    sections: dict[str, list[Cost]] = {}
+    for cost in costs:
+        sections.setdefault(cost.section, []).append(cost)
+    for section, entries in sections.items():
+        names = list(dict.fromkeys(name for entry in entries for name in entry.values))
+        lines = [[entry.case, *(entry.values.get(name, "-") for name in names)] for entry in entries]
+        yield section, ["per operation", *names], lines
 
 
 def context_lines(ctx: Context, plan: Plan, extra: list[str]) -> list[str]:
@@ -118,6 +130,15 @@ def render_rich(ctx: Context, plan: Plan, results: Results, console: Console) ->
         for row in rows:
             table.add_row(*_cells(row))
     console.print(table)
+    for section, headers, cost_lines in _cost_tables(results.costs):
+        console.print()
+        costs = Table(box=box.SIMPLE_HEAVY, show_edge=False, pad_edge=False,
+                      title=f"[bold cyan]{section}[/bold cyan]", title_justify="left")
+        for i, header in enumerate(headers):
+            costs.add_column(header, justify="left" if i == 0 else "right")
+        for cells in cost_lines:
+            costs.add_row(*cells)
+        console.print(costs)
     console.print()
     for note in [LEGEND, *results.skipped, *results.notes]:
         console.print(f"• {note}", highlight=False)
@@ -134,6 +155,11 @@ def render_markdown(ctx: Context, plan: Plan, results: Results) -> str:
     for section, rows in _sections(results.rows):
         lines.append(f"| **{_md_escape(section)}** |" + " |" * (len(HEADERS) - 1))
         lines += ["| " + " | ".join(_md_escape(c) for c in _cells(row)) + " |" for row in rows]
+    for section, headers, cost_lines in _cost_tables(results.costs):
+        lines += ["", f"**{_md_escape(section)}**", "",
+                  "| " + " | ".join(_md_escape(h) for h in headers) + " |",
+                  "|---|" + "--:|" * (len(headers) - 1)]
+        lines += ["| " + " | ".join(_md_escape(c) for c in line) + " |" for line in cost_lines]
     lines.append("")
     lines += [f"- {_md_escape(note)}" for note in [LEGEND, *results.skipped, *results.notes]]
     return "\n".join(lines)

@@ -1,11 +1,12 @@
-"""One reservation end to end on PostgreSQL: ``Inventory.reserve`` (stock row lock, idempotency lookup,
-fenced UPDATE, three inserts) against the same rows written by plain psycopg with no fence and no lookup,
-and the round trips each one sends, read off the wire from a libpq trace rather than from the code.
+"""One reservation end to end on PostgreSQL: ``Inventory.reserve`` against the same four rows written by raw
+psycopg with no fence and no lookup, as a transaction and as one autocommitted statement, on the same schema
+and triggers. Round trips and transactions are read off the wire from a libpq trace, not from the code.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import re
 import sys
@@ -13,6 +14,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from typing import Any, LiteralString, cast
 
 import psycopg
@@ -34,44 +36,76 @@ from reservations.models import idempotency_keys, reservations, sku_history
 from reservations.operations import fingerprint, new_reservation_id
 from reservations.views import Outcome, StockLevel
 
-# Enough SKUs that the per-SKU trigger work (the units-counted-once trigger sums a SKU's held
-# reservations on every insert) stays small and equal for both cases over the whole run.
+# Enough SKUs that per-SKU work (row locks, the held-units trigger's update of the stock row) is spread
+# the same way for every case over the whole run.
 SKUS = 128
 ON_HAND = 10**6
 TTL = 3600.0  # outlives the section: a lease that expired mid-run would turn fenced writes into errors
 HOLDER = "bench"
 
 FENCED = "Inventory.reserve (fenced, idempotent)"
-PLAIN = "plain psycopg, same rows"
+RAW_TX = "raw psycopg transaction, unfenced"
+RAW_CTE = "raw psycopg, one CTE statement, autocommit"
 
-# The library's own database clock expression, so both paths stamp rows the same way.
+# The library's own database clock expression, so every path stamps rows the same way.
 NOW_MS = sql.SQL(db_now_ms().compile(dialect=postgresql.dialect()).string)  # type: ignore[no-untyped-call]
+
+
+# The raw baselines write the rows Inventory.reserve writes, with the same values: the stock row's counts
+# and updated_ms (not its fence columns: an unfenced design has none), one held reservation, one history
+# row, one idempotency record whose outcome is the same JSON object. What they leave out is the fence
+# predicate, the stock row lock and the idempotency lookup (the key's primary key still refuses a
+# duplicate). Casts: an untyped parameter inside json_build_object has no type PostgreSQL can infer.
+_PARTS = {
+    "now": NOW_MS,
+    "stock_update": sql.SQL(
+        "UPDATE stock SET reserved = reserved + %(quantity)s, available = available - %(quantity)s, "
+        "updated_ms = {now} WHERE sku = %(sku)s AND available >= %(quantity)s "
+        "RETURNING sku, on_hand, reserved, available, fence_token"
+    ).format(now=NOW_MS),
+    "reservation_row": sql.SQL(
+        "INSERT INTO reservations (id, sku, quantity, status, hold_expires_ms, idempotency_key, order_key, "
+        "token, lease_id, created_ms)"
+    ),
+    "history_row": sql.SQL(
+        "INSERT INTO sku_history (sku, at_ms, kind, operation, token, lease_id, holder, quantity, "
+        "idempotency_key, reservation_id, on_hand_delta, reserved_delta, detail)"
+    ),
+    "key_row": sql.SQL(
+        "INSERT INTO idempotency_keys (key, fingerprint, operation, outcome, token, created_ms)"
+    ),
+}
 
 
 def _statement(template: LiteralString) -> bytes:
     """Rendered once: the timed loop sends ready bytes, as a hand-written path with constants would."""
-    return sql.SQL(template).format(now=NOW_MS).as_bytes()
+    return sql.SQL(template).format(**_PARTS).as_bytes()
 
 
-# The plain path: the writes a hand-written reservation would send, without the fence predicate, the
-# stock row lock and the idempotency lookup. RETURNING lets it store the same outcome JSON the library
-# stores (it carries the stock level), so the idempotency rows are the same size.
-PLAIN_UPDATE = _statement(
-    "UPDATE stock SET reserved = reserved + 1, available = available - 1 "
-    "WHERE sku = %s AND available >= 1 RETURNING on_hand, reserved, available, fence_token"
+RAW_UPDATE = _statement("{stock_update}")
+# The three inserts as one statement, so the transaction is BEGIN / UPDATE / INSERTs / COMMIT.
+RAW_INSERTS = _statement(
+    "WITH r AS ({reservation_row} VALUES (%(id)s, %(sku)s, %(quantity)s, 'held', NULL, %(key)s, NULL, "
+    "%(token)s, %(lease_id)s, {now})), "
+    "h AS ({history_row} VALUES (%(sku)s, {now}, 'write', 'reserve', %(token)s, %(lease_id)s, %(holder)s, "
+    "%(quantity)s, %(key)s, %(id)s, 0, %(quantity)s, NULL)) "
+    "{key_row} VALUES (%(key)s, %(fingerprint)s, 'reserve', %(outcome)s, %(token)s, {now})"
 )
-PLAIN_RESERVATION = _statement(
-    "INSERT INTO reservations (id, sku, quantity, status, hold_expires_ms, idempotency_key, order_key, "
-    "token, lease_id, created_ms) VALUES (%s, %s, %s, 'held', NULL, %s, NULL, %s, %s, {now})"
-)
-PLAIN_HISTORY = _statement(
-    "INSERT INTO sku_history (sku, at_ms, kind, operation, token, lease_id, holder, quantity, "
-    "idempotency_key, reservation_id, on_hand_delta, reserved_delta, detail) "
-    "VALUES (%s, {now}, 'write', 'reserve', %s, %s, %s, %s, %s, %s, 0, %s, NULL)"
-)
-PLAIN_KEY = _statement(
-    "INSERT INTO idempotency_keys (key, fingerprint, operation, outcome, token, created_ms) "
-    "VALUES (%s, %s, 'reserve', %s, %s, {now})"
+# Everything in one statement: the inserts read the UPDATE's RETURNING, so no stock row means no rows at
+# all, and the outcome JSON is built from it in the statement (the object Outcome.to_json writes).
+RAW_CTE_STATEMENT = _statement(
+    "WITH s AS ({stock_update}), "
+    "r AS ({reservation_row} SELECT %(id)s, s.sku, %(quantity)s, 'held', NULL, %(key)s, NULL, "
+    "%(token)s, %(lease_id)s, {now} FROM s), "
+    "h AS ({history_row} SELECT s.sku, {now}, 'write', 'reserve', %(token)s, %(lease_id)s, "
+    "%(holder)s, %(quantity)s, %(key)s, %(id)s, 0, %(quantity)s, NULL FROM s), "
+    "k AS ({key_row} SELECT %(key)s, %(fingerprint)s, 'reserve', json_build_object("
+    "'detail', json_build_object(), 'key', %(key)s::text, 'operation', 'reserve', "
+    "'quantity', %(quantity)s::bigint, 'reservation_ids', json_build_array(%(id)s::text), "
+    "'stock', json_build_array(json_build_object('available', s.available, 'fence_token', s.fence_token, "
+    "'on_hand', s.on_hand, 'reserved', s.reserved, 'sku', s.sku)), 'token', %(token)s::bigint)::text, "
+    "%(token)s, {now} FROM s) "
+    "SELECT on_hand, reserved, available, fence_token FROM s"
 )
 
 Names = Callable[[], str]
@@ -95,34 +129,62 @@ def fenced_reserve(inventory: Inventory, leases: Mapping[str, Lease], skus: Name
     return op
 
 
-def plain_reserve(conn: psycopg.Connection[Any], leases: Mapping[str, Lease], skus: Names, keys: Names) -> Op:
-    """The same rows as ``fenced_reserve``, built with the library's own id, fingerprint and outcome
-    helpers so the gap between the two is the SQL and its driving, not the row contents."""
+def _params(lease: Lease, sku: str, key: str) -> dict[str, Any]:
+    """The values every path computes on the client: the library's own id and fingerprint helpers, so
+    the gap between the paths is the SQL and its driving, not the row contents."""
+    return {
+        "sku": sku,
+        "quantity": 1,
+        "key": key,
+        "id": new_reservation_id(),
+        "token": lease.token,
+        "lease_id": lease.lease_id,
+        "holder": lease.holder,
+        "fingerprint": fingerprint("reserve", sku=sku, quantity=1, hold_ms=None),
+    }
+
+
+def raw_transaction(
+    conn: psycopg.Connection[Any], leases: Mapping[str, Lease], skus: Names, keys: Names
+) -> Op:
+    """BEGIN (psycopg sends it before the first statement) / UPDATE ... RETURNING / the three inserts /
+    COMMIT; the outcome JSON is built here from the returned stock level by the library's Outcome."""
 
     def op() -> None:
         sku, key = skus(), keys()
         lease = leases[sku]
-        reservation_id = new_reservation_id()
+        params = _params(lease, sku, key)
         with conn.cursor() as cur:
-            cur.execute(PLAIN_UPDATE, (sku,))
+            cur.execute(RAW_UPDATE, params)
             row = cur.fetchone()
             if row is None:
-                raise UnexpectedReply(f"plain UPDATE found no stock on {sku}")
-            cur.execute(PLAIN_RESERVATION, (reservation_id, sku, 1, key, lease.token, lease.lease_id))
-            cur.execute(
-                PLAIN_HISTORY, (sku, lease.token, lease.lease_id, lease.holder, 1, key, reservation_id, 1)
-            )
-            outcome = Outcome(
+                raise UnexpectedReply(f"raw UPDATE found no stock on {sku}")
+            params["outcome"] = Outcome(
                 operation="reserve",
                 key=key,
                 token=lease.token,
-                reservation_ids=(reservation_id,),
-                stock=(StockLevel(sku, *row),),
+                reservation_ids=(params["id"],),
+                stock=(StockLevel(*row),),
                 quantity=1,
-            )
-            print_ = fingerprint("reserve", sku=sku, quantity=1, hold_ms=None)
-            cur.execute(PLAIN_KEY, (key, print_, outcome.to_json(), lease.token))
+            ).to_json()
+            cur.execute(RAW_INSERTS, params)
         conn.commit()
+
+    return op
+
+
+def raw_statement(conn: psycopg.Connection[Any], leases: Mapping[str, Lease], skus: Names, keys: Names) -> Op:
+    """The same rows as one data-modifying CTE on an autocommit connection: one round trip, one
+    (implicit) transaction."""
+    if not conn.autocommit:
+        raise ValueError("the one-statement baseline needs an autocommit connection")
+
+    def op() -> None:
+        sku, key = skus(), keys()
+        with conn.cursor() as cur:
+            cur.execute(RAW_CTE_STATEMENT, _params(leases[sku], sku, key))
+            if cur.fetchone() is None:
+                raise UnexpectedReply(f"raw CTE found no stock on {sku}")
 
     return op
 
@@ -135,10 +197,16 @@ _MESSAGE = re.compile(r"^(?P<dir>[FB])\t\d+\t(?P<type>\w+)\t?(?P<rest>.*)$")
 _QUOTED = re.compile(r'"((?:[^"]|"")*)"')
 
 
+_WRITE = re.compile(r"(?<!FOR )(?<!DO )\b(INSERT\s+INTO|UPDATE|DELETE\s+FROM)\s+(\w+)", re.IGNORECASE)
+
+
 def _label(text: str) -> str:
-    """A short name for a statement: verb, table, and FOR UPDATE when it locks."""
+    """A short name for a statement: verb, table, and FOR UPDATE when it locks; a CTE lists its writes."""
     words = text.split()
     verb = words[0].upper() if words else "?"
+    if verb == "WITH":
+        writes = [f"{m[1].split()[0].upper()} {m[2]}" for m in _WRITE.finditer(text)]
+        return f"CTE ({', '.join(writes)})"
     upper = [w.upper() for w in words]
     table = ""
     # The table follows the verb's own keyword; a FROM inside EXTRACT(EPOCH FROM ...) is not it.
@@ -149,10 +217,11 @@ def _label(text: str) -> str:
     return f"{verb} {table}{lock}".strip()
 
 
-def _round_trips(trace: str) -> list[str]:
+def _round_trips(trace: str, prepared: dict[str, str]) -> list[str]:
     """One label per round trip in a libpq trace: a client message the client then waits on (a simple
-    Query, or a Sync ending an extended-protocol group). A Sync after a lone Parse is psycopg preparing
-    a statement, which it does as a round trip of its own."""
+    Query, or a Sync ending an extended-protocol group; a pipelined group names each statement, joined
+    by '; '). A Sync after a lone Parse is psycopg preparing a statement, a round trip of its own.
+    ``prepared`` maps the connection's prepared statement names to their text, kept across traces."""
     messages: list[list[str]] = []
     for line in trace.splitlines():
         match = _MESSAGE.match(line)
@@ -160,7 +229,6 @@ def _round_trips(trace: str) -> list[str]:
             messages.append([match["dir"], match["type"], match["rest"]])
         elif messages:
             messages[-1][2] += "\n" + line
-    prepared: dict[str, str] = {}
     trips: list[str] = []
     group: list[tuple[str, str]] = []  # (type, statement) since the last Sync
     for direction, kind, rest in messages:
@@ -168,7 +236,7 @@ def _round_trips(trace: str) -> list[str]:
             continue
         quoted = [q.replace('""', '"') for q in _QUOTED.findall(rest)]
         if kind == "Query":
-            trips.append(quoted[0].strip() if quoted else "?")
+            trips.append(_label(quoted[0]) if quoted else "?")
         elif kind == "Parse" and len(quoted) >= 2:
             prepared[quoted[0]] = quoted[1]
             group.append(("Parse", quoted[1]))
@@ -178,7 +246,7 @@ def _round_trips(trace: str) -> list[str]:
             binds = [stmt for k, stmt in group if k == "Bind"]
             parses = [stmt for k, stmt in group if k == "Parse"]
             if binds:
-                trips.append(_label(binds[-1]))
+                trips.append("; ".join(_label(stmt) for stmt in binds))
             elif parses:
                 trips.append(f"prepare {_label(parses[-1])}")
             group = []
@@ -186,8 +254,10 @@ def _round_trips(trace: str) -> list[str]:
 
 
 @contextmanager
-def wire_trace(conn: psycopg.Connection[Any]) -> Iterator[list[str]]:
-    """Collect the round trips ``conn`` makes inside the block (filled in when the block ends)."""
+def wire_trace(conn: psycopg.Connection[Any], prepared: dict[str, str] | None = None) -> Iterator[list[str]]:
+    """Collect the round trips ``conn`` makes inside the block (filled in when the block ends). Pass the
+    same ``prepared`` to successive traces of one connection so a statement prepared in an earlier one
+    is still named."""
     trips: list[str] = []
     fd, path = tempfile.mkstemp(prefix="fencing-bench-trace-")
     try:
@@ -198,22 +268,28 @@ def wire_trace(conn: psycopg.Connection[Any]) -> Iterator[list[str]]:
         finally:
             conn.pgconn.untrace()  # flushes the stream libpq writes to
         with open(path, encoding="utf-8", errors="replace") as f:
-            trips.extend(_round_trips(f.read()))
+            trips.extend(_round_trips(f.read(), {} if prepared is None else prepared))
     finally:
         os.close(fd)  # libpq's FILE on this fd is never used again after untrace
         os.unlink(path)
 
 
-def _transactions(trips: list[str]) -> list[list[str]]:
-    """Split round trips into transactions, each ending with its COMMIT."""
-    done: list[list[str]] = []
-    current: list[str] = []
+def transactions_in(trips: list[str]) -> int:
+    """Transactions the server ran for these round trips: each BEGIN ... COMMIT block is one, and so is
+    every statement sent outside a block (autocommit). Preparing a statement runs none."""
+    count, open_block = 0, False
     for trip in trips:
-        current.append(trip)
-        if trip.upper() == "COMMIT":
-            done.append(current)
-            current = []
-    return done
+        if trip.startswith("prepare "):
+            continue
+        for statement in trip.split("; "):
+            word = statement.split(" ", 1)[0].upper()
+            if word in ("BEGIN", "START"):
+                count, open_block = count + 1, True
+            elif word in ("COMMIT", "ROLLBACK", "END"):
+                open_block = False
+            elif not open_block:
+                count += 1
+    return count
 
 
 def _sqlalchemy_count(inventory: Inventory, op: Op) -> int:
@@ -235,13 +311,25 @@ def _sqlalchemy_count(inventory: Inventory, op: Op) -> int:
     return seen[0]
 
 
-def _describe(name: str, trips: list[list[str]]) -> str:
-    steady = trips[-1]
-    text = f"{name}: {len(steady)} round trips ({', '.join(steady)})"
-    extra = max(len(t) for t in trips) - len(steady)
-    if extra:
-        text += f", +{extra} once per connection when psycopg prepares its statements"
-    return text
+@dataclass(frozen=True)
+class Traced:
+    """One case's traced calls: the round trips of each call, in order."""
+
+    calls: list[list[str]]
+
+    @property
+    def steady(self) -> list[str]:
+        """The last call's trips: past psycopg's preparing, what every later call sends."""
+        return self.calls[-1]
+
+    @property
+    def preparing(self) -> int:
+        """Extra round trips once per connection, while psycopg prepares the statements."""
+        return max(len(call) for call in self.calls) - len(self.steady)
+
+    @property
+    def transactions(self) -> int:
+        return transactions_in(self.steady)
 
 
 # -- the section -----------------------------------------------------------------------------------
@@ -256,9 +344,10 @@ def _conninfo(url: str) -> str:
     return make_conninfo(**{k: str(v) for k, v in args.items()})
 
 
-def _check(inventory: Inventory, expected: int) -> str:
-    """Both paths wrote what they should: the inventory's invariants hold (reserved units equal held
-    reservations, history explains every stock row) and each table grew by one row per reserve."""
+def _check(inventory: Inventory, expected: int, prefixes: list[str]) -> str:
+    """Every path wrote what it should: the inventory's invariants hold (reserved units equal held
+    reservations, history explains every stock row), each table grew by one row per reserve, and each
+    path's idempotency record reads back as the Outcome the library would have stored."""
     problems = inventory.invariant_violations()
     with inventory.executor.engine.connect() as conn:
         reserved = conn.execute(sa.text("SELECT sum(reserved) FROM stock")).scalar_one()
@@ -269,46 +358,66 @@ def _check(inventory: Inventory, expected: int) -> str:
         counts[sku_history.name] = conn.execute(
             sa.select(sa.func.count()).where(sku_history.c.operation == "reserve")
         ).scalar_one()
+        for prefix in prefixes:
+            key, text = conn.execute(
+                sa.select(idempotency_keys.c.key, idempotency_keys.c.outcome)
+                .where(idempotency_keys.c.key.startswith(prefix)).limit(1)
+            ).one()
+            outcome = Outcome.from_json(text, replayed=False)
+            held = conn.execute(
+                sa.select(reservations.c.idempotency_key).where(reservations.c.id == outcome.reservation_id)
+            ).scalar_one_or_none()
+            if outcome.key != key or held != key or json.loads(outcome.to_json()) != json.loads(text):
+                problems.append(f"record {key!r} does not describe its reservation: {text}")
     wrong = {name: n for name, n in counts.items() if n != expected}
     if problems or reserved != expected or wrong:
         raise UnexpectedReply(
             f"after {expected} reserves: reserved {reserved}, rows {counts}, problems {problems[:3]}"
         )
-    return f"{expected} reserves: {expected} rows each in reservations, sku_history, idempotency_keys"
+    return (
+        f"{expected} reserves: {expected} rows each in reservations, sku_history, idempotency_keys; every "
+        "path's idempotency record parses as the library's Outcome of its reservation"
+    )
 
 
-def count_round_trips(url: str, leases: Mapping[str, Lease], skus: list[str]) -> tuple[str, int]:
-    """Trace a few reserves of each kind on connections of their own; return the note and the number of
-    reserves made. Fresh connections, so the trace sees each statement psycopg prepares being prepared
-    (and can name it later), and enough calls to get past preparing into the steady state."""
-    if sys.platform != "linux":  # psycopg's libpq tracing is Linux-only
-        return "Reserve round trips: not counted (libpq tracing needs Linux).", 0
+def count_round_trips(
+    url: str, leases: Mapping[str, Lease], skus: list[str]
+) -> tuple[dict[str, Traced], str, int]:
+    """Trace a few reserves of each kind, one trace per call, on connections of their own; return each
+    case's trips, a cross-check note and the number of reserves made. Fresh connections, so the trace
+    sees each statement psycopg prepares being prepared (and can name it later), and enough calls to
+    get past preparing into the steady state."""
     with ExitStack() as stack:
         counter = stack.enter_context(Inventory.from_url(url, pool_size=1, max_overflow=0))
         with counter.executor.engine.connect() as first:  # the pool's one connection, now set up
             raw = cast(psycopg.Connection[Any], first.connection.dbapi_connection)
-        plain_conn = stack.enter_context(psycopg.connect(_conninfo(url)))
-        calls = (raw.prepare_threshold or 0) + 2
-        fenced = fenced_reserve(counter, leases, rotate(skus), fresh("count-fenced:"))
-        plain = plain_reserve(plain_conn, leases, rotate(skus), fresh("count-plain:"))
-        with wire_trace(raw) as fenced_trips:
-            for _ in range(calls - 1):
-                fenced()
-            by_events = _sqlalchemy_count(counter, fenced)
-        with wire_trace(plain_conn) as plain_trips:
+        tx_conn = stack.enter_context(psycopg.connect(_conninfo(url)))
+        cte_conn = stack.enter_context(psycopg.connect(_conninfo(url), autocommit=True))
+        calls = max(raw.prepare_threshold or 0, tx_conn.prepare_threshold or 0) + 2
+        ops = {
+            FENCED: (raw, fenced_reserve(counter, leases, rotate(skus), fresh("count-fenced:"))),
+            RAW_TX: (tx_conn, raw_transaction(tx_conn, leases, rotate(skus), fresh("count-tx:"))),
+            RAW_CTE: (cte_conn, raw_statement(cte_conn, leases, rotate(skus), fresh("count-cte:"))),
+        }
+        traced: dict[str, Traced] = {}
+        for name, (conn, op) in ops.items():
+            per_call: list[list[str]] = []
+            prepared: dict[str, str] = {}
             for _ in range(calls):
-                plain()
-    fenced_tx, plain_tx = _transactions(fenced_trips), _transactions(plain_trips)
-    if len(fenced_tx) != calls or len(plain_tx) != calls:
-        raise UnexpectedReply(f"traced {len(fenced_tx)} / {len(plain_tx)} commits for {calls} calls")
-    agrees = "agrees" if by_events == len(fenced_tx[-1]) else f"DISAGREES ({by_events})"
+                with wire_trace(conn, prepared) as trips:
+                    op()
+                per_call.append(trips)
+            traced[name] = Traced(per_call)
+        by_events = _sqlalchemy_count(counter, ops[FENCED][1])
+    agrees = "agrees" if by_events == len(traced[FENCED].steady) else f"DISAGREES ({by_events})"
     note = (
-        f"Reserve round trips, from a libpq trace of the wire: {_describe('fenced reserve', fenced_tx)}; "
-        f"{_describe('plain', plain_tx)}. SQLAlchemy's count for the fenced one (begin + statements + "
-        f"commit events) {agrees}. BEGIN is a round trip of its own: psycopg sends it before a "
-        "transaction's first statement."
+        "Reserve round trips and transactions, from a libpq trace of the wire (one trace per call, the "
+        f"last of {calls} calls on a fresh connection): "
+        + "; ".join(f"{name}: {', '.join(t.steady)}" for name, t in traced.items())
+        + f". SQLAlchemy's count for Inventory.reserve (begin + statements + commit events) {agrees}. "
+        "BEGIN is a round trip of its own: psycopg sends it before a transaction's first statement."
     )
-    return note, 2 * calls
+    return traced, note, calls * len(ops) + 1  # the last one: the SQLAlchemy cross-check
 
 
 def cpu_metered(op: Op, spent: list[float]) -> Op:
@@ -324,7 +433,7 @@ def cpu_metered(op: Op, spent: list[float]) -> Op:
     return run
 
 
-def reserve_vs_plain(
+def reserve_vs_raw(
     scratch: Scratch,
     results: Results,
     *,
@@ -334,7 +443,7 @@ def reserve_vs_plain(
     progress: Progress | None = None,
 ) -> None:
     """Needs PostgreSQL; the caller checks it. Works in a migrated schema of its own."""
-    section = "Fenced reserve vs plain psycopg writes, PostgreSQL (1 reserve per transaction)"
+    section = "Fenced reserve vs raw psycopg writing the same rows, PostgreSQL"
     url = scratch.postgres_url("reserve")
     if progress:
         progress(f"  migrating a fresh schema, adding {SKUS} SKUs, taking their leases")
@@ -348,33 +457,55 @@ def reserve_vs_plain(
         inventory = stack.enter_context(Inventory.from_url(url))
         for sku in skus:
             inventory.add_sku(sku, on_hand=ON_HAND)
-        conn = stack.enter_context(psycopg.connect(_conninfo(url)))
+        tx_conn = stack.enter_context(psycopg.connect(_conninfo(url)))
+        cte_conn = stack.enter_context(psycopg.connect(_conninfo(url), autocommit=True))
 
-        if progress:
-            progress("  counting round trips (libpq trace)")
-        trips_note, counted = count_round_trips(url, leases, skus)
-        cpu = {FENCED: [0.0], PLAIN: [0.0]}
-        fenced = fenced_reserve(inventory, leases, rotate(skus), fresh("fenced:"))
-        plain = plain_reserve(conn, leases, rotate(skus), fresh("plain:"))
+        traced: dict[str, Traced] = {}
+        counted = 0
+        trips_note = "Reserve round trips: not counted (psycopg's libpq tracing needs Linux)."
+        if sys.platform == "linux":
+            if progress:
+                progress("  counting round trips (libpq trace)")
+            traced, trips_note, counted = count_round_trips(url, leases, skus)
+        ops = {
+            FENCED: fenced_reserve(inventory, leases, rotate(skus), fresh("fenced:")),
+            RAW_TX: raw_transaction(tx_conn, leases, rotate(skus), fresh("tx:")),
+            RAW_CTE: raw_statement(cte_conn, leases, rotate(skus), fresh("cte:")),
+        }
+        cpu = {name: [0.0] for name in ops}
         stats = measure(
-            [Case(FENCED, cpu_metered(fenced, cpu[FENCED])), Case(PLAIN, cpu_metered(plain, cpu[PLAIN]))],
+            [Case(name, cpu_metered(op, cpu[name])) for name, op in ops.items()],
             iterations=iterations, warmup=warmup, repeats=repeats, progress=progress,
         )
         per_case = warmup + iterations * repeats
-        checked = _check(inventory, 2 * per_case + counted)
+        checked = _check(inventory, len(ops) * per_case + counted, ["fenced:", "tx:", "cte:"])
 
-    results.add(section, stats, FENCED, PLAIN)
+    results.add(section, stats, FENCED, RAW_TX)
+    results.add(section, stats, FENCED, RAW_CTE)
+    results.add(section, stats, RAW_TX, RAW_CTE)
+    for name in ops:
+        trace = traced.get(name)
+        results.cost(section, name, {
+            "round trips": str(len(trace.steady)) if trace else "?",
+            "+ once per connection": str(trace.preparing) if trace else "?",
+            "transactions": str(trace.transactions) if trace else "?",
+            "client CPU": f"{cpu[name][0] / per_case * 1e3:.2f} ms",
+            "p50": f"{stats[name].p50 * 1e3:.2f} ms",
+        })
     results.notes.append(trips_note)
-    cpu_ms = {name: spent[0] / per_case * 1e3 for name, spent in cpu.items()}
     results.notes.append(
-        f"Reserve client CPU (this process, time.process_time over all {per_case} calls per case): fenced "
-        f"{cpu_ms[FENCED]:.2f} ms, plain {cpu_ms[PLAIN]:.2f} ms per reserve; the rest of each latency is "
-        "waiting on PostgreSQL (round trips, triggers, commit)."
+        f"Reserve client CPU: time.process_time of this process over all {per_case} calls per case, per "
+        "reserve; the rest of each latency is waiting on PostgreSQL (round trips, triggers, commit). "
+        "'+ once per connection': the extra round trips of psycopg preparing its statements."
     )
     results.notes.append(
         f"Reserve rows: {SKUS} SKUs taken in rotation by each case, one SQL lease per SKU (ttl "
-        f"{TTL:.0f} s) on the same database, one process, pooled SQLAlchemy engine vs one psycopg "
-        f"connection; both pay the schema's triggers. Plain = UPDATE stock (no fence, no row lock, no "
-        f"idempotency lookup) + INSERT reservations + sku_history + idempotency_keys, one commit. "
-        f"Checked after the run: {checked}, no invariant violations."
+        f"{TTL:.0f} s) on the same database, one process; a pooled SQLAlchemy engine vs one psycopg "
+        "connection per raw case, all on one migrated schema with its triggers. Every case writes the "
+        "same 4 rows: UPDATE stock (counts, updated_ms) RETURNING the level, INSERT reservations (held), "
+        "sku_history (write), idempotency_keys (outcome JSON with the level). The raw cases skip the "
+        "fence predicate and fence columns, the stock row lock and the idempotency lookup; the "
+        "transaction sends the three inserts as one statement (a CTE of inserts), the one-statement case "
+        "does the UPDATE and inserts in one data-modifying CTE in autocommit. "
+        f"Checked after the run: {checked}; no invariant violations."
     )

@@ -106,15 +106,29 @@ def measure(
     return stats
 
 
+@dataclass(frozen=True)
+class Cost:
+    """What one operation of a case cost, counted in the same run (round trips off the wire, CPU from
+    the process clock): the table of ratios says how much slower, this says where the time went."""
+
+    section: str
+    case: str
+    values: dict[str, str]
+
+
 @dataclass
 class Results:
-    """The rows of the report in print order, plus footnotes and context lines (what a section ran
-    on, known only once it ran) the benchmarks want to add."""
+    """The rows of the report in print order, plus per-operation costs, footnotes and context lines
+    (what a section ran on, known only once it ran) the benchmarks want to add."""
 
     rows: list[Row] = field(default_factory=list)
+    costs: list[Cost] = field(default_factory=list)
     context: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
 
     def add(self, section: str, stats: dict[str, CaseStats], subject: str, baseline: str) -> None:
         self.rows.append(Row(section, stats[subject], stats[baseline]))
+
+    def cost(self, section: str, case: str, values: dict[str, str]) -> None:
+        self.costs.append(Cost(section, case, values))
