@@ -31,8 +31,9 @@ from bench.writes import guarded_vs_plain
 # operations cost several round trips and a commit each, so their sections run proportionally fewer
 # iterations. A Celery task costs milliseconds (broker, result backend, several transactions) and every
 # case of the tasks section is a burst of that many tasks per run. A reserve is a transaction of several
-# round trips and milliseconds of client CPU, timed next to raw ones of four round trips and of one. The hot-SKU section
-# times 12 cases (3 slot counts x batching on/off x hot/spread) on 6 workers and takes a few minutes.
+# round trips and milliseconds of client CPU, timed next to raw ones of four round trips and of one. The
+# hot-SKU section times 12 cases (3 slot counts x batching on/off x hot/spread) on 6 workers and takes a
+# few minutes.
 DEFAULT_ITERATIONS = 1500
 QUICK_ITERATIONS = 200
 WRITE_SHARE = 10
