@@ -7,19 +7,16 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
-import re
 import sys
-import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable, Mapping
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any, LiteralString, cast
 
 import psycopg
 import sqlalchemy as sa
-from psycopg import pq, sql
+from psycopg import sql
 from psycopg.conninfo import make_conninfo
 from sqlalchemy import event
 from sqlalchemy.dialects import postgresql
@@ -28,6 +25,7 @@ from sqlalchemy.engine import make_url
 from bench.env import Scratch
 from bench.leases import UnexpectedReply
 from bench.timing import Case, Op, Progress, Results, measure
+from bench.wire import Trips, transactions_in, wire_trace
 from fencing import Lease, LeaseManager
 from fencing.sql import db_now_ms
 from reservations import Inventory, schema
@@ -191,106 +189,6 @@ def raw_statement(conn: psycopg.Connection[Any], leases: Mapping[str, Lease], sk
 
 # -- round trips on the wire -----------------------------------------------------------------------
 
-# A libpq trace line starts a message with direction, length and type; anything else continues the
-# previous message (statement text keeps its newlines).
-_MESSAGE = re.compile(r"^(?P<dir>[FB])\t\d+\t(?P<type>\w+)\t?(?P<rest>.*)$")
-_QUOTED = re.compile(r'"((?:[^"]|"")*)"')
-
-
-_WRITE = re.compile(r"(?<!FOR )(?<!DO )\b(INSERT\s+INTO|UPDATE|DELETE\s+FROM)\s+(\w+)", re.IGNORECASE)
-
-
-def _label(text: str) -> str:
-    """A short name for a statement: verb, table, and FOR UPDATE when it locks; a CTE lists its writes."""
-    words = text.split()
-    verb = words[0].upper() if words else "?"
-    if verb == "WITH":
-        writes = [f"{m[1].split()[0].upper()} {m[2]}" for m in _WRITE.finditer(text)]
-        return f"CTE ({', '.join(writes)})"
-    upper = [w.upper() for w in words]
-    table = ""
-    # The table follows the verb's own keyword; a FROM inside EXTRACT(EPOCH FROM ...) is not it.
-    marker = {"SELECT": "FROM", "INSERT": "INTO", "UPDATE": "UPDATE", "DELETE": "FROM"}.get(verb)
-    if marker in upper and upper.index(marker) + 1 < len(words):
-        table = words[upper.index(marker) + 1]
-    lock = " FOR UPDATE" if "FOR UPDATE" in " ".join(upper) else ""
-    return f"{verb} {table}{lock}".strip()
-
-
-def _round_trips(trace: str, prepared: dict[str, str]) -> list[str]:
-    """One label per round trip in a libpq trace: a client message the client then waits on (a simple
-    Query, or a Sync ending an extended-protocol group; a pipelined group names each statement, joined
-    by '; '). A Sync after a lone Parse is psycopg preparing a statement, a round trip of its own.
-    ``prepared`` maps the connection's prepared statement names to their text, kept across traces."""
-    messages: list[list[str]] = []
-    for line in trace.splitlines():
-        match = _MESSAGE.match(line)
-        if match:
-            messages.append([match["dir"], match["type"], match["rest"]])
-        elif messages:
-            messages[-1][2] += "\n" + line
-    trips: list[str] = []
-    group: list[tuple[str, str]] = []  # (type, statement) since the last Sync
-    for direction, kind, rest in messages:
-        if direction != "F":
-            continue
-        quoted = [q.replace('""', '"') for q in _QUOTED.findall(rest)]
-        if kind == "Query":
-            trips.append(_label(quoted[0]) if quoted else "?")
-        elif kind == "Parse" and len(quoted) >= 2:
-            prepared[quoted[0]] = quoted[1]
-            group.append(("Parse", quoted[1]))
-        elif kind == "Bind" and len(quoted) >= 2:
-            group.append(("Bind", prepared.get(quoted[1], "?")))
-        elif kind == "Sync":
-            binds = [stmt for k, stmt in group if k == "Bind"]
-            parses = [stmt for k, stmt in group if k == "Parse"]
-            if binds:
-                trips.append("; ".join(_label(stmt) for stmt in binds))
-            elif parses:
-                trips.append(f"prepare {_label(parses[-1])}")
-            group = []
-    return trips
-
-
-@contextmanager
-def wire_trace(conn: psycopg.Connection[Any], prepared: dict[str, str] | None = None) -> Iterator[list[str]]:
-    """Collect the round trips ``conn`` makes inside the block (filled in when the block ends). Pass the
-    same ``prepared`` to successive traces of one connection so a statement prepared in an earlier one
-    is still named."""
-    trips: list[str] = []
-    fd, path = tempfile.mkstemp(prefix="fencing-bench-trace-")
-    try:
-        conn.pgconn.trace(fd)
-        conn.pgconn.set_trace_flags(pq.Trace.SUPPRESS_TIMESTAMPS | pq.Trace.REGRESS_MODE)
-        try:
-            yield trips
-        finally:
-            conn.pgconn.untrace()  # flushes the stream libpq writes to
-        with open(path, encoding="utf-8", errors="replace") as f:
-            trips.extend(_round_trips(f.read(), {} if prepared is None else prepared))
-    finally:
-        os.close(fd)  # libpq's FILE on this fd is never used again after untrace
-        os.unlink(path)
-
-
-def transactions_in(trips: list[str]) -> int:
-    """Transactions the server ran for these round trips: each BEGIN ... COMMIT block is one, and so is
-    every statement sent outside a block (autocommit). Preparing a statement runs none."""
-    count, open_block = 0, False
-    for trip in trips:
-        if trip.startswith("prepare "):
-            continue
-        for statement in trip.split("; "):
-            word = statement.split(" ", 1)[0].upper()
-            if word in ("BEGIN", "START"):
-                count, open_block = count + 1, True
-            elif word in ("COMMIT", "ROLLBACK", "END"):
-                open_block = False
-            elif not open_block:
-                count += 1
-    return count
-
 
 def _sqlalchemy_count(inventory: Inventory, op: Op) -> int:
     """Round trips as SQLAlchemy sees them (begin + statements + commit), to cross-check the wire."""
@@ -402,9 +300,9 @@ def count_round_trips(
         traced: dict[str, Traced] = {}
         for name, (conn, op) in ops.items():
             per_call: list[list[str]] = []
-            prepared: dict[str, str] = {}
+            seen = Trips()
             for _ in range(calls):
-                with wire_trace(conn, prepared) as trips:
+                with wire_trace(conn, seen) as trips:
                     op()
                 per_call.append(trips)
             traced[name] = Traced(per_call)
