@@ -521,6 +521,7 @@ def _is_key(text: str) -> bool:
 
 def _enqueue(operation: str, key: str, kwargs: dict[str, Any], wait: bool, timeout: float) -> None:
     """Hand the request to the workers by task name; with --wait, poll its final outcome."""
+    from reservations.messages import SHAPES, request_fingerprint
     from reservations.producer import Producer
 
     valid.idempotency_key(key)
@@ -538,6 +539,8 @@ def _enqueue(operation: str, key: str, kwargs: dict[str, Any], wait: bool, timeo
             if time.monotonic() > deadline:
                 _fail(EXIT_FAILED, f"no outcome for {key} within {timeout:g}s (is a worker running?)")
             time.sleep(0.1)
+    if not outcome.belongs_to(SHAPES[operation].operation, request_fingerprint(operation, kwargs)):
+        _fail(EXIT_FAILED, f"idempotency key {key!r} already names a different {outcome.operation} request")
     out.print(f"outcome: {outcome.status} {json.dumps(outcome.detail, sort_keys=True)}")
     if outcome.status not in ("reserved", "confirmed", "released", "restocked"):
         raise typer.Exit(EXIT_FAILED)

@@ -189,6 +189,38 @@ def test_reserve_enqueues_on_the_broker(race: dict[str, Any], redis_prefix: str)
     assert _stock_of(race["env"]) == before
 
 
+def test_reserve_wait_on_a_key_of_a_different_request_reports_the_conflict(
+    race: dict[str, Any], pg_url: str
+) -> None:
+    """The key already ended as another request (order-b reserved 2 units): waiting on it with a request
+    for 1 unit must not print the other request's outcome as this one's."""
+    from reservations.messages import request_fingerprint
+
+    with Inventory.from_url(pg_url) as inventory:
+        inventory.record_outcome(
+            "cli-taken",
+            "reserve",
+            "reserved",
+            {"quantity": 2},
+            fingerprint=request_fingerprint("reserve", {"sku": "WIDGET", "quantity": 2}),
+        )
+    broker = "redis://127.0.0.1:6379/9"
+    client = redis.Redis.from_url(broker)
+    try:
+        done = cli(
+            "reserve", "WIDGET", "1", "--key", "cli-taken", "--wait", "--timeout", "5",
+            env={**race["env"], "RESERVATIONS_BROKER_URL": broker},
+        )  # fmt: skip
+    finally:
+        for raw in client.lrange("celery", 0, -1):
+            if b"cli-taken" in raw:
+                client.lrem("celery", 0, raw)
+        client.close()
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "already names a different reserve request" in done.stderr
+    assert "outcome: reserved" not in done.stdout
+
+
 def test_writing_commands_say_so_in_their_help(race: dict[str, Any]) -> None:
     for command in ("reserve", "restock", "confirm", "release", "add-sku", "demo"):
         assert "WRITES" in cli(command, "--help", env=race["env"]).stdout
