@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.env import Context
-from bench.timing import BLOCKS, Cost, Results, Row
+from bench.timing import BLOCKS, CaseStats, Cost, Results, Row
 
 HEADERS = ("benchmark", "baseline", "ops/s", "baseline ops/s", "ratio", "p50 / p99",
            "baseline p50 / p99")
@@ -42,6 +42,11 @@ def _duration(seconds: float) -> str:
     return f"{seconds * 1e3:.2f} ms"
 
 
+def _latencies(stats: CaseStats) -> str:
+    # A case may not see its operations one by one (tasks that store no result): only its rate is known.
+    return f"{_duration(stats.p50)} / {_duration(stats.p99)}" if stats.latencies else "-"
+
+
 def _cells(row: Row) -> tuple[str, ...]:
     s, b = row.subject, row.baseline
     return (
@@ -50,8 +55,8 @@ def _cells(row: Row) -> tuple[str, ...]:
         f"{s.median_ops:,.0f}",
         f"{b.median_ops:,.0f}",
         f"{row.ratio:.2f}x",
-        f"{_duration(s.p50)} / {_duration(s.p99)}",
-        f"{_duration(b.p50)} / {_duration(b.p99)}",
+        _latencies(s),
+        _latencies(b),
     )
 
 

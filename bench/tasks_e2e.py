@@ -1,6 +1,8 @@
-"""End to end through Celery: reservation tasks against no-op tasks on the same real workers. One case is a
-burst of N tasks enqueued at once, timed from the first enqueue to the last outcome; the broker, results
-and leases live on a private redis-server. One hot SKU against many is :mod:`bench.hot_sku`.
+"""End to end through Celery: reservation tasks against no-op tasks, under Celery's defaults (results on and
+off) and under the project's settings, on one private redis-server, pool and concurrency. One case is a burst
+of N tasks enqueued at once, timed from the first enqueue to the last outcome; Redis commands per task come
+from the server's command counters, PostgreSQL round trips per task from a counting proxy in front of a worker
+of their own. One hot SKU against many is :mod:`bench.hot_sku`.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -26,10 +29,13 @@ from typing import IO, Any
 import redis
 from celery import Celery
 from celery.result import AsyncResult
+from sqlalchemy.engine import make_url
 
+from bench import celery_defaults
 from bench.env import Scratch
 from bench.leases import UnexpectedReply
 from bench.timing import CaseStats, Progress, Results
+from bench.wire import CountingProxy, transactions_in
 from fencing import mask_url
 from reservations import Inventory, schema
 from tasks import ReservationClient, ReservationHandle, Settings, create_app, request_id
@@ -52,7 +58,18 @@ MAX_WARMUP = 20  # enough for each pool child to open its connections and fill i
 SPREAD = 32
 ON_HAND = 10**6
 
-NOOP = "noop task, AsyncResult.get"
+# Redis commands of the server's own idle traffic (idle workers' blocking pops) are measured over this
+# long with nothing running and taken off each burst's count.
+IDLE_SAMPLE = 2.0
+# Tasks through the counting proxy: a warm-up that gets each pool child past psycopg's preparing of its
+# statements (prepared on the sixth use per connection), then the counted burst.
+COUNT_WARMUP = 24
+COUNTED = 20
+
+NOOP_PROJECT = "noop, project settings, AsyncResult.get"
+NOOP_DEFAULTS = "noop, Celery defaults, AsyncResult.get"
+NOOP_IGNORED = "noop, Celery defaults, ignore_result"
+NOOPS = (NOOP_PROJECT, NOOP_DEFAULTS, NOOP_IGNORED)
 SPREAD_RESULT = f"reserve, {SPREAD} SKUs, AsyncResult.get"
 SPREAD_POLL = f"reserve, {SPREAD} SKUs, DB outcome poll"
 SQL_SPREAD_RESULT = f"reserve, {SPREAD} SKUs, SQL leases, AsyncResult.get"
@@ -163,6 +180,7 @@ class Worker:
         env: Mapping[str, str],
         log_path: Path,
         *,
+        app: str = "tasks",
         pool: str = POOL,
         concurrency: int = CONCURRENCY,
     ) -> None:
@@ -171,7 +189,7 @@ class Worker:
         self._log: IO[bytes] = log_path.open("wb")
         self.process = subprocess.Popen(
             [
-                sys.executable, "-m", "celery", "-A", "tasks", "worker", "--pool", pool,
+                sys.executable, "-m", "celery", "-A", app, "worker", "--pool", pool,
                 "-c", str(concurrency), "--without-gossip", "--without-mingle", "--without-heartbeat",
                 "-n", f"{name}@%h", "--loglevel", "INFO",
             ],
@@ -264,19 +282,41 @@ class InFlight:
         self.results.clear()
 
 
-def noop_burst(app: Celery, in_flight: InFlight) -> BurstFn:
+def noop_burst(app: Celery, in_flight: InFlight, task: str) -> BurstFn:
     def run(tag: str, count: int) -> Burst:
         deadline = _deadline(count)
         sent: list[tuple[float, AsyncResult]] = []
         start = time.perf_counter()
         for i in range(count):
-            sent.append((time.time(), in_flight.track(app.send_task("reservations.noop", args=[i]))))
+            sent.append((time.time(), in_flight.track(app.send_task(task, args=[i]))))
         values = [result.get(timeout=_left(deadline)) for _, result in sent]
         seconds = time.perf_counter() - start
         in_flight.done()
         if values != list(range(count)):
             raise UnexpectedReply(f"noop burst {tag} returned {values[:5]}...")
         return Burst(seconds, [_done_at(result) - at for at, result in sent], retries=0)
+
+    return run
+
+
+def noop_no_result_burst(app: Celery, in_flight: InFlight) -> BurstFn:
+    """No-ops that store no result, the last one excepted: with nothing to wait on, the burst ends when
+    that last one's result is stored. Tasks run in queue order, so at most the other pool slots' last
+    no-ops can still be running then: a no-op's run time each, against a burst of many."""
+
+    def run(tag: str, count: int) -> Burst:
+        deadline = _deadline(count)
+        start = time.perf_counter()
+        for i in range(count - 1):
+            # ignore_result on the message too: the producer then does not subscribe to its result.
+            app.send_task(celery_defaults.NOOP_NO_RESULT, args=[i], ignore_result=True)
+        last = in_flight.track(app.send_task(celery_defaults.NOOP, args=[count - 1]))
+        value = last.get(timeout=_left(deadline))
+        seconds = time.perf_counter() - start
+        in_flight.done()
+        if value != count - 1:
+            raise UnexpectedReply(f"no-result burst {tag} ended with {value!r}")
+        return Burst(seconds, [], retries=0)
 
     return run
 
@@ -359,6 +399,54 @@ def _fit(asked: int, repeats: int, rates: list[float], budget: float | None) -> 
     return Sizing(max(MIN_BURST, int(budget / per_task)), asked, estimate)
 
 
+class RedisCommands:
+    """Commands the private redis-server ran, by name, from INFO commandstats: every client's, producer
+    and workers alike. The INFO calls that read them are left out."""
+
+    def __init__(self, url: str) -> None:
+        self.client = redis.Redis.from_url(url)
+
+    def snapshot(self) -> Counter[str]:
+        stats = self.client.info("commandstats")
+        return Counter({
+            name.removeprefix("cmdstat_"): int(values["calls"])
+            for name, values in stats.items() if name != "cmdstat_info"
+        })
+
+    def close(self) -> None:
+        self.client.close()
+
+
+@dataclass
+class Commands:
+    """One case's Redis commands over its timed bursts, and how long those bursts took."""
+
+    seen: Counter[str]
+    seconds: float = 0.0
+    tasks: int = 0
+
+    def per_task(self, idle: Mapping[str, float]) -> dict[str, float]:
+        """Commands per task by name, less what the server's idle traffic (``idle``, commands per second)
+        ran meanwhile."""
+        net = {name: calls - idle.get(name, 0.0) * self.seconds for name, calls in self.seen.items()}
+        return {name: calls / self.tasks for name, calls in net.items() if self.tasks}
+
+
+def _idle_rates(commands: RedisCommands, seconds: float) -> dict[str, float]:
+    before = commands.snapshot()
+    time.sleep(seconds)
+    return {name: calls / seconds for name, calls in (commands.snapshot() - before).items()}
+
+
+@dataclass
+class CaseRuns:
+    stats: dict[str, CaseStats]
+    retries: dict[str, int | None]
+    commands: dict[str, Commands]
+    idle: dict[str, float]  # the server's idle traffic, commands per second
+    sizing: Sizing
+
+
 def _run_cases(
     cases: list[TaskCase],
     *,
@@ -367,32 +455,83 @@ def _run_cases(
     warmup: int,
     repeats: int,
     budget: float | None,
+    commands: RedisCommands,
     progress: Progress | None,
-) -> tuple[dict[str, CaseStats], dict[str, int | None], Sizing]:
+) -> CaseRuns:
     """A warm-up burst per case, then ``repeats`` runs of one burst per case, rotating the case order
     run by run: a burst leaves work behind (result keys, WAL, dead tuples) that slows whatever comes
-    next, so no case may always follow the same one. Returns the stats, the Celery retries per case
-    over the timed runs, and the burst size used."""
+    next, so no case may always follow the same one. Counts each timed burst's Redis commands."""
     rates = []
     for n, case in enumerate(cases):
         if progress:
             progress(f"  warm-up: {case.name} ({warmup} tasks)")
         rates.append(warmup / case.run(f"{run_id}-w{n}", warmup).seconds)
     sizing = _fit(iterations, repeats, rates, budget)
+    if progress:
+        progress(f"  sampling the redis-server's idle traffic for {IDLE_SAMPLE:.0f} s")
+    idle = _idle_rates(commands, IDLE_SAMPLE)
     count = sizing.tasks
     stats = {case.name: CaseStats(case.name) for case in cases}
     retries: dict[str, int | None] = dict.fromkeys(stats, 0)
+    seen = {case.name: Commands(Counter()) for case in cases}
     for repeat in range(repeats):
         shift = repeat % len(cases)
         for case in [*cases[shift:], *cases[:shift]]:
             if progress:
                 progress(f"  run {repeat + 1}/{repeats}: {case.name} ({count} tasks)")
+            before = commands.snapshot()
+            started = time.perf_counter()
             burst = case.run(f"{run_id}-r{repeat}-{cases.index(case)}", count)
+            took = time.perf_counter() - started
+            after = commands.snapshot()
+            # Counter subtraction drops non-positive counts; calls only ever grow.
+            seen[case.name].seen.update(after - before)
+            seen[case.name].seconds += took
+            seen[case.name].tasks += count
             stats[case.name].ops_per_s.append(count / burst.seconds)
             stats[case.name].latencies.extend(burst.latencies)
-            seen = retries[case.name]
-            retries[case.name] = None if seen is None or burst.retries is None else seen + burst.retries
-    return stats, retries, sizing
+            was = retries[case.name]
+            retries[case.name] = None if was is None or burst.retries is None else was + burst.retries
+    return CaseRuns(stats, retries, seen, idle, sizing)
+
+
+@dataclass(frozen=True)
+class DatabaseCount:
+    """The reservation task's PostgreSQL traffic as the counting proxy saw it, over ``tasks`` tasks."""
+
+    tasks: int
+    trips: Counter[str]  # round trips by label, preparing excluded
+    prepares: int  # psycopg preparing a statement: a round trip once per connection and statement
+    transactions: int
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{label} {n / self.tasks:.2f}" for label, n in self.trips.most_common())
+        return parts + (f"; plus {self.prepares} statement preparations in the counted burst"
+                        if self.prepares else "")
+
+
+def count_database(
+    burst: BurstFn, proxy: CountingProxy, tag: str, *, progress: Progress | None
+) -> DatabaseCount:
+    """Run a warm-up burst and then a counted one through ``burst``, whose worker reaches PostgreSQL
+    through ``proxy``; only the counted burst's round trips are kept."""
+    if progress:
+        progress(f"  counting PostgreSQL round trips: {COUNT_WARMUP} + {COUNTED} reservation tasks via proxy")
+    burst(f"{tag}-w", COUNT_WARMUP)
+    mark = proxy.mark()
+    burst(tag, COUNTED)
+    connections = proxy.since(mark)
+    trips = Counter(trip for conn in connections for trip in conn if not trip.startswith("prepare "))
+    prepares = sum(1 for conn in connections for trip in conn if trip.startswith("prepare "))
+    return DatabaseCount(COUNTED, trips, prepares, sum(transactions_in(conn) for conn in connections))
+
+
+def _proxied(database_url: str, proxy: CountingProxy) -> str:
+    """``database_url`` through the proxy, unencrypted so that the proxy can read it."""
+    url = make_url(database_url).set(host="127.0.0.1", port=proxy.port)
+    return url.update_query_dict({"sslmode": "disable", "gssencmode": "disable"}).render_as_string(
+        hide_password=False
+    )
 
 
 def _round_robin(skus: list[str], bursts: list[int]) -> dict[str, int]:
@@ -420,6 +559,12 @@ def _check_stock(url: str, expected: dict[str, int]) -> str:
     if problems or wrong:
         raise UnexpectedReply(f"stock check failed: {problems[:3]}; (sku, reserved, wanted): {wrong[:3]}")
     return f"{sum(expected.values())} reservations on {len(expected)} SKUs"
+
+
+def _per_task(counts: Mapping[str, float]) -> str:
+    """The commands a task costs by name, the biggest first; traces of idle traffic left out."""
+    shown = sorted(((n, name) for name, n in counts.items() if n >= 0.05), reverse=True)
+    return " ".join(f"{name.upper()} {n:.1f}" for n, name in shown)
 
 
 def tasks_vs_noop(
@@ -450,14 +595,17 @@ def tasks_vs_noop(
         stack.callback(in_flight.release)  # after the workers stop, before the redis-server does
         database_url = scratch.postgres_url("tasks")
         schema.upgrade(database_url)
+        target = make_url(database_url)
+        proxy = stack.enter_context(CountingProxy((target.host or "127.0.0.1", target.port or 5432)))
         # Separate SKUs for the SQL-leased worker: each lease backend counts its own fencing tokens,
         # and a stock row fenced by one backend's high token refuses the other's low one as stale.
         spread = [f"S-{n}" for n in range(SPREAD)]
         sql_spread = [f"Q-{n}" for n in range(SPREAD)]
-        _seed(database_url, spread + (sql_spread if sql_leases else []))
+        counted_skus = [f"C-{n}" for n in range(SPREAD)]
+        _seed(database_url, spread + counted_skus + (sql_spread if sql_leases else []))
 
-        # One redis-server, one database number per role; the SQL-leased worker gets its own queue
-        # database so the two workers never take each other's tasks.
+        # One redis-server, one database number per role; every worker has a broker database of its
+        # own so that no worker takes another's tasks.
         redis_env = {
             "RESERVATIONS_BROKER_URL": f"{base}/0",
             "RESERVATIONS_RESULT_BACKEND": f"{base}/1",
@@ -470,12 +618,28 @@ def tasks_vs_noop(
             "RESERVATIONS_RESULT_BACKEND": f"{base}/4",
             "RESERVATIONS_LEASE_URL": database_url,
         }
-        envs = {"bench-redis": redis_env, **({"bench-sql": sql_env} if sql_leases else {})}
+        defaults_env = {
+            celery_defaults.BROKER_ENV: f"{base}/5",
+            celery_defaults.BACKEND_ENV: f"{base}/6",
+        }
+        # The project's worker again, reaching PostgreSQL through the counting proxy; never timed.
+        count_env = {
+            **redis_env,
+            "RESERVATIONS_BROKER_URL": f"{base}/7",
+            "RESERVATIONS_RESULT_BACKEND": f"{base}/8",
+            "RESERVATIONS_DATABASE_URL": _proxied(database_url, proxy),
+        }
+        envs = {
+            "bench-redis": ("tasks", redis_env),
+            "bench-defaults": ("bench.celery_defaults", defaults_env),
+            "bench-count": ("tasks", count_env),
+            **({"bench-sql": ("tasks", sql_env)} if sql_leases else {}),
+        }
         workers: list[Worker] = []
         stack.callback(stop_workers, workers)
         started = time.monotonic()
-        for name, env in envs.items():  # all start before any is waited for: their imports overlap
-            workers.append(Worker(name, worker_env(env), workdir / f"{name}.log"))
+        for name, (app_name, env) in envs.items():  # all start before any is waited for: imports overlap
+            workers.append(Worker(name, worker_env(env), workdir / f"{name}.log", app=app_name))
         ready_by = time.monotonic() + START_TIMEOUT
         for worker in workers:
             worker.wait_ready(ready_by)
@@ -489,8 +653,14 @@ def tasks_vs_noop(
             return app, client
 
         app, client = producer(redis_env)
+        defaults_app = celery_defaults.create_app(f"{base}/5", f"{base}/6")
+        stack.callback(defaults_app.close)
+        commands = RedisCommands(f"{base}/0")
+        stack.callback(commands.close)
         cases = [
-            TaskCase(NOOP, noop_burst(app, in_flight)),
+            TaskCase(NOOP_DEFAULTS, noop_burst(defaults_app, in_flight, celery_defaults.NOOP)),
+            TaskCase(NOOP_IGNORED, noop_no_result_burst(defaults_app, in_flight)),
+            TaskCase(NOOP_PROJECT, noop_burst(app, in_flight, "reservations.noop")),
             TaskCase(SPREAD_RESULT, reserve_burst_result(app, client, spread, in_flight)),
             TaskCase(SPREAD_POLL, reserve_burst_poll(client, spread)),
         ]
@@ -499,29 +669,60 @@ def tasks_vs_noop(
             sql_case = reserve_burst_result(sql_app, sql_client, sql_spread, in_flight)
             cases.append(TaskCase(SQL_SPREAD_RESULT, sql_case))
         try:
-            stats, retries, sizing = _run_cases(
+            count_app, count_client = producer(count_env)
+            database = count_database(
+                reserve_burst_result(count_app, count_client, counted_skus, in_flight), proxy,
+                f"{run_id}-count", progress=progress,
+            )
+            runs = _run_cases(
                 cases, run_id=run_id, iterations=iterations, warmup=warmup, repeats=repeats,
-                budget=TIMED_BUDGET if fit_budget else None, progress=progress,
+                budget=TIMED_BUDGET if fit_budget else None, commands=commands, progress=progress,
             )
         except Exception as exc:  # a failed burst is usually explained by the workers' logs
             tails = "\n".join(worker.tail() for worker in workers)
             raise RuntimeError(f"{type(exc).__name__}: {exc}\n{tails}") from exc
 
-        count = sizing.tasks
+        count = runs.sizing.tasks
         bursts = [warmup, *[count] * repeats]
         # Both spread cases on the Redis-leased worker reserve on the same SKUs.
         expected = _round_robin(spread, bursts + bursts)
+        expected |= _round_robin(counted_skus, [COUNT_WARMUP, COUNTED])
         if sql_leases:
             expected |= _round_robin(sql_spread, bursts)
         checked = _check_stock(database_url, expected)
 
-    section = f"Celery end to end: reservation task vs no-op task (bursts of {count})"
-    results.add(section, stats, SPREAD_RESULT, NOOP)
-    results.add(section, stats, SPREAD_POLL, NOOP)
+    stats = runs.stats
+    section = f"Celery end to end: reservation task vs no-op tasks (bursts of {count})"
+    for baseline in (NOOP_DEFAULTS, NOOP_IGNORED, NOOP_PROJECT):
+        results.add(section, stats, SPREAD_RESULT, baseline)
+    # Waiting on the outcome row needs no Celery result: its like-for-like no-op stores none either.
+    results.add(section, stats, SPREAD_POLL, NOOP_IGNORED)
     results.add(section, stats, SPREAD_POLL, SPREAD_RESULT)
+    settings_section = (
+        f"Celery no-op: the project's settings and results vs Celery's defaults (bursts of {count})"
+    )
+    results.add(settings_section, stats, NOOP_PROJECT, NOOP_DEFAULTS)
+    results.add(settings_section, stats, NOOP_DEFAULTS, NOOP_IGNORED)
     if sql_leases:
         results.add(f"Celery end to end: SQL lease backend vs Redis lease backend (bursts of {count})",
                     stats, SQL_SPREAD_RESULT, SPREAD_RESULT)
+
+    per_task = {name: seen.per_task(runs.idle) for name, seen in runs.commands.items()}
+    reserving = {SPREAD_RESULT, SPREAD_POLL}
+    for case in cases:
+        seen_retries = runs.retries[case.name]
+        results.cost(section, case.name, {
+            "Redis commands / task": f"{sum(per_task[case.name].values()):.1f}",
+            "PG round trips / task": (
+                f"{database.trips.total() / database.tasks:.1f}" if case.name in reserving else "-"
+            ),
+            "PG transactions / task": (
+                f"{database.transactions / database.tasks:.1f}" if case.name in reserving else "-"
+            ),
+            "Celery retries / task": (
+                "-" if seen_retries is None else f"{seen_retries / (count * repeats):.2f}"
+            ),
+        })
 
     leases = f"redis at {mask_url(redis_env['RESERVATIONS_LEASE_URL'])} (as compose.yaml deploys it)"
     if sql_leases:
@@ -529,36 +730,50 @@ def tasks_vs_noop(
     broker, backend = (mask_url(redis_env[f"RESERVATIONS_{v}"]) for v in ("BROKER_URL", "RESULT_BACKEND"))
     results.context += [
         f"Celery workers: {len(workers)} x celery {version('celery')} worker --pool {POOL} -c {CONCURRENCY} "
-        f"--without-gossip --without-mingle --without-heartbeat (acks late, prefetch 1, INFO log)"
-        + ("; one per lease backend, the other idling meanwhile" if sql_leases else "")
-        + f"; ready {startup:.1f} s after start",
-        f"Celery broker / results: private redis-server {redis_version}, {broker} / {backend}"
-        + (" (the SQL-leased worker: databases 3 / 4)" if sql_leases else ""),
+        "--without-gossip --without-mingle --without-heartbeat --loglevel INFO: the project's app (acks "
+        "late, prefetch 1, extended results), the same app counting through a proxy, an app at Celery's "
+        "defaults (early acks, prefetch 4)"
+        + (", the project's app on SQL leases" if sql_leases else "")
+        + f"; one busy at a time, the others idling; ready {startup:.1f} s after start",
+        f"Celery broker / results: private redis-server {redis_version}, {broker} / {backend} "
+        "(every worker a broker and result database of its own on the same server)",
         f"Lease backend: {leases}",
         f"Inventory: PostgreSQL at {mask_url(database_url)}",
     ]
-    per_request = {
-        name: f"{seen / (count * repeats):.2f}" if seen is not None else "not visible"
-        for name, seen in retries.items() if name != NOOP
-    }
     results.notes.append(
         f"Celery rows: a run is one burst of {count} tasks enqueued back to back, timed from the first "
         f"enqueue to the last outcome seen (ops/s = tasks per second); cases rotate run by run after a "
-        f"{warmup}-task warm-up burst each. Waits are in enqueue order: 'AsyncResult.get' is Celery's "
-        f"result backend (the no-op baseline's only option), 'DB outcome poll' is "
-        f"ReservationHandle.result_sync, polling the outcome row with backoff. p50 / p99: enqueue to "
-        f"outcome stored (worker or database clock) per task; in a burst that is mostly queueing."
+        f"{warmup}-task warm-up burst each. 'AsyncResult.get' waits on Celery's result backend in enqueue "
+        "order; 'DB outcome poll' is ReservationHandle.result_sync, polling the outcome row with backoff; "
+        "'ignore_result' no-ops store no result, so the burst ends when its last task (the only one that "
+        "stores a result) is done, and their latency is not seen ('-'). Celery defaults = an app with only "
+        "broker, result backend and JSON serializers set. p50 / p99: enqueue to outcome stored (worker or "
+        "database clock) per task; in a burst that is mostly queueing."
+    )
+    idle_total = sum(runs.idle.values())
+    results.notes.append(
+        "Redis commands / task: INFO commandstats deltas of the private redis-server over each case's timed "
+        "bursts (producer, broker, results and leases alike), less the server's idle traffic "
+        f"({idle_total:.1f} commands/s with nothing running, sampled for {IDLE_SAMPLE:.0f} s), per task: "
+        + "; ".join(f"{case.name}: {_per_task(per_task[case.name])}" for case in cases) + "."
     )
     results.notes.append(
-        "Celery retries per request (with batching on, the default, a request that finds its lease busy "
-        "is queued for the holder instead of retrying): "
-        + ", ".join(f"{name}: {value}" for name, value in per_request.items())
-        + f". Stock after the run: {checked}, as requested, no invariant violations."
+        f"PG round trips / task: the reservation task's PostgreSQL traffic counted off the wire by a proxy "
+        f"in front of a worker of its own (same app and settings as the timed one, never timed), over "
+        f"{database.tasks} tasks after a {COUNT_WARMUP}-task warm-up, waiting through AsyncResult.get; "
+        "the 'DB outcome poll' row adds the producer's polls of the outcome row, not counted. Per task: "
+        f"{database.describe()}. Transactions: BEGIN ... COMMIT blocks plus statements outside one."
     )
-    if sizing.tasks < sizing.asked:
+    results.notes.append(
+        "Celery retries per request: with batching on (the default) a request that finds its lease busy "
+        f"is queued for the holder instead of retrying. Stock after the run: {checked}, as requested, no "
+        "invariant violations."
+    )
+    if runs.sizing.tasks < runs.sizing.asked:
         results.notes.append(
-            f"Celery bursts cut from {sizing.asked} to {sizing.tasks} tasks: at the warm-up rates the timed "
-            f"bursts would have taken ~{sizing.estimate:.0f} s against a budget of {TIMED_BUDGET:.0f} s, so "
-            "the machine is slower or busier than the sizing assumes (an explicit --iterations is never cut)."
+            f"Celery bursts cut from {runs.sizing.asked} to {runs.sizing.tasks} tasks: at the warm-up rates "
+            f"the timed bursts would have taken ~{runs.sizing.estimate:.0f} s against a budget of "
+            f"{TIMED_BUDGET:.0f} s, so the machine is slower or busier than the sizing assumes (an explicit "
+            "--iterations is never cut)."
         )
     return count
