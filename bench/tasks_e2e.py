@@ -92,6 +92,7 @@ BurstFn = Callable[[str, int], Burst]  # (unique tag for this burst's keys, task
 class TaskCase:
     name: str
     run: BurstFn
+    worker: Worker  # the one that runs this case's tasks: its CPU is charged to the case
 
 
 def _free_port() -> int:
@@ -399,12 +400,38 @@ def _fit(asked: int, repeats: int, rates: list[float], budget: float | None) -> 
     return Sizing(max(MIN_BURST, int(budget / per_task)), asked, estimate)
 
 
+def group_cpu(group: int) -> float:
+    """CPU seconds (user + system) used so far by the live processes of process group ``group``, from
+    /proc; 0.0 where there is no /proc. A worker started in its own session is the group of its pid,
+    pool children included."""
+    ticks = 0
+    try:
+        entries = os.scandir("/proc")
+    except OSError:
+        return 0.0
+    with entries:
+        for entry in entries:
+            if not entry.name.isdigit():
+                continue
+            try:
+                text = Path(entry.path, "stat").read_text()
+            except OSError:  # exited meanwhile
+                continue
+            # After "pid (comm) ": state, ppid, pgrp, ..., utime and stime at 11 and 12.
+            fields = text[text.rindex(")") + 2 :].split()
+            if int(fields[2]) == group:
+                ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
 class RedisCommands:
     """Commands the private redis-server ran, by name, from INFO commandstats: every client's, producer
     and workers alike. The INFO calls that read them are left out."""
 
     def __init__(self, url: str) -> None:
         self.client = redis.Redis.from_url(url)
+        # private_redis starts the server in a session of its own: its pid is its process group.
+        self.pid = int(self.client.info("server")["process_id"])
 
     def snapshot(self) -> Counter[str]:
         stats = self.client.info("commandstats")
@@ -419,11 +446,15 @@ class RedisCommands:
 
 @dataclass
 class Commands:
-    """One case's Redis commands over its timed bursts, and how long those bursts took."""
+    """One case's Redis commands over its timed bursts, how long those bursts took, and the CPU its
+    worker (main process and pool children), the redis-server and this process (the producer) used."""
 
     seen: Counter[str]
     seconds: float = 0.0
     tasks: int = 0
+    worker_cpu: float = 0.0
+    redis_cpu: float = 0.0
+    producer_cpu: float = 0.0
 
     def per_task(self, idle: Mapping[str, float]) -> dict[str, float]:
         """Commands per task by name, less what the server's idle traffic (``idle``, commands per second)
@@ -479,15 +510,20 @@ def _run_cases(
         for case in [*cases[shift:], *cases[:shift]]:
             if progress:
                 progress(f"  run {repeat + 1}/{repeats}: {case.name} ({count} tasks)")
+            group = case.worker.process.pid
             before = commands.snapshot()
+            cpu = (group_cpu(group), group_cpu(commands.pid), time.process_time())
             started = time.perf_counter()
             burst = case.run(f"{run_id}-r{repeat}-{cases.index(case)}", count)
             took = time.perf_counter() - started
-            after = commands.snapshot()
+            spent = seen[case.name]
+            spent.producer_cpu += time.process_time() - cpu[2]
+            spent.worker_cpu += group_cpu(group) - cpu[0]
+            spent.redis_cpu += group_cpu(commands.pid) - cpu[1]
             # Counter subtraction drops non-positive counts; calls only ever grow.
-            seen[case.name].seen.update(after - before)
-            seen[case.name].seconds += took
-            seen[case.name].tasks += count
+            spent.seen.update(commands.snapshot() - before)
+            spent.seconds += took
+            spent.tasks += count
             stats[case.name].ops_per_s.append(count / burst.seconds)
             stats[case.name].latencies.extend(burst.latencies)
             was = retries[case.name]
@@ -635,13 +671,13 @@ def tasks_vs_noop(
             "bench-count": ("tasks", count_env),
             **({"bench-sql": ("tasks", sql_env)} if sql_leases else {}),
         }
-        workers: list[Worker] = []
-        stack.callback(stop_workers, workers)
+        workers: dict[str, Worker] = {}
+        stack.callback(lambda: stop_workers(list(workers.values())))
         started = time.monotonic()
         for name, (app_name, env) in envs.items():  # all start before any is waited for: imports overlap
-            workers.append(Worker(name, worker_env(env), workdir / f"{name}.log", app=app_name))
+            workers[name] = Worker(name, worker_env(env), workdir / f"{name}.log", app=app_name)
         ready_by = time.monotonic() + START_TIMEOUT
-        for worker in workers:
+        for worker in workers.values():
             worker.wait_ready(ready_by)
         startup = time.monotonic() - started
 
@@ -658,16 +694,18 @@ def tasks_vs_noop(
         commands = RedisCommands(f"{base}/0")
         stack.callback(commands.close)
         cases = [
-            TaskCase(NOOP_DEFAULTS, noop_burst(defaults_app, in_flight, celery_defaults.NOOP)),
-            TaskCase(NOOP_IGNORED, noop_no_result_burst(defaults_app, in_flight)),
-            TaskCase(NOOP_PROJECT, noop_burst(app, in_flight, "reservations.noop")),
-            TaskCase(SPREAD_RESULT, reserve_burst_result(app, client, spread, in_flight)),
-            TaskCase(SPREAD_POLL, reserve_burst_poll(client, spread)),
+            TaskCase(NOOP_DEFAULTS, noop_burst(defaults_app, in_flight, celery_defaults.NOOP),
+                     workers["bench-defaults"]),
+            TaskCase(NOOP_IGNORED, noop_no_result_burst(defaults_app, in_flight), workers["bench-defaults"]),
+            TaskCase(NOOP_PROJECT, noop_burst(app, in_flight, "reservations.noop"), workers["bench-redis"]),
+            TaskCase(SPREAD_RESULT, reserve_burst_result(app, client, spread, in_flight),
+                     workers["bench-redis"]),
+            TaskCase(SPREAD_POLL, reserve_burst_poll(client, spread), workers["bench-redis"]),
         ]
         if sql_leases:
             sql_app, sql_client = producer(sql_env)
             sql_case = reserve_burst_result(sql_app, sql_client, sql_spread, in_flight)
-            cases.append(TaskCase(SQL_SPREAD_RESULT, sql_case))
+            cases.append(TaskCase(SQL_SPREAD_RESULT, sql_case, workers["bench-sql"]))
         try:
             count_app, count_client = producer(count_env)
             database = count_database(
@@ -679,7 +717,7 @@ def tasks_vs_noop(
                 budget=TIMED_BUDGET if fit_budget else None, commands=commands, progress=progress,
             )
         except Exception as exc:  # a failed burst is usually explained by the workers' logs
-            tails = "\n".join(worker.tail() for worker in workers)
+            tails = "\n".join(worker.tail() for worker in workers.values())
             raise RuntimeError(f"{type(exc).__name__}: {exc}\n{tails}") from exc
 
         count = runs.sizing.tasks
@@ -711,7 +749,11 @@ def tasks_vs_noop(
     reserving = {SPREAD_RESULT, SPREAD_POLL}
     for case in cases:
         seen_retries = runs.retries[case.name]
+        spent = runs.commands[case.name]
         results.cost(section, case.name, {
+            "worker CPU / task": f"{spent.worker_cpu / spent.tasks * 1e3:.2f} ms",
+            "producer CPU / task": f"{spent.producer_cpu / spent.tasks * 1e3:.2f} ms",
+            "redis-server CPU / task": f"{spent.redis_cpu / spent.tasks * 1e3:.2f} ms",
             "Redis commands / task": f"{sum(per_task[case.name].values()):.1f}",
             "PG round trips / task": (
                 f"{database.trips.total() / database.tasks:.1f}" if case.name in reserving else "-"
@@ -756,6 +798,11 @@ def tasks_vs_noop(
         "bursts (producer, broker, results and leases alike), less the server's idle traffic "
         f"({idle_total:.1f} commands/s with nothing running, sampled for {IDLE_SAMPLE:.0f} s), per task: "
         + "; ".join(f"{case.name}: {_per_task(per_task[case.name])}" for case in cases) + "."
+    )
+    results.notes.append(
+        "CPU / task: user + system time over each case's timed bursts, from /proc: the worker running the "
+        "case (main process and pool children), this process (the producer: enqueue and wait) and the "
+        f"redis-server; on {os.cpu_count()} CPUs shared by all of them and PostgreSQL."
     )
     results.notes.append(
         f"PG round trips / task: the reservation task's PostgreSQL traffic counted off the wire by a proxy "

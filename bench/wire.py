@@ -136,6 +136,15 @@ def transactions_in(trips: list[str]) -> int:
     return count
 
 
+def statements_in(trips: list[str]) -> int:
+    """Statements other than transaction control in one connection's round trips, preparing aside."""
+    statements = [
+        statement for trip in trips if not trip.startswith("prepare ") for statement in trip.split("; ")
+    ]
+    control = ("BEGIN", "START", "COMMIT", "ROLLBACK", "END")
+    return sum(1 for statement in statements if statement.split(" ", 1)[0].upper() not in control)
+
+
 # -- a counting proxy --------------------------------------------------------------------------------
 
 _PROTOCOL_3 = 196608  # the StartupMessage's version field; SSLRequest and friends carry other codes
