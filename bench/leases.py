@@ -17,6 +17,7 @@ from bench.env import Scratch
 from bench.timing import Case, Op, Progress, Results, measure
 from fencing import LeaseManager
 from fencing.keys import scope_keys
+from fencing.lease import MAX_TOKEN
 from fencing.manager import DEFAULT_HISTORY_CAP
 from fencing.redis_backend import ACQUIRE, RELEASE
 from fencing.sql import SyncSqlExecutor
@@ -86,7 +87,7 @@ def direct_pair(client: redis.Redis, prefix: str, scope: str) -> Op:
 
     def op() -> None:
         lease_id = secrets.token_hex(16)
-        reply = acquire(keys=keys, args=[lease_id, HOLDER, TTL_MS, DEFAULT_HISTORY_CAP])
+        reply = acquire(keys=keys, args=[lease_id, HOLDER, TTL_MS, DEFAULT_HISTORY_CAP, MAX_TOKEN])
         if int(reply[0]) != 0:
             raise UnexpectedReply(f"ACQUIRE replied {reply!r}")
         reply = release(keys=keys, args=[lease_id, DEFAULT_HISTORY_CAP])
