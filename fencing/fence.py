@@ -82,6 +82,17 @@ class Fence:
             sa.and_(self._token == lease.token, self._lease == lease.lease_id),
         )
 
+    def prepare(self, lease: Lease, scope: str) -> None:
+        """The local checks before a guarded statement is sent, then the ``before_statement`` hook: for
+        this fence's own UPDATE and for callers that put :meth:`accepts` into a statement of their own."""
+        # The token becomes the row's fence: one past MAX_TOKEN would lock out every later epoch.
+        check_lease(lease)
+        if lease.scope != scope:
+            raise ScopeMismatch(lease_scope=lease.scope, target_scope=scope)
+        lease.raise_if_lost()  # sticky: no round trip for a lease already known lost
+        if self.before_statement is not None:
+            self.before_statement(lease)
+
     def plan(
         self,
         lease: Lease,
@@ -94,13 +105,7 @@ class Fence:
         operation: str = "write",
     ) -> Plan[FenceResult]:
         """The guarded write as a plan; ``update`` and ``update_async`` are its two shells."""
-        # The token becomes the row's fence: one past MAX_TOKEN would lock out every later epoch.
-        check_lease(lease)
-        if lease.scope != scope:
-            raise ScopeMismatch(lease_scope=lease.scope, target_scope=scope)
-        lease.raise_if_lost()  # sticky: no round trip for a lease already known lost
-        if self.before_statement is not None:
-            self.before_statement(lease)
+        self.prepare(lease, scope)
         guards = [*where]
         if self.enforce:
             guards.append(self.accepts(lease))

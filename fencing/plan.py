@@ -24,6 +24,16 @@ class Sleep:
 
 
 @dataclass(frozen=True, slots=True)
+class Alone:
+    """One statement that is a whole transaction by itself: sent without BEGIN and COMMIT (autocommit),
+    so it costs one round trip and holds no lock past its own execution. ``sql`` is driver-level SQL
+    with named ``%(name)s`` parameters, written once; the shell answers with its rows (a ``Rows``)."""
+
+    sql: str
+    params: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
 class Atomic:
     """Run ``plan`` as its own unit (its own transaction on SQL) and send back its result or error."""
 

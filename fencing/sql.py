@@ -19,7 +19,7 @@ from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.expression import Executable, FunctionElement
 
 from fencing.errors import BackendUnavailable, InvalidLeaseRequest
-from fencing.plan import Atomic, Plan, Sleep, run_async, run_sync
+from fencing.plan import Alone, Atomic, Plan, Sleep, run_async, run_sync
 
 SUPPORTED_DIALECTS = ("sqlite", "postgresql")
 
@@ -214,6 +214,8 @@ class SyncSqlExecutor:
                 return self._sleep(op.seconds)
             if isinstance(op, Atomic):
                 return self.run(op.plan)
+            if isinstance(op, Alone):
+                return self._alone(op)
             if conn is None:
                 try:
                     conn = self.engine.connect()
@@ -232,6 +234,14 @@ class SyncSqlExecutor:
         finally:
             if conn is not None:
                 conn.close()  # rolls back anything not committed
+
+    def _alone(self, op: Alone) -> Rows:
+        try:
+            with self.engine.connect() as conn:
+                auto = conn.execution_options(isolation_level="AUTOCOMMIT")
+                return _rows(auto.exec_driver_sql(op.sql, op.params))
+        except DBAPIError as exc:
+            raise (unavailable(exc, "statement") or exc) from exc
 
     def close(self) -> None:
         self.engine.dispose()
@@ -253,6 +263,8 @@ class AsyncSqlExecutor:
                 return await self._sleep(op.seconds)
             if isinstance(op, Atomic):
                 return await self.run(op.plan)
+            if isinstance(op, Alone):
+                return await self._alone(op)
             if conn is None:
                 try:
                     conn = await self.engine.connect()
@@ -271,6 +283,14 @@ class AsyncSqlExecutor:
         finally:
             if conn is not None:
                 await conn.close()
+
+    async def _alone(self, op: Alone) -> Rows:
+        try:
+            async with self.engine.connect() as conn:
+                auto = await conn.execution_options(isolation_level="AUTOCOMMIT")
+                return _rows(await auto.exec_driver_sql(op.sql, op.params))
+        except DBAPIError as exc:
+            raise (unavailable(exc, "statement") or exc) from exc
 
     async def close(self) -> None:
         await self.engine.dispose()

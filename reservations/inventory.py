@@ -107,6 +107,12 @@ def _timeline_args(manager: object, kind: type, sku: str, limit: int) -> str:
     return valid.scope_of(valid.sku(sku))
 
 
+def _single_statement(dialect: str, asked: bool | None) -> bool:
+    if asked and dialect != "postgresql":
+        raise InvalidRequest("a reservation as one statement needs PostgreSQL", field="single_statement")
+    return dialect == "postgresql" if asked is None else asked
+
+
 class Inventory:
     """Fenced stock operations on one database (SQLite or PostgreSQL)."""
 
@@ -117,9 +123,16 @@ class Inventory:
         url: str = "",
         enforce_fence: bool = True,
         before_statement: Callable[[Lease], None] | None = None,
+        single_statement: bool | None = None,
     ) -> None:
+        """``single_statement`` (default: on PostgreSQL) sends a single-SKU reservation as one statement;
+        False keeps the multi-statement transaction that SQLite uses."""
         self.executor = executor
-        self.plans = InventoryPlans(enforce_fence=enforce_fence, before_statement=before_statement)
+        self.plans = InventoryPlans(
+            enforce_fence=enforce_fence,
+            before_statement=before_statement,
+            single_statement=_single_statement(executor.engine.dialect.name, single_statement),
+        )
         self.url = mask_url(url) if url else ""
 
     @classmethod
@@ -131,6 +144,7 @@ class Inventory:
         enforce_fence: bool = True,
         before_statement: Callable[[Lease], None] | None = None,
         sleep: Callable[[float], None] = time.sleep,
+        single_statement: bool | None = None,
         **engine_options: Any,
     ) -> Inventory:
         """``migrate=True`` brings the schema to the newest revision first (embedded use, tests).
@@ -144,6 +158,7 @@ class Inventory:
             url=url,
             enforce_fence=enforce_fence,
             before_statement=before_statement,
+            single_statement=single_statement,
         )
 
     def _run(self, plan: Any) -> Any:
@@ -322,9 +337,19 @@ class Inventory:
 class AsyncInventory:
     """The asyncio shell over the same plans."""
 
-    def __init__(self, executor: AsyncSqlExecutor, *, url: str = "", enforce_fence: bool = True) -> None:
+    def __init__(
+        self,
+        executor: AsyncSqlExecutor,
+        *,
+        url: str = "",
+        enforce_fence: bool = True,
+        single_statement: bool | None = None,
+    ) -> None:
         self.executor = executor
-        self.plans = InventoryPlans(enforce_fence=enforce_fence)
+        self.plans = InventoryPlans(
+            enforce_fence=enforce_fence,
+            single_statement=_single_statement(executor.engine.dialect.name, single_statement),
+        )
         self.url = mask_url(url) if url else ""
 
     @classmethod
@@ -335,6 +360,7 @@ class AsyncInventory:
         migrate: bool = False,
         enforce_fence: bool = True,
         sleep: Callable[[float], Any] = asyncio.sleep,
+        single_statement: bool | None = None,
         **engine_options: Any,
     ) -> AsyncInventory:
         if migrate:
@@ -343,6 +369,7 @@ class AsyncInventory:
             AsyncSqlExecutor(make_async_engine(url, **engine_options), sleep),
             url=url,
             enforce_fence=enforce_fence,
+            single_statement=single_statement,
         )
 
     async def _run(self, plan: Any) -> Any:

@@ -19,6 +19,7 @@ from sqlalchemy.exc import IntegrityError
 from fencing import Fence, FenceOutcome, Lease, StaleToken
 from fencing.plan import Atomic, Plan
 from fencing.sql import Rows, db_now_ms
+from reservations import reserve_statement
 from reservations import validation as valid
 from reservations.errors import (
     IdempotencyConflict,
@@ -75,13 +76,33 @@ def _stored_error(data: dict[str, Any]) -> ReservationError:
     return error
 
 
+def _raise_unless_key_taken(exc: IntegrityError, key: str, operation: str) -> None:
+    """Return when ``exc`` is a concurrent attempt with the same key having committed first (the next
+    round replays it); raise anything else."""
+    text = str(exc.orig)
+    if "reservations" in text and "idempotency_key" in text:
+        # Attempts on one SKU queue on its stock row, so this is not a race: the key's record was
+        # purged, but the reservation it created is still there.
+        raise IdempotencyConflict(
+            key=key, operation=operation, stored_operation="a reservation whose record expired"
+        ) from None
+    if "idempotency_key" not in text:
+        raise exc
+
+
 class InventoryPlans:
     """Decisions and statements for every inventory operation; no I/O."""
 
     def __init__(
-        self, *, enforce_fence: bool = True, before_statement: Callable[[Lease], None] | None = None
+        self,
+        *,
+        enforce_fence: bool = True,
+        before_statement: Callable[[Lease], None] | None = None,
+        single_statement: bool = False,
     ) -> None:
         self.fence = Fence(stock, enforce=enforce_fence, before_statement=before_statement)
+        # PostgreSQL: a single-SKU reservation is one statement (reservations.reserve_statement).
+        self.single_statement = single_statement
 
     # -- the idempotent envelope -------------------------------------------------------------------
 
@@ -112,15 +133,7 @@ class InventoryPlans:
                 yield Atomic(self.one(on_stale(stale)))
                 raise
             except IntegrityError as exc:
-                text = str(exc.orig)
-                if "reservations" in text and "idempotency_key" in text:
-                    # Attempts on one SKU queue on its stock row, so this is not a race: the key's
-                    # record was purged, but the reservation it created is still there.
-                    raise IdempotencyConflict(
-                        key=key, operation=operation, stored_operation="a reservation whose record expired"
-                    ) from None
-                if "idempotency_key" not in text:
-                    raise
+                _raise_unless_key_taken(exc, key, operation)
                 # A concurrent attempt with the same key committed first; the next round replays it.
         raise RuntimeError(f"idempotency key {key!r} kept colliding")  # pragma: no cover
 
@@ -486,6 +499,9 @@ class InventoryPlans:
         valid.quantity(quantity)
         valid.idempotency_key(key)
         hold_ms = hold_ms_of(hold_for)
+        print_ = fingerprint("reserve", sku=sku, quantity=quantity, hold_ms=hold_ms)
+        if self.single_statement:
+            return self._reserve_in_one(lease, sku, quantity, key, hold_ms, print_)
 
         def apply() -> Plan[Outcome]:
             return (yield from self.hold_one(lease, sku, quantity, key, hold_ms))
@@ -493,11 +509,39 @@ class InventoryPlans:
         return self._idempotent(
             key,
             "reserve",
-            fingerprint("reserve", sku=sku, quantity=quantity, hold_ms=hold_ms),
+            print_,
             apply,
             lambda stale: self.rejection(stale, lease, sku, "reserve", key, quantity),
             self._lock_skus(sku),
         )
+
+    def _reserve_in_one(
+        self, lease: Lease, sku: str, quantity: int, key: str, hold_ms: int | None, print_: str
+    ) -> Plan[Outcome]:
+        """:meth:`reserve` as the one statement of :mod:`reservations.reserve_statement`."""
+        self.fence.prepare(lease, valid.scope_of(sku))
+        for _ in range(3):
+            try:
+                done = yield from reserve_statement.reserve(
+                    lease,
+                    sku,
+                    quantity,
+                    key=key,
+                    fingerprint=print_,
+                    hold_ms=hold_ms,
+                    reservation_id=new_reservation_id(),
+                    enforce=self.fence.enforce,
+                )
+            except StaleToken as stale:
+                yield Atomic(self.one(self.rejection(stale, lease, sku, "reserve", key, quantity)))
+                raise
+            except IntegrityError as exc:
+                _raise_unless_key_taken(exc, key, "reserve")
+                continue
+            if isinstance(done, reserve_statement.Prior):
+                return self.replay(done, "reserve", print_)
+            return done
+        raise RuntimeError(f"idempotency key {key!r} kept colliding")  # pragma: no cover
 
     def reserve_many(
         self,

@@ -8,14 +8,16 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from psycopg import pq
 
-from fencing import BackendUnavailable, Lease, LeaseManager
+from fencing import BackendUnavailable, Lease, LeaseManager, StaleToken
 from fencing.sql import make_engine
-from reservations import Inventory, scope_of
+from reservations import InsufficientStock, Inventory, scope_of
 from reservations.messages import InvalidMessage, parse, request_fingerprint
 from reservations.operations import fingerprint
 
@@ -170,9 +172,13 @@ def bounded(pg_url: str) -> Iterator[tuple[Inventory, LeaseManager]]:
         other_side.close()
 
 
-def test_a_frozen_transaction_releases_its_sku_after_the_bound(
-    bounded: tuple[Inventory, LeaseManager], pg_url: str
+@pytest.mark.parametrize("single_statement", [False, True], ids=["transaction", "one-statement"])
+def test_a_frozen_holder_keeps_its_sku_for_at_most_the_bound(
+    bounded: tuple[Inventory, LeaseManager], pg_url: str, single_statement: bool
 ) -> None:
+    """Frozen between locking the row and writing it: the database ends its transaction after the bound
+    (the late write then fails as unreachable). A reservation sent as one statement holds nothing while
+    it is frozen, so the next holder never waits, and the late statement is refused as stale."""
     other_side, leases = bounded
     paused, resume = threading.Event(), threading.Event()
 
@@ -180,7 +186,9 @@ def test_a_frozen_transaction_releases_its_sku_after_the_bound(
         paused.set()
         resume.wait(30)
 
-    frozen_side = Inventory.from_url(pg_url, transaction_timeout=0.5, before_statement=freeze)
+    frozen_side = Inventory.from_url(
+        pg_url, transaction_timeout=0.5, before_statement=freeze, single_statement=single_statement
+    )
     other_side.add_sku("FZ", on_hand=10)
     errors: list[BaseException] = []
 
@@ -205,6 +213,51 @@ def test_a_frozen_transaction_releases_its_sku_after_the_bound(
         frozen_side.close()
     # Without the bound the second holder would wait for the whole pause (30 s here).
     assert waited < 5.0, waited
-    assert len(errors) == 1 and isinstance(errors[0], BackendUnavailable), errors
+    expected = StaleToken if single_statement else BackendUnavailable
+    assert len(errors) == 1 and isinstance(errors[0], expected), errors
     level = other_side.stock("FZ")
     assert (level.on_hand, level.reserved) == (10, 3)
+
+
+# -- a reservation on PostgreSQL is one round trip -----------------------------------------------------------
+
+
+def _client_waits(trace: str) -> list[str]:
+    """The client messages a libpq trace shows the client then waiting on: a simple Query, or the Sync
+    that ends an extended-protocol group. One per round trip."""
+    waits = []
+    for line in trace.splitlines():
+        parts = line.split("\t")
+        if len(parts) >= 3 and parts[0] == "F" and parts[2] in ("Query", "Sync"):
+            waits.append(parts[2] if parts[2] == "Sync" else parts[3][:40])
+    return waits
+
+
+def test_a_reservation_on_postgresql_is_one_round_trip(pg_url: str, tmp_path: Path) -> None:
+    inventory = Inventory.from_url(pg_url, migrate=True, pool_size=1, max_overflow=0)
+    leases = LeaseManager.from_url(pg_url)
+    trace_path = tmp_path / "trace"
+    sink = trace_path.open("w")  # libpq writes to its file descriptor until untrace
+    try:
+        inventory.add_sku("RT", on_hand=10)
+        lease = leases.acquire(scope_of("RT"), ttl=30, holder="holder")
+        inventory.reserve(lease, "RT", 1, key="rt-warm")  # the pooled connection exists from here on
+        with inventory.executor.engine.connect() as conn:
+            raw: Any = conn.connection.dbapi_connection
+            raw.pgconn.trace(sink.fileno())
+            raw.pgconn.set_trace_flags(pq.Trace.SUPPRESS_TIMESTAMPS | pq.Trace.REGRESS_MODE)
+        # The connection went back to the pool with its trace on: the next checkout is the same one.
+        applied = inventory.reserve(lease, "RT", 2, key="rt-one")
+        replayed = inventory.reserve(lease, "RT", 2, key="rt-one")
+        with pytest.raises(InsufficientStock):
+            inventory.reserve(lease, "RT", 50, key="rt-short")
+        with inventory.executor.engine.connect() as conn:
+            conn.connection.dbapi_connection.pgconn.untrace()  # type: ignore[union-attr]
+        waits = _client_waits(trace_path.read_text(errors="replace"))
+    finally:
+        sink.close()
+        leases.close()
+        inventory.close()
+    assert replayed.replayed and replayed.reservation_ids == applied.reservation_ids
+    # Three requests, one round trip each (no BEGIN, no COMMIT); the connect/untrace checkouts add none.
+    assert waits == ["Sync", "Sync", "Sync"], waits
