@@ -25,12 +25,13 @@ class Sleep:
 
 @dataclass(frozen=True, slots=True)
 class Alone:
-    """One statement that is a whole transaction by itself: sent without BEGIN and COMMIT (autocommit),
-    so it costs one round trip and holds no lock past its own execution. ``sql`` is driver-level SQL
-    with named ``%(name)s`` parameters, written once; the shell answers with its rows (a ``Rows``)."""
+    """One statement that is a whole transaction by itself: on PostgreSQL sent without BEGIN and COMMIT
+    (autocommit), so it costs one round trip and holds no lock past its own execution; SQLite runs it in
+    a transaction of its own. ``statement`` is a SQLAlchemy statement, or driver-level SQL with named
+    ``%(name)s`` parameters in ``params`` (PostgreSQL only). The shell answers with its rows."""
 
-    sql: str
-    params: dict[str, Any]
+    statement: Any
+    params: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)

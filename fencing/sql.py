@@ -197,6 +197,14 @@ async def execute_async(conn: AsyncConnection, stmt: Executable) -> Rows:
         raise mapped from exc
 
 
+def _just(op: Alone) -> Plan[Rows]:
+    """``op`` as a plan of one statement, for a database that has no autocommit round trip to save."""
+    if isinstance(op.statement, str):
+        raise TypeError("driver-level SQL runs on PostgreSQL only")
+    rows: Rows = yield op.statement
+    return rows
+
+
 class SyncSqlExecutor:
     """Runs each plan (and each :class:`Atomic` step) in its own transaction, opened at its first
     statement so a plan that only waits never holds a connection."""
@@ -236,10 +244,14 @@ class SyncSqlExecutor:
                 conn.close()  # rolls back anything not committed
 
     def _alone(self, op: Alone) -> Rows:
+        if self.engine.dialect.name != "postgresql":
+            return self.run(_just(op))  # type: ignore[no-any-return]
         try:
             with self.engine.connect() as conn:
                 auto = conn.execution_options(isolation_level="AUTOCOMMIT")
-                return _rows(auto.exec_driver_sql(op.sql, op.params))
+                if isinstance(op.statement, str):
+                    return _rows(auto.exec_driver_sql(op.statement, op.params))
+                return _rows(auto.execute(op.statement))
         except DBAPIError as exc:
             raise (unavailable(exc, "statement") or exc) from exc
 
@@ -285,10 +297,14 @@ class AsyncSqlExecutor:
                 await conn.close()
 
     async def _alone(self, op: Alone) -> Rows:
+        if self.engine.dialect.name != "postgresql":
+            return await self.run(_just(op))  # type: ignore[no-any-return]
         try:
             async with self.engine.connect() as conn:
                 auto = await conn.execution_options(isolation_level="AUTOCOMMIT")
-                return _rows(await auto.exec_driver_sql(op.sql, op.params))
+                if isinstance(op.statement, str):
+                    return _rows(await auto.exec_driver_sql(op.statement, op.params))
+                return _rows(await auto.execute(op.statement))
         except DBAPIError as exc:
             raise (unavailable(exc, "statement") or exc) from exc
 

@@ -13,7 +13,7 @@ import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 
 from fencing import Lease, StaleToken
-from fencing.plan import Atomic, Plan
+from fencing.plan import Alone, Atomic, Plan
 from fencing.sql import Rows, db_now_ms
 from reservations import validation as valid
 from reservations.errors import (
@@ -105,7 +105,7 @@ def _hand_off(values: dict[str, Any]) -> Plan[HandOff]:
 
 
 def has_pending(sku: str) -> Plan[bool]:
-    found: Rows = yield (
+    found: Rows = yield Alone(
         sa.select(pending_reservations.c.id).where(pending_reservations.c.sku == valid.sku(sku)).limit(1)
     )
     return found.first() is not None

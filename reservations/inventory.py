@@ -19,6 +19,7 @@ from reservations import validation as valid
 from reservations.errors import InvalidRequest
 from reservations.operations import InventoryPlans
 from reservations.requests import Attempt, RequestResult
+from reservations.reserve_statement import Speaker
 from reservations.timeline import TimelineEntry, merge
 from reservations.views import HistoryEntry, Outcome, ReservationView, StockLevel
 
@@ -90,6 +91,23 @@ def _hand_off(
     valid.task_and_worker(task_id)
     valid.epochs(epochs)
     return batching.hand_off(sku, quantity, key, hold_for, task_id=task_id, epochs=epochs)
+
+
+def _reserve_request(
+    plans: InventoryPlans,
+    lease: Lease,
+    sku: str,
+    quantity: int,
+    key: str,
+    hold_for: float | None,
+    task_id: str | None,
+    worker: str | None,
+    epochs: int,
+) -> Plan[requests.RequestReply]:
+    valid.task_and_worker(task_id, worker)
+    valid.epochs(epochs)
+    speaker = Speaker(task_id=task_id, worker=worker, epochs=epochs)
+    return plans.reserve_request(lease, sku, quantity, key, hold_for, speaker)
 
 
 def _serve_pending(
@@ -188,6 +206,23 @@ class Inventory:
         hold_for: float | None = None,
     ) -> Outcome:
         return self._run(self.plans.reserve_many(leases, lines, key, hold_for))  # type: ignore[no-any-return]
+
+    def reserve_request(
+        self,
+        lease: Lease,
+        sku: str,
+        quantity: int,
+        *,
+        key: str,
+        hold_for: float | None = None,
+        task_id: str | None = None,
+        worker: str | None = None,
+        epochs: int = 0,
+    ) -> requests.RequestReply:
+        """:meth:`reserve` for a queued request: also writes its attempt and final outcome (one statement
+        on PostgreSQL), or answers from the outcome it already has."""
+        plan = _reserve_request(self.plans, lease, sku, quantity, key, hold_for, task_id, worker, epochs)
+        return self._run(plan)  # type: ignore[no-any-return]
 
     def confirm(self, lease: Lease, reservation_id: str, *, key: str) -> Outcome:
         return self._run(self.plans.confirm(lease, reservation_id, key))  # type: ignore[no-any-return]
@@ -400,6 +435,21 @@ class AsyncInventory:
         hold_for: float | None = None,
     ) -> Outcome:
         return await self._run(self.plans.reserve_many(leases, lines, key, hold_for))  # type: ignore[no-any-return]
+
+    async def reserve_request(
+        self,
+        lease: Lease,
+        sku: str,
+        quantity: int,
+        *,
+        key: str,
+        hold_for: float | None = None,
+        task_id: str | None = None,
+        worker: str | None = None,
+        epochs: int = 0,
+    ) -> requests.RequestReply:
+        plan = _reserve_request(self.plans, lease, sku, quantity, key, hold_for, task_id, worker, epochs)
+        return await self._run(plan)  # type: ignore[no-any-return]
 
     async def confirm(self, lease: Lease, reservation_id: str, *, key: str) -> Outcome:
         return await self._run(self.plans.confirm(lease, reservation_id, key))  # type: ignore[no-any-return]

@@ -43,7 +43,14 @@ from reservations.models import (
     stock,
 )
 from reservations.reads import STOCK_COLUMNS, stock_level
-from reservations.requests import TOMBSTONE_FINGERPRINT
+from reservations.requests import (
+    TOMBSTONE_FINGERPRINT,
+    RequestReply,
+    RequestResult,
+    record_attempt,
+    record_outcome,
+    request_outcome,
+)
 from reservations.views import Outcome, StockLevel
 
 
@@ -501,7 +508,7 @@ class InventoryPlans:
         hold_ms = hold_ms_of(hold_for)
         print_ = fingerprint("reserve", sku=sku, quantity=quantity, hold_ms=hold_ms)
         if self.single_statement:
-            return self._reserve_in_one(lease, sku, quantity, key, hold_ms, print_)
+            return self._reserve_alone(lease, sku, quantity, key, hold_ms, print_)
 
         def apply() -> Plan[Outcome]:
             return (yield from self.hold_one(lease, sku, quantity, key, hold_ms))
@@ -516,13 +523,20 @@ class InventoryPlans:
         )
 
     def _reserve_in_one(
-        self, lease: Lease, sku: str, quantity: int, key: str, hold_ms: int | None, print_: str
-    ) -> Plan[Outcome]:
+        self,
+        lease: Lease,
+        sku: str,
+        quantity: int,
+        key: str,
+        hold_ms: int | None,
+        print_: str,
+        speaker: reserve_statement.Speaker | None = None,
+    ) -> Plan[reserve_statement.Reply]:
         """:meth:`reserve` as the one statement of :mod:`reservations.reserve_statement`."""
         self.fence.prepare(lease, valid.scope_of(sku))
         for _ in range(3):
             try:
-                done = yield from reserve_statement.reserve(
+                reply: reserve_statement.Reply = yield from reserve_statement.reserve(
                     lease,
                     sku,
                     quantity,
@@ -531,17 +545,80 @@ class InventoryPlans:
                     hold_ms=hold_ms,
                     reservation_id=new_reservation_id(),
                     enforce=self.fence.enforce,
+                    speaker=speaker,
                 )
+                return reply
             except StaleToken as stale:
                 yield Atomic(self.one(self.rejection(stale, lease, sku, "reserve", key, quantity)))
                 raise
             except IntegrityError as exc:
                 _raise_unless_key_taken(exc, key, "reserve")
-                continue
-            if isinstance(done, reserve_statement.Prior):
-                return self.replay(done, "reserve", print_)
-            return done
         raise RuntimeError(f"idempotency key {key!r} kept colliding")  # pragma: no cover
+
+    def _reserve_alone(
+        self, lease: Lease, sku: str, quantity: int, key: str, hold_ms: int | None, print_: str
+    ) -> Plan[Outcome]:
+        reply = yield from self._reserve_in_one(lease, sku, quantity, key, hold_ms, print_)
+        if reply.prior is not None:
+            return self.replay(reply.prior, "reserve", print_)
+        if reply.refused is not None:
+            raise reply.refused
+        assert reply.outcome is not None
+        return reply.outcome
+
+    def reserve_request(
+        self,
+        lease: Lease,
+        sku: str,
+        quantity: int,
+        key: str,
+        hold_for: float | None,
+        speaker: reserve_statement.Speaker,
+    ) -> Plan[RequestReply]:
+        """A queued reserve request run to its final outcome: the reservation (or refusal), its attempt
+        and its outcome row. On PostgreSQL all of it is the one statement; elsewhere, or to replay a key
+        whose outcome was never written, the same steps one after another. A request that already
+        ended is answered from its outcome. Raises what :meth:`reserve` raises, but never
+        :class:`InsufficientStock`: that is an outcome."""
+        valid.lease(lease)
+        valid.sku(sku)
+        valid.quantity(quantity)
+        valid.idempotency_key(key)
+        hold_ms = hold_ms_of(hold_for)
+        print_ = fingerprint("reserve", sku=sku, quantity=quantity, hold_ms=hold_ms)
+        who = {"task_id": speaker.task_id, "worker": speaker.worker}
+        if self.single_statement:
+            reply = yield from self._reserve_in_one(lease, sku, quantity, key, hold_ms, print_, speaker)
+            if reply.ended is not None:
+                return RequestReply(reply.ended, None)
+            if reply.told is not None:
+                return RequestReply(reply.told, reply.outcome)
+            assert reply.prior is not None
+            replayed: Outcome | InsufficientStock
+            try:
+                replayed = self.replay(reply.prior, "reserve", print_)
+            except InsufficientStock as short:
+                replayed = short
+        else:
+            done: RequestResult | None = yield Atomic(request_outcome(key))
+            if done is not None:
+                return RequestReply(done, None)
+            try:
+                replayed = yield from self.reserve(lease, sku, quantity, key, hold_for)
+            except InsufficientStock as short:
+                replayed = short
+        if isinstance(replayed, InsufficientStock):
+            stored = yield from record_outcome(
+                key, "reserve", "insufficient_stock", replayed.summary(),
+                epochs=speaker.epochs, fingerprint=print_, **who,
+            )  # fmt: skip
+            return RequestReply(stored, None)
+        result = "replayed" if replayed.replayed else "applied"
+        yield from record_attempt(key, "reserve", result, token=replayed.token, **who)
+        stored = yield from record_outcome(
+            key, "reserve", "reserved", replayed.summary(), epochs=speaker.epochs, fingerprint=print_, **who
+        )
+        return RequestReply(stored, replayed)
 
     def reserve_many(
         self,

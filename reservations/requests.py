@@ -14,11 +14,12 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 
-from fencing.plan import Atomic, Plan
+from fencing.plan import Alone, Atomic, Plan
 from fencing.sql import Rows, db_now_ms
 from reservations import validation as valid
 from reservations.errors import InvalidRequest
 from reservations.models import HELD, idempotency_keys, request_outcomes, reservations, task_attempts
+from reservations.views import Outcome
 
 FINAL_STATUSES = (
     "reserved",
@@ -77,6 +78,15 @@ class RequestResult:
 
 
 @dataclass(frozen=True, slots=True)
+class RequestReply:
+    """A request run to its end: its stored final outcome, and the stock change when this run made or
+    replayed one (None when the request had already ended, or ended without a change)."""
+
+    result: RequestResult
+    outcome: Outcome | None
+
+
+@dataclass(frozen=True, slots=True)
 class Attempt:
     key: str
     operation: str
@@ -103,8 +113,9 @@ def result_of(row: Any) -> RequestResult:
 
 
 def request_outcome(key: str) -> Plan[RequestResult | None]:
-    found: Rows = yield sa.select(request_outcomes).where(
-        request_outcomes.c.key == valid.idempotency_key(key)
+    # Alone: one round trip on PostgreSQL (no BEGIN/COMMIT around a single read).
+    found: Rows = yield Alone(
+        sa.select(request_outcomes).where(request_outcomes.c.key == valid.idempotency_key(key))
     )
     row = found.first()
     return None if row is None else result_of(row)

@@ -9,6 +9,7 @@ concurrently fails the statement (nothing is written) so the next round replays 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,9 +17,12 @@ from fencing import Lease, StaleToken
 from fencing.plan import Alone, Plan
 from fencing.sql import Rows
 from reservations.errors import InsufficientStock, UnknownSku
+from reservations.requests import RequestResult
 from reservations.views import Outcome, StockLevel
 
 # The statement, read top to bottom:
+#   done      the request's final outcome, when the statement speaks for a queued request (``record``):
+#             a request that already ended is answered from it and nothing else happens.
 #   prior     the key's idempotency record, if any (the statement's snapshot: a record committed while
 #             this statement waits on the row lock is caught by the unique key instead).
 #   cur       the SKU's stock row, locked FOR UPDATE; under READ COMMITTED a locking read returns the
@@ -29,18 +33,25 @@ from reservations.views import Outcome, StockLevel
 #   held, written, recorded
 #             the reservation, the history row and the idempotency record, each only if upd wrote.
 #   refused   the key's refusal record when the token is accepted but the units are not there.
+#   told, tried
+#             with ``record``: the request's final outcome (reserved or insufficient_stock) and its
+#             applied attempt, in the same statement as the change they report.
 # The final SELECT returns one row that says which of these happened. A stale token writes nothing
 # here; its rejection is recorded by the caller in a statement of its own, as on the other path.
 _SQL = """
-WITH prior AS (
-    SELECT fingerprint, operation, outcome FROM idempotency_keys WHERE key = %(key)s::varchar
+WITH done AS (
+    SELECT key, operation, status, detail, task_id, worker, epochs, at_ms, fingerprint
+    FROM request_outcomes WHERE %(record)s::boolean AND key = %(key)s::varchar
+), prior AS (
+    SELECT fingerprint, operation, outcome FROM idempotency_keys
+    WHERE key = %(key)s::varchar AND NOT EXISTS (SELECT 1 FROM done)
 ), cur AS (
     SELECT sku, available, fence_token,
            {accepted} AS accepted,
            available >= %(quantity)s::bigint AS enough,
            CAST(EXTRACT(EPOCH FROM statement_timestamp()) * 1000 AS BIGINT) AS now_ms
     FROM stock
-    WHERE sku = %(sku)s::varchar AND NOT EXISTS (SELECT 1 FROM prior)
+    WHERE sku = %(sku)s::varchar AND NOT EXISTS (SELECT 1 FROM prior) AND NOT EXISTS (SELECT 1 FROM done)
     FOR UPDATE
 ), upd AS (
     UPDATE stock AS s
@@ -86,11 +97,36 @@ WITH prior AS (
            NULL, now_ms
     FROM cur
     WHERE cur.accepted AND NOT cur.enough
+), told AS (
+    INSERT INTO request_outcomes (key, operation, status, detail, task_id, worker, epochs, at_ms,
+                                  fingerprint)
+    SELECT %(key)s::varchar, 'reserve', 'reserved',
+           json_build_object(
+               'reservation_ids', json_build_array(%(reservation_id)s::text),
+               'token', %(token)s::bigint, 'quantity', %(quantity)s::bigint,
+               'stock', json_build_array(json_build_object(
+                   'sku', sku, 'on_hand', on_hand, 'reserved', reserved, 'available', available)))::text,
+           %(task_id)s::varchar, %(worker)s::varchar, %(epochs)s::int, now_ms, %(fingerprint)s::varchar
+    FROM upd WHERE %(record)s::boolean
+    UNION ALL
+    SELECT %(key)s::varchar, 'reserve', 'insufficient_stock',
+           json_build_object('sku', sku, 'requested', %(quantity)s::bigint, 'available', available)::text,
+           %(task_id)s::varchar, %(worker)s::varchar, %(epochs)s::int, now_ms, %(fingerprint)s::varchar
+    FROM cur WHERE %(record)s::boolean AND cur.accepted AND NOT cur.enough
+), tried AS (
+    INSERT INTO task_attempts (key, operation, result, task_id, worker, token, detail, at_ms)
+    SELECT %(key)s::varchar, 'reserve', 'applied', %(task_id)s::varchar, %(worker)s::varchar,
+           %(token)s::bigint, NULL, now_ms
+    FROM upd WHERE %(record)s::boolean
 )
-SELECT p.fingerprint AS prior_fingerprint, p.operation AS prior_operation, p.outcome AS prior_outcome,
+SELECT d.key AS done_key, d.operation AS done_operation, d.status AS done_status,
+       d.detail AS done_detail, d.task_id AS done_task_id, d.worker AS done_worker,
+       d.epochs AS done_epochs, d.at_ms AS done_at_ms, d.fingerprint AS done_fingerprint,
+       p.fingerprint AS prior_fingerprint, p.operation AS prior_operation, p.outcome AS prior_outcome,
        c.sku IS NOT NULL AS known, c.accepted, c.available AS seen_available, c.fence_token AS highest,
-       u.sku IS NOT NULL AS applied, u.on_hand, u.reserved, u.available, u.fence_token
+       c.now_ms, u.sku IS NOT NULL AS applied, u.on_hand, u.reserved, u.available, u.fence_token
 FROM (SELECT 1) AS one
+LEFT JOIN done AS d ON TRUE
 LEFT JOIN prior AS p ON TRUE
 LEFT JOIN cur AS c ON TRUE
 LEFT JOIN upd AS u ON TRUE
@@ -114,6 +150,27 @@ class Prior:
     outcome: str
 
 
+@dataclass(frozen=True, slots=True)
+class Speaker:
+    """Who the statement speaks for when it also records the request's outcome and attempt."""
+
+    task_id: str | None
+    worker: str | None
+    epochs: int
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """What the statement did: the request had ended (``ended``), the key had a record to replay
+    (``prior``), or it applied (``outcome``); with a speaker, ``told`` is the outcome row it wrote."""
+
+    outcome: Outcome | None = None
+    prior: Prior | None = None
+    ended: RequestResult | None = None
+    refused: InsufficientStock | None = None
+    told: RequestResult | None = None
+
+
 def reserve(
     lease: Lease,
     sku: str,
@@ -124,11 +181,12 @@ def reserve(
     hold_ms: int | None,
     reservation_id: str,
     enforce: bool,
-) -> Plan[Outcome | Prior]:
-    """Send the statement; return the applied outcome or the key's record to replay.
+    speaker: Speaker | None = None,
+) -> Plan[Reply]:
+    """Send the statement and read its one row.
 
-    Raises :class:`UnknownSku`, :class:`InsufficientStock` (its refusal already recorded under the key)
-    or :class:`StaleToken` (nothing written; the lease is marked lost).
+    Raises :class:`UnknownSku` or :class:`StaleToken` (nothing written; the lease is marked lost). A
+    refusal for lack of units comes back as ``refused``, already recorded under the key.
     """
     found: Rows = yield Alone(
         FENCED if enforce else UNFENCED,
@@ -142,16 +200,50 @@ def reserve(
             "hold_ms": hold_ms,
             "reservation_id": reservation_id,
             "fingerprint": fingerprint,
+            "record": speaker is not None,
+            "task_id": None if speaker is None else speaker.task_id,
+            "worker": None if speaker is None else speaker.worker,
+            "epochs": 0 if speaker is None else speaker.epochs,
         },
     )
     row: Any = found.rows[0]
+    if row.done_key is not None:
+        return Reply(
+            ended=RequestResult(
+                key=row.done_key,
+                operation=row.done_operation,
+                status=row.done_status,
+                detail=json.loads(row.done_detail),
+                task_id=row.done_task_id,
+                worker=row.done_worker,
+                epochs=row.done_epochs,
+                at=row.done_at_ms / 1000,
+                fingerprint=row.done_fingerprint,
+            )
+        )
     if row.prior_fingerprint is not None:
-        return Prior(key, row.prior_fingerprint, row.prior_operation, row.prior_outcome)
+        return Reply(prior=Prior(key, row.prior_fingerprint, row.prior_operation, row.prior_outcome))
     if not row.known:
         raise UnknownSku(sku)
+
+    def told(status: str, detail: dict[str, Any]) -> RequestResult | None:
+        if speaker is None:
+            return None
+        return RequestResult(
+            key=key,
+            operation="reserve",
+            status=status,
+            detail=detail,
+            task_id=speaker.task_id,
+            worker=speaker.worker,
+            epochs=speaker.epochs,
+            at=row.now_ms / 1000,
+            fingerprint=fingerprint,
+        )
+
     if row.applied:
         level = StockLevel(sku, row.on_hand, row.reserved, row.available, row.fence_token)
-        return Outcome(
+        outcome = Outcome(
             operation="reserve",
             key=key,
             token=lease.token,
@@ -159,6 +251,7 @@ def reserve(
             stock=(level,),
             quantity=quantity,
         )
+        return Reply(outcome=outcome, told=told("reserved", outcome.summary()))
     if not row.accepted:
         lease.mark_lost(f"reserve rejected: resource accepted token {row.highest}")
         raise StaleToken(
@@ -168,4 +261,5 @@ def reserve(
             lease_id=lease.lease_id,
             holder=lease.holder,
         )
-    raise InsufficientStock(sku=sku, requested=quantity, available=int(row.seen_available))
+    short = InsufficientStock(sku=sku, requested=quantity, available=int(row.seen_available))
+    return Reply(refused=short, told=told("insufficient_stock", short.summary()))

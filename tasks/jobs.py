@@ -41,7 +41,7 @@ from reservations import (
 )
 from reservations import validation as valid
 from reservations.messages import Message
-from reservations.requests import AlreadyApplied, RequestResult, task_name
+from reservations.requests import AlreadyApplied, RequestReply, RequestResult, task_name
 from tasks.app import app, settings_of
 from tasks.failpoints import failpoint
 from tasks.worker import Resources, resources, worker_identity
@@ -66,6 +66,7 @@ _INVALID = (
 )
 
 Apply = Callable[[Inventory, dict[str, Lease]], Outcome]
+Run = Callable[[Inventory, dict[str, Lease], dict[str, Any], int], RequestReply]
 
 
 _rng = random.Random()
@@ -136,6 +137,9 @@ class Work:
     skus: Callable[[Resources], list[str]]
     apply: Apply
     batch: Batchable | None = None
+    # A request whose run also writes its own attempt and outcome (one statement on PostgreSQL); it
+    # answers a request that already ended too, so no separate look at the outcome comes first.
+    run: Run | None = None
 
 
 def _work_of(message: Message) -> Work:
@@ -146,6 +150,9 @@ def _work_of(message: Message) -> Work:
             lambda _: [sku],
             lambda inv, leases: inv.reserve(leases[sku], sku, quantity, key=key, hold_for=hold_for),
             Batchable(sku, quantity, hold_for),
+            lambda inv, leases, who, epochs: inv.reserve_request(
+                leases[sku], sku, quantity, key=key, hold_for=hold_for, epochs=epochs, **who
+            ),
         )
     if message.name == "reserve_order":
         lines = args["lines"]
@@ -310,9 +317,10 @@ def _attempt(
 
     lease_token: int | None = None
     try:
-        done = res.inventory.request_outcome(key)
-        if done is not None:
-            return _answer(task, message, done)
+        if work.run is None:
+            done = res.inventory.request_outcome(key)
+            if done is not None:
+                return _answer(task, message, done)
         with res.inventory.hold_many(
             res.leases,
             work.skus(res),
@@ -323,13 +331,18 @@ def _attempt(
             lease_token = max((lease.token for lease in leases.values()), default=None)
             failpoint("before_write")
             try:
-                outcome = work.apply(res.inventory, leases)
+                if work.run is not None:
+                    reply = work.run(res.inventory, leases, who, epoch)
+                else:
+                    outcome = work.apply(res.inventory, leases)
             except BackendUnavailable as exc:
                 lost = _lost_with_the_lease(leases, exc)
                 if lost is None:
                     raise
                 raise lost from exc
             failpoint("after_write")
+        if work.run is not None:
+            return _then_serve(res, batch, who, _answer(task, message, reply.result))
         res.inventory.record_attempt(
             key, operation, "replayed" if outcome.replayed else "applied", token=outcome.token, **who
         )

@@ -261,3 +261,75 @@ def test_a_reservation_on_postgresql_is_one_round_trip(pg_url: str, tmp_path: Pa
     assert replayed.replayed and replayed.reservation_ids == applied.reservation_ids
     # Three requests, one round trip each (no BEGIN, no COMMIT); the connect/untrace checkouts add none.
     assert waits == ["Sync", "Sync", "Sync"], waits
+
+
+# -- a queued reserve request run to its end ---------------------------------------------------------------
+
+
+def test_a_reserve_request_writes_its_change_attempt_and_outcome_together(
+    inventory: Inventory, leases: LeaseManager
+) -> None:
+    inventory.add_sku("RQ", on_hand=3)
+    lease = leases.acquire(scope_of("RQ"), ttl=30, holder="holder")
+    who = {"task_id": "task-1", "worker": "host:1", "epochs": 1}
+
+    applied = inventory.reserve_request(lease, "RQ", 2, key="rq-applied", **who)
+    assert applied.outcome is not None and not applied.outcome.replayed
+    assert applied.result == inventory.request_outcome("rq-applied")
+    assert (applied.result.status, applied.result.epochs, applied.result.task_id) == ("reserved", 1, "task-1")
+    assert applied.result.detail == applied.outcome.summary()
+    assert applied.result.belongs_to("reserve", request_fingerprint("reserve", {"sku": "RQ", "quantity": 2}))
+    assert [(a.result, a.token) for a in inventory.attempts("rq-applied")] == [("applied", lease.token)]
+
+    short = inventory.reserve_request(lease, "RQ", 5, key="rq-short", **who)
+    assert short.outcome is None
+    assert (short.result.status, short.result.detail) == (
+        "insufficient_stock",
+        {"sku": "RQ", "requested": 5, "available": 1},
+    )
+    assert short.result == inventory.request_outcome("rq-short")
+
+    # A request that already ended is answered from its outcome, and nothing more is written.
+    again = inventory.reserve_request(lease, "RQ", 2, key="rq-applied", **who)
+    assert (again.result, again.outcome) == (applied.result, None)
+    # The same key with another request gets the stored outcome back, and can tell it is not its own.
+    other = inventory.reserve_request(lease, "RQ", 1, key="rq-applied", **who)
+    assert not other.result.belongs_to(
+        "reserve", request_fingerprint("reserve", {"sku": "RQ", "quantity": 1})
+    )
+    assert len(inventory.attempts("rq-applied")) == 1
+    level = inventory.stock("RQ")
+    assert (level.on_hand, level.reserved) == (3, 2)
+    assert inventory.invariant_violations() == []
+
+
+def test_a_reserve_request_replays_a_key_applied_without_an_outcome(
+    inventory: Inventory, leases: LeaseManager
+) -> None:
+    inventory.add_sku("RR", on_hand=3)
+    lease = leases.acquire(scope_of("RR"), ttl=30, holder="holder")
+    first = inventory.reserve(lease, "RR", 1, key="rr-key")  # applied, as a killed worker would leave it
+    replay = inventory.reserve_request(lease, "RR", 1, key="rr-key", task_id="t", worker="w", epochs=0)
+    assert replay.outcome is not None and replay.outcome.replayed
+    assert replay.result.detail["reservation_ids"] == list(first.reservation_ids)
+    assert [a.result for a in inventory.attempts("rr-key")] == ["replayed"]
+    assert inventory.stock("RR").reserved == 1
+
+
+def test_a_stale_reserve_request_writes_nothing_but_its_rejection(
+    inventory: Inventory, leases: LeaseManager
+) -> None:
+    inventory.add_sku("RS", on_hand=3)
+    old = leases.acquire(scope_of("RS"), ttl=30, holder="old")
+    leases.break_lease(scope_of("RS"), reason="paused past its lease")
+    new = leases.acquire(scope_of("RS"), ttl=30, holder="new")
+    inventory.reserve(new, "RS", 1, key="rs-new")
+    with pytest.raises(StaleToken):
+        inventory.reserve_request(old, "RS", 1, key="rs-old", task_id="t", worker="w", epochs=0)
+    assert inventory.request_outcome("rs-old") is None
+    assert inventory.attempts("rs-old") == []
+    rejected = [h for h in inventory.history("RS") if h.kind == "rejected"]
+    assert [(h.idempotency_key, h.token, h.highest_token) for h in rejected] == [
+        ("rs-old", old.token, new.token)
+    ]
+    assert inventory.stock("RS").reserved == 1

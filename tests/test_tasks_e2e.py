@@ -364,8 +364,11 @@ def test_worker_killed_after_commit_redelivers_and_replays(sql: Stack) -> None:
     victim, dead_child = wait_until(killed, timeout=FAULT_TIMEOUT, what="a worker to kill itself")
     outcome = sql.result(handle)
     assert outcome.status == "reserved"
-    assert outcome.worker != identity(dead_child)
+    # The outcome was written by the killed run's own statement, with the reservation it reports.
+    assert outcome.worker == identity(dead_child)
     assert dead_child == children_before[victim.name]
+    # The redelivered run answers from it: its Celery result is that outcome, not a failure.
+    assert client_result(sql, handle.task_id)["status"] == "reserved"
 
     # The worker's main process saw its pool child die and gave the unacked message back to the queue
     # (acks_late + reject_on_worker_lost), well before any visibility timeout could have.
@@ -374,14 +377,12 @@ def test_worker_killed_after_commit_redelivers_and_replays(sql: Stack) -> None:
     assert "WorkerLostError" in log
     # Delivered again: the killed run died before it could have sent a retry of its own.
     assert logged(sql, handle.task_id, "received") >= 2
-    assert client_result(sql, handle.task_id)["status"] == "reserved"  # not marked failed on the way
     # ... and started a new pool child, which keeps serving.
     assert victim.pool_child() != dead_child
 
-    # The commit of the killed run stands; the redelivered run found it by idempotency key and replayed.
+    # The commit of the killed run stands, and nothing else was attempted under the key.
     attempts = inv.attempts(key)
-    assert [a.result for a in attempts] == ["replayed"], attempts
-    assert attempts[0].worker == outcome.worker != identity(dead_child)
+    assert [(a.result, a.worker) for a in attempts] == [("applied", identity(dead_child))], attempts
     assert sql.reservations_of(sku, key) == outcome.detail["reservation_ids"]
     assert len(outcome.detail["reservation_ids"]) == 1
     assert sql.writes_of(sku, key) == ["reserve"]
