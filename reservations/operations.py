@@ -83,17 +83,34 @@ def _stored_error(data: dict[str, Any]) -> ReservationError:
     return error
 
 
+def _key_taken(exc: IntegrityError) -> str | None:
+    """Which of a request's keys a unique violation is about: "reservation" (a reservation already has
+    the key), "record" (its idempotency record or final outcome exists), or None for anything else."""
+    diag = getattr(exc.orig, "diag", None)
+    name = str(getattr(diag, "constraint_name", None) or exc.orig)  # SQLite only has the message
+    if "reservations" in name and "idempotency_key" in name:
+        return "reservation"
+    if "idempotency_key" in name or "request_outcomes" in name:
+        return "record"
+    return None
+
+
+def _reservation_conflict(key: str, operation: str) -> IdempotencyConflict:
+    # The key's record was purged, but the reservation it created is still there.
+    return IdempotencyConflict(
+        key=key, operation=operation, stored_operation="a reservation whose record expired"
+    )
+
+
 def _raise_unless_key_taken(exc: IntegrityError, key: str, operation: str) -> None:
     """Return when ``exc`` is a concurrent attempt with the same key having committed first (the next
     round replays it); raise anything else."""
-    text = str(exc.orig)
-    if "reservations" in text and "idempotency_key" in text:
-        # Attempts on one SKU queue on its stock row, so this is not a race: the key's record was
-        # purged, but the reservation it created is still there.
-        raise IdempotencyConflict(
-            key=key, operation=operation, stored_operation="a reservation whose record expired"
-        ) from None
-    if "idempotency_key" not in text:
+    taken = _key_taken(exc)
+    if taken == "reservation":
+        # Attempts on one SKU queue on its stock row and read the key after locking it, so on this
+        # path the clash is not a race.
+        raise _reservation_conflict(key, operation) from None
+    if taken is None:
         raise exc
 
 
@@ -534,6 +551,7 @@ class InventoryPlans:
     ) -> Plan[reserve_statement.Reply]:
         """:meth:`reserve` as the one statement of :mod:`reservations.reserve_statement`."""
         self.fence.prepare(lease, valid.scope_of(sku))
+        clashed = False
         for _ in range(3):
             try:
                 reply: reserve_statement.Reply = yield from reserve_statement.reserve(
@@ -552,7 +570,18 @@ class InventoryPlans:
                 yield Atomic(self.one(self.rejection(stale, lease, sku, "reserve", key, quantity)))
                 raise
             except IntegrityError as exc:
-                _raise_unless_key_taken(exc, key, "reserve")
+                # The statement reads the key on its starting snapshot, so a copy of the request (or
+                # another request under the key) committed while it waited on the row lock shows up
+                # here, as whichever of the key's rows the database inserted first: look again. Only a
+                # reservation that still clashes when the key has neither record nor outcome is one
+                # whose record was purged.
+                taken = _key_taken(exc)
+                if taken is None:
+                    raise
+                if taken == "reservation":
+                    if clashed:
+                        raise _reservation_conflict(key, "reserve") from None
+                    clashed = True
         raise RuntimeError(f"idempotency key {key!r} kept colliding")  # pragma: no cover
 
     def _reserve_alone(
@@ -563,7 +592,8 @@ class InventoryPlans:
             return self.replay(reply.prior, "reserve", print_)
         if reply.refused is not None:
             raise reply.refused
-        assert reply.outcome is not None
+        if reply.outcome is None:  # pragma: no cover - the statement answers one of the three
+            raise RuntimeError(f"the reservation statement gave no answer for {key!r}")
         return reply.outcome
 
     def reserve_request(
@@ -593,7 +623,8 @@ class InventoryPlans:
                 return RequestReply(reply.ended, None)
             if reply.told is not None:
                 return RequestReply(reply.told, reply.outcome)
-            assert reply.prior is not None
+            if reply.prior is None:  # pragma: no cover - the statement answers one of the three
+                raise RuntimeError(f"the reservation statement gave no answer for {key!r}")
             replayed: Outcome | InsufficientStock
             try:
                 replayed = self.replay(reply.prior, "reserve", print_)

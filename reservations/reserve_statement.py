@@ -3,8 +3,9 @@
 The multi-statement plan in :mod:`reservations.operations` (lock, look up the key, fenced UPDATE, three
 inserts, commit) stays the reference and the SQLite path; this is the same work and the same decisions
 folded into one data-modifying CTE, sent in autocommit. Every guarantee stays in the statement itself:
-the fence condition sits in the UPDATE's WHERE, the triggers still check every row, and a key inserted
-concurrently fails the statement (nothing is written) so the next round replays it.
+the fence condition sits in the UPDATE's WHERE, the triggers still check every row, and a key whose
+record or outcome was inserted concurrently fails the statement on a unique key (nothing is written),
+so the next round answers from what that writer stored.
 """
 
 from __future__ import annotations

@@ -356,6 +356,10 @@ def _attempt(
     except LeaseBusy as busy:
         if batch is not None:
             return _wait_for_holder(task, res, message, batch, who)
+        if work.run is not None:  # it did not look before taking the lease: a copy may have ended it
+            done = res.inventory.request_outcome(key)
+            if done is not None:
+                return _answer(task, message, done)
         if message.counts["busy"] >= settings.max_retries:
             return final("dead_lettered", {"reason": "lease busy", "holder": busy.holder})
         raise again("busy", _jitter(busy.retry_after, message.counts["busy"])) from None

@@ -17,7 +17,7 @@ from psycopg import pq
 
 from fencing import BackendUnavailable, Lease, LeaseManager, StaleToken
 from fencing.sql import make_engine
-from reservations import InsufficientStock, Inventory, scope_of
+from reservations import InsufficientStock, Inventory, reserve_statement, scope_of
 from reservations.messages import InvalidMessage, parse, request_fingerprint
 from reservations.operations import fingerprint
 
@@ -333,3 +333,51 @@ def test_a_stale_reserve_request_writes_nothing_but_its_rejection(
         ("rs-old", old.token, new.token)
     ]
     assert inventory.stock("RS").reserved == 1
+
+
+def test_a_copy_committed_while_the_statement_waits_is_answered_not_raised(pg_url: str) -> None:
+    """The statement reads the key on its starting snapshot; a copy of the request that commits while it
+    waits on the stock row's lock makes it fail on a unique key, and the next round answers from the
+    outcome that copy stored."""
+    inventory = Inventory.from_url(pg_url, migrate=True)
+    leases = LeaseManager.from_url(pg_url)
+    copy = make_engine(pg_url)
+    try:
+        inventory.add_sku("CW", on_hand=10)
+        lease = leases.acquire(scope_of("CW"), ttl=30, holder="holder")
+        replies: list[Any] = []
+        with copy.connect() as conn:
+            # The copy's own statement, in a transaction left open: it holds the row and the key's rows.
+            conn.exec_driver_sql(
+                reserve_statement.FENCED,
+                {
+                    "key": "cw-key", "sku": "CW", "quantity": 2, "token": lease.token,
+                    "lease_id": lease.lease_id, "holder": lease.holder, "hold_ms": None,
+                    "reservation_id": "r_" + "c" * 32,
+                    "fingerprint": request_fingerprint("reserve", {"sku": "CW", "quantity": 2}),
+                    "record": True, "task_id": "first", "worker": "w1", "epochs": 0,
+                },
+            )  # fmt: skip
+            waiting = threading.Thread(
+                target=lambda: replies.append(
+                    inventory.reserve_request(lease, "CW", 2, key="cw-key", task_id="late", worker="w2")
+                )
+            )
+            waiting.start()
+            deadline = time.monotonic() + 10
+            while not conn.exec_driver_sql(
+                "SELECT count(*) FROM pg_locks WHERE NOT granted AND locktype = 'transactionid'"
+            ).scalar():
+                assert time.monotonic() < deadline, "the statement never waited on the row"
+                time.sleep(0.01)
+            conn.commit()
+        waiting.join(30)
+    finally:
+        copy.dispose()
+        leases.close()
+    (late,) = replies
+    stored = inventory.request_outcome("cw-key")
+    assert late.outcome is None and late.result == stored
+    assert stored is not None and stored.task_id == "first"
+    assert [r.id for r in inventory.reservations("CW")] == ["r_" + "c" * 32]
+    inventory.close()
