@@ -176,9 +176,11 @@ def unavailable(exc: DBAPIError, operation: str) -> BackendUnavailable | None:
     return None
 
 
-def execute(conn: Connection, stmt: Executable) -> Rows:
+def execute(conn: Connection, stmt: Executable | Bound) -> Rows:
     """Run one statement of a plan on a sync connection."""
     try:
+        if isinstance(stmt, Bound):
+            return _rows(conn.execute(stmt.statement, stmt.params))
         return _rows(conn.execute(stmt))
     except DBAPIError as exc:
         mapped = unavailable(exc, "statement")
@@ -187,8 +189,10 @@ def execute(conn: Connection, stmt: Executable) -> Rows:
         raise mapped from exc
 
 
-async def execute_async(conn: AsyncConnection, stmt: Executable) -> Rows:
+async def execute_async(conn: AsyncConnection, stmt: Executable | Bound) -> Rows:
     try:
+        if isinstance(stmt, Bound):
+            return _rows(await conn.execute(stmt.statement, stmt.params))
         return _rows(await conn.execute(stmt))
     except DBAPIError as exc:
         mapped = unavailable(exc, "statement")
@@ -201,8 +205,16 @@ def _just(op: Alone) -> Plan[Rows]:
     """``op`` as a plan of one statement, for a database that has no autocommit round trip to save."""
     if isinstance(op.statement, str):
         raise TypeError("driver-level SQL runs on PostgreSQL only")
-    rows: Rows = yield op.statement
+    rows: Rows = yield (op.statement if op.params is None else Bound(op.statement, op.params))
     return rows
+
+
+@dataclass(frozen=True, slots=True)
+class Bound:
+    """A statement built once with bind parameters, and this execution's values for them."""
+
+    statement: Executable
+    params: dict[str, Any]
 
 
 class SyncSqlExecutor:
@@ -251,7 +263,7 @@ class SyncSqlExecutor:
                 auto = conn.execution_options(isolation_level="AUTOCOMMIT")
                 if isinstance(op.statement, str):
                     return _rows(auto.exec_driver_sql(op.statement, op.params))
-                return _rows(auto.execute(op.statement))
+                return _rows(auto.execute(op.statement, op.params))
         except DBAPIError as exc:
             raise (unavailable(exc, "statement") or exc) from exc
 
@@ -304,7 +316,7 @@ class AsyncSqlExecutor:
                 auto = await conn.execution_options(isolation_level="AUTOCOMMIT")
                 if isinstance(op.statement, str):
                     return _rows(await auto.exec_driver_sql(op.statement, op.params))
-                return _rows(await auto.execute(op.statement))
+                return _rows(await auto.execute(op.statement, op.params))
         except DBAPIError as exc:
             raise (unavailable(exc, "statement") or exc) from exc
 

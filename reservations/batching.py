@@ -104,10 +104,16 @@ def _hand_off(values: dict[str, Any]) -> Plan[HandOff]:
     return HandOff(outcome=None, first=not any_waiting)
 
 
+# Built once: every reservation task asks this after releasing its lease.
+_ANY_PENDING = (
+    sa.select(pending_reservations.c.id)
+    .where(pending_reservations.c.sku == sa.bindparam("sku"))
+    .limit(1)
+)
+
+
 def has_pending(sku: str) -> Plan[bool]:
-    found: Rows = yield Alone(
-        sa.select(pending_reservations.c.id).where(pending_reservations.c.sku == valid.sku(sku)).limit(1)
-    )
+    found: Rows = yield Alone(_ANY_PENDING, {"sku": valid.sku(sku)})
     return found.first() is not None
 
 

@@ -112,11 +112,13 @@ def result_of(row: Any) -> RequestResult:
     )
 
 
+# Built once: asked by every waiting caller's poll.
+_OUTCOME = sa.select(request_outcomes).where(request_outcomes.c.key == sa.bindparam("key"))
+
+
 def request_outcome(key: str) -> Plan[RequestResult | None]:
     # Alone: one round trip on PostgreSQL (no BEGIN/COMMIT around a single read).
-    found: Rows = yield Alone(
-        sa.select(request_outcomes).where(request_outcomes.c.key == valid.idempotency_key(key))
-    )
+    found: Rows = yield Alone(_OUTCOME, {"key": valid.idempotency_key(key)})
     row = found.first()
     return None if row is None else result_of(row)
 
