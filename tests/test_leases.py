@@ -4,6 +4,7 @@ and the typed refusal of bad input. Each test runs against Redis, SQLite and Pos
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 
@@ -140,6 +141,36 @@ def test_hold_renews_past_the_ttl_and_releases(manager: LeaseManager) -> None:
         assert info is not None and info.token == lease.token
         assert not lease.lost
     assert manager.current("sku:A") is None
+
+
+def test_one_renewer_thread_keeps_every_hold_of_a_manager_alive(manager: LeaseManager) -> None:
+    def renewers() -> int:
+        return sum(1 for t in threading.enumerate() if t.name == "lease-renewer" and t.is_alive())
+
+    before = renewers()
+    ready, done = threading.Barrier(5), threading.Event()
+    outlived: list[bool] = []
+
+    def hold(scope: str) -> None:
+        with manager.hold(scope, ttl=0.3, holder=scope, renew_every=0.05) as lease:
+            ready.wait(10)
+            deadline = lease.acquired_at + 0.6  # twice the ttl: only renewals keep it
+            wait_until(lambda: time.monotonic() > deadline)
+            info = manager.current(scope)
+            outlived.append(info is not None and info.token == lease.token and not lease.lost)
+            done.wait(10)
+
+    holders = [threading.Thread(target=hold, args=(f"sku:R{i}",)) for i in range(4)]
+    for thread in holders:
+        thread.start()
+    ready.wait(10)
+    assert renewers() == before + 1  # four holds, one renewer
+    wait_until(lambda: len(outlived) == 4)
+    done.set()
+    for thread in holders:
+        thread.join(10)
+    assert outlived == [True] * 4
+    assert all(manager.current(f"sku:R{i}") is None for i in range(4))  # each released on exit
 
 
 def test_hold_marks_the_lease_lost_when_renewal_fails(manager: LeaseManager) -> None:
