@@ -35,10 +35,14 @@ MAX_REASON_CHARS = 500
 _LEASE_ID = re.compile(r"[0-9a-f]{32}")
 
 
+# One regex scan instead of a Python loop per character: every lease and request passes through here.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
+
+
 def has_control(text: str) -> bool:
     """Control characters and lone surrogates: what no stored name or free text may carry (PostgreSQL
     refuses NUL in text, a surrogate cannot be encoded, and the rest garbles logs and terminals)."""
-    return any(ord(ch) < 32 or 0x7F <= ord(ch) < 0xA0 or 0xD800 <= ord(ch) < 0xE000 for ch in text)
+    return _CONTROL.search(text) is not None
 
 
 def validate_scope(scope: object) -> str:
