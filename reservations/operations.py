@@ -17,7 +17,7 @@ import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 
 from fencing import Fence, FenceOutcome, Lease, StaleToken
-from fencing.plan import Atomic, Plan
+from fencing.plan import Alone, Atomic, Plan
 from fencing.sql import Rows, db_now_ms
 from reservations import reserve_statement
 from reservations import validation as valid
@@ -112,6 +112,15 @@ def _raise_unless_key_taken(exc: IntegrityError, key: str, operation: str) -> No
         raise _reservation_conflict(key, operation) from None
     if taken is None:
         raise exc
+
+
+# Built once: a key's idempotency record, for the rare lookups outside the reservation statement.
+_RECORD = sa.select(
+    idempotency_keys.c.key,
+    idempotency_keys.c.fingerprint,
+    idempotency_keys.c.operation,
+    idempotency_keys.c.outcome,
+).where(idempotency_keys.c.key == sa.bindparam("key"))
 
 
 class InventoryPlans:
@@ -550,7 +559,18 @@ class InventoryPlans:
         speaker: reserve_statement.Speaker | None = None,
     ) -> Plan[reserve_statement.Reply]:
         """:meth:`reserve` as the one statement of :mod:`reservations.reserve_statement`."""
-        self.fence.prepare(lease, valid.scope_of(sku))
+        scope = valid.scope_of(sku)
+        if lease.lost or lease.scope != scope:
+            # Refused without writing, but the key comes first, as on every path: a request that
+            # already ended, or a key with a record, is answered from it whatever lease is presented.
+            if speaker is not None:
+                ended: RequestResult | None = yield from request_outcome(key)
+                if ended is not None:
+                    return reserve_statement.Reply(ended=ended)
+            found: Rows = yield Alone(_RECORD, {"key": key})
+            if found.rows:
+                return reserve_statement.Reply(prior=reserve_statement.Prior(*found.rows[0]))
+        self.fence.prepare(lease, scope)
         clashed = False
         for _ in range(3):
             try:

@@ -15,7 +15,7 @@ import pytest
 import sqlalchemy as sa
 from psycopg import pq
 
-from fencing import BackendUnavailable, Lease, LeaseManager, StaleToken
+from fencing import BackendUnavailable, Lease, LeaseLost, LeaseManager, StaleToken
 from fencing.sql import make_engine
 from reservations import InsufficientStock, Inventory, reserve_statement, scope_of
 from reservations.messages import InvalidMessage, parse, request_fingerprint
@@ -386,3 +386,22 @@ def test_the_reservation_statement_stays_within_the_drivers_query_cache() -> Non
     # psycopg re-parses a query longer than 4 KB on every call (about 0.6 ms of CPU per reservation).
     assert len(reserve_statement.FENCED.encode()) <= 4096
     assert len(reserve_statement.UNFENCED.encode()) <= 4096
+
+
+def test_a_key_with_a_record_replays_whatever_lease_is_presented(
+    inventory: Inventory, leases: LeaseManager
+) -> None:
+    """The key is looked up before the lease is judged, on the one-statement path as on the other: a
+    lease known lost, or one of another SKU, still gets the stored outcome of its own request."""
+    inventory.add_sku("LL", on_hand=5)
+    inventory.add_sku("LO", on_hand=5)
+    lease = leases.acquire(scope_of("LL"), ttl=30, holder="holder")
+    first = inventory.reserve(lease, "LL", 1, key="ll-key")
+    lease.mark_lost("renewal failed: test")
+    again = inventory.reserve(lease, "LL", 1, key="ll-key")
+    assert again.replayed and again.reservation_ids == first.reservation_ids
+    other = leases.acquire(scope_of("LO"), ttl=30, holder="holder")
+    assert inventory.reserve(other, "LL", 1, key="ll-key").reservation_ids == first.reservation_ids
+    with pytest.raises(LeaseLost):
+        inventory.reserve(lease, "LL", 1, key="ll-fresh")
+    assert inventory.stock("LL").reserved == 1
