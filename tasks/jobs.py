@@ -1,9 +1,11 @@
 """The reservation tasks: take the SKU leases, run the fenced operation, give every request one outcome.
 
-Per attempt: a request that already has a final outcome returns it; a busy lease retries later with
-jittered backoff (never blocking the worker); lost ownership ends the attempt and its lease for good and
-drives the request again in a new epoch, a bounded number of times, then dead-letters it; an unreachable
-Redis or database retries with backoff. Only the final outcome is written once, by idempotency key.
+Per attempt: a malformed message ends invalid; a request that already has a final outcome returns it
+(for a single-SKU reserve, the reservation statement itself answers that); a busy lease hands a
+reservation to its holder or retries later with jittered backoff (never blocking the worker); lost
+ownership ends the attempt and its lease for good and drives the request again in a new epoch, a bounded
+number of times, then dead-letters it; an unreachable Redis or database retries with backoff, then
+dead-letters. The final outcome is written once, by idempotency key, with the request's fingerprint.
 """
 
 from __future__ import annotations
@@ -112,7 +114,6 @@ def _answer(task: Task, message: Message, stored: RequestResult) -> dict[str, An
     }
 
 
-COUNTERS = messages.COUNTERS
 # A task serving a SKU's pending reservations gives up the lease after this many batches and takes it
 # again (a new token) if the list is still not empty, at most this many times; the SKU's watch and the
 # beat sweep look again, so a bound here never strands one.
