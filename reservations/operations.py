@@ -114,6 +114,19 @@ def _raise_unless_key_taken(exc: IntegrityError, key: str, operation: str) -> No
         raise exc
 
 
+def _checked_reserve(
+    lease: Lease, sku: str, quantity: int, key: str, hold_for: float | None
+) -> tuple[int | None, str]:
+    """A single-SKU reservation's arguments checked before any I/O: its hold in milliseconds and its
+    fingerprint."""
+    valid.lease(lease)
+    valid.sku(sku)
+    valid.quantity(quantity)
+    valid.idempotency_key(key)
+    hold_ms = hold_ms_of(hold_for)
+    return hold_ms, fingerprint("reserve", sku=sku, quantity=quantity, hold_ms=hold_ms)
+
+
 # Built once: a key's idempotency record, for the rare lookups outside the reservation statement.
 _RECORD = sa.select(
     idempotency_keys.c.key,
@@ -527,12 +540,12 @@ class InventoryPlans:
     def reserve(
         self, lease: Lease, sku: str, quantity: int, key: str, hold_for: float | None = None
     ) -> Plan[Outcome]:
-        valid.lease(lease)
-        valid.sku(sku)
-        valid.quantity(quantity)
-        valid.idempotency_key(key)
-        hold_ms = hold_ms_of(hold_for)
-        print_ = fingerprint("reserve", sku=sku, quantity=quantity, hold_ms=hold_ms)
+        hold_ms, print_ = _checked_reserve(lease, sku, quantity, key, hold_for)
+        return self._reserve(lease, sku, quantity, key, hold_ms, print_)
+
+    def _reserve(
+        self, lease: Lease, sku: str, quantity: int, key: str, hold_ms: int | None, print_: str
+    ) -> Plan[Outcome]:
         if self.single_statement:
             return self._reserve_alone(lease, sku, quantity, key, hold_ms, print_)
 
@@ -630,12 +643,7 @@ class InventoryPlans:
         whose outcome was never written, the same steps one after another. A request that already
         ended is answered from its outcome. Raises what :meth:`reserve` raises, but never
         :class:`InsufficientStock`: that is an outcome."""
-        valid.lease(lease)
-        valid.sku(sku)
-        valid.quantity(quantity)
-        valid.idempotency_key(key)
-        hold_ms = hold_ms_of(hold_for)
-        print_ = fingerprint("reserve", sku=sku, quantity=quantity, hold_ms=hold_ms)
+        hold_ms, print_ = _checked_reserve(lease, sku, quantity, key, hold_for)
         who = {"task_id": speaker.task_id, "worker": speaker.worker}
         if self.single_statement:
             reply = yield from self._reserve_in_one(lease, sku, quantity, key, hold_ms, print_, speaker)
@@ -655,7 +663,7 @@ class InventoryPlans:
             if done is not None:
                 return RequestReply(done, None)
             try:
-                replayed = yield from self.reserve(lease, sku, quantity, key, hold_for)
+                replayed = yield from self._reserve(lease, sku, quantity, key, hold_ms, print_)
             except InsufficientStock as short:
                 replayed = short
         if isinstance(replayed, InsufficientStock):

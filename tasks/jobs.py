@@ -100,6 +100,12 @@ def _answer(task: Task, message: Message, stored: RequestResult) -> dict[str, An
     this request's, else a conflict (and the key's Celery result is left to the request that owns it)."""
     if stored.belongs_to(message.operation, message.fingerprint):
         return _as_result(stored)
+    return _conflict(task, message, stored.operation, "names")
+
+
+def _conflict(task: Task, message: Message, other: str, how: str) -> dict[str, Any]:
+    """The answer to a message whose key belongs to a different ``other`` request. Not stored as the
+    key's Celery result, which stays the owning request's."""
     task.request.ignore_result = True
     return {
         "key": message.key,
@@ -108,8 +114,8 @@ def _answer(task: Task, message: Message, stored: RequestResult) -> dict[str, An
         "epochs": message.counts["epoch"],
         "detail": {
             "error": "IdempotencyConflict",
-            "message": f"idempotency key {message.key!r} names a different {stored.operation} request",
-            "stored_operation": stored.operation,
+            "message": f"idempotency key {message.key!r} {how} a different {other} request",
+            "stored_operation": other,
         },
     }
 
@@ -222,8 +228,8 @@ def run_request(task: Task, name: str, args: tuple[Any, ...], kwargs: dict[str, 
             return _as_result(stored)
         if transient > settings.max_transient_retries:
             return _give_up(task, res, message, who, "the backend stayed unreachable")
-        batch = _work_of(message).batch if settings.batching else None
-        return _attempt(task, res, message, _work_of(message), batch, again, who)
+        work = _work_of(message)
+        return _attempt(task, res, message, work, work.batch if settings.batching else None, again, who)
     except AlreadyApplied:
         # A copy of this request (or another request under its key) decided it while this one was giving
         # up: look again and report that.
@@ -402,18 +408,7 @@ def _wait_for_holder(
         return _answer(task, message, queued.outcome)
     if queued.conflict:
         # Its key waits in the queue as a different request: that one is served, this one conflicts.
-        task.request.ignore_result = True
-        return {
-            "key": key,
-            "operation": message.operation,
-            "status": "invalid",
-            "epochs": epoch,
-            "detail": {
-                "error": "IdempotencyConflict",
-                "message": f"idempotency key {key!r} is queued for a different reserve request",
-                "stored_operation": "reserve",
-            },
-        }
+        return _conflict(task, message, "reserve", "is queued for")
     if queued.first:
         try:
             watch_waiting.apply_async(args=[batch.sku], countdown=settings.handoff_check)
