@@ -7,15 +7,16 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import tempfile
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import psycopg
 from psycopg import pq
+
+from reservations.proxy import DelayProxy
 
 # A libpq trace line starts a message with direction, length and type; anything else continues the
 # previous message (statement text keeps its newlines).
@@ -148,7 +149,6 @@ def statements_in(trips: list[str]) -> int:
 # -- a counting proxy --------------------------------------------------------------------------------
 
 _PROTOCOL_3 = 196608  # the StartupMessage's version field; SSLRequest and friends carry other codes
-_CHUNK = 65536
 
 
 class _Frontend:
@@ -198,19 +198,18 @@ class _Frontend:
 class CountingProxy:
     """Listen on 127.0.0.1:<port> and forward to PostgreSQL at ``target``, naming every round trip each
     client connection sends. Clients must connect with ``sslmode=disable``: an encrypted stream cannot
-    be read. Forwarding in Python adds latency, so only untimed work goes through it."""
+    be read. Forwarding in Python adds latency, so only untimed work goes through it. The forwarding is
+    the chaos run's proxy, delaying nothing."""
 
     def __init__(self, target: tuple[str, int]) -> None:
         self.target = target
         self._lock = threading.Lock()
         self._connections: list[Trips] = []
-        self._sockets: set[socket.socket] = set()
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.port: int = self._listener.getsockname()[1]
-        self._thread = threading.Thread(target=self._accept, name="counting-proxy", daemon=True)
+        self._proxy = DelayProxy(target, delay=0.0, fraction=0.0, observe=self._connection)
+        self.port: int = self._proxy.port
 
     def __enter__(self) -> CountingProxy:
-        self._thread.start()
+        self._proxy.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -227,53 +226,11 @@ class CountingProxy:
             starts = mark + [0] * (len(self._connections) - len(mark))
             return [trips.trips[start:] for trips, start in zip(self._connections, starts, strict=True)]
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
-            try:
-                server = socket.create_connection(self.target, timeout=10)
-                server.settimeout(None)
-            except OSError:
-                client.close()
-                continue
-            trips = Trips()
-            with self._lock:
-                self._connections.append(trips)
-                self._sockets.update((client, server))
-            for sock in (client, server):
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            frontend = _Frontend(trips, self._lock)
-            threading.Thread(target=self._pump, args=(client, server, frontend), daemon=True).start()
-            threading.Thread(target=self._pump, args=(server, client, None), daemon=True).start()
-
-    def _pump(self, source: socket.socket, sink: socket.socket, frontend: _Frontend | None) -> None:
-        while True:
-            try:
-                data = source.recv(_CHUNK)
-                if not data:
-                    break
-                if frontend is not None:
-                    frontend.feed(data)
-                sink.sendall(data)
-            except OSError:
-                break
-        self._close(source, sink)
-
-    def _close(self, *socks: socket.socket) -> None:
-        for sock in socks:
-            with suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-            with suppress(OSError):
-                sock.close()
-            with self._lock:
-                self._sockets.discard(sock)
+    def _connection(self) -> Callable[[bytes], None]:
+        trips = Trips()
+        with self._lock:
+            self._connections.append(trips)
+        return _Frontend(trips, self._lock).feed
 
     def close(self) -> None:
-        with suppress(OSError):
-            self._listener.close()
-        with self._lock:
-            open_sockets = list(self._sockets)
-        self._close(*open_sockets)
+        self._proxy.close()

@@ -10,6 +10,7 @@ import random
 import socket
 import threading
 import time
+from collections.abc import Callable
 from contextlib import suppress
 
 CHUNK = 65536
@@ -21,6 +22,8 @@ class DelayProxy:
     A chunk is delayed with probability ``fraction``, within the first ``active`` of every ``period``
     seconds (1.0: always), on the connections chosen with probability ``connections`` when accepted; with
     ``match``, only chunks containing those bytes are candidates (e.g. one kind of statement).
+    ``observe``, called once per accepted connection, returns what is handed every chunk that client sends
+    (a protocol reader, for counting round trips); with ``fraction=0`` nothing is delayed.
     """
 
     def __init__(
@@ -34,6 +37,7 @@ class DelayProxy:
         connections: float = 1.0,
         match: bytes | None = None,
         seed: int = 1,
+        observe: Callable[[], Callable[[bytes], None]] | None = None,
     ) -> None:
         self.target = target
         self.delay = delay
@@ -42,6 +46,7 @@ class DelayProxy:
         self.active = active
         self.connections = connections
         self.match = match
+        self.observe = observe
         self.random = random.Random(seed)
         self.delayed_chunks = 0
         self.started = time.monotonic()
@@ -79,8 +84,9 @@ class DelayProxy:
             for sock in (client, server):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             due: queue.Queue[tuple[float, bytes]] = queue.Queue()
+            seen = None if self.observe is None else self.observe()
             for target, args in (
-                (self._read_client, (client, server, due, chosen)),
+                (self._read_client, (client, server, due, chosen, seen)),
                 (self._send_due, (server, client, due)),
                 (self._pump, (server, client)),
             ):
@@ -92,6 +98,7 @@ class DelayProxy:
         server: socket.socket,
         due: queue.Queue[tuple[float, bytes]],
         chosen: bool,
+        seen: Callable[[bytes], None] | None,
     ) -> None:
         last = 0.0
         while True:
@@ -99,6 +106,8 @@ class DelayProxy:
                 data = client.recv(CHUNK)
             except OSError:
                 data = b""
+            if seen is not None and data:
+                seen(data)
             now = time.monotonic()
             candidate = chosen and bool(data) and (self.match is None or self.match in data)
             hold = self.delay if candidate and self.delaying() else 0.0  # EOF is never held back
