@@ -173,6 +173,19 @@ def test_one_renewer_thread_keeps_every_hold_of_a_manager_alive(manager: LeaseMa
     assert all(manager.current(f"sku:R{i}") is None for i in range(4))  # each released on exit
 
 
+def test_a_hold_taken_while_the_renewer_naps_is_renewed_in_time(manager: LeaseManager) -> None:
+    # The first hold starts the renewer; once it ends the renewer naps (a second at a time) and is woken
+    # only for a lease due before that: this one's ttl is shorter than the nap.
+    with manager.hold("sku:A", ttl=5, holder="A"):
+        pass
+    with manager.hold("sku:A", ttl=0.3, holder="B", renew_every=0.05) as lease:
+        deadline = lease.acquired_at + 0.6
+        wait_until(lambda: time.monotonic() > deadline)
+        info = manager.current("sku:A")
+        assert info is not None and info.token == lease.token
+        assert not lease.lost
+
+
 def test_hold_marks_the_lease_lost_when_renewal_fails(manager: LeaseManager) -> None:
     with manager.hold("sku:A", ttl=5, holder="A", renew_every=0.02) as lease:
         manager.break_lease("sku:A", reason="test")
