@@ -161,14 +161,16 @@ def new_lease_id() -> str:
 
 
 class _LeaseStatus:
-    """Mutable part shared by a lease and its renewals: the local deadline and the sticky loss."""
+    """Mutable part shared by a lease and its renewals: the local deadline, the sticky loss, and what
+    the release reported about contention."""
 
-    __slots__ = ("_lock", "deadline", "lost_reason")
+    __slots__ = ("_lock", "contended", "deadline", "lost_reason")
 
     def __init__(self, deadline: float) -> None:
         self._lock = threading.Lock()
         self.deadline = deadline
         self.lost_reason: str | None = None
+        self.contended: bool | None = None
 
     def extend(self, deadline: float) -> None:
         with self._lock:
@@ -257,8 +259,19 @@ class Lease:
                 scope=self.scope, token=self.token, lease_id=self.lease_id, reason=self._status.lost_reason
             )
 
+    @property
+    def contended(self) -> bool | None:
+        """Whether another acquirer found this lease busy while it was held, as its release reported:
+        None until the holder released it (or when the release could not tell). Work that others hand to
+        the holder while it holds the lease (a queue in the resource) needs a look after the release only
+        when this is not False."""
+        return self._status.contended
+
     def _renewed(self, sent_at: float) -> None:
         self._status.extend(sent_at + self.ttl)
+
+    def _released(self, contended: bool) -> None:
+        self._status.contended = contended
 
 
 @dataclass(frozen=True, slots=True)

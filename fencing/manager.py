@@ -56,9 +56,14 @@ MAX_HISTORY_LIMIT = 10_000
 class LeaseCore(Protocol):
     backend: str
 
-    def acquire(self, scope: str, ttl: float, holder: str, lease_id: str) -> Plan[Lease]: ...
+    def acquire(self, scope: str, ttl: float, holder: str, lease_id: str) -> Plan[Lease | LeaseBusy]:
+        """A new lease, or (returned, not raised, so that the mark it leaves on the lease is kept) the
+        refusal of a busy scope."""
+        ...
     def renew(self, lease: Lease) -> Plan[Lease]: ...
-    def release(self, lease: Lease) -> Plan[None]: ...
+    def release(self, lease: Lease) -> Plan[bool]:
+        """End the lease; returns whether another acquirer found it busy while it was held."""
+        ...
     def break_lease(self, scope: str, reason: str) -> Plan[LeaseInfo | None]: ...
     def repair(self, lease: Lease, highest: int) -> Plan[tuple[int, int] | None]: ...
     def current(self, scope: str) -> Plan[LeaseInfo | None]: ...
@@ -100,15 +105,14 @@ class LeasePlans:
         deadline = self.clock() + wait
         attempt = 0
         while True:
-            try:
-                lease: Lease = yield Atomic(self.core.acquire(scope, ttl, holder, new_lease_id()))
-                return lease
-            except LeaseBusy as busy:
-                left = deadline - self.clock()
-                if left <= 0:
-                    raise
-                yield Sleep(min(left, backoff(attempt, busy.retry_after, self.rng)))
-                attempt += 1
+            got: Lease | LeaseBusy = yield Atomic(self.core.acquire(scope, ttl, holder, new_lease_id()))
+            if isinstance(got, Lease):
+                return got
+            left = deadline - self.clock()
+            if left <= 0:
+                raise got
+            yield Sleep(min(left, backoff(attempt, got.retry_after, self.rng)))
+            attempt += 1
 
     def renew(self, lease: Lease) -> Plan[Lease]:
         check_lease(lease).raise_if_lost()  # renewal never resurrects a lost lease
@@ -116,7 +120,8 @@ class LeasePlans:
         return renewed
 
     def release(self, lease: Lease) -> Plan[None]:
-        yield Atomic(self.core.release(check_lease(lease)))
+        contended: bool = yield Atomic(self.core.release(check_lease(lease)))
+        lease._released(contended)
         # Authority ends with the release: a write issued after it is refused here, without a round trip.
         lease.mark_lost("released by its holder")
 

@@ -38,6 +38,7 @@ log = logging.getLogger("fencing")
 # KEYS[1] lease, KEYS[2] state, KEYS[3] events
 # ARGV[1] lease id, ARGV[2] holder, ARGV[3] ttl in ms, ARGV[4] history cap, ARGV[5] largest token
 # returns {OK, token} | {BUSY, holder, token, pttl_ms} | {OUT_OF_RANGE, counter as stored}
+# A busy reply also marks the live lease contended, which its release reports.
 ACQUIRE = """
 local prev = redis.call('HMGET', KEYS[2], 'token', 'end')
 local counter = prev[1] or '0'
@@ -45,13 +46,14 @@ if not string.find(counter, '^%d+$') or tonumber(counter) >= tonumber(ARGV[5]) t
   return {3, counter}
 end
 if redis.call('EXISTS', KEYS[1]) == 1 then
+  redis.call('HSET', KEYS[2], 'contended', '1')
   local s = redis.call('HMGET', KEYS[2], 'holder', 'token')
   return {1, s[1] or '', tonumber(s[2]) or 0, redis.call('PTTL', KEYS[1])}
 end
 local prev_end = prev[2] or ''
 if prev_end == 'held' then prev_end = 'expired' end
 local token = redis.call('HINCRBY', KEYS[2], 'token', 1)
-redis.call('HSET', KEYS[2], 'lease_id', ARGV[1], 'holder', ARGV[2], 'end', 'held')
+redis.call('HSET', KEYS[2], 'lease_id', ARGV[1], 'holder', ARGV[2], 'end', 'held', 'contended', '0')
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[3])
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[4], '*', 'event', 'acquired', 'token', token,
   'lease_id', ARGV[1], 'holder', ARGV[2], 'previous_token', prev[1] or '', 'previous_end', prev_end,
@@ -75,15 +77,15 @@ return {2, tonumber(redis.call('HGET', KEYS[2], 'token')) or 0}
 
 # KEYS[1] lease, KEYS[2] state, KEYS[3] events
 # ARGV[1] lease id, ARGV[2] history cap
-# returns {OK, token} | {NOT_HELD, current token or 0}
+# returns {OK, token, contended (1 or 0)} | {NOT_HELD, current token or 0}
 RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('DEL', KEYS[1])
   redis.call('HSET', KEYS[2], 'end', 'released')
-  local s = redis.call('HMGET', KEYS[2], 'token', 'holder')
+  local s = redis.call('HMGET', KEYS[2], 'token', 'holder', 'contended')
   redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[2], '*', 'event', 'released', 'token', s[1],
     'lease_id', ARGV[1], 'holder', s[2] or '')
-  return {0, tonumber(s[1])}
+  return {0, tonumber(s[1]), s[3] == '0' and 0 or 1}
 end
 return {2, tonumber(redis.call('HGET', KEYS[2], 'token')) or 0}
 """
@@ -161,7 +163,7 @@ class RedisLeaseCore:
     def _keys(self, scope: str) -> ScopeKeys:
         return scope_keys(self.prefix, scope)
 
-    def acquire(self, scope: str, ttl: float, holder: str, lease_id: str) -> Plan[Lease]:
+    def acquire(self, scope: str, ttl: float, holder: str, lease_id: str) -> Plan[Lease | LeaseBusy]:
         sent_at = self.clock()
         reply = yield ScriptCall(
             ACQUIRE, self._keys(scope).all, (lease_id, holder, _ms(ttl), self.history_cap, MAX_TOKEN)
@@ -169,7 +171,7 @@ class RedisLeaseCore:
         if int(reply[0]) == Reply.OUT_OF_RANGE:
             raise _exhausted(scope, reply[1])
         if int(reply[0]) == Reply.BUSY:
-            raise LeaseBusy(
+            return LeaseBusy(
                 scope=scope,
                 holder=reply[1] or None,
                 token=int(reply[2]) or None,
@@ -187,10 +189,11 @@ class RedisLeaseCore:
         lease._renewed(sent_at)
         return lease
 
-    def release(self, lease: Lease) -> Plan[None]:
+    def release(self, lease: Lease) -> Plan[bool]:
         reply = yield ScriptCall(RELEASE, self._keys(lease.scope).all, (lease.lease_id, self.history_cap))
         if int(reply[0]) != Reply.OK:
             raise _not_held(lease, int(reply[1]))
+        return bool(int(reply[2]))
 
     def break_lease(self, scope: str, reason: str) -> Plan[LeaseInfo | None]:
         reply = yield ScriptCall(BREAK, self._keys(scope).all, (reason, self.history_cap))

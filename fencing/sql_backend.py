@@ -42,6 +42,8 @@ leases = sa.Table(
     sa.Column("acquired_ms", sa.BigInteger),
     sa.Column("expires_ms", sa.BigInteger, nullable=False),
     sa.Column("previous_end", sa.String(16)),
+    # Set by an acquirer that found the lease busy; reset when an epoch starts, reported by the release.
+    sa.Column("contended", sa.Boolean, nullable=False, server_default=sa.true()),
     sa.CheckConstraint("token >= 0", name="ck_fencing_leases_token"),
 )
 
@@ -90,7 +92,7 @@ class SqlLeaseCore:
     def _event(self, **values: object) -> sa.Executable:
         return sa.insert(lease_events).values(at_ms=db_now_ms(), **values)
 
-    def acquire(self, scope: str, ttl: float, holder: str, lease_id: str) -> Plan[Lease]:
+    def acquire(self, scope: str, ttl: float, holder: str, lease_id: str) -> Plan[Lease | LeaseBusy]:
         sent_at = self.clock()
         yield self._ensure_row(scope)
         now = db_now_ms()
@@ -106,14 +108,19 @@ class SqlLeaseCore:
                 acquired_ms=now,
                 expires_ms=now + _ttl_ms(ttl),
                 previous_end=sa.case((leases.c.state == "held", "expired"), else_=leases.c.state),
+                contended=False,
             )
             .returning(leases.c.token, leases.c.previous_end)
         )
         row = started.first()
         if row is None:
-            busy: Rows = yield sa.select(
-                leases.c.holder, leases.c.token, leases.c.expires_ms - db_now_ms()
-            ).where(leases.c.scope == scope)
+            # Marks the lease contended as it reads who holds it, in the same statement.
+            busy: Rows = yield (
+                sa.update(leases)
+                .where(leases.c.scope == scope)
+                .values(contended=True)
+                .returning(leases.c.holder, leases.c.token, leases.c.expires_ms - db_now_ms())
+            )
             holder_now, token_now, left_ms = busy.rows[0]
             # Judged by the counter, not by liveness: the lease may have expired since the UPDATE, and
             # that is an ordinary busy race, while a counter at the limit refuses every later acquirer.
@@ -124,7 +131,7 @@ class SqlLeaseCore:
                     scope=scope,
                     detail="the coordinator's counter cannot issue another token",
                 )
-            raise LeaseBusy(
+            return LeaseBusy(
                 scope=scope, holder=holder_now, token=token_now, retry_after=max(left_ms, 0) / 1000
             )
         token, previous_end = int(row[0]), row[1]
@@ -140,7 +147,8 @@ class SqlLeaseCore:
         )
         return Lease(scope, token, lease_id, holder, ttl, sent_at, clock=self.clock)
 
-    def _end_or_extend(self, lease: Lease, values: dict[str, object]) -> Plan[int | None]:
+    def _end_or_extend(self, lease: Lease, values: dict[str, object]) -> Plan[tuple[int, bool] | None]:
+        """The lease's token and whether it was contended, or None when it is no longer held."""
         changed: Rows = yield (
             sa.update(leases)
             .where(
@@ -150,10 +158,10 @@ class SqlLeaseCore:
                 _live,
             )
             .values(**values)
-            .returning(leases.c.token)
+            .returning(leases.c.token, leases.c.contended)
         )
         row = changed.first()
-        return None if row is None else int(row[0])
+        return None if row is None else (int(row[0]), bool(row[1]))
 
     def _lost(self, lease: Lease) -> Plan[LeaseLost]:
         found: Rows = yield sa.select(leases.c.token, leases.c.lease_id).where(leases.c.scope == lease.scope)
@@ -169,13 +177,13 @@ class SqlLeaseCore:
 
     def renew(self, lease: Lease) -> Plan[Lease]:
         sent_at = self.clock()
-        token = yield from self._end_or_extend(lease, {"expires_ms": db_now_ms() + _ttl_ms(lease.ttl)})
-        if token != lease.token:
+        extended = yield from self._end_or_extend(lease, {"expires_ms": db_now_ms() + _ttl_ms(lease.ttl)})
+        if extended is None:
             raise (yield from self._lost(lease))
         yield self._event(
             scope=lease.scope,
             event="renewed",
-            token=token,
+            token=lease.token,
             lease_id=lease.lease_id,
             holder=lease.holder,
             detail=f"ttl_ms={_ttl_ms(lease.ttl)}",
@@ -183,17 +191,18 @@ class SqlLeaseCore:
         lease._renewed(sent_at)
         return lease
 
-    def release(self, lease: Lease) -> Plan[None]:
-        token = yield from self._end_or_extend(lease, {"state": "released", "expires_ms": db_now_ms()})
-        if token != lease.token:
+    def release(self, lease: Lease) -> Plan[bool]:
+        ended = yield from self._end_or_extend(lease, {"state": "released", "expires_ms": db_now_ms()})
+        if ended is None:
             raise (yield from self._lost(lease))
         yield self._event(
             scope=lease.scope,
             event="released",
-            token=token,
+            token=lease.token,
             lease_id=lease.lease_id,
             holder=lease.holder,
         )
+        return ended[1]
 
     def break_lease(self, scope: str, reason: str) -> Plan[LeaseInfo | None]:
         ended: Rows = yield (
@@ -213,11 +222,12 @@ class SqlLeaseCore:
     def repair(self, lease: Lease, highest: int) -> Plan[tuple[int, int] | None]:
         validate_token(highest, scope=lease.scope)
         raised = sa.case((leases.c.token < highest, highest), else_=leases.c.token)
-        new = yield from self._end_or_extend(
+        ended = yield from self._end_or_extend(
             lease, {"token": raised, "state": "broken", "expires_ms": db_now_ms()}
         )
-        if new is None:
+        if ended is None:
             return None
+        new = ended[0]
         yield self._event(
             scope=lease.scope,
             event="repaired",

@@ -323,6 +323,7 @@ def _attempt(
         return _answer(task, message, stored)
 
     lease_token: int | None = None
+    leases: dict[str, Lease] = {}
     try:
         if work.run is None:
             done = res.inventory.request_outcome(key)
@@ -349,13 +350,13 @@ def _attempt(
                 raise lost from exc
             failpoint("after_write")
         if work.run is not None:
-            return _then_serve(res, batch, who, _answer(task, message, reply.result))
+            return _then_serve(res, batch, leases, who, _answer(task, message, reply.result))
         res.inventory.record_attempt(
             key, operation, "replayed" if outcome.replayed else "applied", token=outcome.token, **who
         )
-        return _then_serve(res, batch, who, final(FINAL_STATUS[operation], outcome.summary()))
+        return _then_serve(res, batch, leases, who, final(FINAL_STATUS[operation], outcome.summary()))
     except InsufficientStock as exc:
-        return _then_serve(res, batch, who, final("insufficient_stock", exc.summary()))
+        return _then_serve(res, batch, leases, who, final("insufficient_stock", exc.summary()))
     except _INVALID as exc:
         # A conflict is recorded only where the key has no outcome yet (its record was purged); otherwise
         # the stored outcome, which belongs to the other request, comes back and the answer says so.
@@ -433,10 +434,21 @@ def _wait_for_holder(
 
 
 def _then_serve(
-    res: Resources, batch: Batchable | None, who: dict[str, Any], result: dict[str, Any]
+    res: Resources,
+    batch: Batchable | None,
+    leases: dict[str, Lease],
+    who: dict[str, Any],
+    result: dict[str, Any],
 ) -> dict[str, Any]:
-    """After a batchable request ran under its own lease: serve whatever queued up meanwhile."""
-    if batch is not None:
+    """After a batchable request ran under its own lease: serve whatever queued up meanwhile.
+
+    A request queues itself only after finding the lease busy, and then tries the lease once more, so
+    a release that reports nobody turned away (``contended`` False) means nobody queued behind it: the
+    look at the queue, a round trip per task, is skipped. Any doubt (a lost lease, an older lease
+    record) looks.
+    """
+    wanted = not leases or any(lease.contended is not False for lease in leases.values())
+    if batch is not None and wanted:
         _serve_quietly(res, batch.sku, **who)
     return result
 
@@ -472,6 +484,7 @@ def serve_pending(
 
     After releasing the lease it looks again: a request may have queued itself after the last batch
     while still finding the lease held, and then nobody else would serve it until its SKU's watch looks.
+    A queue emptied under a lease that nobody was turned away from needs no second look.
     ``known_waiting`` skips the first look (the caller has just queued a request).
     """
     settings = res.settings
@@ -486,6 +499,7 @@ def serve_pending(
                 holder=f"{worker}:{task_id}",
                 renew_every=settings.lease_renew_every,
             ) as lease:
+                drained = False
                 for _ in range(BATCHES_PER_LEASE):
                     failpoint("before_write")
                     outcomes = res.inventory.serve_pending(
@@ -495,7 +509,10 @@ def serve_pending(
                     _publish(outcomes)
                     served += len(outcomes)
                     if not outcomes:
+                        drained = True
                         break
+            if drained and lease.contended is False:
+                break  # emptied under the lease, and nobody was turned away from it since
         except LeaseBusy:
             break  # its holder looks again after releasing
         except LostOwnership as lost:

@@ -10,6 +10,7 @@ import os
 import signal
 from collections import Counter
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
@@ -176,6 +177,55 @@ def test_a_holder_paused_while_serving_is_fenced_off(hot: Stack) -> None:
         assert client_result(hot, request_id(key))["status"] == "reserved"
     exactly_once(hot, sku, outcomes)
     assert inv.stock(sku).reserved == 2 * len(keys) + len(later)
+
+
+@pytest.mark.parametrize("lease_backend", ["sql", "redis"])
+def test_a_holder_serves_what_queued_behind_it_as_soon_as_it_releases(
+    tmp_path: Path, lease_backend: str
+) -> None:
+    """Requests that found the lease busy are served by its holder right after its release, not by
+    their SKU's watch: the release reports that acquirers were turned away. The watch is set far beyond
+    the test's patience, so only the holder's look can serve them."""
+    with redis_server(tmp_path / "redis") as server, ExitStack() as stacked:
+        leases_at = {"RESERVATIONS_LEASE_URL": server.url(2)} if lease_backend == "redis" else {}
+        running = stacked.enter_context(
+            stack(
+                "handoff",
+                tmp_path / "cluster",
+                server,
+                0,
+                failpoint_spec="before_write=stop,once",
+                RESERVATIONS_LEASE_TTL="30",
+                RESERVATIONS_HANDOFF_CHECK="600",
+                **leases_at,
+            )
+        )
+        sku, inv = "BEHIND", running.inventory
+        inv.add_sku(sku, on_hand=10)
+        running.cluster.arm("before_write")
+        running.client.enqueue_reservation_sync(sku, 1, idempotency_key="holder")
+        stopped = None
+        try:
+            try:
+                _worker, stopped = wait_until(
+                    running.cluster.worker_with_stopped_child,
+                    timeout=FAULT_TIMEOUT,
+                    what="the holder to stop itself",
+                )
+            except TimeoutError as exc:
+                raise AssertionError(f"{exc}\n{running.cluster.tails()}") from None
+            keys = [f"behind-{i}" for i in range(3)]
+            queued_behind(running, sku, keys)
+        finally:
+            if stopped is not None:
+                os.kill(stopped, signal.SIGCONT)
+        outcomes = {key: outcome_of(running, key) for key in ["holder", *keys]}
+        assert {o.status for o in outcomes.values()} == {"reserved"}
+        holder_token = outcomes["holder"].detail["token"]
+        # Served by the holder's task under the next token, right after its release, not by the watch.
+        assert all(outcomes[key].detail["served_by"] == request_id("holder") for key in keys)
+        assert all(outcomes[key].detail["token"] == holder_token + 1 for key in keys)
+        exactly_once(running, sku, outcomes)
 
 
 def test_the_sweep_serves_requests_nobody_else_would(hot: Stack) -> None:

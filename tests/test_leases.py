@@ -132,6 +132,36 @@ def test_acquire_with_wait_takes_the_lease_when_it_frees(manager: LeaseManager) 
     assert second.token == first.token + 1
 
 
+def test_the_release_says_whether_another_acquirer_was_turned_away(manager: LeaseManager) -> None:
+    quiet = manager.acquire("sku:A", ttl=5, holder="A")
+    assert quiet.contended is None  # not known before the release
+    manager.release(quiet)
+    assert quiet.contended is False
+
+    wanted = manager.acquire("sku:A", ttl=5, holder="A")
+    with pytest.raises(LeaseBusy):
+        manager.acquire("sku:A", ttl=5, holder="B")
+    manager.release(wanted)
+    assert wanted.contended is True
+
+    # The mark belongs to one epoch: the next holder starts uncontended.
+    with manager.hold("sku:A", ttl=5, holder="C") as after:
+        pass
+    assert after.contended is False
+
+
+async def test_async_release_says_whether_another_acquirer_was_turned_away(
+    async_manager: AsyncLeaseManager,
+) -> None:
+    async with async_manager.hold("sku:A", ttl=5, holder="A") as wanted:
+        with pytest.raises(LeaseBusy):
+            await async_manager.acquire("sku:A", ttl=5, holder="B")
+    assert wanted.contended is True
+    async with async_manager.hold("sku:A", ttl=5, holder="C") as quiet:
+        pass
+    assert quiet.contended is False
+
+
 def test_hold_renews_past_the_ttl_and_releases(manager: LeaseManager) -> None:
     with manager.hold("sku:A", ttl=0.3, holder="A", renew_every=0.05) as lease:
         deadline = lease.expires_at + 0.3
