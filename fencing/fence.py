@@ -126,7 +126,15 @@ class Fence:
         row = fence.first()
         if row is None:
             return FenceResult(FenceOutcome.NO_ROW)
-        highest, writer = int(row[0]), row[1]
+        self.refuse_if_stale(lease, scope, int(row[0]), row[1], operation)
+        return FenceResult(FenceOutcome.CONDITION_FAILED)
+
+    def refuse_if_stale(
+        self, lease: Lease, scope: str, highest: int, writer: str | None, operation: str
+    ) -> None:
+        """Raise :class:`StaleToken` (and mark the lease lost) if a row whose fence reads ``highest`` and
+        ``writer`` refuses ``lease``. For a caller that read the fence under the row's lock, which makes
+        the judgement as atomic as the guarded UPDATE's own; otherwise only the UPDATE decides."""
         if self.enforce and (highest > lease.token or (highest == lease.token and writer != lease.lease_id)):
             lease.mark_lost(f"{operation} rejected: resource accepted token {highest}")
             raise StaleToken(
@@ -136,7 +144,6 @@ class Fence:
                 lease_id=lease.lease_id,
                 holder=lease.holder,
             )
-        return FenceResult(FenceOutcome.CONDITION_FAILED)
 
     def update(self, conn: Connection, lease: Lease, **kwargs: Any) -> FenceResult:
         """Run the guarded write on ``conn`` inside the caller's transaction.

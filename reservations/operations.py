@@ -11,6 +11,7 @@ import hashlib
 import json
 import uuid
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
@@ -68,6 +69,16 @@ def hold_ms_of(hold_for: float | None) -> int | None:
 
 def new_reservation_id() -> str:
     return f"r_{uuid.uuid4().hex}"
+
+
+@dataclass(frozen=True, slots=True)
+class HeldLine:
+    """One reservation of a batch held together (:meth:`InventoryPlans.hold_together`)."""
+
+    key: str
+    quantity: int
+    hold_ms: int | None
+    reservation_id: str
 
 
 class _Refused(Exception):
@@ -306,21 +317,54 @@ class InventoryPlans:
         detail: str | None = None,
     ) -> sa.Executable:
         return sa.insert(sku_history).values(
-            sku=sku,
-            at_ms=db_now_ms(),
-            kind=kind,
-            operation=operation,
-            token=token,
-            lease_id=lease.lease_id,
-            holder=lease.holder,
-            quantity=quantity,
-            idempotency_key=key,
-            reservation_id=reservation_id,
-            on_hand_delta=on_hand,
-            reserved_delta=reserved,
-            highest_token=highest_token,
-            detail=detail,
+            self._history_values(
+                lease,
+                sku,
+                operation,
+                key,
+                kind=kind,
+                token=token,
+                quantity=quantity,
+                on_hand=on_hand,
+                reserved=reserved,
+                reservation_id=reservation_id,
+                highest_token=highest_token,
+                detail=detail,
+            )
         )
+
+    @staticmethod
+    def _history_values(
+        lease: Lease,
+        sku: str,
+        operation: str,
+        key: str | None,
+        *,
+        kind: str,
+        token: int,
+        quantity: int | None,
+        on_hand: int = 0,
+        reserved: int = 0,
+        reservation_id: str | None = None,
+        highest_token: int | None = None,
+        detail: str | None = None,
+    ) -> dict[str, Any]:
+        return {
+            "sku": sku,
+            "at_ms": db_now_ms(),
+            "kind": kind,
+            "operation": operation,
+            "token": token,
+            "lease_id": lease.lease_id,
+            "holder": lease.holder,
+            "quantity": quantity,
+            "idempotency_key": key,
+            "reservation_id": reservation_id,
+            "on_hand_delta": on_hand,
+            "reserved_delta": reserved,
+            "highest_token": highest_token,
+            "detail": detail,
+        }
 
     # -- building blocks ---------------------------------------------------------------------------
 
@@ -435,6 +479,51 @@ class InventoryPlans:
             reservation_id=reservation_id,
         )
         return reservation_id, level
+
+    def hold_together(self, lease: Lease, sku: str, held: list[HeldLine]) -> Plan[StockLevel]:
+        """Hold every line of ``held`` (one SKU, decided by the caller against the stock row it locked)
+        with one fenced stock change for their total and one insert each for their reservations and
+        history rows: three statements for a batch of any size. PostgreSQL only, where the held-units
+        check counts a statement's reservations together (migration 0007); returns the level after."""
+        total = sum(line.quantity for line in held)
+        level = yield from self._fenced(
+            lease, sku, "reserve", on_hand=0, reserved=total, condition=stock.c.available >= total
+        )
+        now = db_now_ms()
+        yield sa.insert(reservations).values(
+            [
+                {
+                    "id": line.reservation_id,
+                    "sku": sku,
+                    "quantity": line.quantity,
+                    "status": HELD,
+                    "hold_expires_ms": None if line.hold_ms is None else now + line.hold_ms,
+                    "idempotency_key": line.key,
+                    "order_key": None,
+                    "token": lease.token,
+                    "lease_id": lease.lease_id,
+                    "created_ms": now,
+                }
+                for line in held
+            ]
+        )
+        yield sa.insert(sku_history).values(
+            [
+                self._history_values(
+                    lease,
+                    sku,
+                    "reserve",
+                    line.key,
+                    kind="write",
+                    token=lease.token,
+                    quantity=line.quantity,
+                    reserved=line.quantity,
+                    reservation_id=line.reservation_id,
+                )
+                for line in held
+            ]
+        )
+        return level
 
     def hold_one(self, lease: Lease, sku: str, quantity: int, key: str, hold_ms: int | None) -> Plan[Outcome]:
         """The body of a single-SKU reservation (alone, or as one request of a batch)."""

@@ -13,7 +13,7 @@ import sqlalchemy as sa
 from fencing import Lease, LeaseLost, LeaseManager, StaleToken
 from fencing.sql import make_engine
 from reservations import AsyncInventory, InvalidRequest, Inventory, scope_of
-from reservations.models import pending_reservations
+from reservations.models import pending_reservations, reservations
 from tests.test_inventory import level, snapshot
 
 
@@ -222,6 +222,66 @@ def test_a_stale_holders_batch_is_refused_whole_and_stays_queued(
     assert {r.status for r in served} == {"reserved"} and len(served) == 3
     assert level(inventory, hot) == (11, 3, 8)
     assert inventory.invariant_violations() == []
+
+
+def test_a_stale_holder_serves_nothing_even_when_nothing_would_be_written(
+    inventory_url: str, inventory: Inventory, leases: LeaseManager, hot: str
+) -> None:
+    """Every queued request asks for more than there is: the batch would change no stock, only end the
+    requests. A stale holder must not end them either; the fence refuses it before any decision."""
+    old = lease_for(leases, hot, holder="A")
+    keys = [f"big-{i}" for i in range(3)]
+    for key in keys:
+        inventory.hand_off(hot, 50, key=key)
+    leases.break_lease(scope_of(hot), reason="A paused past its lease")
+    new = lease_for(leases, hot, holder="B")
+    inventory.restock(new, hot, 1, key="b-writes")
+    before = snapshot(inventory_url)
+
+    with pytest.raises(StaleToken):
+        inventory.serve_pending(old, hot, limit=10)
+    assert snapshot(inventory_url) == before
+    assert inventory.pending_count(hot) == 3
+    assert statuses(inventory, keys) == dict.fromkeys(keys)
+    served = inventory.serve_pending(new, hot, limit=10)
+    assert {r.status for r in served} == {"insufficient_stock"}
+
+
+def test_a_batch_holds_each_request_against_what_the_ones_before_it_left(
+    inventory: Inventory, leases: LeaseManager, hot: str
+) -> None:
+    lease = lease_for(leases, hot)
+    asked = {"a": 4, "b": 5, "c": 3, "d": 1}
+    for key, quantity in asked.items():
+        inventory.hand_off(hot, quantity, key=key)
+    served = {r.key: r for r in inventory.serve_pending(lease, hot, limit=10)}
+    assert {k: r.status for k, r in served.items()} == {
+        "a": "reserved", "b": "reserved", "c": "insufficient_stock", "d": "reserved"
+    }
+    # Each outcome reports the level right after its own request, as one write each would have.
+    assert [served[k].detail["stock"][0]["available"] for k in ("a", "b", "d")] == [6, 1, 0]
+    assert served["c"].detail["available"] == 1
+    assert level(inventory, hot) == (10, 10, 0)
+    assert sorted(r.quantity for r in inventory.reservations(hot)) == [1, 4, 5]
+    assert inventory.invariant_violations() == []
+
+
+def test_the_database_refuses_reserved_units_that_differ_from_held_reservations(
+    inventory_url: str, inventory: Inventory, leases: LeaseManager, hot: str
+) -> None:
+    """The backstop under every path: a reservation row without the matching stock change is refused,
+    whether it comes alone or with others in one statement."""
+    inventory.reserve(lease_for(leases, hot), hot, 2, key="real")
+    before = snapshot(inventory_url)
+    engine = make_engine(inventory_url)
+    row = {"sku": hot, "quantity": 1, "status": "held", "token": 1, "created_ms": 0}
+    try:
+        for rows in ([{**row, "id": "r_forged"}], [{**row, "id": f"r_forged_{i}"} for i in range(3)]):
+            with pytest.raises(sa.exc.IntegrityError), engine.begin() as conn:
+                conn.execute(sa.insert(reservations).values(rows))
+    finally:
+        engine.dispose()
+    assert snapshot(inventory_url) == before
 
 
 def test_bad_batch_requests_are_refused_and_nothing_written(
