@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AsyncExitStack, ExitStack, asynccontextmanager, contextmanager
 from typing import Any
 
@@ -274,6 +274,10 @@ class Inventory:
     def request_outcome(self, key: str) -> RequestResult | None:
         return self._run(requests.request_outcome(key))  # type: ignore[no-any-return]
 
+    def request_outcomes(self, keys: Sequence[str]) -> dict[str, RequestResult]:
+        """Final outcomes of those of ``keys`` (at most 1,000) that have one, in one read."""
+        return self._run(requests.outcomes_of(keys))  # type: ignore[no-any-return]
+
     def record_outcome(
         self, key: str, operation: str, status: str, detail: dict[str, Any], **who: Any
     ) -> RequestResult:
@@ -495,6 +499,9 @@ class AsyncInventory:
 
     async def request_outcome(self, key: str) -> RequestResult | None:
         return await self._run(requests.request_outcome(key))  # type: ignore[no-any-return]
+
+    async def request_outcomes(self, keys: Sequence[str]) -> dict[str, RequestResult]:
+        return await self._run(requests.outcomes_of(keys))  # type: ignore[no-any-return]
 
     async def record_outcome(
         self, key: str, operation: str, status: str, detail: dict[str, Any], **who: Any

@@ -35,11 +35,21 @@ class Producer:
             broker_connection_retry_on_startup=True,
         )
 
-    def send(self, operation: str, key: str, kwargs: dict[str, Any]) -> str:
-        """Publish ``operation`` for ``key``; returns the request's task id (the same for the same key)."""
+    def send(self, operation: str, key: str, kwargs: dict[str, Any], *, producer: Any = None) -> str:
+        """Publish ``operation`` for ``key``; returns the request's task id (the same for the same key).
+        ``producer``: a kombu producer of this app held across many sends (see :meth:`batch`)."""
         task_id = request_id(valid.idempotency_key(key))
-        self.app.send_task(task_name(operation), kwargs={**kwargs, "idempotency_key": key}, task_id=task_id)
+        self.app.send_task(
+            task_name(operation),
+            kwargs={**kwargs, "idempotency_key": key},
+            task_id=task_id,
+            producer=producer,
+        )
         return task_id
+
+    def batch(self) -> Any:
+        """A context manager holding one pooled producer (one broker connection) for many sends."""
+        return self.app.producer_or_acquire()
 
     def close(self) -> None:
         self.app.close()

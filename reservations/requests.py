@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,6 +122,24 @@ def request_outcome(key: str) -> Plan[RequestResult | None]:
     found: Rows = yield Alone(_OUTCOME, {"key": valid.idempotency_key(key)})
     row = found.first()
     return None if row is None else result_of(row)
+
+
+_OUTCOMES = sa.select(request_outcomes).where(
+    request_outcomes.c.key.in_(sa.bindparam("keys", expanding=True))
+)
+MAX_KEYS_PER_READ = 1000
+
+
+def outcomes_of(keys: Sequence[str]) -> Plan[dict[str, RequestResult]]:
+    """The final outcomes of those of ``keys`` that have one, in one read (at most
+    :data:`MAX_KEYS_PER_READ` keys): what a client waiting on many requests asks each time it looks."""
+    if len(keys) > MAX_KEYS_PER_READ:
+        raise InvalidRequest(f"at most {MAX_KEYS_PER_READ} keys per read", field="keys")
+    checked = [valid.idempotency_key(key) for key in keys]
+    if not checked:
+        return {}
+    found: Rows = yield Alone(_OUTCOMES, {"keys": checked})
+    return {row.key: result_of(row) for row in found.rows}
 
 
 # Outcomes that end a request without any stock change. Recording one also closes the key for good: a

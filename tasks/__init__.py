@@ -7,7 +7,8 @@ Start workers with ``celery -A tasks worker``; producers use :func:`enqueue_rese
 from reservations.requests import request_id
 from tasks import worker as _worker  # noqa: F401  (connects the per-process lifecycle signals)
 from tasks.app import app, create_app
-from tasks.client import OutcomeTimeout, ReservationClient, ReservationHandle, enqueue_reservation
+from tasks.client import ReservationClient, ReservationHandle, enqueue_reservation
+from tasks.outcomes import OutcomeTimeout, WatcherClosed
 from tasks.settings import Settings, SettingsError
 
 __all__ = [
@@ -16,6 +17,7 @@ __all__ = [
     "ReservationHandle",
     "Settings",
     "SettingsError",
+    "WatcherClosed",
     "app",
     "create_app",
     "enqueue_reservation",

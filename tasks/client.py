@@ -5,16 +5,20 @@ Outcomes are read from the database's request outcomes (durable, written once pe
 result backend, so a handle resolves even after the result expired or the worker that produced it died,
 and publishing needs only the broker. An outcome stored under the key by a different request (same key,
 other arguments) raises :class:`IdempotencyConflict` instead of being handed over.
-Publishing is blocking kombu I/O and runs in a small thread pool; waiting is pure asyncio.
+Publishing is blocking kombu I/O: the event loop only queues a message, and one thread publishes the
+queue in batches on one broker connection. Waiting is pure asyncio: one watcher per event loop reads
+the outcomes of every awaited key at once (tasks.outcomes).
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,12 +31,7 @@ from reservations.producer import Producer
 from reservations.requests import RequestResult
 from tasks.app import app as default_app
 from tasks.app import settings_of
-
-
-class OutcomeTimeout(TimeoutError):
-    def __init__(self, key: str, timeout: float) -> None:
-        self.key = key
-        super().__init__(f"no final outcome for {key!r} within {timeout}s")
+from tasks.outcomes import OutcomeTimeout, OutcomeWatcher
 
 
 def _poll_intervals() -> Callable[[], float]:
@@ -61,6 +60,26 @@ def _known(operation: str) -> str:
             f"unknown operation {operation!r}; one of {', '.join(sorted(SHAPES))}", field="operation"
         )
     return operation
+
+
+@dataclass(frozen=True, slots=True)
+class _Outgoing:
+    """A message queued for the publishing thread, and where to tell its sender the task id."""
+
+    name: str
+    key: str
+    kwargs: dict[str, Any]
+    future: asyncio.Future[str]
+    loop: asyncio.AbstractEventLoop
+
+
+def _settle(future: asyncio.Future[str], sent: str | None, error: BaseException | None) -> None:
+    if future.done():  # its sender was cancelled; the message went out all the same
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(sent)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -100,8 +119,13 @@ class ReservationClient:
         self._producer = Producer(
             self.settings.broker_url, transport_options=self.app.conf.broker_transport_options
         )
-        self._publisher = ThreadPoolExecutor(max_workers=4, thread_name_prefix="enqueue")
+        self._publisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="enqueue")
+        self._outbox: list[_Outgoing] = []
+        self._outbox_lock = threading.Lock()
+        self._draining = False
         self._async_inventory: AsyncInventory | None = None
+        self._watcher: OutcomeWatcher | None = None
+        self._watcher_loop: asyncio.AbstractEventLoop | None = None
         self._inventory: Inventory | None = None
 
     # -- publishing ---------------------------------------------------------------------------------
@@ -117,8 +141,48 @@ class ReservationClient:
         )
 
     async def _send_async(self, name: str, key: str, kwargs: dict[str, Any]) -> ReservationHandle:
+        """Queue the message for the publishing thread and await its publication. Requests enqueued
+        while a batch is going out wait for the next one: a batch goes out on one producer, one broker
+        connection, in the thread, so the event loop only appends to a list and awaits a future."""
+        valid.idempotency_key(key)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._publisher, self._send, name, key, kwargs)
+        sent: asyncio.Future[str] = loop.create_future()
+        with self._outbox_lock:
+            self._outbox.append(_Outgoing(name, key, kwargs, sent, loop))
+            start, self._draining = not self._draining, True
+        if start:
+            loop.run_in_executor(self._publisher, self._drain)
+        task_id = await sent
+        return ReservationHandle(
+            key=key,
+            task_id=task_id,
+            client=self,
+            operation=SHAPES[name].operation,
+            fingerprint=request_fingerprint(name, kwargs),
+        )
+
+    def _drain(self) -> None:
+        """The publishing thread: send what is queued, batch after batch, until the outbox is empty."""
+        while True:
+            with self._outbox_lock:
+                batch, self._outbox = self._outbox, []
+                if not batch:
+                    self._draining = False
+                    return
+            answers: list[tuple[_Outgoing, str | None, BaseException | None]] = []
+            try:
+                with self._producer.batch() as producer:
+                    for item in batch:
+                        try:
+                            task_id = self._producer.send(item.name, item.key, item.kwargs, producer=producer)
+                            answers.append((item, task_id, None))
+                        except Exception as exc:
+                            answers.append((item, None, exc))
+            except Exception as exc:  # no producer at all (the broker refused the connection)
+                answers.extend((item, None, exc) for item in batch[len(answers) :])
+            for item, answer, error in answers:
+                with suppress(RuntimeError):  # its loop closed meanwhile: nobody awaits it any more
+                    item.loop.call_soon_threadsafe(_settle, item.future, answer, error)
 
     def enqueue_reservation_sync(
         self, sku: str, quantity: int, *, idempotency_key: str, hold_for: float | None = None
@@ -154,17 +218,19 @@ class ReservationClient:
     # -- waiting ------------------------------------------------------------------------------------
 
     async def wait(self, key: str, *, timeout: float = 30.0) -> RequestResult:
-        if self._async_inventory is None:
-            self._async_inventory = AsyncInventory.from_url(self.settings.database_url)
-        deadline = time.monotonic() + timeout
-        pause = _poll_intervals()
-        while True:
-            found = await self._async_inventory.request_outcome(key)
-            if found is not None:
-                return found
-            if time.monotonic() >= deadline:
-                raise OutcomeTimeout(key, timeout)
-            await asyncio.sleep(min(pause(), max(0.0, deadline - time.monotonic())))
+        """The key's final outcome, awaited with every other key this client awaits in its event loop:
+        one watcher reads them all in one query per look (see tasks.outcomes)."""
+        valid.idempotency_key(key)
+        return await self._outcome_watcher().wait(key, timeout)
+
+    def _outcome_watcher(self) -> OutcomeWatcher:
+        loop = asyncio.get_running_loop()
+        if self._watcher is None or self._watcher_loop is not loop:
+            # A client used from a second event loop gets a watcher (and connection pool) of that loop.
+            inventory = AsyncInventory.from_url(self.settings.database_url)
+            self._async_inventory, self._watcher_loop = inventory, loop
+            self._watcher = OutcomeWatcher(inventory.request_outcomes)
+        return self._watcher
 
     def wait_sync(self, key: str, *, timeout: float = 30.0) -> RequestResult:
         if self._inventory is None:
@@ -180,9 +246,26 @@ class ReservationClient:
             time.sleep(min(pause(), max(0.0, deadline - time.monotonic())))
 
     async def aclose(self) -> None:
+        """Stop the outcome watcher (handles still waiting get ``WatcherClosed``), close its connection
+        pool, the publisher threads and the broker connections."""
+        if self._watcher is not None:
+            await self._watcher.aclose()
+            self._watcher = None
         if self._async_inventory is not None:
             await self._async_inventory.close()
             self._async_inventory = None
+        self.close()
+
+    async def __aenter__(self) -> ReservationClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def __enter__(self) -> ReservationClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def close(self) -> None:

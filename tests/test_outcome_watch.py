@@ -1,0 +1,126 @@
+"""The shared outcome watcher on SQLite and PostgreSQL: many awaiting handles are resolved by a few reads
+of all their keys at once, timeouts and cancellation leave nothing behind, a closed watcher fails its
+waiters, and an unreachable database reaches each waiter as an error rather than a silent timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+
+import pytest
+
+from fencing import BackendUnavailable
+from reservations import AsyncInventory, Inventory
+from reservations.requests import RequestResult
+from tasks.outcomes import OutcomeTimeout, OutcomeWatcher, WatcherClosed
+
+
+class CountedReads:
+    """The real read of the outcome rows, counting how often it is asked and for how many keys."""
+
+    def __init__(self, inventory: AsyncInventory) -> None:
+        self.inventory = inventory
+        self.reads: list[int] = []
+
+    async def __call__(self, keys: Sequence[str]) -> dict[str, RequestResult]:
+        self.reads.append(len(keys))
+        return await self.inventory.request_outcomes(keys)
+
+
+@pytest.fixture
+async def reads(inventory_url: str) -> AsyncIterator[CountedReads]:
+    inventory = AsyncInventory.from_url(inventory_url)
+    yield CountedReads(inventory)
+    await inventory.close()
+
+
+async def test_many_waiters_are_resolved_by_one_read_of_all_their_keys(
+    inventory: Inventory, reads: CountedReads
+) -> None:
+    keys = [f"many-{i}" for i in range(300)]
+    for key in keys:
+        inventory.record_outcome(key, "reserve", "reserved", {"n": key})
+    watcher = OutcomeWatcher(reads)
+    # Three hundred handles (two of them on one key) arrive together: one read answers them all.
+    results = await asyncio.gather(*(watcher.wait(key, timeout=30) for key in [*keys, keys[0]]))
+    assert [r.key for r in results] == [*keys, keys[0]]
+    assert all(r.detail == {"n": r.key} for r in results)
+    assert reads.reads == [len(keys)]
+    assert watcher.waiting == 0
+    await watcher.aclose()
+
+
+async def test_outcomes_written_while_handles_wait_resolve_them(
+    inventory: Inventory, reads: CountedReads
+) -> None:
+    watcher = OutcomeWatcher(reads)
+    keys = [f"later-{i}" for i in range(20)]
+    waits = [asyncio.ensure_future(watcher.wait(key, timeout=30)) for key in keys]
+    while watcher.waiting < len(keys):
+        await asyncio.sleep(0.001)
+
+    def record_all() -> None:
+        for key in keys:
+            inventory.record_outcome(key, "reserve", "reserved", {})
+
+    await asyncio.to_thread(record_all)
+    assert [r.key for r in await asyncio.gather(*waits)] == keys
+    # Each look read every key still waiting: never one query per handle.
+    assert reads.reads[0] == len(keys)
+    assert reads.reads == sorted(reads.reads, reverse=True)
+    await watcher.aclose()
+
+
+async def test_a_timeout_or_a_cancelled_waiter_leaves_nothing_behind(
+    inventory: Inventory, reads: CountedReads
+) -> None:
+    watcher = OutcomeWatcher(reads)
+    with pytest.raises(OutcomeTimeout) as timed_out:
+        await watcher.wait("never", timeout=0.05)
+    assert timed_out.value.key == "never"
+    assert watcher.waiting == 0
+
+    cancelled = asyncio.ensure_future(watcher.wait("cancelled", timeout=30))
+    while watcher.waiting == 0:
+        await asyncio.sleep(0.001)
+    cancelled.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await cancelled
+    assert watcher.waiting == 0
+    # Nobody waits: the watcher stops reading.
+    settled = len(reads.reads)
+    await asyncio.sleep(3 * OutcomeWatcher.SLOWEST)
+    assert len(reads.reads) <= settled + 1
+
+    # And a later waiter starts it again.
+    inventory.record_outcome("later", "reserve", "reserved", {})
+    assert (await watcher.wait("later", timeout=5)).status == "reserved"
+    await watcher.aclose()
+
+
+async def test_closing_the_watcher_fails_its_waiters(reads: CountedReads) -> None:
+    watcher = OutcomeWatcher(reads)
+    pending = asyncio.ensure_future(watcher.wait("open", timeout=30))
+    while watcher.waiting == 0:
+        await asyncio.sleep(0.001)
+    await watcher.aclose()
+    with pytest.raises(WatcherClosed):
+        await pending
+    with pytest.raises(WatcherClosed):
+        await watcher.wait("after", timeout=1)
+
+
+async def test_an_unreachable_database_reaches_every_waiter_as_an_error() -> None:
+    # A port nothing listens on (the discard port on loopback): every read fails to connect.
+    inventory = AsyncInventory.from_url("postgresql+psycopg://postgres@127.0.0.1:9/test?connect_timeout=2")
+    watcher = OutcomeWatcher(inventory.request_outcomes)
+    try:
+        results = await asyncio.gather(
+            *(watcher.wait(f"down-{i}", timeout=20) for i in range(5)), return_exceptions=True
+        )
+        assert all(isinstance(r, BackendUnavailable) for r in results), results
+        assert watcher.waiting == 0
+    finally:
+        await watcher.aclose()
+        await inventory.close()
