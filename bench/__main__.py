@@ -17,6 +17,7 @@ from dataclasses import replace
 
 from rich.console import Console
 
+from bench.asyncio_client import asyncio_producer
 from bench.env import Scratch, Settings, probe
 from bench.hot_sku import PER_SLOT, SLOTS, hot_vs_many
 from bench.hot_sku import SPREAD as SPREAD_SKUS
@@ -43,7 +44,10 @@ TASK_SHARE = 5
 HOT_SHARE = 10
 MIN_ITERATIONS = 5
 WARMUP_FRACTION = 0.1
-SECTIONS = ("redis", "writes", "reserve", "backends", "tasks", "hot")
+SECTIONS = ("redis", "writes", "reserve", "backends", "tasks", "hot", "asyncio")
+# The asyncio section: messages per enqueue case, and the enqueue-and-await calls kept in flight.
+ASYNC_ENQUEUES = 2000
+ASYNC_IN_FLIGHT = (100, 1000, 10_000)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -70,7 +74,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "backends = SQL vs Redis lease backend, tasks = Celery reservation tasks vs no-op "
         "tasks end to end (own redis-server and workers; needs PostgreSQL), hot = one hot SKU vs "
         f"{SPREAD_SKUS} SKUs on a thread pool of {', '.join(map(str, SLOTS))} task slots, batching on and "
-        "off (same needs)",
+        "off (same needs), asyncio = the asyncio client's enqueue rate vs Task.delay and its event loop lag "
+        f"with {', '.join(map(str, ASYNC_IN_FLIGHT))} requests in flight (same needs)",
     )
     parser.add_argument(
         "--no-sql-leases", action="store_true",
@@ -124,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     if not postgres_ok and wanted - {"redis"}:
         what = "the PostgreSQL rows" + (" and the Celery sections" if wanted & {"tasks", "hot"} else "")
         results.skipped.append(f"Skipped {what}: PostgreSQL is unreachable.")
-    if redis_server is None and wanted & {"tasks", "hot"}:
+    if redis_server is None and wanted & {"tasks", "hot", "asyncio"}:
         results.skipped.append("Skipped the Celery sections: no redis-server on PATH for a private broker.")
 
     def sizing(iterations: int) -> dict[str, int]:
@@ -183,6 +188,15 @@ def main(argv: list[str] | None = None) -> int:
                 repeats=hot["repeats"], progress=progress,
             )
             plan = replace(plan, hot_bursts=tuple(sizes.items()))
+        if "asyncio" in wanted and postgres_ok and redis_server is not None:
+            if progress:
+                progress("asyncio producer: enqueue rate and event loop lag with real workers")
+            quick = args.quick or args.iterations is not None
+            asyncio_producer(
+                scratch, results, enqueues=ASYNC_ENQUEUES // (10 if quick else 1),
+                in_flight=ASYNC_IN_FLIGHT[:2] if quick else ASYNC_IN_FLIGHT, repeats=args.repeats,
+                progress=progress,
+            )
     finally:
         for problem in scratch.close():
             errors.print(f"cleanup: {problem}", highlight=False)
