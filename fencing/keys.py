@@ -27,19 +27,22 @@ def scope_tag(scope: str) -> str:
 @dataclass(frozen=True, slots=True)
 class ScopeKeys:
     """``lease``: the live lease (value: lease id, expires with the ttl).
-    ``state``: never expires; the token counter and the last epoch (lease id, holder, how it ended).
-    ``events``: capped stream of lease events, appended by the same script that changes the lease.
+    ``state``: never expires; the token counter and the last epoch (lease id, holder, how and when it
+    ended, whether an acquirer was turned away).
+    ``log``: a short list of the last epochs, newest first, written by the scripts that start or break
+    them; it expires when the scope stays idle. (``:events`` held a capped stream in earlier versions;
+    ``LeaseManager.purge_history`` removes those.)
     """
 
     lease: str
     state: str
-    events: str
+    log: str
 
     @property
     def all(self) -> tuple[str, str, str]:
-        return (self.lease, self.state, self.events)
+        return (self.lease, self.state, self.log)
 
 
 def scope_keys(prefix: str, scope: str) -> ScopeKeys:
     base = f"{prefix}:{{{scope_tag(scope)}}}"
-    return ScopeKeys(lease=f"{base}:lease", state=f"{base}:state", events=f"{base}:events")
+    return ScopeKeys(lease=f"{base}:lease", state=f"{base}:state", log=f"{base}:log")

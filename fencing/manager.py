@@ -45,11 +45,15 @@ from fencing.sql_backend import SqlLeaseCore, metadata
 
 log = logging.getLogger("fencing")
 
-# Redis keeps each scope's last DEFAULT_HISTORY_CAP lease events (a capped stream, ~4 KB at least per
-# scope); the SQL backend keeps events until purge_history removes those older than the retention.
-DEFAULT_HISTORY_CAP = 256
+# Redis keeps each scope's last DEFAULT_HISTORY_CAP epochs (a short list, about 200 bytes an entry, that
+# expires once the scope is idle for the retention): with its counter about 1 KB a scope, whatever its
+# age. The SQL backend keeps events until purge_history removes those older than the retention. The
+# durable record of every token is the protected resource's own: each accepted write and each refused
+# stale write carries its token and holder.
+DEFAULT_HISTORY_CAP = 4
 MAX_HISTORY_CAP = 100_000
 DEFAULT_HISTORY_RETENTION = 30 * 24 * 3600.0
+_RETENTION_MS = round(DEFAULT_HISTORY_RETENTION * 1000)
 MAX_HISTORY_LIMIT = 10_000
 
 
@@ -330,7 +334,9 @@ class LeaseManager:
         prefix, history_cap = validate_prefix(prefix), _history_cap(history_cap)
         if _is_redis_url(url):
             client = _redis_client(redis.Redis, url, client_options)
-            core = RedisLeaseCore(prefix=prefix, history_cap=history_cap, clock=clock)
+            core = RedisLeaseCore(
+                prefix=prefix, history_cap=history_cap, history_retention_ms=_RETENTION_MS, clock=clock
+            )
             executor = SyncRedisExecutor(client, sleep)
         else:
             engine = make_engine(url, **client_options)
@@ -454,7 +460,9 @@ class AsyncLeaseManager:
         prefix, history_cap = validate_prefix(prefix), _history_cap(history_cap)
         if _is_redis_url(url):
             client = _redis_client(redis.asyncio.Redis, url, client_options)
-            core = RedisLeaseCore(prefix=prefix, history_cap=history_cap, clock=clock)
+            core = RedisLeaseCore(
+                prefix=prefix, history_cap=history_cap, history_retention_ms=_RETENTION_MS, clock=clock
+            )
             executor = AsyncRedisExecutor(client, sleep)
         else:
             engine = make_async_engine(url, **client_options)

@@ -1,12 +1,14 @@
 """Redis lease backend: every operation is one Lua script, one round trip, one cluster slot.
 
 The token counter lives in a hash that never expires, apart from the lease key that does, so an expired
-lease never resets the count. History is appended to a capped stream inside the same script.
+lease never resets the count. History is a short list per scope written by the same scripts, one entry
+per epoch, expiring with the scope's idleness (see the scripts' comment).
 """
 
 from __future__ import annotations
 
 import enum
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,14 +35,24 @@ class Reply(enum.IntEnum):
 log = logging.getLogger("fencing")
 
 # Tokens stay within MAX_TOKEN (2**53 - 1), where Lua's doubles are exact: comparisons, the integer
-# replies and the decimal text Redis makes of a number passed to redis.call all keep every digit.
+# replies and the decimal text Redis makes of a number passed to redis.call all keep every digit. Text
+# the scripts make themselves goes through string.format('%d'), never tostring (14 digits).
+#
+# History is a short list per scope, newest first, one entry per epoch (written when it starts) and per
+# administrative end (broken, repaired); it expires when the scope stays idle past the retention. An
+# entry is a JSON array of strings: event, token, at (ms), lease id, holder, previous token, previous
+# end, when the previous epoch ended (ms), detail. How
+# an epoch ended is written once, by whoever learns it: the release into the state hash (read back as the
+# next entry's "pe"), an expiry by the next acquire. Renewals and releases add no entry: a scope costs
+# its state hash plus at most ``cap`` short entries, not a growing log.
 
-# KEYS[1] lease, KEYS[2] state, KEYS[3] events
-# ARGV[1] lease id, ARGV[2] holder, ARGV[3] ttl in ms, ARGV[4] history cap, ARGV[5] largest token
+# KEYS[1] lease, KEYS[2] state, KEYS[3] log
+# ARGV[1] lease id, ARGV[2] holder, ARGV[3] ttl in ms, ARGV[4] history cap, ARGV[5] largest token,
+# ARGV[6] history retention in ms
 # returns {OK, token} | {BUSY, holder, token, pttl_ms} | {OUT_OF_RANGE, counter as stored}
 # A busy reply also marks the live lease contended, which its release reports.
 ACQUIRE = """
-local prev = redis.call('HMGET', KEYS[2], 'token', 'end')
+local prev = redis.call('HMGET', KEYS[2], 'token', 'end', 'ended_ms')
 local counter = prev[1] or '0'
 if not string.find(counter, '^%d+$') or tonumber(counter) >= tonumber(ARGV[5]) then
   return {3, counter}
@@ -50,64 +62,71 @@ if redis.call('EXISTS', KEYS[1]) == 1 then
   local s = redis.call('HMGET', KEYS[2], 'holder', 'token')
   return {1, s[1] or '', tonumber(s[2]) or 0, redis.call('PTTL', KEYS[1])}
 end
-local prev_end = prev[2] or ''
-if prev_end == 'held' then prev_end = 'expired' end
+local prev_end, prev_at = prev[2] or '', prev[3] or ''
+if prev_end == 'held' then prev_end, prev_at = 'expired', '' end
+local now = redis.call('TIME')
 local token = redis.call('HINCRBY', KEYS[2], 'token', 1)
 redis.call('HSET', KEYS[2], 'lease_id', ARGV[1], 'holder', ARGV[2], 'end', 'held', 'contended', '0')
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[3])
-redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[4], '*', 'event', 'acquired', 'token', token,
-  'lease_id', ARGV[1], 'holder', ARGV[2], 'previous_token', prev[1] or '', 'previous_end', prev_end,
-  'detail', 'ttl_ms=' .. ARGV[3])
+redis.call('LPUSH', KEYS[3], cjson.encode({'acquired', string.format('%d', token),
+  string.format('%d', now[1] * 1000 + math.floor(now[2] / 1000)), ARGV[1], ARGV[2], prev[1] or '',
+  prev_end, prev_at, 'ttl_ms=' .. ARGV[3]}))
+redis.call('LTRIM', KEYS[3], 0, tonumber(ARGV[4]) - 1)
+redis.call('PEXPIRE', KEYS[3], ARGV[6])
 return {0, token}
 """
 
-# KEYS[1] lease, KEYS[2] state, KEYS[3] events
-# ARGV[1] lease id, ARGV[2] ttl in ms, ARGV[3] history cap
+# KEYS[1] lease, KEYS[2] state
+# ARGV[1] lease id, ARGV[2] ttl in ms
 # returns {OK, token} | {NOT_HELD, current token or 0}
 RENEW = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  local s = redis.call('HMGET', KEYS[2], 'token', 'holder')
-  redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[3], '*', 'event', 'renewed', 'token', s[1],
-    'lease_id', ARGV[1], 'holder', s[2] or '', 'detail', 'ttl_ms=' .. ARGV[2])
-  return {0, tonumber(s[1])}
+  return {0, tonumber(redis.call('HGET', KEYS[2], 'token'))}
 end
 return {2, tonumber(redis.call('HGET', KEYS[2], 'token')) or 0}
 """
 
-# KEYS[1] lease, KEYS[2] state, KEYS[3] events
-# ARGV[1] lease id, ARGV[2] history cap
+# KEYS[1] lease, KEYS[2] state
+# ARGV[1] lease id
 # returns {OK, token, contended (1 or 0)} | {NOT_HELD, current token or 0}
 RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('DEL', KEYS[1])
-  redis.call('HSET', KEYS[2], 'end', 'released')
-  local s = redis.call('HMGET', KEYS[2], 'token', 'holder', 'contended')
-  redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[2], '*', 'event', 'released', 'token', s[1],
-    'lease_id', ARGV[1], 'holder', s[2] or '')
-  return {0, tonumber(s[1]), s[3] == '0' and 0 or 1}
+  local now = redis.call('TIME')
+  redis.call('HSET', KEYS[2], 'end', 'released',
+    'ended_ms', string.format('%d', now[1] * 1000 + math.floor(now[2] / 1000)))
+  -- Who held it is in the log; only a live lease needs it here (busy replies, breaks, repairs).
+  redis.call('HDEL', KEYS[2], 'lease_id', 'holder')
+  local s = redis.call('HMGET', KEYS[2], 'token', 'contended')
+  return {0, tonumber(s[1]), s[2] == '0' and 0 or 1}
 end
 return {2, tonumber(redis.call('HGET', KEYS[2], 'token')) or 0}
 """
 
 # Administrative: end whatever lease is current, without knowing its id (the token is kept, so the
-# next owner still gets a higher one). KEYS as above; ARGV[1] reason, ARGV[2] history cap.
+# next owner still gets a higher one). KEYS as ACQUIRE; ARGV[1] reason, ARGV[2] history cap,
+# ARGV[3] history retention in ms.
 # returns {OK, token, holder} | {NOT_HELD}
 BREAK = """
 local id = redis.call('GET', KEYS[1])
 if not id then return {2} end
 redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[2], 'end', 'broken')
+local now = redis.call('TIME')
+local at = string.format('%d', now[1] * 1000 + math.floor(now[2] / 1000))
+redis.call('HSET', KEYS[2], 'end', 'broken', 'ended_ms', at)
 local s = redis.call('HMGET', KEYS[2], 'token', 'holder')
-redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[2], '*', 'event', 'broken', 'token', s[1],
-  'lease_id', id, 'holder', s[2] or '', 'detail', ARGV[1])
+redis.call('LPUSH', KEYS[3], cjson.encode({'broken', s[1], at, id, s[2] or '', '', '', '', ARGV[1]}))
+redis.call('LTRIM', KEYS[3], 0, tonumber(ARGV[2]) - 1)
+redis.call('PEXPIRE', KEYS[3], ARGV[3])
 return {0, tonumber(s[1]), s[2] or ''}
 """
 
 # Raise a counter that went backwards (data loss, failover to a lagging replica) past the highest token
 # the resource accepted. Only the *current* holder may trigger it: its rejection proves the counter,
 # not the holder, is behind. Its epoch ends too, since its token can never write.
-# KEYS as above; ARGV[1] lease id, ARGV[2] highest accepted token, ARGV[3] history cap, ARGV[4] largest token
+# KEYS as ACQUIRE; ARGV[1] lease id, ARGV[2] highest accepted token, ARGV[3] history cap, ARGV[4] largest
+# token, ARGV[5] history retention in ms
 # returns {OK, old counter, new counter} | {NOT_HELD} | {OUT_OF_RANGE}
 REPAIR = """
 if not string.find(ARGV[2], '^%d+$') or tonumber(ARGV[2]) > tonumber(ARGV[4]) then return {3} end
@@ -119,18 +138,28 @@ if old < tonumber(ARGV[2]) then
   redis.call('HSET', KEYS[2], 'token', ARGV[2])
 end
 redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[2], 'end', 'broken')
-redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[3], '*', 'event', 'repaired', 'token', new,
-  'lease_id', ARGV[1], 'holder', redis.call('HGET', KEYS[2], 'holder') or '',
-  'previous_token', old, 'detail', 'counter raised past the resource\\'s highest token ' .. ARGV[2])
+local now = redis.call('TIME')
+local at = string.format('%d', now[1] * 1000 + math.floor(now[2] / 1000))
+redis.call('HSET', KEYS[2], 'end', 'broken', 'ended_ms', at)
+redis.call('LPUSH', KEYS[3], cjson.encode({'repaired', string.format('%d', new), at, ARGV[1],
+  redis.call('HGET', KEYS[2], 'holder') or '', string.format('%d', old), '', '',
+  'counter raised past the resource\\'s highest token ' .. ARGV[2]}))
+redis.call('LTRIM', KEYS[3], 0, tonumber(ARGV[3]) - 1)
+redis.call('PEXPIRE', KEYS[3], ARGV[5])
 return {0, old, new}
 """
 
-# KEYS as above. returns {token, holder, pttl_ms} of the live lease, or {} when the scope is free.
+# KEYS as ACQUIRE. returns {token, holder, pttl_ms} of the live lease, or {} when the scope is free.
 CURRENT = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return {} end
 local s = redis.call('HMGET', KEYS[2], 'token', 'holder')
 return {tonumber(s[1]) or 0, s[2] or '', redis.call('PTTL', KEYS[1])}
+"""
+
+# KEYS as ACQUIRE; ARGV[1] how many entries. returns {entries newest first, {token, end, ended_ms}}
+HISTORY = """
+return {redis.call('LRANGE', KEYS[3], 0, tonumber(ARGV[1]) - 1),
+  redis.call('HMGET', KEYS[2], 'token', 'end', 'ended_ms')}
 """
 
 
@@ -155,9 +184,10 @@ class RedisLeaseCore:
 
     backend = "redis"
 
-    def __init__(self, *, prefix: str, history_cap: int, clock: Clock) -> None:
+    def __init__(self, *, prefix: str, history_cap: int, history_retention_ms: int, clock: Clock) -> None:
         self.prefix = prefix
         self.history_cap = history_cap
+        self.history_retention_ms = history_retention_ms
         self.clock = clock
 
     def _keys(self, scope: str) -> ScopeKeys:
@@ -166,7 +196,9 @@ class RedisLeaseCore:
     def acquire(self, scope: str, ttl: float, holder: str, lease_id: str) -> Plan[Lease | LeaseBusy]:
         sent_at = self.clock()
         reply = yield ScriptCall(
-            ACQUIRE, self._keys(scope).all, (lease_id, holder, _ms(ttl), self.history_cap, MAX_TOKEN)
+            ACQUIRE,
+            self._keys(scope).all,
+            (lease_id, holder, _ms(ttl), self.history_cap, MAX_TOKEN, self.history_retention_ms),
         )
         if int(reply[0]) == Reply.OUT_OF_RANGE:
             raise _exhausted(scope, reply[1])
@@ -181,22 +213,24 @@ class RedisLeaseCore:
 
     def renew(self, lease: Lease) -> Plan[Lease]:
         sent_at = self.clock()
-        reply = yield ScriptCall(
-            RENEW, self._keys(lease.scope).all, (lease.lease_id, _ms(lease.ttl), self.history_cap)
-        )
+        keys = self._keys(lease.scope)
+        reply = yield ScriptCall(RENEW, (keys.lease, keys.state), (lease.lease_id, _ms(lease.ttl)))
         if int(reply[0]) != Reply.OK or int(reply[1]) != lease.token:
             raise _not_held(lease, int(reply[1]))
         lease._renewed(sent_at)
         return lease
 
     def release(self, lease: Lease) -> Plan[bool]:
-        reply = yield ScriptCall(RELEASE, self._keys(lease.scope).all, (lease.lease_id, self.history_cap))
+        keys = self._keys(lease.scope)
+        reply = yield ScriptCall(RELEASE, (keys.lease, keys.state), (lease.lease_id,))
         if int(reply[0]) != Reply.OK:
             raise _not_held(lease, int(reply[1]))
         return bool(int(reply[2]))
 
     def break_lease(self, scope: str, reason: str) -> Plan[LeaseInfo | None]:
-        reply = yield ScriptCall(BREAK, self._keys(scope).all, (reason, self.history_cap))
+        reply = yield ScriptCall(
+            BREAK, self._keys(scope).all, (reason, self.history_cap, self.history_retention_ms)
+        )
         if int(reply[0]) != Reply.OK:
             return None
         return LeaseInfo(scope=scope, token=int(reply[1]), holder=reply[2], time_left=0.0)
@@ -204,7 +238,9 @@ class RedisLeaseCore:
     def repair(self, lease: Lease, highest: int) -> Plan[tuple[int, int] | None]:
         validate_token(highest, scope=lease.scope)
         reply = yield ScriptCall(
-            REPAIR, self._keys(lease.scope).all, (lease.lease_id, highest, self.history_cap, MAX_TOKEN)
+            REPAIR,
+            self._keys(lease.scope).all,
+            (lease.lease_id, highest, self.history_cap, MAX_TOKEN, self.history_retention_ms),
         )
         if int(reply[0]) == Reply.OUT_OF_RANGE:
             raise TokenOverflow(token=highest, limit=MAX_TOKEN, scope=lease.scope)
@@ -221,22 +257,21 @@ class RedisLeaseCore:
         )
 
     def purge_history(self, older_than_ms: int) -> Plan[int]:
-        """Nothing to do: each scope's stream is capped at ``history_cap`` entries by the scripts."""
-        return 0
-        yield  # pragma: no cover - makes this a plan like the others
+        """Each scope's history expires by itself; this only removes the per-scope event streams that
+        versions before the short history kept, which nothing reads or trims any more."""
+        removed, cursor = 0, "0"
+        pattern = f"{self.prefix}:*:events"
+        while True:
+            cursor, keys = yield Command(("SCAN", cursor, "MATCH", pattern, "COUNT", 1000, "TYPE", "stream"))
+            if keys:
+                removed += yield Command(("UNLINK", *keys))
+            if str(cursor) == "0":
+                return removed
 
     def history(self, scope: str, limit: int) -> Plan[list[LeaseEvent]]:
-        entries = yield Command(("XREVRANGE", self._keys(scope).events, "+", "-", "COUNT", limit))
-        events = []
-        for entry_id, fields in reversed(entries):
-            event = _event(scope, entry_id, fields)
-            if event is None:
-                # An entry no script of this package wrote (by hand, or by a version that let tokens
-                # overflow): one unreadable entry must not hide the rest of the scope's history.
-                log.warning("lease history of %r: skipped unreadable entry %s %r", scope, entry_id, fields)
-            else:
-                events.append(event)
-        return events
+        entries, state = yield ScriptCall(HISTORY, self._keys(scope).all, (limit,))
+        events = _events(scope, list(reversed(entries)), state)
+        return events[-limit:]
 
 
 def _exhausted(scope: str, counter: str) -> TokenOverflow:
@@ -259,26 +294,75 @@ def _not_held(lease: Lease, current_token: int) -> LeaseLost:
     return LeaseLost(scope=lease.scope, token=lease.token, lease_id=lease.lease_id, reason=reason)
 
 
-def _event(scope: str, entry_id: str, fields: dict[str, str]) -> LeaseEvent | None:
-    """The stream entry as an event, or None when its event name, token or id cannot be trusted."""
-    token = parse_token(fields.get("token") or "0")
-    event = fields.get("event")
-    millis = entry_id.split("-", 1)[0]
-    if token is None or not event or not millis.isdigit():
+def _events(scope: str, entries: list[str], state: list[str | None]) -> list[LeaseEvent]:
+    """The scope's lease events, oldest first, from its history entries (oldest first) and its state.
+
+    An epoch's release is read from the entry of the epoch after it (or, for the latest, from the
+    state), where the acquire that followed wrote how and when the previous epoch ended."""
+    events: list[LeaseEvent] = []
+    holders: dict[int, tuple[str | None, str | None]] = {}  # token -> (holder, lease id)
+    for raw in entries:
+        entry = _entry(raw)
+        if entry is None:
+            # An entry no script of this package wrote (by hand, or by a version that let tokens
+            # overflow): one unreadable entry must not hide the rest of the scope's history.
+            log.warning("lease history of %r: skipped unreadable entry %r", scope, raw)
+            continue
+        event, token, at = entry["e"], entry["token"], entry["at"]
+        previous = parse_token(entry.get("pt") or "") if entry.get("pt") else None
+        previous_end = entry.get("pe") or None
+        if event == "acquired" and previous is not None and previous_end == "released":
+            ended_at = _millis(entry.get("pe_at"))
+            holder, lease_id = holders.get(previous, (None, None))
+            when = at if ended_at is None else ended_at
+            events.append(LeaseEvent(scope, "released", previous, holder, lease_id, when))
+        holders.setdefault(token, (entry.get("h") or None, entry.get("id") or None))
+        events.append(
+            LeaseEvent(
+                scope=scope,
+                event=event,
+                token=token,
+                holder=entry.get("h") or None,
+                lease_id=entry.get("id") or None,
+                at=at,
+                previous_token=previous if event != "acquired" or previous_end else None,
+                previous_end=previous_end if event == "acquired" else None,
+                detail=entry.get("d") or None,
+            )
+        )
+    current, end, ended_ms = [*state, None, None, None][:3]
+    token = parse_token(current or "")
+    ended_at = _millis(ended_ms)
+    if token is not None and end == "released" and ended_at is not None and token in holders:
+        holder, lease_id = holders[token]
+        events.append(LeaseEvent(scope, "released", token, holder, lease_id, ended_at))
+    # Stable: entries keep their order within a millisecond, a release read from the state takes its time.
+    return sorted(events, key=lambda event: event.at)
+
+
+def _millis(value: object) -> float | None:
+    return int(value) / 1000 if isinstance(value, str) and value.isdigit() else None
+
+
+_FIELDS = ("e", "t", "at", "id", "h", "pt", "pe", "pe_at", "d")
+
+
+def _entry(raw: str) -> dict[str, Any] | None:
+    """A history entry by field name with its token and time parsed, or None when an entry's shape, event,
+    token or time cannot be trusted."""
+    try:
+        fields = json.loads(raw)
+    except ValueError:
         return None
-    previous = fields.get("previous_token") or ""
-    return LeaseEvent(
-        scope=scope,
-        event=event,
-        token=token,
-        holder=fields.get("holder") or None,
-        lease_id=fields.get("lease_id") or None,
-        at=int(millis) / 1000,
-        # An unreadable previous token only loses that detail, not the event.
-        previous_token=parse_token(previous) if previous else None,
-        previous_end=fields.get("previous_end") or None,
-        detail=fields.get("detail") or None,
-    )
+    if not isinstance(fields, list) or len(fields) != len(_FIELDS):
+        return None
+    if not all(isinstance(field, str) for field in fields):
+        return None
+    entry: dict[str, Any] = dict(zip(_FIELDS, fields, strict=True))
+    token, at = parse_token(entry["t"]), _millis(entry["at"])
+    if not entry["e"] or token is None or at is None:
+        return None
+    return {**entry, "token": token, "at": at}
 
 
 # Error replies (out of memory, MISCONF, BUSY script, read-only replica) mean Redis cannot serve the

@@ -177,17 +177,10 @@ class SqlLeaseCore:
 
     def renew(self, lease: Lease) -> Plan[Lease]:
         sent_at = self.clock()
+        # No event row: a renewal changes no owner, and a row each would grow the log with the lease's age.
         extended = yield from self._end_or_extend(lease, {"expires_ms": db_now_ms() + _ttl_ms(lease.ttl)})
         if extended is None:
             raise (yield from self._lost(lease))
-        yield self._event(
-            scope=lease.scope,
-            event="renewed",
-            token=lease.token,
-            lease_id=lease.lease_id,
-            holder=lease.holder,
-            detail=f"ttl_ms={_ttl_ms(lease.ttl)}",
-        )
         lease._renewed(sent_at)
         return lease
 

@@ -408,7 +408,7 @@ class LeaseWorld:
             found[key] = {
                 "string": client.get,
                 "hash": client.hgetall,
-                "stream": client.xrange,
+                "list": lambda k: client.lrange(k, 0, -1),
             }[kind](key)
         client.close()
         return found

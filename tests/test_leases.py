@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 
 import pytest
+import redis
 
 from fencing import (
     AsyncLeaseManager,
@@ -18,7 +19,9 @@ from fencing import (
     LeaseLost,
     LeaseManager,
 )
-from tests.conftest import Stack
+from fencing.keys import scope_keys
+from fencing.manager import DEFAULT_HISTORY_CAP, DEFAULT_HISTORY_RETENTION
+from tests.conftest import REDIS_URL, Stack
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
@@ -307,7 +310,8 @@ async def test_async_manager_follows_the_same_rules(async_manager: AsyncLeaseMan
     info = await async_manager.current("sku:A")
     assert info is not None and info.holder == "B"
     events = await async_manager.history("sku:A")
-    assert [e.event for e in events] == ["acquired", "renewed", "released", "acquired"]
+    # Renewals change no owner and leave no event.
+    assert [e.event for e in events] == ["acquired", "released", "acquired"]
 
 
 async def test_async_hold_renews_and_releases(async_manager: AsyncLeaseManager) -> None:
@@ -380,3 +384,49 @@ def test_break_needs_a_reason(manager: LeaseManager) -> None:
         manager.break_lease("sku:A", reason=None)  # type: ignore[arg-type]
     info = manager.current("sku:A")
     assert info is not None and info.token == lease.token
+
+
+# -- Redis footprint --------------------------------------------------------------------------------
+
+
+def test_a_redis_scope_costs_a_bounded_few_hundred_bytes_however_often_it_is_leased(
+    redis_prefix: str,
+) -> None:
+    client = redis.Redis.from_url(REDIS_URL)
+    with LeaseManager.from_url(REDIS_URL, prefix=redis_prefix) as manager:
+        keys = scope_keys(redis_prefix, "sku:busy")
+
+        def footprint() -> int:
+            return sum(client.memory_usage(key, samples=0) or 0 for key in (keys.state, keys.log))
+
+        for _ in range(110):
+            manager.release(manager.acquire("sku:busy", ttl=5, holder="h:1:task"))
+        early = footprint()
+        for _ in range(190):
+            manager.release(manager.acquire("sku:busy", ttl=5, holder="h:1:task"))
+        # Bounded by the history cap, not by the number of leases (allocator rounding aside).
+        assert footprint() <= early + 64
+        assert footprint() < 1300
+        assert client.llen(keys.log) == DEFAULT_HISTORY_CAP
+        # The log expires with idleness; the counter, which keeps tokens monotonic, never does.
+        assert 0 < client.pttl(keys.log) <= DEFAULT_HISTORY_RETENTION * 1000
+        assert client.pttl(keys.state) == -1
+        events = manager.history("sku:busy")
+        acquired = [e.token for e in events if e.event == "acquired"]
+        assert acquired == list(range(301 - DEFAULT_HISTORY_CAP, 301))
+        assert events[-1].event == "released" and events[-1].token == 300
+    client.close()
+
+
+def test_purging_removes_event_streams_of_earlier_versions_only(redis_prefix: str) -> None:
+    client = redis.Redis.from_url(REDIS_URL)
+    legacy = [f"{redis_prefix}:{{sku:{i}}}:events" for i in range(3)]
+    for key in legacy:
+        client.xadd(key, {"event": "acquired", "token": "1"})
+    with LeaseManager.from_url(REDIS_URL, prefix=redis_prefix) as manager:
+        manager.release(manager.acquire("sku:kept", ttl=5, holder="h"))
+        assert manager.purge_history() == 3
+        assert client.exists(*legacy) == 0
+        assert [e.event for e in manager.history("sku:kept")] == ["acquired", "released"]
+        assert manager.purge_history() == 0
+    client.close()

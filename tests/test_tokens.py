@@ -40,7 +40,7 @@ def coordinator_state(stack: Stack, scope: str) -> Any:
     if stack.lease_url.startswith("redis"):
         client = redis.Redis.from_url(REDIS_URL, decode_responses=True)
         keys = scope_keys(stack.prefix, scope)
-        state = (client.get(keys.lease), client.hgetall(keys.state), client.xrange(keys.events))
+        state = (client.get(keys.lease), client.hgetall(keys.state), client.lrange(keys.log, 0, -1))
         client.close()
         return state
     with Resource(stack.lease_url).engine.connect() as conn:
@@ -183,11 +183,18 @@ def test_the_repair_script_refuses_a_highest_token_past_the_bound(redis_prefix: 
 def _inject_unreadable_events(stack: Stack, scope: str) -> None:
     if stack.lease_url.startswith("redis"):
         client = redis.Redis.from_url(REDIS_URL)
-        events = scope_keys(stack.prefix, scope).events
-        client.xadd(events, {"event": "repaired", "token": "9.2233720368547758e+18", "holder": "old"})
-        client.xadd(events, {"event": "acquired", "token": "abc"})
-        client.xadd(events, {"token": "7"})  # no event name
-        client.xadd(events, {"event": "released", "token": "2", "previous_token": "1.5"})
+        log = scope_keys(stack.prefix, scope).log
+        at = str(int(time.time() * 1000))
+        for entry in (
+            ["repaired", "9.2233720368547758e+18", at, "", "old", "", "", "", ""],
+            ["acquired", "abc", at, "", "", "", "", "", ""],
+            ["", "7", at, "", "", "", "", "", ""],  # no event name
+            ["acquired", "7", at],  # too short
+            {"e": "acquired", "t": "7", "at": at},  # not an array
+            ["released", "2", at, "", "", "1.5", "", "", ""],
+        ):
+            client.lpush(log, json.dumps(entry))
+        client.lpush(log, "not json")
         client.close()
         return
     with Resource(stack.lease_url).engine.begin() as conn:
