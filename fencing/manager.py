@@ -45,9 +45,9 @@ from fencing.sql_backend import SqlLeaseCore, metadata
 
 log = logging.getLogger("fencing")
 
-# Redis keeps each scope's last DEFAULT_HISTORY_CAP epochs (a short list, about 200 bytes an entry, that
-# expires once the scope is idle for the retention): with its counter about 1 KB a scope, whatever its
-# age. The SQL backend keeps events until purge_history removes those older than the retention. The
+# Redis keeps each scope's last DEFAULT_HISTORY_CAP epochs (a short list, about 140 bytes an entry, that
+# expires once the scope is idle for the retention): with its counter about 750 bytes a scope, whatever
+# its age. The SQL backend keeps events until purge_history removes those older than the retention. The
 # durable record of every token is the protected resource's own: each accepted write and each refused
 # stale write carries its token and holder.
 DEFAULT_HISTORY_CAP = 4

@@ -8,7 +8,6 @@ per epoch, expiring with the scope's idleness (see the scripts' comment).
 from __future__ import annotations
 
 import enum
-import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,8 +39,9 @@ log = logging.getLogger("fencing")
 #
 # History is a short list per scope, newest first, one entry per epoch (written when it starts) and per
 # administrative end (broken, repaired); it expires when the scope stays idle past the retention. An
-# entry is a JSON array of strings: event, token, at (ms), lease id, holder, previous token, previous
-# end, when the previous epoch ended (ms), detail. How
+# entry is its fields joined by tabs (holders and reasons are refused with control characters): event,
+# token, at (ms), lease id, holder, previous token, previous end, when the previous epoch ended (ms),
+# detail. How
 # an epoch ended is written once, by whoever learns it: the release into the state hash (read back as the
 # next entry's "pe"), an expiry by the next acquire. Renewals and releases add no entry: a scope costs
 # its state hash plus at most ``cap`` short entries, not a growing log.
@@ -52,26 +52,30 @@ log = logging.getLogger("fencing")
 # returns {OK, token} | {BUSY, holder, token, pttl_ms} | {OUT_OF_RANGE, counter as stored}
 # A busy reply also marks the live lease contended, which its release reports.
 ACQUIRE = """
+if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[3]) then
+  local s = redis.call('HMGET', KEYS[2], 'holder', 'token')
+  local counter = s[2] or '0'
+  if not string.find(counter, '^%d+$') or tonumber(counter) >= tonumber(ARGV[5]) then
+    return {3, counter}
+  end
+  redis.call('HSET', KEYS[2], 'contended', '1')
+  return {1, s[1] or '', tonumber(counter), redis.call('PTTL', KEYS[1])}
+end
 local prev = redis.call('HMGET', KEYS[2], 'token', 'end', 'ended_ms')
 local counter = prev[1] or '0'
 if not string.find(counter, '^%d+$') or tonumber(counter) >= tonumber(ARGV[5]) then
+  redis.call('DEL', KEYS[1])
   return {3, counter}
-end
-if redis.call('EXISTS', KEYS[1]) == 1 then
-  redis.call('HSET', KEYS[2], 'contended', '1')
-  local s = redis.call('HMGET', KEYS[2], 'holder', 'token')
-  return {1, s[1] or '', tonumber(s[2]) or 0, redis.call('PTTL', KEYS[1])}
 end
 local prev_end, prev_at = prev[2] or '', prev[3] or ''
 if prev_end == 'held' then prev_end, prev_at = 'expired', '' end
 local now = redis.call('TIME')
 local token = redis.call('HINCRBY', KEYS[2], 'token', 1)
 redis.call('HSET', KEYS[2], 'lease_id', ARGV[1], 'holder', ARGV[2], 'end', 'held', 'contended', '0')
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[3])
-redis.call('LPUSH', KEYS[3], cjson.encode({'acquired', string.format('%d', token),
+local length = redis.call('LPUSH', KEYS[3], table.concat({'acquired', string.format('%d', token),
   string.format('%d', now[1] * 1000 + math.floor(now[2] / 1000)), ARGV[1], ARGV[2], prev[1] or '',
-  prev_end, prev_at, 'ttl_ms=' .. ARGV[3]}))
-redis.call('LTRIM', KEYS[3], 0, tonumber(ARGV[4]) - 1)
+  prev_end, prev_at, 'ttl_ms=' .. ARGV[3]}, '\t'))
+if length > tonumber(ARGV[4]) then redis.call('LTRIM', KEYS[3], 0, tonumber(ARGV[4]) - 1) end
 redis.call('PEXPIRE', KEYS[3], ARGV[6])
 return {0, token}
 """
@@ -116,7 +120,7 @@ local now = redis.call('TIME')
 local at = string.format('%d', now[1] * 1000 + math.floor(now[2] / 1000))
 redis.call('HSET', KEYS[2], 'end', 'broken', 'ended_ms', at)
 local s = redis.call('HMGET', KEYS[2], 'token', 'holder')
-redis.call('LPUSH', KEYS[3], cjson.encode({'broken', s[1], at, id, s[2] or '', '', '', '', ARGV[1]}))
+redis.call('LPUSH', KEYS[3], table.concat({'broken', s[1], at, id, s[2] or '', '', '', '', ARGV[1]}, '\t'))
 redis.call('LTRIM', KEYS[3], 0, tonumber(ARGV[2]) - 1)
 redis.call('PEXPIRE', KEYS[3], ARGV[3])
 return {0, tonumber(s[1]), s[2] or ''}
@@ -141,9 +145,9 @@ redis.call('DEL', KEYS[1])
 local now = redis.call('TIME')
 local at = string.format('%d', now[1] * 1000 + math.floor(now[2] / 1000))
 redis.call('HSET', KEYS[2], 'end', 'broken', 'ended_ms', at)
-redis.call('LPUSH', KEYS[3], cjson.encode({'repaired', string.format('%d', new), at, ARGV[1],
+redis.call('LPUSH', KEYS[3], table.concat({'repaired', string.format('%d', new), at, ARGV[1],
   redis.call('HGET', KEYS[2], 'holder') or '', string.format('%d', old), '', '',
-  'counter raised past the resource\\'s highest token ' .. ARGV[2]}))
+  'counter raised past the resource\\'s highest token ' .. ARGV[2]}, '\t'))
 redis.call('LTRIM', KEYS[3], 0, tonumber(ARGV[3]) - 1)
 redis.call('PEXPIRE', KEYS[3], ARGV[5])
 return {0, old, new}
@@ -334,10 +338,11 @@ def _events(scope: str, entries: list[str], state: list[str | None]) -> list[Lea
     token = parse_token(current or "")
     ended_at = _millis(ended_ms)
     if token is not None and end == "released" and ended_at is not None and token in holders:
+        # Right after the latest epoch's own entries: nothing of this package follows its release.
+        after = max(i for i, event in enumerate(events) if event.token == token) + 1
         holder, lease_id = holders[token]
-        events.append(LeaseEvent(scope, "released", token, holder, lease_id, ended_at))
-    # Stable: entries keep their order within a millisecond, a release read from the state takes its time.
-    return sorted(events, key=lambda event: event.at)
+        events.insert(after, LeaseEvent(scope, "released", token, holder, lease_id, ended_at))
+    return events
 
 
 def _millis(value: object) -> float | None:
@@ -350,13 +355,8 @@ _FIELDS = ("e", "t", "at", "id", "h", "pt", "pe", "pe_at", "d")
 def _entry(raw: str) -> dict[str, Any] | None:
     """A history entry by field name with its token and time parsed, or None when an entry's shape, event,
     token or time cannot be trusted."""
-    try:
-        fields = json.loads(raw)
-    except ValueError:
-        return None
-    if not isinstance(fields, list) or len(fields) != len(_FIELDS):
-        return None
-    if not all(isinstance(field, str) for field in fields):
+    fields = raw.split("\t")
+    if len(fields) != len(_FIELDS):
         return None
     entry: dict[str, Any] = dict(zip(_FIELDS, fields, strict=True))
     token, at = parse_token(entry["t"]), _millis(entry["at"])

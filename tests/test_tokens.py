@@ -189,12 +189,12 @@ def _inject_unreadable_events(stack: Stack, scope: str) -> None:
             ["repaired", "9.2233720368547758e+18", at, "", "old", "", "", "", ""],
             ["acquired", "abc", at, "", "", "", "", "", ""],
             ["", "7", at, "", "", "", "", "", ""],  # no event name
-            ["acquired", "7", at],  # too short
-            {"e": "acquired", "t": "7", "at": at},  # not an array
+            ["acquired", "7", at],  # too few fields
+            ["acquired", "7", "yesterday", "", "", "", "", "", ""],  # no time
             ["released", "2", at, "", "", "1.5", "", "", ""],
         ):
-            client.lpush(log, json.dumps(entry))
-        client.lpush(log, "not json")
+            client.lpush(log, "\t".join(entry))
+        client.lpush(log, "not an entry")
         client.close()
         return
     with Resource(stack.lease_url).engine.begin() as conn:
