@@ -34,7 +34,7 @@ from reservations.models import (
 )
 from reservations.operations import HeldLine, InventoryPlans, fingerprint, hold_ms_of, new_reservation_id
 from reservations.reads import STOCK_COLUMNS
-from reservations.requests import TOMBSTONE_FINGERPRINT, RequestResult, result_of
+from reservations.requests import TOMBSTONE_FINGERPRINT, RequestResult, result_from_json, result_of
 from reservations.views import Outcome, StockLevel
 
 MAX_BATCH = 1000
@@ -51,6 +51,34 @@ class HandOff:
     conflict: bool = False
 
 
+# PostgreSQL: the hand-off as one statement, the decisions of ``_hand_off`` in one round trip with no
+# transaction left open. ``done`` answers a request that already ended; ``mine`` is the key's place in
+# the queue if it has one; ``added`` queues it when it has neither. The final row also says whether
+# anything waited on the SKU before (the statement's snapshot does not see its own insert) and whether
+# the queued key is this very request. Two copies racing on one key: the loser fails on the unique key,
+# writes nothing, and looks again.
+_HAND_OFF = """
+WITH done AS (
+    SELECT key, operation, status, detail, task_id, worker, epochs, at_ms, fingerprint
+    FROM request_outcomes WHERE key = %(key)s::text
+), mine AS (
+    SELECT sku, quantity, hold_ms FROM pending_reservations WHERE key = %(key)s::text
+), added AS (
+    INSERT INTO pending_reservations (key, sku, quantity, hold_ms, task_id, epochs, enqueued_ms)
+    SELECT %(key)s::text, %(sku)s::text, %(quantity)s::bigint, %(hold_ms)s::bigint,
+           %(task_id)s::text, %(epochs)s::integer,
+           CAST(EXTRACT(EPOCH FROM statement_timestamp()) * 1000 AS BIGINT)
+    WHERE NOT EXISTS (SELECT 1 FROM done) AND NOT EXISTS (SELECT 1 FROM mine)
+    RETURNING id
+)
+SELECT (SELECT row_to_json(done) FROM done)::text AS done,
+       EXISTS (SELECT 1 FROM pending_reservations WHERE sku = %(sku)s::text) AS any_waiting,
+       EXISTS (SELECT 1 FROM mine) AS already,
+       EXISTS (SELECT 1 FROM mine WHERE sku = %(sku)s::text AND quantity = %(quantity)s::bigint
+               AND hold_ms IS NOT DISTINCT FROM %(hold_ms)s::bigint) AS same
+"""
+
+
 def hand_off(
     sku: str,
     quantity: int,
@@ -59,10 +87,12 @@ def hand_off(
     *,
     task_id: str | None = None,
     epochs: int = 0,
+    single_statement: bool = False,
 ) -> Plan[HandOff]:
     """Put a reservation on its SKU's pending list, unless it already ended.
 
     A copy of a request already on the list (a redelivery) is not added twice: the key names one request.
+    ``single_statement`` (PostgreSQL): in one round trip (``_HAND_OFF``).
     """
     values = {
         "key": valid.idempotency_key(key),
@@ -74,11 +104,22 @@ def hand_off(
     }
     for _ in range(3):
         try:
+            if single_statement:
+                found: Rows = yield Alone(_HAND_OFF, values)
+                return _handed_off(found.rows[0])
             queued: HandOff = yield Atomic(_hand_off(values))
             return queued
         except IntegrityError:  # the same key was added concurrently: look again
             continue
     raise RuntimeError(f"could not hand off {key!r}")  # pragma: no cover
+
+
+def _handed_off(row: Any) -> HandOff:
+    if row.done is not None:
+        return HandOff(outcome=result_from_json(row.done), first=False)
+    if row.already and not row.same:
+        return HandOff(outcome=None, first=False, conflict=True)
+    return HandOff(outcome=None, first=not row.any_waiting)
 
 
 def _hand_off(values: dict[str, Any]) -> Plan[HandOff]:

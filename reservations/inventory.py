@@ -86,11 +86,19 @@ def _skus_with_due_holds(limit: int) -> Plan[list[str]]:
 
 
 def _hand_off(
-    sku: str, quantity: int, key: str, hold_for: float | None, task_id: str | None, epochs: int
+    plans: InventoryPlans,
+    sku: str,
+    quantity: int,
+    key: str,
+    hold_for: float | None,
+    task_id: str | None,
+    epochs: int,
 ) -> Plan[batching.HandOff]:
     valid.task_and_worker(task_id)
     valid.epochs(epochs)
-    return batching.hand_off(sku, quantity, key, hold_for, task_id=task_id, epochs=epochs)
+    return batching.hand_off(
+        sku, quantity, key, hold_for, task_id=task_id, epochs=epochs, single_statement=plans.single_statement
+    )
 
 
 def _reserve_request(
@@ -304,7 +312,7 @@ class Inventory:
         epochs: int = 0,
     ) -> batching.HandOff:
         """Queue a reservation for the SKU's lease holder (or find the outcome it already has)."""
-        return self._run(_hand_off(sku, quantity, key, hold_for, task_id, epochs))  # type: ignore[no-any-return]
+        return self._run(_hand_off(self.plans, sku, quantity, key, hold_for, task_id, epochs))  # type: ignore[no-any-return]
 
     def has_pending(self, sku: str) -> bool:
         return self._run(batching.has_pending(sku))  # type: ignore[no-any-return]
@@ -521,7 +529,7 @@ class AsyncInventory:
         task_id: str | None = None,
         epochs: int = 0,
     ) -> batching.HandOff:
-        return await self._run(_hand_off(sku, quantity, key, hold_for, task_id, epochs))  # type: ignore[no-any-return]
+        return await self._run(_hand_off(self.plans, sku, quantity, key, hold_for, task_id, epochs))  # type: ignore[no-any-return]
 
     async def pending_count(self, sku: str | None = None) -> int:
         return await self._run(batching.pending_count(sku))  # type: ignore[no-any-return]

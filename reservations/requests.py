@@ -10,6 +10,7 @@ import json
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import sqlalchemy as sa
@@ -97,6 +98,11 @@ class Attempt:
     result: str
     detail: str | None
     at: float
+
+
+def result_from_json(text: str) -> RequestResult:
+    """An outcome row sent as ``row_to_json`` by a one-statement path (a column each costs the client)."""
+    return result_of(SimpleNamespace(**json.loads(text)))
 
 
 def result_of(row: Any) -> RequestResult:

@@ -19,7 +19,7 @@ from fencing import Lease, StaleToken
 from fencing.plan import Alone, Plan
 from fencing.sql import Rows
 from reservations.errors import InsufficientStock, UnknownSku
-from reservations.requests import RequestResult
+from reservations.requests import RequestResult, result_from_json
 from reservations.views import Outcome, StockLevel
 
 # The statement, read top to bottom:
@@ -230,20 +230,7 @@ def reserve(
     )
     row: Any = found.rows[0]
     if row.done is not None:
-        done = json.loads(row.done)
-        return Reply(
-            ended=RequestResult(
-                key=done["key"],
-                operation=done["operation"],
-                status=done["status"],
-                detail=json.loads(done["detail"]),
-                task_id=done["task_id"],
-                worker=done["worker"],
-                epochs=done["epochs"],
-                at=done["at_ms"] / 1000,
-                fingerprint=done["fingerprint"],
-            )
-        )
+        return Reply(ended=result_from_json(row.done))
     if row.prior is not None:
         prior = json.loads(row.prior)
         return Reply(prior=Prior(key, prior["fingerprint"], prior["operation"], prior["outcome"]))
