@@ -4,18 +4,21 @@ backend against the Redis one. One unit of work is an acquire followed by its re
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import secrets
 from collections.abc import Callable
 from contextlib import ExitStack
+from typing import Any
 
 import redis
+import redis.asyncio
 import sqlalchemy as sa
 from redis.commands.core import Script
 
 from bench.env import Scratch
 from bench.timing import Case, Op, Progress, Results, measure
-from fencing import LeaseManager
+from fencing import AsyncLeaseManager, LeaseManager
 from fencing.keys import scope_keys
 from fencing.lease import MAX_TOKEN
 from fencing.manager import DEFAULT_HISTORY_CAP, DEFAULT_HISTORY_RETENTION
@@ -38,6 +41,8 @@ LEASE_N = "lease acquire+release, new scope each"
 RAW_1 = "SET NX PX + CAD script, 1 key"
 RAW_N = "SET NX PX + CAD script, new key each"
 DIRECT = "same Lua scripts, direct redis-py"
+ASYNC_LEASE = "AsyncLeaseManager acquire+release, 1 scope"
+ASYNC_RAW = "redis.asyncio SET NX PX + CAD script, 1 key"
 REDIS_LEASE = "Redis lease acquire+release"
 SQL_LEASE_PG = "SQL lease acquire+release, PostgreSQL"
 SQL_LEASE_SQLITE = "SQL lease acquire+release, SQLite"
@@ -76,6 +81,27 @@ def raw_pair(client: redis.Redis, compare_and_delete: Script, keys: Names) -> Op
             raise UnexpectedReply(f"compare-and-delete did not delete {key}")
 
     return op
+
+
+def async_lease_pair(loop: asyncio.AbstractEventLoop, manager: AsyncLeaseManager, scopes: Names) -> Op:
+    async def pair() -> None:
+        await manager.release(await manager.acquire(scopes(), ttl=TTL, holder=HOLDER))
+
+    return lambda: loop.run_until_complete(pair())
+
+
+def async_raw_pair(
+    loop: asyncio.AbstractEventLoop, client: redis.asyncio.Redis, compare_and_delete: Any, keys: Names
+) -> Op:
+    async def pair() -> None:
+        key = keys()
+        value = secrets.token_hex(16)
+        if not await client.set(key, value, nx=True, px=TTL_MS):
+            raise UnexpectedReply(f"SET NX did not take {key}")
+        if await compare_and_delete(keys=[key], args=[value]) != 1:
+            raise UnexpectedReply(f"compare-and-delete did not delete {key}")
+
+    return lambda: loop.run_until_complete(pair())
 
 
 def direct_pair(client: redis.Redis, prefix: str, scope: str) -> Op:
@@ -150,6 +176,23 @@ def redis_vs_raw(
         )
         results.add(section, many, LEASE_N, RAW_N)
         results.add(section, one, LEASE_1, DIRECT)
+
+        # The asyncio shells on one event loop: each pair runs to completion on it, for both cases.
+        loop = asyncio.new_event_loop()
+        stack.callback(loop.close)
+        async_manager = AsyncLeaseManager.from_url(scratch.settings.redis_url, prefix=prefix)
+        stack.callback(lambda: loop.run_until_complete(async_manager.close()))
+        async_client = redis.asyncio.Redis.from_url(scratch.settings.redis_url, decode_responses=True)
+        stack.callback(lambda: loop.run_until_complete(async_client.aclose()))
+        async_cad = async_client.register_script(COMPARE_AND_DELETE)
+        asynchronous = measure(
+            [
+                Case(ASYNC_LEASE, async_lease_pair(loop, async_manager, same("async-one"))),
+                Case(ASYNC_RAW, async_raw_pair(loop, async_client, async_cad, same(f"{prefix}:raw:async"))),
+            ],
+            iterations=iterations, warmup=warmup, repeats=repeats, progress=progress,
+        )
+        results.add(section, asynchronous, ASYNC_LEASE, ASYNC_RAW)
 
         fresh_scope = _scope_footprint(client, prefix, "many:0")
         busy_scope = _scope_footprint(client, prefix, "one")
