@@ -267,6 +267,7 @@ class _Renewer:
         with self._cond:
             while True:
                 if self._closed and not self._held:
+                    self._thread = None  # a hold added after this starts a thread of its own
                     return None
                 now = time.monotonic()
                 if not self._held:

@@ -64,6 +64,8 @@ lease_events = sa.Table(
 )
 
 _live = sa.and_(leases.c.state == "held", leases.c.expires_ms > db_now_ms())
+# Times an acquire looks again when the lease it found live ended before it could mark it contended.
+_BUSY_RACES = 3
 
 log = logging.getLogger("fencing")
 
@@ -95,45 +97,35 @@ class SqlLeaseCore:
     def acquire(self, scope: str, ttl: float, holder: str, lease_id: str) -> Plan[Lease | LeaseBusy]:
         sent_at = self.clock()
         yield self._ensure_row(scope)
-        now = db_now_ms()
-        started: Rows = yield (
-            sa.update(leases)
-            # A counter at MAX_TOKEN issues nothing more (see MAX_TOKEN for why the limit is below BIGINT's).
-            .where(leases.c.scope == scope, sa.not_(_live), leases.c.token < MAX_TOKEN)
-            .values(
-                token=leases.c.token + 1,
-                lease_id=lease_id,
-                holder=holder,
-                state="held",
-                acquired_ms=now,
-                expires_ms=now + _ttl_ms(ttl),
-                previous_end=sa.case((leases.c.state == "held", "expired"), else_=leases.c.state),
-                contended=False,
-            )
-            .returning(leases.c.token, leases.c.previous_end)
-        )
-        row = started.first()
-        if row is None:
-            # Marks the lease contended as it reads who holds it, in the same statement.
-            busy: Rows = yield (
+        for _ in range(_BUSY_RACES):
+            now = db_now_ms()
+            started: Rows = yield (
                 sa.update(leases)
-                .where(leases.c.scope == scope)
-                .values(contended=True)
-                .returning(leases.c.holder, leases.c.token, leases.c.expires_ms - db_now_ms())
-            )
-            holder_now, token_now, left_ms = busy.rows[0]
-            # Judged by the counter, not by liveness: the lease may have expired since the UPDATE, and
-            # that is an ordinary busy race, while a counter at the limit refuses every later acquirer.
-            if token_now >= MAX_TOKEN:
-                raise TokenOverflow(
-                    token=token_now,
-                    limit=MAX_TOKEN,
-                    scope=scope,
-                    detail="the coordinator's counter cannot issue another token",
+                # A counter at MAX_TOKEN issues nothing more (see MAX_TOKEN for why the limit is below
+                # BIGINT's).
+                .where(leases.c.scope == scope, sa.not_(_live), leases.c.token < MAX_TOKEN)
+                .values(
+                    token=leases.c.token + 1,
+                    lease_id=lease_id,
+                    holder=holder,
+                    state="held",
+                    acquired_ms=now,
+                    expires_ms=now + _ttl_ms(ttl),
+                    previous_end=sa.case((leases.c.state == "held", "expired"), else_=leases.c.state),
+                    contended=False,
                 )
-            return LeaseBusy(
-                scope=scope, holder=holder_now, token=token_now, retry_after=max(left_ms, 0) / 1000
+                .returning(leases.c.token, leases.c.previous_end)
             )
+            row = started.first()
+            if row is not None:
+                break
+            busy = yield from self._turned_away(scope)
+            if busy is not None:
+                return busy
+            # The lease ended between the two statements (a statement sees what committed before it
+            # began): the mark would have fallen on an ended epoch, where its holder never reads it.
+        else:
+            return LeaseBusy(scope=scope, holder=None, token=None, retry_after=0.0)
         token, previous_end = int(row[0]), row[1]
         yield self._event(
             scope=scope,
@@ -146,6 +138,31 @@ class SqlLeaseCore:
             detail=f"ttl_ms={_ttl_ms(ttl)}",
         )
         return Lease(scope, token, lease_id, holder, ttl, sent_at, clock=self.clock)
+
+    def _turned_away(self, scope: str) -> Plan[LeaseBusy | None]:
+        """The refusal of an acquirer, marking the live lease contended as it reads who holds it; None
+        when no lease is live any more (try again). A counter at the limit refuses every acquirer."""
+        busy: Rows = yield (
+            sa.update(leases)
+            .where(leases.c.scope == scope, _live)
+            .values(contended=True)
+            .returning(leases.c.holder, leases.c.token, leases.c.expires_ms - db_now_ms())
+        )
+        if busy.rows:
+            holder_now, token_now, left_ms = busy.rows[0]
+        else:
+            counter: Rows = yield sa.select(leases.c.token).where(leases.c.scope == scope)
+            holder_now, token_now, left_ms = None, counter.rows[0][0], None
+        if token_now >= MAX_TOKEN:
+            raise TokenOverflow(
+                token=token_now,
+                limit=MAX_TOKEN,
+                scope=scope,
+                detail="the coordinator's counter cannot issue another token",
+            )
+        if left_ms is None:
+            return None
+        return LeaseBusy(scope=scope, holder=holder_now, token=token_now, retry_after=max(left_ms, 0) / 1000)
 
     def _end_or_extend(self, lease: Lease, values: dict[str, object]) -> Plan[tuple[int, bool] | None]:
         """The lease's token and whether it was contended, or None when it is no longer held."""

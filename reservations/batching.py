@@ -256,18 +256,24 @@ def _batch(
     )
     row = locked.first()
     known = row is not None
-    found: Rows = yield (
-        sa.select(pending_reservations)
-        .where(pending_reservations.c.sku == sku)
-        .order_by(pending_reservations.c.id)
-        .limit(limit)
-    )
-    waiting = found.rows
-    if not waiting:
-        return []
-    keys = [r.key for r in waiting]
-    ended: Rows = yield sa.select(request_outcomes.c.key).where(request_outcomes.c.key.in_(keys))
-    done = {r.key for r in ended.rows}
+    while True:
+        found: Rows = yield (
+            sa.select(pending_reservations)
+            .where(pending_reservations.c.sku == sku)
+            .order_by(pending_reservations.c.id)
+            .limit(limit)
+        )
+        waiting = found.rows
+        if not waiting:
+            return []
+        keys = [r.key for r in waiting]
+        ended: Rows = yield sa.select(request_outcomes.c.key).where(request_outcomes.c.key.in_(keys))
+        done = {r.key for r in ended.rows}
+        if len(done) < len(waiting):
+            break
+        # Every request read had ended elsewhere: drop them and read on, so that an empty answer always
+        # means an empty queue (a server stops on one).
+        yield sa.delete(pending_reservations).where(pending_reservations.c.key.in_(keys))
     stored_rows: Rows = yield sa.select(idempotency_keys).where(idempotency_keys.c.key.in_(keys))
     stored = {r.key: r for r in stored_rows.rows}
     # A key whose record was purged while its reservation lives on would collide with that reservation

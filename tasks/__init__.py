@@ -7,11 +7,12 @@ Start workers with ``celery -A tasks worker``; producers use :func:`enqueue_rese
 from reservations.requests import request_id
 from tasks import worker as _worker  # noqa: F401  (connects the per-process lifecycle signals)
 from tasks.app import app, create_app
-from tasks.client import ReservationClient, ReservationHandle, enqueue_reservation
+from tasks.client import ClientClosed, ReservationClient, ReservationHandle, enqueue_reservation
 from tasks.outcomes import OutcomeTimeout, WatcherClosed
 from tasks.settings import Settings, SettingsError
 
 __all__ = [
+    "ClientClosed",
     "OutcomeTimeout",
     "ReservationClient",
     "ReservationHandle",

@@ -62,6 +62,10 @@ def _known(operation: str) -> str:
     return operation
 
 
+class ClientClosed(RuntimeError):
+    """The client was closed: it publishes and watches nothing more."""
+
+
 @dataclass(frozen=True, slots=True)
 class _Outgoing:
     """A message queued for the publishing thread, and where to tell its sender the task id."""
@@ -123,9 +127,11 @@ class ReservationClient:
         self._outbox: list[_Outgoing] = []
         self._outbox_lock = threading.Lock()
         self._draining = False
-        self._async_inventory: AsyncInventory | None = None
-        self._watcher: OutcomeWatcher | None = None
-        self._watcher_loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
+        # Per event loop: its watcher and the connection pool it reads through (both belong to the loop).
+        self._watchers: weakref.WeakKeyDictionary[
+            asyncio.AbstractEventLoop, tuple[OutcomeWatcher, AsyncInventory]
+        ] = weakref.WeakKeyDictionary()
         self._inventory: Inventory | None = None
 
     # -- publishing ---------------------------------------------------------------------------------
@@ -148,10 +154,13 @@ class ReservationClient:
         loop = asyncio.get_running_loop()
         sent: asyncio.Future[str] = loop.create_future()
         with self._outbox_lock:
+            if self._closed:
+                raise ClientClosed("the client is closed")
             self._outbox.append(_Outgoing(name, key, kwargs, sent, loop))
             start, self._draining = not self._draining, True
-        if start:
-            loop.run_in_executor(self._publisher, self._drain)
+            if start:
+                # Under the lock: close() cannot shut the thread down between the check and this.
+                loop.run_in_executor(self._publisher, self._drain)
         task_id = await sent
         return ReservationHandle(
             key=key,
@@ -224,13 +233,14 @@ class ReservationClient:
         return await self._outcome_watcher().wait(key, timeout)
 
     def _outcome_watcher(self) -> OutcomeWatcher:
+        if self._closed:
+            raise ClientClosed("the client is closed")
         loop = asyncio.get_running_loop()
-        if self._watcher is None or self._watcher_loop is not loop:
-            # A client used from a second event loop gets a watcher (and connection pool) of that loop.
+        found = self._watchers.get(loop)
+        if found is None:
             inventory = AsyncInventory.from_url(self.settings.database_url)
-            self._async_inventory, self._watcher_loop = inventory, loop
-            self._watcher = OutcomeWatcher(inventory.request_outcomes)
-        return self._watcher
+            found = self._watchers[loop] = (OutcomeWatcher(inventory.request_outcomes), inventory)
+        return found[0]
 
     def wait_sync(self, key: str, *, timeout: float = 30.0) -> RequestResult:
         if self._inventory is None:
@@ -246,14 +256,14 @@ class ReservationClient:
             time.sleep(min(pause(), max(0.0, deadline - time.monotonic())))
 
     async def aclose(self) -> None:
-        """Stop the outcome watcher (handles still waiting get ``WatcherClosed``), close its connection
-        pool, the publisher threads and the broker connections."""
-        if self._watcher is not None:
-            await self._watcher.aclose()
-            self._watcher = None
-        if self._async_inventory is not None:
-            await self._async_inventory.close()
-            self._async_inventory = None
+        """Close the client: the outcome watcher of this event loop stops (handles still waiting get
+        ``WatcherClosed``) and its connection pool closes, then the publishing thread and the broker
+        connections. A client awaited from other event loops too is closed from each of them."""
+        found = self._watchers.pop(asyncio.get_running_loop(), None)
+        if found is not None:
+            watcher, inventory = found
+            await watcher.aclose()
+            await inventory.close()
         self.close()
 
     async def __aenter__(self) -> ReservationClient:
@@ -269,6 +279,15 @@ class ReservationClient:
         self.close()
 
     def close(self) -> None:
+        """Close the publishing side and the sync connections; later enqueues raise ``ClientClosed``
+        (``aclose`` also stops the event loop's outcome watcher)."""
+        with self._outbox_lock:
+            self._closed = True
+            left, self._outbox = self._outbox, []
+        closed = ClientClosed("the client was closed before this request was published")
+        for item in left:
+            with suppress(RuntimeError):  # its loop closed meanwhile: nobody awaits it any more
+                item.loop.call_soon_threadsafe(_settle, item.future, None, closed)
         if self._inventory is not None:
             self._inventory.close()
             self._inventory = None

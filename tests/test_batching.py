@@ -144,6 +144,20 @@ def test_a_request_that_ended_while_queued_is_only_removed(
     assert level(inventory, hot) == (10, 1, 9)
 
 
+def test_a_batch_of_requests_that_all_ended_elsewhere_does_not_hide_the_rest(
+    inventory: Inventory, leases: LeaseManager, hot: str
+) -> None:
+    """An empty answer means an empty queue (a server stops on one), even when the oldest full batch
+    had all ended elsewhere."""
+    for key in ("ended-1", "ended-2", "live"):
+        inventory.hand_off(hot, 1, key=key)
+    for key in ("ended-1", "ended-2"):
+        inventory.record_outcome(key, "reserve", "dead_lettered", {"reason": "test"})
+    served = inventory.serve_pending(lease_for(leases, hot), hot, limit=2)
+    assert [r.key for r in served] == ["live"]
+    assert inventory.pending_count() == 0
+
+
 def test_conflicting_and_closed_keys_end_invalid_without_effect(
     inventory: Inventory, leases: LeaseManager, hot: str
 ) -> None:

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import pytest
 import redis
+import sqlalchemy as sa
 
 from fencing import (
     AsyncLeaseManager,
@@ -20,7 +21,10 @@ from fencing import (
     LeaseManager,
 )
 from fencing.keys import scope_keys
+from fencing.lease import new_lease_id
 from fencing.manager import DEFAULT_HISTORY_CAP, DEFAULT_HISTORY_RETENTION
+from fencing.plan import run_sync
+from fencing.sql import SyncSqlExecutor, execute
 from tests.conftest import REDIS_URL, Stack
 
 
@@ -430,3 +434,31 @@ def test_purging_removes_event_streams_of_earlier_versions_only(redis_prefix: st
         assert [e.event for e in manager.history("sku:kept")] == ["acquired", "released"]
         assert manager.purge_history() == 0
     client.close()
+
+
+def test_an_acquirer_whose_holder_releases_between_its_statements_takes_the_lease(pg_url: str) -> None:
+    """PostgreSQL runs each statement of a transaction on what committed before it began: the holder can
+    release after the acquirer found its lease live and before the acquirer marks it contended. The mark
+    would land on an ended epoch (its holder has already read "uncontended"), and a request queued
+    behind it would wait for its watch; the acquirer must look again instead, and take the lease."""
+    with LeaseManager.from_url(pg_url) as manager:
+        manager.create_schema()
+        holder = manager.acquire("sku:R", ttl=30, holder="H")
+        executor = manager.executor
+        assert isinstance(executor, SyncSqlExecutor)
+        leases_updated = 0
+
+        def handle(op: object) -> object:
+            nonlocal leases_updated
+            rows = execute(conn, op)  # type: ignore[arg-type]
+            if isinstance(op, sa.Update):
+                leases_updated += 1
+                if leases_updated == 1:  # the acquire found the lease live: now its holder releases it
+                    manager.release(holder)
+            return rows
+
+        with executor.engine.connect() as conn, conn.begin():
+            got = run_sync(manager.plans.core.acquire("sku:R", 30, "A", new_lease_id()), handle)
+        assert isinstance(got, Lease), got
+        assert got.token == holder.token + 1
+        assert holder.contended is False

@@ -1,6 +1,7 @@
 """The shared outcome watcher on SQLite and PostgreSQL: many awaiting handles are resolved by a few reads
 of all their keys at once, timeouts and cancellation leave nothing behind, a closed watcher fails its
-waiters, and an unreachable database reaches each waiter as an error rather than a silent timeout.
+waiters, an unreachable database reaches each waiter as an error rather than a silent timeout, and a
+closed client neither publishes nor waits.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import pytest
 from fencing import BackendUnavailable
 from reservations import AsyncInventory, Inventory
 from reservations.requests import RequestResult
+from tasks import ClientClosed, ReservationClient, Settings, create_app
 from tasks.outcomes import OutcomeTimeout, OutcomeWatcher, WatcherClosed
 
 
@@ -124,3 +126,17 @@ async def test_an_unreachable_database_reaches_every_waiter_as_an_error() -> Non
     finally:
         await watcher.aclose()
         await inventory.close()
+
+
+async def test_a_closed_client_refuses_to_enqueue_or_wait(inventory_url: str) -> None:
+    app = create_app(Settings.from_env({"RESERVATIONS_DATABASE_URL": inventory_url}))
+    try:
+        async with ReservationClient(app) as client:
+            with pytest.raises(OutcomeTimeout):  # its watcher and pool exist, and close with it
+                await client.wait("nobody", timeout=0.05)
+        with pytest.raises(ClientClosed):
+            await client.enqueue_reservation("SKU", 1, idempotency_key="late")
+        with pytest.raises(ClientClosed):
+            await client.wait("nobody", timeout=1)
+    finally:
+        app.close()
