@@ -117,7 +117,8 @@ class OutcomeWatcher:
             if future.done():
                 continue
             if error is not None:
-                future.set_exception(error)
+                # A copy each: one instance raised in many tasks would collect all their tracebacks.
+                future.set_exception(_copied(error))
             else:
                 future.set_result(result)  # type: ignore[arg-type]
             settled += 1
@@ -133,3 +134,13 @@ class OutcomeWatcher:
             with suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+
+
+def _copied(error: BaseException) -> BaseException:
+    """The same error as a new instance (same type, arguments and attributes), caused by the original."""
+    kind = type(error)
+    copied = kind.__new__(kind)
+    copied.args = error.args
+    copied.__dict__.update(vars(error))
+    copied.__cause__ = error
+    return copied

@@ -122,6 +122,7 @@ async def test_an_unreachable_database_reaches_every_waiter_as_an_error() -> Non
             *(watcher.wait(f"down-{i}", timeout=20) for i in range(5)), return_exceptions=True
         )
         assert all(isinstance(r, BackendUnavailable) for r in results), results
+        assert len({id(r) for r in results}) == len(results)  # one instance each, not one shared
         assert watcher.waiting == 0
     finally:
         await watcher.aclose()
