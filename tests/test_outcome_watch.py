@@ -1,7 +1,7 @@
 """The shared outcome watcher on SQLite and PostgreSQL: many awaiting handles are resolved by a few reads
 of all their keys at once, timeouts and cancellation leave nothing behind, a closed watcher fails its
-waiters, an unreachable database reaches each waiter as an error rather than a silent timeout, and a
-closed client neither publishes nor waits.
+waiters, an unreachable database (or broker) reaches each waiter (or enqueuer) as an error rather than a
+silent timeout, and a closed client neither publishes nor waits.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import asyncio
 from collections.abc import AsyncIterator, Sequence
 
 import pytest
+from kombu.exceptions import OperationalError
 
 from fencing import BackendUnavailable
 from reservations import AsyncInventory, Inventory
@@ -139,5 +140,22 @@ async def test_a_closed_client_refuses_to_enqueue_or_wait(inventory_url: str) ->
             await client.enqueue_reservation("SKU", 1, idempotency_key="late")
         with pytest.raises(ClientClosed):
             await client.wait("nobody", timeout=1)
+    finally:
+        app.close()
+
+
+async def test_an_unreachable_broker_reaches_every_enqueuer_as_an_error(inventory_url: str) -> None:
+    app = create_app(
+        Settings.from_env(
+            {"RESERVATIONS_BROKER_URL": "redis://127.0.0.1:9/0", "RESERVATIONS_DATABASE_URL": inventory_url}
+        )
+    )
+    try:
+        async with ReservationClient(app) as client:
+            results = await asyncio.gather(
+                *(client.enqueue_reservation("SKU", 1, idempotency_key=f"down-{i}") for i in range(2)),
+                return_exceptions=True,
+            )
+        assert all(isinstance(r, OperationalError) for r in results), results
     finally:
         app.close()
