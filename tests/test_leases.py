@@ -170,8 +170,9 @@ async def test_async_release_says_whether_another_acquirer_was_turned_away(
 
 
 def test_hold_renews_past_the_ttl_and_releases(manager: LeaseManager) -> None:
-    with manager.hold("sku:A", ttl=0.3, holder="A", renew_every=0.05) as lease:
-        deadline = lease.expires_at + 0.3
+    # A ttl long enough for a SQLite write transaction to get through on a loaded machine.
+    with manager.hold("sku:A", ttl=0.6, holder="A", renew_every=0.1) as lease:
+        deadline = lease.expires_at + 0.6
         # Outlive the original ttl on the local clock while the background renewal keeps it alive.
         wait_until(lambda: time.monotonic() > deadline)
         info = manager.current("sku:A")
