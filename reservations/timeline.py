@@ -28,7 +28,7 @@ _KIND_ORDER = {
 @dataclass(frozen=True, slots=True)
 class TimelineEntry:
     at: float
-    kind: str  # acquired, renewed, released, broken, repaired (lease); write, rejected (database)
+    kind: str  # acquired, released, broken, repaired, renewed (older histories) (lease); write, rejected (database)
     token: int
     holder: str | None
     operation: str | None = None
