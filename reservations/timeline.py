@@ -28,7 +28,9 @@ _KIND_ORDER = {
 @dataclass(frozen=True, slots=True)
 class TimelineEntry:
     at: float
-    kind: str  # acquired, released, broken, repaired, renewed (older histories) (lease); write, rejected (database)
+    # acquired, released, broken, repaired, renewed (histories written before renewals stopped being
+    # recorded): lease events; write, rejected: the database's
+    kind: str
     token: int
     holder: str | None
     operation: str | None = None
