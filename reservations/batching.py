@@ -377,14 +377,7 @@ class _Allotment:
             available=level.available - quantity,
             fence_token=self.lease.token,
         )
-        return Outcome(
-            operation="reserve",
-            key=request.key,
-            token=self.lease.token,
-            reservation_ids=(line.reservation_id,),
-            stock=(level,),
-            quantity=quantity,
-        )
+        return Outcome.reserved(request.key, self.lease.token, line.reservation_id, level, quantity)
         yield  # pragma: no cover - a plan that sends nothing
 
 

@@ -287,49 +287,18 @@ class InventoryPlans:
         quantity: int | None,
         reservation_id: str | None = None,
     ) -> sa.Executable:
-        return self._history_row(
-            lease,
-            sku,
-            operation,
-            key,
-            kind="rejected",
-            token=stale.presented,
-            quantity=quantity,
-            reservation_id=reservation_id,
-            highest_token=stale.highest,
-            detail=str(stale),
-        )
-
-    def _history_row(
-        self,
-        lease: Lease,
-        sku: str,
-        operation: str,
-        key: str | None,
-        *,
-        kind: str,
-        token: int,
-        quantity: int | None,
-        on_hand: int = 0,
-        reserved: int = 0,
-        reservation_id: str | None = None,
-        highest_token: int | None = None,
-        detail: str | None = None,
-    ) -> sa.Executable:
         return sa.insert(sku_history).values(
             self._history_values(
                 lease,
                 sku,
                 operation,
                 key,
-                kind=kind,
-                token=token,
+                kind="rejected",
+                token=stale.presented,
                 quantity=quantity,
-                on_hand=on_hand,
-                reserved=reserved,
                 reservation_id=reservation_id,
-                highest_token=highest_token,
-                detail=detail,
+                highest_token=stale.highest,
+                detail=str(stale),
             )
         )
 
@@ -425,18 +394,20 @@ class InventoryPlans:
         reservation_id: str | None = None,
         detail: str | None = None,
     ) -> sa.Executable:
-        return self._history_row(
-            lease,
-            sku,
-            operation,
-            key,
-            kind="write",
-            token=lease.token,
-            quantity=quantity,
-            on_hand=on_hand,
-            reserved=reserved,
-            reservation_id=reservation_id,
-            detail=detail,
+        return sa.insert(sku_history).values(
+            self._history_values(
+                lease,
+                sku,
+                operation,
+                key,
+                kind="write",
+                token=lease.token,
+                quantity=quantity,
+                on_hand=on_hand,
+                reserved=reserved,
+                reservation_id=reservation_id,
+                detail=detail,
+            )
         )
 
     def hold_line(
@@ -537,14 +508,7 @@ class InventoryPlans:
             hold_ms=hold_ms,
             operation="reserve",
         )
-        return Outcome(
-            operation="reserve",
-            key=key,
-            token=lease.token,
-            reservation_ids=(reservation_id,),
-            stock=(level,),
-            quantity=quantity,
-        )
+        return Outcome.reserved(key, lease.token, reservation_id, level, quantity)
 
     # -- operations --------------------------------------------------------------------------------
 

@@ -254,14 +254,7 @@ def reserve(
 
     if row.applied:
         level = StockLevel(sku, row.on_hand, row.reserved, row.available, row.fence_token)
-        outcome = Outcome(
-            operation="reserve",
-            key=key,
-            token=lease.token,
-            reservation_ids=(reservation_id,),
-            stock=(level,),
-            quantity=quantity,
-        )
+        outcome = Outcome.reserved(key, lease.token, reservation_id, level, quantity)
         return Reply(outcome=outcome, told=told("reserved", outcome.summary()))
     if not row.accepted:
         lease.mark_lost(f"reserve rejected: resource accepted token {row.highest}")

@@ -47,6 +47,19 @@ class Outcome:
     replayed: bool = False
     detail: dict[str, Any] = field(default_factory=dict)
 
+    @classmethod
+    def reserved(cls, key: str, token: int, reservation_id: str, level: StockLevel, quantity: int) -> Outcome:
+        """A single-SKU reservation's outcome, however it was written (one statement, one transaction, a
+        batch): the reservation and the SKU's level right after it."""
+        return cls(
+            operation="reserve",
+            key=key,
+            token=token,
+            reservation_ids=(reservation_id,),
+            stock=(level,),
+            quantity=quantity,
+        )
+
     @property
     def reservation_id(self) -> str | None:
         return self.reservation_ids[0] if self.reservation_ids else None

@@ -138,6 +138,9 @@ class ReservationClient:
 
     def _send(self, name: str, key: str, kwargs: dict[str, Any]) -> ReservationHandle:
         task_id = self._producer.send(name, key, kwargs)  # validates the key before publishing
+        return self._handle(name, key, kwargs, task_id)
+
+    def _handle(self, name: str, key: str, kwargs: dict[str, Any], task_id: str) -> ReservationHandle:
         return ReservationHandle(
             key=key,
             task_id=task_id,
@@ -161,14 +164,7 @@ class ReservationClient:
             if start:
                 # Under the lock: close() cannot shut the thread down between the check and this.
                 loop.run_in_executor(self._publisher, self._drain)
-        task_id = await sent
-        return ReservationHandle(
-            key=key,
-            task_id=task_id,
-            client=self,
-            operation=SHAPES[name].operation,
-            fingerprint=request_fingerprint(name, kwargs),
-        )
+        return self._handle(name, key, kwargs, await sent)
 
     def _drain(self) -> None:
         """The publishing thread: send what is queued, batch after batch, until the outbox is empty."""
