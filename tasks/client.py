@@ -136,7 +136,12 @@ class ReservationClient:
 
     # -- publishing ---------------------------------------------------------------------------------
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClientClosed("the client is closed")
+
     def _send(self, name: str, key: str, kwargs: dict[str, Any]) -> ReservationHandle:
+        self._check_open()
         task_id = self._producer.send(name, key, kwargs)  # validates the key before publishing
         return self._handle(name, key, kwargs, task_id)
 
@@ -157,8 +162,7 @@ class ReservationClient:
         loop = asyncio.get_running_loop()
         sent: asyncio.Future[str] = loop.create_future()
         with self._outbox_lock:
-            if self._closed:
-                raise ClientClosed("the client is closed")
+            self._check_open()
             self._outbox.append(_Outgoing(name, key, kwargs, sent, loop))
             start, self._draining = not self._draining, True
             if start:
@@ -229,8 +233,7 @@ class ReservationClient:
         return await self._outcome_watcher().wait(key, timeout)
 
     def _outcome_watcher(self) -> OutcomeWatcher:
-        if self._closed:
-            raise ClientClosed("the client is closed")
+        self._check_open()
         loop = asyncio.get_running_loop()
         found = self._watchers.get(loop)
         if found is None:
@@ -239,6 +242,7 @@ class ReservationClient:
         return found[0]
 
     def wait_sync(self, key: str, *, timeout: float = 30.0) -> RequestResult:
+        self._check_open()
         if self._inventory is None:
             self._inventory = Inventory.from_url(self.settings.database_url)
         deadline = time.monotonic() + timeout

@@ -140,6 +140,10 @@ async def test_a_closed_client_refuses_to_enqueue_or_wait(inventory_url: str) ->
             await client.enqueue_reservation("SKU", 1, idempotency_key="late")
         with pytest.raises(ClientClosed):
             await client.wait("nobody", timeout=1)
+        with pytest.raises(ClientClosed):  # the blocking shells alike
+            client.enqueue_reservation_sync("SKU", 1, idempotency_key="late")
+        with pytest.raises(ClientClosed):
+            client.wait_sync("nobody", timeout=1)
     finally:
         app.close()
 
