@@ -522,7 +522,7 @@ def _is_key(text: str) -> bool:
 def _enqueue(operation: str, key: str, kwargs: dict[str, Any], wait: bool, timeout: float) -> None:
     """Hand the request to the workers by task name; with --wait, poll its final outcome."""
     from reservations.messages import SHAPES, request_fingerprint
-    from reservations.producer import Producer
+    from tasks.producer import Producer
 
     valid.idempotency_key(key)
     try:
@@ -688,7 +688,7 @@ def demo_command(
 
     Example: reservations demo
     """
-    from reservations import demo
+    from admin import demo
 
     if not use_configured:
         given = [name for name, value in _given_urls().items() if value]
@@ -785,7 +785,7 @@ def chaos_command(
 
     Example: reservations chaos --workers 3 --skus 3 --requests 120 --duration 20
     """
-    from reservations import chaos
+    from admin import chaos
 
     options = chaos.Options(
         workers=workers,
@@ -826,7 +826,7 @@ def fence_demo(
 
     Example: reservations fence-demo --ttl 0.3
     """
-    from reservations import fence_demo as demo
+    from admin import fence_demo as demo
 
     try:
         ok = demo.run(database, ttl=ttl)

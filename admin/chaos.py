@@ -39,6 +39,8 @@ import sqlalchemy as sa
 from rich.console import Console
 from rich.table import Table
 
+from admin.picture import save_timeline
+from admin.proxy import DelayProxy
 from fencing import BackendUnavailable, LeaseManager
 from fencing.sql import make_engine
 from reservations import schema
@@ -51,11 +53,9 @@ from reservations.models import (
     stock,
     task_attempts,
 )
-from reservations.picture import save_timeline
-from reservations.producer import Producer
-from reservations.proxy import DelayProxy
 from reservations.requests import request_id
 from reservations.validation import scope_of
+from tasks.producer import Producer
 
 POSTGRES_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 LEASE_TTL = 1.0

@@ -32,10 +32,10 @@ from rich.table import Table
 from fencing import LeaseManager, mask_url
 from reservations import schema
 from reservations.inventory import Inventory
-from reservations.producer import Producer
 from reservations.requests import RequestResult
 from reservations.timeline import TimelineEntry, epochs
 from reservations.validation import scope_of
+from tasks.producer import Producer
 
 LEASE_TTL = 2.0
 MARKER = ".reservations-demo"

@@ -1,3 +1,0 @@
-from reservations.cli import main
-
-main()
