@@ -6,6 +6,7 @@ RUN python -m pip install --no-cache-dir --require-hashes -r requirements.lock
 COPY fencing fencing
 COPY reservations reservations
 COPY tasks tasks
+COPY admin admin
 RUN python -m pip install --no-cache-dir --no-deps --no-build-isolation -e .
 USER nobody
 ENTRYPOINT ["reservations"]

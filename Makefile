@@ -17,7 +17,7 @@ demo: $(STAMP)
 	$(BIN)/reservations demo
 
 lint: $(STAMP)
-	$(BIN)/ruff check fencing reservations tasks tests bench
+	$(BIN)/ruff check fencing reservations tasks admin tests bench
 	$(BIN)/mypy
 
 test: lint

@@ -27,11 +27,11 @@ from celery import Celery
 from reservations import AsyncInventory, IdempotencyConflict, InvalidRequest, Inventory
 from reservations import validation as valid
 from reservations.messages import SHAPES, request_fingerprint
-from reservations.producer import Producer
 from reservations.requests import RequestResult
 from tasks.app import app as default_app
 from tasks.app import settings_of
 from tasks.outcomes import OutcomeTimeout, OutcomeWatcher
+from tasks.producer import Producer
 
 
 def _poll_intervals() -> Callable[[], float]:

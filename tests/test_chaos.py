@@ -20,10 +20,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from fencing import LeaseManager, StaleToken
-from fencing.sql import make_engine
-from reservations import Inventory, scope_of
-from reservations.chaos import (
+from admin.chaos import (
     SERVER_FROZEN,
     SERVER_KILLED,
     SERVER_PAUSED,
@@ -31,7 +28,10 @@ from reservations.chaos import (
     batching_figures,
     check,
 )
-from reservations.proxy import DelayProxy
+from admin.proxy import DelayProxy
+from fencing import LeaseManager, StaleToken
+from fencing.sql import make_engine
+from reservations import Inventory, scope_of
 from tests.conftest import POSTGRES_URL
 
 pytestmark = pytest.mark.slow

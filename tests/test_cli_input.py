@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from admin.cli import app
 from fencing import mask_url
 from reservations import Inventory, schema
-from reservations.cli import app
 from tests.test_cli import cli
 
 UNREACHABLE_BROKER = "redis://127.0.0.1:1/0"  # a command that got past its input checks would fail here

@@ -14,7 +14,7 @@ def test_fence_demo_rejects_the_late_write_and_keeps_the_stock(tmp_path: Path) -
     env = {k: v for k, v in os.environ.items() if not k.endswith("_URL")}
     database = tmp_path / "demo.sqlite3"
     done = subprocess.run(
-        [sys.executable, "-m", "reservations", "fence-demo", "--database", str(database), "--ttl", "0.2"],
+        [sys.executable, "-m", "admin", "fence-demo", "--database", str(database), "--ttl", "0.2"],
         env={**env, "COLUMNS": "100"},
         capture_output=True,
         text=True,
