@@ -309,7 +309,7 @@ def run(folder: Path, console: Console | None = None, backends: Backends | None 
             timeline = inventory.timeline(sku, leases)
             level = inventory.stock(sku)
             # On a shared database only the demo's own SKU is its business.
-            violations = [v for v in inventory.invariant_violations() if v.startswith(f"{sku}:")]
+            violations = [v for v in inventory.invariant_violations() if v.sku == sku]
     finally:
         demo.stop_workers()
     _print_tokens(console, sku, timeline)

@@ -4,6 +4,7 @@ Every stock change takes the SKU's current :class:`fencing.Lease` and an idempot
 refuses stale tokens in the same statement as the change, and a key is applied at most once.
 """
 
+from reservations.audit import Rule, Violation
 from reservations.errors import (
     IdempotencyConflict,
     InsufficientStock,
@@ -33,10 +34,12 @@ __all__ = [
     "RequestClosed",
     "ReservationError",
     "ReservationView",
+    "Rule",
     "StockLevel",
     "StockLimitExceeded",
     "UnknownReservation",
     "UnknownSku",
+    "Violation",
     "lock_order",
     "scope_of",
 ]

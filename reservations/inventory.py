@@ -14,7 +14,7 @@ from typing import Any
 from fencing import AsyncLeaseManager, Lease, LeaseManager
 from fencing.plan import Plan
 from fencing.sql import AsyncSqlExecutor, SyncSqlExecutor, make_async_engine, make_engine, mask_url
-from reservations import batching, reads, requests, schema
+from reservations import audit, batching, reads, requests, schema
 from reservations import validation as valid
 from reservations.errors import InvalidRequest
 from reservations.operations import InventoryPlans
@@ -276,8 +276,8 @@ class Inventory:
     def rejection_counts(self, *, since: float | None = None) -> dict[str, int]:
         return self._run(reads.rejection_counts(since))  # type: ignore[no-any-return]
 
-    def invariant_violations(self) -> list[str]:
-        return self._run(reads.invariant_violations())  # type: ignore[no-any-return]
+    def invariant_violations(self) -> list[audit.Violation]:
+        return self._run(audit.invariant_violations())  # type: ignore[no-any-return]
 
     def request_outcome(self, key: str) -> RequestResult | None:
         return self._run(requests.request_outcome(key))  # type: ignore[no-any-return]
@@ -502,8 +502,8 @@ class AsyncInventory:
     async def rejection_counts(self, *, since: float | None = None) -> dict[str, int]:
         return await self._run(reads.rejection_counts(since))  # type: ignore[no-any-return]
 
-    async def invariant_violations(self) -> list[str]:
-        return await self._run(reads.invariant_violations())  # type: ignore[no-any-return]
+    async def invariant_violations(self) -> list[audit.Violation]:
+        return await self._run(audit.invariant_violations())  # type: ignore[no-any-return]
 
     async def request_outcome(self, key: str) -> RequestResult | None:
         return await self._run(requests.request_outcome(key))  # type: ignore[no-any-return]

@@ -1,5 +1,5 @@
-"""The read side as plans: stock, reservations, per-SKU history and rejection counts, and the
-invariant check an independent auditor (tests, the chaos checker, an operator) runs over the database.
+"""The read side as plans: stock, reservations, per-SKU history and rejection counts. The invariant
+check lives in :mod:`reservations.audit`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from fencing.plan import Plan
 from fencing.sql import Rows
 from reservations import validation as valid
 from reservations.errors import InvalidRequest, UnknownReservation, UnknownSku
-from reservations.models import HELD, RESERVATION_STATUSES, reservations, sku_history, stock
+from reservations.models import RESERVATION_STATUSES, reservations, sku_history, stock
 from reservations.views import HistoryEntry, ReservationView, StockLevel
 
 STOCK_COLUMNS = (stock.c.sku, stock.c.on_hand, stock.c.reserved, stock.c.available, stock.c.fence_token)
@@ -128,67 +128,3 @@ def rejection_counts(since: float | None = None) -> Plan[dict[str, int]]:
         query = query.where(sku_history.c.at_ms >= int(starting * 1000))
     found: Rows = yield query.group_by(sku_history.c.sku).order_by(sku_history.c.sku)
     return {r[0]: int(r[1]) for r in found.rows}
-
-
-def invariant_violations() -> Plan[list[str]]:
-    """Every broken invariant, as a sentence; an empty list means the inventory is consistent.
-
-    Checks, per SKU: available >= 0; on_hand = available + reserved; reserved = units of held
-    reservations; the history's deltas explain on_hand and reserved exactly; accepted writes never
-    carry a token lower than an earlier accepted write; each idempotency key created one reservation.
-    """
-    problems: list[str] = []
-    levels: Rows = yield sa.select(*STOCK_COLUMNS)
-    held: Rows = yield (
-        sa.select(reservations.c.sku, sa.func.sum(reservations.c.quantity))
-        .where(reservations.c.status == HELD)
-        .group_by(reservations.c.sku)
-    )
-    sums: Rows = yield (
-        sa.select(
-            sku_history.c.sku,
-            sa.func.sum(sku_history.c.on_hand_delta),
-            sa.func.sum(sku_history.c.reserved_delta),
-        )
-        .where(sku_history.c.kind == "write")
-        .group_by(sku_history.c.sku)
-    )
-    held_by_sku = {r[0]: int(r[1]) for r in held.rows}
-    sums_by_sku = {r[0]: (int(r[1]), int(r[2])) for r in sums.rows}
-    for r in levels.rows:
-        if r.available < 0:
-            problems.append(f"{r.sku}: available is negative ({r.available})")
-        if r.on_hand != r.available + r.reserved:
-            problems.append(
-                f"{r.sku}: on_hand {r.on_hand} != available {r.available} + reserved {r.reserved}"
-            )
-        if r.reserved != held_by_sku.get(r.sku, 0):
-            problems.append(
-                f"{r.sku}: reserved {r.reserved} != held reservations {held_by_sku.get(r.sku, 0)}"
-            )
-        if sums_by_sku.get(r.sku, (0, 0)) != (r.on_hand, r.reserved):
-            problems.append(
-                f"{r.sku}: history explains {sums_by_sku.get(r.sku)} not ({r.on_hand}, {r.reserved})"
-            )
-    writes: Rows = yield (
-        sa.select(sku_history.c.sku, sku_history.c.token, sku_history.c.id)
-        .where(sku_history.c.kind == "write", sku_history.c.operation != "create")
-        .order_by(sku_history.c.sku, sku_history.c.id)
-    )
-    highest: dict[str, int] = {}
-    for sku, token, entry in writes.rows:
-        if token < highest.get(sku, 0):
-            problems.append(f"{sku}: write #{entry} accepted with token {token} after token {highest[sku]}")
-        highest[sku] = max(token, highest.get(sku, 0))
-    dupes: Rows = yield (
-        sa.select(sku_history.c.idempotency_key, sku_history.c.sku, sku_history.c.operation, sa.func.count())
-        .where(
-            sku_history.c.kind == "write",
-            sku_history.c.idempotency_key.is_not(None),
-            sku_history.c.operation.in_(("reserve", "reserve_many", "restock", "adjust")),
-        )
-        .group_by(sku_history.c.idempotency_key, sku_history.c.sku, sku_history.c.operation)
-        .having(sa.func.count() > 1)
-    )
-    problems.extend(f"{r[1]}: key {r[0]!r} applied {r[3]} times by {r[2]}" for r in dupes.rows)
-    return problems

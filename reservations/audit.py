@@ -1,0 +1,106 @@
+"""The audit: the inventory's invariants checked from the database alone, as structured violations (rule,
+SKU, message) that the CLI, the tests, the demo and the chaos checker all read the same way.
+
+Where each rule is also enforced (a CHECK constraint, a trigger, the fence) is listed in
+docs/architecture.md, "Where each rule lives".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+import sqlalchemy as sa
+
+from fencing.plan import Plan
+from fencing.sql import Rows
+from reservations.models import HELD, reservations, sku_history
+from reservations.reads import STOCK_COLUMNS
+
+# The operations whose key may write at most once; a confirm or release key writes once per reservation
+# it finishes, so duplicates there are judged by whoever knows the requests (the chaos checker).
+ONCE_PER_KEY = ("reserve", "reserve_many", "restock", "adjust")
+
+
+class Rule(StrEnum):
+    """The invariant a violation breaks."""
+
+    OVERSELL = "oversell"  # available < 0: more units promised than the shelf holds
+    CONSERVATION = "conservation"  # on_hand, reserved, held reservations and history disagree
+    TOKEN_ORDER = "token_order"  # a write accepted with a token lower than an earlier accepted write
+    KEY_APPLIED_TWICE = "key_applied_twice"  # one idempotency key changed stock more than once
+
+
+@dataclass(frozen=True, slots=True)
+class Violation:
+    rule: Rule
+    sku: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.sku}: {self.message}"
+
+
+def invariant_violations() -> Plan[list[Violation]]:
+    """Every broken invariant; an empty list means the inventory is consistent.
+
+    Checks, per SKU: available >= 0; on_hand = available + reserved; reserved = units of held
+    reservations; the history's deltas explain on_hand and reserved exactly; accepted writes never
+    carry a token lower than an earlier accepted write; each idempotency key created one reservation.
+    """
+    found: list[Violation] = []
+    levels: Rows = yield sa.select(*STOCK_COLUMNS)
+    held: Rows = yield (
+        sa.select(reservations.c.sku, sa.func.sum(reservations.c.quantity))
+        .where(reservations.c.status == HELD)
+        .group_by(reservations.c.sku)
+    )
+    sums: Rows = yield (
+        sa.select(
+            sku_history.c.sku,
+            sa.func.sum(sku_history.c.on_hand_delta),
+            sa.func.sum(sku_history.c.reserved_delta),
+        )
+        .where(sku_history.c.kind == "write")
+        .group_by(sku_history.c.sku)
+    )
+    held_by_sku = {r[0]: int(r[1]) for r in held.rows}
+    sums_by_sku = {r[0]: (int(r[1]), int(r[2])) for r in sums.rows}
+    for r in levels.rows:
+        if r.available < 0:
+            found.append(Violation(Rule.OVERSELL, r.sku, f"available is negative ({r.available})"))
+        if r.on_hand != r.available + r.reserved:
+            message = f"on_hand {r.on_hand} != available {r.available} + reserved {r.reserved}"
+            found.append(Violation(Rule.CONSERVATION, r.sku, message))
+        if r.reserved != held_by_sku.get(r.sku, 0):
+            message = f"reserved {r.reserved} != held reservations {held_by_sku.get(r.sku, 0)}"
+            found.append(Violation(Rule.CONSERVATION, r.sku, message))
+        if sums_by_sku.get(r.sku, (0, 0)) != (r.on_hand, r.reserved):
+            message = f"history explains {sums_by_sku.get(r.sku)} not ({r.on_hand}, {r.reserved})"
+            found.append(Violation(Rule.CONSERVATION, r.sku, message))
+    writes: Rows = yield (
+        sa.select(sku_history.c.sku, sku_history.c.token, sku_history.c.id)
+        .where(sku_history.c.kind == "write", sku_history.c.operation != "create")
+        .order_by(sku_history.c.sku, sku_history.c.id)
+    )
+    highest: dict[str, int] = {}
+    for sku, token, entry in writes.rows:
+        if token < highest.get(sku, 0):
+            message = f"write #{entry} accepted with token {token} after token {highest[sku]}"
+            found.append(Violation(Rule.TOKEN_ORDER, sku, message))
+        highest[sku] = max(token, highest.get(sku, 0))
+    dupes: Rows = yield (
+        sa.select(sku_history.c.idempotency_key, sku_history.c.sku, sku_history.c.operation, sa.func.count())
+        .where(
+            sku_history.c.kind == "write",
+            sku_history.c.idempotency_key.is_not(None),
+            sku_history.c.operation.in_(ONCE_PER_KEY),
+        )
+        .group_by(sku_history.c.idempotency_key, sku_history.c.sku, sku_history.c.operation)
+        .having(sa.func.count() > 1)
+    )
+    found.extend(
+        Violation(Rule.KEY_APPLIED_TWICE, r[1], f"key {r[0]!r} applied {r[3]} times by {r[2]}")
+        for r in dupes.rows
+    )
+    return found
