@@ -9,120 +9,39 @@ from __future__ import annotations
 import logging
 import re
 import shutil
-import socket
-import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-import redis
 
+from admin.harness import RedisServer, redis_server
 from fencing import BackendUnavailable, Lease, LeaseManager, StaleToken
 from tests.support import Resource
 
 SCOPE = "sku-A"
 PREFIX = "faults"
 TTL = 30.0  # far longer than any test: nothing here may expire on its own
-START_DEADLINE = 10.0
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-class RedisServer:
-    """A redis-server of our own: no persistence, so a kill-and-start is a restart that lost all data."""
-
-    def __init__(self, workdir: Path) -> None:
-        self.workdir = workdir
-        self.port = _free_port()
-        self.process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        assert self.process is None, "already running"
-        self.process = subprocess.Popen(
-            [
-                "redis-server",
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                str(self.workdir),
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        self._wait_until_ready(self.process)
-
-    def _wait_until_ready(self, process: subprocess.Popen[bytes]) -> None:
-        client = redis.Redis(port=self.port, socket_connect_timeout=0.5, socket_timeout=0.5)
-        deadline = time.monotonic() + START_DEADLINE
-        try:
-            while True:
-                try:
-                    if client.ping():
-                        return
-                except redis.ConnectionError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"redis-server on port {self.port} did not answer PING")
-                # Waiting on the process is the poll interval and also notices a server that died
-                # (e.g. the port was taken), which would otherwise only show up at the deadline.
-                try:
-                    process.wait(timeout=0.01)
-                except subprocess.TimeoutExpired:
-                    continue
-                output = process.stdout.read().decode(errors="replace") if process.stdout else ""
-                self.process = None
-                raise RuntimeError(f"redis-server exited with {process.returncode}:\n{output}")
-        finally:
-            client.close()
-
-    def stop(self) -> None:
-        """Kill -9: a crash, so nothing gets a chance to be written anywhere."""
-        process, self.process = self.process, None
-        if process is None:
-            return
-        process.kill()
-        process.wait(timeout=10)
-        if process.stdout:
-            process.stdout.close()
-
-    def restart_wiped(self) -> None:
-        self.stop()
-        shutil.rmtree(self.workdir)  # belt and braces: nothing on disk to reload either
-        self.workdir.mkdir()
-        self.start()
+def restart_wiped(server: RedisServer) -> None:
+    """Kill -9 and start again on the same port: a crash without persistence, so all data is lost."""
+    server.kill()
+    shutil.rmtree(server.folder)  # belt and braces: nothing on disk to reload either
+    server.start()
 
 
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[RedisServer]:
-    workdir = tmp_path / "redis"
-    workdir.mkdir()
-    srv = RedisServer(workdir)
-    try:
-        srv.start()
-        yield srv
-    finally:
-        srv.stop()
+    with redis_server(tmp_path / "redis") as running:
+        yield running
 
 
 @pytest.fixture
 def manager(server: RedisServer) -> Iterator[LeaseManager]:
     # Short socket timeouts keep the outage test quick; a refused connection fails at once anyway.
-    with LeaseManager.from_url(server.url, prefix=PREFIX, socket_connect_timeout=1, socket_timeout=1) as mgr:
+    url = server.url()
+    with LeaseManager.from_url(url, prefix=PREFIX, socket_connect_timeout=1, socket_timeout=1) as mgr:
         yield mgr
 
 
@@ -172,7 +91,7 @@ def test_wiped_restart_regresses_the_counter_but_the_fence_holds(
     old3 = write_epoch(manager, protected, release=False)
     assert protected.row(SCOPE)[1:] == (3, old3.lease_id)
 
-    server.restart_wiped()
+    restart_wiped(server)
     assert manager.current(SCOPE) is None
     assert manager.history(SCOPE) == []
 
@@ -212,7 +131,7 @@ def test_two_leases_with_the_same_token_never_both_write(
     # Token 3 is handed out before the restart but not yet used, so neither copy has an advantage.
     old3 = manager.acquire(SCOPE, ttl=TTL, holder="before-restart")
 
-    server.restart_wiped()
+    restart_wiped(server)
     burn_tokens(manager, 2)
     new3 = manager.acquire(SCOPE, ttl=TTL, holder="after-restart")
     assert new3.token == old3.token == 3
@@ -249,7 +168,7 @@ def test_stale_rejection_of_the_current_holder_repairs_the_counter(
     repair: Callable[[LeaseManager, Resource], None],
 ) -> None:
     stale_epochs = [write_epoch(manager, protected) for _ in range(3)]
-    server.restart_wiped()
+    restart_wiped(server)
     burn_tokens(manager, burned)
 
     with caplog.at_level(logging.WARNING, logger="fencing"):
@@ -288,7 +207,7 @@ def test_stale_rejection_of_the_current_holder_repairs_the_counter(
 def test_redis_down_raises_backend_unavailable_and_nothing_is_written(
     server: RedisServer, manager: LeaseManager, protected: Resource
 ) -> None:
-    server.stop()
+    server.kill()
     with pytest.raises(BackendUnavailable) as caught:
         manager.acquire(SCOPE, ttl=TTL, holder="during-outage")
     assert caught.value.backend == "redis"
