@@ -20,7 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from fencing.errors import ScopeMismatch, StaleToken
 from fencing.lease import Lease, check_lease
-from fencing.plan import Plan, run_async, run_sync
+from fencing.plan import StatementPlan, run_async, run_sync
 from fencing.sql import Rows, execute, execute_async
 
 FENCE_TOKEN_COLUMN = "fence_token"
@@ -103,7 +103,7 @@ class Fence:
         condition: sa.ColumnElement[bool] | None = None,
         returning: Sequence[sa.ColumnElement[Any]] = (),
         operation: str = "write",
-    ) -> Plan[FenceResult]:
+    ) -> StatementPlan[FenceResult]:
         """The guarded write as a plan; ``update`` and ``update_async`` are its two shells."""
         self.prepare(lease, scope)
         guards = [*where]

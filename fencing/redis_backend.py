@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import redis
@@ -19,7 +18,7 @@ import redis.asyncio
 from fencing.errors import BackendUnavailable, LeaseBusy, LeaseLost, TokenOverflow
 from fencing.keys import ScopeKeys, scope_keys
 from fencing.lease import MAX_TOKEN, Clock, Lease, LeaseEvent, LeaseInfo, parse_token, validate_token
-from fencing.plan import Atomic, Plan, Sleep, run_async, run_sync
+from fencing.plan import Atomic, Command, Op, Plan, ScriptCall, Sleep, T, foreign, run_async, run_sync
 
 
 class Reply(enum.IntEnum):
@@ -165,18 +164,6 @@ HISTORY = """
 return {redis.call('LRANGE', KEYS[3], 0, tonumber(ARGV[1]) - 1),
   redis.call('HMGET', KEYS[2], 'token', 'end', 'ended_ms')}
 """
-
-
-@dataclass(frozen=True, slots=True)
-class ScriptCall:
-    source: str
-    keys: tuple[str, ...]
-    args: tuple[str | int, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class Command:
-    args: tuple[str | int, ...]
 
 
 def _ms(seconds: float) -> int:
@@ -370,7 +357,7 @@ def _entry(raw: str) -> dict[str, Any] | None:
 _UNAVAILABLE = (redis.ConnectionError, redis.TimeoutError, redis.ResponseError)
 
 
-def _unavailable(op: object, exc: redis.RedisError) -> BackendUnavailable:
+def _unavailable(op: ScriptCall | Command, exc: redis.RedisError) -> BackendUnavailable:
     name = "command" if isinstance(op, Command) else "script"
     return BackendUnavailable(backend="redis", operation=name, detail=f"{type(exc).__name__}: {exc}")
 
@@ -383,21 +370,22 @@ class SyncRedisExecutor:
         self._sleep = sleep
         self._scripts: dict[str, Any] = {}
 
-    def run(self, plan: Plan[Any]) -> Any:
+    def run(self, plan: Plan[T]) -> T:
         return run_sync(plan, self._handle)
 
-    def _handle(self, op: object) -> Any:
+    def _handle(self, op: Op) -> Any:
         if isinstance(op, Sleep):
             return self._sleep(op.seconds)
         if isinstance(op, Atomic):
             return self.run(op.plan)
+        if not isinstance(op, ScriptCall | Command):
+            raise foreign("Redis", op)
         try:
             if isinstance(op, ScriptCall):
                 script = self._scripts.get(op.source)
                 if script is None:
                     script = self._scripts[op.source] = self.client.register_script(op.source)
                 return script(keys=op.keys, args=op.args)
-            assert isinstance(op, Command)
             return self.client.execute_command(*op.args)  # type: ignore[no-untyped-call]
         except _UNAVAILABLE as exc:
             raise _unavailable(op, exc) from exc
@@ -409,26 +397,27 @@ class SyncRedisExecutor:
 class AsyncRedisExecutor:
     """The async shell of :class:`SyncRedisExecutor` over ``redis.asyncio.Redis``."""
 
-    def __init__(self, client: redis.asyncio.Redis, sleep: Callable[[float], Any]) -> None:
+    def __init__(self, client: redis.asyncio.Redis, sleep: Callable[[float], Awaitable[Any]]) -> None:
         self.client = client
         self._sleep = sleep
         self._scripts: dict[str, Any] = {}
 
-    async def run(self, plan: Plan[Any]) -> Any:
+    async def run(self, plan: Plan[T]) -> T:
         return await run_async(plan, self._handle)
 
-    async def _handle(self, op: object) -> Any:
+    async def _handle(self, op: Op) -> Any:
         if isinstance(op, Sleep):
             return await self._sleep(op.seconds)
         if isinstance(op, Atomic):
             return await self.run(op.plan)
+        if not isinstance(op, ScriptCall | Command):
+            raise foreign("Redis", op)
         try:
             if isinstance(op, ScriptCall):
                 script = self._scripts.get(op.source)
                 if script is None:
                     script = self._scripts[op.source] = self.client.register_script(op.source)
                 return await script(keys=op.keys, args=op.args)
-            assert isinstance(op, Command)
             return await self.client.execute_command(*op.args)  # type: ignore[no-untyped-call]
         except _UNAVAILABLE as exc:
             raise _unavailable(op, exc) from exc

@@ -6,7 +6,7 @@ Supported dialects: SQLite (3.35+, for RETURNING) and PostgreSQL through psycopg
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,10 +16,24 @@ from sqlalchemy.engine import URL, Connection, Engine, make_url
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.ext.compiler import compiles
-from sqlalchemy.sql.expression import Executable, FunctionElement
+from sqlalchemy.sql.expression import FunctionElement
 
 from fencing.errors import BackendUnavailable, InvalidLeaseRequest
-from fencing.plan import Alone, Atomic, Plan, Sleep, run_async, run_sync
+from fencing.plan import (
+    Alone,
+    Atomic,
+    Bound,
+    Command,
+    Op,
+    Plan,
+    ScriptCall,
+    Sleep,
+    Statement,
+    T,
+    foreign,
+    run_async,
+    run_sync,
+)
 
 SUPPORTED_DIALECTS = ("sqlite", "postgresql")
 
@@ -176,7 +190,7 @@ def unavailable(exc: DBAPIError, operation: str) -> BackendUnavailable | None:
     return None
 
 
-def execute(conn: Connection, stmt: Executable | Bound) -> Rows:
+def execute(conn: Connection, stmt: Statement) -> Rows:
     """Run one statement of a plan on a sync connection."""
     try:
         if isinstance(stmt, Bound):
@@ -189,7 +203,7 @@ def execute(conn: Connection, stmt: Executable | Bound) -> Rows:
         raise mapped from exc
 
 
-async def execute_async(conn: AsyncConnection, stmt: Executable | Bound) -> Rows:
+async def execute_async(conn: AsyncConnection, stmt: Statement) -> Rows:
     try:
         if isinstance(stmt, Bound):
             return _rows(await conn.execute(stmt.statement, stmt.params))
@@ -209,14 +223,6 @@ def _just(op: Alone) -> Plan[Rows]:
     return rows
 
 
-@dataclass(frozen=True, slots=True)
-class Bound:
-    """A statement built once with bind parameters, and this execution's values for them."""
-
-    statement: Executable
-    params: dict[str, Any]
-
-
 class SyncSqlExecutor:
     """Runs each plan (and each :class:`Atomic` step) in its own transaction, opened at its first
     statement so a plan that only waits never holds a connection."""
@@ -225,10 +231,10 @@ class SyncSqlExecutor:
         self.engine = engine
         self._sleep = sleep
 
-    def run(self, plan: Plan[Any]) -> Any:
+    def run(self, plan: Plan[T]) -> T:
         conn: Connection | None = None
 
-        def handle(op: object) -> Any:
+        def handle(op: Op) -> Any:
             nonlocal conn
             if isinstance(op, Sleep):
                 return self._sleep(op.seconds)
@@ -236,13 +242,15 @@ class SyncSqlExecutor:
                 return self.run(op.plan)
             if isinstance(op, Alone):
                 return self._alone(op)
+            if isinstance(op, ScriptCall | Command):
+                raise foreign("SQL", op)
             if conn is None:
                 try:
                     conn = self.engine.connect()
                     conn.begin()
                 except DBAPIError as exc:
                     raise (unavailable(exc, "connect") or exc) from exc
-            return execute(conn, op)  # type: ignore[arg-type]
+            return execute(conn, op)
 
         try:
             result = run_sync(plan, handle)
@@ -257,7 +265,7 @@ class SyncSqlExecutor:
 
     def _alone(self, op: Alone) -> Rows:
         if self.engine.dialect.name != "postgresql":
-            return self.run(_just(op))  # type: ignore[no-any-return]
+            return self.run(_just(op))
         try:
             with self.engine.connect() as conn:
                 auto = conn.execution_options(isolation_level="AUTOCOMMIT")
@@ -274,14 +282,14 @@ class SyncSqlExecutor:
 class AsyncSqlExecutor:
     """The async shell of :class:`SyncSqlExecutor` over an ``AsyncEngine``."""
 
-    def __init__(self, engine: AsyncEngine, sleep: Callable[[float], Any]) -> None:
+    def __init__(self, engine: AsyncEngine, sleep: Callable[[float], Awaitable[Any]]) -> None:
         self.engine = engine
         self._sleep = sleep
 
-    async def run(self, plan: Plan[Any]) -> Any:
+    async def run(self, plan: Plan[T]) -> T:
         conn: AsyncConnection | None = None
 
-        async def handle(op: object) -> Any:
+        async def handle(op: Op) -> Any:
             nonlocal conn
             if isinstance(op, Sleep):
                 return await self._sleep(op.seconds)
@@ -289,13 +297,15 @@ class AsyncSqlExecutor:
                 return await self.run(op.plan)
             if isinstance(op, Alone):
                 return await self._alone(op)
+            if isinstance(op, ScriptCall | Command):
+                raise foreign("SQL", op)
             if conn is None:
                 try:
                     conn = await self.engine.connect()
                     await conn.begin()
                 except DBAPIError as exc:
                     raise (unavailable(exc, "connect") or exc) from exc
-            return await execute_async(conn, op)  # type: ignore[arg-type]
+            return await execute_async(conn, op)
 
         try:
             result = await run_async(plan, handle)
@@ -310,7 +320,7 @@ class AsyncSqlExecutor:
 
     async def _alone(self, op: Alone) -> Rows:
         if self.engine.dialect.name != "postgresql":
-            return await self.run(_just(op))  # type: ignore[no-any-return]
+            return await self.run(_just(op))
         try:
             async with self.engine.connect() as conn:
                 auto = await conn.execution_options(isolation_level="AUTOCOMMIT")
