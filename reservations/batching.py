@@ -35,6 +35,7 @@ from reservations.models import (
 from reservations.operations import HeldLine, InventoryPlans, fingerprint, hold_ms_of, new_reservation_id
 from reservations.reads import STOCK_COLUMNS
 from reservations.requests import TOMBSTONE_FINGERPRINT, RequestResult, result_from_json, result_of
+from reservations.statuses import AttemptResult, RequestStatus
 from reservations.views import Outcome, StockLevel
 
 MAX_BATCH = 1000
@@ -400,7 +401,7 @@ def _serve_one(
             raise UnknownSku(sku)
         if key in stored:
             outcome = plans.replay(stored[key], "reserve", print_)
-            return "reserved", outcome.summary(), "replayed"
+            return RequestStatus.RESERVED, outcome.summary(), AttemptResult.REPLAYED
         if key in clashing:
             raise IdempotencyConflict(
                 key=key, operation="reserve", stored_operation="a reservation whose record expired"
@@ -416,7 +417,7 @@ def _serve_one(
                 "created_ms": now,
             }
         )
-        return "reserved", outcome.summary(), "applied"
+        return RequestStatus.RESERVED, outcome.summary(), AttemptResult.APPLIED
     except InsufficientStock as refused:
         if not getattr(refused, "replayed", False):
             records.append(
@@ -424,12 +425,12 @@ def _serve_one(
                     "key": key,
                     "fingerprint": print_,
                     "operation": "reserve",
-                    "outcome": json.dumps({"error": "insufficient_stock", **refused.summary()}),
+                    "outcome": json.dumps({"error": RequestStatus.INSUFFICIENT_STOCK, **refused.summary()}),
                     "token": None,
                     "created_ms": now,
                 }
             )
-        return "insufficient_stock", refused.summary(), "insufficient_stock"
+        return RequestStatus.INSUFFICIENT_STOCK, refused.summary(), AttemptResult.INSUFFICIENT_STOCK
     except (UnknownSku, RequestClosed, IdempotencyConflict) as invalid:
         if key not in stored:  # close the key, as every request that ends without effect does
             records.append(
@@ -437,9 +438,13 @@ def _serve_one(
                     "key": key,
                     "fingerprint": TOMBSTONE_FINGERPRINT,
                     "operation": "reserve",
-                    "outcome": json.dumps({"error": "closed", "status": "invalid"}),
+                    "outcome": json.dumps({"error": "closed", "status": RequestStatus.INVALID}),
                     "token": None,
                     "created_ms": now,
                 }
             )
-        return "invalid", {"error": type(invalid).__name__, "message": str(invalid)}, "invalid"
+        return (
+            RequestStatus.INVALID,
+            {"error": type(invalid).__name__, "message": str(invalid)},
+            AttemptResult.INVALID,
+        )

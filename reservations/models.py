@@ -11,9 +11,10 @@ import sqlalchemy as sa
 from sqlmodel import Field, SQLModel
 
 from fencing.fence import FENCE_LEASE_COLUMN, FENCE_TOKEN_COLUMN
+from reservations.statuses import ReservationStatus
 
-HELD, CONFIRMED, RELEASED, EXPIRED = "held", "confirmed", "released", "expired"
-RESERVATION_STATUSES = (HELD, CONFIRMED, RELEASED, EXPIRED)
+HELD, CONFIRMED, RELEASED, EXPIRED = tuple(ReservationStatus)
+RESERVATION_STATUSES = tuple(ReservationStatus)
 
 
 def _bigint(nullable: bool = False, **kwargs: object) -> sa.Column[int]:

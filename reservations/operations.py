@@ -52,6 +52,7 @@ from reservations.requests import (
     record_outcome,
     request_outcome,
 )
+from reservations.statuses import AttemptResult, RequestStatus
 from reservations.views import Outcome, StockLevel
 
 
@@ -262,7 +263,7 @@ class InventoryPlans:
         assert isinstance(error, InsufficientStock)
         outcome = json.dumps(
             {
-                "error": "insufficient_stock",
+                "error": RequestStatus.INSUFFICIENT_STOCK,
                 "sku": error.sku,
                 "requested": error.requested,
                 "available": error.available,
@@ -721,15 +722,16 @@ class InventoryPlans:
                 replayed = short
         if isinstance(replayed, InsufficientStock):
             stored = yield from record_outcome(
-                key, "reserve", "insufficient_stock", replayed.summary(),
+                key, "reserve", RequestStatus.INSUFFICIENT_STOCK, replayed.summary(),
                 epochs=speaker.epochs, fingerprint=print_, **who,
             )  # fmt: skip
             return RequestReply(stored, None)
-        result = "replayed" if replayed.replayed else "applied"
+        result = AttemptResult.REPLAYED if replayed.replayed else AttemptResult.APPLIED
         yield from record_attempt(key, "reserve", result, token=replayed.token, **who)
         stored = yield from record_outcome(
-            key, "reserve", "reserved", replayed.summary(), epochs=speaker.epochs, fingerprint=print_, **who
-        )
+            key, "reserve", RequestStatus.RESERVED, replayed.summary(),
+            epochs=speaker.epochs, fingerprint=print_, **who,
+        )  # fmt: skip
         return RequestReply(stored, replayed)
 
     def reserve_many(

@@ -21,28 +21,11 @@ from fencing.sql import Rows, db_now_ms
 from reservations import validation as valid
 from reservations.errors import InvalidRequest
 from reservations.models import HELD, idempotency_keys, request_outcomes, reservations, task_attempts
+from reservations.statuses import AttemptResult, RequestStatus
 from reservations.views import Outcome
 
-FINAL_STATUSES = (
-    "reserved",
-    "confirmed",
-    "released",
-    "restocked",
-    "adjusted",
-    "insufficient_stock",
-    "invalid",
-    "dead_lettered",
-)
-ATTEMPT_RESULTS = (
-    "applied",
-    "replayed",
-    "lost_ownership",
-    "busy",
-    "transient",
-    "insufficient_stock",
-    "invalid",
-    "dead_lettered",
-)
+FINAL_STATUSES = tuple(RequestStatus)
+ATTEMPT_RESULTS = tuple(AttemptResult)
 
 
 _REQUEST_NAMESPACE = uuid.UUID("6f1c3f0e-4a57-4d1e-9a43-2f3b0c9d7e11")
@@ -151,7 +134,7 @@ def outcomes_of(keys: Sequence[str]) -> Plan[dict[str, RequestResult]]:
 # Outcomes that end a request without any stock change. Recording one also closes the key for good: a
 # tombstone in the idempotency records makes a copy of the request still in flight (a redelivery, a
 # duplicate enqueue) replay "closed" instead of applying late, and whichever commits first wins.
-NO_EFFECT = ("invalid", "dead_lettered")
+NO_EFFECT = (RequestStatus.INVALID, RequestStatus.DEAD_LETTERED)
 TOMBSTONE_FINGERPRINT = "closed"
 
 

@@ -20,6 +20,7 @@ from fencing.plan import Alone, Plan
 from fencing.sql import Rows
 from reservations.errors import InsufficientStock, UnknownSku
 from reservations.requests import RequestResult, result_from_json
+from reservations.statuses import RequestStatus
 from reservations.views import Outcome, StockLevel
 
 # The statement, read top to bottom:
@@ -255,7 +256,7 @@ def reserve(
     if row.applied:
         level = StockLevel(sku, row.on_hand, row.reserved, row.available, row.fence_token)
         outcome = Outcome.reserved(key, lease.token, reservation_id, level, quantity)
-        return Reply(outcome=outcome, told=told("reserved", outcome.summary()))
+        return Reply(outcome=outcome, told=told(RequestStatus.RESERVED, outcome.summary()))
     if not row.accepted:
         lease.mark_lost(f"reserve rejected: resource accepted token {row.highest}")
         raise StaleToken(
@@ -266,4 +267,4 @@ def reserve(
             holder=lease.holder,
         )
     short = InsufficientStock(sku=sku, requested=quantity, available=int(row.seen_available))
-    return Reply(refused=short, told=told("insufficient_stock", short.summary()))
+    return Reply(refused=short, told=told(RequestStatus.INSUFFICIENT_STOCK, short.summary()))

@@ -44,19 +44,13 @@ from reservations import (
 from reservations import validation as valid
 from reservations.messages import Message
 from reservations.requests import AlreadyApplied, RequestReply, RequestResult, task_name
+from reservations.statuses import SUCCEEDED, AttemptResult, RequestStatus
 from tasks.app import app, settings_of
 from tasks.failpoints import failpoint
 from tasks.worker import Resources, resources, worker_identity
 
 log = logging.getLogger("tasks")
 
-FINAL_STATUS = {
-    "reserve": "reserved",
-    "reserve_many": "reserved",
-    "confirm": "confirmed",
-    "release": "released",
-    "restock": "restocked",
-}
 _INVALID = (
     RequestClosed,
     InvalidRequest,
@@ -110,7 +104,7 @@ def _conflict(task: Task, message: Message, other: str, how: str) -> dict[str, A
     return {
         "key": message.key,
         "operation": message.operation,
-        "status": "invalid",
+        "status": RequestStatus.INVALID,
         "epochs": message.counts["epoch"],
         "detail": {
             "error": "IdempotencyConflict",
@@ -213,14 +207,14 @@ def run_request(task: Task, name: str, args: tuple[Any, ...], kwargs: dict[str, 
                 return {
                     "key": None,
                     "operation": operation,
-                    "status": "invalid",
+                    "status": RequestStatus.INVALID,
                     "detail": {"error": "InvalidRequest", "message": str(exc)},
                     "epochs": 0,
                 }
             stored = res.inventory.record_outcome(
                 exc.key,
                 operation,
-                "invalid",
+                RequestStatus.INVALID,
                 {"error": "InvalidRequest", "message": str(exc)},
                 fingerprint=exc.fingerprint,
                 **who,
@@ -263,7 +257,7 @@ def run_request(task: Task, name: str, args: tuple[Any, ...], kwargs: dict[str, 
                 res.inventory.record_outcome(
                     message.key,
                     message.operation,
-                    "dead_lettered",
+                    RequestStatus.DEAD_LETTERED,
                     {"reason": "unexpected error", "error": repr(exc)[:500]},
                     epochs=message.counts["epoch"],
                     fingerprint=message.fingerprint,
@@ -279,7 +273,7 @@ def _give_up(
     stored = res.inventory.record_outcome(
         message.key,
         message.operation,
-        "dead_lettered",
+        RequestStatus.DEAD_LETTERED,
         {"reason": "backend unavailable", "error": error[:500]},
         epochs=message.counts["epoch"],
         fingerprint=message.fingerprint,
@@ -352,15 +346,16 @@ def _attempt(
         if work.run is not None:
             return _then_serve(res, batch, leases, who, _answer(task, message, reply.result))
         res.inventory.record_attempt(
-            key, operation, "replayed" if outcome.replayed else "applied", token=outcome.token, **who
-        )
-        return _then_serve(res, batch, leases, who, final(FINAL_STATUS[operation], outcome.summary()))
+            key, operation, AttemptResult.REPLAYED if outcome.replayed else AttemptResult.APPLIED,
+            token=outcome.token, **who,
+        )  # fmt: skip
+        return _then_serve(res, batch, leases, who, final(SUCCEEDED[operation], outcome.summary()))
     except InsufficientStock as exc:
-        return _then_serve(res, batch, leases, who, final("insufficient_stock", exc.summary()))
+        return _then_serve(res, batch, leases, who, final(RequestStatus.INSUFFICIENT_STOCK, exc.summary()))
     except _INVALID as exc:
         # A conflict is recorded only where the key has no outcome yet (its record was purged); otherwise
         # the stored outcome, which belongs to the other request, comes back and the answer says so.
-        return final("invalid", {"error": type(exc).__name__, "message": str(exc)})
+        return final(RequestStatus.INVALID, {"error": type(exc).__name__, "message": str(exc)})
     except LeaseBusy as busy:
         if batch is not None:
             return _wait_for_holder(task, res, message, batch, who)
@@ -369,7 +364,7 @@ def _attempt(
             if done is not None:
                 return _answer(task, message, done)
         if message.counts["busy"] >= settings.max_retries:
-            return final("dead_lettered", {"reason": "lease busy", "holder": busy.holder})
+            return final(RequestStatus.DEAD_LETTERED, {"reason": "lease busy", "holder": busy.holder})
         raise again("busy", _jitter(busy.retry_after, message.counts["busy"])) from None
     except LostOwnership as lost:
         # Terminal for this attempt and its lease: nothing more happens under it. The request itself
@@ -384,10 +379,12 @@ def _attempt(
             lost,
         )
         res.inventory.record_attempt(
-            key, operation, "lost_ownership", token=lost.token or lease_token, detail=_printable(lost), **who
-        )
+            key, operation, AttemptResult.LOST_OWNERSHIP,
+            token=lost.token or lease_token, detail=_printable(lost), **who,
+        )  # fmt: skip
         if epoch + 1 >= settings.max_epochs:
-            return final("dead_lettered", {"reason": f"lost ownership {epoch + 1} times", "last": str(lost)})
+            reason = f"lost ownership {epoch + 1} times"
+            return final(RequestStatus.DEAD_LETTERED, {"reason": reason, "last": str(lost)})
         raise again("epoch", _jitter(0.01, epoch)) from None
 
 
