@@ -1,0 +1,269 @@
+"""The faults a chaos run injects, each a step the driver loop calls on every tick: resuming pool children
+frozen past their lease, the worker SIGKILL and restart, SIGSTOP of hot-SKU batch servers, the lease
+Redis losing its data; and the hot-SKU watch that finds the holder those faults aim at.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from contextlib import suppress
+from typing import Protocol
+
+import sqlalchemy as sa
+
+from admin.chaos.cluster import ChaosWorker
+from admin.chaos.options import (
+    FROZEN,
+    HOLDER_FROZEN,
+    HOLDER_KILLED,
+    HOLDER_PAUSES,
+    HOT_SKU,
+    KILL_ANY_HOLDER,
+    KILL_BY,
+    KILL_FROM,
+    KILLED,
+    REDIS_RESTART_AT,
+    REDIS_RESTARTED,
+    SERVER_FROZEN,
+    SERVER_KILLED,
+    SERVER_PAUSED,
+    STOP_FOR,
+    Options,
+)
+from admin.chaos.report import RunReport
+from admin.chaos.workload import Sent
+from admin.harness import RedisServer, process_state
+from fencing import BackendUnavailable, LeaseManager
+from fencing.sql import make_engine
+from reservations.models import pending_reservations, request_outcomes
+from reservations.requests import request_id
+from reservations.validation import scope_of
+
+# How long the lease Redis stays down when it "crashes".
+REDIS_DOWN_FOR = 0.3
+
+
+class Step(Protocol):
+    """One thing the driver loop does on every tick, in order; ``now`` is the tick's monotonic time."""
+
+    def step(self, now: float) -> None: ...
+
+    def watching(self, now: float) -> bool:
+        """Whether it waits to catch the hot SKU's holder: a holder keeps its lease for tens of
+        milliseconds unless something holds it up, so the loop then looks more often."""
+        ...
+
+
+class HotWatch:
+    """Who holds the hot SKU's lease right now (a worker's pool child, by pid), whether requests wait on
+    its pending list, and whether the holder is serving them. Read from the lease Redis and the database,
+    as any operator could."""
+
+    def __init__(self, lease_url: str, database_url: str, sent: dict[str, Sent]) -> None:
+        self.leases = LeaseManager.from_url(lease_url, socket_timeout=0.5, socket_connect_timeout=0.5)
+        self.engine = make_engine(database_url)
+        self.sent = sent
+        self.keys: dict[str, str] = {}  # task id -> key: a request's task id derives from its key
+
+    def key_of(self, task_id: str) -> str | None:
+        if len(self.keys) < len(self.sent):
+            self.keys = {request_id(key): key for key in self.sent}
+        return self.keys.get(task_id)
+
+    def holder(self) -> tuple[int, str] | None:
+        """The holding pool child's pid and its task id."""
+        try:
+            info = self.leases.current(scope_of(HOT_SKU))
+        except BackendUnavailable:  # the lease Redis is being restarted
+            return None
+        if info is None:
+            return None
+        # A task's holder is "<host>:<pid>:<task id>" (tasks.jobs).
+        host_pid, _, task_id = info.holder.rpartition(":")
+        pid = host_pid.rpartition(":")[2]
+        return (int(pid), task_id) if pid.isdigit() and task_id else None
+
+    def holding(self, pids: set[int]) -> tuple[int, bool] | None:
+        """(pid, serving a batch) when one of ``pids`` holds the lease while requests wait on it.
+
+        A holder serves a batch when it is no request's task (the SKU queue's watch), when its own
+        request waits on the list too (it queued itself, then found the lease free) or when its request
+        already ended (the lease was taken again after its own write); otherwise it holds the lease for
+        its own request.
+        """
+        found = self.holder()
+        if found is None or found[0] not in pids:
+            return None
+        pid, task_id = found
+        with self.engine.connect() as conn:
+            waiting = conn.execute(
+                sa.select(pending_reservations.c.task_id).where(pending_reservations.c.sku == HOT_SKU)
+            ).all()
+            if not waiting:
+                return None
+            key = self.key_of(task_id)
+            if key is None:
+                return pid, True
+            ended = conn.execute(
+                sa.select(request_outcomes.c.key).where(request_outcomes.c.key == key)
+            ).first()
+        return pid, ended is not None or any(row[0] == task_id for row in waiting)
+
+    def close(self) -> None:
+        self.leases.close()
+        self.engine.dispose()
+
+
+def _unfrozen_children(workers: list[ChaosWorker]) -> dict[int, ChaosWorker]:
+    """Pool children of the workers that do not freeze themselves (normal, behind the proxy), by pid."""
+    return {pid: w for w in workers if w.role in ("normal", "delay") for pid in w.pool_children()}
+
+
+class ResumeFrozen:
+    """Counts pool children stopped before a write (and whether one held the hot SKU's lease with requests
+    waiting), and resumes each once its lease has certainly run out."""
+
+    def __init__(self, workers: list[ChaosWorker], report: RunReport, watch: HotWatch | None) -> None:
+        self.workers, self.report, self.watch = workers, report, watch
+
+    def step(self, now: float) -> None:
+        # Its own reading: a step before it in the same tick may have taken a while (a kill waits for the
+        # process to end), and a child is resumed only once its lease has certainly run out.
+        now = time.monotonic()
+        for worker in self.workers:
+            for pid in worker.pool_children():
+                if process_state(pid) == "T":
+                    self._stopped(worker, pid, now)
+                else:
+                    worker.stopped_since.pop(pid, None)
+                    worker.frozen_holders.discard(pid)
+
+    def _stopped(self, worker: ChaosWorker, pid: int, now: float) -> None:
+        since = worker.stopped_since.setdefault(pid, now)
+        if since == now:
+            self.report.faults[FROZEN] += 1
+        if self.watch is not None and pid not in worker.frozen_holders:
+            found = self.watch.holding({pid})
+            if found is not None:
+                # Frozen holding the hot SKU's lease (for its own reservation or to serve a batch) while
+                # requests wait on it: until the lease runs out, nobody serves them.
+                worker.frozen_holders.add(pid)
+                self.report.faults[HOLDER_FROZEN] += 1
+                self.report.faults[SERVER_FROZEN] += found[1]
+        if now - since >= STOP_FOR:
+            with suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+            worker.stopped_since.pop(pid, None)
+            worker.frozen_holders.discard(pid)
+
+    def watching(self, now: float) -> bool:
+        return False
+
+
+class WorkerKill:
+    """SIGKILL one worker mid-stream and start it again: the hot SKU's holder with requests waiting on it,
+    serving them in a batch if caught so early enough, else any normal worker at the latest moment."""
+
+    def __init__(
+        self,
+        options: Options,
+        workers: list[ChaosWorker],
+        report: RunReport,
+        watch: HotWatch | None,
+        start: float,
+    ) -> None:
+        self.workers, self.report, self.watch = workers, report, watch
+        self.killable = [w for w in workers if w.role == "normal"]
+        self.pending = bool(self.killable)
+        self.kill_from = start + KILL_FROM * options.duration
+        self.kill_any_holder = start + KILL_ANY_HOLDER * options.duration
+        # Without a flash sale there is no holder to catch: the kill comes at once.
+        self.kill_by = start + (KILL_BY if watch is not None else KILL_FROM) * options.duration
+        self.restarted: list[ChaosWorker] = []
+
+    def step(self, now: float) -> None:
+        if not self.pending or now < self.kill_from:
+            return
+        serving_only = now < self.kill_any_holder
+        victim = self._holder(self.watch, serving_only=serving_only) if self.watch is not None else None
+        if victim is None and now >= self.kill_by:
+            victim = self.killable[0]
+        if victim is not None:
+            victim.kill()
+            self.report.faults[KILLED] += 1
+            victim.start()
+            self.restarted.append(victim)
+            self.pending = False
+
+    def _holder(self, watch: HotWatch, *, serving_only: bool) -> ChaosWorker | None:
+        """A worker (not one of the freezing ones) whose pool child holds the hot SKU's lease while
+        requests wait on it, serving them if ``serving_only``: killing it leaves them to the next holder,
+        the SKU's watch or beat's sweep."""
+        candidates = _unfrozen_children(self.workers)
+        found = watch.holding(set(candidates))
+        if found is None or (serving_only and not found[1]):
+            return None
+        self.report.faults[HOLDER_KILLED] += 1
+        self.report.faults[SERVER_KILLED] += found[1]
+        return candidates[found[0]]
+
+    def watching(self, now: float) -> bool:
+        return self.watch is not None and self.pending and now >= self.kill_from
+
+    def wait_restarted(self) -> None:
+        """Wait until the restarted worker is ready again, so the drain counts on all of them."""
+        for victim in self.restarted:
+            victim.wait_ready()
+
+
+class HolderPauses:
+    """SIGSTOP a pool child (of a worker that does not freeze itself) caught serving a batch of the hot
+    SKU, HOLDER_PAUSES times, one at a time; ResumeFrozen resumes it once its lease has run out, as it
+    does the self-frozen ones."""
+
+    def __init__(
+        self, workers: list[ChaosWorker], report: RunReport, watch: HotWatch | None, start: float
+    ) -> None:
+        self.workers, self.report, self.watch = workers, report, watch
+        self.left = HOLDER_PAUSES if watch is not None else 0
+        self.after = start
+
+    def step(self, now: float) -> None:
+        if self.left > 0 and now >= self.after and self.watch is not None and self._pause(self.watch):
+            self.left, self.after = self.left - 1, now + STOP_FOR
+
+    def _pause(self, watch: HotWatch) -> bool:
+        found = watch.holding(set(_unfrozen_children(self.workers)))
+        if found is None or not found[1]:
+            return False
+        with suppress(ProcessLookupError):
+            os.kill(found[0], signal.SIGSTOP)
+            self.report.faults[SERVER_PAUSED] += 1
+            return True
+        return False
+
+    def watching(self, now: float) -> bool:
+        return self.left > 0
+
+
+class LeaseRedisRestart:
+    """The lease coordinator loses its data (token counters included) once, partway through the stream;
+    the broker is a separate server and keeps the queued requests."""
+
+    def __init__(self, options: Options, lease_redis: RedisServer, report: RunReport, start: float) -> None:
+        self.lease_redis, self.report = lease_redis, report
+        self.at = start + REDIS_RESTART_AT * options.duration if options.restart_lease_redis else None
+
+    def step(self, now: float) -> None:
+        if self.at is None or now < self.at:
+            return
+        self.lease_redis.kill()
+        time.sleep(REDIS_DOWN_FOR)  # down for a moment, as after a crash, not a sync point
+        self.lease_redis.start()
+        self.report.faults[REDIS_RESTARTED] += 1
+        self.at = None
+
+    def watching(self, now: float) -> bool:
+        return False

@@ -1,0 +1,75 @@
+"""What a chaos run can be asked for (Options), the timings and sizes it keeps fixed, and the names of the
+faults it injects, as the report and the JSON spell them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+POSTGRES_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+LEASE_TTL = 1.0
+# A frozen child is resumed only after its lease has certainly run out at the coordinator.
+STOP_FOR = 2.0 * LEASE_TTL
+MAX_EPOCHS = 5
+# Redelivery of a killed worker's unacknowledged message: the smallest the settings allow (4x ttl), so
+# the run can drain within its bounds; a request redelivered while still running is an idempotent replay.
+VISIBILITY_TIMEOUT = 4 * LEASE_TTL
+INITIAL_STOCK = 30
+TICK = 0.05
+# kombu scans for unacknowledged messages past the visibility timeout only every ~100 s by default
+# (unacked_restore_interval x unacked_restore_throttle); the run sweeps itself this often instead.
+SWEEP_EVERY = 1.0
+# A client that saw no outcome sends the same key again (safe by design). Needed because a worker killed
+# between the broker's BRPOP and kombu recording the message as unacknowledged loses that message.
+RESEND_AFTER = 6.0
+# celery beat runs alongside the workers, as in a deployment; its sweeps (expired holds, and queued
+# requests that waited longer than a lease ttl: the batching's last resort) come this often, the same
+# few lease ttls apart as the defaults (30 s sweeps, 30 s ttl) relative to a run this short.
+BEAT_EVERY = 5 * LEASE_TTL
+# The flash sale: its SKU, and how many of its requests are sent back to back (they reach several workers
+# at once, so all but one find the lease busy and wait for the holder to serve them).
+HOT_SKU = "HOT"
+FLASH_BURST = 5
+# The worker killed mid-run holds the hot SKU's lease with requests waiting on it: serving them in a
+# batch if it is caught so between the first two fractions of the stream, else holding it for anything
+# until the third (watched this often); if none is caught, a normal worker is killed anyway.
+KILL_FROM, KILL_ANY_HOLDER, KILL_BY = 0.3, 0.6, 0.8
+# The lease Redis loses its data at this fraction of the stream.
+REDIS_RESTART_AT = 0.55
+# Besides the workers that freeze themselves, the run pauses this many holders caught serving a batch of
+# the hot SKU (SIGSTOP, resumed after STOP_FOR like the others), one at a time.
+HOLDER_PAUSES = 3
+WATCH_EVERY = 0.003
+
+# The faults, as counted in RunReport.faults (and keys of the JSON's "faults").
+FROZEN = "pool child frozen past its lease"
+HOLDER_FROZEN = "hot-SKU holder frozen, requests waiting"
+SERVER_FROZEN = "hot-SKU holder frozen serving a batch"
+SERVER_PAUSED = "hot-SKU batch server SIGSTOPped by the run"
+KILLED = "worker SIGKILL + restart"
+HOLDER_KILLED = "hot-SKU holder SIGKILLed, requests waiting"
+SERVER_KILLED = "hot-SKU holder SIGKILLed serving a batch"
+REDIS_RESTARTED = "lease Redis restart (data lost)"
+DELAYED = "client->postgres chunks delayed"
+
+
+class ChaosFailed(RuntimeError):
+    """The run could not be carried out (a process did not start); not a failed check."""
+
+
+@dataclass(frozen=True)
+class Options:
+    workers: int = 3
+    skus: int = 3
+    requests: int = 120
+    duration: float = 20.0  # seconds of request stream and faults, per run; draining comes after
+    drain: float = 40.0  # longest wait for the last outcomes after the stream
+    seed: int = 1
+    restart_lease_redis: bool = True  # off: only frozen and killed workers, to see what freezing alone does
+    proxy_delay: float = 0.0  # > 0: one more worker reaches PostgreSQL through a DelayProxy (needs 3 workers)
+    hot: float = 0.5  # share of the new requests that are flash-sale reservations of the hot SKU; 0: none
+    batching: bool = True  # workers serve a busy SKU's reservations in batches (RESERVATIONS_BATCHING)
+    postgres_url: str = POSTGRES_URL
+    folder: Path | None = None  # worker logs; a temporary folder by default
+    pictures: Path = Path("var/chaos")  # one SVG timeline per run is saved here

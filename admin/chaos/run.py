@@ -1,0 +1,252 @@
+"""Both runs of the same workload, fenced and lease-only: for each, the cluster up, the stream sent while
+the faults are injected (the driver loop: one list of steps per tick), the drain, then the checker and the
+figures; the side-by-side table or the JSON at the end.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import tempfile
+import time
+from pathlib import Path
+from types import FrameType
+
+from rich.console import Console
+
+from admin.chaos.checker import check
+from admin.chaos.cluster import Cluster, cluster, harness_failures, roles
+from admin.chaos.faults import HolderPauses, HotWatch, LeaseRedisRestart, ResumeFrozen, Step, WorkerKill
+from admin.chaos.figures import batching_figures, flash_statuses, read_log, statuses, waiting_keys
+from admin.chaos.options import (
+    BEAT_EVERY,
+    DELAYED,
+    FLASH_BURST,
+    HOT_SKU,
+    INITIAL_STOCK,
+    RESEND_AFTER,
+    SWEEP_EVERY,
+    TICK,
+    VISIBILITY_TIMEOUT,
+    WATCH_EVERY,
+    Options,
+)
+from admin.chaos.report import RunReport, print_table, write_json
+from admin.chaos.workload import Workload, flash_stock
+from admin.picture import save_timeline
+from reservations.inventory import Inventory
+from tasks.producer import Producer
+
+DRAIN_EVERY = 0.2  # how often the drain looks for the last outcomes
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt  # SIGTERM cleans up exactly like Ctrl-C: the finally blocks run
+
+
+def run(options: Options, console: Console | None = None, *, as_json: bool = False) -> bool:
+    """Both runs, the side-by-side table (or JSON); True when the fenced run has no violation."""
+    console = console or Console(stderr=as_json)
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    temporary = options.folder is None
+    folder = options.folder or Path(tempfile.mkdtemp(prefix="reservations-chaos-"))
+    try:
+        fenced = run_once(options, fenced=True, folder=folder / "fenced", console=console)
+        lease_only = run_once(options, fenced=False, folder=folder / "lease-only", console=console)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if temporary:
+            shutil.rmtree(folder, ignore_errors=True)
+    if as_json:
+        write_json(fenced, lease_only)
+    else:
+        print_table(console, fenced, lease_only)
+    return fenced.violations == 0
+
+
+def run_once(options: Options, *, fenced: bool, folder: Path, console: Console) -> RunReport:
+    mode = "fenced" if fenced else "lease-only"
+    report = RunReport(mode, batching_on=options.batching)
+    started = time.monotonic()
+    skus = [f"SKU{n}" for n in range(1, options.skus + 1)]
+    initial = dict.fromkeys(skus, INITIAL_STOCK)
+    if options.hot > 0:
+        report.hot_sku, report.hot_stock = HOT_SKU, flash_stock(options)
+        initial[HOT_SKU] = report.hot_stock
+    with harness_failures(), cluster(options, fenced=fenced, folder=folder) as up:
+        console.print(_describe(options, report), highlight=False)
+        with Inventory.from_url(up.database_url) as inventory:
+            for sku, units in initial.items():
+                inventory.add_sku(sku, on_hand=units)
+            drive(options, inventory, skus, up, report)
+            report.checks = check(up.database_url, initial, report.sent)
+            _read_database(up.database_url, inventory, report)
+            report.picture = save_timeline(
+                options.pictures / f"timeline-{mode}.svg",
+                f"{mode}: {options.workers} workers, {options.requests} requests",
+                {sku: inventory.history(sku, limit=10_000) for sku in initial},
+            )
+        _read_processes(up, report)
+    report.seconds = time.monotonic() - started
+    return report
+
+
+def _describe(options: Options, report: RunReport) -> str:
+    parts = roles(options)
+    flash = (
+        f", {options.hot:.0%} of them flash-sale reservations of {HOT_SKU} ({report.hot_stock} units)"
+        f" in bursts of {FLASH_BURST}"
+        if report.hot_sku
+        else ""
+    )
+    return (
+        f"[bold]{report.mode}[/]: {options.workers} workers ({parts.count('freeze')} freezing before "
+        f"writes, {parts.count('delay')} behind a {options.proxy_delay:g}s delaying proxy), "
+        f"{options.skus} SKUs, {options.requests} requests over {options.duration:g}s{flash}"
+        f", batching {'on' if options.batching else 'off'}, beat sweeping every {BEAT_EVERY:g}s"
+    )
+
+
+def _read_database(database_url: str, inventory: Inventory, report: RunReport) -> None:
+    report.statuses = statuses(database_url)
+    report.rejected_stale_writes = sum(inventory.rejection_counts().values())
+    report.batching = batching_figures(database_url, report.sent_at)
+    if report.hot_sku:
+        report.flash = flash_statuses(database_url, report.sent)
+
+
+def _read_processes(up: Cluster, report: RunReport) -> None:
+    if up.proxy is not None:
+        report.faults[DELAYED] = up.proxy.delayed_chunks
+    for worker in up.workers:
+        # Which fault made the stale writes: each refused write logs "lost ownership" in its worker, a
+        # batch holder's with "while serving pending reservations".
+        if worker.role == "beat":
+            continue
+        log = read_log(worker.log_path)
+        report.lost_by_role[worker.role] += log.lost_ownership
+        report.lost_serving_by_role[worker.role] += log.lost_serving
+        report.batching.watches += log.watches
+        report.batching.swept += log.swept
+
+
+# -- the driver loop -------------------------------------------------------------------------------------
+
+
+class Stream:
+    """Sends the workload's requests evenly over the run's duration (a flash-sale burst at once)."""
+
+    def __init__(
+        self, options: Options, client: Producer, workload: Workload, report: RunReport, start: float
+    ) -> None:
+        self.client, self.workload, self.report = client, workload, report
+        self.requests, self.start = options.requests, start
+        self.gap = options.duration / max(1, options.requests)
+        self.count = 0
+
+    @property
+    def done(self) -> bool:
+        return self.count >= self.requests
+
+    def step(self, now: float) -> None:
+        if now < self.start + self.count * self.gap:
+            return
+        for request, replay in self.workload.next(room=self.requests - self.count):
+            self.client.send(request.operation, request.key, request.kwargs)
+            self.report.sent_at.setdefault(request.key, time.time())
+            self.count += 1
+            self.report.replayed += replay
+
+    def watching(self, now: float) -> bool:
+        return False
+
+
+class Sweeper:
+    """Gives messages unacknowledged past the visibility timeout (a killed worker's) back to the queue."""
+
+    def __init__(self, client: Producer) -> None:
+        self.client = client
+        self.last = time.monotonic()
+
+    def step(self, now: float) -> None:
+        if now - self.last < SWEEP_EVERY:
+            return
+        self.last = now
+        with self.client.app.connection_for_write() as conn:
+            conn.default_channel.qos.restore_visible(num=1000, interval=1)
+
+    def watching(self, now: float) -> bool:
+        return False
+
+
+def drive(options: Options, inventory: Inventory, skus: list[str], up: Cluster, report: RunReport) -> None:
+    """Send the stream while injecting faults, then wait (still resuming frozen children) for outcomes."""
+    client = Producer(up.settings["RESERVATIONS_BROKER_URL"], up.settings.get("RESERVATIONS_RESULT_BACKEND"))
+    # The sweep restores what was unacknowledged longer than the workers' visibility timeout; it reads
+    # that timeout from its own connection's options, which must therefore be the workers'.
+    client.app.conf.broker_transport_options = {"visibility_timeout": VISIBILITY_TIMEOUT}
+    workload = Workload(options, skus, inventory)
+    report.sent = workload.sent
+    watch = HotWatch(up.lease_redis.url(0), up.database_url, workload.sent) if report.hot_sku else None
+    start = time.monotonic()
+    stream = Stream(options, client, workload, report, start)
+    kill = WorkerKill(options, up.workers, report, watch, start)
+    resume, sweep = ResumeFrozen(up.workers, report, watch), Sweeper(client)
+    # One tick: send what is due, then each fault in turn, then the housekeeping.
+    steps: list[Step] = [
+        stream,
+        kill,
+        HolderPauses(up.workers, report, watch, start),
+        LeaseRedisRestart(options, up.lease_redis, report, start),
+        resume,
+        sweep,
+    ]
+    try:
+        while not stream.done:
+            now = time.monotonic()
+            for step in steps:
+                step.step(now)
+            time.sleep(WATCH_EVERY if any(step.watching(now) for step in steps) else TICK)
+        kill.wait_restarted()
+        _drain(options, inventory, client, workload, report, up.database_url, [resume, sweep])
+    finally:
+        client.close()
+        if watch is not None:
+            watch.close()
+    report.enqueued = len(workload.sent)
+
+
+def _drain(
+    options: Options,
+    inventory: Inventory,
+    client: Producer,
+    workload: Workload,
+    report: RunReport,
+    database_url: str,
+    steps: list[Step],
+) -> None:
+    """Wait for every request's outcome (up to ``options.drain``), still taking ``steps``; once, after
+    RESEND_AFTER, send again what has no outcome and is not waiting to be served in a batch."""
+    drain_start = time.monotonic()
+    resend_at: float | None = drain_start + RESEND_AFTER
+    pending = set(workload.sent)
+    while pending and time.monotonic() < drain_start + options.drain:
+        for step in steps:
+            step.step(time.monotonic())
+        pending = {key for key in pending if inventory.request_outcome(key) is None}
+        if pending and resend_at is not None and time.monotonic() >= resend_at:
+            _resend(client, workload, report, pending, database_url)
+            resend_at = None
+        time.sleep(DRAIN_EVERY)
+
+
+def _resend(
+    client: Producer, workload: Workload, report: RunReport, pending: set[str], database_url: str
+) -> None:
+    # A request still waiting on a pending list is not lost: serving it is the batching's job (its SKU's
+    # holder, its watch or beat's sweep), so only the others are sent again.
+    report.waiting_at_resend = sorted(pending & waiting_keys(database_url))
+    for key in sorted(pending - set(report.waiting_at_resend)):
+        request = workload.sent[key]
+        client.send(request.operation, key, request.kwargs)
+        report.resent += 1
