@@ -14,21 +14,16 @@ history stay; the folder then holds only the worker logs and the markers.
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
-import subprocess
-import sys
 import time
 import uuid
-from collections.abc import Callable
-from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
+from admin.harness import CeleryProcess, HarnessError, stop_all, wait_until, worker_env
 from fencing import LeaseManager, mask_url
 from reservations import schema
 from reservations.inventory import Inventory
@@ -110,54 +105,22 @@ class Setup:
         )
 
     def worker_env(self, name: str, *, freeze: bool) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("RESERVATIONS_")}
-        env.update(
-            {
-                "RESERVATIONS_DATABASE_URL": self.backends.database_url,
-                "RESERVATIONS_LEASE_URL": self.backends.lease_url,
-                "RESERVATIONS_LEASE_PREFIX": self.backends.lease_prefix,
-                "RESERVATIONS_BROKER_URL": self.backends.broker_url,
-                "RESERVATIONS_RESULT_BACKEND": self.backends.result_backend,
-                "RESERVATIONS_LEASE_TTL": str(LEASE_TTL),
-                "RESERVATIONS_MAX_EPOCHS": "3",
-                "RESERVATIONS_FAILPOINT_DIR": str(self.folder / f"failpoints-{name}"),
-            }
-        )
+        settings = {
+            "RESERVATIONS_DATABASE_URL": self.backends.database_url,
+            "RESERVATIONS_LEASE_URL": self.backends.lease_url,
+            "RESERVATIONS_LEASE_PREFIX": self.backends.lease_prefix,
+            "RESERVATIONS_BROKER_URL": self.backends.broker_url,
+            "RESERVATIONS_RESULT_BACKEND": self.backends.result_backend,
+            "RESERVATIONS_LEASE_TTL": str(LEASE_TTL),
+            "RESERVATIONS_MAX_EPOCHS": "3",
+            "RESERVATIONS_FAILPOINT_DIR": str(self.folder / f"failpoints-{name}"),
+        }
         if freeze:
-            env["RESERVATIONS_FAILPOINTS"] = "before_write=stop,once"
+            settings["RESERVATIONS_FAILPOINTS"] = "before_write=stop,once"
             # A's renewal is slower than its pause, as for a request stuck in the network: nothing but
             # the fence stands between its late write and the stock row.
-            env["RESERVATIONS_LEASE_RENEW_EVERY"] = "600"
-        return env
-
-
-@dataclass
-class Worker:
-    name: str
-    process: subprocess.Popen[bytes]
-    log: Path
-
-    def pool_children(self) -> list[int]:
-        try:
-            text = Path(f"/proc/{self.process.pid}/task/{self.process.pid}/children").read_text()
-        except OSError:
-            return []
-        return [int(pid) for pid in text.split()]
-
-
-def _state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return "?"
-
-
-def _poll(what: str, predicate: Callable[[], bool], timeout: float, interval: float = 0.05) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise DemoFailed(f"timed out waiting for {what}")
-        time.sleep(interval)
+            settings["RESERVATIONS_LEASE_RENEW_EVERY"] = "600"
+        return worker_env(settings)
 
 
 @dataclass
@@ -165,7 +128,7 @@ class Demo:
     setup: Setup
     console: Console
     started: float = field(default_factory=time.monotonic)
-    workers: list[Worker] = field(default_factory=list)
+    workers: list[CeleryProcess] = field(default_factory=list)
     steps: list[tuple[str, str, str]] = field(default_factory=list)
 
     def step(self, who: str, what: str) -> None:
@@ -173,78 +136,24 @@ class Demo:
         self.steps.append((at, who, what))
         self.console.print(f"[dim]{at}[/]  [bold]{who:<7}[/] {what}", highlight=False)
 
-    def start_worker(self, name: str, *, freeze: bool) -> Worker:
-        log = self.setup.folder / f"worker-{name}.log"
-        process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "celery",
-                "-A",
-                "tasks",
-                "worker",
-                "--pool",
-                "prefork",
-                "-c",
-                "1",
-                "-n",
-                f"{name}@%h",
-                "--without-gossip",
-                "--without-mingle",
-                "--without-heartbeat",
-                "--loglevel",
-                "INFO",
-            ],
-            env=self.setup.worker_env(name, freeze=freeze),
-            stdout=log.open("wb"),
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
+    def start_worker(self, name: str, *, freeze: bool) -> CeleryProcess:
+        worker = CeleryProcess(
+            name, self.setup.worker_env(name, freeze=freeze), self.setup.folder / f"worker-{name}.log"
         )
-        worker = Worker(name, process, log)
         self.workers.append(worker)
-        _poll(
-            f"worker {name} to start",
-            lambda: b" ready." in log.read_bytes() or process.poll() is not None,
-            timeout=60,
-        )
-        if process.poll() is not None:
-            raise DemoFailed(f"worker {name} exited: see {log}")
+        worker.start()
+        worker.wait_ready()
         return worker
 
     def stop_workers(self) -> None:
-        for worker in self.workers:
-            for pid in worker.pool_children():
-                _signal(pid, signal.SIGCONT)
-            _signal_group(worker.process, signal.SIGTERM)
-        for worker in self.workers:
-            try:
-                worker.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                _signal_group(worker.process, signal.SIGKILL)
-                worker.process.wait(timeout=10)
-
-
-def _signal(pid: int, sig: signal.Signals) -> None:
-    with suppress(ProcessLookupError):
-        os.kill(pid, sig)
-
-
-def _signal_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None:
-    with suppress(ProcessLookupError):
-        os.killpg(process.pid, sig)
+        """Warm shutdown of every worker, A thawed first if it is still frozen."""
+        stop_all(self.workers)
 
 
 def _wait_outcome(inventory: Inventory, key: str, timeout: float) -> RequestResult:
-    found: list[RequestResult] = []
-
-    def done() -> bool:
-        outcome = inventory.request_outcome(key)
-        if outcome is not None:
-            found.append(outcome)
-        return bool(found)
-
-    _poll(f"the outcome of {key}", done, timeout, interval=0.1)
-    return found[0]
+    return wait_until(
+        lambda: inventory.request_outcome(key), timeout=timeout, what=f"the outcome of {key}", interval=0.1
+    )
 
 
 def run(folder: Path, console: Console | None = None, backends: Backends | None = None) -> bool:
@@ -276,15 +185,13 @@ def run(folder: Path, console: Console | None = None, backends: Backends | None 
             demo.step("A", "worker A started (it freezes with SIGSTOP between taking its lease and writing)")
             producer.send("reserve", key_a, {"sku": sku, "quantity": 5})
             demo.step("client", f"request {key_a}: reserve 5")
-            _poll(
-                "worker A to take the lease and stop",
-                lambda: any(_state(pid) == "T" for pid in a.pool_children()),
-                timeout=30,
-            )
+            wait_until(a.stopped_child, timeout=30, what="worker A to take the lease and stop")
             held = leases.current(scope)
             token_a = held.token if held else None
             demo.step("A", f"took {scope} with token {token_a} and froze before its write (SIGSTOP)")
-            _poll("A's lease to expire", lambda: leases.current(scope) is None, timeout=LEASE_TTL + 10)
+            wait_until(
+                lambda: leases.current(scope) is None, timeout=LEASE_TTL + 10, what="A's lease to expire"
+            )
             demo.step("lease", f"token {token_a} expires at the coordinator; A is still frozen")
             demo.start_worker("B", freeze=False)
             demo.step("B", "worker B started")
@@ -292,8 +199,7 @@ def run(folder: Path, console: Console | None = None, backends: Backends | None 
             demo.step("client", f"request {key_b}: reserve 2")
             outcome_b = _wait_outcome(inventory, key_b, timeout=30)
             demo.step("B", f"{key_b}: {outcome_b.status} under token {outcome_b.detail.get('token')}")
-            for pid in a.pool_children():
-                _signal(pid, signal.SIGCONT)
+            a.thaw()
             demo.step("A", "SIGCONT: A resumes; its write with the old token reaches the stock row")
             outcome_a = _wait_outcome(inventory, key_a, timeout=40)
             rejected = inventory.rejection_counts().get(sku, 0)
@@ -310,6 +216,8 @@ def run(folder: Path, console: Console | None = None, backends: Backends | None 
             level = inventory.stock(sku)
             # On a shared database only the demo's own SKU is its business.
             violations = [v for v in inventory.invariant_violations() if v.sku == sku]
+    except HarnessError as exc:  # a worker that did not start, or a wait that ran out: the run failed
+        raise DemoFailed(str(exc)) from exc
     finally:
         demo.stop_workers()
     _print_tokens(console, sku, timeline)
