@@ -7,6 +7,8 @@ are what the code reads and writes through (their ``__table__`` for the Core hot
 
 from __future__ import annotations
 
+from typing import Any
+
 import sqlalchemy as sa
 from sqlmodel import Field, SQLModel
 
@@ -17,8 +19,17 @@ HELD, CONFIRMED, RELEASED, EXPIRED = tuple(ReservationStatus)
 RESERVATION_STATUSES = tuple(ReservationStatus)
 
 
-def _bigint(nullable: bool = False, **kwargs: object) -> sa.Column[int]:
-    return sa.Column(sa.BigInteger, nullable=nullable, **kwargs)  # type: ignore[arg-type]
+def _bigint(nullable: bool = False, **kwargs: Any) -> sa.Column[int]:
+    return sa.Column(sa.BigInteger, nullable=nullable, **kwargs)
+
+
+def _table(model: type[SQLModel]) -> sa.Table:
+    """The model's Core table, which the hot path's statements use (SQLModel leaves ``__table__``
+    untyped)."""
+    table = sa.inspect(model).local_table
+    if not isinstance(table, sa.Table):
+        raise TypeError(f"{model.__name__} is not mapped to a table")
+    return table
 
 
 class Stock(SQLModel, table=True):
@@ -122,10 +133,10 @@ class SkuHistory(SQLModel, table=True):
     detail: str | None = None
 
 
-stock = Stock.__table__  # type: ignore[attr-defined]
-reservations = Reservation.__table__  # type: ignore[attr-defined]
-idempotency_keys = IdempotencyRecord.__table__  # type: ignore[attr-defined]
-sku_history = SkuHistory.__table__  # type: ignore[attr-defined]
+stock = _table(Stock)
+reservations = _table(Reservation)
+idempotency_keys = _table(IdempotencyRecord)
+sku_history = _table(SkuHistory)
 
 
 class RequestOutcome(SQLModel, table=True):
@@ -168,8 +179,8 @@ class TaskAttempt(SQLModel, table=True):
     at_ms: int = Field(sa_column=_bigint())
 
 
-request_outcomes = RequestOutcome.__table__  # type: ignore[attr-defined]
-task_attempts = TaskAttempt.__table__  # type: ignore[attr-defined]
+request_outcomes = _table(RequestOutcome)
+task_attempts = _table(TaskAttempt)
 
 
 class PendingReservation(SQLModel, table=True):
@@ -199,4 +210,4 @@ class PendingReservation(SQLModel, table=True):
     enqueued_ms: int = Field(sa_column=_bigint())
 
 
-pending_reservations = PendingReservation.__table__  # type: ignore[attr-defined]
+pending_reservations = _table(PendingReservation)
