@@ -318,7 +318,7 @@ def test_bad_batch_requests_are_refused_and_nothing_written(
     lease = lease_for(leases, hot)
     for limit in (0, -1, 10**6, True):
         with pytest.raises(InvalidRequest):
-            inventory.serve_pending(lease, hot, limit=limit)  # type: ignore[arg-type]
+            inventory.serve_pending(lease, hot, limit=limit)
     with pytest.raises(InvalidRequest):  # a lease of another SKU cannot serve this one
         inventory.serve_pending(lease_for(leases, "OTHER"), hot, limit=10)
     assert snapshot(inventory_url) == before
