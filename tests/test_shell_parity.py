@@ -62,9 +62,10 @@ PAIRS = [
         ReservationClient,
         twin=_client_twin,
         async_only={
-            # The sync path of an order is enqueue_sync("reserve_order", ...): the request shape is
-            # validated by the worker-side message check either way.
-            "enqueue_order": "a sync producer enqueues an order through enqueue_sync('reserve_order')",
+            # Not async by nature: a gap to close in tasks/client.py with an enqueue_order_sync. Until
+            # then a blocking producer sends an order as enqueue_sync("reserve_order", lines=...), whose
+            # lines the worker's message check validates instead of the client.
+            "enqueue_order": "no enqueue_order_sync yet; enqueue_sync('reserve_order', ...) serves",
         },
     ),
     Pair(ReservationHandle, ReservationHandle, twin=_client_twin),
