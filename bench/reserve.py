@@ -244,7 +244,7 @@ def _check(inventory: Inventory, expected: int, prefixes: list[str]) -> str:
     """Every path wrote what it should: the inventory's invariants hold (reserved units equal held
     reservations, history explains every stock row), each table grew by one row per reserve, and each
     path's idempotency record reads back as the Outcome the library would have stored."""
-    problems = inventory.invariant_violations()
+    problems = [str(violation) for violation in inventory.invariant_violations()]
     with inventory.executor.engine.connect() as conn:
         reserved = conn.execute(sa.text("SELECT sum(reserved) FROM stock")).scalar_one()
         counts = {

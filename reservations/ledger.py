@@ -1,0 +1,388 @@
+"""The ledger: what every fenced stock write is wrapped in, written once for all operations.
+
+An operation runs in one transaction: idempotency lookup, the fenced UPDATE of the stock row, its other
+rows, the history row and the idempotency record commit together or not at all. A stale token rolls
+everything back and is then recorded in a transaction of its own, so the refusal is durable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.exc import IntegrityError
+
+from fencing import Fence, FenceOutcome, Lease, StaleToken
+from fencing.plan import Atomic, Plan
+from fencing.sql import Rows, db_now_ms
+from reservations import validation as valid
+from reservations.errors import (
+    IdempotencyConflict,
+    InsufficientStock,
+    RequestClosed,
+    ReservationError,
+    StockLimitExceeded,
+    UnknownSku,
+)
+from reservations.models import idempotency_keys, reservations, sku_history, stock
+from reservations.reads import STOCK_COLUMNS, stock_level
+from reservations.requests import TOMBSTONE_FINGERPRINT
+from reservations.statuses import RequestStatus
+from reservations.views import Outcome, StockLevel
+
+
+def fingerprint(operation: str, **request: Any) -> str:
+    """Identifies a request independent of its key: same key + different fingerprint is a conflict."""
+    canonical = json.dumps({"operation": operation, **request}, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def hold_ms_of(hold_for: float | None) -> int | None:
+    """A validated hold in whole milliseconds (at least 1), or None for a hold without expiry."""
+    hold = valid.hold_seconds(hold_for)
+    return None if hold is None else max(1, round(hold * 1000))
+
+
+def new_reservation_id() -> str:
+    return f"r_{uuid.uuid4().hex}"
+
+
+@dataclass(frozen=True, slots=True)
+class HeldLine:
+    """One reservation of a batch held together (:meth:`InventoryPlans.hold_together`)."""
+
+    key: str
+    quantity: int
+    hold_ms: int | None
+    reservation_id: str
+
+
+class _Refused(Exception):
+    """Carries a business refusal out of a rolled-back transaction so it can be stored on its own."""
+
+    def __init__(self, error: ReservationError) -> None:
+        self.error = error
+
+
+def _stored_error(data: dict[str, Any]) -> ReservationError:
+    error = InsufficientStock(sku=data["sku"], requested=data["requested"], available=data["available"])
+    error.replayed = True
+    return error
+
+
+def _key_taken(exc: IntegrityError) -> str | None:
+    """Which of a request's keys a unique violation is about: "reservation" (a reservation already has
+    the key), "record" (its idempotency record or final outcome exists), or None for anything else."""
+    diag = getattr(exc.orig, "diag", None)
+    name = str(getattr(diag, "constraint_name", None) or exc.orig)  # SQLite only has the message
+    if "reservations" in name and "idempotency_key" in name:
+        return "reservation"
+    if "idempotency_key" in name or "request_outcomes" in name:
+        return "record"
+    return None
+
+
+def _reservation_conflict(key: str, operation: str) -> IdempotencyConflict:
+    # The key's record was purged, but the reservation it created is still there.
+    return IdempotencyConflict(
+        key=key, operation=operation, stored_operation="a reservation whose record expired"
+    )
+
+
+def _raise_unless_key_taken(exc: IntegrityError, key: str, operation: str) -> None:
+    """Return when ``exc`` is a concurrent attempt with the same key having committed first (the next
+    round replays it); raise anything else."""
+    taken = _key_taken(exc)
+    if taken == "reservation":
+        # Attempts on one SKU queue on its stock row and read the key after locking it, so on this
+        # path the clash is not a race.
+        raise _reservation_conflict(key, operation) from None
+    if taken is None:
+        raise exc
+
+
+class Ledger:
+    """The envelope of every fenced write: idempotency, row locks, the fenced stock change, history
+    rows and the durable record of a refused stale token. Decisions and statements only; no I/O."""
+
+    def __init__(
+        self,
+        *,
+        enforce_fence: bool = True,
+        before_statement: Callable[[Lease], None] | None = None,
+        single_statement: bool = False,
+    ) -> None:
+        self.fence = Fence(stock, enforce=enforce_fence, before_statement=before_statement)
+        # PostgreSQL: a single-SKU reservation is one statement (reservations.reserve_statement).
+        self.single_statement = single_statement
+
+    # -- the idempotent envelope -------------------------------------------------------------------
+
+    def _idempotent(
+        self,
+        key: str,
+        operation: str,
+        print_: str,
+        apply: Callable[[], Plan[Outcome]],
+        on_stale: Callable[[StaleToken], sa.Executable],
+        lock: Callable[[], Plan[None]],
+    ) -> Plan[Outcome]:
+        for _ in range(3):
+            try:
+                outcome: Outcome = yield Atomic(self._attempt(key, operation, print_, apply, lock))
+                return outcome
+            except _Refused as refused:
+                try:
+                    stored: Outcome | None = yield Atomic(
+                        self._store_refusal(key, operation, print_, refused.error)
+                    )
+                except IntegrityError:
+                    continue  # a concurrent attempt stored its outcome first: the next round replays it
+                if stored is not None:
+                    return stored  # a concurrent attempt applied the key meanwhile: its outcome stands
+                raise refused.error from None
+            except StaleToken as stale:
+                yield Atomic(self.one(on_stale(stale)))
+                raise
+            except IntegrityError as exc:
+                _raise_unless_key_taken(exc, key, operation)
+                # A concurrent attempt with the same key committed first; the next round replays it.
+        raise RuntimeError(f"idempotency key {key!r} kept colliding")  # pragma: no cover
+
+    def one(self, stmt: sa.Executable) -> Plan[None]:
+        yield stmt
+
+    def _attempt(
+        self,
+        key: str,
+        operation: str,
+        print_: str,
+        apply: Callable[[], Plan[Outcome]],
+        lock: Callable[[], Plan[None]],
+    ) -> Plan[Outcome]:
+        # Stock rows first, then everything else: two attempts on the same SKU (a redelivery racing a
+        # retry, two epochs) queue here, and the second sees what the first committed.
+        yield from lock()
+        found: Rows = yield sa.select(idempotency_keys).where(idempotency_keys.c.key == key)
+        stored = found.first()
+        if stored is not None:
+            return self.replay(stored, operation, print_)
+        try:
+            outcome = yield from apply()
+        except InsufficientStock as error:
+            raise _Refused(error) from None
+        yield sa.insert(idempotency_keys).values(
+            key=key,
+            fingerprint=print_,
+            operation=operation,
+            outcome=outcome.to_json(),
+            token=outcome.token,
+            created_ms=db_now_ms(),
+        )
+        return outcome
+
+    def _lock_skus(self, *skus: str) -> Callable[[], Plan[None]]:
+        """Lock the stock rows in sorted order (PostgreSQL; SQLite transactions are already exclusive)."""
+
+        def lock() -> Plan[None]:
+            for sku in sorted(set(skus)):
+                yield sa.select(stock.c.sku).where(stock.c.sku == sku).with_for_update()
+
+        return lock
+
+    def _lock_reservation_sku(self, reservation_id: str) -> Callable[[], Plan[None]]:
+        def lock() -> Plan[None]:
+            # A reservation's SKU never changes (a trigger refuses it), so it is safe to read unlocked.
+            found: Rows = yield sa.select(reservations.c.sku).where(reservations.c.id == reservation_id)
+            row = found.first()
+            if row is not None:
+                yield from self._lock_skus(row.sku)()
+
+        return lock
+
+    def replay(self, stored: Any, operation: str, print_: str) -> Outcome:
+        if stored.fingerprint == TOMBSTONE_FINGERPRINT:
+            raise RequestClosed(key=stored.key, status=json.loads(stored.outcome).get("status", "closed"))
+        if stored.fingerprint != print_:
+            raise IdempotencyConflict(key=stored.key, operation=operation, stored_operation=stored.operation)
+        data = json.loads(stored.outcome)
+        if "error" in data:
+            raise _stored_error(data)
+        return Outcome.from_json(stored.outcome, replayed=True)
+
+    def _store_refusal(
+        self, key: str, operation: str, print_: str, error: ReservationError
+    ) -> Plan[Outcome | None]:
+        """Store a refusal as the key's outcome, unless an outcome arrived meanwhile: then replay that."""
+        assert isinstance(error, InsufficientStock)
+        outcome = json.dumps(
+            {
+                "error": RequestStatus.INSUFFICIENT_STOCK,
+                "sku": error.sku,
+                "requested": error.requested,
+                "available": error.available,
+            }
+        )
+        found: Rows = yield sa.select(idempotency_keys).where(idempotency_keys.c.key == key)
+        stored = found.first()
+        if stored is not None:
+            return self.replay(stored, operation, print_)
+        yield sa.insert(idempotency_keys).values(
+            key=key, fingerprint=print_, operation=operation, outcome=outcome, created_ms=db_now_ms()
+        )
+        return None
+
+    def rejection(
+        self,
+        stale: StaleToken,
+        lease: Lease,
+        sku: str,
+        operation: str,
+        key: str | None,
+        quantity: int | None,
+        reservation_id: str | None = None,
+    ) -> sa.Executable:
+        return sa.insert(sku_history).values(
+            self._history_values(
+                lease,
+                sku,
+                operation,
+                key,
+                kind="rejected",
+                token=stale.presented,
+                quantity=quantity,
+                reservation_id=reservation_id,
+                highest_token=stale.highest,
+                detail=str(stale),
+            )
+        )
+
+    @staticmethod
+    def _history_values(
+        lease: Lease,
+        sku: str,
+        operation: str,
+        key: str | None,
+        *,
+        kind: str,
+        token: int,
+        quantity: int | None,
+        on_hand: int = 0,
+        reserved: int = 0,
+        reservation_id: str | None = None,
+        highest_token: int | None = None,
+        detail: str | None = None,
+    ) -> dict[str, Any]:
+        return {
+            "sku": sku,
+            "at_ms": db_now_ms(),
+            "kind": kind,
+            "operation": operation,
+            "token": token,
+            "lease_id": lease.lease_id,
+            "holder": lease.holder,
+            "quantity": quantity,
+            "idempotency_key": key,
+            "reservation_id": reservation_id,
+            "on_hand_delta": on_hand,
+            "reserved_delta": reserved,
+            "highest_token": highest_token,
+            "detail": detail,
+        }
+
+    # -- building blocks ---------------------------------------------------------------------------
+
+    def _fenced(
+        self,
+        lease: Lease,
+        sku: str,
+        operation: str,
+        *,
+        on_hand: int,
+        reserved: int,
+        condition: sa.ColumnElement[bool] | None,
+    ) -> Plan[StockLevel]:
+        """The fenced stock change; UnknownSku if there is no row, None-safe condition check.
+
+        Units coming in must keep ``on_hand`` within MAX_ON_HAND; the bound is part of the UPDATE's own
+        condition, so two restocks racing each other cannot both pass it.
+        """
+        if on_hand > 0:
+            # Compared against a bound computed here: ``on_hand + delta`` could overflow in SQL first.
+            within = stock.c.on_hand <= valid.MAX_ON_HAND - on_hand
+            condition = within if condition is None else sa.and_(condition, within)
+        result = yield from self.fence.plan(
+            lease,
+            scope=valid.scope_of(sku),
+            where=[stock.c.sku == sku],
+            values={
+                "on_hand": stock.c.on_hand + on_hand,
+                "reserved": stock.c.reserved + reserved,
+                "available": stock.c.available + (on_hand - reserved),
+                "updated_ms": db_now_ms(),
+            },
+            condition=condition,
+            returning=STOCK_COLUMNS,
+            operation=operation,
+        )
+        if result.outcome is FenceOutcome.NO_ROW:
+            raise UnknownSku(sku)
+        if result.outcome is FenceOutcome.CONDITION_FAILED:
+            level = yield from stock_level(sku)
+            if on_hand > 0 and level.on_hand > valid.MAX_ON_HAND - on_hand:
+                limit = valid.MAX_ON_HAND
+                raise StockLimitExceeded(sku=sku, on_hand=level.on_hand, delta=on_hand, limit=limit)
+            raise InsufficientStock(sku=sku, requested=max(reserved, -on_hand), available=level.available)
+        row = result.row
+        return StockLevel(sku=row[0], on_hand=row[1], reserved=row[2], available=row[3], fence_token=row[4])
+
+    def _history(
+        self,
+        lease: Lease,
+        sku: str,
+        operation: str,
+        key: str | None,
+        *,
+        quantity: int,
+        on_hand: int,
+        reserved: int,
+        reservation_id: str | None = None,
+        detail: str | None = None,
+    ) -> sa.Executable:
+        return sa.insert(sku_history).values(
+            self._history_values(
+                lease,
+                sku,
+                operation,
+                key,
+                kind="write",
+                token=lease.token,
+                quantity=quantity,
+                on_hand=on_hand,
+                reserved=reserved,
+                reservation_id=reservation_id,
+                detail=detail,
+            )
+        )
+
+    def _unkeyed(
+        self,
+        apply: Callable[[], Plan[Outcome]],
+        on_stale: Callable[[StaleToken], sa.Executable],
+        lock: Callable[[], Plan[None]],
+    ) -> Plan[Outcome]:
+        def locked() -> Plan[Outcome]:
+            yield from lock()
+            return (yield from apply())
+
+        try:
+            outcome: Outcome = yield Atomic(locked())
+            return outcome
+        except StaleToken as stale:
+            yield Atomic(self.one(on_stale(stale)))
+            raise

@@ -1,0 +1,251 @@
+"""A reservation's life as plans: units held (one line, or a batch held together), then confirmed,
+released or expired. Each step is a fenced write in the ledger's envelope.
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+
+from fencing import Lease
+from fencing.plan import Plan
+from fencing.sql import Rows, db_now_ms
+from reservations import validation as valid
+from reservations.errors import InvalidTransition, UnknownReservation
+from reservations.ledger import HeldLine, Ledger, fingerprint, new_reservation_id
+from reservations.models import CONFIRMED, EXPIRED, HELD, RELEASED, reservations, sku_history, stock
+from reservations.reads import stock_level
+from reservations.views import Outcome, StockLevel
+
+
+class ReservationLifecycle(Ledger):
+    """Holding units and ending a hold; the operations that start a reservation build on it."""
+
+    def hold_line(
+        self,
+        lease: Lease,
+        sku: str,
+        quantity: int,
+        *,
+        key: str,
+        reservation_key: str,
+        order_key: str | None,
+        hold_ms: int | None,
+        operation: str,
+    ) -> Plan[tuple[str, StockLevel]]:
+        level = yield from self._fenced(
+            lease, sku, operation, on_hand=0, reserved=quantity, condition=stock.c.available >= quantity
+        )
+        reservation_id = new_reservation_id()
+        now = db_now_ms()
+        yield sa.insert(reservations).values(
+            id=reservation_id,
+            sku=sku,
+            quantity=quantity,
+            status=HELD,
+            hold_expires_ms=None if hold_ms is None else now + hold_ms,
+            idempotency_key=reservation_key,
+            order_key=order_key,
+            token=lease.token,
+            lease_id=lease.lease_id,
+            created_ms=now,
+        )
+        yield self._history(
+            lease,
+            sku,
+            operation,
+            key,
+            quantity=quantity,
+            on_hand=0,
+            reserved=quantity,
+            reservation_id=reservation_id,
+        )
+        return reservation_id, level
+
+    def hold_together(self, lease: Lease, sku: str, held: list[HeldLine]) -> Plan[StockLevel]:
+        """Hold every line of ``held`` (one SKU, decided by the caller against the stock row it locked)
+        with one fenced stock change for their total and one insert each for their reservations and
+        history rows: three statements for a batch of any size. PostgreSQL only, where the held-units
+        check counts a statement's reservations together (migration 0007); returns the level after."""
+        total = sum(line.quantity for line in held)
+        level = yield from self._fenced(
+            lease, sku, "reserve", on_hand=0, reserved=total, condition=stock.c.available >= total
+        )
+        now = db_now_ms()
+        yield sa.insert(reservations).values(
+            [
+                {
+                    "id": line.reservation_id,
+                    "sku": sku,
+                    "quantity": line.quantity,
+                    "status": HELD,
+                    "hold_expires_ms": None if line.hold_ms is None else now + line.hold_ms,
+                    "idempotency_key": line.key,
+                    "order_key": None,
+                    "token": lease.token,
+                    "lease_id": lease.lease_id,
+                    "created_ms": now,
+                }
+                for line in held
+            ]
+        )
+        yield sa.insert(sku_history).values(
+            [
+                self._history_values(
+                    lease,
+                    sku,
+                    "reserve",
+                    line.key,
+                    kind="write",
+                    token=lease.token,
+                    quantity=line.quantity,
+                    reserved=line.quantity,
+                    reservation_id=line.reservation_id,
+                )
+                for line in held
+            ]
+        )
+        return level
+
+    def hold_one(self, lease: Lease, sku: str, quantity: int, key: str, hold_ms: int | None) -> Plan[Outcome]:
+        """The body of a single-SKU reservation (alone, or as one request of a batch)."""
+        reservation_id, level = yield from self.hold_line(
+            lease,
+            sku,
+            quantity,
+            key=key,
+            reservation_key=key,
+            order_key=None,
+            hold_ms=hold_ms,
+            operation="reserve",
+        )
+        return Outcome.reserved(key, lease.token, reservation_id, level, quantity)
+
+    def _finish(
+        self, lease: Lease, reservation_id: str, key: str, operation: str, status: str
+    ) -> Plan[Outcome]:
+        valid.lease(lease)
+        valid.reservation_id(reservation_id)
+        valid.idempotency_key(key)
+        sku_box: list[str] = []
+
+        def apply() -> Plan[Outcome]:
+            found: Rows = yield sa.select(reservations).where(reservations.c.id == reservation_id)
+            row = found.first()
+            if row is None:
+                raise UnknownReservation(reservation_id)
+            sku_box.append(row.sku)
+            if valid.scope_of(row.sku) != lease.scope:
+                raise InvalidTransition(
+                    reservation_id=reservation_id,
+                    status=row.status,
+                    operation=operation,
+                    detail=f"it belongs to SKU {row.sku}, the lease is for {lease.scope}",
+                )
+            if row.status != HELD:
+                raise InvalidTransition(reservation_id=reservation_id, status=row.status, operation=operation)
+            on_hand = -row.quantity if status == CONFIRMED else 0
+            level = yield from self._fenced(
+                lease, row.sku, operation, on_hand=on_hand, reserved=-row.quantity, condition=None
+            )
+            changed: Rows = yield (
+                sa.update(reservations)
+                .where(reservations.c.id == reservation_id, reservations.c.status == HELD)
+                .values(status=status, final_ms=db_now_ms(), final_token=lease.token, final_key=key)
+                .returning(reservations.c.id)
+            )
+            if not changed.rows:  # finished (or expired) by someone else since we read it: roll back
+                raise InvalidTransition(reservation_id=reservation_id, status="final", operation=operation)
+            yield self._history(
+                lease,
+                row.sku,
+                operation,
+                key,
+                quantity=row.quantity,
+                on_hand=on_hand,
+                reserved=-row.quantity,
+                reservation_id=reservation_id,
+            )
+            return Outcome(
+                operation=operation,
+                key=key,
+                token=lease.token,
+                reservation_ids=(reservation_id,),
+                stock=(level,),
+                quantity=row.quantity,
+            )
+
+        return self._idempotent(
+            key,
+            operation,
+            fingerprint(operation, reservation_id=reservation_id),
+            apply,
+            lambda stale: self.rejection(
+                stale, lease, sku_box[-1] if sku_box else "?", operation, key, None, reservation_id
+            ),
+            self._lock_reservation_sku(reservation_id),
+        )
+
+    def confirm(self, lease: Lease, reservation_id: str, key: str) -> Plan[Outcome]:
+        """The held units become a committed deduction: they leave ``on_hand`` and ``reserved``."""
+        return self._finish(lease, reservation_id, key, "confirm", CONFIRMED)
+
+    def release(self, lease: Lease, reservation_id: str, key: str) -> Plan[Outcome]:
+        """The held units go back to ``available`` (cancel is the same operation)."""
+        return self._finish(lease, reservation_id, key, "release", RELEASED)
+
+    def expire_due(self, lease: Lease, sku: str, key: str | None = None) -> Plan[Outcome]:
+        """Every held reservation of ``sku`` whose hold has passed (database clock) goes back."""
+        valid.lease(lease)
+        valid.sku(sku)
+        if key is not None:
+            valid.idempotency_key(key)
+
+        def apply() -> Plan[Outcome]:
+            # Runs after the stock row is locked: a confirm or release of one of the due reservations
+            # queues behind it, so no unit can be returned twice.
+            due: Rows = yield sa.select(reservations.c.id, reservations.c.quantity).where(
+                reservations.c.sku == sku,
+                reservations.c.status == HELD,
+                reservations.c.hold_expires_ms <= db_now_ms(),
+            )
+            total = sum(r.quantity for r in due.rows)
+            if not due.rows:
+                level = yield from stock_level(sku)
+                lease.raise_if_lost()
+                return Outcome(operation="expire", key=key, token=lease.token, stock=(level,))
+            ids = tuple(r.id for r in due.rows)
+            for r in due.rows:
+                # One reservation at a time, stock first: the database checks after every reservation
+                # row that the SKU's reserved units equal its held reservations.
+                level = yield from self._fenced(
+                    lease, sku, "expire", on_hand=0, reserved=-r.quantity, condition=None
+                )
+                yield (
+                    sa.update(reservations)
+                    .where(reservations.c.id == r.id, reservations.c.status == HELD)
+                    .values(status=EXPIRED, final_ms=db_now_ms(), final_token=lease.token, final_key=key)
+                )
+                yield self._history(
+                    lease,
+                    sku,
+                    "expire",
+                    key,
+                    quantity=r.quantity,
+                    on_hand=0,
+                    reserved=-r.quantity,
+                    reservation_id=r.id,
+                )
+            return Outcome(
+                operation="expire",
+                key=key,
+                token=lease.token,
+                reservation_ids=ids,
+                stock=(level,),
+                quantity=total,
+            )
+
+        on_stale = lambda stale: self.rejection(stale, lease, sku, "expire", key, None)  # noqa: E731
+        lock = self._lock_skus(sku)
+        if key is None:
+            return self._unkeyed(apply, on_stale, lock)
+        return self._idempotent(key, "expire", fingerprint("expire", sku=sku), apply, on_stale, lock)
