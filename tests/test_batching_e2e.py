@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from admin.harness import process_state, redis_server, wait_until
 from reservations import scope_of
 from reservations.requests import RequestResult
 from tasks import ReservationClient, request_id
 from tests.test_tasks_e2e import FAULT_TIMEOUT, Stack, client_result, identity, stack
-from tests.workers import process_state, redis_server, wait_until
 
 pytestmark = pytest.mark.slow
 

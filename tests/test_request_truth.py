@@ -18,11 +18,11 @@ from typing import Any
 
 import pytest
 
+from admin.harness import RedisServer, free_port, redis_server, wait_until
 from reservations import IdempotencyConflict
 from reservations.requests import RequestResult
 from tasks import request_id
 from tests.test_tasks_e2e import OUTCOME_TIMEOUT, Stack, identity, stack
-from tests.workers import RedisServer, free_port, redis_server, wait_until
 
 pytestmark = pytest.mark.slow
 

@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from admin.harness import redis_server
 from reservations import Inventory
 from reservations.requests import RequestResult
 from tasks import ReservationClient, request_id
-from tests.workers import Cluster, cluster, pg_schema, redis_server
+from tests.workers import Cluster, cluster, pg_schema
 
 pytestmark = pytest.mark.slow
 

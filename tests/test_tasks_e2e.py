@@ -17,21 +17,12 @@ from pathlib import Path
 
 import pytest
 
+from admin.harness import RedisServer, process_state, redis_server, wait_until
 from fencing import LeaseManager
 from reservations import InvalidRequest, Inventory
 from reservations.requests import RequestResult
 from tasks import OutcomeTimeout, ReservationClient, ReservationHandle, request_id
-from tests.workers import (
-    FAILPOINTS,
-    Cluster,
-    RedisServer,
-    Worker,
-    cluster,
-    pg_schema,
-    process_state,
-    redis_server,
-    wait_until,
-)
+from tests.workers import FAILPOINTS, Cluster, Worker, cluster, pg_schema
 
 pytestmark = pytest.mark.slow
 
