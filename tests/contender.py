@@ -14,7 +14,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from fencing import LeaseBusy, LeaseLost, LeaseManager, StaleToken
-from tests.support import Resource
+from tests.support import Resource, start_gate
 
 ACQUIRE_WAIT = 10.0
 
@@ -67,8 +67,7 @@ def main(argv: list[str]) -> int:
         # Connect before the gate, so the first cycles race each other rather than connection setup.
         manager.current(args.scope)
         resource.row(args.scope)
-        print("ready", flush=True)
-        if sys.stdin.readline().strip() != "go":
+        if not start_gate():
             return 3
         for _ in range(args.iterations):
             report.cycles += 1

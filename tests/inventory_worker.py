@@ -18,6 +18,7 @@ from pathlib import Path
 
 from fencing import Lease, LeaseBusy, LeaseLost, LeaseManager, StaleToken
 from reservations import InsufficientStock, InvalidTransition, Inventory, Outcome, scope_of
+from tests.support import start_gate
 
 ACQUIRE_WAIT = 10.0
 ORDER_TTL = 0.3  # hold_many renews in the background, so this only bounds a crashed holder
@@ -275,8 +276,7 @@ def main(argv: list[str]) -> int:
         worker.warm_up()
         for phase in args.phases.split(","):
             worker.start(phase)
-            print("ready", flush=True)
-            if sys.stdin.readline().strip() != "go":
+            if not start_gate():
                 return 3
             for _ in range(args.ops):
                 worker.report.cycles += 1

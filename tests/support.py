@@ -1,4 +1,5 @@
-"""A small protected resource for fencing tests: rows with fence columns and a log of accepted writes.
+"""A small protected resource for fencing tests: rows with fence columns and a log of accepted writes;
+and the start gate of the contending worker processes the multi-process tests run.
 
 ``Resource.write`` is the pattern every user of :class:`fencing.Fence` follows: the guarded UPDATE and
 the record of what it did commit in one transaction, so the log shows exactly the accepted writes.
@@ -6,6 +7,7 @@ the record of what it did commit in one transaction, so the log shows exactly th
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 
 import sqlalchemy as sa
@@ -94,3 +96,11 @@ class Resource:
 
     def close(self) -> None:
         self.engine.dispose()
+
+
+def start_gate() -> bool:
+    """A worker process's side of the start gate: print ``ready`` on stdout, then block until the parent
+    writes ``go`` on stdin, so that every worker starts contending at once. False when the parent sent
+    anything else or closed stdin: it gave up, and the worker should exit."""
+    print("ready", flush=True)
+    return sys.stdin.readline().strip() == "go"
