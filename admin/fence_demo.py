@@ -7,7 +7,6 @@ next token and reserves; A's late write reaches the stock row and is refused as 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import sqlalchemy as sa
 from rich.console import Console
 from rich.table import Table
 
+from admin.harness import wait_until
 from fencing import Fence, Lease, LeaseManager, StaleToken, fence_columns, mask_url
 from fencing.sql import make_engine
 
@@ -61,14 +61,6 @@ def _reserve(engine: sa.Engine, fence: Fence, lease: Lease, quantity: int) -> in
     return int(result.row[0])
 
 
-def _wait_until(predicate: Callable[[], bool], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError("the lease did not expire in time")
-        time.sleep(0.02)
-
-
 def _is_demo_database(path: Path) -> bool:
     engine = sa.create_engine(f"sqlite:///{path}")
     try:
@@ -101,7 +93,7 @@ def run(database: Path, *, ttl: float = 0.5, console: Console | None = None) -> 
         a = manager.acquire(SCOPE, ttl=ttl, holder="worker-A")
         timeline.step("A", f"acquires {SCOPE} -> token {a.token} (ttl {ttl}s)")
         timeline.step("A", "checks its lease (valid), sends write(reserve 5) ... and stalls")
-        _wait_until(lambda: manager.current(SCOPE) is None, timeout=ttl + 5)
+        wait_until(lambda: manager.current(SCOPE) is None, timeout=ttl + 5, what="A's lease to expire")
         timeline.step("lease", f"A's lease expires at the database (token {a.token})")
         b = manager.acquire(SCOPE, ttl=5, holder="worker-B")
         timeline.step("B", f"acquires {SCOPE} -> token {b.token}")

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 
 import pytest
 import redis
 import sqlalchemy as sa
 
+from admin.harness import wait_until
 from fencing import (
     AsyncLeaseManager,
     InvalidLeaseRequest,
@@ -27,14 +27,9 @@ from fencing.plan import run_sync
 from fencing.sql import SyncSqlExecutor, execute
 from tests.conftest import REDIS_URL, Stack
 
-
-def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
-    """Poll with a deadline: used only where the coordinator's own clock must pass a lease's expiry."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached before the deadline")
-        time.sleep(0.01)
+# The deadline of every poll here: each waits only for a lease's short ttl to pass, on the coordinator's
+# clock or on ours.
+WAIT = 5.0
 
 
 def test_tokens_strictly_increase_across_acquisitions(manager: LeaseManager) -> None:
@@ -76,7 +71,7 @@ def test_scopes_are_independent(manager: LeaseManager) -> None:
 
 def test_expired_lease_is_superseded_and_cannot_renew_or_release(manager: LeaseManager) -> None:
     old = manager.acquire("sku:A", ttl=0.1, holder="A")
-    wait_until(lambda: manager.current("sku:A") is None)
+    wait_until(lambda: manager.current("sku:A") is None, timeout=WAIT, what="the lease to expire")
     new = manager.acquire("sku:A", ttl=5, holder="B")
     assert new.token > old.token
     with pytest.raises(LeaseLost) as lost:
@@ -116,7 +111,7 @@ def test_lost_lease_is_sticky(manager: LeaseManager) -> None:
 
 def test_history_records_epochs_and_how_they_ended(manager: LeaseManager) -> None:
     a = manager.acquire("sku:A", ttl=0.1, holder="A")
-    wait_until(lambda: manager.current("sku:A") is None)
+    wait_until(lambda: manager.current("sku:A") is None, timeout=WAIT, what="the lease to expire")
     b = manager.acquire("sku:A", ttl=5, holder="B")
     manager.release(b)
     c = manager.acquire("sku:A", ttl=5, holder="C")
@@ -174,7 +169,7 @@ def test_hold_renews_past_the_ttl_and_releases(manager: LeaseManager) -> None:
     with manager.hold("sku:A", ttl=0.6, holder="A", renew_every=0.1) as lease:
         deadline = lease.expires_at + 0.6
         # Outlive the original ttl on the local clock while the background renewal keeps it alive.
-        wait_until(lambda: time.monotonic() > deadline)
+        wait_until(lambda: time.monotonic() > deadline, timeout=WAIT, what="twice the ttl to pass")
         info = manager.current("sku:A")
         assert info is not None and info.token == lease.token
         assert not lease.lost
@@ -193,7 +188,7 @@ def test_one_renewer_thread_keeps_every_hold_of_a_manager_alive(manager: LeaseMa
         with manager.hold(scope, ttl=0.3, holder=scope, renew_every=0.05) as lease:
             ready.wait(10)
             deadline = lease.acquired_at + 0.6  # twice the ttl: only renewals keep it
-            wait_until(lambda: time.monotonic() > deadline)
+            wait_until(lambda: time.monotonic() > deadline, timeout=WAIT, what="twice the ttl to pass")
             info = manager.current(scope)
             outlived.append(info is not None and info.token == lease.token and not lease.lost)
             done.wait(10)
@@ -203,7 +198,7 @@ def test_one_renewer_thread_keeps_every_hold_of_a_manager_alive(manager: LeaseMa
         thread.start()
     ready.wait(10)
     assert renewers() == before + 1  # four holds, one renewer
-    wait_until(lambda: len(outlived) == 4)
+    wait_until(lambda: len(outlived) == 4, timeout=WAIT, what="all four holds to outlive their ttl")
     done.set()
     for thread in holders:
         thread.join(10)
@@ -218,7 +213,7 @@ def test_a_hold_taken_while_the_renewer_naps_is_renewed_in_time(manager: LeaseMa
         pass
     with manager.hold("sku:A", ttl=0.6, holder="B", renew_every=0.1) as lease:
         deadline = lease.acquired_at + 1.2  # twice the ttl, and past the renewer's nap
-        wait_until(lambda: time.monotonic() > deadline)
+        wait_until(lambda: time.monotonic() > deadline, timeout=WAIT, what="twice the ttl to pass")
         info = manager.current("sku:A")
         assert info is not None and info.token == lease.token
         assert not lease.lost
@@ -227,7 +222,7 @@ def test_a_hold_taken_while_the_renewer_naps_is_renewed_in_time(manager: LeaseMa
 def test_hold_marks_the_lease_lost_when_renewal_fails(manager: LeaseManager) -> None:
     with manager.hold("sku:A", ttl=5, holder="A", renew_every=0.02) as lease:
         manager.break_lease("sku:A", reason="test")
-        wait_until(lambda: lease.lost)
+        wait_until(lambda: lease.lost, timeout=WAIT, what="the hold to mark its lease lost")
         with pytest.raises(LeaseLost):
             lease.raise_if_lost()
         # Another owner can take over while the lost holder is still inside its block.
