@@ -1,0 +1,170 @@
+"""The hot-SKU protocol on the worker's side: a request that finds its SKU's lease busy queues itself for
+the holder; whoever holds the lease serves the queue in batches, publishes each served request's result,
+and looks again after releasing only when someone was turned away meanwhile.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from celery import Task, states
+
+from fencing import Lease, LeaseBusy, LostOwnership
+from reservations import validation as valid
+from reservations.messages import Message
+from reservations.requests import RequestResult, task_name
+from tasks.answers import answer, as_result, conflict
+from tasks.app import app
+from tasks.failpoints import failpoint
+from tasks.worker import Resources
+
+log = logging.getLogger("tasks")
+
+# A task serving a SKU's pending reservations gives up the lease after this many batches and takes it
+# again (a new token) if the list is still not empty, at most this many times; the SKU's watch and the
+# beat sweep look again, so a bound here never strands one.
+BATCHES_PER_LEASE = 50
+SERVE_ROUNDS = 20
+
+
+@dataclass(frozen=True)
+class Batchable:
+    """A single-SKU reservation: what the holder of a busy lease can serve in a batch for its sender."""
+
+    sku: str
+    quantity: int
+    hold_for: float | None
+
+
+def wait_for_holder(
+    task: Task, res: Resources, message: Message, batch: Batchable, who: dict[str, Any]
+) -> dict[str, Any]:
+    """The lease is busy: queue the request for the holder instead of spinning on the lease.
+
+    The task then ends at once, returning "queued" without storing it: whoever serves the request writes
+    its outcome row and its Celery result. The first request to wait on the SKU also schedules a watch
+    of the SKU's queue, which serves it once the lease is free if the holder died.
+    """
+    settings = res.settings
+    key, epoch = message.key, message.counts["epoch"]
+    queued = res.inventory.hand_off(
+        batch.sku, batch.quantity, key=key, hold_for=batch.hold_for, task_id=who["task_id"], epochs=epoch
+    )
+    if queued.outcome is not None:
+        return answer(task, message, queued.outcome)
+    if queued.conflict:
+        # Its key waits in the queue as a different request: that one is served, this one conflicts.
+        return conflict(task, message, "reserve", "is queued for")
+    if queued.first:
+        try:
+            app.send_task(task_name("watch_waiting"), args=[batch.sku], countdown=settings.handoff_check)
+        except Exception as exc:  # the request is queued: the holder or the beat sweep still serve it
+            log.warning("could not schedule the watch of %s: %s", batch.sku, exc)
+    # Served nothing: the lease is busy, and its holder looks at the queue again after releasing.
+    if serve_quietly(res, batch.sku, known_waiting=True, **who):
+        done = res.inventory.request_outcome(key)
+        if done is not None:
+            return answer(task, message, done)
+    # Per-request ignore_result, read by Celery when it stores the return value: the server's result
+    # for this task id must not be overwritten by "queued". (Raising Ignore does the same but costs a
+    # formatted traceback per request.)
+    task.request.ignore_result = True
+    return {
+        "key": key,
+        "operation": "reserve",
+        "status": "queued",
+        "detail": {"sku": batch.sku},
+        "epochs": epoch,
+    }
+
+
+def then_serve(
+    res: Resources,
+    batch: Batchable | None,
+    leases: dict[str, Lease],
+    who: dict[str, Any],
+    result: dict[str, Any],
+) -> dict[str, Any]:
+    """After a batchable request ran under its own lease: serve whatever queued up meanwhile.
+
+    A request queues itself only after finding the lease busy, and then tries the lease once more, so
+    a release that reports nobody turned away (``contended`` False) means nobody queued behind it: the
+    look at the queue, a round trip per task, is skipped. Any doubt (a lost lease, an older lease
+    record) looks.
+    """
+    wanted = not leases or any(lease.contended is not False for lease in leases.values())
+    if batch is not None and wanted:
+        serve_quietly(res, batch.sku, **who)
+    return result
+
+
+def serve_quietly(res: Resources, sku: str, **kwargs: Any) -> int:
+    """:func:`serve_pending` for callers whose own work is done or queued: a failure is logged, never
+    raised, because the SKU's holder, its watch or the beat sweep serve the queue anyway."""
+    try:
+        return serve_pending(res, sku, **kwargs)
+    except Exception:
+        log.exception("could not serve the queue of %s", sku)
+        return 0
+
+
+def publish(outcomes: list[RequestResult]) -> None:
+    """Give each served request's own Celery task its result, as if it had run the request itself.
+
+    The outcome rows are already committed and are what callers wait on; a result lost here (the server
+    died in between) leaves only ``AsyncResult`` of that request waiting.
+    """
+    for outcome in outcomes:
+        if outcome.task_id:
+            try:
+                app.backend.store_result(outcome.task_id, as_result(outcome), states.SUCCESS)
+            except Exception as exc:  # the result backend is a convenience here, never the record
+                log.warning("could not store the Celery result of %s: %s", outcome.key, exc)
+
+
+def serve_pending(
+    res: Resources, sku: str, *, task_id: str | None, worker: str, known_waiting: bool = False
+) -> int:
+    """Serve the SKU's pending reservations unless its lease is busy; returns how many got an outcome.
+
+    After releasing the lease it looks again: a request may have queued itself after the last batch
+    while still finding the lease held, and then nobody else would serve it until its SKU's watch looks.
+    A queue emptied under a lease that nobody was turned away from needs no second look.
+    ``known_waiting`` skips the first look (the caller has just queued a request).
+    """
+    settings = res.settings
+    served = 0
+    for round_ in range(SERVE_ROUNDS):
+        if not (known_waiting and round_ == 0) and not res.inventory.has_pending(sku):
+            break
+        try:
+            with res.leases.hold(
+                valid.scope_of(sku),
+                ttl=settings.lease_ttl,
+                holder=f"{worker}:{task_id}",
+                renew_every=settings.lease_renew_every,
+            ) as lease:
+                drained = False
+                for _ in range(BATCHES_PER_LEASE):
+                    failpoint("before_write")
+                    outcomes = res.inventory.serve_pending(
+                        lease, sku, limit=settings.batch_size, task_id=task_id, worker=worker
+                    )
+                    failpoint("after_write")
+                    publish(outcomes)
+                    served += len(outcomes)
+                    if not outcomes:
+                        drained = True
+                        break
+            if drained and lease.contended is False:
+                break  # emptied under the lease, and nobody was turned away from it since
+        except LeaseBusy:
+            break  # its holder looks again after releasing
+        except LostOwnership as lost:
+            # Terminal for this lease: the batch rolled back and its requests stay queued for the next
+            # holder or the watch.
+            log.warning("lost ownership of %s while serving pending reservations: %s", sku, lost)
+            break
+    return served
