@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import redis
@@ -23,8 +24,9 @@ from fencing import (
 from fencing.keys import scope_keys
 from fencing.lease import new_lease_id
 from fencing.manager import DEFAULT_HISTORY_CAP, DEFAULT_HISTORY_RETENTION
-from fencing.plan import run_sync
-from fencing.sql import SyncSqlExecutor, execute
+from fencing.plan import Bound, Command, Op, Plan, ScriptCall, run_sync
+from fencing.redis_backend import SyncRedisExecutor
+from fencing.sql import SyncSqlExecutor, execute, make_engine
 from tests.conftest import REDIS_URL, Stack
 
 # The deadline of every poll here: each waits only for a lease's short ttl to pass, on the coordinator's
@@ -444,9 +446,10 @@ def test_an_acquirer_whose_holder_releases_between_its_statements_takes_the_leas
         assert isinstance(executor, SyncSqlExecutor)
         leases_updated = 0
 
-        def handle(op: object) -> object:
+        def handle(op: Op) -> object:
             nonlocal leases_updated
-            rows = execute(conn, op)  # type: ignore[arg-type]
+            assert isinstance(op, sa.Executable | Bound), op  # the SQL core's acquire sends statements
+            rows = execute(conn, op)
             if isinstance(op, sa.Update):
                 leases_updated += 1
                 if leases_updated == 1:  # the acquire found the lease live: now its holder releases it
@@ -458,3 +461,26 @@ def test_an_acquirer_whose_holder_releases_between_its_statements_takes_the_leas
         assert isinstance(got, Lease), got
         assert got.token == holder.token + 1
         assert holder.contended is False
+
+
+def test_an_executor_refuses_the_operations_of_the_other_backend(tmp_path: Path) -> None:
+    """A plan is written for one backend's core: a Redis call reaching the SQL executor, or a statement
+    reaching the Redis one, is a TypeError raised into the plan, not a silent wrong answer."""
+
+    def sends(op: Op) -> Plan[str]:
+        try:
+            yield op
+        except TypeError as exc:
+            return str(exc)
+        return "ran"
+
+    sql = SyncSqlExecutor(make_engine(f"sqlite:///{tmp_path / 'plans.sqlite3'}"), time.sleep)
+    assert sql.run(sends(ScriptCall("return 1", (), ()))) == "the SQL executor cannot run ScriptCall"
+    assert sql.run(sends(Command(("PING",)))) == "the SQL executor cannot run Command"
+    assert sql.run(sends(sa.select(sa.literal(1)))) == "ran"
+    sql.close()
+    client = redis.Redis.from_url(REDIS_URL, decode_responses=True)
+    rd = SyncRedisExecutor(client, time.sleep)
+    assert rd.run(sends(sa.select(sa.literal(1)))) == "the Redis executor cannot run Select"
+    assert rd.run(sends(Command(("PING",)))) == "ran"
+    rd.close()
