@@ -187,7 +187,8 @@ def redis_server(folder: Path, *, databases: int = 16) -> Iterator[RedisServer]:
 @dataclass
 class CeleryProcess:
     """One ``celery worker`` (or ``celery beat`` with ``kind="beat"``) in its own session, logging to
-    ``log_path``; readiness is read from the log, after where it stood when the process was started."""
+    ``log_path``; readiness is read from the log, after where it stood when the process was started.
+    ``cwd`` matters only for an ``app`` that is not installed (``python -m celery`` imports it from there)."""
 
     name: str
     env: Mapping[str, str]
@@ -196,6 +197,7 @@ class CeleryProcess:
     app: str = "tasks"
     pool: str = "prefork"
     concurrency: int = 1
+    cwd: Path | None = None
     process: subprocess.Popen[bytes] | None = None
     _log: IO[bytes] | None = field(default=None, repr=False)
     _log_from: int = field(default=0, repr=False)
@@ -220,6 +222,7 @@ class CeleryProcess:
         self.process = subprocess.Popen(
             self.command(),
             env={**self.env, "PYTHONUNBUFFERED": "1"},  # readiness is read from the log, not a buffer
+            cwd=self.cwd,
             stdout=self._log,
             stderr=subprocess.STDOUT,
             start_new_session=True,

@@ -21,8 +21,9 @@ from pathlib import Path
 
 import redis
 
+from admin.harness import CeleryProcess, redis_server, stop_all, worker_env
 from bench.env import Scratch
-from bench.tasks_e2e import START_TIMEOUT, Worker, private_redis, stop_workers, worker_env
+from bench.tasks_e2e import CONCURRENCY, POOL
 from bench.timing import CaseStats, Progress, Results
 from reservations import Inventory, schema
 from tasks import ReservationClient, create_app
@@ -129,7 +130,7 @@ def asyncio_producer(
     with ExitStack() as stack:
         workdir = Path(tempfile.mkdtemp(prefix="fencing-bench-asyncio-"))
         stack.callback(shutil.rmtree, workdir, ignore_errors=True)
-        base, _version = stack.enter_context(private_redis(workdir))
+        base = stack.enter_context(redis_server(workdir / "redis")).url(None)
         database_url = scratch.postgres_url("asyncio")
         schema.upgrade(database_url)
         inventory = stack.enter_context(Inventory.from_url(database_url))
@@ -172,9 +173,12 @@ def asyncio_producer(
                 client.close()
         results.add(SECTION_ENQUEUE, enqueue_stats, ENQUEUE_ASYNC, ENQUEUE_DELAY)
 
-        workers = [Worker("bench-asyncio", worker_env(env), workdir / "worker.log")]
-        stack.callback(lambda: stop_workers(workers))
-        workers[0].wait_ready(time.monotonic() + START_TIMEOUT)
+        worker = CeleryProcess(
+            "bench-asyncio", worker_env(env), workdir / "worker.log", pool=POOL, concurrency=CONCURRENCY
+        )
+        stack.callback(stop_all, [worker])
+        worker.start()
+        worker.wait_ready()
 
         async def measured(count: int) -> tuple[list[float], float, str]:
             async with ReservationClient(app) as client:

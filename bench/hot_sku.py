@@ -29,18 +29,10 @@ import redis
 import sqlalchemy as sa
 from celery import Celery
 
+from admin.harness import CeleryProcess, redis_server, stop_all, worker_env
 from bench.env import Scratch
 from bench.leases import UnexpectedReply
-from bench.tasks_e2e import (
-    START_TIMEOUT,
-    Worker,
-    _check_stock,
-    _round_robin,
-    _seed,
-    private_redis,
-    stop_workers,
-    worker_env,
-)
+from bench.tasks_e2e import _check_stock, _round_robin, _seed
 from bench.timing import CaseStats, Progress, Results
 from fencing import mask_url
 from fencing.sql import make_engine
@@ -252,10 +244,12 @@ def _run_mode(
         if progress:
             progress(f"  {mode.label}: starting the worker")
         started = time.monotonic()
-        worker = Worker(name, worker_env(env), workdir / f"{name}.log", pool=POOL, concurrency=mode.slots)
-        workers = [worker]
-        stack.callback(stop_workers, workers)  # warm shutdown, waited for: nothing of it outlives the mode
-        worker.wait_ready(time.monotonic() + START_TIMEOUT)
+        worker = CeleryProcess(
+            name, worker_env(env), workdir / f"{name}.log", pool=POOL, concurrency=mode.slots
+        )
+        stack.callback(stop_all, [worker])  # warm shutdown, waited for: nothing of it outlives the mode
+        worker.start()
+        worker.wait_ready()
         startup = time.monotonic() - started
         app = create_app(Settings.from_env(env))
         stack.callback(app.close)
@@ -274,9 +268,9 @@ def _run_mode(
                     if progress:
                         progress(f"  run {repeat + 1}/{repeats}: {case} ({count} tasks)")
                     tag = f"{run_id}-m{mode.index}-r{repeat}-{'h' if case == hot_name else 's'}"
-                    before = cpu_seconds(worker.process.pid)
+                    before = cpu_seconds(worker.pid)
                     burst = _burst(app, client, store, probe, skus, tag, count)
-                    after = cpu_seconds(worker.process.pid)
+                    after = cpu_seconds(worker.pid)
                     stats[case].ops_per_s.append(count / burst.seconds)
                     stats[case].latencies.extend(burst.latencies)
                     tally = tallies[case]
@@ -337,9 +331,8 @@ def hot_vs_many(
         stack.callback(shutil.rmtree, workdir, ignore_errors=True)
         if progress:
             progress("  starting a private redis-server, migrating a fresh schema")
-        base, redis_version = stack.enter_context(
-            private_redis(workdir, databases=1 + 2 * len(modes))
-        )
+        server = stack.enter_context(redis_server(workdir / "redis", databases=1 + 2 * len(modes)))
+        base = server.url(None)
         database_url = scratch.postgres_url("hot")
         schema.upgrade(database_url)
         _seed(database_url, [sku for mode in modes for sku in mode.hot + mode.spread])
@@ -375,7 +368,7 @@ def hot_vs_many(
         f"Hot-SKU workers: one celery {version('celery')} worker --pool {POOL} -c N per slot count and "
         "batching setting, each started fresh on its own broker and result databases and stopped before "
         f"the next; ready after {startups} s",
-        f"Hot-SKU services: private redis-server {redis_version} at {mask_url(base)} (broker, results, "
+        f"Hot-SKU services: private redis-server {server.version} at {mask_url(base)} (broker, results, "
         f"leases on database {LEASE_DB}); inventory PostgreSQL at {mask_url(database_url)}; "
         f"batch size {settings.batch_size}, first watch of a queue after {settings.handoff_check:g} s, "
         f"lease ttl {settings.lease_ttl:g} s (defaults)",

@@ -9,28 +9,24 @@ from __future__ import annotations
 
 import datetime as dt
 import os
-import re
 import shutil
-import signal
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import redis
 from celery import Celery
 from celery.result import AsyncResult
 from sqlalchemy.engine import make_url
 
+from admin.harness import CeleryProcess, redis_server, start_all, stop_all, worker_env
 from bench import celery_defaults
 from bench.env import Scratch
 from bench.leases import UnexpectedReply
@@ -43,9 +39,6 @@ from tasks import ReservationClient, ReservationHandle, Settings, create_app, re
 ROOT = Path(__file__).resolve().parent.parent
 CONCURRENCY = 2
 POOL = "prefork"
-START_TIMEOUT = 60.0  # imports of celery, SQLAlchemy and the app take seconds on a busy 2-CPU box
-STOP_TIMEOUT = 10.0
-POLL = 0.05
 # A burst that is not done by then has a dead or wedged worker; generous because busy leases retry.
 BURST_TIMEOUT_PER_TASK = 0.5
 MIN_BURST_TIMEOUT = 30.0
@@ -92,152 +85,7 @@ BurstFn = Callable[[str, int], Burst]  # (unique tag for this burst's keys, task
 class TaskCase:
     name: str
     run: BurstFn
-    worker: Worker  # the one that runs this case's tasks: its CPU is charged to the case
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _wait_until(check: Callable[[], bool], *, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"gave up after {timeout:.0f}s waiting for {what}")
-        time.sleep(POLL)
-
-
-def _signal(process: subprocess.Popen[bytes], sig: signal.Signals, *, group: bool) -> None:
-    try:
-        if group:
-            os.killpg(process.pid, sig)  # started in its own session: the group is its pid
-        else:
-            process.send_signal(sig)
-    except ProcessLookupError:
-        pass
-
-
-def _end(processes: list[subprocess.Popen[bytes]], *, group: bool) -> None:
-    """SIGTERM all at once (for a worker the whole session: its pool children too), then SIGKILL
-    whatever is still there after the grace period."""
-    for process in processes:
-        if process.poll() is None:
-            _signal(process, signal.SIGTERM, group=group)
-    deadline = time.monotonic() + STOP_TIMEOUT
-    for process in processes:
-        try:
-            process.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            _signal(process, signal.SIGKILL, group=group)
-            process.wait()
-        if group:  # the main process is gone; a pool child it orphaned must not outlive us
-            _signal(process, signal.SIGKILL, group=group)
-
-
-@contextmanager
-def private_redis(workdir: Path, *, databases: int = 16) -> Iterator[tuple[str, str]]:
-    """A redis-server of our own (no persistence) with ``databases`` numbered databases: yields its base
-    URL and version; stopped on exit.
-
-    The shared Redis on 6379 serves other jobs, and a broker's queues and result keys must not land there.
-    """
-    port = _free_port()
-    process = subprocess.Popen(
-        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--databases", str(max(16, databases)), "--dir", str(workdir)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,  # a Ctrl-C in the terminal reaches us, and we stop it after the workers
-    )
-    try:
-        client = redis.Redis(port=port, socket_connect_timeout=0.5, socket_timeout=0.5)
-
-        def answers() -> bool:
-            if process.poll() is not None:  # e.g. the port was taken between _free_port() and bind
-                raise RuntimeError(f"redis-server on port {port} exited with {process.returncode}")
-            try:
-                return bool(client.ping())
-            except redis.ConnectionError:
-                return False
-
-        try:
-            _wait_until(answers, timeout=10, what=f"redis-server on port {port} to answer PING")
-            server_version = str(client.info("server")["redis_version"])
-        finally:
-            client.close()
-        yield f"redis://127.0.0.1:{port}", server_version
-    finally:
-        _end([process], group=False)
-
-
-class Worker:
-    """One ``celery worker`` in its own session, logging to a file that is polled for readiness."""
-
-    def __init__(
-        self,
-        name: str,
-        env: Mapping[str, str],
-        log_path: Path,
-        *,
-        app: str = "tasks",
-        pool: str = POOL,
-        concurrency: int = CONCURRENCY,
-    ) -> None:
-        self.name = name
-        self.log_path = log_path
-        self._log: IO[bytes] = log_path.open("wb")
-        self.process = subprocess.Popen(
-            [
-                sys.executable, "-m", "celery", "-A", app, "worker", "--pool", pool,
-                "-c", str(concurrency), "--without-gossip", "--without-mingle", "--without-heartbeat",
-                "-n", f"{name}@%h", "--loglevel", "INFO",
-            ],
-            env=dict(env),
-            cwd=ROOT,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own process group: the stop signal reaches the pool children
-        )
-
-    def tail(self, lines: int = 25) -> str:
-        text = self.log_path.read_text(errors="replace").splitlines()[-lines:]
-        return f"--- last lines of worker {self.name}'s log ---\n" + "\n".join(text)
-
-    def wait_ready(self, deadline: float) -> None:
-        ready = re.compile(rf"\b{re.escape(self.name)}@\S+ ready\.")
-
-        def is_ready() -> bool:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"worker {self.name} exited with {self.process.returncode}\n{self.tail()}")
-            return bool(ready.search(self.log_path.read_text(errors="replace")))
-
-        try:
-            _wait_until(is_ready, timeout=max(0.0, deadline - time.monotonic()),
-                        what=f"worker {self.name} to log 'ready.'")
-        except TimeoutError as exc:
-            raise TimeoutError(f"{exc}\n{self.tail()}") from None
-
-    def close_log(self) -> None:
-        self._log.close()
-
-
-def stop_workers(workers: list[Worker]) -> None:
-    """Warm shutdown for all of them together: each finishes the task it is running, in parallel."""
-    try:
-        _end([worker.process for worker in workers], group=True)
-    finally:
-        for worker in workers:
-            worker.close_log()
-
-
-def worker_env(settings: Mapping[str, str]) -> dict[str, str]:
-    """Our environment without any RESERVATIONS_* of the caller's, plus ``settings``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RESERVATIONS_")}
-    env.update(settings)
-    env["PYTHONUNBUFFERED"] = "1"  # readiness is read from the log; it must not sit in a buffer
-    return env
+    worker: CeleryProcess  # the one that runs this case's tasks: its CPU is charged to the case
 
 
 def _done_at(result: AsyncResult) -> float:
@@ -430,7 +278,7 @@ class RedisCommands:
 
     def __init__(self, url: str) -> None:
         self.client = redis.Redis.from_url(url)
-        # private_redis starts the server in a session of its own: its pid is its process group.
+        # The harness starts the server in a session of its own: its pid is its process group.
         self.pid = int(self.client.info("server")["process_id"])
 
     def snapshot(self) -> Counter[str]:
@@ -510,7 +358,7 @@ def _run_cases(
         for case in [*cases[shift:], *cases[:shift]]:
             if progress:
                 progress(f"  run {repeat + 1}/{repeats}: {case.name} ({count} tasks)")
-            group = case.worker.process.pid
+            group = case.worker.pid
             before = commands.snapshot()
             cpu = (group_cpu(group), group_cpu(commands.pid), time.process_time())
             started = time.perf_counter()
@@ -626,7 +474,8 @@ def tasks_vs_noop(
         stack.callback(shutil.rmtree, workdir, ignore_errors=True)
         if progress:
             progress("  starting a private redis-server, migrating a fresh schema, starting workers")
-        base, redis_version = stack.enter_context(private_redis(workdir))
+        server = stack.enter_context(redis_server(workdir / "redis"))
+        base = server.url(None)
         in_flight = InFlight()
         stack.callback(in_flight.release)  # after the workers stop, before the redis-server does
         database_url = scratch.postgres_url("tasks")
@@ -671,14 +520,16 @@ def tasks_vs_noop(
             "bench-count": ("tasks", count_env),
             **({"bench-sql": ("tasks", sql_env)} if sql_leases else {}),
         }
-        workers: dict[str, Worker] = {}
-        stack.callback(lambda: stop_workers(list(workers.values())))
+        workers = {
+            name: CeleryProcess(
+                name, worker_env(env), workdir / f"{name}.log", app=app_name, pool=POOL,
+                concurrency=CONCURRENCY, cwd=ROOT,
+            )
+            for name, (app_name, env) in envs.items()
+        }
+        stack.callback(stop_all, workers.values())  # warm shutdown: each finishes its task, in parallel
         started = time.monotonic()
-        for name, (app_name, env) in envs.items():  # all start before any is waited for: imports overlap
-            workers[name] = Worker(name, worker_env(env), workdir / f"{name}.log", app=app_name)
-        ready_by = time.monotonic() + START_TIMEOUT
-        for worker in workers.values():
-            worker.wait_ready(ready_by)
+        start_all(workers.values())
         startup = time.monotonic() - started
 
         def producer(env: Mapping[str, str]) -> tuple[Celery, ReservationClient]:
@@ -777,7 +628,7 @@ def tasks_vs_noop(
         "defaults (early acks, prefetch 4)"
         + (", the project's app on SQL leases" if sql_leases else "")
         + f"; one busy at a time, the others idling; ready {startup:.1f} s after start",
-        f"Celery broker / results: private redis-server {redis_version}, {broker} / {backend} "
+        f"Celery broker / results: private redis-server {server.version}, {broker} / {backend} "
         "(every worker a broker and result database of its own on the same server)",
         f"Lease backend: {leases}",
         f"Inventory: PostgreSQL at {mask_url(database_url)}",
