@@ -1,0 +1,90 @@
+"""The ``reservations`` admin command line: inspect token history, leases, stock and rejections; enqueue
+and operate. Reads go straight to the database and the lease coordinator; writes either go through the
+Celery workers (enqueued by task name, so this package never imports them) or say plainly that they write.
+
+Exit codes: 0 success, 1 a check failed, 2 bad usage or input, 3 not found, 4 a backend is unreachable
+(or reachable without its schema: ``reservations db upgrade`` creates it).
+
+Modules: ``context`` (the URLs), ``failures`` (exit codes, error -> one line), ``options`` (shared options
+and number parsers), ``render`` (tables, JSON), and the commands: ``reads``, ``writes``, ``migrations``
+(``db``), ``runs`` (demo, chaos, fence-demo). This module holds the app and the order of its commands.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from admin.cli import migrations, reads, runs, writes
+from admin.cli.context import Config, config
+
+__all__ = ["app", "main"]
+
+app = typer.Typer(
+    help=(
+        "Fenced inventory reservations: inspect token history, leases, stock and rejections; operate.\n\n"
+        "Exit codes: 0 ok, 1 check failed, 2 bad usage or input, 3 not found, 4 backend unreachable "
+        "(or without its schema)."
+    ),
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+db_app = typer.Typer(
+    help="Database schema (Alembic migrations shipped with the package).", no_args_is_help=True
+)
+app.add_typer(db_app, name="db")
+
+
+@app.callback()
+def _root(
+    database_url: Annotated[
+        str, typer.Option(envvar="RESERVATIONS_DATABASE_URL", help="Inventory database URL.")
+    ] = Config.database_url,
+    lease_url: Annotated[
+        str | None,
+        typer.Option(envvar="RESERVATIONS_LEASE_URL", help="Lease backend URL (default: the database)."),
+    ] = None,
+    lease_prefix: Annotated[
+        str, typer.Option(envvar="RESERVATIONS_LEASE_PREFIX", help="Redis key prefix of leases.")
+    ] = Config.lease_prefix,
+    broker_url: Annotated[
+        str, typer.Option(envvar="RESERVATIONS_BROKER_URL", help="Celery broker, for enqueue commands.")
+    ] = Config.broker_url,
+    result_backend: Annotated[
+        str,
+        typer.Option(
+            envvar="RESERVATIONS_RESULT_BACKEND", help="Celery result backend (demo --use-configured)."
+        ),
+    ] = Config.result_backend,
+) -> None:
+    config.database_url = database_url
+    config.lease_url = lease_url or None
+    config.lease_prefix = lease_prefix
+    config.broker_url = broker_url
+    config.result_backend = result_backend
+
+
+# The commands in the order the help lists them: reads, then writes, then the scenario runs.
+app.command("tokens")(reads.tokens)
+app.command("leases")(reads.leases)
+app.command("stock")(reads.stock)
+app.command("rejections")(reads.rejections)
+app.command("show")(reads.show)
+app.command("audit")(reads.audit)
+app.command("reserve")(writes.reserve)
+app.command("restock")(writes.restock)
+app.command("confirm")(writes.confirm)
+app.command("release")(writes.release)
+app.command("add-sku")(writes.add_sku)
+app.command("config")(reads.show_config)
+db_app.command("upgrade")(migrations.upgrade)
+db_app.command("current")(migrations.current)
+app.command("demo")(runs.demo_command)
+app.command("chaos")(runs.chaos_command)
+app.command("fence-demo")(runs.fence_demo_command)
+
+
+def main() -> None:
+    app()

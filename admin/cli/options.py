@@ -1,0 +1,96 @@
+"""The options and arguments commands share, and their parsers: counts and seconds written with the
+digits 0-9 only and kept within a range, ``--since`` as a relative or ISO time, ``--json``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+import time
+from collections.abc import Callable
+from typing import Annotated, Any, TypeVar
+
+import typer
+
+from admin.cli.failures import EXIT_USAGE, fail
+from reservations.errors import InvalidRequest
+
+_RELATIVE = re.compile(r"([0-9]+(?:\.[0-9]+)?)([smhd])")
+
+# Python's int() and float() also take " 3", "1_000", non-ASCII digits, "1e3" and "nan", and typer's
+# int type takes "3.0": none of those is how a person writes a count, so numbers are matched first.
+_WHOLE = re.compile(r"[0-9]+")
+_DECIMAL = re.compile(r"[0-9]+(?:\.[0-9]+)?")
+
+
+def parse_since(text: str | None) -> float | None:
+    """``30m``, ``2h``, ``1d`` ago, or an ISO 8601 time (UTC when it has no zone) -> epoch seconds."""
+    if text is None:
+        return None
+    match = _RELATIVE.fullmatch(text)
+    if match:
+        unit = {"s": 1, "m": 60, "h": 3600, "d": 86400}[match.group(2)]
+        return time.time() - float(match.group(1)) * unit
+    try:
+        moment = dt.datetime.fromisoformat(text)
+    except ValueError:
+        raise InvalidRequest(f"--since {text!r}: use 30m, 2h, 1d or an ISO time", field="since") from None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=dt.UTC)
+    return moment.timestamp()
+
+
+def whole(name: str, low: int = 0, high: int | None = None) -> Callable[[str | int], int]:
+    """A typer parser for a whole number written with the digits 0-9 only, within [low, high]."""
+
+    def parse(text: str | int) -> int:
+        if isinstance(text, int):  # a default, already typed
+            return text
+        if not _WHOLE.fullmatch(text):
+            fail(EXIT_USAGE, f"{name} {text!r}: write a whole number with the digits 0-9 only")
+        return _within(name, int(text), low, high)
+
+    return parse
+
+
+def decimal(name: str, low: float, high: float) -> Callable[[str | float], float]:
+    """A typer parser for a number written as digits 0-9 with an optional fraction (``2``, ``0.5``)."""
+
+    def parse(text: str | float) -> float:
+        if isinstance(text, int | float):  # a default, already typed
+            return float(text)
+        if not _DECIMAL.fullmatch(text):
+            fail(EXIT_USAGE, f"{name} {text!r}: write a number with the digits 0-9, like 2 or 0.5")
+        return _within(name, float(text), low, high)
+
+    return parse
+
+
+Number = TypeVar("Number", int, float)
+
+
+def _within(name: str, value: Number, low: Number, high: Number | None) -> Number:
+    if value < low or (high is not None and value > high):
+        span = f"at least {low:g}" if high is None else f"between {low:g} and {high:g}"
+        fail(EXIT_USAGE, f"{name} must be {span}, got {value:g}")
+    return value
+
+
+def count(name: str, low: int, high: int, help: str) -> Any:
+    return typer.Option(name, parser=whole(name, low, high), help=f"{help} [{low}-{high}]")
+
+
+def seconds(name: str, low: float, high: float, help: str) -> Any:
+    return typer.Option(name, parser=decimal(name, low, high), help=f"{help} [{low:g}-{high:g}]")
+
+
+JsonFlag = Annotated[bool, typer.Option("--json", help="Machine-readable output (stable field names).")]
+Limit = Annotated[int, count("--limit", 1, 10_000, "At most this many entries.")]
+Since = Annotated[str | None, typer.Option(help="Only entries since: 30m, 2h, 1d or an ISO time.")]
+OneSku = Annotated[str | None, typer.Argument()]
+
+Key = Annotated[str, typer.Option("--key", help="Idempotency key: the same key never applies twice.")]
+Wait = Annotated[bool, typer.Option("--wait", help="Wait for the final outcome and print it.")]
+Timeout = Annotated[float, seconds("--timeout", 0.1, 3600, "Seconds to wait with --wait.")]
+# The range of a quantity is the domain's (validation.quantity), checked with the other fields.
+Quantity = Annotated[int, typer.Argument(parser=whole("quantity"))]

@@ -1,0 +1,188 @@
+"""The read commands: token history, leases, stock, rejections, one request, the invariant audit and
+the configuration. They go straight to the database and the lease coordinator and never write.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+
+from admin.cli import context, render
+from admin.cli.context import config, lease_url_shown
+from admin.cli.failures import EXIT_FAILED, errors
+from admin.cli.options import JsonFlag, Limit, OneSku, Since, parse_since
+from admin.cli.render import out
+from fencing import mask_url
+from reservations import validation as valid
+from reservations.errors import InvalidRequest, UnknownReservation
+from reservations.timeline import epochs
+
+
+def tokens(sku: str, limit: Limit = 1000, since: Since = None, as_json: JsonFlag = False) -> None:
+    """The SKU's token history: each token with its holder, when it was acquired, how it ended, the
+    writes accepted under it and the stale writes refused (presented token, highest token, holder).
+
+    JSON: {"sku", "epochs": [{"token", "holder", "acquired_at", "ended", "writes": [{"at", "operation",
+    "quantity", "idempotency_key"}], "rejections": [{"at", "operation", "quantity", "presented_token",
+    "highest_token", "holder", "idempotency_key"}]}]}  (times are epoch seconds)
+
+    Example: reservations tokens WIDGET --since 1h
+    """
+    with errors():
+        valid.sku(sku)
+        starting = parse_since(since)
+        with context.inventory() as inventory, context.leases() as leases:
+            inventory.stock(sku)  # unknown SKU -> exit 3
+            timeline = inventory.timeline(sku, leases, limit=limit)
+        if starting is not None:
+            timeline = [e for e in timeline if e.at >= starting]
+        grouped = epochs(timeline)
+    if as_json:
+        render.emit_json(render.epochs_json(sku, grouped))
+        return
+    out.print(render.epochs_table(sku, grouped))
+    rejected = sum(len(e.rejections) for e in grouped)
+    out.print(f"{len(grouped)} tokens, {rejected} stale writes rejected")
+
+
+def leases(sku: OneSku = None, as_json: JsonFlag = False) -> None:
+    """Current leases with holder, token and time left (of one SKU, or of every SKU in stock).
+
+    JSON: [{"sku", "token", "holder", "time_left"}]
+
+    Example: reservations leases WIDGET
+    """
+    with errors(), context.inventory() as inventory, context.leases() as coordinator:
+        skus = [valid.sku(sku)] if sku is not None else [s.sku for s in inventory.all_stock()]
+        rows: list[dict[str, Any]] = []
+        for name in skus:
+            info = coordinator.current(valid.scope_of(name))
+            if info is not None:
+                rows.append(
+                    {
+                        "sku": name,
+                        "token": info.token,
+                        "holder": info.holder,
+                        "time_left": round(info.time_left, 3),
+                    }
+                )
+    if as_json:
+        render.emit_json(rows)
+        return
+    out.print(render.leases_table(rows, lease_url_shown()) if rows else "no SKU is leased right now")
+
+
+def stock(sku: OneSku = None, as_json: JsonFlag = False) -> None:
+    """On hand, reserved, available, the highest accepted token and the requests waiting for the SKU's
+    lease holder to serve them in a batch, of one SKU or all.
+
+    JSON: [{"sku", "on_hand", "reserved", "available", "fence_token", "waiting"}]
+
+    Example: reservations stock --json
+    """
+    with errors(), context.inventory() as inventory:
+        levels = [inventory.stock(valid.sku(sku))] if sku is not None else inventory.all_stock()
+        waiting = inventory.waiting_by_sku()
+    if as_json:
+        render.emit_json(render.stock_json(levels, waiting))
+        return
+    out.print(render.stock_table(levels, waiting))
+
+
+def rejections(
+    sku: Annotated[str | None, typer.Option(help="Only this SKU.")] = None,
+    since: Since = None,
+    limit: Limit = 100,
+    as_json: JsonFlag = False,
+) -> None:
+    """Stale writes the database refused, with counts per SKU.
+
+    JSON: {"counts": {sku: n}, "rejections": [{"sku", "at", "operation", "quantity", "presented_token",
+    "highest_token", "holder", "idempotency_key"}]}  (the list only with --sku)
+
+    Example: reservations rejections --since 1d
+    """
+    with errors(), context.inventory() as inventory:
+        starting = parse_since(since)
+        counts = inventory.rejection_counts(since=starting)
+        entries = []
+        if sku is not None:
+            valid.sku(sku)
+            counts = {k: v for k, v in counts.items() if k == sku}
+            entries = [h for h in inventory.history(sku, limit=limit, since=starting) if h.kind == "rejected"]
+    if as_json:
+        render.emit_json(render.rejections_json(counts, entries))
+        return
+    out.print(render.rejection_counts_table(counts) if counts else "no stale write was rejected")
+    if sku is not None and entries:
+        out.print(render.rejections_table(sku, entries))
+
+
+def show(key_or_id: str, as_json: JsonFlag = False) -> None:
+    """One request or reservation: its reservation, final outcome and attempts.
+
+    JSON: {"reservation": {...} | null, "outcome": {...} | null, "attempts": [...]}
+
+    Example: reservations show order-1042
+    """
+    with errors(), context.inventory() as inventory:
+        try:
+            found = inventory.reservation(key_or_id)
+        except UnknownReservation:
+            found = None
+        key = found.idempotency_key if found is not None else key_or_id
+        outcome = inventory.request_outcome(key) if _is_key(key) else None
+        attempts = inventory.attempts(key)
+        if found is None and outcome is None and not attempts:
+            raise UnknownReservation(key_or_id)
+    if as_json:
+        render.emit_json(render.request_json(found, outcome, attempts))
+        return
+    for line in render.request_lines(found, outcome, attempts):
+        out.print(line)
+
+
+def _is_key(text: str) -> bool:
+    try:
+        valid.idempotency_key(text)
+        return True
+    except InvalidRequest:
+        return False
+
+
+def audit(
+    sku: Annotated[str | None, typer.Option(help="Only this SKU's violations.")] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """The inventory's invariants, checked from the database alone; exit 1 when any is broken.
+
+    Rules: oversell (available < 0); conservation (on hand = available + reserved, reserved = held
+    reservations, the history's deltas explain the stock); token_order (no accepted write carries a
+    lower token than an earlier one); key_applied_twice (one idempotency key changed stock once).
+
+    JSON: [{"rule", "sku", "message"}]  (empty when consistent)
+
+    Example: reservations audit --sku WIDGET
+    """
+    with errors(), context.inventory() as inventory:
+        if sku is not None:
+            inventory.stock(valid.sku(sku))  # unknown SKU -> exit 3
+        found = [v for v in inventory.invariant_violations() if sku is None or v.sku == sku]
+    if as_json:
+        render.emit_json(render.violations_json(found))
+    elif found:
+        out.print(render.violations_table(found))
+        out.print(f"{len(found)} invariant violation(s)")
+    else:
+        out.print("consistent: every invariant holds" + (f" for {sku}" if sku is not None else ""))
+    if found:
+        raise typer.Exit(EXIT_FAILED)
+
+
+def show_config() -> None:
+    """Where this command line reads and writes (passwords masked)."""
+    out.print(f"database: {mask_url(config.database_url)}")
+    out.print(f"leases:   {lease_url_shown()} (prefix {config.lease_prefix})")
+    out.print(f"broker:   {mask_url(config.broker_url)}")
+    out.print(f"results:  {mask_url(config.result_backend)}")

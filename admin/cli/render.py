@@ -1,0 +1,197 @@
+"""How the read commands print: the two consoles, JSON on stdout with stable field names, UTC times,
+and one Rich table (or JSON shape) per kind of record.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from reservations.audit import Violation
+from reservations.requests import Attempt, RequestResult
+from reservations.timeline import Epoch, TimelineEntry
+from reservations.views import HistoryEntry, ReservationView, StockLevel
+
+out = Console(soft_wrap=False)
+err = Console(stderr=True, soft_wrap=True)
+
+
+def emit_json(data: Any) -> None:
+    sys.stdout.write(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def when(seconds: float | None) -> str:
+    if seconds is None:
+        return ""
+    return dt.datetime.fromtimestamp(seconds, dt.UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+
+
+def short_time(seconds: float | None) -> str:
+    return when(seconds)[11:] if seconds is not None else ""
+
+
+# -- tokens ---------------------------------------------------------------------------------------------
+
+
+def _write_json(w: TimelineEntry) -> dict[str, Any]:
+    return {
+        "at": w.at,
+        "operation": w.operation,
+        "quantity": w.quantity,
+        "idempotency_key": w.idempotency_key,
+    }
+
+
+def _rejection_json(r: TimelineEntry | HistoryEntry) -> dict[str, Any]:
+    return {
+        "at": r.at,
+        "operation": r.operation,
+        "quantity": r.quantity,
+        "presented_token": r.token,
+        "highest_token": r.highest_token,
+        "holder": r.holder,
+        "idempotency_key": r.idempotency_key,
+    }
+
+
+def epochs_json(sku: str, grouped: Sequence[Epoch]) -> dict[str, Any]:
+    return {
+        "sku": sku,
+        "epochs": [
+            {
+                "token": e.token,
+                "holder": e.holder,
+                "acquired_at": e.acquired_at,
+                "ended": e.ended,
+                "writes": [_write_json(w) for w in e.writes],
+                "rejections": [_rejection_json(r) for r in e.rejections],
+            }
+            for e in grouped
+        ],
+    }
+
+
+def epochs_table(sku: str, grouped: Sequence[Epoch]) -> Table:
+    table = Table(title=f"Tokens of {sku}", title_justify="left", expand=False)
+    table.add_column("token", justify="right")
+    table.add_column("holder", overflow="fold", max_width=22)
+    table.add_column("acquired (UTC)")
+    table.add_column("ended")
+    table.add_column("writes / rejected", overflow="fold", max_width=24)
+    for e in grouped:
+        lines = [f"+ {w.operation} {w.quantity if w.quantity is not None else ''}".rstrip() for w in e.writes]
+        lines += [f"x {r.operation}: stale vs {r.highest_token}" for r in e.rejections]
+        table.add_row(
+            str(e.token),
+            e.holder or "",
+            short_time(e.acquired_at),
+            e.ended or "current",
+            "\n".join(lines) or "-",
+        )
+    return table
+
+
+# -- leases, stock, rejections --------------------------------------------------------------------------
+
+
+def leases_table(rows: Iterable[Mapping[str, Any]], where: str) -> Table:
+    table = Table(title=f"Current leases ({where})", title_justify="left")
+    for column in ("sku", "token", "holder", "time left"):
+        table.add_column(column, overflow="fold")
+    for row in rows:
+        table.add_row(row["sku"], str(row["token"]), row["holder"], f"{row['time_left']:.1f}s")
+    return table
+
+
+def stock_json(levels: Iterable[StockLevel], waiting: Mapping[str, int]) -> list[dict[str, Any]]:
+    return [{**asdict(level), "waiting": waiting.get(level.sku, 0)} for level in levels]
+
+
+def stock_table(levels: Iterable[StockLevel], waiting: Mapping[str, int]) -> Table:
+    table = Table(title="Stock", title_justify="left")
+    for column in ("sku", "on hand", "reserved", "available", "token", "waiting"):
+        table.add_column(column, justify="left" if column == "sku" else "right")
+    for level in levels:
+        table.add_row(
+            level.sku,
+            str(level.on_hand),
+            str(level.reserved),
+            str(level.available),
+            str(level.fence_token),
+            str(waiting.get(level.sku, 0)),
+        )
+    return table
+
+
+def rejections_json(counts: Mapping[str, int], entries: Iterable[HistoryEntry]) -> dict[str, Any]:
+    return {"counts": counts, "rejections": [{"sku": h.sku, **_rejection_json(h)} for h in entries]}
+
+
+def rejection_counts_table(counts: Mapping[str, int]) -> Table:
+    table = Table(title="Rejected", title_justify="left")
+    table.add_column("sku")
+    table.add_column("count", justify="right")
+    for name, count in counts.items():
+        table.add_row(name, str(count))
+    return table
+
+
+def rejections_table(sku: str, entries: Iterable[HistoryEntry]) -> Table:
+    detail = Table(title=f"Rejections of {sku}", title_justify="left")
+    for column in ("time (UTC)", "operation", "token", "highest", "holder"):
+        detail.add_column(column, overflow="fold")
+    for h in entries:
+        detail.add_row(short_time(h.at), h.operation, str(h.token), str(h.highest_token), h.holder or "")
+    return detail
+
+
+# -- show, audit ----------------------------------------------------------------------------------------
+
+
+def request_json(
+    found: ReservationView | None, outcome: RequestResult | None, attempts: Iterable[Attempt]
+) -> dict[str, Any]:
+    return {
+        "reservation": asdict(found) if found else None,
+        "outcome": asdict(outcome) if outcome else None,
+        "attempts": [asdict(a) for a in attempts],
+    }
+
+
+def request_lines(
+    found: ReservationView | None, outcome: RequestResult | None, attempts: Iterable[Attempt]
+) -> list[str]:
+    lines = []
+    if found is not None:
+        lines.append(
+            f"reservation {found.id}: {found.status}, {found.quantity} x {found.sku} "
+            f"(token {found.token}, key {found.idempotency_key})"
+        )
+    if outcome is not None:
+        lines.append(
+            f"outcome: {outcome.status} after {outcome.epochs} lost epoch(s) "
+            f"{json.dumps(outcome.detail, sort_keys=True)}"
+        )
+    lines += [f"  attempt {short_time(a.at)} {a.result} token={a.token} worker={a.worker}" for a in attempts]
+    return lines
+
+
+def violations_json(found: Iterable[Violation]) -> list[dict[str, str]]:
+    return [{"rule": str(v.rule), "sku": v.sku, "message": v.message} for v in found]
+
+
+def violations_table(found: Iterable[Violation]) -> Table:
+    table = Table(title="Invariant violations", title_justify="left")
+    table.add_column("rule")
+    table.add_column("sku", overflow="fold", max_width=24)
+    table.add_column("message", overflow="fold")
+    for v in found:
+        table.add_row(str(v.rule), v.sku, v.message)
+    return table

@@ -1,0 +1,180 @@
+"""The commands that run a whole scenario: the warehouse demo, the fault-injection chaos run and the
+in-process fence demo. Each imports its (large) module only when it runs, so other commands start fast.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from admin.cli.context import config, given_urls
+from admin.cli.failures import EXIT_FAILED, EXIT_USAGE, errors, fail
+from admin.cli.options import count, decimal, seconds, whole
+from admin.cli.render import err, out
+
+
+def demo_command(
+    folder: Annotated[
+        Path, typer.Option(help="The demo's own folder, recreated on every run (databases, worker logs).")
+    ] = Path("var/demo"),
+    use_configured: Annotated[
+        bool,
+        typer.Option(
+            "--use-configured",
+            help="Run on the configured database, leases, broker and result backend, and WRITE there.",
+        ),
+    ] = False,
+) -> None:
+    """WRITES (to its own folder, or with --use-configured to the configured database): the warehouse
+    case study with real Celery workers. A is frozen with SIGSTOP past its lease, B takes the next token
+    and reserves, A resumes and its late write is rejected; A's request is driven again.
+
+    By default it needs no services and writes only to FOLDER, which it recreates on every run (it wipes
+    only a folder it made, or an empty one): the inventory and the SQL leases in a SQLite file, Celery's
+    SQLAlchemy transport as broker and result store. The configured URLs are not used.
+
+    --use-configured runs it on RESERVATIONS_DATABASE_URL, _LEASE_URL, _LEASE_PREFIX, _BROKER_URL and
+    _RESULT_BACKEND (or the options before the command), e.g. PostgreSQL and Redis. It WRITES there: it
+    migrates the database to the newest schema and creates a new SKU DEMO-XXXXXXXX on every run, whose
+    held units and history stay. Give it a broker no other worker consumes: its two requests are for
+    its own workers A and B.
+
+    Example: reservations demo
+    """
+    from admin import demo
+
+    if not use_configured:
+        given = [name for name, value in given_urls().items() if value]
+        if given:
+            out.print(
+                f"not using the configured {', '.join(given)} (--use-configured would)", highlight=False
+            )
+        backends = None
+    else:
+        backends = demo.Backends(
+            database_url=config.database_url,
+            lease_url=config.lease_url or config.database_url,
+            lease_prefix=config.lease_prefix,
+            broker_url=config.broker_url,
+            result_backend=config.result_backend,
+        )
+    # Errors name the configured URLs, which only a run on them should report.
+    with errors() if use_configured else nullcontext():
+        try:
+            ok = demo.run(folder, out, backends)
+        except demo.DemoFailed as exc:
+            fail(EXIT_FAILED, str(exc))
+    if not ok:
+        raise typer.Exit(EXIT_FAILED)
+
+
+def chaos_command(
+    workers: Annotated[int, count("--workers", 2, 16, "Celery worker processes.")] = 3,
+    skus: Annotated[int, count("--skus", 1, 50, "SKUs the requests spread over.")] = 3,
+    requests: Annotated[int, count("--requests", 1, 5000, "Requests per run (replays included).")] = 120,
+    duration: Annotated[
+        float, seconds("--duration", 2, 600, "Seconds of request stream and faults, per run.")
+    ] = 20.0,
+    drain: Annotated[float, seconds("--drain", 1, 600, "Longest wait for the last outcomes.")] = 40.0,
+    seed: Annotated[int, typer.Option(parser=whole("--seed"), help="Seed of the request stream.")] = 1,
+    lease_redis_restart: Annotated[
+        bool, typer.Option(help="Restart the lease Redis mid-run, losing its data (token counters).")
+    ] = True,
+    proxy_delay: Annotated[
+        float,
+        seconds(
+            "--proxy-delay",
+            0,
+            30,
+            "One worker reaches PostgreSQL through a proxy delaying its packets this long.",
+        ),
+    ] = 0.0,
+    hot: Annotated[
+        float,
+        typer.Option(
+            parser=decimal("--hot", 0, 0.9),
+            help="Share of the requests that are a flash sale: bursts of reservations of one SKU (0: none) "
+            "[0-0.9]",
+        ),
+    ] = 0.5,
+    batching: Annotated[
+        bool, typer.Option(help="A busy SKU's reservations wait for its holder to serve them in batches.")
+    ] = True,
+    postgres_url: Annotated[
+        str, typer.Option(envvar="RESERVATIONS_CHAOS_POSTGRES_URL", help="PostgreSQL for the run schemas.")
+    ] = "postgresql+psycopg://postgres@127.0.0.1:5432/test",
+    folder: Annotated[
+        Path | None, typer.Option(help="Keep worker logs here (default: a temporary folder, removed).")
+    ] = None,
+    pictures: Annotated[
+        Path, typer.Option(help="Folder for the SVG timeline of each run (token bands, writes, refusals).")
+    ] = Path("var/chaos"),
+    as_json: Annotated[bool, typer.Option("--json", help="Print both runs' metrics as JSON.")] = False,
+) -> None:
+    """WRITES (own schemas, dropped afterwards): the fault-injection run, twice, fenced and lease-only.
+
+    Real workers (and celery beat) on PostgreSQL and two private redis-servers (broker; leases) take a
+    stream of requests, a share of them a flash sale of one hot SKU served in batches, while workers
+    freeze past their lease (batch servers among them), one is SIGKILLed and restarted and the lease
+    Redis loses its data; a checker then audits the database. Exit 1 when the fenced run has any
+    violation.
+
+    JSON fields per run (fenced, lease_only): enqueued, replayed, resent, faults, statuses,
+    rejected_stale_writes, lost_ownership_by_worker_role, lost_ownership_serving_batches_by_worker_role,
+    batching_on, hot_sku, hot_stock, flash_sale {requests, statuses}, batching {batches, requests,
+    for_others, largest, stale_refused, writes_behind_newer_token, left_pending, watches, swept,
+    longest_wait}, violations, checks (rule -> sentences), picture.
+
+    Example: reservations chaos --workers 3 --skus 3 --requests 120 --duration 20
+    """
+    from admin import chaos
+
+    options = chaos.Options(
+        workers=workers,
+        skus=skus,
+        requests=requests,
+        duration=duration,
+        drain=drain,
+        seed=seed,
+        restart_lease_redis=lease_redis_restart,
+        proxy_delay=proxy_delay,
+        hot=hot,
+        batching=batching,
+        postgres_url=postgres_url,
+        folder=folder,
+        pictures=pictures,
+    )
+    try:
+        ok = chaos.run(options, None if as_json else out, as_json=as_json)
+    except chaos.ChaosFailed as exc:
+        fail(EXIT_FAILED, str(exc))
+    except KeyboardInterrupt:
+        err.print("interrupted: workers, redis-servers and schemas cleaned up")
+        raise typer.Exit(130) from None
+    if not ok:
+        raise typer.Exit(EXIT_FAILED)
+
+
+def fence_demo_command(
+    database: Annotated[Path, typer.Option(help="SQLite file to (re)create for the demo.")] = Path(
+        "var/fence-demo.sqlite3"
+    ),
+    ttl: Annotated[float, seconds("--ttl", 0.05, 10, "Lease ttl of worker A, in seconds.")] = 0.5,
+) -> None:
+    """Replay the seed timeline in-process: A's lease expires, B writes, A's late write is rejected.
+
+    Runs on an embedded SQLite database with no services.
+
+    Example: reservations fence-demo --ttl 0.3
+    """
+    from admin import fence_demo
+
+    try:
+        ok = fence_demo.run(database, ttl=ttl)
+    except ValueError as exc:
+        fail(EXIT_USAGE, str(exc))
+    if not ok:
+        raise typer.Exit(EXIT_FAILED)
