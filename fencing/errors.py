@@ -12,6 +12,7 @@ Every error a caller can see is a :class:`FencingError`; third-party errors are 
     │   ├── StaleToken           the resource has accepted a newer token (presented, highest)
     │   └── LeaseLost            the coordinator no longer holds this lease (expired, released, broken)
     └── BackendUnavailable       the coordinator or database could not be reached; the outcome is unknown
+        └── SchemaMissing        the database answers but lacks a table or column the migrations create
 """
 
 from __future__ import annotations
@@ -122,3 +123,12 @@ class BackendUnavailable(FencingError):
         self.operation = operation
         self.detail = detail
         super().__init__(f"{backend} unavailable during {operation}: {detail}")
+
+
+class SchemaMissing(BackendUnavailable):
+    """The database answers, but a table or column the migrations create is missing: unusable until it is
+    upgraded. A kind of unavailability, so a worker retries it as one while the upgrade runs."""
+
+    def __init__(self, *, operation: str, problem: str, detail: str) -> None:
+        self.problem = problem  # "missing" (a table) or "out of date" (a column)
+        super().__init__(backend="database", operation=operation, detail=f"schema {problem}: {detail}")

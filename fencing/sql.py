@@ -18,7 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.expression import FunctionElement
 
-from fencing.errors import BackendUnavailable, InvalidLeaseRequest
+from fencing.errors import BackendUnavailable, InvalidLeaseRequest, SchemaMissing
 from fencing.plan import (
     Alone,
     Atomic,
@@ -190,6 +190,39 @@ def unavailable(exc: DBAPIError, operation: str) -> BackendUnavailable | None:
     return None
 
 
+# A table or column the migrations create, as PostgreSQL (SQLSTATE) and SQLite (message) report it.
+_SCHEMA_STATES = {"42P01": "missing", "42703": "out of date"}
+_SCHEMA_MESSAGES = {
+    "no such table": "missing",
+    "no such column": "out of date",
+    "has no column": "out of date",
+}
+
+
+def schema_missing(exc: DBAPIError, operation: str) -> SchemaMissing | None:
+    """The error to raise for a table or column the migrations create being absent, else None."""
+    if exc.orig is None:
+        return None
+    first = str(exc.orig).strip().splitlines()[0]
+    state = getattr(exc.orig, "sqlstate", None)
+    if state is not None:
+        problem = _SCHEMA_STATES.get(state)
+    else:
+        problem = next((v for k, v in _SCHEMA_MESSAGES.items() if k in first), None)
+    return None if problem is None else SchemaMissing(operation=operation, problem=problem, detail=first)
+
+
+# Maps a database error to the caller's own typed error (for example by constraint name), or None.
+Translate = Callable[[DBAPIError], Exception | None]
+
+
+def mapped(exc: DBAPIError, operation: str, translate: Translate | None = None) -> Exception:
+    """The one place a database error becomes what callers catch: the caller's translation first, then a
+    missing schema, then an unreachable database; anything else stays the driver's error."""
+    found = translate(exc) if translate is not None else None
+    return found or schema_missing(exc, operation) or unavailable(exc, operation) or exc
+
+
 def execute(conn: Connection, stmt: Statement) -> Rows:
     """Run one statement of a plan on a sync connection."""
     try:
@@ -197,10 +230,7 @@ def execute(conn: Connection, stmt: Statement) -> Rows:
             return _rows(conn.execute(stmt.statement, stmt.params))
         return _rows(conn.execute(stmt))
     except DBAPIError as exc:
-        mapped = unavailable(exc, "statement")
-        if mapped is None:
-            raise
-        raise mapped from exc
+        raise mapped(exc, "statement") from exc
 
 
 async def execute_async(conn: AsyncConnection, stmt: Statement) -> Rows:
@@ -209,10 +239,7 @@ async def execute_async(conn: AsyncConnection, stmt: Statement) -> Rows:
             return _rows(await conn.execute(stmt.statement, stmt.params))
         return _rows(await conn.execute(stmt))
     except DBAPIError as exc:
-        mapped = unavailable(exc, "statement")
-        if mapped is None:
-            raise
-        raise mapped from exc
+        raise mapped(exc, "statement") from exc
 
 
 def _just(op: Alone) -> Plan[Rows]:
@@ -227,9 +254,12 @@ class SyncSqlExecutor:
     """Runs each plan (and each :class:`Atomic` step) in its own transaction, opened at its first
     statement so a plan that only waits never holds a connection."""
 
-    def __init__(self, engine: Engine, sleep: Callable[[float], None]) -> None:
+    def __init__(
+        self, engine: Engine, sleep: Callable[[float], None], *, translate: Translate | None = None
+    ) -> None:
         self.engine = engine
         self._sleep = sleep
+        self._translate = translate
 
     def run(self, plan: Plan[T]) -> T:
         conn: Connection | None = None
@@ -249,8 +279,11 @@ class SyncSqlExecutor:
                     conn = self.engine.connect()
                     conn.begin()
                 except DBAPIError as exc:
-                    raise (unavailable(exc, "connect") or exc) from exc
-            return execute(conn, op)
+                    raise mapped(exc, "connect", self._translate) from exc
+            try:
+                return execute(conn, op)
+            except DBAPIError as exc:
+                raise mapped(exc, "statement", self._translate) from exc
 
         try:
             result = run_sync(plan, handle)
@@ -258,7 +291,7 @@ class SyncSqlExecutor:
                 conn.commit()
             return result
         except DBAPIError as exc:
-            raise (unavailable(exc, "commit") or exc) from exc
+            raise mapped(exc, "commit", self._translate) from exc
         finally:
             if conn is not None:
                 conn.close()  # rolls back anything not committed
@@ -273,7 +306,7 @@ class SyncSqlExecutor:
                     return _rows(auto.exec_driver_sql(op.statement, op.params))
                 return _rows(auto.execute(op.statement, op.params))
         except DBAPIError as exc:
-            raise (unavailable(exc, "statement") or exc) from exc
+            raise mapped(exc, "statement", self._translate) from exc
 
     def close(self) -> None:
         self.engine.dispose()
@@ -282,9 +315,16 @@ class SyncSqlExecutor:
 class AsyncSqlExecutor:
     """The async shell of :class:`SyncSqlExecutor` over an ``AsyncEngine``."""
 
-    def __init__(self, engine: AsyncEngine, sleep: Callable[[float], Awaitable[Any]]) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        sleep: Callable[[float], Awaitable[Any]],
+        *,
+        translate: Translate | None = None,
+    ) -> None:
         self.engine = engine
         self._sleep = sleep
+        self._translate = translate
 
     async def run(self, plan: Plan[T]) -> T:
         conn: AsyncConnection | None = None
@@ -304,8 +344,11 @@ class AsyncSqlExecutor:
                     conn = await self.engine.connect()
                     await conn.begin()
                 except DBAPIError as exc:
-                    raise (unavailable(exc, "connect") or exc) from exc
-            return await execute_async(conn, op)
+                    raise mapped(exc, "connect", self._translate) from exc
+            try:
+                return await execute_async(conn, op)
+            except DBAPIError as exc:
+                raise mapped(exc, "statement", self._translate) from exc
 
         try:
             result = await run_async(plan, handle)
@@ -313,7 +356,7 @@ class AsyncSqlExecutor:
                 await conn.commit()
             return result
         except DBAPIError as exc:
-            raise (unavailable(exc, "commit") or exc) from exc
+            raise mapped(exc, "commit", self._translate) from exc
         finally:
             if conn is not None:
                 await conn.close()
@@ -328,7 +371,7 @@ class AsyncSqlExecutor:
                     return _rows(await auto.exec_driver_sql(op.statement, op.params))
                 return _rows(await auto.execute(op.statement, op.params))
         except DBAPIError as exc:
-            raise (unavailable(exc, "statement") or exc) from exc
+            raise mapped(exc, "statement", self._translate) from exc
 
     async def close(self) -> None:
         await self.engine.dispose()

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.exc import IntegrityError
 
 from fencing import Lease, StaleToken
 from fencing.plan import Alone, Atomic, Plan
@@ -21,6 +20,7 @@ from reservations.errors import (
     IdempotencyConflict,
     InsufficientStock,
     InvalidRequest,
+    KeyTaken,
     RequestClosed,
     UnknownSku,
 )
@@ -110,7 +110,7 @@ def hand_off(
                 return _handed_off(found.rows[0])
             queued: HandOff = yield Atomic(_hand_off(values))
             return queued
-        except IntegrityError:  # the same key was added concurrently: look again
+        except KeyTaken:  # the same key was added concurrently: look again
             continue
     raise RuntimeError(f"could not hand off {key!r}")  # pragma: no cover
 
@@ -241,7 +241,7 @@ def serve(
         except StaleToken as stale:
             yield Atomic(plans.one(plans.rejection(stale, lease, sku, "reserve", None, None)))
             raise
-        except IntegrityError:
+        except KeyTaken:
             # A request of this batch got its outcome elsewhere meanwhile (its own retry dead-lettered
             # it): the next round sees that and only removes it from the list.
             continue

@@ -10,7 +10,14 @@
     ├── InvalidTransition       confirm/release of a reservation that is final or belongs to another SKU
     ├── InsufficientStock       available < requested (sku, requested, available)
     ├── IdempotencyConflict     the key was used before for a different request
-    └── RequestClosed           the key's request already ended without effect (invalid, dead-lettered)
+    ├── RequestClosed           the key's request already ended without effect (invalid, dead-lettered)
+    ├── KeyTaken                a row under the request's key exists already: a concurrent copy of the
+    │                           request committed first (where: reservation, record, outcome, pending)
+    └── ConstraintRefused       the database refused a write that would break a rule (constraint, rule):
+                                a bug or a foreign writer, never retried
+
+Database integrity errors become the last two in one place, :mod:`reservations.constraints`, by constraint
+name.
 
 Fencing errors (``StaleToken``, ``LeaseLost``, ``BackendUnavailable``, ...) pass through unchanged: they
 are about ownership and reachability, not about the inventory.
@@ -96,3 +103,23 @@ class RequestClosed(ReservationError):
         self.key = key
         self.status = status
         super().__init__(f"request {key!r} already ended as {status}; it cannot take effect now")
+
+
+class KeyTaken(ReservationError):
+    """A unique key of the request's rows is taken: whoever committed first decided it; look again."""
+
+    def __init__(self, *, where: str, constraint: str) -> None:
+        self.where = where
+        self.constraint = constraint
+        super().__init__(f"the request's {where} row exists already ({constraint})")
+
+
+class ConstraintRefused(ReservationError):
+    """The database refused a write by a CHECK constraint or a trigger. ``rule`` names the audit's rule
+    (:class:`reservations.audit.Rule`) the constraint states, when it states one."""
+
+    def __init__(self, *, constraint: str | None, rule: str | None, detail: str) -> None:
+        self.constraint = constraint
+        self.rule = rule
+        self.detail = detail
+        super().__init__(f"the database refused the write ({constraint or 'trigger'}): {detail}")

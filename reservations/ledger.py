@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.exc import IntegrityError
 
 from fencing import Fence, FenceOutcome, Lease, StaleToken
 from fencing.plan import Atomic, Plan
@@ -24,6 +23,7 @@ from reservations import validation as valid
 from reservations.errors import (
     IdempotencyConflict,
     InsufficientStock,
+    KeyTaken,
     RequestClosed,
     ReservationError,
     StockLimitExceeded,
@@ -75,35 +75,22 @@ def _stored_error(data: dict[str, Any]) -> ReservationError:
     return error
 
 
-def _key_taken(exc: IntegrityError) -> str | None:
-    """Which of a request's keys a unique violation is about: "reservation" (a reservation already has
-    the key), "record" (its idempotency record or final outcome exists), or None for anything else."""
-    diag = getattr(exc.orig, "diag", None)
-    name = str(getattr(diag, "constraint_name", None) or exc.orig)  # SQLite only has the message
-    if "reservations" in name and "idempotency_key" in name:
-        return "reservation"
-    if "idempotency_key" in name or "request_outcomes" in name:
-        return "record"
-    return None
-
-
-def _reservation_conflict(key: str, operation: str) -> IdempotencyConflict:
+def reservation_conflict(key: str, operation: str) -> IdempotencyConflict:
     # The key's record was purged, but the reservation it created is still there.
     return IdempotencyConflict(
         key=key, operation=operation, stored_operation="a reservation whose record expired"
     )
 
 
-def _raise_unless_key_taken(exc: IntegrityError, key: str, operation: str) -> None:
-    """Return when ``exc`` is a concurrent attempt with the same key having committed first (the next
-    round replays it); raise anything else."""
-    taken = _key_taken(exc)
-    if taken == "reservation":
+def _unless_replayable(taken: KeyTaken, key: str, operation: str) -> None:
+    """Return when a concurrent attempt with the same key committed first (the next round replays its
+    record or outcome); raise anything else."""
+    if taken.where == "reservation":
         # Attempts on one SKU queue on its stock row and read the key after locking it, so on this
         # path the clash is not a race.
-        raise _reservation_conflict(key, operation) from None
-    if taken is None:
-        raise exc
+        raise reservation_conflict(key, operation) from None
+    if taken.where not in ("record", "outcome"):
+        raise taken
 
 
 class Ledger:
@@ -141,7 +128,7 @@ class Ledger:
                     stored: Outcome | None = yield Atomic(
                         self._store_refusal(key, operation, print_, refused.error)
                     )
-                except IntegrityError:
+                except KeyTaken:
                     continue  # a concurrent attempt stored its outcome first: the next round replays it
                 if stored is not None:
                     return stored  # a concurrent attempt applied the key meanwhile: its outcome stands
@@ -149,8 +136,8 @@ class Ledger:
             except StaleToken as stale:
                 yield Atomic(self.one(on_stale(stale)))
                 raise
-            except IntegrityError as exc:
-                _raise_unless_key_taken(exc, key, operation)
+            except KeyTaken as taken:
+                _unless_replayable(taken, key, operation)
                 # A concurrent attempt with the same key committed first; the next round replays it.
         raise RuntimeError(f"idempotency key {key!r} kept colliding")  # pragma: no cover
 

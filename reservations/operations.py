@@ -8,21 +8,19 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import sqlalchemy as sa
-from sqlalchemy.exc import IntegrityError
 
 from fencing import Lease, StaleToken
 from fencing.plan import Alone, Atomic, Plan
 from fencing.sql import Rows, db_now_ms
 from reservations import reserve_statement
 from reservations import validation as valid
-from reservations.errors import InsufficientStock, InvalidRequest
+from reservations.errors import InsufficientStock, InvalidRequest, KeyTaken
 from reservations.ledger import (
     HeldLine,
-    _key_taken,
-    _reservation_conflict,
     fingerprint,
     hold_ms_of,
     new_reservation_id,
+    reservation_conflict,
 )
 from reservations.lifecycle import ReservationLifecycle
 from reservations.models import idempotency_keys, sku_history, stock
@@ -203,18 +201,15 @@ class InventoryPlans(ReservationLifecycle):
             except StaleToken as stale:
                 yield Atomic(self.one(self.rejection(stale, lease, sku, "reserve", key, quantity)))
                 raise
-            except IntegrityError as exc:
+            except KeyTaken as taken:
                 # The statement reads the key on its starting snapshot, so a copy of the request (or
                 # another request under the key) committed while it waited on the row lock shows up
                 # here, as whichever of the key's rows the database inserted first: look again. Only a
                 # reservation that still clashes when the key has neither record nor outcome is one
                 # whose record was purged.
-                taken = _key_taken(exc)
-                if taken is None:
-                    raise
-                if taken == "reservation":
+                if taken.where == "reservation":
                     if clashed:
-                        raise _reservation_conflict(key, "reserve") from None
+                        raise reservation_conflict(key, "reserve") from None
                     clashed = True
         raise RuntimeError(f"idempotency key {key!r} kept colliding")  # pragma: no cover
 

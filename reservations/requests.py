@@ -14,12 +14,11 @@ from types import SimpleNamespace
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.exc import IntegrityError
 
 from fencing.plan import Alone, Atomic, Plan
 from fencing.sql import Rows, db_now_ms
 from reservations import validation as valid
-from reservations.errors import InvalidRequest
+from reservations.errors import InvalidRequest, KeyTaken
 from reservations.models import HELD, idempotency_keys, request_outcomes, reservations, task_attempts
 from reservations.statuses import AttemptResult, RequestStatus
 from reservations.views import Outcome
@@ -199,7 +198,7 @@ def record_outcome(
         try:
             result: RequestResult = yield Atomic(_insert_outcome(values))
             return result
-        except IntegrityError:  # a concurrent writer stored its outcome first; read it back
+        except KeyTaken:  # a concurrent writer stored its outcome first; read it back
             continue
     raise RuntimeError(f"could not store the outcome of {key!r}")  # pragma: no cover
 
