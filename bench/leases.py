@@ -22,7 +22,7 @@ from fencing import AsyncLeaseManager, LeaseManager
 from fencing.keys import scope_keys
 from fencing.lease import MAX_TOKEN
 from fencing.manager import DEFAULT_HISTORY_CAP, DEFAULT_HISTORY_RETENTION
-from fencing.redis_backend import ACQUIRE, RELEASE
+from fencing.redis_scripts import ACQUIRE, RELEASE
 from fencing.sql import SyncSqlExecutor
 from fencing.sql_backend import lease_events
 

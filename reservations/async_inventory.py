@@ -12,7 +12,7 @@ from typing import Any
 
 from fencing import AsyncLeaseManager, Lease
 from fencing.sql import AsyncSqlExecutor, make_async_engine
-from reservations import audit, batching, constraints, reads, requests, schema
+from reservations import audit, constraints, pending, reads, requests, schema
 from reservations import inventory_base as base
 from reservations import validation as valid
 from reservations.errors import InvalidRequest
@@ -188,24 +188,24 @@ class AsyncInventory(InventoryBase[AsyncSqlExecutor]):
         hold_for: float | None = None,
         task_id: str | None = None,
         epochs: int = 0,
-    ) -> batching.HandOff:
+    ) -> pending.HandOff:
         plan = base.hand_off(self.plans, sku, quantity, key, hold_for, task_id, epochs)
         return await self.executor.run(plan)
 
     async def has_pending(self, sku: str) -> bool:
-        return await self.executor.run(batching.has_pending(sku))
+        return await self.executor.run(pending.has_pending(sku))
 
     async def pending_count(self, sku: str | None = None) -> int:
-        return await self.executor.run(batching.pending_count(sku))
+        return await self.executor.run(pending.pending_count(sku))
 
     async def waiting_by_sku(self) -> dict[str, int]:
-        return await self.executor.run(batching.waiting_by_sku())
+        return await self.executor.run(pending.waiting_by_sku())
 
     async def skus_waiting(self, *, older_than: float) -> list[str]:
-        return await self.executor.run(batching.skus_waiting(older_than))
+        return await self.executor.run(pending.skus_waiting(older_than))
 
     async def purge_ended_waits(self) -> int:
-        return await self.executor.run(batching.drop_ended())
+        return await self.executor.run(pending.drop_ended())
 
     async def serve_pending(
         self,

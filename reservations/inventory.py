@@ -12,7 +12,7 @@ from typing import Any
 
 from fencing import Lease, LeaseManager
 from fencing.sql import SyncSqlExecutor, make_engine
-from reservations import audit, batching, constraints, reads, requests, schema
+from reservations import audit, constraints, pending, reads, requests, schema
 from reservations import inventory_base as base
 from reservations import validation as valid
 from reservations.async_inventory import AsyncInventory
@@ -194,25 +194,25 @@ class Inventory(InventoryBase[SyncSqlExecutor]):
         hold_for: float | None = None,
         task_id: str | None = None,
         epochs: int = 0,
-    ) -> batching.HandOff:
+    ) -> pending.HandOff:
         """Queue a reservation for the SKU's lease holder (or find the outcome it already has)."""
         return self.executor.run(base.hand_off(self.plans, sku, quantity, key, hold_for, task_id, epochs))
 
     def has_pending(self, sku: str) -> bool:
-        return self.executor.run(batching.has_pending(sku))
+        return self.executor.run(pending.has_pending(sku))
 
     def pending_count(self, sku: str | None = None) -> int:
-        return self.executor.run(batching.pending_count(sku))
+        return self.executor.run(pending.pending_count(sku))
 
     def waiting_by_sku(self) -> dict[str, int]:
-        return self.executor.run(batching.waiting_by_sku())
+        return self.executor.run(pending.waiting_by_sku())
 
     def skus_waiting(self, *, older_than: float) -> list[str]:
         """SKUs with a request waiting for its holder longer than ``older_than`` seconds."""
-        return self.executor.run(batching.skus_waiting(older_than))
+        return self.executor.run(pending.skus_waiting(older_than))
 
     def purge_ended_waits(self) -> int:
-        return self.executor.run(batching.drop_ended())
+        return self.executor.run(pending.drop_ended())
 
     def serve_pending(
         self,

@@ -11,7 +11,7 @@ from typing import Any, Generic, TypeVar
 from fencing import Lease
 from fencing.plan import Plan
 from fencing.sql import mask_url
-from reservations import batching, requests
+from reservations import batching, pending, requests
 from reservations import validation as valid
 from reservations.errors import InvalidRequest
 from reservations.operations import InventoryPlans
@@ -91,10 +91,10 @@ def hand_off(
     hold_for: float | None,
     task_id: str | None,
     epochs: int,
-) -> Plan[batching.HandOff]:
+) -> Plan[pending.HandOff]:
     valid.task_and_worker(task_id)
     valid.epochs(epochs)
-    return batching.hand_off(
+    return pending.hand_off(
         sku, quantity, key, hold_for, task_id=task_id, epochs=epochs, single_statement=plans.single_statement
     )
 

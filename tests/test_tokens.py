@@ -24,7 +24,7 @@ from fencing import (
 )
 from fencing.keys import scope_keys
 from fencing.lease import new_lease_id
-from fencing.redis_backend import REPAIR, Reply
+from fencing.redis_scripts import REPAIR, Reply
 from fencing.sql_backend import lease_events, leases
 from tests.conftest import REDIS_URL, Stack
 from tests.support import Resource, items
