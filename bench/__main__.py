@@ -13,7 +13,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from rich.console import Console
 
@@ -97,6 +97,100 @@ def _load() -> str:
         return "unknown"
 
 
+@dataclass
+class Run:
+    """What every section of one run shares."""
+
+    args: argparse.Namespace
+    plan: Plan
+    scratch: Scratch
+    results: Results
+    progress: Progress | None
+    redis_ok: bool
+    postgres_ok: bool
+    redis_server: bool  # a redis-server binary for the Celery sections' private broker
+
+    def sizing(self, iterations: int) -> dict[str, int]:
+        return {
+            "iterations": iterations,
+            "warmup": max(10, round(iterations * WARMUP_FRACTION)),
+            "repeats": self.args.repeats,
+        }
+
+
+def _redis(run: Run) -> None:
+    redis_vs_raw(run.scratch, run.results, progress=run.progress, **run.sizing(run.plan.redis_iterations))
+
+
+def _writes(run: Run) -> None:
+    targets: list[tuple[str, Callable[[], str]]] = (
+        [("PostgreSQL", run.scratch.postgres_url)] if run.postgres_ok else []
+    )
+    targets.append(("SQLite", run.scratch.sqlite_url))
+    for label, url_of in targets:
+        if run.progress:
+            run.progress(f"guarded vs plain write, {label}")
+        guarded_vs_plain(
+            url_of(), label, run.results, progress=run.progress, **run.sizing(run.plan.write_iterations)
+        )
+
+
+def _reserve(run: Run) -> None:
+    reserve_vs_raw(
+        run.scratch, run.results, progress=run.progress, **run.sizing(run.plan.reserve_iterations)
+    )
+
+
+def _backends(run: Run) -> None:
+    sql_vs_redis_leases(
+        run.scratch, run.results, postgres=run.postgres_ok, sqlite=True, progress=run.progress,
+        **run.sizing(run.plan.backend_iterations),
+    )  # fmt: skip
+
+
+def _tasks(run: Run) -> None:
+    timed = tasks_vs_noop(
+        run.scratch, run.results, sql_leases=not run.args.no_sql_leases,
+        fit_budget=run.args.iterations is None, progress=run.progress,
+        **run.sizing(run.plan.task_iterations),
+    )  # fmt: skip
+    run.plan = replace(run.plan, task_iterations=timed)
+
+
+def _hot(run: Run) -> None:
+    hot = run.sizing(run.plan.hot_iterations)
+    sizes = hot_vs_many(
+        run.scratch, run.results, iterations=hot["iterations"], warmup=hot["warmup"],
+        repeats=hot["repeats"], progress=run.progress,
+    )  # fmt: skip
+    run.plan = replace(run.plan, hot_bursts=tuple(sizes.items()))
+
+
+def _asyncio(run: Run) -> None:
+    quick = run.args.quick or run.args.iterations is not None
+    asyncio_producer(
+        run.scratch, run.results, enqueues=ASYNC_ENQUEUES // (10 if quick else 1),
+        in_flight=ASYNC_IN_FLIGHT[:2] if quick else ASYNC_IN_FLIGHT, repeats=run.args.repeats,
+        progress=run.progress,
+    )  # fmt: skip
+
+
+def _celery(run: Run) -> bool:
+    return run.postgres_ok and run.redis_server
+
+
+# In the order they run: (section, what it needs, progress line, runner).
+SECTION_RUNS: list[tuple[str, Callable[[Run], bool], str, Callable[[Run], None]]] = [
+    ("redis", lambda run: run.redis_ok, "Redis lease vs raw Redis lock", _redis),
+    ("writes", lambda run: True, "guarded vs plain writes", _writes),
+    ("reserve", lambda run: run.postgres_ok, "fenced reserve vs raw psycopg, PostgreSQL", _reserve),
+    ("backends", lambda run: run.redis_ok, "SQL vs Redis lease backend", _backends),
+    ("tasks", _celery, "Celery end to end: reservation vs no-op tasks, hot vs spread SKUs", _tasks),
+    ("hot", _celery, "Celery end to end on a thread pool: one hot SKU vs many, batching on and off", _hot),
+    ("asyncio", _celery, "asyncio producer: enqueue rate and event loop lag with real workers", _asyncio),
+]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     n = args.iterations or (QUICK_ITERATIONS if args.quick else DEFAULT_ITERATIONS)
@@ -132,74 +226,22 @@ def main(argv: list[str] | None = None) -> int:
     if redis_server is None and wanted & {"tasks", "hot", "asyncio"}:
         results.skipped.append("Skipped the Celery sections: no redis-server on PATH for a private broker.")
 
-    def sizing(iterations: int) -> dict[str, int]:
-        return {
-            "iterations": iterations,
-            "warmup": max(10, round(iterations * WARMUP_FRACTION)),
-            "repeats": args.repeats,
-        }
-
     # A terminated run (CI timeout, kill) must still reach the cleanup below; SystemExit does.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     started = time.perf_counter()
     load_before = _load()
     scratch = Scratch(settings)
+    run = Run(args, plan, scratch, results, progress, redis_ok, postgres_ok, redis_server is not None)
     try:
-        if "redis" in wanted and redis_ok:
-            if progress:
-                progress("Redis lease vs raw Redis lock")
-            redis_vs_raw(scratch, results, progress=progress, **sizing(plan.redis_iterations))
-        if "writes" in wanted:
-            targets: list[tuple[str, Callable[[], str]]] = (
-                [("PostgreSQL", scratch.postgres_url)] if postgres_ok else []
-            )
-            targets.append(("SQLite", scratch.sqlite_url))
-            for label, url_of in targets:
+        for name, needs, label, section in SECTION_RUNS:
+            if name in wanted and needs(run):
                 if progress:
-                    progress(f"guarded vs plain write, {label}")
-                guarded_vs_plain(
-                    url_of(), label, results, progress=progress, **sizing(plan.write_iterations)
-                )
-        if "reserve" in wanted and postgres_ok:
-            if progress:
-                progress("fenced reserve vs raw psycopg, PostgreSQL")
-            reserve_vs_raw(scratch, results, progress=progress, **sizing(plan.reserve_iterations))
-        if "backends" in wanted and redis_ok:
-            if progress:
-                progress("SQL vs Redis lease backend")
-            sql_vs_redis_leases(
-                scratch, results, postgres=postgres_ok, sqlite=True, progress=progress,
-                **sizing(plan.backend_iterations),
-            )
-        if "tasks" in wanted and postgres_ok and redis_server is not None:
-            if progress:
-                progress("Celery end to end: reservation vs no-op tasks, hot vs spread SKUs")
-            timed = tasks_vs_noop(
-                scratch, results, sql_leases=not args.no_sql_leases, fit_budget=args.iterations is None,
-                progress=progress, **sizing(plan.task_iterations),
-            )
-            plan = replace(plan, task_iterations=timed)
-        if "hot" in wanted and postgres_ok and redis_server is not None:
-            if progress:
-                progress("Celery end to end on a thread pool: one hot SKU vs many, batching on and off")
-            hot = sizing(plan.hot_iterations)
-            sizes = hot_vs_many(
-                scratch, results, iterations=hot["iterations"], warmup=hot["warmup"],
-                repeats=hot["repeats"], progress=progress,
-            )
-            plan = replace(plan, hot_bursts=tuple(sizes.items()))
-        if "asyncio" in wanted and postgres_ok and redis_server is not None:
-            if progress:
-                progress("asyncio producer: enqueue rate and event loop lag with real workers")
-            quick = args.quick or args.iterations is not None
-            asyncio_producer(
-                scratch, results, enqueues=ASYNC_ENQUEUES // (10 if quick else 1),
-                in_flight=ASYNC_IN_FLIGHT[:2] if quick else ASYNC_IN_FLIGHT, repeats=args.repeats,
-                progress=progress,
-            )
+                    progress(label)
+                section(run)
     finally:
-        for problem in scratch.close():
+        for problem in run.scratch.close():
             errors.print(f"cleanup: {problem}", highlight=False)
+    plan = run.plan
     results.notes.append(f"Whole run: {time.perf_counter() - started:.1f} s.")
     results.context.append(
         f"Machine load (1 / 5 / 15 min load averages) at start: {load_before}; at end: {_load()}"

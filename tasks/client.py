@@ -82,8 +82,10 @@ def _settle(future: asyncio.Future[str], sent: str | None, error: BaseException 
         return
     if error is not None:
         future.set_exception(error)
-    else:
-        future.set_result(sent)  # type: ignore[arg-type]
+    elif sent is not None:
+        future.set_result(sent)
+    else:  # pragma: no cover - the publisher answers a message id or an error
+        future.set_exception(RuntimeError("the message was neither sent nor refused"))
 
 
 @dataclass(frozen=True)

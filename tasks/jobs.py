@@ -144,8 +144,6 @@ def _give_up(
     return answer(task, message, stored)
 
 
-
-
 def _attempt(
     task: Task,
     res: Resources,
@@ -208,37 +206,62 @@ def _attempt(
     except LeaseBusy as busy:
         if batch is not None:
             return wait_for_holder(task, res, message, batch, who)
-        if work.run is not None:  # it did not look before taking the lease: a copy may have ended it
-            done = res.inventory.request_outcome(key)
-            if done is not None:
-                return answer(task, message, done)
-        if message.counts["busy"] >= settings.max_retries:
-            return final(RequestStatus.DEAD_LETTERED, {"reason": "lease busy", "holder": busy.holder})
-        raise again("busy", policy.jitter(busy.retry_after, message.counts["busy"])) from None
+        return _busy(task, res, message, work, busy, final, again)
     except LostOwnership as lost:
-        # Terminal for this attempt and its lease: nothing more happens under it. The request itself
-        # goes back to coordination: a new task run takes a new lease, and the idempotency key keeps an
-        # effect that already landed from being applied twice.
-        log.warning(
-            "lost ownership of %s (token %s) in task %s on %s: %s",
-            lost.scope,
-            lost.token,
-            who["task_id"],
-            who["worker"],
-            lost,
-        )
-        res.inventory.record_attempt(
-            key, operation, AttemptResult.LOST_OWNERSHIP,
-            token=lost.token or lease_token, detail=policy.printable(lost), **who,
-        )  # fmt: skip
-        if epoch + 1 >= settings.max_epochs:
-            reason = f"lost ownership {epoch + 1} times"
-            return final(RequestStatus.DEAD_LETTERED, {"reason": reason, "last": str(lost)})
-        raise again("epoch", policy.jitter(0.01, epoch)) from None
+        return _lost(res, message, lost, lease_token, final, again, who)
 
 
+Final = Callable[[str, dict[str, Any]], dict[str, Any]]
 
 
+def _busy(
+    task: Task,
+    res: Resources,
+    message: Message,
+    work: Work,
+    busy: LeaseBusy,
+    final: Final,
+    again: Callable[[str, float], Exception],
+) -> dict[str, Any]:
+    """A lease found busy by a request that cannot wait for its holder: retry later, within a budget."""
+    if work.run is not None:  # it did not look before taking the lease: a copy may have ended it
+        done = res.inventory.request_outcome(message.key)
+        if done is not None:
+            return answer(task, message, done)
+    if message.counts["busy"] >= res.settings.max_retries:
+        return final(RequestStatus.DEAD_LETTERED, {"reason": "lease busy", "holder": busy.holder})
+    raise again("busy", policy.jitter(busy.retry_after, message.counts["busy"])) from None
+
+
+def _lost(
+    res: Resources,
+    message: Message,
+    lost: LostOwnership,
+    lease_token: int | None,
+    final: Final,
+    again: Callable[[str, float], Exception],
+    who: dict[str, Any],
+) -> dict[str, Any]:
+    """Terminal for this attempt and its lease: nothing more happens under it. The request itself goes
+    back to coordination: a new task run takes a new lease, and the idempotency key keeps an effect that
+    already landed from being applied twice."""
+    key, operation, epoch = message.key, message.operation, message.counts["epoch"]
+    log.warning(
+        "lost ownership of %s (token %s) in task %s on %s: %s",
+        lost.scope,
+        lost.token,
+        who["task_id"],
+        who["worker"],
+        lost,
+    )
+    res.inventory.record_attempt(
+        key, operation, AttemptResult.LOST_OWNERSHIP,
+        token=lost.token or lease_token, detail=policy.printable(lost), **who,
+    )  # fmt: skip
+    if epoch + 1 >= res.settings.max_epochs:
+        reason = f"lost ownership {epoch + 1} times"
+        return final(RequestStatus.DEAD_LETTERED, {"reason": reason, "last": str(lost)})
+    raise again("epoch", policy.jitter(0.01, epoch)) from None
 
 
 # The request tasks take their arguments as sent and check them in :func:`messages.parse`, so that a

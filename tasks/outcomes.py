@@ -119,8 +119,8 @@ class OutcomeWatcher:
             if error is not None:
                 # A copy each: one instance raised in many tasks would collect all their tracebacks.
                 future.set_exception(_copied(error))
-            else:
-                future.set_result(result)  # type: ignore[arg-type]
+            elif result is not None:
+                future.set_result(result)
             settled += 1
         return settled
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from fencing import mask_url
 
@@ -113,8 +114,8 @@ class Settings:
             handoff_check=_number(env, "HANDOFF_CHECK", defaults.handoff_check, 0.01, 3600),
         )
 
-    def with_(self, **changes: object) -> Settings:
-        return replace(self, **changes)  # type: ignore[arg-type]
+    def with_(self, **changes: Any) -> Settings:
+        return replace(self, **changes)
 
     def __repr__(self) -> str:
         # Celery prints its configuration (``celery report``); this object must not leak passwords there.

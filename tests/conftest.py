@@ -12,6 +12,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -63,13 +64,13 @@ class Stack:
     db_url: str
     prefix: str
 
-    def manager(self, **kwargs: object) -> LeaseManager:
-        manager = LeaseManager.from_url(self.lease_url, prefix=self.prefix, **kwargs)  # type: ignore[arg-type]
+    def manager(self, **kwargs: Any) -> LeaseManager:
+        manager = LeaseManager.from_url(self.lease_url, prefix=self.prefix, **kwargs)
         manager.create_schema()
         return manager
 
-    async def async_manager(self, **kwargs: object) -> AsyncLeaseManager:
-        manager = AsyncLeaseManager.from_url(self.lease_url, prefix=self.prefix, **kwargs)  # type: ignore[arg-type]
+    async def async_manager(self, **kwargs: Any) -> AsyncLeaseManager:
+        manager = AsyncLeaseManager.from_url(self.lease_url, prefix=self.prefix, **kwargs)
         await manager.create_schema()
         return manager
 
