@@ -131,4 +131,5 @@ class SchemaMissing(BackendUnavailable):
 
     def __init__(self, *, operation: str, problem: str, detail: str) -> None:
         self.problem = problem  # "missing" (a table) or "out of date" (a column)
+        self.reason = detail  # the database's own words
         super().__init__(backend="database", operation=operation, detail=f"schema {problem}: {detail}")
