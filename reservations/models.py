@@ -36,7 +36,9 @@ class Stock(SQLModel, table=True):
     """One row per SKU; the row every stock change is fenced on.
 
     ``available`` is stored, not derived, so the fenced UPDATE can test it in its own WHERE clause;
-    the CHECK keeps it equal to ``on_hand - reserved``.
+    the CHECK keeps it equal to ``on_hand - reserved``. These CHECKs are stock conservation's guard at the
+    resource; its other homes (the fenced change, the held-units triggers, the audit) are listed in
+    docs/architecture.md, "Where each rule lives".
     """
 
     __tablename__ = "stock"
