@@ -18,6 +18,7 @@ from reservations.errors import InvalidRequest, ReservationError, UnknownReserva
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_UNREACHABLE = 0, 1, 2, 3, 4
 
+
 def fail(code: int, message: str) -> NoReturn:
     err.print(f"[bold red]error:[/] {message}", highlight=False)
     raise typer.Exit(code)
