@@ -1,5 +1,5 @@
 """A small protected resource for fencing tests: rows with fence columns and a log of accepted writes;
-and the start gate of the contending worker processes the multi-process tests run.
+and the start gate of the contending worker processes the multi-process tests run (both sides).
 
 ``Resource.write`` is the pattern every user of :class:`fencing.Fence` follows: the guarded UPDATE and
 the record of what it did commit in one transaction, so the log shows exactly the accepted writes.
@@ -7,8 +7,12 @@ the record of what it did commit in one transaction, so the log shows exactly th
 
 from __future__ import annotations
 
+import selectors
+import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import sqlalchemy as sa
 
@@ -104,3 +108,66 @@ def start_gate() -> bool:
     anything else or closed stdin: it gave up, and the worker should exit."""
     print("ready", flush=True)
     return sys.stdin.readline().strip() == "go"
+
+
+class Gated:
+    """The parent's side of the start gate: worker processes started with their stdin and stdout piped
+    (stderr to a file each, so a traceback never fills a pipe nobody reads), released together."""
+
+    def __init__(self, logs: Path) -> None:
+        self.logs = logs
+        self.processes: list[subprocess.Popen[bytes]] = []
+
+    def start(self, argv: list[str], cwd: Path) -> None:
+        n = len(self.processes)
+        with (self.logs / f"worker-{n}.stderr").open("wb") as stderr:
+            self.processes.append(
+                subprocess.Popen(
+                    argv, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, bufsize=0
+                )
+            )
+
+    def stderr(self, n: int) -> str:
+        return (self.logs / f"worker-{n}.stderr").read_text(errors="replace")
+
+    def await_ready(self, timeout: float) -> None:
+        """Block until every worker has printed ``ready`` (imports done, connections open)."""
+        deadline = time.monotonic() + timeout
+        with selectors.DefaultSelector() as selector:
+            for n, process in enumerate(self.processes):
+                assert process.stdout is not None
+                selector.register(process.stdout, selectors.EVENT_READ, (n, process))
+            while selector.get_map():
+                events = selector.select(timeout=max(0.0, deadline - time.monotonic()))
+                if not events:
+                    raise TimeoutError(f"workers not ready within {timeout}s")
+                for key, _ in events:
+                    n, process = key.data
+                    # Unbuffered pipe: readline takes bytes one at a time and never reads past the line.
+                    if process.stdout.readline().strip() != b"ready":
+                        process.wait(timeout=10)
+                        raise AssertionError(f"worker {n} failed to start:\n{self.stderr(n)}")
+                    selector.unregister(key.fileobj)
+
+    def go(self, *, last: bool = True) -> None:
+        """Release every worker at once; ``last`` closes their stdin (no further phase)."""
+        for process in self.processes:
+            assert process.stdin is not None
+            process.stdin.write(b"go\n")
+            if last:
+                process.stdin.close()
+
+    def wait(self, deadline: float) -> None:
+        """Every worker exits 0 by ``deadline`` (monotonic)."""
+        for n, process in enumerate(self.processes):
+            returncode = process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            assert returncode == 0, f"worker {n} exited {returncode}:\n{self.stderr(n)}"
+
+    def kill(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait(timeout=10)
+            for pipe in (process.stdin, process.stdout):
+                if pipe is not None:
+                    pipe.close()

@@ -7,8 +7,6 @@ were rejected; with the same run lease-only (``enforce=False``), a stale epoch's
 from __future__ import annotations
 
 import json
-import selectors
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -20,7 +18,7 @@ import pytest
 
 from fencing import LeaseManager
 from tests.conftest import REDIS_URL
-from tests.support import Resource
+from tests.support import Gated, Resource
 
 pytestmark = pytest.mark.slow
 
@@ -58,83 +56,35 @@ def _urls(backend: str, request: pytest.FixtureRequest, tmp_path: Path) -> tuple
     return (REDIS_URL if backend == "redis" else pg_url), pg_url
 
 
-def _kill_all(processes: list[subprocess.Popen[bytes]]) -> None:
-    for process in processes:
-        if process.poll() is None:
-            process.kill()
-            process.wait(timeout=10)
-        for pipe in (process.stdin, process.stdout):
-            if pipe is not None:
-                pipe.close()
-
-
-def _stderr(logs: Path, seed: int) -> str:
-    return (logs / f"worker-{seed}.stderr").read_text(errors="replace")
-
-
-def _await_ready(processes: list[subprocess.Popen[bytes]], logs: Path) -> None:
-    """Block until every worker has printed ``ready`` (imports done, connections open)."""
-    deadline = time.monotonic() + START_TIMEOUT
-    with selectors.DefaultSelector() as selector:
-        for seed, process in enumerate(processes):
-            assert process.stdout is not None
-            selector.register(process.stdout, selectors.EVENT_READ, (seed, process))
-        while selector.get_map():
-            events = selector.select(timeout=max(0.0, deadline - time.monotonic()))
-            if not events:
-                raise TimeoutError(f"workers not ready within {START_TIMEOUT}s")
-            for key, _ in events:
-                seed, worker = key.data
-                assert worker.stdout is not None
-                # Unbuffered pipe: readline takes bytes one at a time and leaves the report unread.
-                line = worker.stdout.readline()
-                if line.strip() != b"ready":
-                    worker.wait(timeout=10)
-                    raise AssertionError(f"worker {seed} failed to start:\n{_stderr(logs, seed)}")
-                selector.unregister(key.fileobj)
-
-
 def contend(lease_url: str, db_url: str, prefix: str, logs: Path, *, enforce: bool) -> Outcome:
     lease_manager = LeaseManager.from_url(lease_url, prefix=prefix)
     lease_manager.create_schema()  # before the workers start, so they never race on DDL
     lease_manager.close()
     resource = Resource(db_url).create(SCOPE, quantity=INITIAL_QUANTITY)
 
-    processes: list[subprocess.Popen[bytes]] = []
+    gate = Gated(logs)
     try:
         for seed in range(WORKERS):
             role, iterations = ("sleeper", SLEEPER_ITERATIONS) if seed == 0 else (
                 "mixed", MIXED_ITERATIONS)
-            argv = [
+            gate.start([
                 sys.executable, "-m", "tests.contender",
                 "--lease-url", lease_url, "--db-url", db_url, "--prefix", prefix,
                 "--scope", SCOPE, "--ttl", str(TTL), "--iterations", str(iterations),
                 "--seed", str(seed), "--role", role,
                 *([] if enforce else ["--no-enforce"]),
-            ]
-            # stderr goes to a file: a traceback can never fill a pipe nobody reads while we wait.
-            with (logs / f"worker-{seed}.stderr").open("wb") as stderr:
-                processes.append(subprocess.Popen(
-                    argv, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                    stderr=stderr, bufsize=0,
-                ))
-        _await_ready(processes, logs)
-        for process in processes:
-            assert process.stdin is not None
-            process.stdin.write(b"go\n")
-            process.stdin.close()
-
-        deadline = time.monotonic() + RUN_TIMEOUT
+            ], cwd=ROOT)  # fmt: skip
+        gate.await_ready(START_TIMEOUT)
+        gate.go()
+        gate.wait(time.monotonic() + RUN_TIMEOUT)
         reports = []
-        for seed, process in enumerate(processes):
-            returncode = process.wait(timeout=max(0.0, deadline - time.monotonic()))
-            assert returncode == 0, f"worker {seed} exited {returncode}:\n{_stderr(logs, seed)}"
+        for process in gate.processes:
             assert process.stdout is not None
             # The report is one short line, far below a pipe's buffer, so waiting first is safe.
             reports.append(json.loads(process.stdout.read().decode().strip().splitlines()[-1]))
         return Outcome(reports=reports, log=resource.log(SCOPE), row=resource.row(SCOPE))
     finally:
-        _kill_all(processes)
+        gate.kill()
         resource.close()
 
 

@@ -6,8 +6,6 @@ answer the workers got. A lease-only control run shows the audit catches what th
 from __future__ import annotations
 
 import json
-import selectors
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -24,6 +22,7 @@ from reservations import Inventory
 from reservations.audit import Rule
 from tests.conftest import REDIS_URL
 from tests.inventory_worker import WORKLOADS
+from tests.support import Gated
 
 pytestmark = pytest.mark.slow
 
@@ -78,41 +77,6 @@ class Run:
         return [f"w{r['worker']} {line}" for r in self.reports for line in r["unexpected"]]
 
 
-def _stop(processes: list[subprocess.Popen[bytes]]) -> None:
-    for process in processes:
-        if process.poll() is None:
-            process.kill()
-            process.wait(timeout=10)
-        for pipe in (process.stdin, process.stdout):
-            if pipe is not None:
-                pipe.close()
-
-
-def _stderr(logs: Path, worker: int) -> str:
-    return (logs / f"worker-{worker}.stderr").read_text(errors="replace")
-
-
-def _await_ready(processes: list[subprocess.Popen[bytes]], logs: Path, timeout: float) -> None:
-    """Block until every worker has printed ``ready`` (connections open, previous phase done)."""
-    deadline = time.monotonic() + timeout
-    with selectors.DefaultSelector() as selector:
-        for worker, process in enumerate(processes):
-            assert process.stdout is not None
-            selector.register(process.stdout, selectors.EVENT_READ, (worker, process))
-        while selector.get_map():
-            events = selector.select(timeout=max(0.0, deadline - time.monotonic()))
-            if not events:
-                raise TimeoutError(f"workers not ready within {timeout}s")
-            for key, _ in events:
-                worker, process = key.data
-                assert process.stdout is not None
-                # Unbuffered pipe: readline takes bytes one at a time and never reads past the line.
-                if process.stdout.readline().strip() != b"ready":
-                    process.wait(timeout=10)
-                    raise AssertionError(f"worker {worker} failed to start:\n{_stderr(logs, worker)}")
-                selector.unregister(key.fileobj)
-
-
 def initial_stock(phases: tuple[str, ...]) -> dict[str, int]:
     return {sku: WORKLOADS[phase].on_hand for phase in phases for sku in WORKLOADS[phase].skus}
 
@@ -123,10 +87,10 @@ def run_workers(
     with Inventory.from_url(db_url) as inventory:
         for sku, on_hand in initial_stock(phases).items():
             inventory.add_sku(sku, on_hand=on_hand)
-    processes: list[subprocess.Popen[bytes]] = []
+    gate = Gated(logs)
     try:
         for worker in range(WORKERS):
-            argv = [
+            gate.start([
                 sys.executable, "-m", "tests.inventory_worker",
                 "--db-url", db_url, "--lease-url", lease_url, "--prefix", prefix,
                 "--report", str(logs / f"worker-{worker}.json"), "--phases", ",".join(phases),
@@ -134,39 +98,19 @@ def run_workers(
                 "--ops", str(SLEEPER_OPS if worker == 0 else OPS),
                 "--role", "sleeper" if worker == 0 else "mixed",
                 *([] if enforce else ["--no-enforce"]),
-            ]  # fmt: skip
-            # stderr goes to a file: a traceback can never fill a pipe nobody reads while we wait.
-            with (logs / f"worker-{worker}.stderr").open("wb") as stderr:
-                processes.append(
-                    subprocess.Popen(
-                        argv,
-                        cwd=ROOT,
-                        stdin=subprocess.PIPE,
-                        stdout=subprocess.PIPE,
-                        stderr=stderr,
-                        bufsize=0,
-                    )
-                )
-        _await_ready(processes, logs, START_TIMEOUT)
+            ], cwd=ROOT)  # fmt: skip
+        gate.await_ready(START_TIMEOUT)
         started = time.monotonic()
         for n, _ in enumerate(phases):
             if n:
-                _await_ready(processes, logs, RUN_TIMEOUT)
-            for process in processes:
-                assert process.stdin is not None
-                process.stdin.write(b"go\n")
-        for process in processes:
-            assert process.stdin is not None
-            process.stdin.close()
-        deadline = started + RUN_TIMEOUT
-        for worker, process in enumerate(processes):
-            returncode = process.wait(timeout=max(0.0, deadline - time.monotonic()))
-            assert returncode == 0, f"worker {worker} exited {returncode}:\n{_stderr(logs, worker)}"
+                gate.await_ready(RUN_TIMEOUT)
+            gate.go(last=n == len(phases) - 1)
+        gate.wait(started + RUN_TIMEOUT)
         seconds = time.monotonic() - started
         reports = [json.loads((logs / f"worker-{w}.json").read_text()) for w in range(WORKERS)]
         return Run(reports=reports, seconds=seconds)
     finally:
-        _stop(processes)
+        gate.kill()
 
 
 def audit_answers(inventory: Inventory, stock: dict[str, int], run: Run) -> dict[str, Answer]:
