@@ -49,9 +49,10 @@ class Stock(SQLModel, table=True):
     )
 
     sku: str = Field(primary_key=True, max_length=64)
-    on_hand: int = Field(default=0, sa_column=_bigint(server_default="0"))
-    reserved: int = Field(default=0, sa_column=_bigint(server_default="0"))
-    available: int = Field(default=0, sa_column=_bigint(server_default="0"))
+    # No database default: every insert states the three counts (revision 0001 created them without one).
+    on_hand: int = Field(default=0, sa_column=_bigint())
+    reserved: int = Field(default=0, sa_column=_bigint())
+    available: int = Field(default=0, sa_column=_bigint())
     fence_token: int = Field(
         default=0, sa_column=sa.Column(FENCE_TOKEN_COLUMN, sa.BigInteger, nullable=False, server_default="0")
     )

@@ -1,27 +1,100 @@
-"""Alembic environment: runs the inventory migrations on the connection or URL it is given."""
+"""Alembic environment: runs the inventory migrations on the connection or URL it is given, and compares
+the database with the models (inventory tables and SQL lease tables) for ``alembic check`` and autogenerate.
+"""
 
 from __future__ import annotations
 
-from alembic import context
+import os
+from logging.config import fileConfig
+from typing import Any, Literal
 
+import sqlalchemy as sa
+from alembic import context
+from alembic.runtime.migration import MigrationContext
+from sqlmodel import SQLModel
+from sqlmodel.sql.sqltypes import AutoString
+
+import reservations.models  # noqa: F401  (registers the inventory tables on SQLModel.metadata)
 from fencing.sql import make_engine
+from fencing.sql_backend import metadata as lease_metadata
 
 config = context.config
+if config.config_file_name is not None:  # the alembic CLI, with alembic.ini: its logging setup
+    fileConfig(config.config_file_name, disable_existing_loggers=False)
+URL_VARIABLE = "RESERVATIONS_DATABASE_URL"
+# Everything the migrations create: the inventory's SQLModel tables and the SQL lease backend's tables.
+target_metadata = [SQLModel.metadata, lease_metadata]
+
+
+def database_url() -> str:
+    """``-x url=...`` on the command line, else the URL the code set (reservations.schema), else the
+    settings' variable: the alembic CLI and the workers then point at the same database."""
+    url = context.get_x_argument(as_dictionary=True).get("url") or config.get_main_option("sqlalchemy.url")
+    url = url or os.environ.get(URL_VARIABLE, "")
+    if not url:
+        raise SystemExit(f"no database: set {URL_VARIABLE} or pass -x url=...")
+    return url
+
+
+def same_type_here(
+    ctx: MigrationContext,
+    inspected_column: sa.Column[Any],
+    metadata_column: sa.Column[Any],
+    inspected_type: sa.types.TypeEngine[Any],
+    metadata_type: sa.types.TypeEngine[Any],
+) -> bool | None:
+    """False for two types the database stores and checks alike, None to let Alembic compare.
+
+    The models say ``str`` (an unbounded VARCHAR) where the migrations created TEXT, and SQLite keeps
+    INTEGER and BIGINT as the same 64-bit integer: reporting those would teach people to ignore the check.
+    """
+    if isinstance(metadata_type, sa.TypeDecorator):  # SQLModel's AutoString for a plain ``str``
+        metadata_type = metadata_type.load_dialect_impl(ctx.dialect)
+    unbounded = (sa.Text, sa.String)
+    if (
+        isinstance(inspected_type, unbounded)
+        and isinstance(metadata_type, unbounded)
+        and inspected_type.length is None
+        and metadata_type.length is None
+    ):
+        return False
+    if ctx.dialect.name == "sqlite" and isinstance(inspected_type, sa.Integer):  # BigInteger included
+        return not isinstance(metadata_type, sa.Integer)
+    return None
+
+
+def render_item(type_: str, obj: Any, autogen_context: object) -> str | Literal[False]:
+    """Autogenerate writes SQLModel's AutoString as plain SQLAlchemy, as the migrations spell it."""
+    if type_ == "type" and isinstance(obj, AutoString):
+        return "sa.Text()" if obj.length is None else f"sa.String({obj.length})"
+    return False
+
+
+def migrate(connection: sa.Connection) -> None:
+    # Batch mode: SQLite alters a table by copying it.
+    context.configure(
+        connection=connection,
+        target_metadata=target_metadata,
+        render_as_batch=True,
+        compare_type=same_type_here,
+        compare_server_default=True,
+        render_item=render_item,
+    )
+    with context.begin_transaction():
+        context.run_migrations()
 
 
 def run() -> None:
     connection = config.attributes.get("connection")
     if connection is not None:
-        context.configure(connection=connection, render_as_batch=True)
-        with context.begin_transaction():
-            context.run_migrations()
+        migrate(connection)
         return
-    engine = make_engine(config.get_main_option("sqlalchemy.url") or "")
-    with engine.connect() as conn:
-        context.configure(connection=conn, render_as_batch=True)
-        with context.begin_transaction():
-            context.run_migrations()
-    engine.dispose()
+    engine = make_engine(database_url())
+    try:
+        with engine.connect() as conn:
+            migrate(conn)
+    finally:
+        engine.dispose()
 
 
 if context.is_offline_mode():
