@@ -5,7 +5,9 @@ refuses stale tokens in the same statement as the change, and a key is applied a
 """
 
 from reservations.audit import Rule, Violation
+from reservations.counting import StockSeen
 from reservations.errors import (
+    CountBelowHeld,
     IdempotencyConflict,
     InsufficientStock,
     InvalidRequest,
@@ -24,6 +26,7 @@ __all__ = [
     "DEFAULT_IDEMPOTENCY_RETENTION",
     "MAX_ON_HAND",
     "AsyncInventory",
+    "CountBelowHeld",
     "HistoryEntry",
     "IdempotencyConflict",
     "InsufficientStock",
@@ -37,6 +40,7 @@ __all__ = [
     "Rule",
     "StockLevel",
     "StockLimitExceeded",
+    "StockSeen",
     "UnknownReservation",
     "UnknownSku",
     "Violation",

@@ -15,6 +15,7 @@ from fencing.sql import AsyncSqlExecutor, make_async_engine
 from reservations import audit, constraints, pending, reads, requests, schema
 from reservations import inventory_base as base
 from reservations import validation as valid
+from reservations.counting import StockSeen
 from reservations.errors import InvalidRequest
 from reservations.inventory_base import DEFAULT_IDEMPOTENCY_RETENTION, InventoryBase, lock_order
 from reservations.requests import Attempt, RequestResult
@@ -80,6 +81,25 @@ class AsyncInventory(InventoryBase[AsyncSqlExecutor]):
         self, lease: Lease, sku: str, delta: int, *, key: str, reason: str | None = None
     ) -> Outcome:
         return await self.executor.run(self.plans.adjust(lease, sku, delta, key, reason))
+
+    async def look(self, lease: Lease, sku: str) -> StockSeen:
+        return await self.executor.run(self.plans.look(lease, sku))
+
+    async def count(
+        self,
+        lease: Lease,
+        sku: str,
+        counted: int,
+        *,
+        key: str,
+        seen: StockSeen | None = None,
+        shrinkage: int | None = None,
+    ) -> Outcome:
+        plan = self.plans.count(lease, sku, counted, key, seen=seen, shrinkage=shrinkage)
+        return await self.executor.run(plan)
+
+    async def replenish(self, lease: Lease, sku: str, par: int, *, key: str, seen: StockSeen) -> Outcome:
+        return await self.executor.run(self.plans.replenish(lease, sku, par, key, seen=seen))
 
     async def reserve(
         self, lease: Lease, sku: str, quantity: int, *, key: str, hold_for: float | None = None

@@ -4,7 +4,8 @@
 
     ReservationError
     ├── InvalidRequest          malformed SKU, quantity, key, lease, text...; nothing written (a ValueError)
-    │   └── StockLimitExceeded  the change would take on_hand past MAX_ON_HAND (sku, on_hand, delta, limit)
+    │   ├── StockLimitExceeded  the change would take on_hand past MAX_ON_HAND (sku, on_hand, delta, limit)
+    │   └── CountBelowHeld      a count below the units held for reservations (sku, counted, held)
     ├── UnknownSku              no stock row for the SKU
     ├── UnknownReservation      no reservation with that id or key
     ├── InvalidTransition       confirm/release of a reservation that is final or belongs to another SKU
@@ -50,6 +51,17 @@ class StockLimitExceeded(InvalidRequest):
         self.limit = limit
         message = f"SKU {sku!r}: on hand {on_hand} + {delta} would pass the limit of {limit} units"
         super().__init__(message, field="quantity")
+
+
+class CountBelowHeld(InvalidRequest):
+    """A cycle count below the units held for reservations: the shelf cannot hold fewer units than are
+    promised, so the count is refused in the write itself and nothing is written."""
+
+    def __init__(self, *, sku: str, counted: int, held: int) -> None:
+        self.sku = sku
+        self.counted = counted
+        self.held = held
+        super().__init__(f"SKU {sku!r}: counted {counted}, but {held} units are held", field="counted")
 
 
 class UnknownSku(ReservationError, LookupError):

@@ -16,6 +16,7 @@ from reservations import audit, constraints, pending, reads, requests, schema
 from reservations import inventory_base as base
 from reservations import validation as valid
 from reservations.async_inventory import AsyncInventory
+from reservations.counting import StockSeen
 from reservations.errors import InvalidRequest
 from reservations.inventory_base import DEFAULT_IDEMPOTENCY_RETENTION, InventoryBase, lock_order
 from reservations.requests import Attempt, RequestResult
@@ -83,6 +84,31 @@ class Inventory(InventoryBase[SyncSqlExecutor]):
 
     def adjust(self, lease: Lease, sku: str, delta: int, *, key: str, reason: str | None = None) -> Outcome:
         return self.executor.run(self.plans.adjust(lease, sku, delta, key, reason))
+
+    def look(self, lease: Lease, sku: str) -> StockSeen:
+        """The SKU's stock and version read under ``lease``, to decide a count or a replenishment from. The
+        row's fence rises to the lease's token, so no older epoch can write between this read and the write
+        decided from it."""
+        return self.executor.run(self.plans.look(lease, sku))
+
+    def count(
+        self,
+        lease: Lease,
+        sku: str,
+        counted: int,
+        *,
+        key: str,
+        seen: StockSeen | None = None,
+        shrinkage: int | None = None,
+    ) -> Outcome:
+        """A cycle count: on hand becomes ``counted``; ``seen`` (:meth:`look`) is what it was decided from,
+        ``shrinkage`` says the figure was decided from ``seen`` rather than sent."""
+        plan = self.plans.count(lease, sku, counted, key, seen=seen, shrinkage=shrinkage)
+        return self.executor.run(plan)
+
+    def replenish(self, lease: Lease, sku: str, par: int, *, key: str, seen: StockSeen) -> Outcome:
+        """Books ``par`` minus the on-hand figure ``seen`` (none at or above par) as a restock."""
+        return self.executor.run(self.plans.replenish(lease, sku, par, key, seen=seen))
 
     def reserve(
         self, lease: Lease, sku: str, quantity: int, *, key: str, hold_for: float | None = None

@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from reservations import counting
 from reservations import validation as valid
 from reservations.errors import InvalidRequest
 from reservations.operations import fingerprint, hold_ms_of
@@ -37,6 +38,11 @@ SHAPES = {
     "confirm": Shape("confirm", ("reservation_id", "idempotency_key")),
     "release": Shape("release", ("reservation_id", "idempotency_key")),
     "restock": Shape("restock", ("sku", "quantity", "idempotency_key")),
+    # A count is sent as its figure, or as the shrinkage the worker subtracts from what it reads.
+    "count": Shape(
+        "count", ("sku", "counted", "idempotency_key", "shrinkage"), frozenset({"counted", "shrinkage"})
+    ),
+    "replenish": Shape("replenish", ("sku", "par", "idempotency_key")),
 }
 
 
@@ -84,7 +90,29 @@ def _normalized(name: str, args: Mapping[str, Any]) -> tuple[dict[str, Any], str
         sku, quantity = valid.sku(args["sku"]), valid.quantity(args["quantity"])
         print_ = fingerprint("restock", sku=sku, delta=quantity, reason=None)
         return {"sku": sku, "quantity": quantity}, print_
+    if name in _DECIDED:
+        return _DECIDED[name](args)
     raise InvalidRequest(f"unknown request type {name!r}", field="task")  # pragma: no cover
+
+
+def _count(args: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
+    sku = valid.sku(args["sku"])
+    counted, shrinkage = args.get("counted"), counting.shrinkage_units(args.get("shrinkage"))
+    if (counted is None) == (shrinkage is None):
+        raise InvalidRequest("a count takes either counted or shrinkage", field="counted")
+    if counted is not None:
+        counted = counting.counted_units(counted)
+    checked = {"sku": sku, "counted": counted, "shrinkage": shrinkage}
+    return checked, counting.count_fingerprint(sku, counted, shrinkage)
+
+
+def _replenish(args: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
+    sku, par = valid.sku(args["sku"]), counting.par_units(args["par"])
+    return {"sku": sku, "par": par}, counting.replenish_fingerprint(sku, par)
+
+
+# The requests whose write is decided from what the worker reads under the lease.
+_DECIDED = {"count": _count, "replenish": _replenish}
 
 
 def _raw_fingerprint(name: str, args: Mapping[str, Any]) -> str:

@@ -14,6 +14,7 @@ from fencing.plan import Alone, Atomic, Plan
 from fencing.sql import Rows, db_now_ms
 from reservations import reserve_statement
 from reservations import validation as valid
+from reservations.counting import StockCounting
 from reservations.errors import InsufficientStock, InvalidRequest, KeyTaken
 from reservations.ledger import (
     HeldLine,
@@ -53,7 +54,7 @@ _RECORD = sa.select(
 ).where(idempotency_keys.c.key == sa.bindparam("key"))
 
 
-class InventoryPlans(ReservationLifecycle):
+class InventoryPlans(ReservationLifecycle, StockCounting):
     """Decisions and statements for every inventory operation; no I/O."""
 
     # -- operations --------------------------------------------------------------------------------

@@ -24,6 +24,8 @@ class RequestStatus(StrEnum):
     RELEASED = "released"
     RESTOCKED = "restocked"
     ADJUSTED = "adjusted"
+    COUNTED = "counted"
+    REPLENISHED = "replenished"
     INSUFFICIENT_STOCK = "insufficient_stock"
     INVALID = "invalid"
     DEAD_LETTERED = "dead_lettered"
@@ -50,4 +52,6 @@ SUCCEEDED = {
     "release": RequestStatus.RELEASED,
     "restock": RequestStatus.RESTOCKED,
     "adjust": RequestStatus.ADJUSTED,
+    "count": RequestStatus.COUNTED,
+    "replenish": RequestStatus.REPLENISHED,
 }

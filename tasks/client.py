@@ -24,7 +24,7 @@ from typing import Any
 
 from celery import Celery
 
-from reservations import AsyncInventory, IdempotencyConflict, InvalidRequest, Inventory
+from reservations import AsyncInventory, IdempotencyConflict, InvalidRequest, Inventory, counting
 from reservations import validation as valid
 from reservations.messages import SHAPES, request_fingerprint
 from reservations.requests import RequestResult
@@ -52,6 +52,14 @@ def _reservation(sku: str, quantity: int, hold_for: float | None) -> dict[str, A
         "quantity": valid.quantity(quantity),
         "hold_for": valid.hold_seconds(hold_for),
     }
+
+
+def _count(sku: str, counted: int) -> dict[str, Any]:
+    return {"sku": valid.sku(sku), "counted": counting.counted_units(counted)}
+
+
+def _replenishment(sku: str, par: int) -> dict[str, Any]:
+    return {"sku": valid.sku(sku), "par": counting.par_units(par)}
 
 
 def _known(operation: str) -> str:
@@ -217,8 +225,24 @@ class ReservationClient:
             {"lines": [list(line) for line in order], "hold_for": hold_for},
         )
 
+    def enqueue_count_sync(self, sku: str, counted: int, *, idempotency_key: str) -> ReservationHandle:
+        """A cycle count: the worker reads the SKU's stock under its lease and sets on hand to ``counted``
+        (``enqueue_sync("count", shrinkage=...)`` has it count what it read less the shrinkage)."""
+        return self._send("count", idempotency_key, _count(sku, counted))
+
+    async def enqueue_count(self, sku: str, counted: int, *, idempotency_key: str) -> ReservationHandle:
+        return await self._send_async("count", idempotency_key, _count(sku, counted))
+
+    def enqueue_replenish_sync(self, sku: str, *, par: int, idempotency_key: str) -> ReservationHandle:
+        """Replenishment to par: the worker reads on hand under its lease and books par minus it."""
+        return self._send("replenish", idempotency_key, _replenishment(sku, par))
+
+    async def enqueue_replenish(self, sku: str, *, par: int, idempotency_key: str) -> ReservationHandle:
+        return await self._send_async("replenish", idempotency_key, _replenishment(sku, par))
+
     def enqueue_sync(self, operation: str, *, idempotency_key: str, **kwargs: Any) -> ReservationHandle:
-        """Any request by task operation name: reserve, reserve_order, confirm, release, restock."""
+        """Any request by task operation name: reserve, reserve_order, confirm, release, restock,
+        count, replenish."""
         valid.idempotency_key(idempotency_key)
         return self._send(_known(operation), idempotency_key, kwargs)
 

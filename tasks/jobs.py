@@ -178,12 +178,15 @@ def _attempt(
             renew_every=settings.lease_renew_every,
         ) as leases:
             lease_token = max((lease.token for lease in leases.values()), default=None)
-            failpoint("before_write")
             try:
+                # A count or a replenishment reads under its leases here and decides its write, so a
+                # worker paused at the failpoint writes a figure decided before its pause.
+                apply = work.decided(res.inventory, leases)
+                failpoint("before_write")
                 if work.run is not None:
                     reply = work.run(res.inventory, leases, who, epoch)
                 else:
-                    outcome = work.apply(res.inventory, leases)
+                    outcome = apply(res.inventory, leases)
             except BackendUnavailable as exc:
                 lost = policy.lost_with_the_lease(leases, exc)
                 if lost is None:
@@ -269,7 +272,8 @@ def _lost(
 # outcome instead of a TypeError before any code of ours runs. Parameters, in positional order:
 # reserve(sku, quantity, idempotency_key, hold_for=None); reserve_order(lines, idempotency_key,
 # hold_for=None); confirm / release(reservation_id, idempotency_key); restock(sku, quantity,
-# idempotency_key).
+# idempotency_key); count(sku, counted, idempotency_key, shrinkage=None), with either counted or
+# shrinkage; replenish(sku, par, idempotency_key).
 
 
 @app.task(bind=True, max_retries=None, typing=False, name=task_name("reserve"))
@@ -295,6 +299,19 @@ def release(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
 @app.task(bind=True, max_retries=None, typing=False, name=task_name("restock"))
 def restock(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
     return run_request(self, "restock", args, kwargs)
+
+
+@app.task(bind=True, max_retries=None, typing=False, name=task_name("count"))
+def count(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    """A cycle count: reads the stock under the lease, then sets on hand to the counted figure (sent, or
+    the figure read less the shrinkage sent)."""
+    return run_request(self, "count", args, kwargs)
+
+
+@app.task(bind=True, max_retries=None, typing=False, name=task_name("replenish"))
+def replenish(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    """Replenishment to par: reads on hand under the lease, then books par minus what it read."""
+    return run_request(self, "replenish", args, kwargs)
 
 
 @app.task(name=task_name("expire_holds"))

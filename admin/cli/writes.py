@@ -17,11 +17,12 @@ from admin.cli.failures import EXIT_FAILED, EXIT_UNREACHABLE, errors, fail
 from admin.cli.options import Key, Quantity, Timeout, Wait, whole
 from admin.cli.render import out
 from fencing import mask_url
+from reservations import counting
 from reservations import validation as valid
 from reservations.requests import request_id
 
 # The final statuses of a request that did what it asked; any other ends the command with exit 1.
-_DONE = ("reserved", "confirmed", "released", "restocked")
+_DONE = ("reserved", "confirmed", "released", "restocked", "counted", "replenished")
 
 
 def _enqueue(operation: str, key: str, kwargs: dict[str, Any], wait: bool, timeout: float) -> None:
@@ -80,6 +81,50 @@ def restock(sku: str, quantity: Quantity, key: Key, wait: Wait = False, timeout:
     """
     _operating(
         "restock", lambda: {"sku": valid.sku(sku), "quantity": valid.quantity(quantity)}, key, wait, timeout
+    )
+
+
+def count(
+    sku: str,
+    counted: Annotated[int, typer.Argument(parser=whole("counted"), help="The units counted on the shelf.")],
+    key: Key,
+    wait: Wait = False,
+    timeout: Timeout = 30,
+) -> None:
+    """WRITES (through the workers): a cycle count; SKU's stock on hand becomes COUNTED.
+
+    The worker reads the stock under the SKU's lease, then writes the figure; a count below the units
+    held for reservations is refused.
+
+    Example: reservations count WIDGET 97 --key count-0501-WIDGET --wait
+    """
+    _operating(
+        "count",
+        lambda: {"sku": valid.sku(sku), "counted": counting.counted_units(counted)},
+        key,
+        wait,
+        timeout,
+    )
+
+
+def replenish(
+    sku: str,
+    par: Annotated[
+        int, typer.Option("--par", parser=whole("--par"), help="The on-hand level to order up to.")
+    ],
+    key: Key,
+    wait: Wait = False,
+    timeout: Timeout = 30,
+) -> None:
+    """WRITES (through the workers): replenish SKU to its par level.
+
+    The worker reads on hand under the SKU's lease and books PAR minus it as a restock (nothing at or
+    above par).
+
+    Example: reservations replenish WIDGET --par 120 --key reorder-0501-WIDGET --wait
+    """
+    _operating(
+        "replenish", lambda: {"sku": valid.sku(sku), "par": counting.par_units(par)}, key, wait, timeout
     )
 
 

@@ -1,0 +1,265 @@
+"""Writes decided from a read: a cycle count (on hand := the counted figure) and replenishment to par (order
+``par - on hand``). Their holder reads the stock under its lease with :meth:`StockCounting.look`, which
+raises the row's fence to the lease's token, so no older epoch can write between that read and the write
+decided from it; each write records what it saw, so an auditor can tell a decision made from a stale view.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+
+from fencing import FenceOutcome, Lease, StaleToken
+from fencing.plan import Atomic, Bound, Plan
+from fencing.sql import Rows, db_now_ms
+from reservations import validation as valid
+from reservations.errors import CountBelowHeld, InvalidRequest, UnknownSku
+from reservations.ledger import Ledger, fingerprint
+from reservations.models import sku_history, stock
+from reservations.reads import STOCK_COLUMNS, stock_level
+from reservations.views import Outcome, StockLevel
+
+# The operations whose size or figure is decided from a read; their history rows carry what was seen.
+DECIDED = ("count", "replenish")
+
+
+@dataclass(frozen=True, slots=True)
+class StockSeen:
+    """A SKU's stock as its holder read it before deciding a write, and its version: the id of the SKU's
+    newest accepted write in the history (a later write has a larger id)."""
+
+    sku: str
+    on_hand: int
+    reserved: int
+    available: int
+    fence_token: int
+    version: int
+
+
+# -- checks and decisions, before any I/O -------------------------------------------------------------
+
+
+def _whole(value: object, field: str, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequest(f"{field} must be a whole number, not {type(value).__name__}", field=field)
+    if not low <= value <= high:
+        raise InvalidRequest(f"{field} must be between {low} and {high}, got {value}", field=field)
+    return value
+
+
+def counted_units(value: object) -> int:
+    """A counted figure: zero (an empty shelf) up to :data:`~reservations.validation.MAX_ON_HAND`."""
+    return _whole(value, "counted", 0, valid.MAX_ON_HAND)
+
+
+def par_units(value: object) -> int:
+    """A par level: the on-hand figure a replenishment orders up to."""
+    return _whole(value, "par", 1, valid.MAX_ON_HAND)
+
+
+def shrinkage_units(value: object) -> int | None:
+    """Units a count finds missing from what its holder read (None: the count was sent as a figure)."""
+    return None if value is None else _whole(value, "shrinkage", 0, valid.MAX_QUANTITY)
+
+
+def seen_of(value: object, sku: str) -> StockSeen:
+    """What a write was decided from: a :class:`StockSeen` of the same SKU."""
+    if not isinstance(value, StockSeen):
+        raise InvalidRequest(f"seen must be a StockSeen, not {type(value).__name__}", field="seen")
+    if value.sku != sku:
+        raise InvalidRequest(f"seen is the stock of {value.sku!r}, not of {sku!r}", field="seen")
+    return value
+
+
+def short_count(seen: StockSeen, shrinkage: int) -> int:
+    """The figure of a count that found ``shrinkage`` units fewer than were seen on hand; never below the
+    units held, which the shelf still has to hold."""
+    return max(seen.reserved, seen.on_hand - shrinkage)
+
+
+def to_order(seen: StockSeen, par: int) -> int:
+    """Units a replenishment orders: up to ``par`` from the on-hand figure seen, none above it."""
+    return max(0, par - seen.on_hand)
+
+
+def count_fingerprint(sku: str, counted: int | None, shrinkage: int | None) -> str:
+    """A count is named by what was sent: its figure, or the shrinkage its figure is decided from at run
+    time, so a redelivered count that reads another level replays the first one instead of conflicting."""
+    if shrinkage is not None:
+        return fingerprint("count", sku=sku, shrinkage=shrinkage)
+    return fingerprint("count", sku=sku, counted=counted)
+
+
+def replenish_fingerprint(sku: str, par: int) -> str:
+    return fingerprint("replenish", sku=sku, par=par)
+
+
+def _seen_detail(seen: StockSeen | None) -> dict[str, int]:
+    return {} if seen is None else {"seen": seen.version, "seen_on_hand": seen.on_hand}
+
+
+def _level(row: Any) -> StockLevel:
+    return StockLevel(sku=row[0], on_hand=row[1], reserved=row[2], available=row[3], fence_token=row[4])
+
+
+# Built once: the id of a SKU's newest accepted write (the history index is on (sku, id)).
+_VERSION = (
+    sa.select(sku_history.c.id)
+    .where(sku_history.c.sku == sa.bindparam("sku"), sku_history.c.kind == "write")
+    .order_by(sku_history.c.id.desc())
+    .limit(1)
+)
+
+
+class StockCounting(Ledger):
+    """The read under a lease, and the two writes decided from it. Decisions and statements; no I/O."""
+
+    def look(self, lease: Lease, sku: str) -> Plan[StockSeen]:
+        """The SKU's stock and version, read under ``lease`` to decide a write from. The read raises the
+        row's fence to the lease's token (a guarded UPDATE that changes no units), so a write of an older
+        epoch cannot land between this read and the write decided from it: it is refused at the row. A
+        newer epoch that wrote already makes the read itself stale: refused and recorded, like a write."""
+        valid.lease(lease)
+        valid.sku(sku)
+        try:
+            seen: StockSeen = yield Atomic(self._look(lease, sku))
+        except StaleToken as stale:
+            yield Atomic(self.one(self.rejection(stale, lease, sku, "look", None, None)))
+            raise
+        return seen
+
+    def _look(self, lease: Lease, sku: str) -> Plan[StockSeen]:
+        result = yield from self.fence.plan(
+            lease,
+            scope=valid.scope_of(sku),
+            where=[stock.c.sku == sku],
+            values={},
+            returning=STOCK_COLUMNS,
+            operation="look",
+        )
+        if result.outcome is FenceOutcome.NO_ROW:
+            raise UnknownSku(sku)
+        if result.outcome is not FenceOutcome.APPLIED:  # pragma: no cover - the read has no condition
+            raise RuntimeError(f"the read of {sku!r} was neither applied nor refused")
+        # Under the row lock the guarded UPDATE took: no write of this SKU can come between.
+        found: Rows = yield Bound(_VERSION, {"sku": sku})
+        version = found.first()
+        level = _level(result.row)
+        return StockSeen(
+            sku=sku,
+            on_hand=level.on_hand,
+            reserved=level.reserved,
+            available=level.available,
+            fence_token=level.fence_token,
+            version=0 if version is None else int(version[0]),
+        )
+
+    def count(
+        self,
+        lease: Lease,
+        sku: str,
+        counted: int,
+        key: str,
+        *,
+        seen: StockSeen | None = None,
+        shrinkage: int | None = None,
+    ) -> Plan[Outcome]:
+        """A cycle count: on hand becomes ``counted`` (available: ``counted`` - reserved), an absolute
+        write; refused with :class:`CountBelowHeld`, writing nothing, below the units held. ``seen`` is
+        what the count was decided from (:meth:`look`), recorded with it; ``shrinkage`` says the figure
+        was decided from ``seen`` (see :func:`short_count`) rather than sent."""
+        valid.lease(lease)
+        valid.sku(sku)
+        counted_units(counted)
+        valid.idempotency_key(key)
+        shrinkage_units(shrinkage)
+        # A figure decided from a read must say which read; a figure sent may come without one.
+        checked = None if seen is None and shrinkage is None else seen_of(seen, sku)
+        detail: dict[str, int] = {"counted": counted, **_seen_detail(checked)}
+        if shrinkage is not None:
+            detail["shrinkage"] = shrinkage
+
+        def apply() -> Plan[Outcome]:
+            # The envelope locked the row: the level read here is the one the count replaces.
+            before = yield from stock_level(sku)
+            level = yield from self._set_on_hand(lease, sku, counted)
+            change = counted - before.on_hand
+            yield self._history(
+                lease, sku, "count", key, quantity=change, on_hand=change, reserved=0,
+                detail=json.dumps(detail, sort_keys=True),
+            )  # fmt: skip
+            return Outcome(
+                operation="count", key=key, token=lease.token, stock=(level,), quantity=change, detail=detail
+            )
+
+        return self._idempotent(
+            key,
+            "count",
+            count_fingerprint(sku, counted, shrinkage),
+            apply,
+            lambda stale: self.rejection(stale, lease, sku, "count", key, counted),
+            self._lock_skus(sku),
+        )
+
+    def _set_on_hand(self, lease: Lease, sku: str, counted: int) -> Plan[StockLevel]:
+        """The fenced absolute write; the held units are checked in its own condition."""
+        result = yield from self.fence.plan(
+            lease,
+            scope=valid.scope_of(sku),
+            where=[stock.c.sku == sku],
+            values={
+                "on_hand": counted,
+                "available": sa.literal(counted, sa.BigInteger) - stock.c.reserved,
+                "updated_ms": db_now_ms(),
+            },
+            condition=stock.c.reserved <= counted,
+            returning=STOCK_COLUMNS,
+            operation="count",
+        )
+        if result.outcome is FenceOutcome.NO_ROW:
+            raise UnknownSku(sku)
+        if result.outcome is FenceOutcome.CONDITION_FAILED:
+            level = yield from stock_level(sku)
+            raise CountBelowHeld(sku=sku, counted=counted, held=level.reserved)
+        return _level(result.row)
+
+    def replenish(self, lease: Lease, sku: str, par: int, key: str, *, seen: StockSeen) -> Plan[Outcome]:
+        """Replenishment to par: books ``par`` minus the on-hand figure ``seen`` (none when at or above
+        par) as a restock. The size was decided from the read, so the row records par and what was seen;
+        the request is named by its par, so a redelivery that reads another level replays the first."""
+        valid.lease(lease)
+        valid.sku(sku)
+        par_units(par)
+        valid.idempotency_key(key)
+        checked = seen_of(seen, sku)
+        order = to_order(checked, par)
+        detail = {"par": par, **_seen_detail(checked)}
+
+        def apply() -> Plan[Outcome]:
+            level = yield from self._fenced(
+                lease, sku, "replenish", on_hand=order, reserved=0, condition=None
+            )
+            yield self._history(
+                lease, sku, "replenish", key, quantity=order, on_hand=order, reserved=0,
+                detail=json.dumps(detail, sort_keys=True),
+            )  # fmt: skip
+            return Outcome(
+                operation="replenish",
+                key=key,
+                token=lease.token,
+                stock=(level,),
+                quantity=order,
+                detail=detail,
+            )
+
+        return self._idempotent(
+            key,
+            "replenish",
+            replenish_fingerprint(sku, par),
+            apply,
+            lambda stale: self.rejection(stale, lease, sku, "replenish", key, order),
+            self._lock_skus(sku),
+        )
