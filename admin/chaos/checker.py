@@ -1,6 +1,8 @@
 """The independent checker: after a run, the database audited on its own terms, rule by rule; every broken
 rule a sentence. The database's own invariants come from ``reservations.audit``; the rules that need to
-know what was sent (supply, outcomes, keys) are checked here against one read of the database.
+know what was sent (supply, outcomes, keys) are checked here against one read of the database, and so is
+the business harm of decisions made from a stale read: counts and replenishments that overwrote or
+topped up a stock they had not seen.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import sqlalchemy as sa
 from admin.chaos.workload import Sent
 from fencing.sql import make_engine
 from reservations.audit import ONCE_PER_KEY, Rule
+from reservations.counting import DECIDED
 from reservations.inventory import Inventory
 from reservations.models import request_outcomes, reservations, sku_history, stock
 from reservations.statuses import SUCCEEDED
@@ -23,12 +26,25 @@ from reservations.statuses import SUCCEEDED
 RULES = (
     "oversells",
     "conservation",
+    "lost_updates",
+    "replenished_past_par",
     "keys_applied_twice",
     "missing_outcomes",
     "unexpected_outcomes",
     "writes_after_newer_token",
     "outcomes_contradicted",
 )
+
+# The rules whose violations a warehouse pays for: units promised that are not there, stock the accepted
+# operations do not explain, a newer stock overwritten by an older decision, units ordered past par, a
+# request applied twice. The others are the protocol's (outcomes, token order).
+BUSINESS_HARM = ("oversells", "conservation", "lost_updates", "replenished_past_par", "keys_applied_twice")
+
+
+def business_harm(checks: Mapping[str, list[str]]) -> int:
+    """How many of the violations found are business harm."""
+    return sum(len(checks.get(rule, [])) for rule in BUSINESS_HARM)
+
 
 # The audit's rules, in the columns of the report.
 AUDITED = {
@@ -46,6 +62,17 @@ class Outcome:
 
 
 @dataclass(frozen=True)
+class Written:
+    """One accepted write of a SKU's history, as far as the harm rules look at it."""
+
+    id: int
+    operation: str
+    key: str | None
+    on_hand_delta: int
+    detail: dict[str, Any]  # what a count or a replenishment recorded: what it saw, its par
+
+
+@dataclass(frozen=True)
 class Facts:
     """What was sent and stocked, and what the database holds after the run: all a rule looks at."""
 
@@ -58,18 +85,24 @@ class Facts:
     created: dict[str, str]  # idempotency key -> the reservation it created
     statuses: dict[str, str]  # reservation id -> its status
     wrote: set[str]  # keys with a write in the history
+    writes: dict[str, list[Written]]  # per SKU, its accepted writes in the order they were applied
 
     def supply(self, sku: str) -> int:
-        """Units ever stocked: the initial stock and the restocks whose outcome says they happened."""
-        restocked = sum(
-            int(request.kwargs["quantity"])
-            for key, request in self.sent.items()
-            if request.operation == "restock"
-            and request.kwargs["sku"] == sku
-            and key in self.outcomes
-            and self.outcomes[key].status == "restocked"
-        )
-        return self.initial.get(sku, 0) + restocked
+        """Units the accepted operations brought in or counted out, as their outcomes report them: the
+        initial stock, each restock, each replenishment's order and each count's correction (counted
+        minus on hand when it was written: a count is absolute)."""
+        total = self.initial.get(sku, 0)
+        for key, request in self.sent.items():
+            outcome = self.outcomes.get(key)
+            if request.kwargs.get("sku") != sku or outcome is None:
+                continue
+            if outcome.status != SUCCEEDED.get(request.operation):
+                continue
+            if request.operation == "restock":
+                total += int(request.kwargs["quantity"])
+            elif request.operation in DECIDED:
+                total += int(outcome.detail["quantity"])
+        return total
 
 
 def read_facts(database_url: str, initial: Mapping[str, int], sent: Mapping[str, Sent]) -> Facts:
@@ -107,6 +140,7 @@ def read_facts(database_url: str, initial: Mapping[str, int], sent: Mapping[str,
                 .where(sku_history.c.kind == "write", sku_history.c.idempotency_key.is_not(None))
                 .distinct()
             ).all()
+            writes = _writes(conn)
     finally:
         engine.dispose()
     return Facts(
@@ -119,7 +153,28 @@ def read_facts(database_url: str, initial: Mapping[str, int], sent: Mapping[str,
         created={r.idempotency_key: r.id for r in made},
         statuses={r.id: r.status for r in made},
         wrote={r[0] for r in wrote},
+        writes=writes,
     )
+
+
+def _writes(conn: sa.Connection) -> dict[str, list[Written]]:
+    rows = conn.execute(
+        sa.select(
+            sku_history.c.sku,
+            sku_history.c.id,
+            sku_history.c.operation,
+            sku_history.c.idempotency_key,
+            sku_history.c.on_hand_delta,
+            sku_history.c.detail,
+        )
+        .where(sku_history.c.kind == "write")
+        .order_by(sku_history.c.sku, sku_history.c.id)
+    ).all()
+    found: dict[str, list[Written]] = {}
+    for sku, entry, operation, key, delta, detail in rows:
+        recorded = json.loads(detail) if operation in DECIDED and detail else {}
+        found.setdefault(sku, []).append(Written(int(entry), operation, key, int(delta), recorded))
+    return found
 
 
 def _oversells(facts: Facts) -> list[str]:
@@ -137,7 +192,51 @@ def _conservation(facts: Facts) -> list[str]:
     for sku, on_hand in sorted(facts.on_hand.items()):
         left = facts.supply(sku) - facts.units.get((sku, "confirmed"), 0)
         if left != on_hand:
-            found.append(f"{sku}: initial + restocked - confirmed = {left}, on_hand {on_hand}")
+            found.append(
+                f"{sku}: initial + restocked + replenished + counted - confirmed = {left}, on_hand {on_hand}"
+            )
+    return found
+
+
+def _lost_updates(facts: Facts) -> list[str]:
+    """Counts and replenishments applied after a write that changed on hand (the figure they decide from)
+    which they had not seen: the write's id is newer than the version they read. A count then overwrites
+    that newer stock with a figure decided before it; a replenishment orders for a level that was gone."""
+    found = []
+    for sku, writes in sorted(facts.writes.items()):
+        changed: Written | None = None  # the latest write so far that changed on hand
+        for write in writes:
+            seen = write.detail.get("seen")
+            if seen is not None and changed is not None and changed.id > seen:
+                found.append(
+                    f"{sku}: {write.operation} {write.key!r} (#{write.id}) decided from #{seen}, applied"
+                    f" after {changed.operation} {changed.key!r} (#{changed.id}) changed on hand by"
+                    f" {changed.on_hand_delta:+d}"
+                )
+            if write.on_hand_delta:
+                changed = write
+    return found
+
+
+def _replenished_past_par(facts: Facts) -> list[str]:
+    """Replenishments that ordered units and left on hand above their par (on hand replayed from the
+    history's deltas, which the audit checks against the stock row)."""
+    found = []
+    for sku, writes in sorted(facts.writes.items()):
+        on_hand = 0
+        for write in writes:
+            on_hand += write.on_hand_delta
+            par = write.detail.get("par")
+            if (
+                write.operation == "replenish"
+                and write.on_hand_delta > 0
+                and par is not None
+                and on_hand > par
+            ):
+                found.append(
+                    f"{sku}: replenish {write.key!r} ordered {write.on_hand_delta} for par {par} having seen"
+                    f" {write.detail.get('seen_on_hand')} on hand, leaving {on_hand}"
+                )
     return found
 
 
@@ -188,6 +287,8 @@ def _contradiction(facts: Facts, request: Sent, outcome: Outcome) -> str | None:
 CHECKS: tuple[tuple[str, Callable[[Facts], list[str]]], ...] = (
     ("oversells", _oversells),
     ("conservation", _conservation),
+    ("lost_updates", _lost_updates),
+    ("replenished_past_par", _replenished_past_par),
     ("keys_applied_twice", _keys_applied_twice),
     ("missing_outcomes", _missing_outcomes),
     ("unexpected_outcomes", _unexpected_outcomes),

@@ -15,6 +15,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from admin.chaos.checker import business_harm
 from admin.chaos.figures import Batching
 from admin.chaos.options import (
     DELAYED,
@@ -80,6 +81,12 @@ class RunReport:
     def violations(self) -> int:
         return sum(len(found) for found in self.checks.values())
 
+    @property
+    def business_harm(self) -> int:
+        """Violations a warehouse pays for (oversells, unexplained stock, lost updates, replenishment past
+        par, keys applied twice), of all the violations."""
+        return business_harm(self.checks)
+
     def as_json(self) -> dict[str, Any]:
         return {
             "mode": self.mode,
@@ -99,6 +106,7 @@ class RunReport:
             "flash_sale": {"requests": sum(self.flash.values()), "statuses": dict(self.flash)},
             "batching": self.batching.as_json(),
             "violations": self.violations,
+            "business_harm": self.business_harm,
             "checks": self.checks,
             "picture": str(self.picture) if self.picture else None,
         }
@@ -202,6 +210,7 @@ def _checks(fenced: RunReport, _: RunReport) -> list[Row]:
             )
     return [
         *rows,
+        Row("BUSINESS HARM (of the violations)", lambda r: r.business_harm),
         Row("VIOLATIONS", lambda r: r.violations),
         Row("seconds", lambda r: f"{r.seconds:.1f}"),
     ]

@@ -1,4 +1,5 @@
 """The request stream of a chaos run: a seeded mix of reserve / confirm / release / restock with replays,
+cycle counts and replenishments to par (writes their worker decides from what it reads under the lease),
 and with a flash sale, bursts of reservations of the hot SKU. Both runs of a seed send the same stream.
 """
 
@@ -8,8 +9,13 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from admin.chaos.options import FLASH_BURST, HOT_SKU, Options
+from admin.chaos.options import FLASH_BURST, HOT_SKU, INITIAL_STOCK, Options
 from reservations.inventory import Inventory
+
+# Every SKU's par level: above the initial stock, so a replenishment orders units from the start.
+PAR = INITIAL_STOCK + 10
+# A count finds up to this many units fewer than its worker reads (theft, damage, miscounted picks).
+MAX_SHRINKAGE = 2
 
 
 @dataclass
@@ -83,8 +89,14 @@ class Workload:
             reservation = self.open_reservations.pop(self.random.randrange(len(self.open_reservations)))
             operation = "confirm" if self.random.random() < 0.6 else "release"
             sent = Sent(self._key(operation), operation, {"reservation_id": reservation})
-        elif roll < 0.5:
+        elif roll < 0.45:
             sent = Sent(self._key("restock"), "restock", {"sku": sku, "quantity": self.random.randint(1, 4)})
+        elif roll < 0.55:
+            # Sent as shrinkage: the worker counts what it reads under the lease, less the units missing.
+            shrinkage = self.random.randint(0, MAX_SHRINKAGE)
+            sent = Sent(self._key("count"), "count", {"sku": sku, "shrinkage": shrinkage})
+        elif roll < 0.65:
+            sent = Sent(self._key("replenish"), "replenish", {"sku": sku, "par": PAR})
         else:
             sent = Sent(self._key("reserve"), "reserve", {"sku": sku, "quantity": self.random.randint(1, 3)})
             self.pending_reserves.append(sent.key)
