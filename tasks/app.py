@@ -2,7 +2,8 @@
 
 Late acks + reject-on-worker-loss: a message is acknowledged only after its task finished, so a worker
 killed mid-task gives the request back to the queue; the idempotency key makes the second run harmless.
-Prefetch of one: a worker holds no queue of other SKUs' requests while it waits on a lease.
+Prefetch of one: a worker holds no queue of other SKUs' requests while it waits on a lease. The broker
+is Redis or RabbitMQ (classic queues); each gets only the transport options it understands.
 """
 
 from __future__ import annotations
@@ -18,13 +19,32 @@ _SHORT_RETRIES = {
 }
 
 
-def configure(app: Celery, settings: Settings) -> None:
-    # visibility_timeout is how Redis (and SQS) redeliver unacknowledged messages; other transports
-    # (the SQLAlchemy one passes its options to create_engine) must not receive it.
-    def transport_for(url: str) -> dict[str, Any]:
-        redelivering = url.startswith(("redis://", "rediss://", "sqs://"))
-        return {"visibility_timeout": settings.visibility_timeout} if redelivering else {}
+_REDELIVERING = ("redis", "rediss", "sqs")
+_AMQP = ("amqp", "amqps", "pyamqp")
 
+
+def _scheme(url: str) -> str:
+    return url.partition("://")[0].partition("+")[0].lower()
+
+
+def transport_options(url: str, settings: Settings, *, broker: bool) -> dict[str, Any]:
+    """The kombu transport options a broker or result backend URL takes, and only those.
+
+    visibility_timeout is how Redis (and SQS) redeliver unacknowledged messages; other transports must
+    not receive it (py-amqp and the SQLAlchemy transport pass their options on as connection arguments).
+    RabbitMQ redelivers when the consumer's channel closes instead, and bounds how long a delivery may
+    stay unacknowledged by the server's consumer_timeout (docs/operations.md, "Brokers"). Publisher
+    confirms make a publish to RabbitMQ return once the broker has the message, as a Redis LPUSH does.
+    """
+    scheme = _scheme(url)
+    if scheme in _REDELIVERING:
+        return {"visibility_timeout": settings.visibility_timeout}
+    if broker and scheme in _AMQP:
+        return {"confirm_publish": True}
+    return {}
+
+
+def configure(app: Celery, settings: Settings) -> None:
     app.conf.update(
         broker_url=settings.broker_url,
         result_backend=settings.result_backend,
@@ -38,12 +58,12 @@ def configure(app: Celery, settings: Settings) -> None:
         # A task that raised still acks: its outcome is recorded; redelivering it would not change it.
         task_acks_on_failure_or_timeout=True,
         worker_prefetch_multiplier=1,
-        broker_transport_options=transport_for(settings.broker_url),
+        broker_transport_options=transport_options(settings.broker_url, settings, broker=True),
         # The Celery result is a convenience (outcomes live in the database): a result backend that is
         # down costs a worker a few hundred milliseconds per task, not Celery's default twenty retries.
         result_backend_transport_options={
-            **transport_for(settings.result_backend),
-            **(_SHORT_RETRIES if settings.result_backend.startswith(("redis://", "rediss://")) else {}),
+            **transport_options(settings.result_backend, settings, broker=False),
+            **(_SHORT_RETRIES if _scheme(settings.result_backend) in ("redis", "rediss") else {}),
         },
         result_expires=24 * 3600,
         result_extended=True,

@@ -1,6 +1,7 @@
 """Hot-SKU batching end to end through real Celery workers: requests queued behind a busy lease are served
 in batches by its holder, a request whose holder died is served by its SKU's watch, a holder paused while
-serving is fenced off, and every request ends with exactly one outcome that its asyncio handle sees.
+serving is fenced off, and every request ends with exactly one outcome that its asyncio handle sees. The
+tests that lean on the broker (a watch's countdown, a burst of asynchronous publishes) run on RabbitMQ too.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from reservations import scope_of
 from reservations.requests import RequestResult
 from tasks import ReservationClient, request_id
 from tests.test_tasks_e2e import FAULT_TIMEOUT, Stack, client_result, identity, stack
+from tests.workers import BROKERS, rabbitmq_vhost
 
 pytestmark = pytest.mark.slow
 
@@ -27,21 +29,40 @@ TTL = 1.0
 OUTCOME_TIMEOUT = 30.0
 
 
+def hot_stack(tmp_path_factory: pytest.TempPathFactory, broker: str) -> Iterator[Stack]:
+    """Two workers, SQL leases with a short ttl, waiting requests checking on themselves every 0.2 s+;
+    on a private redis-server, which is also the broker unless ``broker`` is RabbitMQ (a vhost of its own)."""
+    with ExitStack() as stacked:
+        server = stacked.enter_context(redis_server(tmp_path_factory.mktemp("redis")))
+        url = stacked.enter_context(rabbitmq_vhost("hot")) if broker == "rabbitmq" else None
+        yield stacked.enter_context(
+            stack(
+                "hot",
+                tmp_path_factory.mktemp(f"hot_{broker}_cluster"),
+                server,
+                0,
+                broker=url,
+                RESERVATIONS_LEASE_TTL=str(TTL),
+                RESERVATIONS_HANDOFF_CHECK="0.2",
+            )
+        )
+
+
 @pytest.fixture(scope="module")
-def hot(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    """Two workers, SQL leases with a short ttl, waiting requests checking on themselves every 0.2 s+."""
-    with (
-        redis_server(tmp_path_factory.mktemp("redis")) as server,
-        stack(
-            "hot",
-            tmp_path_factory.mktemp("hot_cluster"),
-            server,
-            0,
-            RESERVATIONS_LEASE_TTL=str(TTL),
-            RESERVATIONS_HANDOFF_CHECK="0.2",
-        ) as running,
-    ):
-        yield running
+def hot_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    yield from hot_stack(tmp_path_factory, "redis")
+
+
+@pytest.fixture(scope="module")
+def hot_rabbitmq(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    yield from hot_stack(tmp_path_factory, "rabbitmq")
+
+
+@pytest.fixture
+def hot(request: pytest.FixtureRequest) -> Stack:
+    """The hot-SKU cluster on the broker a test is parametrized with (indirectly), Redis by default."""
+    running: Stack = request.getfixturevalue(f"hot_{getattr(request, 'param', 'redis')}")
+    return running
 
 
 def queued_behind(stack: Stack, sku: str, keys: list[str], quantity: int = 1) -> None:
@@ -84,6 +105,7 @@ def exactly_once(stack: Stack, sku: str, outcomes: dict[str, RequestResult]) -> 
     assert inv.invariant_violations() == []
 
 
+@pytest.mark.parametrize("hot", BROKERS, indirect=True)
 def test_requests_behind_a_dead_holder_are_served_by_their_own_checks(hot: Stack) -> None:
     sku, inv = "DEAD", hot.inventory
     inv.add_sku(sku, on_hand=5)
@@ -106,6 +128,7 @@ def test_requests_behind_a_dead_holder_are_served_by_their_own_checks(hot: Stack
         assert (result["key"], result["status"]) == (key, outcome.status)
 
 
+@pytest.mark.parametrize("hot", BROKERS, indirect=True)
 def test_a_hot_burst_awaited_from_asyncio_gets_one_outcome_each(hot: Stack) -> None:
     sku, inv = "FLASH", hot.inventory
     inv.add_sku(sku, on_hand=15)

@@ -1,6 +1,7 @@
 """Reservation requests end to end through real Celery worker processes, a private Redis broker and
 PostgreSQL: a mixed batch, the same request delivered twice, a worker paused past its lease (SIGSTOP), a
-worker killed after its commit (SIGKILL) and a dead-lettered request, each audited in the database.
+worker killed after its commit (SIGKILL) and a dead-lettered request, each audited in the database. The
+SQL-lease cluster's tests run on RabbitMQ as the broker too.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from fencing import LeaseManager
 from reservations import InvalidRequest, Inventory
 from reservations.requests import RequestResult
 from tasks import OutcomeTimeout, ReservationClient, ReservationHandle, request_id
-from tests.workers import FAILPOINTS, Cluster, Worker, cluster, pg_schema
+from tests.workers import BROKERS, FAILPOINTS, Cluster, Worker, cluster, pg_schema, rabbitmq_vhost
 
 pytestmark = pytest.mark.slow
 
@@ -70,18 +71,23 @@ def stack(
     server: RedisServer,
     broker_db: int,
     *,
+    broker: str | None = None,
     failpoint_spec: str = FAILPOINTS,
     **settings: str,
 ) -> Iterator[Stack]:
-    """Workers ``<name>1`` and ``<name>2`` on their own schema and broker/result databases of ``server``."""
+    """Workers ``<name>1`` and ``<name>2`` on their own schema and broker/result databases of ``server``;
+    ``broker``: another broker's URL instead (the results stay on ``server``)."""
     with pg_schema() as db:
         env = {
-            "RESERVATIONS_BROKER_URL": server.url(broker_db),
+            "RESERVATIONS_BROKER_URL": broker or server.url(broker_db),
             "RESERVATIONS_RESULT_BACKEND": server.url(broker_db + 1),
             "RESERVATIONS_DATABASE_URL": db,
             **settings,
         }
         with cluster(workdir, env, prefix=name, failpoint_spec=failpoint_spec) as running:
+            for worker in running.workers:  # the banner names the transport a worker consumes from
+                scheme = env["RESERVATIONS_BROKER_URL"].partition("://")[0]
+                assert f"transport:   {scheme}://" in worker.log(), worker.tail()
             client = running.client()
             inventory = Inventory.from_url(db)
             leases = LeaseManager.from_url(running.lease_url)
@@ -101,11 +107,29 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
 
 
 @pytest.fixture(scope="module")
-def sql(server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def sql_redis(server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """Two workers, SQL leases on the inventory database, up to three epochs per request."""
     workdir = tmp_path_factory.mktemp("sql_cluster")
     with stack("sql", workdir, server, 0, RESERVATIONS_LEASE_TTL=str(SQL_TTL)) as running:
         yield running
+
+
+@pytest.fixture(scope="module")
+def sql_rabbitmq(server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """The same cluster with RabbitMQ as its broker (a vhost of its own); results on the private Redis."""
+    workdir = tmp_path_factory.mktemp("amqp_cluster")
+    with (
+        rabbitmq_vhost() as broker,
+        stack("amqp", workdir, server, 6, broker=broker, RESERVATIONS_LEASE_TTL=str(SQL_TTL)) as running,
+    ):
+        yield running
+
+
+@pytest.fixture(params=BROKERS)
+def sql(request: pytest.FixtureRequest) -> Stack:
+    """The SQL-lease cluster on each broker: Redis, then RabbitMQ."""
+    stack: Stack = request.getfixturevalue(f"sql_{request.param}")
+    return stack
 
 
 @pytest.fixture(scope="module")
@@ -385,7 +409,7 @@ def test_worker_killed_after_commit_redelivers_and_replays(sql: Stack) -> None:
 # -- both lease backends ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("backend", ["sql", "redis_leases"])
+@pytest.mark.parametrize("backend", ["sql_redis", "sql_rabbitmq", "redis_leases"])
 def test_same_request_twice_is_applied_once(backend: str, request: pytest.FixtureRequest) -> None:
     run: Stack = request.getfixturevalue(backend)
     inv, sku, key = run.inventory, f"D-{backend}", f"twice-{backend}"

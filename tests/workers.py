@@ -1,10 +1,13 @@
 """Clusters of real ``celery worker`` processes for the Celery task tests, built on :mod:`admin.harness`:
 workers sharing one broker, inventory database and lease backend, with one-shot failpoints configured
-and disarmed, and the test PostgreSQL's fresh schemas they write to.
+and disarmed, the test PostgreSQL's fresh schemas they write to, and RabbitMQ virtual hosts of their own.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import uuid
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
@@ -23,6 +26,33 @@ Worker = CeleryProcess
 # Both one-shot failpoints are configured on every worker but start disarmed (marker present): a test
 # arms one by deleting its marker, and whichever worker process reaches the point first fires it.
 FAILPOINTS = "before_write=stop,once;after_write=kill,once"
+
+
+# The brokers the end-to-end task tests run on: a private redis-server, and the local RabbitMQ (a vhost
+# per cluster, so no test sees another's queues). The result backend is Redis either way.
+BROKERS = ("redis", "rabbitmq")
+RABBITMQ_URL = os.environ.get("TEST_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672")
+RABBITMQ_USER = "guest"
+
+
+def _rabbitmqctl(*args: str) -> None:
+    done = subprocess.run(
+        ["rabbitmqctl", "--quiet", *args], capture_output=True, text=True, timeout=60, check=False
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"rabbitmqctl {' '.join(args)} failed: {done.stderr or done.stdout}")
+
+
+@contextmanager
+def rabbitmq_vhost(prefix: str = "tasks") -> Iterator[str]:
+    """The broker URL of a new virtual host on the local RabbitMQ, deleted (with its queues) afterwards."""
+    name = f"{prefix}_{uuid.uuid4().hex[:12]}"
+    _rabbitmqctl("add_vhost", name)
+    try:
+        _rabbitmqctl("set_permissions", "-p", name, RABBITMQ_USER, ".*", ".*", ".*")
+        yield f"{RABBITMQ_URL}/{name}"
+    finally:
+        _rabbitmqctl("delete_vhost", name)
 
 
 def pg_schema() -> AbstractContextManager[str]:
