@@ -21,13 +21,16 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, TypeVar
+from typing import IO, TYPE_CHECKING, TypeVar
 
 import redis
 import sqlalchemy as sa
 
 from fencing.sql import make_engine
 from reservations import schema
+
+if TYPE_CHECKING:
+    from admin.netns import Host
 
 T = TypeVar("T")
 
@@ -112,17 +115,19 @@ def _end(process: subprocess.Popen[bytes], deadline: float, *, group: bool) -> N
 
 class RedisServer:
     """A private redis-server without persistence: a restart loses everything, as a crash would. The
-    shared Redis is never touched by a run's broker, results or leases."""
+    shared Redis is never touched by a run's broker, results or leases. It listens on 127.0.0.1 and on
+    ``binds`` (the service address of :class:`admin.netns.Hosts`, for processes on hosts of their own)."""
 
-    def __init__(self, folder: Path, *, databases: int = 16) -> None:
+    def __init__(self, folder: Path, *, databases: int = 16, binds: tuple[str, ...] = ()) -> None:
         self.folder = folder
         self.databases = max(16, databases)
+        self.binds = binds
         self.port = free_port()
         self.process: subprocess.Popen[bytes] | None = None
         self.version = ""
 
-    def url(self, db: int | None = 0) -> str:
-        base = f"redis://127.0.0.1:{self.port}"
+    def url(self, db: int | None = 0, host: str = "127.0.0.1") -> str:
+        base = f"redis://{host}:{self.port}"
         return base if db is None else f"{base}/{db}"
 
     @property
@@ -135,9 +140,12 @@ class RedisServer:
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(
                 [
-                    *("redis-server", "--port", str(self.port), "--bind", "127.0.0.1"),
+                    *("redis-server", "--port", str(self.port), "--bind", "127.0.0.1", *self.binds),
                     *("--save", "", "--appendonly", "no", "--dir", str(self.folder)),
                     *("--databases", str(self.databases)),
+                    # Protected mode answers only loopback; the other address is the hosts' service
+                    # address, which nothing but the run's own namespaces reaches.
+                    *(("--protected-mode", "no") if self.binds else ()),
                 ],
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -188,7 +196,8 @@ def redis_server(folder: Path, *, databases: int = 16) -> Iterator[RedisServer]:
 class CeleryProcess:
     """One ``celery worker`` (or ``celery beat`` with ``kind="beat"``) in its own session, logging to
     ``log_path``; readiness is read from the log, after where it stood when the process was started.
-    ``cwd`` matters only for an ``app`` that is not installed (``python -m celery`` imports it from there)."""
+    ``cwd`` matters only for an ``app`` that is not installed (``python -m celery`` imports it from there).
+    With a ``host`` (:mod:`admin.netns`) it runs on that host: same process, its own network namespace."""
 
     name: str
     env: Mapping[str, str]
@@ -198,11 +207,15 @@ class CeleryProcess:
     pool: str = "prefork"
     concurrency: int = 1
     cwd: Path | None = None
+    host: Host | None = None
     process: subprocess.Popen[bytes] | None = None
     _log: IO[bytes] | None = field(default=None, repr=False)
     _log_from: int = field(default=0, repr=False)
 
     def command(self) -> list[str]:
+        return self.host.wrap(self._command()) if self.host is not None else self._command()
+
+    def _command(self) -> list[str]:
         celery = [sys.executable, "-m", "celery", "-A", self.app]
         if self.kind == "beat":
             schedule = self.log_path.with_name(f"{self.name}-schedule")

@@ -1,11 +1,13 @@
 """The processes of one chaos run, started from the process harness and stopped together: a fresh schema,
 two private redis-servers (broker; leases), workers in their roles, celery beat, and the delaying proxy.
+With network nemeses, each worker runs on a host of its own (admin/netns.py) and reaches the servers on
+the hosts' service address: the redis-servers listen there too, PostgreSQL through a forwarder.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -21,6 +23,7 @@ from admin.chaos.options import (
     Options,
 )
 from admin.harness import CeleryProcess, HarnessError, RedisServer, pg_schema, start_all, stop_all, worker_env
+from admin.netns import Host, Hosts, NetnsError
 from admin.proxy import DelayProxy
 from fencing.sql import make_engine
 
@@ -44,14 +47,24 @@ class Cluster:
     lease_redis: RedisServer
     workers: list[ChaosWorker]  # beat among them, last
     proxy: DelayProxy | None
+    # With network nemeses: each worker's host (beat runs in the root namespace), and the ports a host
+    # reaches on the service address: "lease", "broker", "database" (the forwarder), "delayed" (the proxy).
+    hosts: dict[str, Host] = field(default_factory=dict)
+    ports: dict[str, int] = field(default_factory=dict)
+    folder: Path | None = None  # the run's folder (worker logs, the slow link's log)
+
+    def database_port(self, worker: ChaosWorker) -> int:
+        """The port a worker's host reaches PostgreSQL on."""
+        return self.ports["delayed" if worker.role == "delay" else "database"]
 
 
 @contextmanager
 def harness_failures() -> Iterator[None]:
-    """A process of the harness that did not start (or a wait for one that timed out) fails the run."""
+    """A process of the harness that did not start (or a wait for one that timed out), or a host that
+    could not be made, fails the run."""
     try:
         yield
-    except HarnessError as exc:
+    except (HarnessError, NetnsError) as exc:
         raise ChaosFailed(str(exc)) from exc
 
 
@@ -63,33 +76,50 @@ def roles(options: Options) -> list[str]:
     return ["freeze"] * freezers + ["delay"] * delayed + ["normal"] * (options.workers - freezers - delayed)
 
 
+def worker_names(options: Options, *, fenced: bool) -> list[str]:
+    prefix = "f" if fenced else "l"
+    return [f"{prefix}{n + 1}" for n in range(len(roles(options)))]
+
+
 @contextmanager
 def cluster(options: Options, *, fenced: bool, folder: Path) -> Iterator[Cluster]:
     """Everything up and ready (workers and beat started together: their imports overlap); on exit, a warm
-    shutdown for all at once, then the servers killed and the schema dropped."""
+    shutdown for all at once, then the servers killed, the hosts removed and the schema dropped."""
     folder.mkdir(parents=True, exist_ok=True)
     # The trigger alone would refuse a lowered token: lease-only means both guards are off.
     drop_trigger = None if fenced else partial(_drop_fence_trigger, options.postgres_url)
-    with pg_schema(options.postgres_url, prefix="chaos", after_upgrade=drop_trigger) as database_url:
-        broker = RedisServer(folder / "redis-broker")
-        lease_redis = RedisServer(folder / "redis-leases")
+    with ExitStack() as stack:
+        database_url = stack.enter_context(
+            pg_schema(options.postgres_url, prefix="chaos", after_upgrade=drop_trigger)
+        )
+        hosts = stack.enter_context(Hosts(worker_names(options, fenced=fenced))) if options.nemeses else None
+        listen = hosts.service if hosts is not None else "127.0.0.1"
+        binds = (listen,) if hosts is not None else ()
+        broker = RedisServer(folder / "redis-broker", binds=binds)
+        lease_redis = RedisServer(folder / "redis-leases", binds=binds)
         workers: list[ChaosWorker] = []
-        proxy: DelayProxy | None = None
+        proxies: list[DelayProxy] = []
         try:
-            proxy = _proxy(options, database_url) if "delay" in roles(options) else None
+            proxy = _proxy(options, database_url, listen) if "delay" in roles(options) else None
+            proxies += [proxy] if proxy is not None else []
             broker.start()
             lease_redis.start()
             settings = _settings(options, fenced, database_url, broker, lease_redis)
-            proxied = _via(proxy, database_url) if proxy is not None else database_url
-            workers += _workers(options, fenced, folder, settings, proxied)
+            up = Cluster(database_url, settings, lease_redis, workers, proxy, folder=folder)
+            if hosts is not None:
+                proxies.append(_forwarder(database_url, hosts.service))
+                up.hosts = {host.name: host for host in hosts}
+                up.ports = {"lease": lease_redis.port, "broker": broker.port, "database": proxies[-1].port}
+                up.ports.update({"delayed": proxy.port} if proxy is not None else {})
+            workers += _workers(options, fenced, folder, settings, up)
             start_all(workers)
-            yield Cluster(database_url, settings, lease_redis, workers, proxy)
+            yield up
         finally:
             stop_all(workers)
             broker.kill()
             lease_redis.kill()
-            if proxy is not None:
-                proxy.close()
+            for opened in proxies:
+                opened.close()
 
 
 def _drop_fence_trigger(admin_url: str, schema_name: str) -> None:
@@ -101,20 +131,31 @@ def _drop_fence_trigger(admin_url: str, schema_name: str) -> None:
         engine.dispose()
 
 
-def _proxy(options: Options, database_url: str) -> DelayProxy:
+def _target(database_url: str) -> tuple[str, int]:
     url = sa.engine.make_url(database_url)
-    target = (url.host or "127.0.0.1", url.port or 5432)
+    return (url.host or "127.0.0.1", url.port or 5432)
+
+
+def _proxy(options: Options, database_url: str, listen: str) -> DelayProxy:
     # The statement that opens a stock write (it locks the row) is the one whose delay lets a newer epoch
     # write first; a delay after the lock only blocks the others.
     return DelayProxy(
-        target, delay=options.proxy_delay, fraction=0.5, match=b"FOR UPDATE", seed=options.seed
+        _target(database_url),
+        delay=options.proxy_delay,
+        fraction=0.5,
+        match=b"FOR UPDATE",
+        seed=options.seed,
+        listen=listen,
     ).start()
 
 
-def _via(proxy: DelayProxy, url: str) -> str:
-    return (
-        sa.engine.make_url(url).set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
-    )
+def _forwarder(database_url: str, service: str) -> DelayProxy:
+    """PostgreSQL for the hosts: it listens on loopback only, they reach the service address only."""
+    return DelayProxy(_target(database_url), delay=0.0, fraction=0.0, listen=service).start()
+
+
+def _via(url: str, host: str, port: int) -> str:
+    return sa.engine.make_url(url).set(host=host, port=port).render_as_string(hide_password=False)
 
 
 def _settings(
@@ -135,18 +176,36 @@ def _settings(
 
 
 def _workers(
-    options: Options, fenced: bool, folder: Path, settings: dict[str, str], proxied_url: str
+    options: Options, fenced: bool, folder: Path, settings: dict[str, str], up: Cluster
 ) -> list[ChaosWorker]:
-    prefix = "f" if fenced else "l"
     workers = []
-    for n, role in enumerate(roles(options)):
-        name = f"{prefix}{n + 1}"
-        env = _env(settings, folder, name, role, proxied_url)
-        workers.append(ChaosWorker(name, env, folder / f"worker-{name}.log", role=role))
-    beat = f"{prefix}-beat"
-    env = _env(settings, folder, beat, "beat", proxied_url)
+    for name, role in zip(worker_names(options, fenced=fenced), roles(options), strict=True):
+        host = up.hosts.get(name)
+        seen, proxied = _seen_from(host, settings, up)
+        env = _env(seen, folder, name, role, proxied)
+        workers.append(ChaosWorker(name, env, folder / f"worker-{name}.log", role=role, host=host))
+    beat = f"{'f' if fenced else 'l'}-beat"
+    env = _env(settings, folder, beat, "beat", "")
     workers.append(ChaosWorker(beat, env, folder / "beat.log", kind="beat", role="beat"))
     return workers
+
+
+def _seen_from(host: Host | None, settings: dict[str, str], up: Cluster) -> tuple[dict[str, str], str]:
+    """The settings, and the URL of PostgreSQL behind the delaying proxy, as a worker uses them: on a host
+    of its own (``host``), every server is at the service address."""
+    if host is None:
+        proxied = _via(up.database_url, "127.0.0.1", up.proxy.port) if up.proxy is not None else ""
+        return settings, proxied
+    service, ports = host.service, up.ports
+    seen = {
+        **settings,
+        "RESERVATIONS_BROKER_URL": f"redis://{service}:{ports['broker']}/0",
+        "RESERVATIONS_RESULT_BACKEND": f"redis://{service}:{ports['broker']}/1",
+        "RESERVATIONS_LEASE_URL": f"redis://{service}:{ports['lease']}/0",
+        "RESERVATIONS_DATABASE_URL": _via(up.database_url, service, ports["database"]),
+    }
+    proxied = _via(up.database_url, service, ports["delayed"]) if "delayed" in ports else ""
+    return seen, proxied
 
 
 def _env(settings: dict[str, str], folder: Path, name: str, role: str, proxied_url: str) -> dict[str, str]:

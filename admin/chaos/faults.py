@@ -116,7 +116,7 @@ class HotWatch:
         self.engine.dispose()
 
 
-def _unfrozen_children(workers: list[ChaosWorker]) -> dict[int, ChaosWorker]:
+def unfrozen_children(workers: list[ChaosWorker]) -> dict[int, ChaosWorker]:
     """Pool children of the workers that do not freeze themselves (normal, behind the proxy), by pid."""
     return {pid: w for w in workers if w.role in ("normal", "delay") for pid in w.pool_children()}
 
@@ -201,7 +201,7 @@ class WorkerKill:
         """A worker (not one of the freezing ones) whose pool child holds the hot SKU's lease while
         requests wait on it, serving them if ``serving_only``: killing it leaves them to the next holder,
         the SKU's watch or beat's sweep."""
-        candidates = _unfrozen_children(self.workers)
+        candidates = unfrozen_children(self.workers)
         found = watch.holding(set(candidates))
         if found is None or (serving_only and not found[1]):
             return None
@@ -235,7 +235,7 @@ class HolderPauses:
             self.left, self.after = self.left - 1, now + STOP_FOR
 
     def _pause(self, watch: HotWatch) -> bool:
-        found = watch.holding(set(_unfrozen_children(self.workers)))
+        found = watch.holding(set(unfrozen_children(self.workers)))
         if found is None or not found[1]:
             return False
         with suppress(ProcessLookupError):

@@ -53,6 +53,33 @@ SERVER_KILLED = "hot-SKU holder SIGKILLed serving a batch"
 REDIS_RESTARTED = "lease Redis restart (data lost)"
 DELAYED = "client->postgres chunks delayed"
 
+# The network nemeses (``--nemesis NAME``, or ``--partitions`` for all): each worker then runs on a host of
+# its own (a network namespace, admin/netns.py), and one nemesis at a time hits one worker's host, in the
+# order asked for, each in its own slice of the stream, on top of the faults above.
+LEASE_PARTITION = "lease-partition"
+DB_PARTITION = "db-partition"
+ISOLATE_HOLDER = "isolate-holder"
+SLOW_LINK = "slow-link"
+NEMESES = (LEASE_PARTITION, DB_PARTITION, ISOLATE_HOLDER, SLOW_LINK)
+# What each does, as the report and the JSON's "faults" name it.
+NEMESIS_FAULTS = {
+    LEASE_PARTITION: "host cut off from the lease Redis (both ways), database kept",
+    DB_PARTITION: "host's packets to PostgreSQL dropped (one way), a write in flight",
+    ISOLATE_HOLDER: "hot-SKU holder's host isolated mid-batch (everything, both ways)",
+    SLOW_LINK: "host's link slowed: delay, jitter, loss, reordering",
+}
+# A partition lasts past the lease ttl, so another worker takes the lease meanwhile; the slow link longer,
+# so that several renewals cross it.
+CUT_FOR = 2.5 * LEASE_TTL
+SLOW_FOR = 5 * LEASE_TTL
+# The slices of the stream the nemeses share, and the part of its slice a nemesis waits in for its target
+# (the hot SKU's holder) before it takes any worker it may hit.
+NEMESES_FROM, NEMESES_TO = 0.1, 0.9
+CATCH_SHARE = 0.5
+# A write held back by a 2.5 s partition arrives within this long after the heal (TCP retransmits it at
+# 0.2, 0.6, 1.4, 3.0 s... after it was sent): the figures per nemesis look this far past the heal.
+SETTLE = 3.0
+
 
 class ChaosFailed(RuntimeError):
     """The run could not be carried out (a process did not start); not a failed check."""
@@ -73,3 +100,4 @@ class Options:
     postgres_url: str = POSTGRES_URL
     folder: Path | None = None  # worker logs; a temporary folder by default
     pictures: Path = Path("var/chaos")  # one SVG timeline per run is saved here
+    nemeses: tuple[str, ...] = ()  # network nemeses (NEMESES), in order; each worker on a host of its own

@@ -17,12 +17,14 @@ from rich.table import Table
 
 from admin.chaos.checker import business_harm
 from admin.chaos.figures import Batching
+from admin.chaos.nemesis_figures import NemesisFigures
 from admin.chaos.options import (
     DELAYED,
     FROZEN,
     HOLDER_FROZEN,
     HOLDER_KILLED,
     KILLED,
+    NEMESIS_FAULTS,
     REDIS_RESTARTED,
     SERVER_FROZEN,
     SERVER_KILLED,
@@ -76,6 +78,7 @@ class RunReport:
     flash: Counter[str] = field(default_factory=Counter)  # final statuses of the hot SKU's reservations
     sent: dict[str, Sent] = field(default_factory=dict)
     picture: Path | None = None
+    nemeses: list[NemesisFigures] = field(default_factory=list)  # the network nemeses, in order
 
     @property
     def violations(self) -> int:
@@ -109,6 +112,7 @@ class RunReport:
             "business_harm": self.business_harm,
             "checks": self.checks,
             "picture": str(self.picture) if self.picture else None,
+            "nemeses": [nemesis.as_json() for nemesis in self.nemeses],
         }
 
 
@@ -251,3 +255,45 @@ def _print_problems(console: Console, report: RunReport) -> None:
             console.print(f"  [red]{report.mode}[/] {name}: {problem}", highlight=False)
         if len(problems) > SHOWN_PROBLEMS:
             console.print(f"  [red]{report.mode}[/] {name}: ... {len(problems) - SHOWN_PROBLEMS} more")
+
+
+# -- the network nemeses: one table each ----------------------------------------------------------------
+
+
+def _nemesis_rows(fenced: NemesisFigures, lease_only: NemesisFigures) -> list[tuple[str, object, object]]:
+    rows: list[tuple[str, object, object]] = [
+        ("hit", f"{fenced.target}: {fenced.caught}", f"{lease_only.target}: {lease_only.caught}"),
+        ("cut", "; ".join(fenced.cuts), "; ".join(lease_only.cuts)),
+        ("lasted (s)", f"{fenced.seconds:.1f}", f"{lease_only.seconds:.1f}"),
+    ]
+    if fenced.link or lease_only.link:
+        rows.append(("packets held / let through at once / dropped", _link(fenced), _link(lease_only)))
+    rows.append(("requests its host's workers touched", fenced.requests, lease_only.requests))
+    for status in sorted(set(fenced.outcomes) | set(lease_only.outcomes)):
+        rows.append((f"  outcome {status}", fenced.outcomes[status], lease_only.outcomes[status]))
+    rows.append(("stale writes refused", fenced.stale_refused, lease_only.stale_refused))
+    for result in sorted((set(fenced.attempts) | set(lease_only.attempts)) - {"applied", "replayed"}):
+        rows.append((f"  attempts {result}", fenced.attempts[result], lease_only.attempts[result]))
+    rows.append(("VIOLATIONS naming them", fenced.violations, lease_only.violations))
+    return rows
+
+
+def _link(figures: NemesisFigures) -> str:
+    counts = figures.link
+    return f"{counts.get('held', 0)} / {counts.get('at_once', 0)} / {counts.get('dropped', 0)}"
+
+
+def print_nemeses(console: Console, fenced: RunReport, lease_only: RunReport) -> None:
+    """One table per network nemesis, both runs side by side (a nemesis that did not run says why)."""
+    for mine, theirs in zip(fenced.nemeses, lease_only.nemeses, strict=False):
+        table = Table(
+            title=f"Nemesis {mine.name}: {NEMESIS_FAULTS.get(mine.name, mine.name)}", title_justify="left"
+        )
+        table.add_column("metric")
+        table.add_column("fenced", justify="right")
+        table.add_column("lease-only", justify="right")
+        if mine.skipped or theirs.skipped:
+            table.add_row("did not run", mine.skipped or "-", theirs.skipped or "-")
+        for name, a, b in _nemesis_rows(mine, theirs):
+            table.add_row(name, str(a), str(b))
+        console.print(table)

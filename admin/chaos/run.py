@@ -1,6 +1,6 @@
 """Both runs of the same workload, fenced and lease-only: for each, the cluster up, the stream sent while
-the faults are injected (the driver loop: one list of steps per tick), the drain, then the checker and the
-figures; the side-by-side table or the JSON at the end.
+the faults (and the network nemeses asked for) are injected (the driver loop: one list of steps per tick),
+the drain, then the checker and the figures; the side-by-side tables or the JSON at the end.
 """
 
 from __future__ import annotations
@@ -9,15 +9,19 @@ import shutil
 import signal
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from types import FrameType
 
 from rich.console import Console
 
+from admin import links, netns
 from admin.chaos.checker import check
 from admin.chaos.cluster import Cluster, cluster, harness_failures, roles
 from admin.chaos.faults import HolderPauses, HotWatch, LeaseRedisRestart, ResumeFrozen, Step, WorkerKill
 from admin.chaos.figures import batching_figures, flash_statuses, read_log, statuses, waiting_keys
+from admin.chaos.nemeses import Nemeses
+from admin.chaos.nemesis_figures import NemesisRun, nemesis_figures
 from admin.chaos.options import (
     BEAT_EVERY,
     DELAYED,
@@ -25,13 +29,14 @@ from admin.chaos.options import (
     HOT_SKU,
     INITIAL_STOCK,
     RESEND_AFTER,
+    SLOW_LINK,
     SWEEP_EVERY,
     TICK,
     VISIBILITY_TIMEOUT,
     WATCH_EVERY,
     Options,
 )
-from admin.chaos.report import RunReport, print_table, write_json
+from admin.chaos.report import RunReport, print_nemeses, print_table, write_json
 from admin.chaos.workload import Workload, flash_stock
 from admin.picture import save_timeline
 from reservations.inventory import Inventory
@@ -47,6 +52,7 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
 def run(options: Options, console: Console | None = None, *, as_json: bool = False) -> bool:
     """Both runs, the side-by-side table (or JSON); True when the fenced run has no violation."""
     console = console or Console(stderr=as_json)
+    options = _network(options, console)
     previous = signal.signal(signal.SIGTERM, _interrupt)
     temporary = options.folder is None
     folder = options.folder or Path(tempfile.mkdtemp(prefix="reservations-chaos-"))
@@ -61,7 +67,25 @@ def run(options: Options, console: Console | None = None, *, as_json: bool = Fal
         write_json(fenced, lease_only)
     else:
         print_table(console, fenced, lease_only)
+        print_nemeses(console, fenced, lease_only)
     return fenced.violations == 0
+
+
+def _network(options: Options, console: Console) -> Options:
+    """The network nemeses this machine can inject: one line for what it cannot, and the run goes on."""
+    if not options.nemeses:
+        return options
+    reason = netns.unavailable()
+    if reason is not None:
+        console.print(
+            f"[yellow]network nemeses skipped[/] ({', '.join(options.nemeses)}): {reason}", highlight=False
+        )
+        return replace(options, nemeses=())
+    slow = links.slow_link_unavailable() if SLOW_LINK in options.nemeses else None
+    if slow is not None:
+        console.print(f"[yellow]nemesis {SLOW_LINK} skipped[/]: {slow}", highlight=False)
+        return replace(options, nemeses=tuple(n for n in options.nemeses if n != SLOW_LINK))
+    return options
 
 
 def run_once(options: Options, *, fenced: bool, folder: Path, console: Console) -> RunReport:
@@ -78,8 +102,9 @@ def run_once(options: Options, *, fenced: bool, folder: Path, console: Console) 
         with Inventory.from_url(up.database_url) as inventory:
             for sku, units in initial.items():
                 inventory.add_sku(sku, on_hand=units)
-            drive(options, inventory, skus, up, report)
+            runs = drive(options, inventory, skus, up, report)
             report.checks = check(up.database_url, initial, report.sent)
+            report.nemeses = nemesis_figures(up.database_url, runs, report.checks)
             _read_database(up.database_url, inventory, report)
             report.picture = save_timeline(
                 options.pictures / f"timeline-{mode}.svg",
@@ -99,11 +124,16 @@ def _describe(options: Options, report: RunReport) -> str:
         if report.hot_sku
         else ""
     )
+    hosts = (
+        f"; each worker on a host of its own (network namespace), nemeses: {', '.join(options.nemeses)}"
+        if options.nemeses
+        else ""
+    )
     return (
         f"[bold]{report.mode}[/]: {options.workers} workers ({parts.count('freeze')} freezing before "
         f"writes, {parts.count('delay')} behind a {options.proxy_delay:g}s delaying proxy), "
         f"{options.skus} SKUs, {options.requests} requests over {options.duration:g}s{flash}"
-        f", batching {'on' if options.batching else 'off'}, beat sweeping every {BEAT_EVERY:g}s"
+        f", batching {'on' if options.batching else 'off'}, beat sweeping every {BEAT_EVERY:g}s{hosts}"
     )
 
 
@@ -179,8 +209,11 @@ class Sweeper:
         return False
 
 
-def drive(options: Options, inventory: Inventory, skus: list[str], up: Cluster, report: RunReport) -> None:
-    """Send the stream while injecting faults, then wait (still resuming frozen children) for outcomes."""
+def drive(
+    options: Options, inventory: Inventory, skus: list[str], up: Cluster, report: RunReport
+) -> list[NemesisRun]:
+    """Send the stream while injecting faults, then wait (still resuming frozen children, and healing a
+    nemesis still in place) for outcomes; the network nemeses as they happened."""
     client = Producer(up.settings["RESERVATIONS_BROKER_URL"], up.settings.get("RESERVATIONS_RESULT_BACKEND"))
     # The sweep restores what was unacknowledged longer than the workers' visibility timeout; it reads
     # that timeout from its own connection's options, which must therefore be the workers'.
@@ -192,12 +225,15 @@ def drive(options: Options, inventory: Inventory, skus: list[str], up: Cluster, 
     stream = Stream(options, client, workload, report, start)
     kill = WorkerKill(options, up.workers, report, watch, start)
     resume, sweep = ResumeFrozen(up.workers, report, watch), Sweeper(client)
+    folder = up.folder or Path(tempfile.gettempdir())
+    nemeses = Nemeses(options, up, report, watch, start, folder) if up.hosts else None
     # One tick: send what is due, then each fault in turn, then the housekeeping.
     steps: list[Step] = [
         stream,
         kill,
         HolderPauses(up.workers, report, watch, start),
         LeaseRedisRestart(options, up.lease_redis, report, start),
+        *([nemeses] if nemeses is not None else []),
         resume,
         sweep,
     ]
@@ -208,12 +244,15 @@ def drive(options: Options, inventory: Inventory, skus: list[str], up: Cluster, 
                 step.step(now)
             time.sleep(WATCH_EVERY if any(step.watching(now) for step in steps) else TICK)
         kill.wait_restarted()
-        _drain(options, inventory, client, workload, report, up.database_url, [resume, sweep])
+        housekeeping: list[Step] = [resume, sweep, *([nemeses] if nemeses is not None else [])]
+        _drain(options, inventory, client, workload, report, up.database_url, housekeeping)
     finally:
+        runs = nemeses.close() if nemeses is not None else []
         client.close()
         if watch is not None:
             watch.close()
     report.enqueued = len(workload.sent)
+    return runs
 
 
 def _drain(

@@ -113,6 +113,20 @@ def chaos_command(
         Path, typer.Option(help="Folder for the SVG timeline of each run (token bands, writes, refusals).")
     ] = Path("var/chaos"),
     as_json: Annotated[bool, typer.Option("--json", help="Print both runs' metrics as JSON.")] = False,
+    partitions: Annotated[
+        bool,
+        typer.Option(
+            "--partitions",
+            help="All network nemeses, in order (needs root and ip netns; skipped with one line without).",
+        ),
+    ] = False,
+    nemesis: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--nemesis",
+            help="One network nemesis, repeatable: lease-partition, db-partition, isolate-holder, slow-link.",
+        ),
+    ] = None,
 ) -> None:
     """WRITES (own schemas, dropped afterwards): the fault-injection run, twice, fenced and lease-only.
 
@@ -122,16 +136,31 @@ def chaos_command(
     Redis loses its data; a checker then audits the database. Exit 1 when the fenced run has any
     violation.
 
+    With --partitions (or --nemesis NAME) each worker runs on a host of its own (a network namespace
+    with an address from 192.0.2.0/24, removed afterwards) and one nemesis at a time hits one worker's
+    host: lease-partition cuts it off from the lease Redis only, db-partition drops its packets to
+    PostgreSQL with a write in flight, isolate-holder cuts the hot SKU's holder off from everything
+    mid-batch, slow-link delays, jitters, loses and reorders its packets past the lease ttl. Each gets a
+    table (requests, outcomes, stale writes refused, violations). Without root or ip netns they are
+    skipped with one line and the rest of the run goes on.
+
     JSON fields per run (fenced, lease_only): enqueued, replayed, resent, faults, statuses,
     rejected_stale_writes, lost_ownership_by_worker_role, lost_ownership_serving_batches_by_worker_role,
     batching_on, hot_sku, hot_stock, flash_sale {requests, statuses}, batching {batches, requests,
     for_others, largest, stale_refused, writes_behind_newer_token, left_pending, watches, swept,
-    longest_wait}, violations, checks (rule -> sentences), picture.
+    longest_wait}, violations, checks (rule -> sentences), picture, nemeses [{name, target, caught, cuts,
+    seconds, link, skipped, requests, outcomes, stale_refused, violations}].
 
     Example: reservations chaos --workers 3 --skus 3 --requests 120 --duration 20
+    Example: reservations chaos --workers 4 --duration 30 --partitions
     """
     from admin import chaos
+    from admin.chaos.options import NEMESES
 
+    unknown = sorted(set(nemesis or ()) - set(NEMESES))
+    if unknown:
+        fail(EXIT_USAGE, f"--nemesis {unknown[0]!r}: one of {', '.join(NEMESES)}")
+    chosen = NEMESES if partitions else tuple(dict.fromkeys(nemesis or ()))
     options = chaos.Options(
         workers=workers,
         skus=skus,
@@ -146,13 +175,14 @@ def chaos_command(
         postgres_url=postgres_url,
         folder=folder,
         pictures=pictures,
+        nemeses=chosen,
     )
     try:
         ok = chaos.run(options, None if as_json else out, as_json=as_json)
     except chaos.ChaosFailed as exc:
         fail(EXIT_FAILED, str(exc))
     except KeyboardInterrupt:
-        err.print("interrupted: workers, redis-servers and schemas cleaned up")
+        err.print("interrupted: workers, redis-servers, hosts and schemas cleaned up")
         raise typer.Exit(130) from None
     if not ok:
         raise typer.Exit(EXIT_FAILED)
