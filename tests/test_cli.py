@@ -5,6 +5,7 @@ and unreachable backends get one line and a documented exit code, and write noth
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import shutil
@@ -108,6 +109,44 @@ def test_stock_rejections_and_show(race: dict[str, Any]) -> None:
     assert rejections["rejections"][0]["presented_token"] == race["a"]
     shown = json.loads(cli("show", "order-b", "--json", env=race["env"]).stdout)
     assert shown["reservation"]["quantity"] == 2 and shown["reservation"]["status"] == "held"
+
+
+def test_rejections_json_lists_every_skus_rejections_without_a_sku(race: dict[str, Any]) -> None:
+    everything = json.loads(cli("rejections", "--json", env=race["env"]).stdout)
+    assert everything["counts"] == {"WIDGET": 1}
+    assert [(r["sku"], r["presented_token"]) for r in everything["rejections"]] == [("WIDGET", race["a"])]
+
+
+def test_a_sku_is_the_argument_or_sku_on_every_read_command(race: dict[str, Any]) -> None:
+    for command in ("tokens", "stock", "rejections", "leases", "audit"):
+        positional = cli(command, "WIDGET", "--json", env=race["env"])
+        option = cli(command, "--sku", "WIDGET", "--json", env=race["env"])
+        assert positional.returncode == option.returncode == 0, (command, positional.stderr, option.stderr)
+        if command != "leases":  # time left moves between the two reads
+            assert json.loads(positional.stdout) == json.loads(option.stdout), command
+        both = cli(command, "WIDGET", "--sku", "OTHER", env=race["env"])
+        assert both.returncode == 2 and "two SKUs given" in both.stderr, command
+
+
+def test_json_times_are_iso_8601_in_utc(race: dict[str, Any]) -> None:
+    tokens = json.loads(cli("tokens", "WIDGET", "--json", env=race["env"]).stdout)
+    shown = json.loads(cli("show", "order-b", "--json", env=race["env"]).stdout)
+    times = [e["acquired_at"] for e in tokens["epochs"]]
+    times += [r["at"] for e in tokens["epochs"] for r in e["rejections"] + e["writes"]]
+    times += [shown["reservation"]["created_at"]] + [a["at"] for a in shown["attempts"]]
+    assert times and all(isinstance(t, str) and t.endswith("Z") for t in times), times
+    assert all(dt.datetime.fromisoformat(t).tzinfo == dt.UTC for t in times)
+
+
+def test_a_workers_holder_takes_one_line_in_the_tokens_table(race: dict[str, Any], pg_url: str) -> None:
+    holder = "worker-host-17.warehouse.example.internal:48213:5f0c8a1e-2b7d-4c1e-9a55-0b8e3c2d1f00"
+    with LeaseManager.from_url(REDIS_URL, prefix=race["env"]["RESERVATIONS_LEASE_PREFIX"]) as leases:
+        leases.break_lease(scope_of("WIDGET"), reason="the next holder's turn")
+        leases.acquire(scope_of("WIDGET"), ttl=30, holder=holder)
+    for columns in (80, 160):
+        table = cli("tokens", "WIDGET", env=race["env"], columns=columns).stdout
+        assert "worker-host-17:48213 " in table, table
+        assert max(len(line) for line in table.splitlines()) <= columns
 
 
 def _stock_of(env: dict[str, str]) -> Any:

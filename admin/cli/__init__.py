@@ -12,18 +12,22 @@ and number parsers), ``render`` (tables, JSON), and the commands: ``reads``, ``w
 
 from __future__ import annotations
 
+import os
 from typing import Annotated
 
 import typer
 
 from admin.cli import migrations, reads, runs, writes
 from admin.cli.context import Config, config
+from admin.cli.failures import EXIT_USAGE, fail
 
 __all__ = ["app", "main"]
 
 app = typer.Typer(
     help=(
         "Fenced inventory reservations: inspect token history, leases, stock and rejections; operate.\n\n"
+        "A SKU is the first argument or --sku, on every command that takes one. --json prints stable "
+        "field names with times in ISO 8601 (UTC).\n\n"
         "Exit codes: 0 ok, 1 check failed, 2 bad usage or input, 3 not found, 4 backend unreachable "
         "(or without its schema)."
     ),
@@ -59,6 +63,16 @@ def _root(
         ),
     ] = Config.result_backend,
 ) -> None:
+    # Passwords mounted as files (compose secrets), read as the workers read them. Only then is the tasks
+    # package imported: it brings Celery, which no other read of this command line needs.
+    if any(os.environ.get(f"RESERVATIONS_{name}_PASSWORD_FILE") for name in ("DATABASE", "BROKER")):
+        try:  # importing tasks builds the workers' app from the same variables: it may refuse them first
+            from tasks.settings import url_with_password_file
+
+            database_url = url_with_password_file(os.environ, "DATABASE", database_url)
+            broker_url = url_with_password_file(os.environ, "BROKER", broker_url)
+        except ValueError as exc:  # tasks.settings.SettingsError, from the import or the call
+            fail(EXIT_USAGE, str(exc))
     config.database_url = database_url
     config.lease_url = lease_url or None
     config.lease_prefix = lease_prefix

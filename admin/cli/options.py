@@ -87,7 +87,28 @@ def seconds(name: str, low: float, high: float, help: str) -> Any:
 JsonFlag = Annotated[bool, typer.Option("--json", help="Machine-readable output (stable field names).")]
 Limit = Annotated[int, count("--limit", 1, 10_000, "At most this many entries.")]
 Since = Annotated[str | None, typer.Option(help="Only entries since: 30m, 2h, 1d or an ISO time.")]
-OneSku = Annotated[str | None, typer.Argument()]
+# A SKU is the first argument or ``--sku``, on every command that takes one.
+OneSku = Annotated[
+    str | None, typer.Argument(metavar="SKU", help="The SKU (or --sku).", show_default=False)
+]
+SkuOption = Annotated[
+    str | None, typer.Option("--sku", metavar="SKU", help="The SKU, as an option.", show_default=False)
+]
+
+
+def one_sku(argument: str | None, option: str | None) -> str | None:
+    """The SKU given as the argument or as ``--sku`` (the same one if both), if any."""
+    if argument is not None and option is not None and argument != option:
+        fail(EXIT_USAGE, f"two SKUs given: {argument!r} and --sku {option!r}")
+    return argument if argument is not None else option
+
+
+def the_sku(argument: str | None, option: str | None) -> str:
+    """As :func:`one_sku`, for a command that needs one."""
+    sku = one_sku(argument, option)
+    if sku is None:
+        fail(EXIT_USAGE, "give a SKU: as the first argument or as --sku")
+    return sku
 
 Key = Annotated[str, typer.Option("--key", help="Idempotency key: the same key never applies twice.")]
 Wait = Annotated[bool, typer.Option("--wait", help="Wait for the final outcome and print it.")]

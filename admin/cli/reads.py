@@ -4,14 +4,14 @@ the configuration. They go straight to the database and the lease coordinator an
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Any
 
 import typer
 
 from admin.cli import context, render
 from admin.cli.context import config, lease_url_shown
 from admin.cli.failures import EXIT_FAILED, errors
-from admin.cli.options import JsonFlag, Limit, OneSku, Since, parse_since
+from admin.cli.options import JsonFlag, Limit, OneSku, Since, SkuOption, one_sku, parse_since, the_sku
 from admin.cli.render import out
 from fencing import mask_url
 from reservations import validation as valid
@@ -19,16 +19,23 @@ from reservations.errors import InvalidRequest, UnknownReservation
 from reservations.timeline import epochs
 
 
-def tokens(sku: str, limit: Limit = 1000, since: Since = None, as_json: JsonFlag = False) -> None:
+def tokens(
+    sku_argument: OneSku = None,
+    sku_option: SkuOption = None,
+    limit: Limit = 1000,
+    since: Since = None,
+    as_json: JsonFlag = False,
+) -> None:
     """The SKU's token history: each token with its holder, when it was acquired, how it ended, the
     writes accepted under it and the stale writes refused (presented token, highest token, holder).
 
     JSON: {"sku", "epochs": [{"token", "holder", "acquired_at", "ended", "writes": [{"at", "operation",
     "quantity", "idempotency_key"}], "rejections": [{"at", "operation", "quantity", "presented_token",
-    "highest_token", "holder", "idempotency_key"}]}]}  (times are epoch seconds)
+    "highest_token", "holder", "idempotency_key"}]}]}  (times in ISO 8601, UTC)
 
     Example: reservations tokens WIDGET --since 1h
     """
+    sku = the_sku(sku_argument, sku_option)
     with errors():
         valid.sku(sku)
         starting = parse_since(since)
@@ -46,13 +53,14 @@ def tokens(sku: str, limit: Limit = 1000, since: Since = None, as_json: JsonFlag
     out.print(f"{len(grouped)} tokens, {rejected} stale writes rejected")
 
 
-def leases(sku: OneSku = None, as_json: JsonFlag = False) -> None:
+def leases(sku_argument: OneSku = None, sku_option: SkuOption = None, as_json: JsonFlag = False) -> None:
     """Current leases with holder, token and time left (of one SKU, or of every SKU in stock).
 
     JSON: [{"sku", "token", "holder", "time_left"}]
 
     Example: reservations leases WIDGET
     """
+    sku = one_sku(sku_argument, sku_option)
     with errors(), context.inventory() as inventory, context.leases() as coordinator:
         skus = [valid.sku(sku)] if sku is not None else [s.sku for s in inventory.all_stock()]
         rows: list[dict[str, Any]] = []
@@ -73,7 +81,7 @@ def leases(sku: OneSku = None, as_json: JsonFlag = False) -> None:
     out.print(render.leases_table(rows, lease_url_shown()) if rows else "no SKU is leased right now")
 
 
-def stock(sku: OneSku = None, as_json: JsonFlag = False) -> None:
+def stock(sku_argument: OneSku = None, sku_option: SkuOption = None, as_json: JsonFlag = False) -> None:
     """On hand, reserved, available, the highest accepted token and the requests waiting for the SKU's
     lease holder to serve them in a batch, of one SKU or all.
 
@@ -81,6 +89,7 @@ def stock(sku: OneSku = None, as_json: JsonFlag = False) -> None:
 
     Example: reservations stock --json
     """
+    sku = one_sku(sku_argument, sku_option)
     with errors(), context.inventory() as inventory:
         levels = [inventory.stock(valid.sku(sku))] if sku is not None else inventory.all_stock()
         waiting = inventory.waiting_by_sku()
@@ -91,7 +100,8 @@ def stock(sku: OneSku = None, as_json: JsonFlag = False) -> None:
 
 
 def rejections(
-    sku: Annotated[str | None, typer.Option(help="Only this SKU.")] = None,
+    sku_argument: OneSku = None,
+    sku_option: SkuOption = None,
     since: Since = None,
     limit: Limit = 100,
     as_json: JsonFlag = False,
@@ -99,18 +109,23 @@ def rejections(
     """Stale writes the database refused, with counts per SKU.
 
     JSON: {"counts": {sku: n}, "rejections": [{"sku", "at", "operation", "quantity", "presented_token",
-    "highest_token", "holder", "idempotency_key"}]}  (the list only with --sku)
+    "highest_token", "holder", "idempotency_key"}]}  (the newest --limit per SKU; times in ISO 8601, UTC)
 
     Example: reservations rejections --since 1d
     """
+    sku = one_sku(sku_argument, sku_option)
     with errors(), context.inventory() as inventory:
         starting = parse_since(since)
         counts = inventory.rejection_counts(since=starting)
-        entries = []
         if sku is not None:
             valid.sku(sku)
             counts = {k: v for k, v in counts.items() if k == sku}
-            entries = [h for h in inventory.history(sku, limit=limit, since=starting) if h.kind == "rejected"]
+        entries = [
+            h
+            for name in counts
+            for h in inventory.history(name, limit=limit, since=starting)
+            if h.kind == "rejected"
+        ]
     if as_json:
         render.emit_json(render.rejections_json(counts, entries))
         return
@@ -151,10 +166,7 @@ def _is_key(text: str) -> bool:
         return False
 
 
-def audit(
-    sku: Annotated[str | None, typer.Option(help="Only this SKU's violations.")] = None,
-    as_json: JsonFlag = False,
-) -> None:
+def audit(sku_argument: OneSku = None, sku_option: SkuOption = None, as_json: JsonFlag = False) -> None:
     """The inventory's invariants, checked from the database alone; exit 1 when any is broken.
 
     Rules: oversell (available < 0); conservation (on hand = available + reserved, reserved = held
@@ -163,8 +175,9 @@ def audit(
 
     JSON: [{"rule", "sku", "message"}]  (empty when consistent)
 
-    Example: reservations audit --sku WIDGET
+    Example: reservations audit WIDGET
     """
+    sku = one_sku(sku_argument, sku_option)
     with errors(), context.inventory() as inventory:
         if sku is not None:
             inventory.stock(valid.sku(sku))  # unknown SKU -> exit 3

@@ -37,12 +37,36 @@ def short_time(seconds: float | None) -> str:
     return when(seconds)[11:] if seconds is not None else ""
 
 
+def iso(seconds: float | None) -> str | None:
+    """A time as JSON gives it: ISO 8601 in UTC with milliseconds (``2026-12-03T14:49:04.555Z``)."""
+    if seconds is None:
+        return None
+    moment = dt.datetime.fromtimestamp(seconds, dt.UTC)
+    return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def _iso_times(record: Mapping[str, Any]) -> dict[str, Any]:
+    """A record with its times (``at`` and ``*_at`` fields, epoch seconds) in ISO 8601."""
+    return {k: iso(v) if (k == "at" or k.endswith("_at")) and v is not None else v for k, v in record.items()}
+
+
+def holder_shown(holder: str | None) -> str:
+    """A holder as a table shows it: a worker's ``host:pid:task id`` shortened to the host's first label
+    and the pid (the process that held it), so it fits one line; JSON and ``show`` keep the whole."""
+    if not holder:
+        return ""
+    host, pid, task = [*holder.split(":", 2), "", ""][:3]
+    if pid.isdigit() and task:
+        return f"{host.split('.')[0]}:{pid}"
+    return holder
+
+
 # -- tokens ---------------------------------------------------------------------------------------------
 
 
 def _write_json(w: TimelineEntry) -> dict[str, Any]:
     return {
-        "at": w.at,
+        "at": iso(w.at),
         "operation": w.operation,
         "quantity": w.quantity,
         "idempotency_key": w.idempotency_key,
@@ -51,7 +75,7 @@ def _write_json(w: TimelineEntry) -> dict[str, Any]:
 
 def _rejection_json(r: TimelineEntry | HistoryEntry) -> dict[str, Any]:
     return {
-        "at": r.at,
+        "at": iso(r.at),
         "operation": r.operation,
         "quantity": r.quantity,
         "presented_token": r.token,
@@ -68,7 +92,7 @@ def epochs_json(sku: str, grouped: Sequence[Epoch]) -> dict[str, Any]:
             {
                 "token": e.token,
                 "holder": e.holder,
-                "acquired_at": e.acquired_at,
+                "acquired_at": iso(e.acquired_at),
                 "ended": e.ended,
                 "writes": [_write_json(w) for w in e.writes],
                 "rejections": [_rejection_json(r) for r in e.rejections],
@@ -81,7 +105,7 @@ def epochs_json(sku: str, grouped: Sequence[Epoch]) -> dict[str, Any]:
 def epochs_table(sku: str, grouped: Sequence[Epoch]) -> Table:
     table = Table(title=f"Tokens of {sku}", title_justify="left", expand=False)
     table.add_column("token", justify="right")
-    table.add_column("holder", overflow="fold", max_width=22)
+    table.add_column("holder", no_wrap=True, overflow="ellipsis", max_width=24)
     table.add_column("acquired (UTC)")
     table.add_column("ended")
     table.add_column("writes / rejected", overflow="fold", max_width=24)
@@ -90,7 +114,7 @@ def epochs_table(sku: str, grouped: Sequence[Epoch]) -> Table:
         lines += [f"x {r.operation}: stale vs {r.highest_token}" for r in e.rejections]
         table.add_row(
             str(e.token),
-            e.holder or "",
+            holder_shown(e.holder),
             short_time(e.acquired_at),
             e.ended or "current",
             "\n".join(lines) or "-",
@@ -106,7 +130,7 @@ def leases_table(rows: Iterable[Mapping[str, Any]], where: str) -> Table:
     for column in ("sku", "token", "holder", "time left"):
         table.add_column(column, overflow="fold")
     for row in rows:
-        table.add_row(row["sku"], str(row["token"]), row["holder"], f"{row['time_left']:.1f}s")
+        table.add_row(row["sku"], str(row["token"]), holder_shown(row["holder"]), f"{row['time_left']:.1f}s")
     return table
 
 
@@ -148,7 +172,8 @@ def rejections_table(sku: str, entries: Iterable[HistoryEntry]) -> Table:
     for column in ("time (UTC)", "operation", "token", "highest", "holder"):
         detail.add_column(column, overflow="fold")
     for h in entries:
-        detail.add_row(short_time(h.at), h.operation, str(h.token), str(h.highest_token), h.holder or "")
+        holder = holder_shown(h.holder)
+        detail.add_row(short_time(h.at), h.operation, str(h.token), str(h.highest_token), holder)
     return detail
 
 
@@ -159,9 +184,9 @@ def request_json(
     found: ReservationView | None, outcome: RequestResult | None, attempts: Iterable[Attempt]
 ) -> dict[str, Any]:
     return {
-        "reservation": asdict(found) if found else None,
-        "outcome": asdict(outcome) if outcome else None,
-        "attempts": [asdict(a) for a in attempts],
+        "reservation": _iso_times(asdict(found)) if found else None,
+        "outcome": _iso_times(asdict(outcome)) if outcome else None,
+        "attempts": [_iso_times(asdict(a)) for a in attempts],
     }
 
 
