@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Any
 
-from celery.signals import worker_process_init, worker_process_shutdown, worker_shutdown
+from celery.signals import worker_process_init, worker_process_shutdown, worker_ready, worker_shutdown
 
-from fencing import LeaseManager
+from fencing import LeaseManager, mask_url
 from fencing.sql import SyncSqlExecutor
 from reservations import Inventory
 from tasks.failpoints import failpoint
@@ -94,3 +95,20 @@ def _init_process(**_: Any) -> None:
 
 worker_process_shutdown.connect(close_resources)
 worker_shutdown.connect(close_resources)
+
+
+@worker_ready.connect
+def _say_ready(sender: Any = None, **_: Any) -> None:
+    """One line when the worker takes tasks, whatever the log level (Celery's own is INFO): where it
+    reads and writes, passwords masked. Written to the real stderr, past Celery's stdout redirection."""
+    from tasks.app import app, settings_of
+
+    settings = settings_of(app)
+    name = getattr(sender, "hostname", None) or worker_identity()
+    print(
+        f"reservations worker {name} ready: database {mask_url(settings.database_url)}, "
+        f"leases {mask_url(settings.lease_url or settings.database_url)}, "
+        f"broker {mask_url(settings.broker_url)}, lease ttl {settings.lease_ttl:g}s",
+        file=sys.__stderr__,
+        flush=True,
+    )
