@@ -225,3 +225,10 @@ async def test_same_key_twice_is_one_request(
     attempts = Counter(a.result for a in inventory.attempts(key))
     assert attempts["applied"] == 1, attempts
     assert inventory.invariant_violations() == []
+
+
+def test_each_worker_says_it_is_ready_with_masked_urls(workers: Cluster) -> None:
+    for worker in workers.workers:
+        line = next((x for x in worker.log().splitlines() if x.startswith("reservations worker ")), "")
+        assert " ready: database postgresql" in line, worker.tail()
+        assert "lease ttl 5s" in line and f"broker {workers.settings['RESERVATIONS_BROKER_URL']}" in line
