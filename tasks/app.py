@@ -12,6 +12,7 @@ from typing import Any
 
 from celery import Celery
 
+from tasks.heartbeat import HeartbeatFile
 from tasks.settings import Settings
 
 _SHORT_RETRIES = {
@@ -71,6 +72,8 @@ def configure(app: Celery, settings: Settings) -> None:
         # request depend on the result backend (a task whose STARTED write fails never runs).
         task_track_started=False,
         broker_connection_retry_on_startup=True,
+        # Beat writes its schedule file after every task it sends: the file's age is its health check.
+        beat_sync_every=1,
         worker_hijack_root_logger=False,
         beat_schedule={
             "expire-due-holds": {
@@ -93,6 +96,7 @@ def configure(app: Celery, settings: Settings) -> None:
 def create_app(settings: Settings | None = None) -> Celery:
     app = Celery("reservations", include=["tasks.jobs"])
     configure(app, settings or Settings.from_env())
+    app.steps["consumer"].add(HeartbeatFile)
     return app
 
 

@@ -5,6 +5,8 @@ Variables (prefix ``RESERVATIONS_``), with defaults:
 - BROKER_URL: redis://127.0.0.1:6379/0 (Celery broker)
 - RESULT_BACKEND: redis://127.0.0.1:6379/1 (Celery result backend)
 - DATABASE_URL: sqlite:///var/reservations.sqlite3 (inventory; SQLite or PostgreSQL)
+- DATABASE_PASSWORD_FILE, BROKER_PASSWORD_FILE: unset (a file holding the password of that URL, such as a
+  compose secret; the URL then names the user without a password)
 - LEASE_URL: the database URL (lease backend: redis://... or a SQL URL)
 - LEASE_PREFIX: fencing (Redis key prefix of the leases)
 - LEASE_TTL: 30 (seconds a task's SKU lease lasts without renewal)
@@ -15,6 +17,7 @@ Variables (prefix ``RESERVATIONS_``), with defaults:
   then the request is dead-lettered, as soon as its outcome can be written)
 - VISIBILITY_TIMEOUT: 300 (seconds before an unacknowledged message is redelivered: the bound on how long
   the requests of a worker host that died wait; at least 4 lease ttls)
+- HEARTBEAT_FILE: unset (a worker touches this file every 5 s while it consumes: a health check's signal)
 - EXPIRY_INTERVAL: 30 (seconds between hold-expiry sweeps by celery beat)
 - ENFORCE_FENCE: 1 (0 drops the token condition from stock writes: lease-only, for chaos comparisons only)
 - BATCHING: 1 (a reservation that finds its SKU's lease busy waits for the holder to serve it in a batch;
@@ -29,7 +32,9 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
+from urllib.parse import quote, urlsplit
 
 from fencing import mask_url
 
@@ -53,6 +58,27 @@ def _number(env: Mapping[str, str], name: str, default: float, low: float, high:
     return value
 
 
+def url_with_password_file(env: Mapping[str, str], name: str, url: str) -> str:
+    """``url`` (the setting ``<name>_URL``) with the password read from the file that
+    ``RESERVATIONS_<name>_PASSWORD_FILE`` names, when that variable is set: a secret mounted as a file never
+    sits in the environment or the compose file. One trailing newline of the file is not part of it."""
+    variable = f"{PREFIX}{name}_PASSWORD_FILE"
+    path = env.get(variable)
+    if not path:
+        return url
+    try:
+        password = Path(path).read_text().removesuffix("\n").removesuffix("\r")
+    except OSError as exc:
+        raise SettingsError(f"{variable}: cannot read {path}: {exc.strerror}") from None
+    parts = urlsplit(url)
+    if not password or parts.password is not None or not parts.hostname:
+        raise SettingsError(
+            f"{variable} needs a non-empty file, and a {PREFIX}{name}_URL with a host and no password"
+        )
+    userinfo, _, host = parts.netloc.rpartition("@")
+    return parts._replace(netloc=f"{userinfo}:{quote(password, safe='')}@{host}").geturl()
+
+
 @dataclass(frozen=True)
 class Settings:
     broker_url: str = "redis://127.0.0.1:6379/0"
@@ -71,6 +97,7 @@ class Settings:
     batching: bool = True
     batch_size: int = 100
     handoff_check: float = 1.0
+    heartbeat_file: str = ""
     extra: dict[str, str] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -88,9 +115,12 @@ class Settings:
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
         env = os.environ if env is None else env
         defaults = cls()
-        database = env.get(PREFIX + "DATABASE_URL") or defaults.database_url
+        database = url_with_password_file(
+            env, "DATABASE", env.get(PREFIX + "DATABASE_URL") or defaults.database_url
+        )
+        broker = url_with_password_file(env, "BROKER", env.get(PREFIX + "BROKER_URL") or defaults.broker_url)
         return cls(
-            broker_url=env.get(PREFIX + "BROKER_URL") or defaults.broker_url,
+            broker_url=broker,
             result_backend=env.get(PREFIX + "RESULT_BACKEND") or defaults.result_backend,
             database_url=database,
             lease_url=env.get(PREFIX + "LEASE_URL") or database,
@@ -112,6 +142,7 @@ class Settings:
             batching=bool(_number(env, "BATCHING", 1, 0, 1)),
             batch_size=int(_number(env, "BATCH_SIZE", defaults.batch_size, 1, 1000)),
             handoff_check=_number(env, "HANDOFF_CHECK", defaults.handoff_check, 0.01, 3600),
+            heartbeat_file=env.get(PREFIX + "HEARTBEAT_FILE") or "",
         )
 
     def with_(self, **changes: Any) -> Settings:

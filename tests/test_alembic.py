@@ -55,23 +55,19 @@ def test_upgrade_head_then_check_passes(empty_url: str) -> None:
     assert "No new upgrade operations detected" in checked.stdout + checked.stderr
 
 
-def test_check_fails_on_a_column_added_by_hand(empty_url: str) -> None:
+def test_check_fails_on_drift_made_by_hand(empty_url: str) -> None:
     schema.upgrade(empty_url)
     alter(empty_url, "ALTER TABLE stock ADD COLUMN note TEXT")
+    narrowed = empty_url.startswith("postgresql")  # SQLite cannot change a column's type in place
+    if narrowed:
+        # Unbounded VARCHAR and TEXT count as one type; a length that differs from the model's does not.
+        alter(empty_url, "ALTER TABLE reservations ALTER COLUMN idempotency_key TYPE varchar(100)")
 
     checked = alembic("-x", f"url={empty_url}", "check")
     assert checked.returncode != 0
     assert "remove_column" in checked.stderr and "note" in checked.stderr, checked.stderr
-
-
-def test_check_fails_on_a_narrowed_column(pg_url: str) -> None:
-    # Unbounded VARCHAR and TEXT count as one type; a length that differs from the model's does not.
-    schema.upgrade(pg_url)
-    alter(pg_url, "ALTER TABLE reservations ALTER COLUMN idempotency_key TYPE varchar(100)")
-
-    checked = alembic("-x", f"url={pg_url}", "check")
-    assert checked.returncode != 0
-    assert "modify_type" in checked.stderr and "idempotency_key" in checked.stderr, checked.stderr
+    if narrowed:
+        assert "modify_type" in checked.stderr and "idempotency_key" in checked.stderr, checked.stderr
 
 
 def test_no_database_named_is_an_error() -> None:
