@@ -15,6 +15,7 @@ history stay; the folder then holds only the worker logs and the markers.
 from __future__ import annotations
 
 import shutil
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -159,7 +160,8 @@ def _wait_outcome(inventory: Inventory, key: str, timeout: float) -> RequestResu
 def run(folder: Path, console: Console | None = None, backends: Backends | None = None) -> bool:
     """Replay the case study in ``folder``, or on ``backends`` when given; True when A's late write was
     refused and every invariant holds."""
-    console = console or Console()
+    # Piped output keeps each line whole (a terminal wraps it at its width).
+    console = console or Console(soft_wrap=not sys.stdout.isatty())
     setup = Setup.own(folder) if backends is None else Setup.on(folder, backends)
     urls = setup.backends
     sku, scope = setup.sku, scope_of(setup.sku)

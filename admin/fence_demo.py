@@ -6,6 +6,7 @@ next token and reserves; A's late write reaches the stock row and is refused as 
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,7 +74,8 @@ def _is_demo_database(path: Path) -> bool:
 
 def run(database: Path, *, ttl: float = 0.5, console: Console | None = None) -> bool:
     """Replay the timeline; True when A's late write was refused and the stock is right."""
-    console = console or Console()
+    # Piped output keeps each line whole (a terminal wraps it at its width).
+    console = console or Console(soft_wrap=not sys.stdout.isatty())
     database.parent.mkdir(parents=True, exist_ok=True)
     if database.exists() and not _is_demo_database(database):
         raise ValueError(f"{database} exists and is not a fence-demo database; choose another --database")

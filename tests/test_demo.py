@@ -27,10 +27,12 @@ from tasks.failpoints import failpoint
 SCRIPT = shutil.which("reservations", path=str(Path(sys.executable).parent)) or "reservations"
 
 
-def run_demo(folder: Path, env: dict[str, str], *options: str) -> subprocess.CompletedProcess[str]:
+def run_demo(
+    folder: Path, env: dict[str, str], *options: str, columns: int = 200
+) -> subprocess.CompletedProcess[str]:
     done = subprocess.run(
         [SCRIPT, "demo", "--folder", str(folder), *options],
-        env={**_clean_env(), **env, "COLUMNS": "200", "NO_COLOR": "1"},
+        env={**_clean_env(), **env, "COLUMNS": str(columns), "NO_COLOR": "1"},
         capture_output=True,
         text=True,
         timeout=180,
@@ -78,8 +80,11 @@ def test_demo_writes_only_its_own_folder_and_rejects_the_frozen_workers_write(
         "RESERVATIONS_RESULT_BACKEND": f"db+sqlite:///{tmp_path / 'configured-results.sqlite3'}",
     }
     folder = tmp_path / "demo"
-    done = run_demo(folder, configured)
+    done = run_demo(folder, configured, columns=80)
     assert f"WRITES only to its own folder {folder}" in done.stdout
+    # Piped, each line of the story stays whole, even past 80 columns.
+    lines = done.stdout.splitlines()
+    assert any("took sku:WIDGET with token" in line and "(SIGSTOP)" in line for line in lines)
     assert "not using the configured database, leases, broker, result backend" in done.stdout
     assert _tables(pg_url) == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["demo"]

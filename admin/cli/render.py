@@ -23,6 +23,12 @@ out = Console(soft_wrap=False)
 err = Console(stderr=True, soft_wrap=True)
 
 
+def narrative() -> Console:
+    """For a run told line by line (the demo): a terminal wraps each line at its width, a pipe keeps
+    each line whole, so nothing breaks mid-sentence in a log or a grep."""
+    return Console(soft_wrap=not sys.stdout.isatty())
+
+
 def emit_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
 

@@ -13,7 +13,7 @@ import typer
 from admin.cli.context import config, given_urls
 from admin.cli.failures import EXIT_FAILED, EXIT_USAGE, errors, fail
 from admin.cli.options import count, decimal, seconds, whole
-from admin.cli.render import err, out
+from admin.cli.render import err, narrative, out
 
 
 def demo_command(
@@ -64,7 +64,7 @@ def demo_command(
     # Errors name the configured URLs, which only a run on them should report.
     with errors() if use_configured else nullcontext():
         try:
-            ok = demo.run(folder, out, backends)
+            ok = demo.run(folder, narrative(), backends)
         except demo.DemoFailed as exc:
             fail(EXIT_FAILED, str(exc))
     if not ok:
