@@ -1,6 +1,8 @@
 """The request stream of a chaos run: a seeded mix of reserve / confirm / release / restock with replays,
-cycle counts and replenishments to par (writes their worker decides from what it reads under the lease),
-and with a flash sale, bursts of reservations of the hot SKU. Both runs of a seed send the same stream.
+a flash sale (bursts of reservations of the hot SKU), and stocktakes (after the sale's bursts, if there is
+one): every regular SKU counted, then each replenished to par, writes their worker decides from what it
+reads under the lease.
+Both runs of a seed send the same stream.
 """
 
 from __future__ import annotations
@@ -9,13 +11,23 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from admin.chaos.options import FLASH_BURST, HOT_SKU, INITIAL_STOCK, Options
+from admin.chaos.options import FLASH_BURST, HOT_SKU, INITIAL_STOCK, STOP_FOR, Options
 from reservations.inventory import Inventory
 
 # Every SKU's par level: above the initial stock, so a replenishment orders units from the start.
 PAR = INITIAL_STOCK + 10
 # A count finds up to this many units fewer than its worker reads (theft, damage, miscounted picks).
 MAX_SHRINKAGE = 2
+# A stocktake's replenishments follow its counts this long after them (stream time): while a worker that
+# froze before writing a count would still hold its figure, whether it took the count at once or only
+# after a pause of its own (a frozen worker's prefetched message waits for it).
+STEP_AFTER = 0.9 * STOP_FOR
+# The rush over, the shelves are counted: a stocktake follows a flash-sale burst with this chance. Sent
+# right after a burst, its counts come when every worker is waiting for work, the ones that freeze
+# before writing included, so those freeze on counts about as often as on the sale's reservations.
+STOCKTAKE_CHANCE = 0.6
+# Without a flash sale, a draw is a stocktake with this chance.
+QUIET_STOCKTAKE_CHANCE = 0.1
 
 
 @dataclass
@@ -50,6 +62,12 @@ class Workload:
         hot = min(max(options.hot, 0.0), 0.95)
         # A draw is a burst with this chance, so that bursts of FLASH_BURST are ``hot`` of the requests.
         self.burst_chance = hot / (FLASH_BURST * (1 - hot) + hot) if hot > 0 else 0.0
+        # The stream sends requests evenly over the duration: a delay as a number of requests.
+        self.step_after = max(1, round(STEP_AFTER * options.requests / max(options.duration, 1e-3)))
+        self.emitted = 0  # requests handed out so far, replays included
+        # A stocktake's replenishments still to send, each burst due when this many were handed out.
+        self.later: list[tuple[int, list[Sent]]] = []
+        self.after_sale = False  # the last requests handed out were a flash-sale burst
 
     def _key(self, operation: str) -> str:
         self.counter += 1
@@ -66,15 +84,32 @@ class Workload:
         self.pending_reserves = still
 
     def next(self, room: int = FLASH_BURST) -> list[tuple[Sent, bool]]:
-        """The next requests (one, or a flash-sale burst of at most ``room``), each with whether it
-        replays an earlier key (same key, same arguments)."""
+        """The next requests (one, or a burst of the flash sale or of a stocktake; at most ``room``), each
+        with whether it replays an earlier key (same key, same arguments)."""
+        found = self._next(room)
+        self.emitted += len(found)
+        return found
+
+    def _next(self, room: int) -> list[tuple[Sent, bool]]:
+        if self.later and self.later[0][0] <= self.emitted:
+            return self._burst(self.later.pop(0)[1], room)
+        if self.after_sale or not self.burst_chance:
+            self.after_sale = False
+            if self.random.random() < (STOCKTAKE_CHANCE if self.burst_chance else QUIET_STOCKTAKE_CHANCE):
+                return self._burst(self._stocktake(), room)
         if self.sent and self.random.random() < 0.1:
             self.replays += 1
             return [(self.random.choice(list(self.sent.values())), True)]
         self._harvest()
         if self.burst_chance and self.random.random() < self.burst_chance:
+            self.after_sale = True
             return [(self._flash(), False) for _ in range(max(1, min(room, FLASH_BURST)))]
         return [(self._regular(), False)]
+
+    def _burst(self, burst: list[Sent], room: int) -> list[tuple[Sent, bool]]:
+        sending = burst[: max(1, room)]
+        self.sent.update((request.key, request) for request in sending)
+        return [(request, False) for request in sending]
 
     def _flash(self) -> Sent:
         sent = Sent(self._key("reserve"), "reserve", {"sku": HOT_SKU, "quantity": self.random.randint(1, 2)})
@@ -89,16 +124,28 @@ class Workload:
             reservation = self.open_reservations.pop(self.random.randrange(len(self.open_reservations)))
             operation = "confirm" if self.random.random() < 0.6 else "release"
             sent = Sent(self._key(operation), operation, {"reservation_id": reservation})
-        elif roll < 0.45:
+        elif roll < 0.5:
             sent = Sent(self._key("restock"), "restock", {"sku": sku, "quantity": self.random.randint(1, 4)})
-        elif roll < 0.55:
-            # Sent as shrinkage: the worker counts what it reads under the lease, less the units missing.
-            shrinkage = self.random.randint(0, MAX_SHRINKAGE)
-            sent = Sent(self._key("count"), "count", {"sku": sku, "shrinkage": shrinkage})
-        elif roll < 0.65:
-            sent = Sent(self._key("replenish"), "replenish", {"sku": sku, "par": PAR})
         else:
             sent = Sent(self._key("reserve"), "reserve", {"sku": sku, "quantity": self.random.randint(1, 3)})
             self.pending_reserves.append(sent.key)
         self.sent[sent.key] = sent
         return sent
+
+    def _stocktake(self) -> list[Sent]:
+        """Every regular SKU counted, sent as shrinkage (the worker counts what it reads, less the units
+        missing); their replenishments to par are sent when due, the SKUs in an order turned by one: a
+        worker that takes the same place in both bursts (the one that waited longest for work, say) gets
+        another SKU, so a count frozen before its write is overtaken by its SKU's replenishment."""
+        counts = [
+            Sent(
+                self._key("count"), "count", {"sku": sku, "shrinkage": self.random.randint(0, MAX_SHRINKAGE)}
+            )
+            for sku in self.skus
+        ]
+        turned = self.skus[1:] + self.skus[:1]
+        replenishments = [
+            Sent(self._key("replenish"), "replenish", {"sku": sku, "par": PAR}) for sku in turned
+        ]
+        self.later.append((self.emitted + self.step_after, replenishments))
+        return counts
