@@ -29,6 +29,7 @@ from fencing import LeaseManager, mask_url
 from reservations import schema
 from reservations.inventory import Inventory
 from reservations.requests import RequestResult
+from reservations.settings import Settings
 from reservations.timeline import TimelineEntry, epochs
 from reservations.validation import scope_of
 from tasks.producer import Producer
@@ -106,21 +107,20 @@ class Setup:
         )
 
     def worker_env(self, name: str, *, freeze: bool) -> dict[str, str]:
-        settings = {
-            "RESERVATIONS_DATABASE_URL": self.backends.database_url,
-            "RESERVATIONS_LEASE_URL": self.backends.lease_url,
-            "RESERVATIONS_LEASE_PREFIX": self.backends.lease_prefix,
-            "RESERVATIONS_BROKER_URL": self.backends.broker_url,
-            "RESERVATIONS_RESULT_BACKEND": self.backends.result_backend,
-            "RESERVATIONS_LEASE_TTL": str(LEASE_TTL),
-            "RESERVATIONS_MAX_EPOCHS": "3",
-            "RESERVATIONS_FAILPOINT_DIR": str(self.folder / f"failpoints-{name}"),
-        }
+        settings = Settings(
+            database_url=self.backends.database_url,
+            lease_url=self.backends.lease_url,
+            lease_prefix=self.backends.lease_prefix,
+            broker_url=self.backends.broker_url,
+            result_backend=self.backends.result_backend,
+            lease_ttl=LEASE_TTL,
+            max_epochs=3,
+            failpoint_dir=str(self.folder / f"failpoints-{name}"),
+        )
         if freeze:
-            settings["RESERVATIONS_FAILPOINTS"] = "before_write=stop,once"
             # A's renewal is slower than its pause, as for a request stuck in the network: nothing but
             # the fence stands between its late write and the stock row.
-            settings["RESERVATIONS_LEASE_RENEW_EVERY"] = "600"
+            settings = settings.with_(failpoints="before_write=stop,once", lease_renew_every=600.0)
         return worker_env(settings)
 
 

@@ -28,6 +28,7 @@ import sqlalchemy as sa
 
 from fencing.sql import make_engine
 from reservations import schema
+from reservations.settings import PREFIX, Settings
 
 if TYPE_CHECKING:
     from admin.netns import Host
@@ -347,11 +348,14 @@ def start_all(processes: Iterable[CeleryProcess], timeout: float = START_TIMEOUT
         process.wait_ready(timeout)
 
 
-def worker_env(settings: Mapping[str, str], base: Mapping[str, str] | None = None) -> dict[str, str]:
-    """``base`` (our environment by default) without any RESERVATIONS_* of its own, plus ``settings``."""
+def worker_env(
+    settings: Settings | Mapping[str, str], base: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """``base`` (our environment by default) without any ``RESERVATIONS_*`` of its own, plus ``settings``:
+    a :class:`Settings` (its ``to_env()``) or the variables themselves."""
     source = os.environ if base is None else base
-    env = {k: v for k, v in source.items() if not k.startswith("RESERVATIONS_")}
-    env.update(settings)
+    env = {k: v for k, v in source.items() if not k.startswith(PREFIX)}
+    env.update(settings.to_env() if isinstance(settings, Settings) else settings)
     return env
 
 

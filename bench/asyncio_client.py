@@ -136,13 +136,13 @@ def asyncio_producer(
         inventory = stack.enter_context(Inventory.from_url(database_url))
         for n in range(SKUS):
             inventory.add_sku(f"S-{n}", on_hand=ON_HAND)
-        env = {
-            "RESERVATIONS_BROKER_URL": f"{base}/0",
-            "RESERVATIONS_RESULT_BACKEND": f"{base}/1",
-            "RESERVATIONS_DATABASE_URL": database_url,
-            "RESERVATIONS_LEASE_URL": f"{base}/2",
-        }
-        app = create_app(Settings.from_env(env))
+        settings = Settings(
+            broker_url=f"{base}/0",
+            result_backend=f"{base}/1",
+            database_url=database_url,
+            lease_url=f"{base}/2",
+        )
+        app = create_app(settings)
         stack.callback(app.close)
         broker = redis.Redis.from_url(f"{base}/0")
         stack.callback(broker.close)
@@ -174,7 +174,7 @@ def asyncio_producer(
         results.add(SECTION_ENQUEUE, enqueue_stats, ENQUEUE_ASYNC, ENQUEUE_DELAY)
 
         worker = CeleryProcess(
-            "bench-asyncio", worker_env(env), workdir / "worker.log", pool=POOL, concurrency=CONCURRENCY
+            "bench-asyncio", worker_env(settings), workdir / "worker.log", pool=POOL, concurrency=CONCURRENCY
         )
         stack.callback(stop_all, [worker])
         worker.start()

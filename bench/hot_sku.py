@@ -83,15 +83,15 @@ class Mode:
     def spread(self) -> list[str]:
         return [f"M{self.index}-{n}" for n in range(SPREAD)]
 
-    def env(self, base: str, database_url: str) -> dict[str, str]:
+    def settings(self, base: str, database_url: str) -> Settings:
         # Databases 1.. of the private redis-server: a fresh broker queue and result store per mode.
-        return {
-            "RESERVATIONS_BROKER_URL": f"{base}/{1 + 2 * self.index}",
-            "RESERVATIONS_RESULT_BACKEND": f"{base}/{2 + 2 * self.index}",
-            "RESERVATIONS_DATABASE_URL": database_url,
-            "RESERVATIONS_LEASE_URL": f"{base}/{LEASE_DB}",
-            "RESERVATIONS_BATCHING": "1" if self.batching else "0",
-        }
+        return Settings(
+            broker_url=f"{base}/{1 + 2 * self.index}",
+            result_backend=f"{base}/{2 + 2 * self.index}",
+            database_url=database_url,
+            lease_url=f"{base}/{LEASE_DB}",
+            batching=self.batching,
+        )
 
 
 @dataclass
@@ -234,7 +234,7 @@ def _run_mode(
     run_id: str,
     progress: Progress | None,
 ) -> ModeRun:
-    env = mode.env(base, database_url)
+    settings = mode.settings(base, database_url)
     hot_name, spread_name = _names(mode)
     cases = [(hot_name, mode.hot), (spread_name, mode.spread)]
     stats = {name: CaseStats(name) for name, _ in cases}
@@ -245,17 +245,17 @@ def _run_mode(
             progress(f"  {mode.label}: starting the worker")
         started = time.monotonic()
         worker = CeleryProcess(
-            name, worker_env(env), workdir / f"{name}.log", pool=POOL, concurrency=mode.slots
+            name, worker_env(settings), workdir / f"{name}.log", pool=POOL, concurrency=mode.slots
         )
         stack.callback(stop_all, [worker])  # warm shutdown, waited for: nothing of it outlives the mode
         worker.start()
         worker.wait_ready()
         startup = time.monotonic() - started
-        app = create_app(Settings.from_env(env))
+        app = create_app(settings)
         stack.callback(app.close)
         client = ReservationClient(app)
         stack.callback(client.close)
-        store = redis.Redis.from_url(env["RESERVATIONS_RESULT_BACKEND"])
+        store = redis.Redis.from_url(settings.result_backend)
         stack.callback(store.close)
         try:
             for n, (case, skus) in enumerate(cases):

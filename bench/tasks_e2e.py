@@ -491,34 +491,28 @@ def tasks_vs_noop(
 
         # One redis-server, one database number per role; every worker has a broker database of its
         # own so that no worker takes another's tasks.
-        redis_env = {
-            "RESERVATIONS_BROKER_URL": f"{base}/0",
-            "RESERVATIONS_RESULT_BACKEND": f"{base}/1",
-            "RESERVATIONS_DATABASE_URL": database_url,
-            "RESERVATIONS_LEASE_URL": f"{base}/2",
-        }
-        sql_env = {
-            **redis_env,
-            "RESERVATIONS_BROKER_URL": f"{base}/3",
-            "RESERVATIONS_RESULT_BACKEND": f"{base}/4",
-            "RESERVATIONS_LEASE_URL": database_url,
-        }
+        redis_settings = Settings(
+            broker_url=f"{base}/0",
+            result_backend=f"{base}/1",
+            database_url=database_url,
+            lease_url=f"{base}/2",
+        )
+        sql_settings = redis_settings.with_(
+            broker_url=f"{base}/3", result_backend=f"{base}/4", lease_url=database_url
+        )
         defaults_env = {
             celery_defaults.BROKER_ENV: f"{base}/5",
             celery_defaults.BACKEND_ENV: f"{base}/6",
         }
         # The project's worker again, reaching PostgreSQL through the counting proxy; never timed.
-        count_env = {
-            **redis_env,
-            "RESERVATIONS_BROKER_URL": f"{base}/7",
-            "RESERVATIONS_RESULT_BACKEND": f"{base}/8",
-            "RESERVATIONS_DATABASE_URL": _proxied(database_url, proxy),
-        }
-        envs = {
-            "bench-redis": ("tasks", redis_env),
+        count_settings = redis_settings.with_(
+            broker_url=f"{base}/7", result_backend=f"{base}/8", database_url=_proxied(database_url, proxy)
+        )
+        envs: dict[str, tuple[str, Settings | Mapping[str, str]]] = {
+            "bench-redis": ("tasks", redis_settings),
             "bench-defaults": ("bench.celery_defaults", defaults_env),
-            "bench-count": ("tasks", count_env),
-            **({"bench-sql": ("tasks", sql_env)} if sql_leases else {}),
+            "bench-count": ("tasks", count_settings),
+            **({"bench-sql": ("tasks", sql_settings)} if sql_leases else {}),
         }
         workers = {
             name: CeleryProcess(
@@ -532,14 +526,14 @@ def tasks_vs_noop(
         start_all(workers.values())
         startup = time.monotonic() - started
 
-        def producer(env: Mapping[str, str]) -> tuple[Celery, ReservationClient]:
-            app = create_app(Settings.from_env(env))
+        def producer(settings: Settings) -> tuple[Celery, ReservationClient]:
+            app = create_app(settings)
             stack.callback(app.close)
             client = ReservationClient(app)
             stack.callback(client.close)
             return app, client
 
-        app, client = producer(redis_env)
+        app, client = producer(redis_settings)
         defaults_app = celery_defaults.create_app(f"{base}/5", f"{base}/6")
         stack.callback(defaults_app.close)
         commands = RedisCommands(f"{base}/0")
@@ -554,11 +548,11 @@ def tasks_vs_noop(
             TaskCase(SPREAD_POLL, reserve_burst_poll(client, spread), workers["bench-redis"]),
         ]
         if sql_leases:
-            sql_app, sql_client = producer(sql_env)
+            sql_app, sql_client = producer(sql_settings)
             sql_case = reserve_burst_result(sql_app, sql_client, sql_spread, in_flight)
             cases.append(TaskCase(SQL_SPREAD_RESULT, sql_case, workers["bench-sql"]))
         try:
-            count_app, count_client = producer(count_env)
+            count_app, count_client = producer(count_settings)
             database = count_database(
                 reserve_burst_result(count_app, count_client, counted_skus, in_flight), proxy,
                 f"{run_id}-count", progress=progress,
@@ -617,10 +611,10 @@ def tasks_vs_noop(
             ),
         })
 
-    leases = f"redis at {mask_url(redis_env['RESERVATIONS_LEASE_URL'])} (as compose.yaml deploys it)"
+    leases = f"redis at {mask_url(redis_settings.lease_url)} (as compose.yaml deploys it)"
     if sql_leases:
         leases += "; SQL on the inventory database for the 'SQL leases' row, on a worker of its own"
-    broker, backend = (mask_url(redis_env[f"RESERVATIONS_{v}"]) for v in ("BROKER_URL", "RESULT_BACKEND"))
+    broker, backend = mask_url(redis_settings.broker_url), mask_url(redis_settings.result_backend)
     results.context += [
         f"Celery workers: {len(workers)} x celery {version('celery')} worker --pool {POOL} -c {CONCURRENCY} "
         "--without-gossip --without-mingle --without-heartbeat --loglevel INFO: the project's app (acks "

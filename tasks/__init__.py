@@ -1,7 +1,8 @@
 """Celery tasks that take a SKU's lease and carry its fencing token into every stock change.
 
 Start workers with ``celery -A tasks worker``; producers use :func:`enqueue_reservation` (asyncio) or
-:class:`ReservationClient` (both worlds). Configuration: :class:`tasks.settings.Settings`.
+:class:`ReservationClient` (both worlds). Configuration: :class:`Settings`, from
+:mod:`reservations.settings`.
 """
 
 from reservations.requests import request_id

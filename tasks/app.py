@@ -8,12 +8,14 @@ is Redis or RabbitMQ (classic queues); each gets only the transport options it u
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
+import click
 from celery import Celery
 
 from tasks.heartbeat import HeartbeatFile
-from tasks.settings import Settings
+from tasks.settings import Settings, SettingsError
 
 _SHORT_RETRIES = {
     "retry_policy": {"max_retries": 2, "interval_start": 0, "interval_step": 0.2, "interval_max": 0.5}
@@ -93,11 +95,24 @@ def configure(app: Celery, settings: Settings) -> None:
     app.conf.reservations_settings = settings
 
 
+class _FromEnvironment(Celery):  # type: ignore[misc]
+    """The default app, configured from the environment when first used rather than at import: importing
+    ``tasks`` never fails on a setting, and whatever uses the app first (a client, a worker) gets the
+    SettingsError."""
+
+    def on_configure(self) -> None:
+        configure(self, Settings.from_env())
+
+
+def _with_steps(app: Celery) -> Celery:
+    app.steps["consumer"].add(HeartbeatFile)
+    return app
+
+
 def create_app(settings: Settings | None = None) -> Celery:
     app = Celery("reservations", include=["tasks.jobs"])
     configure(app, settings or Settings.from_env())
-    app.steps["consumer"].add(HeartbeatFile)
-    return app
+    return _with_steps(app)
 
 
 def settings_of(app: Celery) -> Settings:
@@ -105,4 +120,22 @@ def settings_of(app: Celery) -> Settings:
     return settings
 
 
-app = create_app()
+def _loaded_by_celery_command() -> bool:
+    """Whether the ``celery`` command line is importing this module (``celery -A tasks worker``)."""
+    context = click.get_current_context(silent=True)
+    return context is not None and context.find_root().command.name == "celery"
+
+
+def _refuse_bad_settings() -> None:
+    """A worker or beat with a bad setting says so in one line and exits at start, instead of a
+    traceback from wherever Celery first reads its configuration."""
+    try:
+        Settings.from_env()
+    except SettingsError as exc:
+        print(f"reservations: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
+
+app = _with_steps(_FromEnvironment("reservations", include=["tasks.jobs"]))
+if _loaded_by_celery_command():
+    _refuse_bad_settings()

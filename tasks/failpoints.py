@@ -19,7 +19,14 @@ import time
 from functools import cache
 from pathlib import Path
 
+from reservations.settings import variable
+
 log = logging.getLogger("tasks.failpoints")
+
+# Read from the environment at each point rather than from the settings object: the points sit where no
+# settings are at hand, and a test changes them within its process.
+FAILPOINTS = variable("failpoints").name
+FAILPOINT_DIR = variable("failpoint_dir").name
 
 POINTS = ("before_write", "in_write", "after_write")
 
@@ -37,11 +44,9 @@ def _configured(spec: str) -> dict[str, tuple[str, bool]]:
 
 
 def _claim(name: str) -> bool:
-    configured = os.environ.get("RESERVATIONS_FAILPOINT_DIR")
+    configured = os.environ.get(FAILPOINT_DIR)
     if not configured:
-        raise ValueError(
-            f"failpoint {name}: 'once' needs RESERVATIONS_FAILPOINT_DIR, a directory for this run"
-        )
+        raise ValueError(f"failpoint {name}: 'once' needs {FAILPOINT_DIR}, a directory for this run")
     folder = Path(configured)
     folder.mkdir(parents=True, exist_ok=True)
     try:
@@ -52,7 +57,7 @@ def _claim(name: str) -> bool:
 
 
 def failpoint(name: str) -> None:
-    spec = os.environ.get("RESERVATIONS_FAILPOINTS")
+    spec = os.environ.get(FAILPOINTS)
     if not spec:
         return
     configured = _configured(spec).get(name)

@@ -6,6 +6,7 @@ each process builds its own lease manager and database pool on first use and dro
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import sys
@@ -13,13 +14,21 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from celery.signals import worker_process_init, worker_process_shutdown, worker_ready, worker_shutdown
+from celery.signals import (
+    celeryd_after_setup,
+    worker_process_init,
+    worker_process_shutdown,
+    worker_ready,
+    worker_shutdown,
+)
 
 from fencing import LeaseManager, mask_url
 from fencing.sql import SyncSqlExecutor
 from reservations import Inventory
 from tasks.failpoints import failpoint
-from tasks.settings import Settings
+from tasks.settings import Settings, unknown_name_warnings
+
+log = logging.getLogger("tasks.worker")
 
 
 @dataclass
@@ -95,6 +104,13 @@ def _init_process(**_: Any) -> None:
 
 worker_process_shutdown.connect(close_resources)
 worker_shutdown.connect(close_resources)
+
+
+@celeryd_after_setup.connect
+def _warn_unknown_names(**_: Any) -> None:
+    """A RESERVATIONS_* name that is no setting (a typo) would otherwise be ignored without a word."""
+    for line in unknown_name_warnings():
+        log.warning(line)
 
 
 @worker_ready.connect

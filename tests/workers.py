@@ -69,16 +69,21 @@ class Cluster:
     failpoint_dir: Path
 
     @property
+    def parsed(self) -> Settings:
+        """The settings the workers built from those variables."""
+        return Settings.from_env(self.settings)
+
+    @property
     def database_url(self) -> str:
-        return self.settings["RESERVATIONS_DATABASE_URL"]
+        return self.parsed.database_url
 
     @property
     def lease_url(self) -> str:
-        return self.settings.get("RESERVATIONS_LEASE_URL") or self.database_url
+        return self.parsed.lease_url
 
     def app(self) -> Celery:
         """A producer app of our own built from the cluster's settings, independent of import order."""
-        return create_app(Settings.from_env(self.settings))
+        return create_app(self.parsed)
 
     def client(self) -> ReservationClient:
         return ReservationClient(self.app())
@@ -112,11 +117,7 @@ def cluster(
     failpoints.mkdir(parents=True, exist_ok=True)
     for part in failpoint_spec.split(";"):
         (failpoints / part.partition("=")[0]).touch()
-    full = {
-        **settings,
-        "RESERVATIONS_FAILPOINTS": failpoint_spec,
-        "RESERVATIONS_FAILPOINT_DIR": str(failpoints),
-    }
+    full = {**settings, **Settings(failpoints=failpoint_spec, failpoint_dir=str(failpoints)).to_env()}
     env = worker_env(full)
     workers = [Worker(f"{prefix}{n}", env, workdir / f"{prefix}{n}.log") for n in range(1, count + 1)]
     try:

@@ -12,14 +12,15 @@ and number parsers), ``render`` (tables, JSON), and the commands: ``reads``, ``w
 
 from __future__ import annotations
 
-import os
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from admin.cli import migrations, reads, runs, writes
-from admin.cli.context import Config, config
+from admin.cli.context import config
 from admin.cli.failures import EXIT_USAGE, fail
+from admin.cli.render import err
+from reservations.settings import Settings, SettingsError, unknown_name_warnings, variable
 
 __all__ = ["app", "main"]
 
@@ -41,43 +42,38 @@ db_app = typer.Typer(
 app.add_typer(db_app, name="db")
 
 
+def _option(field: str, help: str) -> Any:
+    return typer.Option(help=f"{help} Overrides {variable(field).name}.", show_default=False)
+
+
 @app.callback()
 def _root(
-    database_url: Annotated[
-        str, typer.Option(envvar="RESERVATIONS_DATABASE_URL", help="Inventory database URL.")
-    ] = Config.database_url,
+    database_url: Annotated[str | None, _option("database_url", "Inventory database URL.")] = None,
     lease_url: Annotated[
-        str | None,
-        typer.Option(envvar="RESERVATIONS_LEASE_URL", help="Lease backend URL (default: the database)."),
+        str | None, _option("lease_url", "Lease backend URL (default: the database).")
     ] = None,
-    lease_prefix: Annotated[
-        str, typer.Option(envvar="RESERVATIONS_LEASE_PREFIX", help="Redis key prefix of leases.")
-    ] = Config.lease_prefix,
-    broker_url: Annotated[
-        str, typer.Option(envvar="RESERVATIONS_BROKER_URL", help="Celery broker, for enqueue commands.")
-    ] = Config.broker_url,
+    lease_prefix: Annotated[str | None, _option("lease_prefix", "Redis key prefix of leases.")] = None,
+    broker_url: Annotated[str | None, _option("broker_url", "Celery broker, for enqueue commands.")] = None,
     result_backend: Annotated[
-        str,
-        typer.Option(
-            envvar="RESERVATIONS_RESULT_BACKEND", help="Celery result backend (demo --use-configured)."
-        ),
-    ] = Config.result_backend,
+        str | None, _option("result_backend", "Celery result backend (demo --use-configured).")
+    ] = None,
 ) -> None:
-    # Passwords mounted as files (compose secrets), read as the workers read them. Only then is the tasks
-    # package imported: it brings Celery, which no other read of this command line needs.
-    if any(os.environ.get(f"RESERVATIONS_{name}_PASSWORD_FILE") for name in ("DATABASE", "BROKER")):
-        try:  # importing tasks builds the workers' app from the same variables: it may refuse them first
-            from tasks.settings import url_with_password_file
-
-            database_url = url_with_password_file(os.environ, "DATABASE", database_url)
-            broker_url = url_with_password_file(os.environ, "BROKER", broker_url)
-        except ValueError as exc:  # tasks.settings.SettingsError, from the import or the call
-            fail(EXIT_USAGE, str(exc))
-    config.database_url = database_url
-    config.lease_url = lease_url or None
-    config.lease_prefix = lease_prefix
-    config.broker_url = broker_url
-    config.result_backend = result_backend
+    # The workers' settings object, from the same variables (passwords from their files included), the
+    # options before the command winning over them. A bad setting refuses every command: each runs on
+    # these settings, or starts workers that would refuse them.
+    for line in unknown_name_warnings():
+        err.print(f"[bold yellow]warning:[/] {line}", highlight=False)
+    given = {
+        "database_url": database_url,
+        "lease_url": lease_url,
+        "lease_prefix": lease_prefix,
+        "broker_url": broker_url,
+        "result_backend": result_backend,
+    }
+    try:
+        config.settings = Settings.from_env(options={k: v for k, v in given.items() if v})
+    except SettingsError as exc:
+        fail(EXIT_USAGE, str(exc))
 
 
 # The commands in the order the help lists them: reads, then writes, then the scenario runs.

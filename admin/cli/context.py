@@ -1,21 +1,41 @@
-"""Where the command line reads and writes: the URLs (set once by the root options, from the same
-environment variables the workers use) and the inventory and lease coordinator opened on them.
+"""Where the command line reads and writes: the settings object the workers build (from the same
+environment variables, set once by the root options, which override them) and the inventory and lease
+coordinator opened on it.
 """
 
 from __future__ import annotations
 
 from fencing import LeaseManager, mask_url
 from reservations.inventory import Inventory
+from reservations.settings import DEFAULT, Settings
 
 
 class Config:
-    """Where the CLI reads and writes: the same environment variables the workers use."""
+    """The CLI's view of its :class:`Settings`: the URLs it reads and writes."""
 
-    database_url: str = "sqlite:///var/reservations.sqlite3"
-    lease_url: str | None = None
-    lease_prefix: str = "fencing"
-    broker_url: str = "redis://127.0.0.1:6379/0"
-    result_backend: str = "redis://127.0.0.1:6379/1"
+    def __init__(self) -> None:
+        self.settings = Settings()
+
+    @property
+    def database_url(self) -> str:
+        return self.settings.database_url
+
+    @property
+    def lease_url(self) -> str | None:
+        """None: the leases live in the database (no lease URL of their own)."""
+        return None if self.settings.source("lease_url") == DEFAULT else self.settings.lease_url
+
+    @property
+    def lease_prefix(self) -> str:
+        return self.settings.lease_prefix
+
+    @property
+    def broker_url(self) -> str:
+        return self.settings.broker_url
+
+    @property
+    def result_backend(self) -> str:
+        return self.settings.result_backend
 
 
 config = Config()
@@ -34,10 +54,14 @@ def lease_url_shown() -> str:
 
 
 def given_urls() -> dict[str, bool]:
-    """Which URLs were given (by environment or option) rather than left at their defaults."""
+    """Which URLs were given (by environment, file or option) rather than left at their defaults."""
+    settings = config.settings
     return {
-        "database": config.database_url != Config.database_url,
-        "leases": config.lease_url is not None,
-        "broker": config.broker_url != Config.broker_url,
-        "result backend": config.result_backend != Config.result_backend,
+        name: settings.source(field) != DEFAULT
+        for name, field in (
+            ("database", "database_url"),
+            ("leases", "lease_url"),
+            ("broker", "broker_url"),
+            ("result backend", "result_backend"),
+        )
     }

@@ -7,13 +7,13 @@ from __future__ import annotations
 from typing import Any
 
 import typer
+from rich.table import Table
 
 from admin.cli import context, render
-from admin.cli.context import config, lease_url_shown
+from admin.cli.context import lease_url_shown
 from admin.cli.failures import EXIT_FAILED, errors
 from admin.cli.options import JsonFlag, Limit, OneSku, Since, SkuOption, one_sku, parse_since, the_sku
 from admin.cli.render import out
-from fencing import mask_url
 from reservations import validation as valid
 from reservations.errors import InvalidRequest, UnknownReservation
 from reservations.timeline import epochs
@@ -193,9 +193,15 @@ def audit(sku_argument: OneSku = None, sku_option: SkuOption = None, as_json: Js
         raise typer.Exit(EXIT_FAILED)
 
 
-def show_config() -> None:
-    """Where this command line reads and writes (passwords masked)."""
-    out.print(f"database: {mask_url(config.database_url)}")
-    out.print(f"leases:   {lease_url_shown()} (prefix {config.lease_prefix})")
-    out.print(f"broker:   {mask_url(config.broker_url)}")
-    out.print(f"results:  {mask_url(config.result_backend)}")
+def show_config(as_json: JsonFlag = False) -> None:
+    """Every setting in effect (passwords masked) and where it came from: environment, file (a password
+    file's), option, default. The variables, their types, ranges and help: reservations.settings."""
+    rows = context.config.settings.report()
+    if as_json:
+        render.emit_json(rows)
+        return
+    table = Table("variable", "value", "from", box=None, pad_edge=False)
+    for row in rows:
+        source = row["source"] + (f" {row['password_file']}" if "password_file" in row else "")
+        table.add_row(row["name"], row["value"], source)
+    out.print(table)

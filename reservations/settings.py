@@ -1,0 +1,390 @@
+"""The settings of workers, producers and the command line: one frozen object built once from the
+``RESERVATIONS_*`` environment variables. Each field of :class:`Settings` is the one declaration of its
+variable (name, type, default, range, help); parsing, :func:`describe`, ``masked()`` and ``to_env()``
+all read them. ``reservations config`` prints every effective value and where it came from.
+
+A URL that can carry a password (database, lease, broker, result backend) may take it from a file,
+such as a compose secret: ``RESERVATIONS_DATABASE_PASSWORD_FILE``, ``RESERVATIONS_LEASE_PASSWORD_FILE``,
+``RESERVATIONS_BROKER_PASSWORD_FILE``, ``RESERVATIONS_RESULT_BACKEND_PASSWORD_FILE``; the URL then names
+the user without a password. Every problem is reported at once in one :class:`SettingsError`, each by
+its variable's name; :func:`unknown_names` finds the names that are not settings (a typo is otherwise
+silently ignored).
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, TypeVar
+from urllib.parse import quote, urlsplit
+
+from fencing import mask_url
+
+__all__ = [
+    "CHAOS_POSTGRES_URL",
+    "PREFIX",
+    "VARIABLES",
+    "Settings",
+    "SettingsError",
+    "Variable",
+    "describe",
+    "known_names",
+    "unknown_name_warnings",
+    "unknown_names",
+    "url_with_password_file",
+    "variable",
+]
+
+PREFIX = "RESERVATIONS_"
+
+# Read by the command line's chaos run only (``reservations chaos``), not a setting of this object, but a
+# name of ours all the same: it is never reported as unknown.
+CHAOS_POSTGRES_URL = PREFIX + "CHAOS_POSTGRES_URL"
+
+# Where a value came from, as ``reservations config`` reports it.
+DEFAULT, ENVIRONMENT, FILE, OPTION, GIVEN = "default", "environment", "file", "option", "given"
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+T = TypeVar("T")
+
+
+class SettingsError(ValueError):
+    """Settings that cannot be used; ``problems`` holds one line per variable, each naming it."""
+
+    def __init__(self, problems: str | list[str]) -> None:
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        super().__init__("; ".join(self.problems))
+
+
+@dataclass(frozen=True)
+class Variable:
+    """One environment variable: the Settings field it sets, its type, default, range and help."""
+
+    field: str
+    type: str  # the field's annotation: "str", "float", "float | None", "int" or "bool"
+    default: Any
+    help: str
+    low: float | None = None
+    high: float | None = None
+    url: bool = False  # a URL that may carry a password, read from ``password_file`` when that is set
+    default_from: str = ""  # unset: the value of this other field
+
+    @property
+    def name(self) -> str:
+        return PREFIX + self.field.upper()
+
+    @property
+    def password_file(self) -> str:
+        return self.name.removesuffix("_URL") + "_PASSWORD_FILE" if self.url else ""
+
+    def parse(self, raw: str) -> Any:
+        """``raw`` (non-empty) as this variable's type, or SettingsError naming it."""
+        if self.type == "str":
+            return raw
+        if self.type == "bool":
+            word = raw.strip().lower()
+            if word not in _TRUE + _FALSE:
+                raise SettingsError(f"{self.name} must be 1 or 0, got {raw!r}")
+            return word in _TRUE
+        try:
+            number = float(raw)
+        except ValueError:
+            raise SettingsError(f"{self.name} must be a number, got {raw!r}") from None
+        low = -math.inf if self.low is None else self.low
+        high = math.inf if self.high is None else self.high
+        if not low <= number <= high:
+            raise SettingsError(f"{self.name} must be between {low:g} and {high:g}, got {raw.strip()}")
+        if self.type == "int":
+            if not number.is_integer():
+                raise SettingsError(f"{self.name} must be a whole number, got {raw.strip()}")
+            return int(number)
+        return number
+
+    def show(self, value: Any) -> str:
+        """``value`` as it may be printed: a URL's password masked, seconds with their unit."""
+        if value is None:
+            return ""
+        if self.url:
+            return mask_url(str(value))
+        if self.type == "bool":
+            return "1" if value else "0"
+        if self.type.startswith("float"):
+            return f"{value:g}s"
+        return str(value)
+
+    @property
+    def kind(self) -> str:
+        """The type as the reference names it."""
+        if self.url:
+            return "URL"
+        return {"float": "seconds", "float | None": "seconds", "int": "count", "bool": "0 or 1"}.get(
+            self.type, "text"
+        )
+
+    def range(self) -> str:
+        return "" if self.low is None else f"{self.low:g}..{self.high:g}"
+
+
+def _setting(
+    default: T,
+    help: str,
+    low: float | None = None,
+    high: float | None = None,
+    *,
+    url: bool = False,
+    default_from: str = "",
+) -> T:
+    """A Settings field that is an environment variable, declared with its help and range."""
+    meta = {"help": help, "low": low, "high": high, "url": url, "default_from": default_from}
+    return field(default=default, metadata={"setting": meta})
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every setting, each field declaring its ``RESERVATIONS_<FIELD>`` variable. ``from_env`` reads them;
+    constructing one directly (tests, tools that start workers) takes the defaults for the rest."""
+
+    broker_url: str = _setting("redis://127.0.0.1:6379/0", "Celery broker (Redis or RabbitMQ)", url=True)
+    result_backend: str = _setting("redis://127.0.0.1:6379/1", "Celery result backend", url=True)
+    database_url: str = _setting(
+        "sqlite:///var/reservations.sqlite3", "inventory database (SQLite or PostgreSQL)", url=True
+    )
+    lease_url: str = _setting(
+        "", "lease backend, redis://... or SQL (unset: the database)", url=True, default_from="database_url"
+    )
+    lease_prefix: str = _setting("fencing", "Redis key prefix of the leases")
+    lease_ttl: float = _setting(30.0, "seconds a task's SKU lease lasts without renewal", 0.05, 3600)
+    lease_renew_every: float | None = _setting(
+        None, "seconds between renewals while a task holds its lease (unset: a third of the ttl)", 0.01, 3600
+    )
+    max_epochs: int = _setting(
+        3, "attempts of one request that may lose ownership; at that many it is dead-lettered", 1, 100
+    )
+    max_retries: int = _setting(200, "lease-busy retries before dead-letter", 0, 100_000)
+    max_transient_retries: int = _setting(
+        20, "retries while Redis or the database is down (backing off to 30 s), then dead-letter", 0, 1000
+    )
+    visibility_timeout: float = _setting(
+        300.0,
+        "seconds before an unacknowledged message is redelivered: how long the requests of a dead worker "
+        "host wait; at least 4 lease ttls",
+        1,
+        7 * 86400,
+    )
+    expiry_interval: float = _setting(30.0, "seconds between hold-expiry sweeps by celery beat", 0.1, 86400)
+    enforce_fence: bool = _setting(
+        True, "0 drops the token condition from stock writes: lease-only, for chaos comparisons only"
+    )
+    batching: bool = _setting(
+        True,
+        "a reservation that finds its SKU's lease busy waits for the holder to serve it in a batch; 0 "
+        "retries it through the broker until it gets the lease itself",
+    )
+    batch_size: int = _setting(100, "pending reservations served per fenced transaction", 1, 1000)
+    handoff_check: float = _setting(
+        1.0,
+        "seconds until a SKU's queue is first looked after by its watch task, should its holder not serve "
+        "it; then doubling up to the lease ttl",
+        0.01,
+        3600,
+    )
+    heartbeat_file: str = _setting("", "a consuming worker touches this file every 5 s (health checks)")
+    # Fault injection (tasks.failpoints reads these two from the environment at each point).
+    failpoints: str = _setting("", "fault-injection points, e.g. before_write=stop,once (tests, chaos runs)")
+    failpoint_dir: str = _setting("", "a directory for this run's once-only failpoint markers")
+    # Where each value came from, by field (absent: default, or given to the constructor).
+    sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
+    password_files: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.lease_url:
+            object.__setattr__(self, "lease_url", self.database_url)
+        # Redelivery must never overtake a live attempt: an unacked message comes back only after the
+        # longest a lease can be held plus the retry countdowns in between.
+        if self.visibility_timeout < 4 * self.lease_ttl:
+            raise SettingsError(
+                f"{PREFIX}VISIBILITY_TIMEOUT ({self.visibility_timeout:g}s) must be at least 4x the lease "
+                f"ttl ({self.lease_ttl:g}s, {PREFIX}LEASE_TTL)"
+            )
+
+    @classmethod
+    def from_env(
+        cls, env: Mapping[str, str] | None = None, *, options: Mapping[str, str] | None = None
+    ) -> Settings:
+        """The settings ``env`` (the process environment by default) gives, with ``options`` (by field,
+        as text: a command line's own options) winning over it. Raises SettingsError naming every problem."""
+        env = os.environ if env is None else env
+        options = options or {}
+        values: dict[str, Any] = {}
+        sources: dict[str, str] = {}
+        files: dict[str, str] = {}
+        problems: list[str] = []
+        for variable in VARIABLES:
+            raw = options.get(variable.field) or env.get(variable.name) or ""
+            try:
+                if raw:
+                    values[variable.field] = variable.parse(raw)
+                    sources[variable.field] = OPTION if options.get(variable.field) else ENVIRONMENT
+                if variable.url and env.get(variable.password_file):
+                    url = values.get(variable.field) or _default_of(variable, values)
+                    values[variable.field] = _with_password(env, variable, url)
+                    sources[variable.field], files[variable.field] = FILE, env[variable.password_file]
+            except SettingsError as exc:
+                problems.extend(exc.problems)
+        if problems:
+            raise SettingsError(problems)
+        return cls(**values, sources=sources, password_files=files)
+
+    def source(self, name: str) -> str:
+        """Where field ``name`` came from: environment, file (a password), option, default or given."""
+        if name in self.sources:
+            return self.sources[name]
+        variable = _BY_FIELD[name]
+        default = getattr(self, variable.default_from) if variable.default_from else variable.default
+        return DEFAULT if getattr(self, name) == default else GIVEN
+
+    def with_(self, **changes: Any) -> Settings:
+        """A copy with ``changes``; a lease URL left to default follows a new database URL."""
+        if "database_url" in changes and "lease_url" not in changes and self.source("lease_url") == DEFAULT:
+            changes["lease_url"] = ""
+        kept = {k: v for k, v in self.sources.items() if k not in changes}
+        files = {k: v for k, v in self.password_files.items() if k not in changes}
+        return replace(self, **changes, sources=kept, password_files=files)
+
+    def __repr__(self) -> str:
+        # Celery prints its configuration (``celery report``); this object must not leak passwords there.
+        return f"Settings({', '.join(f'{k}={v}' for k, v in self.masked().items())})"
+
+    def masked(self) -> dict[str, str]:
+        """Every setting as it may be printed, by field: URLs with their passwords hidden."""
+        return {v.field: v.show(getattr(self, v.field)) for v in VARIABLES}
+
+    def report(self) -> list[dict[str, str]]:
+        """Every variable with its value as it may be printed and where it came from (``reservations
+        config``); a password read from a file names that file."""
+        return [
+            {
+                "name": v.name,
+                "value": v.show(getattr(self, v.field)),
+                "source": self.source(v.field),
+                **({"password_file": self.password_files[v.field]} if v.field in self.password_files else {}),
+            }
+            for v in VARIABLES
+        ]
+
+    def to_env(self) -> dict[str, str]:
+        """The variables that reproduce these settings (those not at their defaults), for starting workers.
+        A password read from a file stays in its file: the URL goes without it, with the file's variable."""
+        env: dict[str, str] = {}
+        for variable in VARIABLES:
+            value = getattr(self, variable.field)
+            if self.source(variable.field) == DEFAULT or value is None:
+                continue
+            if variable.field in self.password_files:
+                env[variable.password_file] = self.password_files[variable.field]
+                value = _without_password(value)
+            env[variable.name] = ("1" if value else "0") if isinstance(value, bool) else str(value)
+        return env
+
+
+VARIABLES: tuple[Variable, ...] = tuple(
+    Variable(field=f.name, type=str(f.type), default=f.default, **f.metadata["setting"])
+    for f in fields(Settings)
+    if "setting" in f.metadata
+)
+_BY_FIELD = {variable.field: variable for variable in VARIABLES}
+
+
+def variable(name: str) -> Variable:
+    """The variable of field ``name`` (``variable("lease_ttl").name == "RESERVATIONS_LEASE_TTL"``)."""
+    return _BY_FIELD[name]
+
+
+def known_names() -> list[str]:
+    """Every ``RESERVATIONS_*`` name this project reads."""
+    files = [v.password_file for v in VARIABLES if v.url]
+    return [*(v.name for v in VARIABLES), *files, CHAOS_POSTGRES_URL]
+
+
+def unknown_names(env: Mapping[str, str] | None = None) -> list[tuple[str, str | None]]:
+    """The ``RESERVATIONS_*`` names in ``env`` that are not ours, each with the closest one (or None)."""
+    env = os.environ if env is None else env
+    known = known_names()
+    # Compared without the prefix they all share, which would make any two names look alike.
+    stems = [name.removeprefix(PREFIX) for name in known]
+
+    def closest(name: str) -> str | None:
+        found = difflib.get_close_matches(name.removeprefix(PREFIX), stems, n=1, cutoff=0.6)
+        return PREFIX + found[0] if found else None
+
+    return [(name, closest(name)) for name in sorted(env) if name.startswith(PREFIX) and name not in known]
+
+
+def unknown_name_warnings(env: Mapping[str, str] | None = None) -> list[str]:
+    """One line per unknown name, as workers log them and the command line prints them."""
+    return [
+        f"{name} is not a setting" + (f"; did you mean {closest}?" if closest else "")
+        for name, closest in unknown_names(env)
+    ]
+
+
+def describe() -> list[dict[str, str]]:
+    """The variables as a reference: name, type, default, range and help."""
+    return [
+        {
+            "name": v.name,
+            "type": v.kind,
+            "default": _BY_FIELD[v.default_from].name if v.default_from else v.show(v.default) or "unset",
+            "range": v.range(),
+            "help": v.help,
+        }
+        for v in VARIABLES
+    ]
+
+
+def _default_of(variable: Variable, values: Mapping[str, Any]) -> str:
+    if variable.default_from:
+        return str(values.get(variable.default_from) or _BY_FIELD[variable.default_from].default)
+    return str(variable.default)
+
+
+def _with_password(env: Mapping[str, str], variable: Variable, url: str) -> str:
+    """``url`` with the password read from the file ``variable.password_file`` names: a secret mounted
+    as a file never sits in the environment or the compose file. One trailing newline is not part of it."""
+    path = env[variable.password_file]
+    try:
+        password = Path(path).read_text().removesuffix("\n").removesuffix("\r")
+    except OSError as exc:
+        raise SettingsError(f"{variable.password_file}: cannot read {path}: {exc.strerror}") from None
+    parts = urlsplit(url)
+    if not password or parts.password is not None or not parts.hostname:
+        raise SettingsError(
+            f"{variable.password_file} needs a non-empty file, and a {variable.name} with a host and no "
+            "password"
+        )
+    userinfo, _, host = parts.netloc.rpartition("@")
+    return parts._replace(netloc=f"{userinfo}:{quote(password, safe='')}@{host}").geturl()
+
+
+def _without_password(url: str) -> str:
+    """The inverse of ``_with_password``: the URL as it was given."""
+    parts = urlsplit(url)
+    userinfo, _, host = parts.netloc.rpartition("@")
+    user = userinfo.partition(":")[0]
+    return parts._replace(netloc=f"{user}@{host}" if user else host).geturl()
+
+
+def url_with_password_file(env: Mapping[str, str], name: str, url: str) -> str:
+    """``url`` with the password from the file ``RESERVATIONS_<name>_PASSWORD_FILE`` names, when that
+    is set (``name``: DATABASE, LEASE, BROKER or RESULT_BACKEND)."""
+    wanted = f"{PREFIX}{name}_PASSWORD_FILE"
+    found = next((v for v in VARIABLES if v.password_file == wanted), None)
+    if found is None:
+        raise SettingsError(f"{wanted} is not a setting")
+    return _with_password(env, found, url) if env.get(wanted) else url

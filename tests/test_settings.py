@@ -1,0 +1,309 @@
+"""The one settings object: every variable declared once, every problem named by its variable and all
+reported together, passwords from files for every URL that can carry one, unknown ``RESERVATIONS_*``
+names warned about; a real worker that refuses a bad setting in one line, and the command line's
+``config`` listing where each value came from.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from admin.cli import app as cli_app
+from admin.harness import CeleryProcess, stop_all, worker_env
+from reservations.settings import (
+    PREFIX,
+    VARIABLES,
+    Settings,
+    SettingsError,
+    describe,
+    unknown_name_warnings,
+    unknown_names,
+    variable,
+)
+from tests.test_cli import cli
+
+TYPO = "RESERVATIONS_LEASE_TLL"
+TYPO_WARNING = f"{TYPO} is not a setting; did you mean RESERVATIONS_LEASE_TTL?"
+
+
+@pytest.fixture
+def secret(tmp_path: Path) -> Path:
+    path = tmp_path / "password"
+    path.write_text("p@ss:w/rd%\n")  # a trailing newline, as `echo` or an editor leave it
+    return path
+
+
+# -- the table -------------------------------------------------------------------------------------------
+
+
+def test_every_field_is_one_variable_with_its_help() -> None:
+    settable = [f.name for f in fields(Settings) if f.name not in ("sources", "password_files")]
+    assert [v.field for v in VARIABLES] == settable
+    assert [row["name"] for row in describe()] == [PREFIX + name.upper() for name in settable]
+    assert all(v.help for v in VARIABLES)
+    assert variable("lease_ttl").name == "RESERVATIONS_LEASE_TTL"
+    assert variable("database_url").password_file == "RESERVATIONS_DATABASE_PASSWORD_FILE"
+    assert variable("result_backend").password_file == "RESERVATIONS_RESULT_BACKEND_PASSWORD_FILE"
+
+
+def test_an_empty_environment_is_the_defaults() -> None:
+    settings = Settings.from_env({})
+    assert settings == Settings()
+    assert settings.lease_url == settings.database_url
+    assert {v.field: settings.source(v.field) for v in VARIABLES} == {v.field: "default" for v in VARIABLES}
+    assert settings.to_env() == {}
+
+
+def test_every_problem_is_named_and_reported_at_once(tmp_path: Path) -> None:
+    with pytest.raises(SettingsError) as caught:
+        Settings.from_env(
+            {
+                "RESERVATIONS_LEASE_TTL": "abc",
+                "RESERVATIONS_MAX_EPOCHS": "0",
+                "RESERVATIONS_BATCH_SIZE": "2.5",
+                "RESERVATIONS_BATCHING": "maybe",
+                "RESERVATIONS_BROKER_PASSWORD_FILE": str(tmp_path / "missing"),
+            }
+        )
+    assert caught.value.problems == [
+        f"RESERVATIONS_BROKER_PASSWORD_FILE: cannot read {tmp_path / 'missing'}: No such file or directory",
+        "RESERVATIONS_LEASE_TTL must be a number, got 'abc'",
+        "RESERVATIONS_MAX_EPOCHS must be between 1 and 100, got 0",
+        "RESERVATIONS_BATCHING must be 1 or 0, got 'maybe'",
+        "RESERVATIONS_BATCH_SIZE must be a whole number, got 2.5",
+    ]
+    assert "\n" not in str(caught.value)
+    with pytest.raises(SettingsError, match=r"RESERVATIONS_VISIBILITY_TIMEOUT .* RESERVATIONS_LEASE_TTL"):
+        Settings.from_env({"RESERVATIONS_LEASE_TTL": "100", "RESERVATIONS_VISIBILITY_TIMEOUT": "300"})
+
+
+def test_to_env_reproduces_the_settings_and_masked_hides_passwords() -> None:
+    settings = Settings(
+        database_url="postgresql://app:s3cret@db/inv",
+        lease_url="redis://:pw2@r:6379/2",
+        lease_ttl=2.5,
+        lease_renew_every=600.0,
+        batching=False,
+        max_epochs=5,
+    )
+    env = settings.to_env()
+    assert env["RESERVATIONS_BATCHING"] == "0" and "RESERVATIONS_BROKER_URL" not in env
+    again = Settings.from_env(env)
+    assert again == settings
+    assert again.source("lease_ttl") == "environment" and again.source("broker_url") == "default"
+    shown = " ".join(settings.masked().values()) + repr(settings)
+    assert "s3cret" not in shown and "pw2" not in shown and "***" in shown
+
+
+def test_a_lease_url_left_to_default_follows_the_database() -> None:
+    settings = Settings(database_url="sqlite:///a.sqlite3").with_(database_url="sqlite:///b.sqlite3")
+    assert settings.lease_url == "sqlite:///b.sqlite3" and "RESERVATIONS_LEASE_URL" not in settings.to_env()
+    own = Settings(lease_url="redis://r/2").with_(database_url="sqlite:///b.sqlite3")
+    assert own.lease_url == "redis://r/2"
+
+
+# -- passwords from files --------------------------------------------------------------------------------
+
+
+def test_every_url_that_can_carry_a_password_takes_it_from_a_file(secret: Path) -> None:
+    env = {
+        "RESERVATIONS_DATABASE_URL": "postgresql://app@db:5432/inv",
+        "RESERVATIONS_LEASE_URL": "postgresql://leases@db2:5432/inv",
+        "RESERVATIONS_BROKER_URL": "amqp://app@mq:5672/",
+        "RESERVATIONS_RESULT_BACKEND": "redis://r:6379/1",
+        **{v.password_file: str(secret) for v in VARIABLES if v.url},
+    }
+    settings = Settings.from_env(env)
+    quoted = "p%40ss%3Aw%2Frd%25"
+    assert settings.database_url == f"postgresql://app:{quoted}@db:5432/inv"
+    assert settings.lease_url == f"postgresql://leases:{quoted}@db2:5432/inv"
+    assert settings.broker_url == f"amqp://app:{quoted}@mq:5672/"
+    assert settings.result_backend == f"redis://:{quoted}@r:6379/1"
+    assert {settings.source(v.field) for v in VARIABLES if v.url} == {"file"}
+    assert quoted not in repr(settings)
+    # The password stays in its file: the variables name the file, the URLs go without it.
+    assert settings.to_env() == env
+    assert Settings.from_env(settings.to_env()) == settings
+
+
+def test_a_password_file_that_cannot_be_used_is_named(secret: Path, tmp_path: Path) -> None:
+    with pytest.raises(SettingsError, match=r"^RESERVATIONS_LEASE_PASSWORD_FILE: cannot read"):
+        Settings.from_env(
+            {
+                "RESERVATIONS_LEASE_URL": "redis://r/2",
+                "RESERVATIONS_LEASE_PASSWORD_FILE": str(tmp_path / "missing"),
+            }
+        )
+    # A URL that already has a password, or no host (the default SQLite file), takes none from a file.
+    with pytest.raises(SettingsError, match="RESERVATIONS_RESULT_BACKEND_PASSWORD_FILE needs"):
+        Settings.from_env(
+            {
+                "RESERVATIONS_RESULT_BACKEND": "redis://:other@r/1",
+                "RESERVATIONS_RESULT_BACKEND_PASSWORD_FILE": str(secret),
+            }
+        )
+    with pytest.raises(SettingsError, match="RESERVATIONS_DATABASE_PASSWORD_FILE needs"):
+        Settings.from_env({"RESERVATIONS_DATABASE_PASSWORD_FILE": str(secret)})
+
+
+# -- unknown names ---------------------------------------------------------------------------------------
+
+
+def test_unknown_names_come_with_the_closest_setting() -> None:
+    env = {
+        TYPO: "5",
+        "RESERVATIONS_BROKER": "redis://r/0",
+        "RESERVATIONS_NOTHING_LIKE_IT": "1",
+        "RESERVATIONS_DATABASE_PASSWORD_FILE": "/run/secrets/db",
+        "RESERVATIONS_CHAOS_POSTGRES_URL": "postgresql://db/test",
+        "PATH": "/bin",
+    }
+    assert unknown_names(env) == [
+        ("RESERVATIONS_BROKER", "RESERVATIONS_BROKER_URL"),
+        (TYPO, "RESERVATIONS_LEASE_TTL"),
+        ("RESERVATIONS_NOTHING_LIKE_IT", None),
+    ]
+    assert TYPO_WARNING in unknown_name_warnings(env)
+    assert "RESERVATIONS_NOTHING_LIKE_IT is not a setting" in unknown_name_warnings(env)
+
+
+# -- a real worker ---------------------------------------------------------------------------------------
+
+
+def _own_services(folder: Path) -> Settings:
+    """A worker that needs no services: SQLite inventory and leases, Celery's SQLAlchemy transport."""
+    return Settings(
+        database_url=f"sqlite:///{folder / 'inventory.sqlite3'}",
+        broker_url=f"sqla+sqlite:///{folder / 'broker.sqlite3'}",
+        result_backend=f"db+sqlite:///{folder / 'results.sqlite3'}",
+    )
+
+
+@pytest.mark.slow
+def test_a_worker_with_bad_settings_says_so_in_one_line_and_exits(tmp_path: Path) -> None:
+    env = worker_env(
+        {
+            **_own_services(tmp_path).to_env(),
+            "RESERVATIONS_LEASE_TTL": "abc",
+            "RESERVATIONS_MAX_EPOCHS": "0",
+        }
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "tasks", "worker", "--pool", "solo", "--loglevel", "INFO"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode != 0
+    assert "Traceback" not in done.stderr + done.stdout
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert "RESERVATIONS_LEASE_TTL must be a number" in lines[0]
+    assert "RESERVATIONS_MAX_EPOCHS must be between 1 and 100" in lines[0]
+
+
+@pytest.mark.slow
+def test_a_worker_warns_about_a_name_that_is_no_setting(tmp_path: Path) -> None:
+    env = worker_env({**_own_services(tmp_path).to_env(), TYPO: "5"})
+    worker = CeleryProcess("typo", env, tmp_path / "worker.log")
+    try:
+        worker.start()
+        worker.wait_ready()
+        assert TYPO_WARNING in worker.log()
+    finally:
+        stop_all([worker])
+
+
+def test_a_library_user_gets_settings_error_not_an_exit() -> None:
+    """Importing ``tasks`` succeeds; constructing a client on the environment's settings raises."""
+    program = (
+        "import tasks\n"
+        "try:\n"
+        "    tasks.ReservationClient()\n"
+        "except tasks.SettingsError as exc:\n"
+        "    print('SettingsError:', exc)\n"
+    )
+    env = worker_env({"RESERVATIONS_LEASE_TTL": "abc"})
+    done = subprocess.run(
+        [sys.executable, "-c", program], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "SettingsError: RESERVATIONS_LEASE_TTL must be a number, got 'abc'"
+
+
+# -- the command line ------------------------------------------------------------------------------------
+
+
+def run(*args: str, env: dict[str, str]) -> tuple[int, str, str]:
+    """The command line in this process, with none of our variables but ``env``."""
+    ours: dict[str, str | None] = {k: None for k in os.environ if k.startswith(PREFIX)}
+    result = CliRunner().invoke(cli_app, list(args), env={**ours, **env, "NO_COLOR": "1", "COLUMNS": "200"})
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return result.exit_code, result.stdout, result.stderr
+
+
+def test_config_lists_every_setting_with_where_it_came_from(secret: Path) -> None:
+    env = {
+        "RESERVATIONS_DATABASE_URL": "postgresql://app@db/inv",
+        "RESERVATIONS_DATABASE_PASSWORD_FILE": str(secret),
+        "RESERVATIONS_LEASE_TTL": "10",
+    }
+    code, stdout, _ = run("--broker-url", "redis://:pw2@mq:6379/0", "config", "--json", env=env)
+    assert code == 0
+    rows = {row["name"]: row for row in json.loads(stdout)}
+    assert list(rows) == [v.name for v in VARIABLES]
+    assert rows["RESERVATIONS_DATABASE_URL"] == {
+        "name": "RESERVATIONS_DATABASE_URL",
+        "value": "postgresql://app:***@db/inv",
+        "source": "file",
+        "password_file": str(secret),
+    }
+    assert rows["RESERVATIONS_LEASE_TTL"]["source"] == "environment"
+    assert rows["RESERVATIONS_LEASE_TTL"]["value"] == "10s"
+    assert rows["RESERVATIONS_BROKER_URL"] == {
+        "name": "RESERVATIONS_BROKER_URL",
+        "value": "redis://:***@mq:6379/0",
+        "source": "option",
+    }
+    assert rows["RESERVATIONS_LEASE_URL"]["source"] == "default"
+    assert rows["RESERVATIONS_BATCH_SIZE"] == {
+        "name": "RESERVATIONS_BATCH_SIZE",
+        "value": "100",
+        "source": "default",
+    }
+    assert "p%40ss" not in stdout and "pw2" not in stdout
+
+    code, stdout, _ = run("config", env=env)
+    assert code == 0
+    line = next(line for line in stdout.splitlines() if line.startswith("RESERVATIONS_DATABASE_URL"))
+    assert line.split() == ["RESERVATIONS_DATABASE_URL", "postgresql://app:***@db/inv", "file", str(secret)]
+
+
+def test_a_bad_setting_refuses_every_command_with_its_name(tmp_path: Path) -> None:
+    bad = {"RESERVATIONS_LEASE_TTL": "abc", "RESERVATIONS_BATCHING": "maybe"}
+    code, stdout, stderr = run("config", env=bad)
+    assert code == 2 and stdout == ""
+    assert "RESERVATIONS_LEASE_TTL must be a number" in stderr and "RESERVATIONS_BATCHING" in stderr
+    # The installed script too: one line, exit 2, nothing read.
+    done = cli("stock", env={**bad, "RESERVATIONS_DATABASE_URL": f"sqlite:///{tmp_path / 'none.sqlite3'}"})
+    assert done.returncode == 2
+    assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
+    assert "RESERVATIONS_LEASE_TTL" in done.stderr
+    assert not (tmp_path / "none.sqlite3").exists()
+
+
+def test_the_command_line_warns_about_a_name_that_is_no_setting() -> None:
+    code, _, stderr = run("config", env={TYPO: "5"})
+    assert code == 0
+    assert stderr.strip() == f"warning: {TYPO_WARNING}"
