@@ -21,7 +21,7 @@ from contextlib import suppress
 from pathlib import Path
 
 from admin.linkem import Impairment
-from admin.netns import Host, NetnsError, run
+from admin.netns import Host, NetnsError, run, run_all
 
 __all__ = ["Impairment", "Link", "LinkError", "slow_link_unavailable"]
 
@@ -54,36 +54,44 @@ class Link:
         self._trees: set[str] = set()  # "root" / "inner": the ends that carry the cut classes
         self._slow: subprocess.Popen[str] | None = None
 
-    def _tc(self, end: str, *args: str) -> None:
+    def _tc(self, end: str, *args: str) -> list[str]:
+        """A tc command for one end of the veth: "root" (what the host receives leaves by it) or "inner"
+        (what the host sends)."""
         if end == "root":
-            run(["tc", *args[:2], "dev", self.host.root_link, *args[2:]])
-        else:
-            run(["tc", "-n", self.host.namespace, *args[:2], "dev", self.host.inner_link, *args[2:]])
+            return ["tc", *args[:2], "dev", self.host.root_link, *args[2:]]
+        return ["tc", "-n", self.host.namespace, *args[:2], "dev", self.host.inner_link, *args[2:]]
 
-    def _tree(self, end: str) -> None:
-        if end in self._trees:
-            return
-        self._trees.add(end)
-        self._tc(end, "qdisc", "add", "root", "handle", "1:", "htb", "default", "10")
-        for klass in ("1:10", BLACKHOLE):  # the rate only bounds: nothing here shapes the traffic
-            self._tc(end, "class", "add", "parent", "1:", "classid", klass, *CLASS_RATE)
-        self._tc(end, "qdisc", "add", "parent", BLACKHOLE, "handle", "20:", "pfifo", "limit", "0")
+    def prepare(self) -> None:
+        """Put the blackhole class on both ends ahead of time, so that a cut is one filter per end."""
+        for end in ("inner", "root"):
+            if end in self._trees:
+                continue
+            self._trees.add(end)
+            run(self._tc(end, "qdisc", "add", "root", "handle", "1:", "htb", "default", "10"))
+            for klass in ("1:10", BLACKHOLE):  # the rate only bounds: nothing here shapes the traffic
+                run(self._tc(end, "class", "add", "parent", "1:", "classid", klass, *CLASS_RATE))
+            run(self._tc(end, "qdisc", "add", "parent", BLACKHOLE, "handle", "20:", "pfifo", "limit", "0"))
 
     def cut(self, port: int | None = None, *, outbound: bool = True, inbound: bool = True) -> None:
         """Drop what the host sends to (``outbound``) and receives from (``inbound``) ``port`` of the
-        service address, or every port of it with None, until :meth:`heal`."""
+        service address, or every port of it with None, until :meth:`heal`. Both ends at once."""
         service = f"{self.host.service}/32"
-        try:
-            for end, wanted, side, way in (("inner", outbound, "dst", "d"), ("root", inbound, "src", "s")):
-                if not wanted:
-                    continue
-                self._tree(end)
-                match = ["match", "ip", side, service]
-                if port is not None:
-                    match += ["match", "ip", f"{way}port", str(port), "0xffff"]
+        commands, cuts = [], []
+        for end, wanted, side, way in (("inner", outbound, "dst", "d"), ("root", inbound, "src", "s")):
+            if not wanted:
+                continue
+            match = ["match", "ip", side, service]
+            if port is not None:
+                match += ["match", "ip", f"{way}port", str(port), "0xffff"]
+            commands.append(
                 self._tc(end, "filter", "add", "parent", "1:", "protocol", "ip", "prio", "1", "u32", *match,
-                         "flowid", BLACKHOLE)  # fmt: skip
-                self.cuts.append(f"{'outbound to' if end == 'inner' else 'inbound from'} :{port or '*'}")
+                         "flowid", BLACKHOLE)
+            )  # fmt: skip
+            cuts.append(f"{'outbound to' if end == 'inner' else 'inbound from'} :{port or '*'}")
+        try:
+            self.prepare()
+            self.cuts += cuts  # before they exist: a half-made cut is healed too
+            run_all(commands)
         except NetnsError as exc:
             self.heal()
             raise LinkError(f"cutting {self.host.name}'s link: {exc}") from exc
@@ -126,11 +134,11 @@ class Link:
 
     def heal(self) -> dict[str, int]:
         """Undo every cut and the slow link; the slow link's counts (packets, held, at_once, dropped)."""
-        for end in sorted(self._trees):
+        if self.cuts:
+            # Every filter of the ends at once; the classes stay for the next cut (they go with the host).
             with suppress(NetnsError):
-                self._tc(end, "qdisc", "del", "root")
-        self._trees.clear()
-        self.cuts.clear()
+                run_all([self._tc(end, "filter", "del", "parent", "1:") for end in sorted(self._trees)])
+            self.cuts.clear()
         counts: dict[str, int] = {}
         if self._slow is not None:
             process, self._slow = self._slow, None

@@ -19,6 +19,7 @@ import signal
 import subprocess
 import tempfile
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ POOL = tuple(RANGE[n] for n in range(128, 255))
 MAX_HOSTS = 60  # two addresses short of the pool: one for the service address, one spare
 COMMAND_TIMEOUT = 15.0
 REMOVE_TRIES = 3
+LOCK_TIMEOUT = 60.0  # another run sweeps and makes its hosts meanwhile: seconds, bounded by its commands
 PROBE_INDEX = 99  # the namespace ``unavailable`` makes and removes at once; hosts are numbered below it
 
 _NAMESPACE = re.compile(rf"{PREFIX}-(\d+)-(\d+)")
@@ -57,6 +59,31 @@ def run(command: Sequence[str], *, check: bool = True, stdin: str | None = None)
         detail = (done.stderr or done.stdout).strip().splitlines()
         raise NetnsError(f"{' '.join(command)}: {detail[0] if detail else f'exit {done.returncode}'}")
     return done.stdout
+
+
+def run_all(commands: Sequence[Sequence[str]]) -> None:
+    """Run commands at once (each bounded in time): when several must take effect together, as both
+    ends of a cut; :class:`NetnsError` naming the first that failed."""
+    started = [
+        (
+            command,
+            subprocess.Popen(list(command), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True),
+        )
+        for command in commands
+    ]
+    failed: list[str] = []
+    for command, process in started:
+        try:
+            _, err = process.communicate(timeout=COMMAND_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            _, err = process.communicate()
+            err = err or "timed out"
+        if process.returncode != 0:
+            detail = err.strip().splitlines()
+            failed.append(f"{' '.join(command)}: {detail[0] if detail else f'exit {process.returncode}'}")
+    if failed:
+        raise NetnsError(failed[0])
 
 
 def unavailable() -> str | None:
@@ -192,7 +219,15 @@ def _machine_lock() -> Iterator[None]:
     """One run at a time sweeps and picks addresses, so two runs never take the same ones."""
     folder = Path("/run/lock") if Path("/run/lock").is_dir() else Path(tempfile.gettempdir())
     with (folder / f"{PREFIX}-netns.lock").open("a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        deadline = time.monotonic() + LOCK_TIMEOUT
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise NetnsError(f"another run held {lock.name} for {LOCK_TIMEOUT:g}s") from None
+                time.sleep(0.05)
         try:
             yield
         finally:

@@ -6,7 +6,10 @@ after its time, and recorded (whom, when, which pool children) for the figures p
 
 from __future__ import annotations
 
+import os
+import signal
 import time
+from contextlib import suppress
 from pathlib import Path
 
 from admin.chaos.cluster import ChaosWorker, Cluster
@@ -42,6 +45,12 @@ def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
+def _signal(pid: int | None, sig: signal.Signals) -> None:
+    if pid is not None:
+        with suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
 class Nemeses:
     """The nemeses asked for, in order, each in its own slice of the stream: it waits for its target for
     the first CATCH_SHARE of the slice, then takes any worker it may hit; one is healed before the next
@@ -63,6 +72,8 @@ class Nemeses:
         self.slices = [(first + n * span, first + (n + CATCH_SHARE) * span) for n in range(len(self.runs))]
         self.next = 0
         self.links = {name: Link(host, log=folder / f"linkem-{name}.log") for name, host in up.hosts.items()}
+        for link in self.links.values():
+            link.prepare()  # a cut is then one filter per end: it lands within milliseconds
         self.active: tuple[NemesisRun, Link, float] | None = None  # and when it is healed (monotonic)
 
     def step(self, now: float) -> None:
@@ -86,42 +97,56 @@ class Nemeses:
             and now >= self.slices[self.next][0]
         )
 
-    def _target(self, name: str, *, any_worker: bool) -> tuple[ChaosWorker, str] | None:
+    def _target(self, name: str, *, any_worker: bool) -> tuple[ChaosWorker, str, int | None] | None:
+        """The worker to hit, how it was picked, and the pool child holding the hot SKU's lease (None
+        when no holder was caught)."""
         candidates = {pid: w for pid, w in unfrozen_children(self.up.workers).items() if w.host is not None}
         if self.watch is not None:
             found = self.watch.holding(set(candidates))
             if found is not None and (found[1] or not WANTS_SERVING[name]):
                 caught = "serving a batch" if found[1] else "requests waiting"
-                return candidates[found[0]], f"the hot SKU's holder, {caught}"
+                return candidates[found[0]], f"the hot SKU's holder, {caught}", found[0]
             if not any_worker:
                 return None
             holder = self.watch.holder()
             if holder is not None and holder[0] in candidates:
-                return candidates[holder[0]], "the hot SKU's holder"
+                return candidates[holder[0]], "the hot SKU's holder", holder[0]
         normal = [w for w in self.up.workers if w.role == "normal" and w.host is not None]
-        return (normal[self.next % len(normal)], "a worker (no holder caught in time)") if normal else None
+        return (
+            (normal[self.next % len(normal)], "a worker (no holder caught in time)", None) if normal else None
+        )
 
-    def _hit(self, run: NemesisRun, worker: ChaosWorker, caught: str) -> None:
+    def _hit(self, run: NemesisRun, worker: ChaosWorker, caught: str, holder: int | None) -> None:
         link = self.links[worker.name]
         run.target, run.caught = worker.name, caught
         run.pids = set(worker.pool_children())
         run.started_ms = _now_ms()
+        # A holder is held still (SIGSTOP) for the milliseconds a cut takes to put in place, so that the
+        # cut lands where it was caught (mid-batch, a write in flight), not after it moved on; far below
+        # the lease ttl, it changes nothing else. A slow link takes longer to start and needs no aim.
+        holder = None if run.name == SLOW_LINK else holder
+        _signal(holder, signal.SIGSTOP)
         try:
-            if run.name == LEASE_PARTITION:
-                link.cut(self.up.ports["lease"])
-            elif run.name == DB_PARTITION:
-                link.cut(self.up.database_port(worker), inbound=False)
-            elif run.name == ISOLATE_HOLDER:
-                link.cut()
-            else:
-                link.slow(SLOW, seconds=SLOW_FOR, seed=self.seed)
+            self._inject(run.name, worker, link)
         except LinkError as exc:
             run.skipped = str(exc)
             return
+        finally:
+            _signal(holder, signal.SIGCONT)
         run.cuts = list(link.cuts) if link.cuts else ["every packet both ways, through the slow link"]
         lasts = SLOW_FOR if run.name == SLOW_LINK else CUT_FOR
         self.active = (run, link, time.monotonic() + lasts)
         self.report.faults[NEMESIS_FAULTS[run.name]] += 1
+
+    def _inject(self, name: str, worker: ChaosWorker, link: Link) -> None:
+        if name == LEASE_PARTITION:
+            link.cut(self.up.ports["lease"])
+        elif name == DB_PARTITION:
+            link.cut(self.up.database_port(worker), inbound=False)
+        elif name == ISOLATE_HOLDER:
+            link.cut()
+        else:
+            link.slow(SLOW, seconds=SLOW_FOR, seed=self.seed)
 
     def _heal(self) -> None:
         if self.active is None:

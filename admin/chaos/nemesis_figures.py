@@ -45,11 +45,16 @@ class NemesisFigures:
     caught: str = ""
     cuts: list[str] = field(default_factory=list)
     seconds: float = 0.0  # from the hit to the heal
+    started_ms: int = 0  # wall clock
     link: dict[str, int] = field(default_factory=dict)  # the slow link's packet counts
     skipped: str = ""  # why it did not run
     requests: int = 0
     outcomes: Counter[str] = field(default_factory=Counter)
     stale_refused: int = 0
+    # Of the violations, writes behind a newer token under a lease that had written before the nemesis
+    # began: an epoch it outlived writing late (the others, e.g. a token the wiped lease Redis handed out
+    # again, are another fault's).
+    late_violations: int = 0
     attempts: Counter[str] = field(default_factory=Counter)  # its host's attempts by result
     violations: int = 0
 
@@ -60,6 +65,7 @@ class NemesisFigures:
             "caught": self.caught,
             "cuts": self.cuts,
             "seconds": round(self.seconds, 1),
+            "started_ms": self.started_ms,
             "link": self.link,
             "skipped": self.skipped,
             "requests": self.requests,
@@ -67,6 +73,7 @@ class NemesisFigures:
             "stale_refused": self.stale_refused,
             "attempts": dict(self.attempts),
             "violations": self.violations,
+            "late_violations": self.late_violations,
         }
 
 
@@ -98,12 +105,15 @@ def _figures(conn: sa.Connection, run: NemesisRun, checks: Mapping[str, list[str
     if run.skipped or not run.started_ms:
         return figures
     figures.seconds = (run.healed_ms - run.started_ms) / 1000
+    figures.started_ms = run.started_ms
     window = (run.started_ms, run.healed_ms + int(SETTLE * 1000))
     keys = _attempts(conn, window, run.pids, figures.attempts)
     entries = _history(conn, window, run.pids, keys, figures)
     figures.requests = len(keys)
     figures.outcomes = _outcomes(conn, keys)
-    figures.violations = _violations(checks, keys, entries)
+    figures.violations = _violations(checks, keys, set(entries))
+    outlived = {entry for entry, first in entries.items() if first < run.started_ms}
+    figures.late_violations = _violations(checks, [], outlived)
     return figures
 
 
@@ -126,22 +136,34 @@ def _attempts(
 
 def _history(
     conn: sa.Connection, window: tuple[int, int], pids: set[int], keys: set[str], figures: NemesisFigures
-) -> set[int]:
-    """The history entries the pids wrote or were refused in the window; adds their keys, counts the
-    refusals."""
-    entries: set[int] = set()
+) -> dict[int, int]:
+    """The history entries the pids wrote or were refused in the window, each with when its lease first
+    wrote (wall clock, ms); adds their keys, counts the refusals."""
+    entries: dict[int, str] = {}
     rows = conn.execute(
         sa.select(
-            sku_history.c.id, sku_history.c.kind, sku_history.c.idempotency_key, sku_history.c.holder
+            sku_history.c.id,
+            sku_history.c.kind,
+            sku_history.c.idempotency_key,
+            sku_history.c.holder,
+            sku_history.c.lease_id,
         ).where(sku_history.c.at_ms.between(*window))
     )
-    for entry, kind, key, holder in rows:
+    for entry, kind, key, holder, lease_id in rows:
         if _pid(holder, holder=True) in pids:
-            entries.add(int(entry))
+            entries[int(entry)] = lease_id or ""
             figures.stale_refused += kind == "rejected"
             if key:
                 keys.add(key)
-    return entries
+    leases = sorted(set(entries.values()) - {""})
+    first = dict(
+        conn.execute(
+            sa.select(sku_history.c.lease_id, sa.func.min(sku_history.c.at_ms))
+            .where(sku_history.c.lease_id.in_(leases))
+            .group_by(sku_history.c.lease_id)
+        ).all()
+    )
+    return {entry: int(first.get(lease, window[1])) for entry, lease in entries.items()}
 
 
 def _outcomes(conn: sa.Connection, keys: set[str]) -> Counter[str]:

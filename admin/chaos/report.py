@@ -274,7 +274,10 @@ def _nemesis_rows(fenced: NemesisFigures, lease_only: NemesisFigures) -> list[tu
     rows.append(("stale writes refused", fenced.stale_refused, lease_only.stale_refused))
     for result in sorted((set(fenced.attempts) | set(lease_only.attempts)) - {"applied", "replayed"}):
         rows.append((f"  attempts {result}", fenced.attempts[result], lease_only.attempts[result]))
-    rows.append(("VIOLATIONS naming them", fenced.violations, lease_only.violations))
+    rows.append(("VIOLATIONS naming its host's writes or requests", fenced.violations, lease_only.violations))
+    rows.append(
+        ("  of which late writes of an epoch it outlived", fenced.late_violations, lease_only.late_violations)
+    )
     return rows
 
 

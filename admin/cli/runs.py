@@ -124,7 +124,8 @@ def chaos_command(
         list[str] | None,
         typer.Option(
             "--nemesis",
-            help="One network nemesis, repeatable: lease-partition, db-partition, isolate-holder, slow-link.",
+            help="A network nemesis, repeatable (in order; twice runs it twice): lease-partition, "
+            "db-partition, isolate-holder, slow-link.",
         ),
     ] = None,
 ) -> None:
@@ -160,7 +161,7 @@ def chaos_command(
     unknown = sorted(set(nemesis or ()) - set(NEMESES))
     if unknown:
         fail(EXIT_USAGE, f"--nemesis {unknown[0]!r}: one of {', '.join(NEMESES)}")
-    chosen = NEMESES if partitions else tuple(dict.fromkeys(nemesis or ()))
+    chosen = NEMESES if partitions else tuple(nemesis or ())  # a name given twice runs twice
     options = chaos.Options(
         workers=workers,
         skus=skus,
