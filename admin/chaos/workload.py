@@ -1,7 +1,7 @@
 """The request stream of a chaos run: a seeded mix of reserve / confirm / release / restock with replays,
 a flash sale (bursts of reservations of the hot SKU), and stocktakes (after the sale's bursts, if there is
-one): every regular SKU counted, then each replenished to par, writes their worker decides from what it
-reads under the lease.
+one): every regular SKU counted, then each replenished to par and a delivery of each put away. Counts and
+replenishments are writes their worker decides from what it reads under the lease.
 Both runs of a seed send the same stream.
 """
 
@@ -14,14 +14,15 @@ from typing import Any
 from admin.chaos.options import FLASH_BURST, HOT_SKU, INITIAL_STOCK, STOP_FOR, Options
 from reservations.inventory import Inventory
 
-# Every SKU's par level: above the initial stock, so a replenishment orders units from the start.
-PAR = INITIAL_STOCK + 10
+# Every SKU's par level: well above the initial stock, so a replenishment orders units from the start
+# and, with restocks rarer than reservations, mostly after that too.
+PAR = 2 * INITIAL_STOCK
 # A count finds up to this many units fewer than its worker reads (theft, damage, miscounted picks).
 MAX_SHRINKAGE = 2
-# A stocktake's replenishments follow its counts this long after them (stream time): while a worker that
+# A stocktake's second burst follows its counts this long after them (stream time): while a worker that
 # froze before writing a count would still hold its figure, whether it took the count at once or only
 # after a pause of its own (a frozen worker's prefetched message waits for it).
-STEP_AFTER = 0.9 * STOP_FOR
+STEP_AFTER = 0.8 * STOP_FOR
 # The rush over, the shelves are counted: a stocktake follows a flash-sale burst with this chance. Sent
 # right after a burst, its counts come when every worker is waiting for work, the ones that freeze
 # before writing included, so those freeze on counts about as often as on the sale's reservations.
@@ -65,7 +66,7 @@ class Workload:
         # The stream sends requests evenly over the duration: a delay as a number of requests.
         self.step_after = max(1, round(STEP_AFTER * options.requests / max(options.duration, 1e-3)))
         self.emitted = 0  # requests handed out so far, replays included
-        # A stocktake's replenishments still to send, each burst due when this many were handed out.
+        # A stocktake's second burst still to send, each due when this many requests were handed out.
         self.later: list[tuple[int, list[Sent]]] = []
         self.after_sale = False  # the last requests handed out were a flash-sale burst
 
@@ -124,7 +125,7 @@ class Workload:
             reservation = self.open_reservations.pop(self.random.randrange(len(self.open_reservations)))
             operation = "confirm" if self.random.random() < 0.6 else "release"
             sent = Sent(self._key(operation), operation, {"reservation_id": reservation})
-        elif roll < 0.5:
+        elif 0.35 <= roll < 0.5:
             sent = Sent(self._key("restock"), "restock", {"sku": sku, "quantity": self.random.randint(1, 4)})
         else:
             sent = Sent(self._key("reserve"), "reserve", {"sku": sku, "quantity": self.random.randint(1, 3)})
@@ -134,9 +135,10 @@ class Workload:
 
     def _stocktake(self) -> list[Sent]:
         """Every regular SKU counted, sent as shrinkage (the worker counts what it reads, less the units
-        missing); their replenishments to par are sent when due, the SKUs in an order turned by one: a
-        worker that takes the same place in both bursts (the one that waited longest for work, say) gets
-        another SKU, so a count frozen before its write is overtaken by its SKU's replenishment."""
+        missing); the burst of their replenishments to par and deliveries is sent when due. A worker
+        frozen on a count holds at most one message of that burst, so its SKU's replenishment or its
+        delivery overtakes the count; the SKUs come in a turned order in each half, so the message that
+        the longest waiting worker (a frozen one's) takes is seldom its own count's SKU's."""
         counts = [
             Sent(
                 self._key("count"), "count", {"sku": sku, "shrinkage": self.random.randint(0, MAX_SHRINKAGE)}
@@ -144,8 +146,11 @@ class Workload:
             for sku in self.skus
         ]
         turned = self.skus[1:] + self.skus[:1]
-        replenishments = [
-            Sent(self._key("replenish"), "replenish", {"sku": sku, "par": PAR}) for sku in turned
+        then = [Sent(self._key("replenish"), "replenish", {"sku": sku, "par": PAR}) for sku in turned]
+        turned = turned[1:] + turned[:1]
+        then += [
+            Sent(self._key("restock"), "restock", {"sku": sku, "quantity": self.random.randint(1, 4)})
+            for sku in turned
         ]
-        self.later.append((self.emitted + self.step_after, replenishments))
+        self.later.append((self.emitted + self.step_after, then))
         return counts
