@@ -51,10 +51,6 @@ class NemesisFigures:
     requests: int = 0
     outcomes: Counter[str] = field(default_factory=Counter)
     stale_refused: int = 0
-    # Of the violations, writes behind a newer token under a lease that had written before the nemesis
-    # began: an epoch it outlived writing late (the others, e.g. a token the wiped lease Redis handed out
-    # again, are another fault's).
-    late_violations: int = 0
     attempts: Counter[str] = field(default_factory=Counter)  # its host's attempts by result
     violations: int = 0
 
@@ -73,7 +69,6 @@ class NemesisFigures:
             "stale_refused": self.stale_refused,
             "attempts": dict(self.attempts),
             "violations": self.violations,
-            "late_violations": self.late_violations,
         }
 
 
@@ -111,9 +106,7 @@ def _figures(conn: sa.Connection, run: NemesisRun, checks: Mapping[str, list[str
     entries = _history(conn, window, run.pids, keys, figures)
     figures.requests = len(keys)
     figures.outcomes = _outcomes(conn, keys)
-    figures.violations = _violations(checks, keys, set(entries))
-    outlived = {entry for entry, first in entries.items() if first < run.started_ms}
-    figures.late_violations = _violations(checks, [], outlived)
+    figures.violations = _violations(checks, keys, entries)
     return figures
 
 
@@ -136,34 +129,22 @@ def _attempts(
 
 def _history(
     conn: sa.Connection, window: tuple[int, int], pids: set[int], keys: set[str], figures: NemesisFigures
-) -> dict[int, int]:
-    """The history entries the pids wrote or were refused in the window, each with when its lease first
-    wrote (wall clock, ms); adds their keys, counts the refusals."""
-    entries: dict[int, str] = {}
+) -> set[int]:
+    """The history entries the pids wrote or were refused in the window; adds their keys, counts the
+    refusals."""
+    entries: set[int] = set()
     rows = conn.execute(
         sa.select(
-            sku_history.c.id,
-            sku_history.c.kind,
-            sku_history.c.idempotency_key,
-            sku_history.c.holder,
-            sku_history.c.lease_id,
+            sku_history.c.id, sku_history.c.kind, sku_history.c.idempotency_key, sku_history.c.holder
         ).where(sku_history.c.at_ms.between(*window))
     )
-    for entry, kind, key, holder, lease_id in rows:
+    for entry, kind, key, holder in rows:
         if _pid(holder, holder=True) in pids:
-            entries[int(entry)] = lease_id or ""
+            entries.add(int(entry))
             figures.stale_refused += kind == "rejected"
             if key:
                 keys.add(key)
-    leases = sorted(set(entries.values()) - {""})
-    first = dict(
-        conn.execute(
-            sa.select(sku_history.c.lease_id, sa.func.min(sku_history.c.at_ms))
-            .where(sku_history.c.lease_id.in_(leases))
-            .group_by(sku_history.c.lease_id)
-        ).all()
-    )
-    return {entry: int(first.get(lease, window[1])) for entry, lease in entries.items()}
+    return entries
 
 
 def _outcomes(conn: sa.Connection, keys: set[str]) -> Counter[str]:

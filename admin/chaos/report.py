@@ -275,9 +275,6 @@ def _nemesis_rows(fenced: NemesisFigures, lease_only: NemesisFigures) -> list[tu
     for result in sorted((set(fenced.attempts) | set(lease_only.attempts)) - {"applied", "replayed"}):
         rows.append((f"  attempts {result}", fenced.attempts[result], lease_only.attempts[result]))
     rows.append(("VIOLATIONS naming its host's writes or requests", fenced.violations, lease_only.violations))
-    rows.append(
-        ("  of which late writes of an epoch it outlived", fenced.late_violations, lease_only.late_violations)
-    )
     return rows
 
 
