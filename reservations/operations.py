@@ -1,6 +1,7 @@
 """The inventory's operations as plans: the one core behind :class:`Inventory` and
 :class:`AsyncInventory`. Adding a SKU, restocks and adjustments, and reservations (one SKU, one request
-of a queue, or an order of several SKUs, all or nothing); the envelope is :mod:`reservations.ledger`.
+of a queue, or an order of several SKUs, all or nothing); the envelope is :mod:`reservations.ledger`,
+counts and replenishment to par (writes decided from a read) are :mod:`reservations.counting`'s.
 """
 
 from __future__ import annotations
