@@ -1,17 +1,20 @@
 """Cycle counts and replenishment to par on SQLite and PostgreSQL: writes decided from a read under the
 lease. Their effect, their replay by key, the refusal of a count below the held units, the stale epoch
 refused and recorded, and the read that raises the fence so no older epoch writes between it and the
-write decided from it.
+write decided from it; their messages and their commands.
 """
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from typer.testing import CliRunner
 
+from admin.cli import app
 from fencing import Lease, LeaseManager, StaleToken
 from fencing.sql import make_engine
 from reservations import (
@@ -357,3 +360,34 @@ def test_count_and_replenish_messages_are_checked_and_named_by_what_was_sent() -
     for wrong in ({}, {"par": 0}, {"par": True}):
         with pytest.raises(InvalidMessage):
             parse("replenish", [], {"sku": "W", "idempotency_key": "k", **wrong})
+
+
+# -- the command line ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "said"),
+    [
+        (("count", "WIDGET", "3.0", "--key", "k"), 2, "counted '3.0'"),
+        (("count", "WIDGET", str(MAX_ON_HAND + 1), "--key", "k"), 2, "counted must be between 0 and"),
+        (("replenish", "WIDGET", "--par", "0", "--key", "k"), 2, "par must be between 1 and"),
+        (("replenish", "WIDGET", "--key", "k"), 2, "--par"),
+        # Past its checks, the request goes to the broker: unreachable here.
+        (("count", "WIDGET", "0", "--key", "k"), 4, "broker unreachable"),
+        (("replenish", "WIDGET", "--par", "40", "--key", "k"), 4, "broker unreachable"),
+    ],
+)
+def test_the_count_and_replenish_commands_check_their_input_and_go_through_the_workers(
+    tmp_path: Path, args: tuple[str, ...], code: int, said: str
+) -> None:
+    env = {
+        "RESERVATIONS_DATABASE_URL": f"sqlite:///{tmp_path / 'inventory.sqlite3'}",
+        "RESERVATIONS_BROKER_URL": "redis://127.0.0.1:1/0",
+        "NO_COLOR": "1",
+        "COLUMNS": "200",
+    }
+    done = CliRunner().invoke(app, list(args), env=env)
+    assert done.exit_code == code, done.stdout + done.stderr
+    assert said in done.stderr
+    for command in ("count", "replenish"):
+        assert "WRITES (through the workers)" in CliRunner().invoke(app, [command, "--help"], env=env).stdout
