@@ -27,6 +27,7 @@ from fencing.sql import SyncSqlExecutor
 from reservations import Inventory
 from tasks.failpoints import failpoint
 from tasks.settings import Settings, unknown_name_warnings
+from tasks.states import note_task_events
 
 log = logging.getLogger("tasks.worker")
 
@@ -51,9 +52,15 @@ _resources: Resources | None = None
 SQL_POOL: dict[str, Any] = {"pool_size": 5, "max_overflow": 64}
 
 
-def _pool_options(url: str) -> dict[str, Any]:
+def _pool_options(url: str, lease_ttl: float) -> dict[str, Any]:
+    if url.startswith(("redis", "rediss")):
+        # A lease call that has not answered within a third of the ttl is of no use (a renewal would come
+        # too late): give up then, as unavailable, instead of waiting on TCP for minutes when the worker is
+        # cut off from Redis.
+        wait = max(0.5, min(5.0, lease_ttl / 3))
+        return {"socket_timeout": wait, "socket_connect_timeout": wait}
     in_memory = url.startswith("sqlite") and (":memory:" in url or url.rstrip("/") == "sqlite:")
-    return {} if url.startswith(("redis", "rediss")) or in_memory else SQL_POOL
+    return {} if in_memory else SQL_POOL
 
 
 def worker_identity() -> str:
@@ -77,10 +84,12 @@ def resources(settings: Settings) -> Resources:
                     enforce_fence=settings.enforce_fence,
                     before_statement=lambda lease: failpoint("in_write"),
                     transaction_timeout=settings.lease_ttl,
-                    **_pool_options(settings.database_url),
+                    **_pool_options(settings.database_url, settings.lease_ttl),
                 ),
                 leases=LeaseManager.from_url(
-                    settings.lease_url, prefix=settings.lease_prefix, **_pool_options(settings.lease_url)
+                    settings.lease_url,
+                    prefix=settings.lease_prefix,
+                    **_pool_options(settings.lease_url, settings.lease_ttl),
                 ),
                 pid=os.getpid(),
             )
@@ -111,6 +120,13 @@ def _warn_unknown_names(**_: Any) -> None:
     """A RESERVATIONS_* name that is no setting (a typo) would otherwise be ignored without a word."""
     for line in unknown_name_warnings():
         log.warning(line)
+
+
+@celeryd_after_setup.connect
+def _note_task_events(instance: Any = None, **_: Any) -> None:
+    """Tell the pool children, forked after this, whether this worker sends task events (-E or the
+    setting): a child that serves queued requests announces their outcomes only then."""
+    note_task_events(bool(getattr(instance, "task_events", False)))
 
 
 @worker_ready.connect

@@ -1,7 +1,8 @@
 """A real network partition: a Celery worker on a host of its own (a network namespace with a veth pair)
 holds a SKU's lease when its host is cut off from the lease Redis, both ways, while it keeps its database
-connection. Its renewal hangs, the lease runs out, a newer holder takes the next token and writes; the
-worker, which never heard of it, writes anyway. The stock row refuses that write; after the heal every
+connection. Its write has passed the lease's local checks and is delayed on its way (the ``in_write``
+failpoint: the delayed packet); meanwhile its renewal fails, the lease runs out, and a newer holder takes
+the next token and writes. The delayed write arrives anyway. The stock row refuses that write; after the heal every
 request ends with one outcome, and nothing of the host is left on the machine.
 
 Needs root and ``ip netns`` (skipped with the reason otherwise).
@@ -35,8 +36,8 @@ pytestmark = [
 
 SKU = "WIDGET"
 KEYS = ("part-1", "part-2")
-# The worker sleeps this long between taking its lease and writing (a slow handler): the partition comes
-# in that time, the lease (ttl 1 s) runs out, and the newer holder writes first.
+# The worker's write waits this long after its local checks, before its statement is sent: the partition
+# comes in that time, the lease (ttl 1 s) runs out, and the newer holder writes first.
 HANDLER_SLEEP = 3.0
 
 
@@ -81,7 +82,7 @@ def partitioned(folder: Path) -> Iterator[Partitioned]:
             "RESERVATIONS_LEASE_TTL": "1",
             "RESERVATIONS_VISIBILITY_TIMEOUT": "60",
             "RESERVATIONS_BATCHING": "0",
-            "RESERVATIONS_FAILPOINTS": f"before_write=sleep:{HANDLER_SLEEP:g},once",
+            "RESERVATIONS_FAILPOINTS": f"in_write=sleep:{HANDLER_SLEEP:g},once",
             "RESERVATIONS_FAILPOINT_DIR": str(folder / "failpoints"),
         }
         worker = CeleryProcess("holder", worker_env(settings), folder / "holder.log", host=host)
@@ -106,8 +107,8 @@ def test_a_holder_cut_off_from_the_lease_redis_writes_late_and_is_refused_at_the
         scope = scope_of(SKU)
         pid = run.worker.pool_child()
 
-        # The worker takes the lease (its pool child is the holder) and sleeps before writing: cut its
-        # host off from the lease Redis, both ways. The database stays reachable.
+        # The worker takes the lease (its pool child is the holder) and its write is held before it is
+        # sent: cut its host off from the lease Redis, both ways. The database stays reachable.
         first = wait_until(
             lambda: (info := run.leases.current(scope)) is not None and f":{pid}:" in info.holder and info,
             timeout=30,
@@ -125,7 +126,7 @@ def test_a_holder_cut_off_from_the_lease_redis_writes_late_and_is_refused_at_the
             assert newer.token == first.token + 1
             run.inventory.restock(newer, SKU, 1, key="newer-epoch")
 
-            # The worker wakes, still believing in its lease, and writes with the old token.
+            # The held write goes out with the old token.
             refused = wait_until(
                 lambda: [e for e in run.inventory.history(SKU) if e.kind == "rejected"],
                 timeout=HANDLER_SLEEP + 10,
