@@ -195,6 +195,11 @@ class Settings:
         3600,
     )
     heartbeat_file: str = _setting("", "a consuming worker touches this file every 5 s (health checks)")
+    task_events: bool = _setting(
+        False,
+        "1: workers send task events, as celery worker -E does (Flower, celery events); a request's event "
+        "names its outcome",
+    )
     # Fault injection (tasks.failpoints reads these two from the environment at each point).
     failpoints: str = _setting("", "fault-injection points, e.g. before_write=stop,once (tests, chaos runs)")
     failpoint_dir: str = _setting("", "a directory for this run's once-only failpoint markers")

@@ -1,5 +1,8 @@
 """What a request's sender is told: its stored final outcome as a Celery result, or a conflict when its
 key names a different request (then the key's Celery result stays the owning request's).
+
+Every answer starts with its status and epochs, in that order: the worker's main process names the
+task's Celery event after the status read from the front of the result's repr (:mod:`tasks.states`).
 """
 
 from __future__ import annotations
@@ -13,14 +16,15 @@ from reservations.requests import RequestResult
 from reservations.statuses import RequestStatus
 
 
+def reply(
+    status: str, epochs: int, key: str | None, operation: str, detail: dict[str, Any]
+) -> dict[str, Any]:
+    """An answer as the Celery result carries it; status and epochs first (see the module docstring)."""
+    return {"status": str(status), "epochs": epochs, "key": key, "operation": operation, "detail": detail}
+
+
 def as_result(result: RequestResult) -> dict[str, Any]:
-    return {
-        "key": result.key,
-        "operation": result.operation,
-        "status": result.status,
-        "detail": result.detail,
-        "epochs": result.epochs,
-    }
+    return reply(result.status, result.epochs, result.key, result.operation, result.detail)
 
 
 def answer(task: Task, message: Message, stored: RequestResult) -> dict[str, Any]:
@@ -35,14 +39,9 @@ def conflict(task: Task, message: Message, other: str, how: str) -> dict[str, An
     """The answer to a message whose key belongs to a different ``other`` request. Not stored as the
     key's Celery result, which stays the owning request's."""
     task.request.ignore_result = True
-    return {
-        "key": message.key,
-        "operation": message.operation,
-        "status": RequestStatus.INVALID,
-        "epochs": message.counts["epoch"],
-        "detail": {
-            "error": "IdempotencyConflict",
-            "message": f"idempotency key {message.key!r} {how} a different {other} request",
-            "stored_operation": other,
-        },
+    detail = {
+        "error": "IdempotencyConflict",
+        "message": f"idempotency key {message.key!r} {how} a different {other} request",
+        "stored_operation": other,
     }
+    return reply(RequestStatus.INVALID, message.counts["epoch"], message.key, message.operation, detail)

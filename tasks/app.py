@@ -77,6 +77,8 @@ def configure(app: Celery, settings: Settings) -> None:
         # Beat writes its schedule file after every task it sends: the file's age is its health check.
         beat_sync_every=1,
         worker_hijack_root_logger=False,
+        # Task events, as -E sends them; None leaves it to the command line (-E) as Celery does.
+        worker_send_task_events=settings.task_events or None,
         beat_schedule={
             "expire-due-holds": {
                 "task": "reservations.expire_holds",

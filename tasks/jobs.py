@@ -20,6 +20,7 @@ from fencing import (
     Lease,
     LeaseBusy,
     LostOwnership,
+    StaleToken,
 )
 from reservations import (
     InsufficientStock,
@@ -31,10 +32,11 @@ from reservations.messages import Message
 from reservations.requests import AlreadyApplied, task_name
 from reservations.statuses import SUCCEEDED, AttemptResult, RequestStatus
 from tasks import policy
-from tasks.answers import answer, as_result
+from tasks.answers import answer, as_result, reply
 from tasks.app import app, settings_of
 from tasks.failpoints import failpoint
 from tasks.serving import Batchable, serve_pending, serve_quietly, then_serve, wait_for_holder
+from tasks.states import OutcomeRequest, Redriven
 from tasks.work import Work, work_of
 from tasks.worker import Resources, resources, worker_identity
 
@@ -57,8 +59,9 @@ def run_request(task: Task, name: str, args: tuple[Any, ...], kwargs: dict[str, 
     who = {"task_id": task.request.id, "worker": worker_identity()}
     operation = messages.SHAPES[name].operation
 
-    def again(counter: str, countdown: float) -> Exception:
-        return task.retry(kwargs={**sent, counter: policy.counter(sent, counter) + 1}, countdown=countdown)  # type: ignore[no-any-return]
+    def again(counter: str, countdown: float, reason: Exception | None = None) -> Exception:
+        kwargs = {**sent, counter: policy.counter(sent, counter) + 1}
+        return task.retry(kwargs=kwargs, countdown=countdown, exc=reason)  # type: ignore[no-any-return]
 
     message: Message | None = None
     try:
@@ -66,13 +69,8 @@ def run_request(task: Task, name: str, args: tuple[Any, ...], kwargs: dict[str, 
             message = messages.parse(name, args, kwargs)
         except messages.InvalidMessage as exc:
             if exc.key is None:  # nowhere to record it by key: the Celery result carries it
-                return {
-                    "key": None,
-                    "operation": operation,
-                    "status": RequestStatus.INVALID,
-                    "detail": {"error": "InvalidRequest", "message": str(exc)},
-                    "epochs": 0,
-                }
+                invalid = {"error": "InvalidRequest", "message": str(exc)}
+                return reply(RequestStatus.INVALID, 0, None, operation, invalid)
             stored = res.inventory.record_outcome(
                 exc.key,
                 operation,
@@ -107,7 +105,7 @@ def run_request(task: Task, name: str, args: tuple[Any, ...], kwargs: dict[str, 
                 raise task.retry(kwargs=sent, countdown=policy.rng.uniform(15.0, 30.0)) from None
         # Its own backoff, growing to half a minute: a database restart or a Redis failover takes that long.
         ceiling = min(30.0, 0.2 * 2**transient)
-        raise again("transient", policy.rng.uniform(ceiling / 2, ceiling)) from None
+        raise again("transient", policy.rng.uniform(ceiling / 2, ceiling), None) from None
     except Exception as exc:
         if isinstance(exc, Retry):
             raise
@@ -150,7 +148,7 @@ def _attempt(
     message: Message,
     work: Work,
     batch: Batchable | None,
-    again: Callable[[str, float], Exception],
+    again: Again,
     who: dict[str, Any],
 ) -> dict[str, Any]:
     settings = res.settings
@@ -215,6 +213,7 @@ def _attempt(
 
 
 Final = Callable[[str, dict[str, Any]], dict[str, Any]]
+Again = Callable[[str, float, Exception | None], Exception]
 
 
 def _busy(
@@ -224,7 +223,7 @@ def _busy(
     work: Work,
     busy: LeaseBusy,
     final: Final,
-    again: Callable[[str, float], Exception],
+    again: Again,
 ) -> dict[str, Any]:
     """A lease found busy by a request that cannot wait for its holder: retry later, within a budget."""
     if work.run is not None:  # it did not look before taking the lease: a copy may have ended it
@@ -233,7 +232,7 @@ def _busy(
             return answer(task, message, done)
     if message.counts["busy"] >= res.settings.max_retries:
         return final(RequestStatus.DEAD_LETTERED, {"reason": "lease busy", "holder": busy.holder})
-    raise again("busy", policy.jitter(busy.retry_after, message.counts["busy"])) from None
+    raise again("busy", policy.jitter(busy.retry_after, message.counts["busy"]), None) from None
 
 
 def _lost(
@@ -242,7 +241,7 @@ def _lost(
     lost: LostOwnership,
     lease_token: int | None,
     final: Final,
-    again: Callable[[str, float], Exception],
+    again: Again,
     who: dict[str, Any],
 ) -> dict[str, Any]:
     """Terminal for this attempt and its lease: nothing more happens under it. The request itself goes
@@ -264,7 +263,37 @@ def _lost(
     if epoch + 1 >= res.settings.max_epochs:
         reason = f"lost ownership {epoch + 1} times"
         return final(RequestStatus.DEAD_LETTERED, {"reason": reason, "last": str(lost)})
-    raise again("epoch", policy.jitter(0.01, epoch)) from None
+    fields = lost_fields(lost, lease_token, epoch, key=key, operation=operation, **who)
+    redriven = Redriven(f"{policy.printable(lost)}; driven again in epoch {epoch + 1}", fields)
+    raise again("epoch", policy.jitter(0.01, epoch), redriven) from None
+
+
+def lost_fields(
+    lost: LostOwnership,
+    lease_token: int | None,
+    epoch: int,
+    *,
+    key: str,
+    operation: str,
+    task_id: str,
+    worker: str,
+) -> dict[str, Any]:
+    """What tells one lost epoch from another: the scope, the token presented and the highest the resource
+    had accepted (a refused write; None when the lease was gone before the write), the holder and lease
+    id, the request and its epoch. No field is named ``worker``: a task event's ``worker`` is Celery's."""
+    return {
+        "scope": lost.scope,
+        "token": lost.token or lease_token,
+        "highest": lost.highest if isinstance(lost, StaleToken) else None,
+        "holder": f"{worker}:{task_id}",
+        "lease_id": lost.lease_id,
+        "epoch": epoch,
+        "lost_by": type(lost).__name__,
+        "key": key,
+        "operation": operation,
+        "task_id": task_id,
+        "process": worker,
+    }
 
 
 # The request tasks take their arguments as sent and check them in :func:`messages.parse`, so that a
@@ -276,39 +305,39 @@ def _lost(
 # shrinkage; replenish(sku, par, idempotency_key).
 
 
-@app.task(bind=True, max_retries=None, typing=False, name=task_name("reserve"))
+@app.task(bind=True, max_retries=None, typing=False, name=task_name("reserve"), Request=OutcomeRequest)
 def reserve(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
     return run_request(self, "reserve", args, kwargs)
 
 
-@app.task(bind=True, max_retries=None, typing=False, name=task_name("reserve_order"))
+@app.task(bind=True, max_retries=None, typing=False, name=task_name("reserve_order"), Request=OutcomeRequest)
 def reserve_order(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
     return run_request(self, "reserve_order", args, kwargs)
 
 
-@app.task(bind=True, max_retries=None, typing=False, name=task_name("confirm"))
+@app.task(bind=True, max_retries=None, typing=False, name=task_name("confirm"), Request=OutcomeRequest)
 def confirm(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
     return run_request(self, "confirm", args, kwargs)
 
 
-@app.task(bind=True, max_retries=None, typing=False, name=task_name("release"))
+@app.task(bind=True, max_retries=None, typing=False, name=task_name("release"), Request=OutcomeRequest)
 def release(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
     return run_request(self, "release", args, kwargs)
 
 
-@app.task(bind=True, max_retries=None, typing=False, name=task_name("restock"))
+@app.task(bind=True, max_retries=None, typing=False, name=task_name("restock"), Request=OutcomeRequest)
 def restock(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
     return run_request(self, "restock", args, kwargs)
 
 
-@app.task(bind=True, max_retries=None, typing=False, name=task_name("count"))
+@app.task(bind=True, max_retries=None, typing=False, name=task_name("count"), Request=OutcomeRequest)
 def count(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
     """A cycle count: reads the stock under the lease, then sets on hand to the counted figure (sent, or
     the figure read less the shrinkage sent)."""
     return run_request(self, "count", args, kwargs)
 
 
-@app.task(bind=True, max_retries=None, typing=False, name=task_name("replenish"))
+@app.task(bind=True, max_retries=None, typing=False, name=task_name("replenish"), Request=OutcomeRequest)
 def replenish(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
     """Replenishment to par: reads on hand under the lease, then books par minus what it read."""
     return run_request(self, "replenish", args, kwargs)

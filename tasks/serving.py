@@ -9,15 +9,16 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from celery import Task, states
+from celery import Task, current_task, states
 
 from fencing import Lease, LeaseBusy, LostOwnership
 from reservations import validation as valid
 from reservations.messages import Message
 from reservations.requests import RequestResult, task_name
-from tasks.answers import answer, as_result, conflict
+from tasks.answers import answer, as_result, conflict, reply
 from tasks.app import app
 from tasks.failpoints import failpoint
+from tasks.states import QUEUED, announce
 from tasks.worker import Resources
 
 log = logging.getLogger("tasks")
@@ -71,13 +72,7 @@ def wait_for_holder(
     # for this task id must not be overwritten by "queued". (Raising Ignore does the same but costs a
     # formatted traceback per request.)
     task.request.ignore_result = True
-    return {
-        "key": key,
-        "operation": "reserve",
-        "status": "queued",
-        "detail": {"sku": batch.sku},
-        "epochs": epoch,
-    }
+    return reply(QUEUED, epoch, key, "reserve", {"sku": batch.sku})
 
 
 def then_serve(
@@ -122,6 +117,10 @@ def publish(outcomes: list[RequestResult]) -> None:
                 app.backend.store_result(outcome.task_id, as_result(outcome), states.SUCCESS)
             except Exception as exc:  # the result backend is a convenience here, never the record
                 log.warning("could not store the Celery result of %s: %s", outcome.key, exc)
+    try:
+        announce(app, outcomes, getattr(current_task.request, "hostname", None) if current_task else None)
+    except Exception as exc:  # monitoring events are a convenience too
+        log.warning("could not send the events of %d served requests: %s", len(outcomes), exc)
 
 
 def serve_pending(

@@ -1,0 +1,122 @@
+"""Celery task states that name a request's outcome, for Flower and ``celery events``.
+
+Celery reports every request that returned as SUCCESS, whatever it was told. The result backend must keep
+SUCCESS (``AsyncResult.ready()`` and ``get()`` wait for a ready state, and a custom one never is), so the
+outcome is named in the monitoring events instead, where a custom event type is a state of its own:
+
+=============================  ==================================  =====================================
+what happened                  event (state in Flower)             result backend
+=============================  ==================================  =====================================
+final outcome                  ``task-<status>``: RESERVED,        SUCCESS, the outcome dict
+                               INSUFFICIENT_STOCK, INVALID,
+                               DEAD_LETTERED, CONFIRMED, ...
+attempt lost its lease,        ``task-lost_ownership``             RETRY, a :class:`Redriven` naming the
+request driven again           (LOST_OWNERSHIP)                    scope, tokens and the next epoch
+queued for its SKU's holder    none (stays STARTED); the server    SUCCESS, written by the server
+                               of its batch sends ``task-<status>``
+=============================  ==================================  =====================================
+
+The final event replaces Celery's ``task-succeeded`` and keeps its ``result`` and ``runtime`` fields and
+adds ``outcome`` and ``epochs`` (a request that lost ownership and was driven again ends with epochs >= 1,
+after its LOST_OWNERSHIP events). Events are sent by the worker's main process, which reads the status
+from the front of the result's repr: every answer starts with it (:func:`tasks.answers.reply`).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from celery import Celery
+from celery.utils.saferepr import saferepr
+from celery.worker.request import Request
+
+from reservations.requests import RequestResult
+from tasks.answers import as_result
+
+QUEUED = "queued"
+LOST_OWNERSHIP = "task-lost_ownership"
+
+# The front of a request task's result repr: {'status': 'reserved', 'epochs': 0, ...
+_ANSWER = re.compile(r"\{'status': '([a-z_]+)', 'epochs': (\d+)")
+
+# Whether this worker sends task events (-E or RESERVATIONS_TASK_EVENTS): set in the main process before
+# the pool forks, so a pool child that serves queued requests knows whether to announce them.
+_task_events = {"on": False}
+
+
+class Redriven(Exception):
+    """The reason a request is retried after an attempt lost ownership: it runs again in a new epoch.
+
+    Crosses from the pool child to the worker's main process by pickle and into the result backend as
+    JSON (its message only), so its fields ride in ``__reduce__``.
+    """
+
+    def __init__(self, message: str, fields: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.fields = dict(fields or {})
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.args[0], self.fields))
+
+
+def event_type(status: str) -> str:
+    return f"task-{status}"
+
+
+def named(result: object) -> tuple[str, dict[str, Any]] | None:
+    """The event a request task's result repr calls for: its type and extra fields; None for a result
+    that is no answer (Celery's own event stands), ``("", {})`` for a queued request (no event)."""
+    found = _ANSWER.match(result) if isinstance(result, str) else None
+    if found is None:
+        return None
+    status, epochs = found.group(1), int(found.group(2))
+    if status == QUEUED:
+        return "", {}
+    return event_type(status), {"outcome": status, "epochs": epochs}
+
+
+class OutcomeRequest(Request):  # type: ignore[misc]
+    """The worker's request of a reservation task: its events name the outcome (module docstring)."""
+
+    def send_event(self, type: str, **fields: Any) -> None:
+        if type == "task-succeeded":
+            found = named(fields.get("result"))
+            if found is not None:
+                type, extra = found
+                if not type:
+                    return  # queued: the server of its batch announces the outcome
+                fields.update(extra)
+        super().send_event(type, **fields)
+
+    def on_retry(self, exc_info: Any) -> None:
+        reason = getattr(exc_info.exception, "exc", None)
+        if not isinstance(reason, Redriven):
+            super().on_retry(exc_info)
+            return
+        if self.task.acks_late:
+            self.acknowledge()
+        self.send_event(LOST_OWNERSHIP, exception=saferepr(reason), **reason.fields)
+
+
+def note_task_events(on: bool) -> None:
+    _task_events["on"] = bool(on)
+
+
+def announce(app: Celery, outcomes: list[RequestResult], hostname: str | None) -> None:
+    """Send the final event of requests served for others in a batch, when this worker sends task events.
+    Their own tasks ended without one (queued), so this is what moves them on in Flower."""
+    if not _task_events["on"]:
+        return
+    served = [outcome for outcome in outcomes if outcome.task_id]
+    if not served:
+        return
+    with app.events.default_dispatcher(hostname=hostname) as dispatcher:
+        for outcome in served:
+            dispatcher.send(
+                event_type(outcome.status),
+                uuid=outcome.task_id,
+                result=saferepr(as_result(outcome)),
+                outcome=outcome.status,
+                epochs=outcome.epochs,
+            )

@@ -1,0 +1,293 @@
+"""Operators see fencing at work, through real ``celery worker`` processes, a private Redis broker and
+PostgreSQL: task events whose states name each outcome (a request whose write was refused as stale shows
+LOST_OWNERSHIP, then its final state with epochs >= 1), while ``AsyncResult.get()`` still returns the
+outcome dict.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import Celery
+from celery.events.state import State
+
+from admin.harness import (
+    CeleryProcess,
+    RedisServer,
+    process_state,
+    redis_server,
+    start_all,
+    stop_all,
+    wait_until,
+    worker_env,
+)
+from fencing import LeaseManager
+from reservations import Inventory
+from reservations.requests import RequestResult
+from tasks import ReservationClient, ReservationHandle, Settings, create_app, request_id
+from tests.workers import pg_schema
+
+pytestmark = pytest.mark.slow
+
+TTL = 1.0  # short: the paused holder's lease must run out while it is stopped
+TIMEOUT = 30.0
+FAILPOINTS = "in_write=stop,once"
+
+
+class Events:
+    """Every event the cluster sends, captured by a receiver thread of this test process."""
+
+    def __init__(self, app: Celery) -> None:
+        self.app = app
+        self.received: list[dict[str, Any]] = []
+        self.lock = threading.Lock()
+        self.connection = app.connection_for_read()
+        self.receiver = app.events.Receiver(self.connection, handlers={"*": self._on})
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _on(self, event: dict[str, Any]) -> None:
+        with self.lock:
+            self.received.append(event)
+
+    def _run(self) -> None:
+        self.receiver.capture(limit=None, timeout=None, wakeup=False)
+
+    def start(self) -> None:
+        """Start capturing; returns once a probe event of ours came back (the fanout is bound)."""
+        self.thread.start()
+
+        def probed() -> bool:
+            with self.app.events.default_dispatcher() as dispatcher:
+                dispatcher.send("probe-ready")
+            return any(e["type"] == "probe-ready" for e in self.copy())
+
+        wait_until(probed, timeout=TIMEOUT, what="the event receiver to see its probe", interval=0.2)
+
+    def stop(self) -> None:
+        self.receiver.should_stop = True
+        self.thread.join(timeout=10)
+        self.connection.release()
+
+    def copy(self) -> list[dict[str, Any]]:
+        with self.lock:
+            return list(self.received)
+
+    def of(self, task_id: str) -> list[dict[str, Any]]:
+        return [e for e in self.copy() if e.get("uuid") == task_id]
+
+    def state(self) -> State:
+        """The events as Flower's state machine (celery.events.state) reads them."""
+        state = State()
+        for event in self.copy():
+            state.event(event)
+        return state
+
+    def final_state(self, task_id: str, wanted: str) -> str:
+        def reached() -> str | None:
+            task = self.state().tasks.get(task_id)
+            return task.state if task is not None and task.state == wanted else None
+
+        try:
+            return wait_until(reached, timeout=TIMEOUT, what=f"task {task_id} to reach {wanted}")
+        except TimeoutError:
+            seen = [(e["type"], e.get("outcome")) for e in self.of(task_id)]
+            raise AssertionError(f"events of {task_id}: {seen}") from None
+
+
+@dataclass
+class Cluster:
+    workers: list[CeleryProcess]
+    settings: Settings
+    failpoints: Path
+    client: ReservationClient
+    inventory: Inventory
+    leases: LeaseManager
+    app: Celery
+    events: Events
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def arm(self, point: str) -> None:
+        (self.failpoints / point).unlink(missing_ok=True)
+
+    def result(self, handle: ReservationHandle) -> RequestResult:
+        try:
+            return handle.result_sync(timeout=TIMEOUT)
+        except TimeoutError as exc:
+            tails = "\n".join(worker.tail() for worker in self.workers)
+            raise AssertionError(f"{exc}\n{tails}") from None
+
+    def stopped_child(self) -> int | None:
+        return next((c for w in self.workers if (c := w.stopped_child()) is not None), None)
+
+
+@contextmanager
+def cluster(workdir: Path, server: RedisServer, **variables: str) -> Iterator[Cluster]:
+    """Two prefork workers (one pool child each) with task events on and a one-shot in_write failpoint,
+    disarmed; SQL leases on the inventory database."""
+    failpoints = workdir / "failpoints"
+    failpoints.mkdir(parents=True, exist_ok=True)
+    (failpoints / "in_write").touch()
+    with pg_schema() as db:
+        settings = Settings.from_env(
+            {
+                "RESERVATIONS_BROKER_URL": server.url(0),
+                "RESERVATIONS_RESULT_BACKEND": server.url(1),
+                "RESERVATIONS_DATABASE_URL": db,
+                "RESERVATIONS_LEASE_TTL": str(TTL),
+                "RESERVATIONS_TASK_EVENTS": "1",
+                # A busy lease dead-letters an order-like request at once: a dead letter on demand.
+                "RESERVATIONS_MAX_RETRIES": "0",
+                "RESERVATIONS_FAILPOINTS": FAILPOINTS,
+                "RESERVATIONS_FAILPOINT_DIR": str(failpoints),
+                **variables,
+            }
+        )
+        env = worker_env(settings)
+        workers = [CeleryProcess(f"obs{n}", env, workdir / f"obs{n}.log") for n in (1, 2)]
+        app = create_app(settings)
+        events = Events(app)
+        events.start()
+        inventory = Inventory.from_url(db)
+        leases = LeaseManager.from_url(settings.lease_url)
+        client = ReservationClient(create_app(settings))
+        try:
+            start_all(workers)
+            yield Cluster(workers, settings, failpoints, client, inventory, leases, app, events)
+        finally:
+            stop_all(workers)
+            events.stop()
+            client.close()
+            client.app.close()
+            leases.close()
+            inventory.close()
+            app.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    with redis_server(tmp_path_factory.mktemp("redis")) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def running(server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    with cluster(tmp_path_factory.mktemp("observed"), server) as started:
+        yield started
+
+
+@dataclass(frozen=True)
+class StaleWrite:
+    """A request whose first attempt wrote with a stale token (refused), and the request that took over."""
+
+    late: RequestResult
+    winner: RequestResult
+    paused_child: int
+    paused_token: int
+
+
+def stale_write(run: Cluster, sku: str) -> StaleWrite:
+    """Scripted: A stops inside its write (failpoint in_write), its lease runs out, B takes a newer token
+    and reserves; A resumes and sends its write, which the stock row refuses; A is driven again."""
+    run.inventory.add_sku(sku, on_hand=10)
+    run.arm("in_write")
+    late = run.client.enqueue_reservation_sync(sku, 2, idempotency_key=f"{sku}-late")
+    child = wait_until(run.stopped_child, timeout=TIMEOUT, what="a worker to stop inside its write")
+    try:
+        wait_until(
+            lambda: run.leases.current(f"sku:{sku}") is None,
+            timeout=TIMEOUT,
+            what="the stopped holder's lease to run out",
+        )
+        assert process_state(child) == "T"
+        holder = f"{socket.gethostname()}:{child}:{request_id(f'{sku}-late')}"
+        (acquired,) = [e for e in run.leases.history(f"sku:{sku}") if e.holder == holder]
+        winner = run.result(run.client.enqueue_reservation_sync(sku, 3, idempotency_key=f"{sku}-winner"))
+        assert winner.status == "reserved"
+    finally:
+        os.kill(child, signal.SIGCONT)
+    outcome = run.result(late)
+    rejected = [h for h in run.inventory.history(sku) if h.kind == "rejected"]
+    assert [(h.token, h.highest_token) for h in rejected] == [(acquired.token, winner.detail["token"])]
+    return StaleWrite(outcome, winner, child, acquired.token)
+
+
+# -- Celery states ---------------------------------------------------------------------------------------
+
+
+def test_each_outcome_has_its_own_state_and_get_still_returns_the_outcome(running: Cluster) -> None:
+    run = running
+    run.inventory.add_sku("OBS-P", on_hand=10)
+    run.inventory.add_sku("OBS-S", on_hand=1)
+    run.inventory.add_sku("OBS-D", on_hand=1)
+    handles = {
+        "RESERVED": run.client.enqueue_reservation_sync("OBS-P", 1, idempotency_key="obs-reserved"),
+        "INSUFFICIENT_STOCK": run.client.enqueue_reservation_sync("OBS-S", 5, idempotency_key="obs-short"),
+        "INVALID": run.client.enqueue_reservation_sync("OBS-NONE", 1, idempotency_key="obs-invalid"),
+    }
+    # A restock that finds its SKU's lease held (by this test) is dead-lettered: no busy retries allowed.
+    with run.leases.hold("sku:OBS-D", ttl=30, holder="test:holder"):
+        handles["DEAD_LETTERED"] = run.client.enqueue_sync(
+            "restock", idempotency_key="obs-dead", sku="OBS-D", quantity=1
+        )
+        assert run.result(handles["DEAD_LETTERED"]).status == "dead_lettered"
+
+    for state, handle in handles.items():
+        outcome = run.result(handle)
+        assert outcome.status == state.lower()
+        assert run.events.final_state(handle.task_id, state) == state
+        (final,) = [e for e in run.events.of(handle.task_id) if e["type"] == f"task-{outcome.status}"]
+        assert (final["outcome"], final["epochs"]) == (outcome.status, 0)
+        assert f"'status': '{outcome.status}'" in final["result"]
+        assert final["runtime"] > 0
+        # Celery's own success event is replaced by the named one, never sent beside it.
+        assert "task-succeeded" not in [e["type"] for e in run.events.of(handle.task_id)]
+        # The result backend still says SUCCESS with the outcome dict: get() returns it.
+        result = run.app.AsyncResult(handle.task_id)
+        got = result.get(timeout=TIMEOUT)
+        assert result.state == "SUCCESS" and result.ready()
+        assert (got["status"], got["key"], got["epochs"]) == (outcome.status, outcome.key, 0)
+
+
+def test_a_stale_write_shows_lost_ownership_then_the_redriven_outcome(running: Cluster) -> None:
+    run = running
+    stale = stale_write(run, "OBS-Q")
+    assert stale.late.status == "reserved" and stale.late.epochs == 1
+    task_id = request_id("OBS-Q-late")
+
+    assert run.events.final_state(task_id, "RESERVED") == "RESERVED"
+    kinds = [e["type"] for e in run.events.of(task_id)]
+    assert "task-lost_ownership" in kinds and kinds[-1] == "task-reserved", kinds
+    assert kinds.index("task-lost_ownership") < kinds.index("task-reserved")
+    (lost,) = [e for e in run.events.of(task_id) if e["type"] == "task-lost_ownership"]
+    assert {k: lost[k] for k in ("scope", "token", "highest", "lost_by", "epoch", "key")} == {
+        "scope": "sku:OBS-Q",
+        "token": stale.paused_token,
+        "highest": stale.winner.detail["token"],
+        "lost_by": "StaleToken",
+        "epoch": 0,
+        "key": "OBS-Q-late",
+    }
+    assert lost["holder"] == f"{socket.gethostname()}:{stale.paused_child}:{task_id}"
+    assert lost["lease_id"] and "driven again in epoch 1" in lost["exception"]
+    (final,) = [e for e in run.events.of(task_id) if e["type"] == "task-reserved"]
+    assert final["epochs"] == 1
+
+    # Between the two, Flower's state machine shows LOST_OWNERSHIP: replay the events up to the retry.
+    state = State()
+    for event in run.events.copy():
+        state.event(event)
+        if event.get("uuid") == task_id and event["type"] == "task-lost_ownership":
+            break
+    assert state.tasks[task_id].state == "LOST_OWNERSHIP"
+
+    got = run.app.AsyncResult(task_id).get(timeout=TIMEOUT)
+    assert (got["status"], got["epochs"]) == ("reserved", 1)
