@@ -19,7 +19,7 @@ from reservations.reads import STOCK_COLUMNS
 
 # The operations whose key may write at most once; a confirm or release key writes once per reservation
 # it finishes, so duplicates there are judged by whoever knows the requests (the chaos checker).
-ONCE_PER_KEY = ("reserve", "reserve_many", "restock", "adjust")
+ONCE_PER_KEY = ("reserve", "reserve_many", "restock", "adjust", "count", "replenish")
 
 
 class Rule(StrEnum):
