@@ -2,8 +2,8 @@
 holds a SKU's lease when its host is cut off from the lease Redis, both ways, while it keeps its database
 connection. Its write has passed the lease's local checks and is delayed on its way (the ``in_write``
 failpoint: the delayed packet); meanwhile its renewal fails, the lease runs out, and a newer holder takes
-the next token and writes. The delayed write arrives anyway. The stock row refuses that write; after the heal every
-request ends with one outcome, and nothing of the host is left on the machine.
+the next token and writes. The delayed write arrives anyway. The stock row refuses that write; after the
+heal every request ends with one outcome, and nothing of the host is left on the machine.
 
 Needs root and ``ip netns`` (skipped with the reason otherwise).
 """
