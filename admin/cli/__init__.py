@@ -35,9 +35,14 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # Help paragraphs are plain text: a docstring's line breaks are joined and rewrapped at the terminal's
+    # width (with Rich markup they were kept, and a narrow terminal broke every line twice).
+    rich_markup_mode=None,
 )
 db_app = typer.Typer(
-    help="Database schema (Alembic migrations shipped with the package).", no_args_is_help=True
+    help="Database schema (Alembic migrations shipped with the package).",
+    no_args_is_help=True,
+    rich_markup_mode=None,
 )
 app.add_typer(db_app, name="db")
 
@@ -74,6 +79,10 @@ def _root(
         config.settings = Settings.from_env(options={k: v for k, v in given.items() if v})
     except SettingsError as exc:
         fail(EXIT_USAGE, str(exc))
+    if config.settings.log_format == "json":
+        from tasks.logs import use_json_on_stderr  # only then: importing tasks loads Celery
+
+        use_json_on_stderr()
 
 
 # The commands in the order the help lists them: reads, then writes, then the scenario runs.

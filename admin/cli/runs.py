@@ -153,6 +153,7 @@ def chaos_command(
     seconds, link, skipped, requests, outcomes, stale_refused, violations}].
 
     Example: reservations chaos --workers 3 --skus 3 --requests 120 --duration 20
+
     Example: reservations chaos --workers 4 --duration 30 --partitions
     """
     from admin import chaos
