@@ -71,6 +71,10 @@ def test_fenced_run_is_clean_and_lease_only_run_is_not_with_a_batched_flash_sale
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads(done.stdout)
     fenced, lease_only = report["fenced"], report["lease_only"]
+    # The run says what it is doing as it goes (on stderr beside the JSON; one line per phase in a pipe).
+    for mode in ("fenced", "lease-only"):
+        for phase in ("sending 50 requests", "waiting for every request's outcome", "checking the database"):
+            assert f"{mode}: {phase}" in done.stderr, done.stderr
 
     assert fenced["violations"] == 0, fenced["checks"]
     assert fenced["rejected_stale_writes"] >= 1, fenced

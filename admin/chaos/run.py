@@ -36,6 +36,7 @@ from admin.chaos.options import (
     WATCH_EVERY,
     Options,
 )
+from admin.chaos.progress import Progress
 from admin.chaos.report import RunReport, print_nemeses, print_table, write_json
 from admin.chaos.workload import Workload, flash_stock
 from admin.picture import save_timeline
@@ -97,23 +98,39 @@ def run_once(options: Options, *, fenced: bool, folder: Path, console: Console) 
     if options.hot > 0:
         report.hot_sku, report.hot_stock = HOT_SKU, flash_stock(options)
         initial[HOT_SKU] = report.hot_stock
-    with harness_failures(), cluster(options, fenced=fenced, folder=folder) as up:
-        console.print(_describe(options, report), highlight=False)
-        with Inventory.from_url(up.database_url) as inventory:
-            for sku, units in initial.items():
-                inventory.add_sku(sku, on_hand=units)
-            runs = drive(options, inventory, skus, up, report)
-            report.checks = check(up.database_url, initial, report.sent)
-            report.nemeses = nemesis_figures(up.database_url, runs, report.checks)
-            _read_database(up.database_url, inventory, report)
-            report.picture = save_timeline(
-                options.pictures / f"timeline-{mode}.svg",
-                f"{mode}: {options.workers} workers, {options.requests} requests",
-                {sku: inventory.history(sku, limit=10_000) for sku in initial},
-            )
-        _read_processes(up, report)
+    console.print(_describe(options, report), highlight=False)
+    with Progress(console, mode) as progress, harness_failures():
+        progress.phase("starting PostgreSQL schema, redis-servers, workers and beat")
+        with cluster(options, fenced=fenced, folder=folder) as up:
+            _one_run(options, up, report, initial, skus, progress)
+            progress.phase("stopping workers and servers")
     report.seconds = time.monotonic() - started
     return report
+
+
+def _one_run(
+    options: Options,
+    up: Cluster,
+    report: RunReport,
+    initial: dict[str, int],
+    skus: list[str],
+    progress: Progress,
+) -> None:
+    mode = report.mode
+    with Inventory.from_url(up.database_url) as inventory:
+        for sku, units in initial.items():
+            inventory.add_sku(sku, on_hand=units)
+        runs = drive(options, inventory, skus, up, report, progress)
+        progress.phase("checking the database")
+        report.checks = check(up.database_url, initial, report.sent)
+        report.nemeses = nemesis_figures(up.database_url, runs, report.checks)
+        _read_database(up.database_url, inventory, report)
+        report.picture = save_timeline(
+            options.pictures / f"timeline-{mode}.svg",
+            f"{mode}: {options.workers} workers, {options.requests} requests",
+            {sku: inventory.history(sku, limit=10_000) for sku in initial},
+        )
+    _read_processes(up, report)
 
 
 def _describe(options: Options, report: RunReport) -> str:
@@ -210,7 +227,12 @@ class Sweeper:
 
 
 def drive(
-    options: Options, inventory: Inventory, skus: list[str], up: Cluster, report: RunReport
+    options: Options,
+    inventory: Inventory,
+    skus: list[str],
+    up: Cluster,
+    report: RunReport,
+    progress: Progress,
 ) -> list[NemesisRun]:
     """Send the stream while injecting faults, then wait (still resuming frozen children, and healing a
     nemesis still in place) for outcomes; the network nemeses as they happened."""
@@ -237,15 +259,19 @@ def drive(
         resume,
         sweep,
     ]
+    progress.phase(f"sending {options.requests} requests over {options.duration:g}s, with faults")
     try:
         while not stream.done:
             now = time.monotonic()
             for step in steps:
                 step.step(now)
+            faults = sum(report.faults.values())
+            progress.tick(f"{len(workload.sent)}/{options.requests} requests sent, {faults} faults so far")
             time.sleep(WATCH_EVERY if any(step.watching(now) for step in steps) else TICK)
         kill.wait_restarted()
         housekeeping: list[Step] = [resume, sweep, *([nemeses] if nemeses is not None else [])]
-        _drain(options, inventory, client, workload, report, up.database_url, housekeeping)
+        progress.phase("waiting for every request's outcome")
+        _drain(options, inventory, client, workload, report, up.database_url, housekeeping, progress)
     finally:
         runs = nemeses.close() if nemeses is not None else []
         client.close()
@@ -263,6 +289,7 @@ def _drain(
     report: RunReport,
     database_url: str,
     steps: list[Step],
+    progress: Progress,
 ) -> None:
     """Wait for every request's outcome (up to ``options.drain``), still taking ``steps``; once, after
     RESEND_AFTER, send again what has no outcome and is not waiting to be served in a batch."""
@@ -273,6 +300,7 @@ def _drain(
         for step in steps:
             step.step(time.monotonic())
         pending = {key for key in pending if inventory.request_outcome(key) is None}
+        progress.tick(f"waiting for {len(pending)} of {len(workload.sent)} outcomes")
         if pending and resend_at is not None and time.monotonic() >= resend_at:
             _resend(client, workload, report, pending, database_url)
             resend_at = None

@@ -180,7 +180,7 @@ def chaos_command(
         nemeses=chosen,
     )
     try:
-        ok = chaos.run(options, None if as_json else out, as_json=as_json)
+        ok = chaos.run(options, None if as_json else narrative(), as_json=as_json)
     except chaos.ChaosFailed as exc:
         fail(EXIT_FAILED, str(exc))
     except KeyboardInterrupt:
