@@ -138,7 +138,18 @@ class LeasePlans:
         info: LeaseInfo | None = yield Atomic(self.core.break_lease(validate_scope(scope), reason))
         if info is not None:
             log.warning(
-                "lease on %r (token %d, holder %r) broken: %s", scope, info.token, info.holder, reason
+                "lease on %r (token %d, holder %r) broken: %s",
+                scope,
+                info.token,
+                info.holder,
+                reason,
+                extra={
+                    "event": "lease_broken",
+                    "scope": scope,
+                    "token": info.token,
+                    "holder": info.holder,
+                    "reason": reason,
+                },
             )
         return info
 
@@ -169,6 +180,16 @@ class LeasePlans:
             error.highest,
             old,
             new,
+            extra={
+                "event": "token_regression_repaired",
+                "scope": lease.scope,
+                "token": lease.token,
+                "highest": error.highest,
+                "holder": lease.holder,
+                "lease_id": lease.lease_id,
+                "counter_from": old,
+                "counter_to": new,
+            },
         )
         return True
 

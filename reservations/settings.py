@@ -195,6 +195,9 @@ class Settings:
         3600,
     )
     heartbeat_file: str = _setting("", "a consuming worker touches this file every 5 s (health checks)")
+    log_format: str = _setting(
+        "text", "text or json: json writes each log line of workers, beat and the CLI as one JSON object"
+    )
     task_events: bool = _setting(
         False,
         "1: workers send task events, as celery worker -E does (Flower, celery events); a request's event "
@@ -210,6 +213,8 @@ class Settings:
     def __post_init__(self) -> None:
         if not self.lease_url:
             object.__setattr__(self, "lease_url", self.database_url)
+        if self.log_format not in ("text", "json"):
+            raise SettingsError(f"{PREFIX}LOG_FORMAT must be text or json, got {self.log_format!r}")
         # Redelivery must never overtake a live attempt: an unacked message comes back only after the
         # longest a lease can be held plus the retry countdowns in between.
         if self.visibility_timeout < 4 * self.lease_ttl:

@@ -8,13 +8,16 @@ is Redis or RabbitMQ (classic queues); each gets only the transport options it u
 
 from __future__ import annotations
 
+import logging
 import sys
 from typing import Any
 
 import click
 from celery import Celery
+from celery.signals import after_setup_logger, after_setup_task_logger
 
 from tasks.heartbeat import HeartbeatFile
+from tasks.logs import use_json
 from tasks.settings import Settings, SettingsError
 
 _SHORT_RETRIES = {
@@ -104,6 +107,15 @@ class _FromEnvironment(Celery):  # type: ignore[misc]
 
     def on_configure(self) -> None:
         configure(self, Settings.from_env())
+
+
+@after_setup_logger.connect
+@after_setup_task_logger.connect
+def _log_format(logger: logging.Logger | None = None, **_: Any) -> None:
+    """Celery has set up a worker's or beat's log handlers: with RESERVATIONS_LOG_FORMAT=json they write
+    one JSON object per line, with each record's fields (:mod:`tasks.logs`)."""
+    if logger is not None and settings_of(app).log_format == "json":
+        use_json(logger.handlers)
 
 
 def _with_steps(app: Celery) -> Celery:

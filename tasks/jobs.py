@@ -20,7 +20,6 @@ from fencing import (
     Lease,
     LeaseBusy,
     LostOwnership,
-    StaleToken,
 )
 from reservations import (
     InsufficientStock,
@@ -31,12 +30,12 @@ from reservations import validation as valid
 from reservations.messages import Message
 from reservations.requests import AlreadyApplied, task_name
 from reservations.statuses import SUCCEEDED, AttemptResult, RequestStatus
-from tasks import policy
+from tasks import logs, observe, policy
 from tasks.answers import answer, as_result, reply
 from tasks.app import app, settings_of
 from tasks.failpoints import failpoint
 from tasks.serving import Batchable, serve_pending, serve_quietly, then_serve, wait_for_holder
-from tasks.states import OutcomeRequest, Redriven
+from tasks.states import OutcomeRequest, Redriven, announce_lost
 from tasks.work import Work, work_of
 from tasks.worker import Resources, resources, worker_identity
 
@@ -44,6 +43,12 @@ log = logging.getLogger("tasks")
 
 
 def run_request(task: Task, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    # Every line logged while it runs (in fencing too) names the task, its worker, the key and epoch.
+    with logs.bound(task_id=task.request.id, worker=worker_identity()):
+        return _run_request(task, name, args, kwargs)
+
+
+def _run_request(task: Task, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
     """One attempt at a request; returns its final outcome (or "queued", not stored, for a request queued
     for its SKU's lease holder: the server of its batch writes its result) or raises Celery's Retry.
 
@@ -80,6 +85,7 @@ def run_request(task: Task, name: str, args: tuple[Any, ...], kwargs: dict[str, 
                 **who,
             )
             return as_result(stored)
+        logs.note(key=message.key, operation=message.operation, epoch=message.counts["epoch"])
         if transient > settings.max_transient_retries:
             return _give_up(task, res, message, who, "the backend stayed unreachable")
         work = work_of(message)
@@ -111,7 +117,7 @@ def run_request(task: Task, name: str, args: tuple[Any, ...], kwargs: dict[str, 
             raise
         # A bug or an unforeseen input must still end the request, or its caller waits forever.
         key = message.key if message is not None else sent.get("idempotency_key")
-        log.exception("request %s failed unexpectedly", key)
+        log.exception("request %s failed unexpectedly", key, extra={"event": "unexpected_error", "key": key})
         if message is not None:
             with suppress(Exception):
                 res.inventory.record_outcome(
@@ -130,6 +136,7 @@ def _give_up(
     task: Task, res: Resources, message: Message, who: dict[str, Any], error: str
 ) -> dict[str, Any]:
     """Dead-letter a request whose backend stayed unreachable through every transient retry."""
+    observe.dead_lettered(message, f"backend unavailable: {error[:200]}", who)
     stored = res.inventory.record_outcome(
         message.key,
         message.operation,
@@ -207,9 +214,9 @@ def _attempt(
     except LeaseBusy as busy:
         if batch is not None:
             return wait_for_holder(task, res, message, batch, who)
-        return _busy(task, res, message, work, busy, final, again)
+        return _busy(task, res, message, work, busy, final, again, who)
     except LostOwnership as lost:
-        return _lost(res, message, lost, lease_token, final, again, who)
+        return _lost(task, res, message, lost, lease_token, final, again, who)
 
 
 Final = Callable[[str, dict[str, Any]], dict[str, Any]]
@@ -224,6 +231,7 @@ def _busy(
     busy: LeaseBusy,
     final: Final,
     again: Again,
+    who: dict[str, Any],
 ) -> dict[str, Any]:
     """A lease found busy by a request that cannot wait for its holder: retry later, within a budget."""
     if work.run is not None:  # it did not look before taking the lease: a copy may have ended it
@@ -231,11 +239,13 @@ def _busy(
         if done is not None:
             return answer(task, message, done)
     if message.counts["busy"] >= res.settings.max_retries:
+        observe.dead_lettered(message, "lease busy", who, **observe.busy_facts(busy))
         return final(RequestStatus.DEAD_LETTERED, {"reason": "lease busy", "holder": busy.holder})
     raise again("busy", policy.jitter(busy.retry_after, message.counts["busy"]), None) from None
 
 
 def _lost(
+    task: Task,
     res: Resources,
     message: Message,
     lost: LostOwnership,
@@ -248,52 +258,22 @@ def _lost(
     back to coordination: a new task run takes a new lease, and the idempotency key keeps an effect that
     already landed from being applied twice."""
     key, operation, epoch = message.key, message.operation, message.counts["epoch"]
-    log.warning(
-        "lost ownership of %s (token %s) in task %s on %s: %s",
-        lost.scope,
-        lost.token,
-        who["task_id"],
-        who["worker"],
-        lost,
-    )
+    fields = observe.lost_ownership(lost, lease_token, message, **who)
     res.inventory.record_attempt(
         key, operation, AttemptResult.LOST_OWNERSHIP,
         token=lost.token or lease_token, detail=policy.printable(lost), **who,
     )  # fmt: skip
     if epoch + 1 >= res.settings.max_epochs:
         reason = f"lost ownership {epoch + 1} times"
+        observe.dead_lettered(message, reason, who, **_facts(fields))
         return final(RequestStatus.DEAD_LETTERED, {"reason": reason, "last": str(lost)})
-    fields = lost_fields(lost, lease_token, epoch, key=key, operation=operation, **who)
     redriven = Redriven(f"{policy.printable(lost)}; driven again in epoch {epoch + 1}", fields)
+    announce_lost(task, redriven)
     raise again("epoch", policy.jitter(0.01, epoch), redriven) from None
 
 
-def lost_fields(
-    lost: LostOwnership,
-    lease_token: int | None,
-    epoch: int,
-    *,
-    key: str,
-    operation: str,
-    task_id: str,
-    worker: str,
-) -> dict[str, Any]:
-    """What tells one lost epoch from another: the scope, the token presented and the highest the resource
-    had accepted (a refused write; None when the lease was gone before the write), the holder and lease
-    id, the request and its epoch. No field is named ``worker``: a task event's ``worker`` is Celery's."""
-    return {
-        "scope": lost.scope,
-        "token": lost.token or lease_token,
-        "highest": lost.highest if isinstance(lost, StaleToken) else None,
-        "holder": f"{worker}:{task_id}",
-        "lease_id": lost.lease_id,
-        "epoch": epoch,
-        "lost_by": type(lost).__name__,
-        "key": key,
-        "operation": operation,
-        "task_id": task_id,
-        "process": worker,
-    }
+def _facts(fields: dict[str, Any]) -> dict[str, Any]:
+    return {name: fields[name] for name in ("scope", "token", "highest", "holder", "lease_id")}
 
 
 # The request tasks take their arguments as sent and check them in :func:`messages.parse`, so that a

@@ -15,6 +15,7 @@ from fencing import Lease, LeaseBusy, LostOwnership
 from reservations import validation as valid
 from reservations.messages import Message
 from reservations.requests import RequestResult, task_name
+from tasks import observe
 from tasks.answers import answer, as_result, conflict, reply
 from tasks.app import app
 from tasks.failpoints import failpoint
@@ -164,6 +165,8 @@ def serve_pending(
         except LostOwnership as lost:
             # Terminal for this lease: the batch rolled back and its requests stay queued for the next
             # holder or the watch.
-            log.warning("lost ownership of %s while serving pending reservations: %s", sku, lost)
+            observe.lost_ownership(
+                lost, None, None, "serving pending reservations", task_id=task_id, worker=worker
+            )
             break
     return served

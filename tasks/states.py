@@ -18,21 +18,26 @@ queued for its SKU's holder    none (stays STARTED); the server    SUCCESS, writ
 
 The final event replaces Celery's ``task-succeeded`` and keeps its ``result`` and ``runtime`` fields and
 adds ``outcome`` and ``epochs`` (a request that lost ownership and was driven again ends with epochs >= 1,
-after its LOST_OWNERSHIP events). Events are sent by the worker's main process, which reads the status
-from the front of the result's repr: every answer starts with it (:func:`tasks.answers.reply`).
+after its LOST_OWNERSHIP events). It is sent by the worker's main process, which reads the status from
+the front of the result's repr: every answer starts with it (:func:`tasks.answers.reply`). The
+lost-ownership event is sent by the pool child before it publishes the retry, so it always arrives
+before the next attempt's events (a custom state is overtaken only by a later custom or final one).
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any
 
-from celery import Celery
+from celery import Celery, Task
 from celery.utils.saferepr import saferepr
 from celery.worker.request import Request
 
 from reservations.requests import RequestResult
 from tasks.answers import as_result
+
+log = logging.getLogger("tasks")
 
 QUEUED = "queued"
 LOST_OWNERSHIP = "task-lost_ownership"
@@ -90,13 +95,27 @@ class OutcomeRequest(Request):  # type: ignore[misc]
         super().send_event(type, **fields)
 
     def on_retry(self, exc_info: Any) -> None:
-        reason = getattr(exc_info.exception, "exc", None)
-        if not isinstance(reason, Redriven):
+        if not isinstance(getattr(exc_info.exception, "exc", None), Redriven):
             super().on_retry(exc_info)
             return
+        # No task-retried: the pool child sent task-lost_ownership before publishing the retry. Sent from
+        # here it could arrive after the next attempt's final event (another worker may run that attempt
+        # at once), and would then stand as the task's state for good.
         if self.task.acks_late:
             self.acknowledge()
-        self.send_event(LOST_OWNERSHIP, exception=saferepr(reason), **reason.fields)
+
+
+def announce_lost(task: Task, reason: Redriven) -> None:
+    """From the pool child, before the retry is published: the attempt lost ownership (module docstring).
+    Sent only when this worker sends task events; a failure to send is logged, never raised."""
+    if not _task_events["on"]:
+        return
+    # A task event's ``worker`` is Celery's (the node): the process that lost goes as ``process``.
+    fields = {("process" if name == "worker" else name): v for name, v in reason.fields.items()}
+    try:
+        task.send_event(LOST_OWNERSHIP, retry=False, exception=saferepr(reason), **fields)
+    except Exception as exc:
+        log.warning("could not send the lost-ownership event of %s: %s", task.request.id, exc)
 
 
 def note_task_events(on: bool) -> None:

@@ -1,11 +1,13 @@
 """Operators see fencing at work, through real ``celery worker`` processes, a private Redis broker and
-PostgreSQL: task events whose states name each outcome (a request whose write was refused as stale shows
-LOST_OWNERSHIP, then its final state with epochs >= 1), while ``AsyncResult.get()`` still returns the
-outcome dict.
+leases, and PostgreSQL: task events whose states name each outcome (a request whose write was refused as
+stale shows LOST_OWNERSHIP, then its final state with epochs >= 1), while ``AsyncResult.get()`` still
+returns the outcome dict; JSON log lines whose fields carry each fencing event's facts.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import signal
 import socket
@@ -17,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 from celery import Celery
 from celery.events.state import State
 
@@ -31,14 +34,15 @@ from admin.harness import (
     worker_env,
 )
 from fencing import LeaseManager
-from reservations import Inventory
+from reservations import Inventory, schema
 from reservations.requests import RequestResult
 from tasks import ReservationClient, ReservationHandle, Settings, create_app, request_id
+from tasks.logs import use_json_on_stderr
 from tests.workers import pg_schema
 
 pytestmark = pytest.mark.slow
 
-TTL = 1.0  # short: the paused holder's lease must run out while it is stopped
+TTL = 1.5  # short: the paused holder's lease must run out while it is stopped
 TIMEOUT = 30.0
 FAILPOINTS = "in_write=stop,once"
 
@@ -128,11 +132,27 @@ class Cluster:
     def stopped_child(self) -> int | None:
         return next((c for w in self.workers if (c := w.stopped_child()) is not None), None)
 
+    def log_records(self) -> list[dict[str, Any]]:
+        """Every JSON line the workers logged (Celery's banner is printed, not logged: skipped)."""
+        records = []
+        for worker in self.workers:
+            for line in worker.log().splitlines():
+                if line.startswith("{"):
+                    records.append(json.loads(line))
+        return records
+
+    def logged(self, event: str, **match: Any) -> list[dict[str, Any]]:
+        return [
+            r
+            for r in self.log_records()
+            if r.get("event") == event and all(r.get(k) == v for k, v in match.items())
+        ]
+
 
 @contextmanager
 def cluster(workdir: Path, server: RedisServer, **variables: str) -> Iterator[Cluster]:
-    """Two prefork workers (one pool child each) with task events on and a one-shot in_write failpoint,
-    disarmed; SQL leases on the inventory database."""
+    """Two prefork workers (one pool child each) with task events on, JSON logs and a one-shot in_write
+    failpoint, disarmed; leases on the private Redis (database 2), which a test may wipe."""
     failpoints = workdir / "failpoints"
     failpoints.mkdir(parents=True, exist_ok=True)
     (failpoints / "in_write").touch()
@@ -142,8 +162,10 @@ def cluster(workdir: Path, server: RedisServer, **variables: str) -> Iterator[Cl
                 "RESERVATIONS_BROKER_URL": server.url(0),
                 "RESERVATIONS_RESULT_BACKEND": server.url(1),
                 "RESERVATIONS_DATABASE_URL": db,
+                "RESERVATIONS_LEASE_URL": server.url(2),
                 "RESERVATIONS_LEASE_TTL": str(TTL),
                 "RESERVATIONS_TASK_EVENTS": "1",
+                "RESERVATIONS_LOG_FORMAT": "json",
                 # A busy lease dead-letters an order-like request at once: a dead letter on demand.
                 "RESERVATIONS_MAX_RETRIES": "0",
                 "RESERVATIONS_FAILPOINTS": FAILPOINTS,
@@ -291,3 +313,106 @@ def test_a_stale_write_shows_lost_ownership_then_the_redriven_outcome(running: C
 
     got = run.app.AsyncResult(task_id).get(timeout=TIMEOUT)
     assert (got["status"], got["epochs"]) == ("reserved", 1)
+
+
+# -- structured logs -------------------------------------------------------------------------------------
+
+
+def test_fencing_events_are_json_lines_with_their_facts_as_fields(running: Cluster) -> None:
+    run = running
+    stale = stale_write(run, "OBS-J")
+    task_id = request_id("OBS-J-late")
+
+    # Lost ownership: the late write refused at the stock row.
+    (lost,) = wait_until(
+        lambda: run.logged("lost_ownership", key="OBS-J-late"), timeout=TIMEOUT, what="the lost line"
+    )
+    assert lost["level"] == "WARNING" and lost["logger"] == "tasks"
+    assert lost["message"].startswith("lost ownership of sku:OBS-J (token ")
+    assert {k: lost[k] for k in ("scope", "sku", "token", "highest", "task_id", "epoch", "lost_by")} == {
+        "scope": "sku:OBS-J",
+        "sku": "OBS-J",
+        "token": stale.paused_token,
+        "highest": stale.winner.detail["token"],
+        "task_id": task_id,
+        "epoch": 0,
+        "lost_by": "StaleToken",
+    }
+    assert lost["holder"] == f"{socket.gethostname()}:{stale.paused_child}:{task_id}"
+    assert lost["lease_id"] and lost["worker"] == f"{socket.gethostname()}:{stale.paused_child}"
+    # Every other line of that task carries its request's fields too (bound once per task).
+    mine = [r for r in run.log_records() if r.get("task_id") == task_id]
+    assert all(r["key"] == "OBS-J-late" for r in mine if r["logger"] == "tasks")
+
+    # A dead letter: a restock that finds its SKU's lease held (no busy retries allowed).
+    run.inventory.add_sku("OBS-K", on_hand=1)
+    with run.leases.hold("sku:OBS-K", ttl=30, holder="test:holder") as held:
+        handle = run.client.enqueue_sync("restock", idempotency_key="obs-k-dead", sku="OBS-K", quantity=1)
+        assert run.result(handle).status == "dead_lettered"
+    (dead,) = run.logged("dead_lettered", key="obs-k-dead")
+    assert {k: dead[k] for k in ("scope", "sku", "token", "holder", "task_id", "epoch", "reason")} == {
+        "scope": "sku:OBS-K",
+        "sku": "OBS-K",
+        "token": held.token,
+        "holder": "test:holder",
+        "task_id": request_id("obs-k-dead"),
+        "epoch": 0,
+        "reason": "lease busy",
+    }
+    assert {"highest", "lease_id"} <= set(dead)
+
+
+def test_a_token_regression_repair_is_a_json_line_naming_both_tokens_and_the_task(
+    running: Cluster, server: RedisServer
+) -> None:
+    """The lease Redis loses its data: the next holder gets a reissued token, its write is refused while
+    it is still the current holder, and the worker raises the counter and says so."""
+    run = running
+    run.inventory.add_sku("OBS-G", on_hand=10)
+    for n in range(3):
+        done = run.result(run.client.enqueue_reservation_sync("OBS-G", 1, idempotency_key=f"obs-g-{n}"))
+        assert done.status == "reserved"
+    highest = done.detail["token"]
+    wiped = redis.Redis.from_url(server.url(2))
+    wiped.flushdb()
+    wiped.close()
+
+    after = run.result(run.client.enqueue_reservation_sync("OBS-G", 1, idempotency_key="obs-g-after"))
+    assert after.status == "reserved" and after.epochs == 1 and after.detail["token"] > highest
+    task_id = request_id("obs-g-after")
+    (repaired,) = run.logged("token_regression_repaired", scope="sku:OBS-G")
+    assert repaired["logger"] == "fencing" and "regression" in repaired["message"]
+    assert repaired["token"] == 1 and repaired["highest"] == highest
+    assert repaired["counter_to"] >= highest  # the next token issued is above it
+    assert (repaired["task_id"], repaired["epoch"], repaired["key"]) == (task_id, 0, "obs-g-after")
+    assert repaired["holder"].endswith(f":{task_id}") and repaired["lease_id"]
+    (lost,) = run.logged("lost_ownership", key="obs-g-after")
+    assert (lost["token"], lost["highest"], lost["lease_id"]) == (1, highest, repaired["lease_id"])
+
+
+
+def test_the_command_line_setting_writes_warnings_as_json_on_stderr(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What the command line installs with RESERVATIONS_LOG_FORMAT=json, on a real lease broken by an
+    operator (a warning of the fencing package)."""
+    root = logging.getLogger()
+    before = list(root.handlers), root.level
+    use_json_on_stderr()
+    try:
+        url = f"sqlite:///{tmp_path / 'cli.sqlite3'}"
+        schema.upgrade(url)
+        with LeaseManager.from_url(url) as manager:
+            held = manager.acquire("sku:CLI", ttl=30, holder="someone")
+            manager.break_lease("sku:CLI", reason="operator")
+    finally:
+        root.handlers[:], _ = before
+        root.setLevel(before[1])
+    (line,) = [json.loads(x) for x in capsys.readouterr().err.splitlines() if x.startswith("{")]
+    assert (line["event"], line["scope"], line["token"], line["holder"]) == (
+        "lease_broken",
+        "sku:CLI",
+        held.token,
+        "someone",
+    )
+    assert line["level"] == "WARNING" and line["logger"] == "fencing" and "broken" in line["message"]

@@ -83,6 +83,10 @@ def _root(
         from tasks.logs import use_json_on_stderr  # only then: importing tasks loads Celery
 
         use_json_on_stderr()
+    if config.settings.log_format == "json":
+        from tasks.logs import use_json_on_stderr  # only then: importing tasks loads Celery
+
+        use_json_on_stderr()
 
 
 # The commands in the order the help lists them: reads, then writes, then the scenario runs.

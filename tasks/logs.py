@@ -1,0 +1,119 @@
+"""Structured logs: with ``RESERVATIONS_LOG_FORMAT=json`` every log line of a worker, beat or the command line
+is one JSON object, and the fencing events (lost ownership, token regression repaired, dead letter) carry
+their facts as fields rather than inside the sentence.
+
+A record's fields are its ``extra=``; a task binds its request (task id, worker, key, epoch) once, and
+:class:`RequestFields` adds them to every record logged while it runs, so a line logged deep in
+:mod:`fencing` (the regression repair) names the task and epoch it happened in.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import sys
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any
+
+__all__ = [
+    "FENCING_FIELDS",
+    "FORMATS",
+    "JsonFormatter",
+    "RequestFields",
+    "bound",
+    "fencing_fields",
+    "note",
+    "use_json",
+    "use_json_on_stderr",
+]
+
+FORMATS = ("text", "json")
+
+# The facts of a fencing event, present on each of its records (None where it does not apply): the
+# requirement's resource key, presented token, highest accepted token, owner and lease generation.
+FENCING_FIELDS = ("scope", "sku", "token", "highest", "holder", "lease_id", "task_id", "epoch")
+
+# Attributes every LogRecord has: whatever else a record carries came from ``extra=`` or a filter.
+_STANDARD = frozenset(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime"}
+
+_request: ContextVar[dict[str, Any] | None] = ContextVar("reservations_request", default=None)
+
+
+def fencing_fields(**known: Any) -> dict[str, Any]:
+    """The fencing event fields with ``known`` filled in; the SKU read from a ``sku:`` scope."""
+    fields: dict[str, Any] = dict.fromkeys(FENCING_FIELDS)
+    fields.update(known)
+    scope = fields.get("scope")
+    if fields["sku"] is None and isinstance(scope, str) and scope.startswith("sku:"):
+        fields["sku"] = scope.removeprefix("sku:")
+    return fields
+
+
+@contextmanager
+def bound(**fields: Any) -> Iterator[dict[str, Any]]:
+    """Bind request fields to the records logged in this block (this thread or task); the dict yielded
+    can be updated as more is known (the key and epoch once the message is parsed)."""
+    current = dict(fields)
+    token = _request.set(current)
+    try:
+        yield current
+    finally:
+        _request.reset(token)
+
+
+def note(**fields: Any) -> None:
+    """Add to the bound request's fields (nothing bound: nothing to add to)."""
+    current = _request.get()
+    if current is not None:
+        current.update(fields)
+
+
+class RequestFields(logging.Filter):
+    """Adds the bound request's fields to a record that does not carry them itself."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        fields = _request.get()
+        if fields:
+            for name, value in fields.items():
+                if not hasattr(record, name):
+                    setattr(record, name, value)
+        return True
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per record: time (ISO 8601 UTC), level, logger, message, then every field."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "time": dt.datetime.fromtimestamp(record.created, dt.UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        entry.update((k, v) for k, v in record.__dict__.items() if k not in _STANDARD and k not in entry)
+        if record.exc_info:
+            entry["exc_info"] = self.formatException(record.exc_info)
+        if record.stack_info:
+            entry["stack_info"] = self.formatStack(record.stack_info)
+        return json.dumps(entry, default=str, ensure_ascii=False)
+
+
+def use_json(handlers: Iterable[logging.Handler]) -> None:
+    """Format ``handlers`` as JSON and give their records the bound request's fields."""
+    for handler in handlers:
+        handler.setFormatter(JsonFormatter())
+        if not any(isinstance(f, RequestFields) for f in handler.filters):
+            handler.addFilter(RequestFields())
+
+
+def use_json_on_stderr(level: int = logging.WARNING) -> None:
+    """For a process that configures no logging of its own (the command line): JSON lines on stderr."""
+    root = logging.getLogger()
+    handler = logging.StreamHandler(sys.stderr)
+    use_json([handler])
+    root.addHandler(handler)
+    if root.level == logging.NOTSET or root.level > level:
+        root.setLevel(level)

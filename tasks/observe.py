@@ -1,0 +1,87 @@
+"""What a request task tells operators, one function per event: its log line, whose facts ride as fields
+(``extra=``, one JSON object per line with ``RESERVATIONS_LOG_FORMAT=json``), and the event's fields for
+the lost-ownership retry (:class:`tasks.states.Redriven`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fencing import LeaseBusy, LostOwnership, StaleToken
+from reservations.messages import Message
+from tasks.logs import fencing_fields
+
+log = logging.getLogger("tasks")
+
+LOST_OWNERSHIP = "lost_ownership"
+DEAD_LETTERED = "dead_lettered"
+
+
+def lost_fields(
+    lost: LostOwnership, lease_token: int | None, epoch: int | None, **who: Any
+) -> dict[str, Any]:
+    """What tells one lost epoch from another: the scope, the token presented and the highest the resource
+    had accepted (a refused write; None when the lease was gone before the write), the holder and lease
+    id, the task and the request's epoch; ``who``: task_id, worker (and key, operation when known)."""
+    return {
+        **fencing_fields(
+            scope=lost.scope,
+            token=lost.token or lease_token,
+            highest=lost.highest if isinstance(lost, StaleToken) else None,
+            holder=f"{who.get('worker')}:{who.get('task_id')}",
+            lease_id=lost.lease_id,
+            task_id=who.get("task_id"),
+            epoch=epoch,
+        ),
+        "lost_by": type(lost).__name__,
+        **who,
+    }
+
+
+def lost_ownership(
+    lost: LostOwnership, lease_token: int | None, message: Message | None, doing: str = "", **who: Any
+) -> dict[str, Any]:
+    """Log an attempt (or a batch server, without ``message``, ``doing`` what) that lost its lease;
+    returns the fields. The line starts "lost ownership of <scope>", which the chaos run counts."""
+    epoch = message.counts["epoch"] if message is not None else None
+    request = {"key": message.key, "operation": message.operation} if message is not None else {}
+    fields = lost_fields(lost, lease_token, epoch, **who, **request)
+    log.warning(
+        "lost ownership of %s%s (token %s, highest accepted %s) in task %s on %s: %s",
+        lost.scope,
+        f" while {doing}" if doing else "",
+        fields["token"],
+        fields["highest"],
+        fields["task_id"],
+        who.get("worker"),
+        lost,
+        extra={"event": LOST_OWNERSHIP, **fields},
+    )
+    return fields
+
+
+def dead_lettered(message: Message, reason: str, who: dict[str, Any], **facts: Any) -> None:
+    """Log a request dead-lettered for ``reason``; ``facts``: the fencing fields known (the lost lease's,
+    the busy lease's holder and token)."""
+    fields = fencing_fields(task_id=who.get("task_id"), epoch=message.counts["epoch"], **facts)
+    log.warning(
+        "request %s (%s) dead-lettered in task %s: %s",
+        message.key,
+        message.operation,
+        who.get("task_id"),
+        reason,
+        extra={
+            "event": DEAD_LETTERED,
+            **fields,
+            "key": message.key,
+            "operation": message.operation,
+            "reason": reason,
+            "worker": who.get("worker"),
+        },
+    )
+
+
+def busy_facts(busy: LeaseBusy) -> dict[str, Any]:
+    return {"scope": busy.scope, "token": busy.token, "holder": busy.holder}
+
