@@ -11,6 +11,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import sqlalchemy as sa
 
@@ -26,6 +27,7 @@ from admin.harness import CeleryProcess, HarnessError, RedisServer, pg_schema, s
 from admin.netns import Host, Hosts, NetnsError
 from admin.proxy import DelayProxy
 from fencing.sql import make_engine
+from reservations.settings import Settings
 
 
 @dataclass
@@ -43,7 +45,7 @@ class ChaosWorker(CeleryProcess):
 @dataclass
 class Cluster:
     database_url: str
-    settings: dict[str, str]  # the workers' RESERVATIONS_* settings (the one behind the proxy differs)
+    settings: Settings  # the workers' settings (the one behind the proxy, and hosts' workers, differ)
     lease_redis: RedisServer
     workers: list[ChaosWorker]  # beat among them, last
     proxy: DelayProxy | None
@@ -160,23 +162,23 @@ def _via(url: str, host: str, port: int) -> str:
 
 def _settings(
     options: Options, fenced: bool, database_url: str, broker: RedisServer, lease_redis: RedisServer
-) -> dict[str, str]:
-    return {
-        "RESERVATIONS_DATABASE_URL": database_url,
-        "RESERVATIONS_BROKER_URL": broker.url(0),
-        "RESERVATIONS_RESULT_BACKEND": broker.url(1),
-        "RESERVATIONS_LEASE_URL": lease_redis.url(0),
-        "RESERVATIONS_LEASE_TTL": str(LEASE_TTL),
-        "RESERVATIONS_MAX_EPOCHS": str(MAX_EPOCHS),
-        "RESERVATIONS_VISIBILITY_TIMEOUT": str(VISIBILITY_TIMEOUT),
-        "RESERVATIONS_ENFORCE_FENCE": "1" if fenced else "0",
-        "RESERVATIONS_BATCHING": "1" if options.batching else "0",
-        "RESERVATIONS_EXPIRY_INTERVAL": str(BEAT_EVERY),
-    }
+) -> Settings:
+    return Settings(
+        database_url=database_url,
+        broker_url=broker.url(0),
+        result_backend=broker.url(1),
+        lease_url=lease_redis.url(0),
+        lease_ttl=LEASE_TTL,
+        max_epochs=MAX_EPOCHS,
+        visibility_timeout=VISIBILITY_TIMEOUT,
+        enforce_fence=fenced,
+        batching=options.batching,
+        expiry_interval=BEAT_EVERY,
+    )
 
 
 def _workers(
-    options: Options, fenced: bool, folder: Path, settings: dict[str, str], up: Cluster
+    options: Options, fenced: bool, folder: Path, settings: Settings, up: Cluster
 ) -> list[ChaosWorker]:
     workers = []
     for name, role in zip(worker_names(options, fenced=fenced), roles(options), strict=True):
@@ -190,32 +192,31 @@ def _workers(
     return workers
 
 
-def _seen_from(host: Host | None, settings: dict[str, str], up: Cluster) -> tuple[dict[str, str], str]:
+def _seen_from(host: Host | None, settings: Settings, up: Cluster) -> tuple[Settings, str]:
     """The settings, and the URL of PostgreSQL behind the delaying proxy, as a worker uses them: on a host
     of its own (``host``), every server is at the service address."""
     if host is None:
         proxied = _via(up.database_url, "127.0.0.1", up.proxy.port) if up.proxy is not None else ""
         return settings, proxied
     service, ports = host.service, up.ports
-    seen = {
-        **settings,
-        "RESERVATIONS_BROKER_URL": f"redis://{service}:{ports['broker']}/0",
-        "RESERVATIONS_RESULT_BACKEND": f"redis://{service}:{ports['broker']}/1",
-        "RESERVATIONS_LEASE_URL": f"redis://{service}:{ports['lease']}/0",
-        "RESERVATIONS_DATABASE_URL": _via(up.database_url, service, ports["database"]),
-    }
+    seen = settings.with_(
+        broker_url=f"redis://{service}:{ports['broker']}/0",
+        result_backend=f"redis://{service}:{ports['broker']}/1",
+        lease_url=f"redis://{service}:{ports['lease']}/0",
+        database_url=_via(up.database_url, service, ports["database"]),
+    )
     proxied = _via(up.database_url, service, ports["delayed"]) if "delayed" in ports else ""
     return seen, proxied
 
 
-def _env(settings: dict[str, str], folder: Path, name: str, role: str, proxied_url: str) -> dict[str, str]:
-    extra = {"RESERVATIONS_FAILPOINT_DIR": str(folder / f"failpoints-{name}")}
+def _env(settings: Settings, folder: Path, name: str, role: str, proxied_url: str) -> dict[str, str]:
+    extra: dict[str, Any] = {"failpoint_dir": str(folder / f"failpoints-{name}")}
     if role in ("freeze", "delay"):
         # Renewal slower than the pause or the delay, as for a request stuck in the network: nothing but
         # the fence stands between the late write and the stock row.
-        extra["RESERVATIONS_LEASE_RENEW_EVERY"] = "600"
+        extra["lease_renew_every"] = 600.0
     if role == "freeze":
-        extra["RESERVATIONS_FAILPOINTS"] = "before_write=stop"  # every write, not ``once``
+        extra["failpoints"] = "before_write=stop"  # every write, not ``once``
     if role == "delay":
-        extra["RESERVATIONS_DATABASE_URL"] = proxied_url
-    return worker_env({**settings, **extra})
+        extra["database_url"] = proxied_url
+    return worker_env(settings.with_(**extra))

@@ -236,7 +236,7 @@ def drive(
 ) -> list[NemesisRun]:
     """Send the stream while injecting faults, then wait (still resuming frozen children, and healing a
     nemesis still in place) for outcomes; the network nemeses as they happened."""
-    client = Producer(up.settings["RESERVATIONS_BROKER_URL"], up.settings.get("RESERVATIONS_RESULT_BACKEND"))
+    client = Producer(up.settings.broker_url, up.settings.result_backend)
     # The sweep restores what was unacknowledged longer than the workers' visibility timeout; it reads
     # that timeout from its own connection's options, which must therefore be the workers'.
     client.app.conf.broker_transport_options = {"visibility_timeout": VISIBILITY_TIMEOUT}
