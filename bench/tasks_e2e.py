@@ -26,7 +26,7 @@ from celery import Celery
 from celery.result import AsyncResult
 from sqlalchemy.engine import make_url
 
-from admin.harness import CeleryProcess, redis_server, start_all, stop_all, worker_env
+from admin.harness import CeleryProcess, free_port, redis_server, start_all, stop_all, worker_env
 from bench import celery_defaults
 from bench.env import Scratch
 from bench.leases import UnexpectedReply
@@ -66,6 +66,7 @@ NOOPS = (NOOP_PROJECT, NOOP_DEFAULTS, NOOP_IGNORED)
 SPREAD_RESULT = f"reserve, {SPREAD} SKUs, AsyncResult.get"
 SPREAD_POLL = f"reserve, {SPREAD} SKUs, DB outcome poll"
 SQL_SPREAD_RESULT = f"reserve, {SPREAD} SKUs, SQL leases, AsyncResult.get"
+METRICS_SPREAD_RESULT = f"reserve, {SPREAD} SKUs, metrics on, AsyncResult.get"
 
 
 @dataclass(frozen=True)
@@ -487,7 +488,8 @@ def tasks_vs_noop(
         spread = [f"S-{n}" for n in range(SPREAD)]
         sql_spread = [f"Q-{n}" for n in range(SPREAD)]
         counted_skus = [f"C-{n}" for n in range(SPREAD)]
-        _seed(database_url, spread + counted_skus + (sql_spread if sql_leases else []))
+        metered = [f"M-{n}" for n in range(SPREAD)]
+        _seed(database_url, spread + counted_skus + metered + (sql_spread if sql_leases else []))
 
         # One redis-server, one database number per role; every worker has a broker database of its
         # own so that no worker takes another's tasks.
@@ -508,8 +510,13 @@ def tasks_vs_noop(
         count_settings = redis_settings.with_(
             broker_url=f"{base}/7", result_backend=f"{base}/8", database_url=_proxied(database_url, proxy)
         )
+        # The project's worker with its Prometheus metrics on (served on a port of its own), same leases.
+        metrics_settings = redis_settings.with_(
+            broker_url=f"{base}/9", result_backend=f"{base}/10", metrics_port=free_port()
+        )
         envs: dict[str, tuple[str, Settings | Mapping[str, str]]] = {
             "bench-redis": ("tasks", redis_settings),
+            "bench-metrics": ("tasks", metrics_settings),
             "bench-defaults": ("bench.celery_defaults", defaults_env),
             "bench-count": ("tasks", count_settings),
             **({"bench-sql": ("tasks", sql_settings)} if sql_leases else {}),
@@ -547,6 +554,10 @@ def tasks_vs_noop(
                      workers["bench-redis"]),
             TaskCase(SPREAD_POLL, reserve_burst_poll(client, spread), workers["bench-redis"]),
         ]
+        metrics_app, metrics_client = producer(metrics_settings)
+        cases.append(TaskCase(METRICS_SPREAD_RESULT,
+                              reserve_burst_result(metrics_app, metrics_client, metered, in_flight),
+                              workers["bench-metrics"]))
         if sql_leases:
             sql_app, sql_client = producer(sql_settings)
             sql_case = reserve_burst_result(sql_app, sql_client, sql_spread, in_flight)
@@ -570,6 +581,7 @@ def tasks_vs_noop(
         # Both spread cases on the Redis-leased worker reserve on the same SKUs.
         expected = _round_robin(spread, bursts + bursts)
         expected |= _round_robin(counted_skus, [COUNT_WARMUP, COUNTED])
+        expected |= _round_robin(metered, bursts)
         if sql_leases:
             expected |= _round_robin(sql_spread, bursts)
         checked = _check_stock(database_url, expected)
@@ -589,9 +601,11 @@ def tasks_vs_noop(
     if sql_leases:
         results.add(f"Celery end to end: SQL lease backend vs Redis lease backend (bursts of {count})",
                     stats, SQL_SPREAD_RESULT, SPREAD_RESULT)
+    results.add(f"Celery end to end: reservation task with metrics on vs off (bursts of {count})",
+                stats, METRICS_SPREAD_RESULT, SPREAD_RESULT)
 
     per_task = {name: seen.per_task(runs.idle) for name, seen in runs.commands.items()}
-    reserving = {SPREAD_RESULT, SPREAD_POLL}
+    reserving = {SPREAD_RESULT, SPREAD_POLL}  # the counted worker runs with metrics off
     for case in cases:
         seen_retries = runs.retries[case.name]
         spent = runs.commands[case.name]

@@ -198,6 +198,13 @@ class Settings:
     log_format: str = _setting(
         "text", "text or json: json writes each log line of workers, beat and the CLI as one JSON object"
     )
+    metrics_port: int = _setting(
+        0,
+        "a worker serves Prometheus metrics on this port (0: off); PROMETHEUS_MULTIPROC_DIR, if set, must "
+        "be the worker's own directory",
+        0,
+        65535,
+    )
     task_events: bool = _setting(
         False,
         "1: workers send task events, as celery worker -E does (Flower, celery events); a request's event "

@@ -10,15 +10,26 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from typing import Any
 
 import click
-from celery import Celery
-from celery.signals import after_setup_logger, after_setup_task_logger
+from celery import Celery, current_task
+from celery.signals import (
+    after_setup_logger,
+    after_setup_task_logger,
+    before_task_publish,
+    celeryd_after_setup,
+    worker_ready,
+)
 
+from tasks import metrics
 from tasks.heartbeat import HeartbeatFile
 from tasks.logs import use_json
 from tasks.settings import Settings, SettingsError
+
+log = logging.getLogger("tasks.app")
+ENQUEUED_AT = metrics.ENQUEUED_AT
 
 _SHORT_RETRIES = {
     "retry_policy": {"max_retries": 2, "interval_start": 0, "interval_step": 0.2, "interval_max": 0.5}
@@ -116,6 +127,38 @@ def _log_format(logger: logging.Logger | None = None, **_: Any) -> None:
     one JSON object per line, with each record's fields (:mod:`tasks.logs`)."""
     if logger is not None and settings_of(app).log_format == "json":
         use_json(logger.handlers)
+
+
+@celeryd_after_setup.connect
+def _metrics_on(**_: Any) -> None:
+    """With RESERVATIONS_METRICS_PORT set, a worker's metrics are switched on before its pool forks."""
+    if settings_of(app).metrics_port:
+        metrics.switch_on()
+
+
+@worker_ready.connect
+def _serve_metrics(**_: Any) -> None:
+    port = settings_of(app).metrics_port
+    if not port:
+        return
+    try:
+        metrics.serve(port)
+    except OSError as exc:  # the worker still works; its metrics are missing, and the log says why
+        log.error("cannot serve metrics on port %d: %s", port, exc)
+    else:
+        log.info("metrics on port %d", port)
+
+
+@before_task_publish.connect
+def _stamp_enqueue_time(headers: dict[str, Any] | None = None, **_: Any) -> None:
+    """Every task message carries when its request was first enqueued (a retry keeps its request's), so
+    a worker can measure enqueue to final outcome. Clocks of different hosts differ by their skew."""
+    if headers is None or ENQUEUED_AT in headers:
+        return
+    inherited = None
+    if current_task and current_task.request.id == headers.get("id"):  # the proxy is false outside a task
+        inherited = getattr(current_task.request, ENQUEUED_AT, None)
+    headers[ENQUEUED_AT] = inherited if isinstance(inherited, int | float) else time.time()
 
 
 def _with_steps(app: Celery) -> Celery:

@@ -30,7 +30,7 @@ from reservations import validation as valid
 from reservations.messages import Message
 from reservations.requests import AlreadyApplied, task_name
 from reservations.statuses import SUCCEEDED, AttemptResult, RequestStatus
-from tasks import logs, observe, policy
+from tasks import logs, metrics, observe, policy
 from tasks.answers import answer, as_result, reply
 from tasks.app import app, settings_of
 from tasks.failpoints import failpoint
@@ -45,7 +45,9 @@ log = logging.getLogger("tasks")
 def run_request(task: Task, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
     # Every line logged while it runs (in fencing too) names the task, its worker, the key and epoch.
     with logs.bound(task_id=task.request.id, worker=worker_identity()):
-        return _run_request(task, name, args, kwargs)
+        result = _run_request(task, name, args, kwargs)
+    observe.finished(task.request, result)
+    return result
 
 
 def _run_request(task: Task, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -109,6 +111,7 @@ def _run_request(task: Task, name: str, args: tuple[Any, ...], kwargs: dict[str,
                 # can, so the request still ends with an outcome once the database answers.
                 sent["transient"] = settings.max_transient_retries + 1
                 raise task.retry(kwargs=sent, countdown=policy.rng.uniform(15.0, 30.0)) from None
+        metrics.current.transient(exc.backend)
         # Its own backoff, growing to half a minute: a database restart or a Redis failover takes that long.
         ceiling = min(30.0, 0.2 * 2**transient)
         raise again("transient", policy.rng.uniform(ceiling / 2, ceiling), None) from None
@@ -183,6 +186,7 @@ def _attempt(
             renew_every=settings.lease_renew_every,
         ) as leases:
             lease_token = max((lease.token for lease in leases.values()), default=None)
+            metrics.current.lease("acquired", len(leases))
             try:
                 # A count or a replenishment reads under its leases here and decides its write, so a
                 # worker paused at the failpoint writes a figure decided before its pause.
@@ -212,6 +216,7 @@ def _attempt(
         # the stored outcome, which belongs to the other request, comes back and the answer says so.
         return final(RequestStatus.INVALID, {"error": type(exc).__name__, "message": str(exc)})
     except LeaseBusy as busy:
+        metrics.current.lease("busy")
         if batch is not None:
             return wait_for_holder(task, res, message, batch, who)
         return _busy(task, res, message, work, busy, final, again, who)

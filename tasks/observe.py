@@ -1,15 +1,18 @@
 """What a request task tells operators, one function per event: its log line, whose facts ride as fields
-(``extra=``, one JSON object per line with ``RESERVATIONS_LOG_FORMAT=json``), and the event's fields for
-the lost-ownership retry (:class:`tasks.states.Redriven`).
+(``extra=``, one JSON object per line with ``RESERVATIONS_LOG_FORMAT=json``), the event's fields for the
+lost-ownership retry (:class:`tasks.states.Redriven`), and its metrics (:mod:`tasks.metrics`).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from fencing import LeaseBusy, LostOwnership, StaleToken
 from reservations.messages import Message
+from reservations.requests import RequestResult
+from tasks import metrics
 from tasks.logs import fencing_fields
 
 log = logging.getLogger("tasks")
@@ -47,6 +50,9 @@ def lost_ownership(
     epoch = message.counts["epoch"] if message is not None else None
     request = {"key": message.key, "operation": message.operation} if message is not None else {}
     fields = lost_fields(lost, lease_token, epoch, **who, **request)
+    metrics.current.lease("lost")
+    if isinstance(lost, StaleToken):
+        metrics.current.stale_refused(message.operation if message is not None else "serve_pending")
     log.warning(
         "lost ownership of %s%s (token %s, highest accepted %s) in task %s on %s: %s",
         lost.scope,
@@ -85,3 +91,26 @@ def dead_lettered(message: Message, reason: str, who: dict[str, Any], **facts: A
 def busy_facts(busy: LeaseBusy) -> dict[str, Any]:
     return {"scope": busy.scope, "token": busy.token, "holder": busy.holder}
 
+
+def finished(request: Any, result: dict[str, Any]) -> None:
+    """A request task's answer: its outcome, epochs and latency (from the enqueue time its message carries),
+    or a hand-off to its SKU's holder."""
+    current = metrics.current
+    if not current.on:
+        return
+    if result.get("status") == "queued":
+        current.queued()
+        return
+    enqueued = getattr(request, metrics.ENQUEUED_AT, None)
+    latency = time.time() - enqueued if isinstance(enqueued, int | float) else None
+    current.outcome(str(result.get("status")), int(result.get("epochs") or 0), latency)
+
+
+def served(outcomes: list[RequestResult]) -> None:
+    """A batch served for queued requests: its size and their outcomes (their latency is not known here:
+    the enqueue time travels in their own messages)."""
+    current = metrics.current
+    if current.on and outcomes:
+        current.batch(len(outcomes))
+        for outcome in outcomes:
+            current.outcome(outcome.status, outcome.epochs, None)

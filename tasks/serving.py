@@ -15,7 +15,7 @@ from fencing import Lease, LeaseBusy, LostOwnership
 from reservations import validation as valid
 from reservations.messages import Message
 from reservations.requests import RequestResult, task_name
-from tasks import observe
+from tasks import metrics, observe
 from tasks.answers import answer, as_result, conflict, reply
 from tasks.app import app
 from tasks.failpoints import failpoint
@@ -146,6 +146,7 @@ def serve_pending(
                 holder=f"{worker}:{task_id}",
                 renew_every=settings.lease_renew_every,
             ) as lease:
+                metrics.current.lease("acquired")
                 drained = False
                 for _ in range(BATCHES_PER_LEASE):
                     failpoint("before_write")
@@ -153,6 +154,7 @@ def serve_pending(
                         lease, sku, limit=settings.batch_size, task_id=task_id, worker=worker
                     )
                     failpoint("after_write")
+                    observe.served(outcomes)
                     publish(outcomes)
                     served += len(outcomes)
                     if not outcomes:
@@ -161,6 +163,7 @@ def serve_pending(
             if drained and lease.contended is False:
                 break  # emptied under the lease, and nobody was turned away from it since
         except LeaseBusy:
+            metrics.current.lease("busy")
             break  # its holder looks again after releasing
         except LostOwnership as lost:
             # Terminal for this lease: the batch rolled back and its requests stay queued for the next

@@ -1,7 +1,8 @@
 """Operators see fencing at work, through real ``celery worker`` processes, a private Redis broker and
 leases, and PostgreSQL: task events whose states name each outcome (a request whose write was refused as
 stale shows LOST_OWNERSHIP, then its final state with epochs >= 1), while ``AsyncResult.get()`` still
-returns the outcome dict; JSON log lines whose fields carry each fencing event's facts.
+returns the outcome dict; JSON log lines whose fields carry each fencing event's facts; Prometheus metrics
+served by each worker and, from the database, by ``reservations metrics``.
 """
 
 from __future__ import annotations
@@ -11,7 +12,10 @@ import logging
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -22,10 +26,12 @@ import pytest
 import redis
 from celery import Celery
 from celery.events.state import State
+from prometheus_client.parser import text_string_to_metric_families
 
 from admin.harness import (
     CeleryProcess,
     RedisServer,
+    free_port,
     process_state,
     redis_server,
     start_all,
@@ -107,6 +113,24 @@ class Events:
             raise AssertionError(f"events of {task_id}: {seen}") from None
 
 
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def scraped(port: int) -> list[tuple[str, tuple[tuple[str, str], ...], float]]:
+    """Every sample ``/metrics`` on ``port`` serves: name, labels (sorted), value."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return [
+        (sample.name, tuple(sorted(sample.labels.items())), sample.value)
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    ]
+
+
+def sample(samples: Samples, name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
 @dataclass
 class Cluster:
     workers: list[CeleryProcess]
@@ -117,7 +141,7 @@ class Cluster:
     leases: LeaseManager
     app: Celery
     events: Events
-    extra: dict[str, Any] = field(default_factory=dict)
+    metric_ports: list[int] = field(default_factory=list)
 
     def arm(self, point: str) -> None:
         (self.failpoints / point).unlink(missing_ok=True)
@@ -140,6 +164,14 @@ class Cluster:
                 if line.startswith("{"):
                     records.append(json.loads(line))
         return records
+
+    def scrape(self) -> Samples:
+        """The workers' metrics, summed over the workers (each serves its pool children's sum)."""
+        total: Samples = {}
+        for port in self.metric_ports:
+            for name, labels, value in scraped(port):
+                total[(name, labels)] = total.get((name, labels), 0.0) + value
+        return total
 
     def logged(self, event: str, **match: Any) -> list[dict[str, Any]]:
         return [
@@ -174,7 +206,12 @@ def cluster(workdir: Path, server: RedisServer, **variables: str) -> Iterator[Cl
             }
         )
         env = worker_env(settings)
-        workers = [CeleryProcess(f"obs{n}", env, workdir / f"obs{n}.log") for n in (1, 2)]
+        # Each worker serves its metrics on a port of its own (two workers on one host).
+        ports = [free_port(), free_port()]
+        workers = [
+            CeleryProcess(f"obs{n}", {**env, "RESERVATIONS_METRICS_PORT": str(port)}, workdir / f"obs{n}.log")
+            for n, port in zip((1, 2), ports, strict=True)
+        ]
         app = create_app(settings)
         events = Events(app)
         events.start()
@@ -183,7 +220,7 @@ def cluster(workdir: Path, server: RedisServer, **variables: str) -> Iterator[Cl
         client = ReservationClient(create_app(settings))
         try:
             start_all(workers)
-            yield Cluster(workers, settings, failpoints, client, inventory, leases, app, events)
+            yield Cluster(workers, settings, failpoints, client, inventory, leases, app, events, ports)
         finally:
             stop_all(workers)
             events.stop()
@@ -377,6 +414,7 @@ def test_a_token_regression_repair_is_a_json_line_naming_both_tokens_and_the_tas
     wiped.flushdb()
     wiped.close()
 
+    repairs = sample(run.scrape(), "reservations_token_regressions_repaired_total")
     after = run.result(run.client.enqueue_reservation_sync("OBS-G", 1, idempotency_key="obs-g-after"))
     assert after.status == "reserved" and after.epochs == 1 and after.detail["token"] > highest
     task_id = request_id("obs-g-after")
@@ -388,6 +426,8 @@ def test_a_token_regression_repair_is_a_json_line_naming_both_tokens_and_the_tas
     assert repaired["holder"].endswith(f":{task_id}") and repaired["lease_id"]
     (lost,) = run.logged("lost_ownership", key="obs-g-after")
     assert (lost["token"], lost["highest"], lost["lease_id"]) == (1, highest, repaired["lease_id"])
+    # The worker counted the repair (from the fencing package's log record: it knows no metrics).
+    assert sample(run.scrape(), "reservations_token_regressions_repaired_total") == repairs + 1
 
 
 
@@ -416,3 +456,88 @@ def test_the_command_line_setting_writes_warnings_as_json_on_stderr(
         "someone",
     )
     assert line["level"] == "WARNING" and line["logger"] == "fencing" and "broken" in line["message"]
+
+
+# -- metrics ---------------------------------------------------------------------------------------------
+
+
+def test_workers_count_the_refused_stale_write_and_its_request(running: Cluster) -> None:
+    run = running
+    before = run.scrape()
+    stale = stale_write(run, "OBS-M")
+    reserved = sample(before, "reservations_outcomes_total", status="reserved") + 2
+
+    # The outcome is counted as the task returns, a moment after its row is written: poll the scrape.
+    after = wait_until(
+        lambda: (got := run.scrape())
+        and sample(got, "reservations_outcomes_total", status="reserved") >= reserved
+        and got,
+        timeout=TIMEOUT,
+        what="both outcomes to be counted",
+    )
+
+    def grew(name: str, **labels: str) -> float:
+        return sample(after, name, **labels) - sample(before, name, **labels)
+
+    assert grew("reservations_stale_writes_refused_total", operation="reserve") == 1
+    assert grew("reservations_leases_total", result="lost") == 1
+    assert grew("reservations_leases_total", result="acquired") >= 3  # late, winner, late again
+    assert grew("reservations_outcomes_total", status="reserved") == 2
+    # Epochs: the winner none, the late request one.
+    assert grew("reservations_request_epochs_count") == 2
+    assert grew("reservations_request_epochs_bucket", le="0.0") == 1
+    assert grew("reservations_request_epochs_bucket", le="1.0") == 2
+    # Enqueue to outcome: the late request waited out at least its stopped holder's lease.
+    assert grew("reservations_request_latency_seconds_count") == 2
+    assert grew("reservations_request_latency_seconds_sum") > TTL
+    assert stale.late.epochs == 1
+
+
+def test_the_exporter_reads_refusals_outcomes_and_queues_from_the_database(running: Cluster) -> None:
+    run = running
+    stale_write(run, "OBS-E")
+    env = {**os.environ, **run.settings.to_env()}
+    done = subprocess.run(
+        [sys.executable, "-m", "admin", "metrics", "--once"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(done.stdout)
+        for s in family.samples
+    }
+    assert sample(samples, "reservations_db_up") == 1
+    assert sample(samples, "reservations_db_stale_writes_refused_total", sku="OBS-E") == 1
+    outcomes = run.inventory.request_outcomes(["OBS-E-late", "OBS-E-winner"])
+    assert [o.status for o in outcomes.values()] == ["reserved", "reserved"]
+    assert sample(samples, "reservations_db_outcomes", status="reserved") >= 2
+    assert sample(samples, "reservations_db_waiting_requests_all") == 0
+
+    # Served over HTTP, as Prometheus scrapes it.
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "admin", "metrics", "--port", str(port)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+
+        def served() -> list[Any] | None:
+            if server.poll() is not None:
+                raise AssertionError(f"the exporter exited: {server.stderr.read() if server.stderr else ''}")
+            try:
+                return scraped(port)
+            except OSError:
+                return None
+
+        http = wait_until(served, timeout=TIMEOUT, what="the exporter to answer")
+        assert ("reservations_db_stale_writes_refused_total", (("sku", "OBS-E"),), 1.0) in http
+    finally:
+        server.terminate()
+        server.wait(timeout=10)

@@ -16,7 +16,7 @@ from typing import Annotated, Any
 
 import typer
 
-from admin.cli import migrations, reads, runs, writes
+from admin.cli import metrics, migrations, reads, runs, writes
 from admin.cli.context import config
 from admin.cli.failures import EXIT_USAGE, fail
 from admin.cli.render import err
@@ -83,10 +83,6 @@ def _root(
         from tasks.logs import use_json_on_stderr  # only then: importing tasks loads Celery
 
         use_json_on_stderr()
-    if config.settings.log_format == "json":
-        from tasks.logs import use_json_on_stderr  # only then: importing tasks loads Celery
-
-        use_json_on_stderr()
 
 
 # The commands in the order the help lists them: reads, then writes, then the scenario runs.
@@ -104,6 +100,7 @@ app.command("confirm")(writes.confirm)
 app.command("release")(writes.release)
 app.command("add-sku")(writes.add_sku)
 app.command("config")(reads.show_config)
+app.command("metrics")(metrics.metrics_command)
 db_app.command("upgrade")(migrations.upgrade)
 db_app.command("current")(migrations.current)
 app.command("demo")(runs.demo_command)

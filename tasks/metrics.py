@@ -1,0 +1,155 @@
+"""Prometheus metrics of the workers, off unless ``RESERVATIONS_METRICS_PORT`` is set: then the worker's main
+process serves ``/metrics`` on that port, summing its pool children through prometheus_client's
+multiprocess mode (a directory of value files, ``PROMETHEUS_MULTIPROC_DIR``).
+
+No label names a SKU: a worker's series stay bounded whatever the catalogue. Per-SKU figures (refused
+writes, waiting requests) come from the database through ``reservations metrics``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("tasks.metrics")
+
+MULTIPROC_DIR = "PROMETHEUS_MULTIPROC_DIR"
+
+# The message header naming when a request was first enqueued (seconds since the epoch; tasks.app sets it).
+ENQUEUED_AT = "reservations_enqueued_at"
+
+# Enqueue to final outcome: a reservation takes milliseconds when the SKU is free, a ttl or more after a
+# lost epoch or while a hot SKU's queue drains.
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+EPOCH_BUCKETS = (0, 1, 2, 3, 5, 10)
+BATCH_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
+
+
+class Off:
+    """Metrics switched off: every call does nothing."""
+
+    on = False
+
+    def stale_refused(self, operation: str) -> None: ...
+    def lease(self, result: str, count: int = 1) -> None: ...
+    def regression_repaired(self) -> None: ...
+    def outcome(self, status: str, epochs: int, latency: float | None) -> None: ...
+    def queued(self) -> None: ...
+    def batch(self, size: int) -> None: ...
+    def transient(self, backend: str) -> None: ...
+
+
+class On(Off):
+    """The worker's metrics; built once per worker, in its main process before the pool forks."""
+
+    on = True
+
+    def __init__(self) -> None:
+        from prometheus_client import Counter, Histogram
+
+        self.stale = Counter(
+            "reservations_stale_writes_refused",
+            "writes the stock rows refused as stale (a newer epoch had written), by operation",
+            ["operation"],
+        )
+        self.leases = Counter(
+            "reservations_leases",
+            "SKU leases taken by tasks: acquired, busy (held by another), lost (stale or run out)",
+            ["result"],
+        )
+        self.repairs = Counter(
+            "reservations_token_regressions_repaired",
+            "lease counters raised past the database's highest token after the coordinator went backwards",
+        )
+        self.outcomes = Counter(
+            "reservations_outcomes", "final outcomes given by this worker, by status", ["status"]
+        )
+        self.handoffs = Counter(
+            "reservations_queued_requests", "reservations handed to their SKU's lease holder (hot SKU)"
+        )
+        self.epochs = Histogram(
+            "reservations_request_epochs",
+            "epochs a request lost before its final outcome (0: none)",
+            buckets=EPOCH_BUCKETS,
+        )
+        self.batches = Histogram(
+            "reservations_batch_size", "queued requests served per fenced batch", buckets=BATCH_BUCKETS
+        )
+        self.latency = Histogram(
+            "reservations_request_latency_seconds",
+            "enqueue to final outcome, for requests answered by their own task",
+            buckets=LATENCY_BUCKETS,
+        )
+        self.transients = Counter(
+            "reservations_transient_failures",
+            "attempts retried because a backend was unreachable, by backend",
+            ["backend"],
+        )
+
+    def stale_refused(self, operation: str) -> None:
+        self.stale.labels(operation).inc()
+
+    def lease(self, result: str, count: int = 1) -> None:
+        self.leases.labels(result).inc(count)
+
+    def regression_repaired(self) -> None:
+        self.repairs.inc()
+
+    def outcome(self, status: str, epochs: int, latency: float | None) -> None:
+        self.outcomes.labels(status).inc()
+        self.epochs.observe(epochs)
+        if latency is not None and latency >= 0:
+            self.latency.observe(latency)
+
+    def queued(self) -> None:
+        self.handoffs.inc()
+
+    def batch(self, size: int) -> None:
+        self.batches.observe(size)
+
+    def transient(self, backend: str) -> None:
+        self.transients.labels(backend).inc()
+
+
+current: Off = Off()
+
+
+class _Repairs(logging.Handler):
+    """Counts the regression repairs the fencing package logs: it knows nothing of metrics."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if getattr(record, "event", None) == "token_regression_repaired":
+            current.regression_repaired()
+
+
+def switch_on() -> On:
+    """Metrics on for this worker (main process, before the pool forks): a clean multiprocess directory
+    (the one named by PROMETHEUS_MULTIPROC_DIR, or a new one), then the metric objects."""
+    global current
+    if isinstance(current, On):
+        return current
+    folder = os.environ.get(MULTIPROC_DIR)
+    if folder:
+        # Values of an earlier run of this worker would be summed in: the directory is this worker's own.
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        for stale in Path(folder).glob("*.db"):
+            stale.unlink()
+    else:
+        os.environ[MULTIPROC_DIR] = tempfile.mkdtemp(prefix="reservations-metrics-")
+    current = On()  # prometheus_client is imported here, after the directory is set: it reads it then
+    logging.getLogger("fencing").addHandler(_Repairs())
+    return current
+
+
+def serve(port: int) -> Any:
+    """Serve the sum of this worker's processes on ``port`` (all interfaces); returns the server."""
+    from prometheus_client import CollectorRegistry, start_http_server
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=os.environ[MULTIPROC_DIR])  # type: ignore[no-untyped-call]
+    server, _thread = start_http_server(port, registry=registry)
+    return server
