@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -541,3 +542,21 @@ def test_the_exporter_reads_refusals_outcomes_and_queues_from_the_database(runni
     finally:
         server.terminate()
         server.wait(timeout=10)
+
+
+# -- compose ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(shutil.which("docker-compose") is None, reason="docker-compose is missing")
+def test_compose_serves_metrics_and_offers_flower_as_a_profile() -> None:
+    from tests.test_compose import resolved
+
+    services = resolved()["services"]
+    worker = services["worker"]
+    assert "-E" in worker["entrypoint"]
+    port = worker["environment"]["RESERVATIONS_METRICS_PORT"]
+    assert port == "9808" and port in [str(p) for p in worker["expose"]]
+    assert services["metrics"]["command"][:1] == ["metrics"] and "9809" in services["metrics"]["command"]
+    assert "9809" in " ".join(services["metrics"]["healthcheck"]["test"])
+    assert services["flower"]["profiles"] == ["flower"]
+    assert "flower" in services["flower"]["command"]
