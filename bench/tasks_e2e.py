@@ -7,41 +7,53 @@ of their own. One hot SKU against many is :mod:`bench.hot_sku`.
 
 from __future__ import annotations
 
-import datetime as dt
 import os
 import shutil
 import tempfile
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
-from typing import Any
 
-import redis
 from celery import Celery
-from celery.result import AsyncResult
 from sqlalchemy.engine import make_url
 
 from admin.harness import CeleryProcess, free_port, redis_server, start_all, stop_all, worker_env
 from bench import celery_defaults
+from bench.bursts import (
+    BurstFn,
+    InFlight,
+    noop_burst,
+    noop_no_result_burst,
+    reserve_burst_poll,
+    reserve_burst_result,
+)
+from bench.costs import (
+    COUNT_WARMUP,
+    COUNTED,
+    Commands,
+    RedisCommands,
+    count_database,
+    group_cpu,
+    idle_rates,
+    per_task_text,
+    proxied,
+)
 from bench.env import Scratch
 from bench.leases import UnexpectedReply
 from bench.timing import CaseStats, Progress, Results
-from bench.wire import CountingProxy, transactions_in
+from bench.wire import CountingProxy
 from fencing import mask_url
 from reservations import Inventory, schema
-from tasks import ReservationClient, ReservationHandle, Settings, create_app, request_id
+from tasks import ReservationClient, Settings, create_app
 
 ROOT = Path(__file__).resolve().parent.parent
 CONCURRENCY = 2
 POOL = "prefork"
-# A burst that is not done by then has a dead or wedged worker; generous because busy leases retry.
-BURST_TIMEOUT_PER_TASK = 0.5
-MIN_BURST_TIMEOUT = 30.0
 # The timed bursts of all cases and runs together; with worker start-up and warm-up the section then
 # stays near a minute on a 2-core machine.
 TIMED_BUDGET = 40.0
@@ -54,10 +66,6 @@ ON_HAND = 10**6
 # Redis commands of the server's own idle traffic (idle workers' blocking pops) are measured over this
 # long with nothing running and taken off each burst's count.
 IDLE_SAMPLE = 2.0
-# Tasks through the counting proxy: a warm-up that gets each pool child past psycopg's preparing of its
-# statements (prepared on the sixth use per connection), then the counted burst.
-COUNT_WARMUP = 24
-COUNTED = 20
 
 NOOP_PROJECT = "noop, project settings, AsyncResult.get"
 NOOP_DEFAULTS = "noop, Celery defaults, AsyncResult.get"
@@ -70,161 +78,10 @@ METRICS_SPREAD_RESULT = f"reserve, {SPREAD} SKUs, metrics on, AsyncResult.get"
 
 
 @dataclass(frozen=True)
-class Burst:
-    """One timed burst: wall time, each task's enqueue-to-outcome latency, and Celery retries in it
-    (``None`` where the wait does not see them: the outcome row does not record retries)."""
-
-    seconds: float
-    latencies: list[float]
-    retries: int | None
-
-
-BurstFn = Callable[[str, int], Burst]  # (unique tag for this burst's keys, task count) -> Burst
-
-
-@dataclass(frozen=True)
 class TaskCase:
     name: str
     run: BurstFn
     worker: CeleryProcess  # the one that runs this case's tasks: its CPU is charged to the case
-
-
-def _done_at(result: AsyncResult) -> float:
-    """When the worker stored the result (its clock; same host as ours), as a Unix time."""
-    done = result.date_done
-    if not isinstance(done, dt.datetime):
-        raise UnexpectedReply(f"task {result.id} has no date_done: {done!r}")
-    if done.tzinfo is None:  # Celery stores UTC; older versions leave it naive
-        done = done.replace(tzinfo=dt.UTC)
-    return done.timestamp()
-
-
-def _deadline(count: int) -> float:
-    return time.monotonic() + max(MIN_BURST_TIMEOUT, count * BURST_TIMEOUT_PER_TASK)
-
-
-def _left(deadline: float) -> float:
-    return max(0.1, deadline - time.monotonic())
-
-
-class InFlight:
-    """The AsyncResults of the burst under way, released from their backend if the burst never ends.
-
-    Each one is subscribed to its task's result channel. An interrupted burst's results outlive it in
-    the traceback's frames, and their ``__del__`` unsubscribes: after our redis-server is gone Celery
-    retries that reconnect for many seconds before giving up, so a Ctrl-C would hang. Released while
-    the server is still up, their later ``__del__`` has nothing left to unsubscribe.
-    """
-
-    def __init__(self) -> None:
-        self.results: list[AsyncResult] = []
-
-    def track(self, result: AsyncResult) -> AsyncResult:
-        self.results.append(result)
-        return result
-
-    def done(self) -> None:
-        self.results.clear()
-
-    def release(self) -> None:
-        for result in self.results:
-            result.backend.remove_pending_result(result)
-        self.results.clear()
-
-
-def noop_burst(app: Celery, in_flight: InFlight, task: str) -> BurstFn:
-    def run(tag: str, count: int) -> Burst:
-        deadline = _deadline(count)
-        sent: list[tuple[float, AsyncResult]] = []
-        start = time.perf_counter()
-        for i in range(count):
-            sent.append((time.time(), in_flight.track(app.send_task(task, args=[i]))))
-        values = [result.get(timeout=_left(deadline)) for _, result in sent]
-        seconds = time.perf_counter() - start
-        in_flight.done()
-        if values != list(range(count)):
-            raise UnexpectedReply(f"noop burst {tag} returned {values[:5]}...")
-        return Burst(seconds, [_done_at(result) - at for at, result in sent], retries=0)
-
-    return run
-
-
-def noop_no_result_burst(app: Celery, in_flight: InFlight) -> BurstFn:
-    """No-ops that store no result, the last one excepted: with nothing to wait on, the burst ends when
-    that last one's result is stored. Tasks run in queue order, so at most the other pool slots' last
-    no-ops can still be running then: a no-op's run time each, against a burst of many."""
-
-    def run(tag: str, count: int) -> Burst:
-        deadline = _deadline(count)
-        start = time.perf_counter()
-        for i in range(count - 1):
-            # ignore_result on the message too: the producer then does not subscribe to its result.
-            app.send_task(celery_defaults.NOOP_NO_RESULT, args=[i], ignore_result=True)
-        last = in_flight.track(app.send_task(celery_defaults.NOOP, args=[count - 1]))
-        value = last.get(timeout=_left(deadline))
-        seconds = time.perf_counter() - start
-        in_flight.done()
-        if value != count - 1:
-            raise UnexpectedReply(f"no-result burst {tag} ended with {value!r}")
-        return Burst(seconds, [], retries=0)
-
-    return run
-
-
-def _enqueue(
-    client: ReservationClient, skus: list[str], tag: str, count: int
-) -> Iterator[tuple[float, ReservationHandle]]:
-    for i in range(count):
-        at = time.time()
-        yield at, client.enqueue_reservation_sync(skus[i % len(skus)], 1, idempotency_key=f"{tag}-{i}")
-
-
-def _not_reserved(tag: str, count: int, statuses: list[Any]) -> None:
-    wrong = [status for status in statuses if status != "reserved"]
-    if wrong:
-        raise UnexpectedReply(f"{len(wrong)} of {count} reservations in {tag} not reserved: {wrong[:3]}")
-
-
-def reserve_burst_result(
-    app: Celery, client: ReservationClient, skus: list[str], in_flight: InFlight
-) -> BurstFn:
-    """Waits through the Celery result backend, exactly as the no-op baseline does."""
-
-    def run(tag: str, count: int) -> Burst:
-        deadline = _deadline(count)
-        start = time.perf_counter()
-        sent = [
-            (at, in_flight.track(app.AsyncResult(request_id(handle.key))))
-            for at, handle in _enqueue(client, skus, tag, count)
-        ]
-        outcomes = [result.get(timeout=_left(deadline)) for _, result in sent]
-        seconds = time.perf_counter() - start
-        in_flight.done()
-        _not_reserved(tag, count, [outcome.get("status") for outcome in outcomes])
-        return Burst(
-            seconds,
-            [_done_at(result) - at for at, result in sent],
-            retries=sum(result.retries or 0 for _, result in sent),
-        )
-
-    return run
-
-
-def reserve_burst_poll(client: ReservationClient, skus: list[str]) -> BurstFn:
-    """Waits the way the client's API does: polling the request's outcome row in the database."""
-
-    def run(tag: str, count: int) -> Burst:
-        deadline = _deadline(count)
-        start = time.perf_counter()
-        sent = list(_enqueue(client, skus, tag, count))
-        outcomes = [handle.result_sync(timeout=_left(deadline)) for _, handle in sent]
-        seconds = time.perf_counter() - start
-        _not_reserved(tag, count, [outcome.status for outcome in outcomes])
-        # The outcome row's time is the database's clock, on this same host.
-        latencies = [outcome.at - at for (at, _), outcome in zip(sent, outcomes, strict=True)]
-        return Burst(seconds, latencies, retries=None)
-
-    return run
 
 
 @dataclass(frozen=True)
@@ -247,75 +104,6 @@ def _fit(asked: int, repeats: int, rates: list[float], budget: float | None) -> 
     if budget is None or estimate <= budget or asked <= MIN_BURST:
         return Sizing(asked, asked, estimate)
     return Sizing(max(MIN_BURST, int(budget / per_task)), asked, estimate)
-
-
-def group_cpu(group: int) -> float:
-    """CPU seconds (user + system) used so far by the live processes of process group ``group``, from
-    /proc; 0.0 where there is no /proc. A worker started in its own session is the group of its pid,
-    pool children included."""
-    ticks = 0
-    try:
-        entries = os.scandir("/proc")
-    except OSError:
-        return 0.0
-    with entries:
-        for entry in entries:
-            if not entry.name.isdigit():
-                continue
-            try:
-                text = Path(entry.path, "stat").read_text()
-            except OSError:  # exited meanwhile
-                continue
-            # After "pid (comm) ": state, ppid, pgrp, ..., utime and stime at 11 and 12.
-            fields = text[text.rindex(")") + 2 :].split()
-            if int(fields[2]) == group:
-                ticks += int(fields[11]) + int(fields[12])
-    return ticks / os.sysconf("SC_CLK_TCK")
-
-
-class RedisCommands:
-    """Commands the private redis-server ran, by name, from INFO commandstats: every client's, producer
-    and workers alike. The INFO calls that read them are left out."""
-
-    def __init__(self, url: str) -> None:
-        self.client = redis.Redis.from_url(url)
-        # The harness starts the server in a session of its own: its pid is its process group.
-        self.pid = int(self.client.info("server")["process_id"])
-
-    def snapshot(self) -> Counter[str]:
-        stats = self.client.info("commandstats")
-        return Counter({
-            name.removeprefix("cmdstat_"): int(values["calls"])
-            for name, values in stats.items() if name != "cmdstat_info"
-        })
-
-    def close(self) -> None:
-        self.client.close()
-
-
-@dataclass
-class Commands:
-    """One case's Redis commands over its timed bursts, how long those bursts took, and the CPU its
-    worker (main process and pool children), the redis-server and this process (the producer) used."""
-
-    seen: Counter[str]
-    seconds: float = 0.0
-    tasks: int = 0
-    worker_cpu: float = 0.0
-    redis_cpu: float = 0.0
-    producer_cpu: float = 0.0
-
-    def per_task(self, idle: Mapping[str, float]) -> dict[str, float]:
-        """Commands per task by name, less what the server's idle traffic (``idle``, commands per second)
-        ran meanwhile."""
-        net = {name: calls - idle.get(name, 0.0) * self.seconds for name, calls in self.seen.items()}
-        return {name: calls / self.tasks for name, calls in net.items() if self.tasks}
-
-
-def _idle_rates(commands: RedisCommands, seconds: float) -> dict[str, float]:
-    before = commands.snapshot()
-    time.sleep(seconds)
-    return {name: calls / seconds for name, calls in (commands.snapshot() - before).items()}
 
 
 @dataclass
@@ -349,7 +137,7 @@ def _run_cases(
     sizing = _fit(iterations, repeats, rates, budget)
     if progress:
         progress(f"  sampling the redis-server's idle traffic for {IDLE_SAMPLE:.0f} s")
-    idle = _idle_rates(commands, IDLE_SAMPLE)
+    idle = idle_rates(commands, IDLE_SAMPLE)
     count = sizing.tasks
     stats = {case.name: CaseStats(case.name) for case in cases}
     retries: dict[str, int | None] = dict.fromkeys(stats, 0)
@@ -380,45 +168,6 @@ def _run_cases(
     return CaseRuns(stats, retries, seen, idle, sizing)
 
 
-@dataclass(frozen=True)
-class DatabaseCount:
-    """The reservation task's PostgreSQL traffic as the counting proxy saw it, over ``tasks`` tasks."""
-
-    tasks: int
-    trips: Counter[str]  # round trips by label, preparing excluded
-    prepares: int  # psycopg preparing a statement: a round trip once per connection and statement
-    transactions: int
-
-    def describe(self) -> str:
-        parts = ", ".join(f"{label} {n / self.tasks:.2f}" for label, n in self.trips.most_common())
-        return parts + (f"; plus {self.prepares} statement preparations in the counted burst"
-                        if self.prepares else "")
-
-
-def count_database(
-    burst: BurstFn, proxy: CountingProxy, tag: str, *, progress: Progress | None
-) -> DatabaseCount:
-    """Run a warm-up burst and then a counted one through ``burst``, whose worker reaches PostgreSQL
-    through ``proxy``; only the counted burst's round trips are kept."""
-    if progress:
-        progress(f"  counting PostgreSQL round trips: {COUNT_WARMUP} + {COUNTED} reservation tasks via proxy")
-    burst(f"{tag}-w", COUNT_WARMUP)
-    mark = proxy.mark()
-    burst(tag, COUNTED)
-    connections = proxy.since(mark)
-    trips = Counter(trip for conn in connections for trip in conn if not trip.startswith("prepare "))
-    prepares = sum(1 for conn in connections for trip in conn if trip.startswith("prepare "))
-    return DatabaseCount(COUNTED, trips, prepares, sum(transactions_in(conn) for conn in connections))
-
-
-def _proxied(database_url: str, proxy: CountingProxy) -> str:
-    """``database_url`` through the proxy, unencrypted so that the proxy can read it."""
-    url = make_url(database_url).set(host="127.0.0.1", port=proxy.port)
-    return url.update_query_dict({"sslmode": "disable", "gssencmode": "disable"}).render_as_string(
-        hide_password=False
-    )
-
-
 def _round_robin(skus: list[str], bursts: list[int]) -> dict[str, int]:
     """Units reserved per SKU by bursts that each hand out their tasks round-robin over ``skus``."""
     counts = dict.fromkeys(skus, 0)
@@ -444,12 +193,6 @@ def _check_stock(url: str, expected: dict[str, int]) -> str:
     if problems or wrong:
         raise UnexpectedReply(f"stock check failed: {problems[:3]}; (sku, reserved, wanted): {wrong[:3]}")
     return f"{sum(expected.values())} reservations on {len(expected)} SKUs"
-
-
-def _per_task(counts: Mapping[str, float]) -> str:
-    """The commands a task costs by name, the biggest first; traces of idle traffic left out."""
-    shown = sorted(((n, name) for name, n in counts.items() if n >= 0.05), reverse=True)
-    return " ".join(f"{name.upper()} {n:.1f}" for n, name in shown)
 
 
 def tasks_vs_noop(
@@ -508,7 +251,7 @@ def tasks_vs_noop(
         }
         # The project's worker again, reaching PostgreSQL through the counting proxy; never timed.
         count_settings = redis_settings.with_(
-            broker_url=f"{base}/7", result_backend=f"{base}/8", database_url=_proxied(database_url, proxy)
+            broker_url=f"{base}/7", result_backend=f"{base}/8", database_url=proxied(database_url, proxy)
         )
         # The project's worker with its Prometheus metrics on (served on a port of its own), same leases.
         metrics_settings = redis_settings.with_(
@@ -656,7 +399,7 @@ def tasks_vs_noop(
         "Redis commands / task: INFO commandstats deltas of the private redis-server over each case's timed "
         "bursts (producer, broker, results and leases alike), less the server's idle traffic "
         f"({idle_total:.1f} commands/s with nothing running, sampled for {IDLE_SAMPLE:.0f} s), per task: "
-        + "; ".join(f"{case.name}: {_per_task(per_task[case.name])}" for case in cases) + "."
+        + "; ".join(f"{case.name}: {per_task_text(per_task[case.name])}" for case in cases) + "."
     )
     results.notes.append(
         "CPU / task: user + system time over each case's timed bursts, from /proc: the worker running the "
