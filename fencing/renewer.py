@@ -1,7 +1,8 @@
 """The lease renewer: one background thread per lease manager that keeps every held lease renewed.
 
 Used by :meth:`fencing.LeaseManager.hold`; a renewal that fails marks its lease lost at once, so the
-holder's next guarded write is refused without a round trip.
+holder's next guarded write is refused without a round trip. A coordinator that did not answer is asked
+again while the lease has time left locally: a stall shorter than the ttl costs no lease.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from fencing.errors import FencingError
+from fencing.errors import BackendUnavailable, FencingError
 from fencing.lease import Lease
 
 
@@ -28,6 +29,9 @@ class Renewer:
     naps ``IDLE_NAP`` at a time, so a lease due later than that never needs to wake it."""
 
     IDLE_NAP = 1.0
+    # A renewal the coordinator did not answer is tried again after this, while the lease has at least
+    # twice as long left on its local clock; with less, it is given up as lost.
+    RETRY_UNANSWERED = 0.05
 
     def __init__(self, renew: Callable[[Lease], Any]) -> None:
         self._renew = renew
@@ -91,9 +95,14 @@ class Renewer:
     def _run(self) -> None:
         while (claimed := self._next()) is not None:
             lease_id, lease = claimed
+            failed: str | None = None
+            again = False
             try:
                 self._renew(lease)
-                failed: str | None = None
+            except BackendUnavailable as exc:
+                # The lease may well still be held: the answer, not the lease, went missing.
+                again = lease.time_left() > 2 * self.RETRY_UNANSWERED
+                failed = None if again else f"renewal failed: {exc}"
             except FencingError as exc:
                 failed = f"renewal failed: {exc}"
             except Exception as exc:  # whatever it was, the lease cannot be assumed renewed
@@ -102,5 +111,8 @@ class Renewer:
                 if failed is not None:
                     lease.mark_lost(failed)
                     self._held.pop(lease_id, None)
+                elif again and lease_id in self._held:
+                    _, held, every = self._held[lease_id]
+                    self._held[lease_id] = (time.monotonic() + self.RETRY_UNANSWERED, held, every)
                 self._busy = None
                 self._cond.notify_all()

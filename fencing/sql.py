@@ -259,7 +259,8 @@ class SyncSqlExecutor:
     ) -> None:
         self.engine = engine
         self._sleep = sleep
-        self._translate = translate
+        # The caller's own typed errors for database errors (reservations.constraints), or None.
+        self.translate = translate
 
     def run(self, plan: Plan[T]) -> T:
         conn: Connection | None = None
@@ -279,11 +280,11 @@ class SyncSqlExecutor:
                     conn = self.engine.connect()
                     conn.begin()
                 except DBAPIError as exc:
-                    raise mapped(exc, "connect", self._translate) from exc
+                    raise mapped(exc, "connect", self.translate) from exc
             try:
                 return execute(conn, op)
             except DBAPIError as exc:
-                raise mapped(exc, "statement", self._translate) from exc
+                raise mapped(exc, "statement", self.translate) from exc
 
         try:
             result = run_sync(plan, handle)
@@ -291,7 +292,7 @@ class SyncSqlExecutor:
                 conn.commit()
             return result
         except DBAPIError as exc:
-            raise mapped(exc, "commit", self._translate) from exc
+            raise mapped(exc, "commit", self.translate) from exc
         finally:
             if conn is not None:
                 conn.close()  # rolls back anything not committed
@@ -306,7 +307,7 @@ class SyncSqlExecutor:
                     return _rows(auto.exec_driver_sql(op.statement, op.params))
                 return _rows(auto.execute(op.statement, op.params))
         except DBAPIError as exc:
-            raise mapped(exc, "statement", self._translate) from exc
+            raise mapped(exc, "statement", self.translate) from exc
 
     def close(self) -> None:
         self.engine.dispose()
@@ -324,7 +325,8 @@ class AsyncSqlExecutor:
     ) -> None:
         self.engine = engine
         self._sleep = sleep
-        self._translate = translate
+        # The caller's own typed errors for database errors (reservations.constraints), or None.
+        self.translate = translate
 
     async def run(self, plan: Plan[T]) -> T:
         conn: AsyncConnection | None = None
@@ -344,11 +346,11 @@ class AsyncSqlExecutor:
                     conn = await self.engine.connect()
                     await conn.begin()
                 except DBAPIError as exc:
-                    raise mapped(exc, "connect", self._translate) from exc
+                    raise mapped(exc, "connect", self.translate) from exc
             try:
                 return await execute_async(conn, op)
             except DBAPIError as exc:
-                raise mapped(exc, "statement", self._translate) from exc
+                raise mapped(exc, "statement", self.translate) from exc
 
         try:
             result = await run_async(plan, handle)
@@ -356,7 +358,7 @@ class AsyncSqlExecutor:
                 await conn.commit()
             return result
         except DBAPIError as exc:
-            raise mapped(exc, "commit", self._translate) from exc
+            raise mapped(exc, "commit", self.translate) from exc
         finally:
             if conn is not None:
                 await conn.close()
@@ -371,7 +373,7 @@ class AsyncSqlExecutor:
                     return _rows(await auto.exec_driver_sql(op.statement, op.params))
                 return _rows(await auto.execute(op.statement, op.params))
         except DBAPIError as exc:
-            raise mapped(exc, "statement", self._translate) from exc
+            raise mapped(exc, "statement", self.translate) from exc
 
     async def close(self) -> None:
         await self.engine.dispose()

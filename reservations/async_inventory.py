@@ -12,7 +12,7 @@ from typing import Any
 
 from fencing import AsyncLeaseManager, Lease
 from fencing.sql import AsyncSqlExecutor, make_async_engine
-from reservations import audit, constraints, pending, reads, requests, schema
+from reservations import audit, pending, reads, requests, schema
 from reservations import inventory_base as base
 from reservations import validation as valid
 from reservations.counting import StockSeen
@@ -61,9 +61,7 @@ class AsyncInventory(InventoryBase[AsyncSqlExecutor]):
         if migrate:
             schema.upgrade(url)
         return cls(
-            AsyncSqlExecutor(
-                make_async_engine(url, **engine_options), sleep, translate=constraints.translate
-            ),
+            AsyncSqlExecutor(make_async_engine(url, **engine_options), sleep),
             url=url,
             enforce_fence=enforce_fence,
             before_statement=before_statement,

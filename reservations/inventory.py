@@ -12,7 +12,7 @@ from typing import Any
 
 from fencing import Lease, LeaseManager
 from fencing.sql import SyncSqlExecutor, make_engine
-from reservations import audit, constraints, pending, reads, requests, schema
+from reservations import audit, pending, reads, requests, schema
 from reservations import inventory_base as base
 from reservations import validation as valid
 from reservations.async_inventory import AsyncInventory
@@ -68,7 +68,7 @@ class Inventory(InventoryBase[SyncSqlExecutor]):
         if migrate:
             schema.upgrade(url)
         return cls(
-            SyncSqlExecutor(make_engine(url, **engine_options), sleep, translate=constraints.translate),
+            SyncSqlExecutor(make_engine(url, **engine_options), sleep),
             url=url,
             enforce_fence=enforce_fence,
             before_statement=before_statement,

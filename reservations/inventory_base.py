@@ -6,19 +6,24 @@ that the request and batching plans take unchecked, so :class:`~reservations.Inv
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from fencing import Lease
 from fencing.plan import Plan
-from fencing.sql import mask_url
-from reservations import batching, pending, requests
+from fencing.sql import Translate, mask_url
+from reservations import batching, constraints, pending, requests
 from reservations import validation as valid
 from reservations.errors import InvalidRequest
 from reservations.operations import InventoryPlans
 from reservations.requests import Attempt, RequestResult
 from reservations.reserve_statement import Speaker
 
-E = TypeVar("E")  # the shell's executor: SyncSqlExecutor or AsyncSqlExecutor
+
+class _Executor(Protocol):
+    translate: Translate | None
+
+
+E = TypeVar("E", bound=_Executor)  # the shell's executor: SyncSqlExecutor or AsyncSqlExecutor
 
 
 # Idempotency records are kept this long by default; ``purge_idempotency`` deletes older ones. A retry
@@ -151,6 +156,9 @@ class InventoryBase(Generic[E]):
         single_statement: bool | None = None,
     ) -> None:
         self.executor = executor
+        if executor.translate is None:
+            # Integrity errors reach the plans as the domain's typed errors, however the executor was built.
+            executor.translate = constraints.translate
         self.plans = InventoryPlans(
             enforce_fence=enforce_fence,
             before_statement=before_statement,

@@ -61,7 +61,12 @@ def wait_for_holder(
         return conflict(task, message, "reserve", "is queued for")
     if queued.first:
         try:
-            app.send_task(task_name("watch_waiting"), args=[batch.sku], countdown=settings.handoff_check)
+            app.send_task(
+                task_name("watch_waiting"),
+                args=[batch.sku],
+                countdown=settings.handoff_check,
+                ignore_result=True,  # as the task itself: no result is awaited, none is subscribed to
+            )
         except Exception as exc:  # the request is queued: the holder or the beat sweep still serve it
             log.warning("could not schedule the watch of %s: %s", batch.sku, exc)
     # Served nothing: the lease is busy, and its holder looks at the queue again after releasing.

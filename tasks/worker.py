@@ -53,7 +53,7 @@ SQL_POOL: dict[str, Any] = {"pool_size": 5, "max_overflow": 64}
 
 
 def _pool_options(url: str, lease_ttl: float) -> dict[str, Any]:
-    if url.startswith(("redis", "rediss")):
+    if url.startswith(("redis", "rediss", "unix")):
         # A lease call that has not answered within a third of the ttl is of no use (a renewal would come
         # too late): give up then, as unavailable, instead of waiting on TCP for minutes when the worker is
         # cut off from Redis.

@@ -88,3 +88,11 @@ def test_a_database_without_the_schema_is_schema_missing(unmigrated_url: str) ->
     assert caught.value.problem == "missing"
     # Still a kind of unavailability: a worker retries it while the upgrade runs.
     assert isinstance(caught.value, BackendUnavailable)
+
+
+def test_an_inventory_built_on_its_own_executor_maps_errors_too(inventory_url: str) -> None:
+    from fencing.sql import SyncSqlExecutor, make_engine
+
+    executor = SyncSqlExecutor(make_engine(inventory_url), lambda seconds: None)
+    with Inventory(executor, url=inventory_url) as inventory, pytest.raises(KeyTaken):
+        inventory.executor.run(_twice(_record("k-3")))

@@ -14,8 +14,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import redis
 
-from admin.harness import RedisServer, redis_server
+from admin.harness import RedisServer, redis_server, wait_until
 from fencing import BackendUnavailable, Lease, LeaseManager, StaleToken
 from tests.support import Resource
 
@@ -218,3 +219,27 @@ def test_redis_down_raises_backend_unavailable_and_nothing_is_written(
     assert time.monotonic() - started < 5
     assert protected.row(SCOPE) == (100, 0, None)
     assert protected.log(SCOPE) == []
+
+
+def test_a_stall_shorter_than_the_ttl_costs_no_lease(server: RedisServer) -> None:
+    """Redis stops answering (alive, CLIENT PAUSE) for less than the ttl while a lease is held, and the
+    holder's client gives up on each call after 0.2 s: the renewal is asked again, not the lease given up,
+    and once Redis answers the lease is renewed and still the holder's."""
+    ttl, stall = 1.5, 0.7
+    url = server.url()
+    with (
+        LeaseManager.from_url(url, prefix=PREFIX, socket_connect_timeout=0.2, socket_timeout=0.2) as mgr,
+        mgr.hold(SCOPE, ttl=ttl, holder="stalled") as lease,
+    ):
+        admin = redis.Redis.from_url(url)
+        admin.execute_command("CLIENT", "PAUSE", int(stall * 1000), "ALL")
+        stall_ends = time.monotonic() + stall
+        wait_until(
+            lambda: lease.lost or (time.monotonic() > stall_ends and lease.time_left() > ttl - 0.5),
+            timeout=5,
+            what="the lease to be renewed after the stall, or lost",
+        )
+        assert not lease.lost, lease.lost_reason
+        current = mgr.current(SCOPE)
+        assert current is not None and current.token == lease.token
+        admin.close()
