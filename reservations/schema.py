@@ -6,13 +6,15 @@ revision a database is at. The SQL lease backend's tables are part of the same m
 
 from __future__ import annotations
 
-from alembic import command
-from alembic.config import Config
-from alembic.runtime.migration import MigrationContext
-from alembic.script import ScriptDirectory
-from alembic.util import CommandError
+from typing import TYPE_CHECKING
 
 from fencing.sql import make_engine
+
+if TYPE_CHECKING:
+    from alembic.config import Config
+
+# Alembic is imported when the schema is touched, not with the package: every command line call and
+# worker would otherwise pay for it at start (a tenth of the CLI's start-up).
 
 
 class RevisionNotFound(ValueError):
@@ -25,6 +27,8 @@ class RevisionNotFound(ValueError):
 
 
 def _config(url: str) -> Config:
+    from alembic.config import Config
+
     config = Config()
     config.set_main_option("script_location", "reservations:migrations")
     # ConfigParser interpolation would choke on a '%' in a URL-encoded password.
@@ -33,6 +37,9 @@ def _config(url: str) -> Config:
 
 
 def upgrade(url: str, revision: str = "head") -> None:
+    from alembic import command
+    from alembic.util import CommandError
+
     try:
         command.upgrade(_config(url), revision)
     except CommandError as exc:
@@ -41,6 +48,8 @@ def upgrade(url: str, revision: str = "head") -> None:
 
 
 def current(url: str) -> str | None:
+    from alembic.runtime.migration import MigrationContext
+
     engine = make_engine(url)
     try:
         with engine.connect() as conn:
@@ -50,4 +59,6 @@ def current(url: str) -> str | None:
 
 
 def head() -> str | None:
+    from alembic.script import ScriptDirectory
+
     return ScriptDirectory.from_config(_config("sqlite://")).get_current_head()
