@@ -26,24 +26,6 @@ from reservations.views import HistoryEntry, Outcome, ReservationView, StockLeve
 class AsyncInventory(InventoryBase[AsyncSqlExecutor]):
     """The asyncio shell over the same plans as :class:`~reservations.Inventory`."""
 
-    def __init__(
-        self,
-        executor: AsyncSqlExecutor,
-        *,
-        url: str = "",
-        enforce_fence: bool = True,
-        before_statement: Callable[[Lease], None] | None = None,
-        single_statement: bool | None = None,
-    ) -> None:
-        super().__init__(
-            executor,
-            executor.engine.dialect.name,
-            url=url,
-            enforce_fence=enforce_fence,
-            before_statement=before_statement,
-            single_statement=single_statement,
-        )
-
     @classmethod
     def from_url(
         cls,

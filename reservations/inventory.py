@@ -29,26 +29,6 @@ __all__ = ["DEFAULT_IDEMPOTENCY_RETENTION", "AsyncInventory", "Inventory", "lock
 class Inventory(InventoryBase[SyncSqlExecutor]):
     """Fenced stock operations on one database (SQLite or PostgreSQL)."""
 
-    def __init__(
-        self,
-        executor: SyncSqlExecutor,
-        *,
-        url: str = "",
-        enforce_fence: bool = True,
-        before_statement: Callable[[Lease], None] | None = None,
-        single_statement: bool | None = None,
-    ) -> None:
-        """``single_statement`` (default: on PostgreSQL) sends a single-SKU reservation as one statement;
-        False keeps the multi-statement transaction that SQLite uses."""
-        super().__init__(
-            executor,
-            executor.engine.dialect.name,
-            url=url,
-            enforce_fence=enforce_fence,
-            before_statement=before_statement,
-            single_statement=single_statement,
-        )
-
     @classmethod
     def from_url(
         cls,

@@ -21,6 +21,7 @@ from reservations.reserve_statement import Speaker
 
 class _Executor(Protocol):
     translate: Translate | None
+    engine: Any  # an Engine or AsyncEngine: its dialect decides the statements
 
 
 E = TypeVar("E", bound=_Executor)  # the shell's executor: SyncSqlExecutor or AsyncSqlExecutor
@@ -148,13 +149,15 @@ class InventoryBase(Generic[E]):
     def __init__(
         self,
         executor: E,
-        dialect: str,
         *,
         url: str = "",
         enforce_fence: bool = True,
         before_statement: Callable[[Lease], None] | None = None,
         single_statement: bool | None = None,
     ) -> None:
+        """``single_statement`` (default: on PostgreSQL) sends a single-SKU reservation as one statement;
+        False keeps the multi-statement transaction that SQLite uses."""
+        dialect = executor.engine.dialect.name
         self.executor = executor
         if executor.translate is None:
             # Integrity errors reach the plans as the domain's typed errors, however the executor was built.
