@@ -15,7 +15,7 @@ import sqlalchemy as sa
 from typer.testing import CliRunner
 
 from admin.cli import app
-from fencing import Lease, LeaseManager, StaleToken
+from fencing import LeaseManager, StaleToken
 from fencing.sql import make_engine
 from reservations import (
     MAX_ON_HAND,
@@ -31,10 +31,7 @@ from reservations import (
 from reservations.errors import ConstraintRefused
 from reservations.messages import InvalidMessage, parse, request_fingerprint
 from reservations.models import idempotency_keys, sku_history, stock
-
-
-def lease_for(leases: LeaseManager, sku: str, holder: str = "w1") -> Lease:
-    return leases.acquire(scope_of(sku), ttl=30, holder=holder)
+from tests.test_inventory import lease_for, level
 
 
 def snapshot(inventory_url: str) -> dict[str, Any]:
@@ -50,11 +47,6 @@ def snapshot(inventory_url: str) -> dict[str, Any]:
         }
     engine.dispose()
     return state
-
-
-def level(inventory: Inventory, sku: str) -> tuple[int, int, int]:
-    s = inventory.stock(sku)
-    return s.on_hand, s.reserved, s.available
 
 
 def writes(inventory: Inventory, sku: str, operation: str) -> list[Any]:

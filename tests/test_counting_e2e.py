@@ -11,36 +11,20 @@ import os
 import signal
 import socket
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import pytest
 
 from admin.harness import process_state, redis_server, wait_until
 from fencing import LeaseManager
 from reservations import Inventory
-from reservations.requests import RequestResult
-from tasks import OutcomeTimeout, ReservationClient, ReservationHandle, request_id
-from tests.workers import Cluster, cluster, pg_schema
+from tasks import request_id
+from tests.test_tasks_e2e import Stack
+from tests.workers import cluster, pg_schema
 
 pytestmark = pytest.mark.slow
 
 TTL = 1.0
-OUTCOME_TIMEOUT = 30.0
 FAULT_TIMEOUT = 15.0
-
-
-@dataclass(frozen=True)
-class Stack:
-    cluster: Cluster
-    client: ReservationClient
-    inventory: Inventory
-    leases: LeaseManager
-
-    def result(self, handle: ReservationHandle) -> RequestResult:
-        try:
-            return handle.result_sync(timeout=OUTCOME_TIMEOUT)
-        except OutcomeTimeout as exc:
-            raise AssertionError(f"{exc}\n{self.cluster.tails()}") from None
 
 
 @pytest.fixture(scope="module")
