@@ -41,6 +41,16 @@ class Violation:
         return f"{self.sku}: {self.message}"
 
 
+def keys_written_twice(operations: sa.ColumnElement[bool]) -> sa.Select[str, str, str, int]:
+    """(key, SKU, operation, writes) of every key that wrote more than once by the ``operations`` chosen."""
+    return (
+        sa.select(sku_history.c.idempotency_key, sku_history.c.sku, sku_history.c.operation, sa.func.count())
+        .where(sku_history.c.kind == "write", sku_history.c.idempotency_key.is_not(None), operations)
+        .group_by(sku_history.c.idempotency_key, sku_history.c.sku, sku_history.c.operation)
+        .having(sa.func.count() > 1)
+    )
+
+
 def invariant_violations() -> Plan[list[Violation]]:
     """Every broken invariant; an empty list means the inventory is consistent.
 
@@ -89,16 +99,7 @@ def invariant_violations() -> Plan[list[Violation]]:
             message = f"write #{entry} accepted with token {token} after token {highest[sku]}"
             found.append(Violation(Rule.TOKEN_ORDER, sku, message))
         highest[sku] = max(token, highest.get(sku, 0))
-    dupes: Rows = yield (
-        sa.select(sku_history.c.idempotency_key, sku_history.c.sku, sku_history.c.operation, sa.func.count())
-        .where(
-            sku_history.c.kind == "write",
-            sku_history.c.idempotency_key.is_not(None),
-            sku_history.c.operation.in_(ONCE_PER_KEY),
-        )
-        .group_by(sku_history.c.idempotency_key, sku_history.c.sku, sku_history.c.operation)
-        .having(sa.func.count() > 1)
-    )
+    dupes: Rows = yield keys_written_twice(sku_history.c.operation.in_(ONCE_PER_KEY))
     found.extend(
         Violation(Rule.KEY_APPLIED_TWICE, r[1], f"key {r[0]!r} applied {r[3]} times by {r[2]}")
         for r in dupes.rows

@@ -16,7 +16,7 @@ import sqlalchemy as sa
 
 from admin.chaos.workload import Sent
 from fencing.sql import make_engine
-from reservations.audit import ONCE_PER_KEY, Rule
+from reservations.audit import ONCE_PER_KEY, Rule, keys_written_twice
 from reservations.counting import DECIDED
 from reservations.inventory import Inventory
 from reservations.models import request_outcomes, reservations, sku_history, stock
@@ -119,19 +119,8 @@ def read_facts(database_url: str, initial: Mapping[str, int], sent: Mapping[str,
                 r.key: Outcome(r.status, json.loads(r.detail))
                 for r in conn.execute(sa.select(request_outcomes))
             }
-            applied = conn.execute(
-                sa.select(
-                    sku_history.c.idempotency_key, sku_history.c.sku, sku_history.c.operation, sa.func.count()
-                )
-                .where(
-                    sku_history.c.kind == "write",
-                    sku_history.c.idempotency_key.is_not(None),
-                    # those are already counted by the audit
-                    sku_history.c.operation.not_in(ONCE_PER_KEY),
-                )
-                .group_by(sku_history.c.idempotency_key, sku_history.c.sku, sku_history.c.operation)
-                .having(sa.func.count() > 1)
-            ).all()
+            # The operations the audit checks are already counted by it.
+            applied = conn.execute(keys_written_twice(sku_history.c.operation.not_in(ONCE_PER_KEY))).all()
             made = conn.execute(
                 sa.select(reservations.c.id, reservations.c.idempotency_key, reservations.c.status)
             ).all()
