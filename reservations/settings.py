@@ -205,6 +205,11 @@ class Settings:
         0,
         65535,
     )
+    metrics_host: str = _setting(
+        "127.0.0.1",
+        "the address a worker's metrics listener binds: this host only by default; 0.0.0.0 (every "
+        "interface) where a scraper on another host or container reads it",
+    )
     task_events: bool = _setting(
         False,
         "1: workers send task events, as celery worker -E does (Flower, celery events); a request's event "
