@@ -80,7 +80,7 @@ _SECRET_QUERY_KEYS = ("password", "passwd", "pwd", "secret", "token", "sslpasswo
 def mask_url(url: str | URL) -> str:
     """The URL as it may be printed: the password, and password-like query parameters, as ``***``."""
     try:
-        parsed = make_url(url)
+        parsed = make_url(_quote_userinfo_at(url) if isinstance(url, str) else url)
     except Exception:
         return "<unparseable url>"
     query = {
@@ -88,6 +88,19 @@ def mask_url(url: str | URL) -> str:
         for key, value in parsed.query.items()
     }
     return parsed.set(query=query).render_as_string(hide_password=True).replace("%2A%2A%2A", "***")
+
+
+def _quote_userinfo_at(url: str) -> str:
+    """``url`` with each ``@`` before the last one of its authority written ``%40``. Redis and the
+    broker (urllib, kombu) take the host after the last ``@``, so ``redis://:my@secret@host`` has the
+    password ``my@secret``; SQLAlchemy's parser stops at the first and would print ``secret`` as part of
+    the host."""
+    scheme, sep, rest = url.partition("://")
+    end = min((i for i in map(rest.find, "/?#") if i >= 0), default=len(rest))
+    userinfo, at, host = rest[:end].rpartition("@")
+    if not sep or not at:
+        return url
+    return f"{scheme}://{userinfo.replace('@', '%40')}@{host}{rest[end:]}"
 
 
 def _sqlite_setup(engine: Engine) -> None:

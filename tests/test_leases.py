@@ -4,6 +4,7 @@ and the typed refusal of bad input. Each test runs against Redis, SQLite and Pos
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -372,6 +373,19 @@ def test_masked_urls_hide_every_password() -> None:
     assert "s3cret" not in mask_url("postgresql://app@db/inv?password=s3cret&sslmode=require")
     assert mask_url("redis://:s3cret@h:6379/0") == "redis://:***@h:6379/0"
     assert mask_url("sqlite:////tmp/x.sqlite3") == "sqlite:////tmp/x.sqlite3"
+    assert mask_url("redis://:my@secret@host/0") == "redis://:***@host/0"
+    assert mask_url("amqp://app:a@b@c@mq:5672//") == "amqp://app:***@mq:5672//"
+    assert mask_url("postgresql://a:s@c@db/inv?ssl=1") == "postgresql://a:***@db/inv?ssl=1"
+
+
+def test_the_config_command_masks_a_password_holding_an_at_sign() -> None:
+    from tests.test_settings import run
+
+    code, stdout, _ = run("--broker-url", "redis://:my@secret@mq:6379/0", "config", "--json", env={})
+    assert code == 0 and "secret" not in stdout
+    assert {"name": "RESERVATIONS_BROKER_URL", "value": "redis://:***@mq:6379/0", "source": "option"} in (
+        json.loads(stdout)
+    )
 
 
 @pytest.mark.parametrize("url", ["redis://127.0.0.1:notaport/0", "not a url", "mysql://app@db/inv"])
