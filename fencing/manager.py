@@ -32,7 +32,14 @@ from fencing.lease_plans import (
 )
 from fencing.redis_backend import AsyncRedisExecutor, RedisLeaseCore, SyncRedisExecutor
 from fencing.renewer import Renewer
-from fencing.sql import AsyncSqlExecutor, SyncSqlExecutor, make_async_engine, make_engine, mask_url
+from fencing.sql import (
+    AsyncSqlExecutor,
+    SyncSqlExecutor,
+    make_async_engine,
+    make_engine,
+    mask_url,
+    normalize_url,
+)
 from fencing.sql_backend import SqlLeaseCore, metadata
 
 # Re-exported: callers import these from here (the policy itself lives in fencing.lease_plans).
@@ -47,6 +54,7 @@ __all__ = [
     "LeasePlans",
     "backoff",
     "default_holder",
+    "lease_backend",
 ]
 
 log = logging.getLogger("fencing")
@@ -56,10 +64,33 @@ _RETENTION_MS = round(DEFAULT_HISTORY_RETENTION * 1000)
 E = TypeVar("E")  # the shell's executor
 
 
-def _is_redis_url(url: object) -> bool:
+_REDIS_SCHEMES = ("redis", "rediss", "unix")
+
+
+def lease_backend(url: object) -> str:
+    """``"redis"`` or ``"sql"``: the backend ``from_url`` builds for ``url``, checked without connecting,
+    so a process can refuse a URL it cannot use before it says it is ready. InvalidLeaseRequest says why."""
     if not isinstance(url, str) or not url:
         raise InvalidLeaseRequest(f"the lease URL must be a non-empty string, not {type(url).__name__}")
-    return url.startswith(("redis://", "rediss://", "unix://"))
+    scheme = url.partition("://")[0].lower()
+    if scheme in _REDIS_SCHEMES:
+        try:
+            redis.connection.parse_url(url)
+        except ValueError as exc:  # a malformed port or database number
+            raise InvalidLeaseRequest(f"not a usable Redis URL: {mask_url(url)} ({exc})") from None
+        return "redis"
+    try:
+        normalize_url(url)
+    except InvalidLeaseRequest:
+        raise InvalidLeaseRequest(
+            f"unsupported lease URL {mask_url(url)}: use redis://, rediss://, unix:// or a database URL "
+            "(sqlite, postgresql)"
+        ) from None
+    return "sql"
+
+
+def _is_redis_url(url: object) -> bool:
+    return lease_backend(url) == "redis"
 
 
 def _history_cap(cap: object) -> int:
