@@ -16,7 +16,7 @@ from fencing import FenceOutcome, Lease, StaleToken
 from fencing.plan import Atomic, Bound, Plan
 from fencing.sql import Rows, db_now_ms
 from reservations import validation as valid
-from reservations.errors import CountBelowHeld, InvalidRequest, UnknownSku
+from reservations.errors import CountBelowHeld, InvalidRequest, SeenInAnotherEpoch, UnknownSku
 from reservations.ledger import Ledger, fingerprint
 from reservations.models import sku_history, stock
 from reservations.reads import STOCK_COLUMNS, stock_level
@@ -65,12 +65,19 @@ def shrinkage_units(value: object) -> int | None:
     return None if value is None else _whole(value, "shrinkage", 0, valid.MAX_QUANTITY)
 
 
-def seen_of(value: object, sku: str) -> StockSeen:
-    """What a write was decided from: a :class:`StockSeen` of the same SKU."""
+def seen_of(value: object, sku: str, lease: Lease) -> StockSeen:
+    """What a write was decided from: a :class:`StockSeen` of the same SKU, read under the writing lease.
+
+    A read under another token is refused (:class:`SeenInAnotherEpoch`): the fence stops an older lease
+    from writing, but a current lease writing what an older read decided would overwrite, or order on top
+    of, stock written since that read, and its history row would record a ``seen`` it never read."""
     if not isinstance(value, StockSeen):
         raise InvalidRequest(f"seen must be a StockSeen, not {type(value).__name__}", field="seen")
     if value.sku != sku:
         raise InvalidRequest(f"seen is the stock of {value.sku!r}, not of {sku!r}", field="seen")
+    # look() leaves the row's fence at its lease's token, so a read under this lease carries that token.
+    if value.fence_token != lease.token:
+        raise SeenInAnotherEpoch(sku=sku, seen_token=value.fence_token, token=lease.token)
     return value
 
 
@@ -169,15 +176,16 @@ class StockCounting(Ledger):
     ) -> Plan[Outcome]:
         """A cycle count: on hand becomes ``counted`` (available: ``counted`` - reserved), an absolute
         write; refused with :class:`CountBelowHeld`, writing nothing, below the units held. ``seen`` is
-        what the count was decided from (:meth:`look`), recorded with it; ``shrinkage`` says the figure
-        was decided from ``seen`` (see :func:`short_count`) rather than sent."""
+        what the count was decided from (:meth:`look` under ``lease``; see :func:`seen_of`), recorded
+        with it; ``shrinkage`` says the figure was decided from ``seen`` (see :func:`short_count`) rather
+        than sent."""
         valid.lease(lease)
         valid.sku(sku)
         counted_units(counted)
         valid.idempotency_key(key)
         shrinkage_units(shrinkage)
         # A figure decided from a read must say which read; a figure sent may come without one.
-        checked = None if seen is None and shrinkage is None else seen_of(seen, sku)
+        checked = None if seen is None and shrinkage is None else seen_of(seen, sku, lease)
         detail: dict[str, int] = {"counted": counted, **_seen_detail(checked)}
         if shrinkage is not None:
             detail["shrinkage"] = shrinkage
@@ -227,14 +235,15 @@ class StockCounting(Ledger):
         return _level(result.row)
 
     def replenish(self, lease: Lease, sku: str, par: int, key: str, *, seen: StockSeen) -> Plan[Outcome]:
-        """Replenishment to par: books ``par`` minus the on-hand figure ``seen`` (none when at or above
-        par) as a restock. The size was decided from the read, so the row records par and what was seen;
-        the request is named by its par, so a redelivery that reads another level replays the first."""
+        """Replenishment to par: books ``par`` minus the on-hand figure ``seen`` (read under ``lease``; see
+        :func:`seen_of`), none when at or above par, as a restock. The size was decided from the read, so
+        the row records par and what was seen; the request is named by its par, so a redelivery that reads
+        another level replays the first."""
         valid.lease(lease)
         valid.sku(sku)
         par_units(par)
         valid.idempotency_key(key)
-        checked = seen_of(seen, sku)
+        checked = seen_of(seen, sku, lease)
         order = to_order(checked, par)
         detail = {"par": par, **_seen_detail(checked)}
 

@@ -5,7 +5,9 @@
     ReservationError
     ├── InvalidRequest          malformed SKU, quantity, key, lease, text...; nothing written (a ValueError)
     │   ├── StockLimitExceeded  the change would take on_hand past MAX_ON_HAND (sku, on_hand, delta, limit)
-    │   └── CountBelowHeld      a count below the units held for reservations (sku, counted, held)
+    │   ├── CountBelowHeld      a count below the units held for reservations (sku, counted, held)
+    │   └── SeenInAnotherEpoch  a count or replenishment decided from a read under another token than
+    │                           its writing lease's (sku, seen_token, token)
     ├── UnknownSku              no stock row for the SKU
     ├── UnknownReservation      no reservation with that id or key
     ├── InvalidTransition       confirm/release of a reservation that is final or belongs to another SKU
@@ -62,6 +64,22 @@ class CountBelowHeld(InvalidRequest):
         self.counted = counted
         self.held = held
         super().__init__(f"SKU {sku!r}: counted {counted}, but {held} units are held", field="counted")
+
+
+class SeenInAnotherEpoch(InvalidRequest):
+    """A count or a replenishment whose ``seen`` was read under another token than the lease it writes
+    under. The fence keeps older epochs from writing after that read, but not a newer holder from deciding
+    from it: stock another epoch wrote since would be overwritten or ordered on top of. Nothing is written."""
+
+    def __init__(self, *, sku: str, seen_token: int, token: int) -> None:
+        self.sku = sku
+        self.seen_token = seen_token
+        self.token = token
+        message = (
+            f"SKU {sku!r}: seen was read under token {seen_token}, but the write's lease holds token {token};"
+            " read the stock again under this lease"
+        )
+        super().__init__(message, field="seen")
 
 
 class UnknownSku(ReservationError, LookupError):

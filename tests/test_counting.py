@@ -28,9 +28,10 @@ from reservations import (
     UnknownSku,
     scope_of,
 )
-from reservations.errors import ConstraintRefused
+from reservations.errors import ConstraintRefused, SeenInAnotherEpoch
 from reservations.messages import InvalidMessage, parse, request_fingerprint
 from reservations.models import idempotency_keys, sku_history, stock
+from tests.test_bad_input import TABLES, table_rows
 from tests.test_inventory import lease_for, level
 
 
@@ -319,6 +320,37 @@ def test_replenish_input_is_checked_and_a_stale_one_refused(
     assert level(inventory, widget) == (20, 0, 20)
 
 
+def test_a_read_under_another_token_is_refused_and_writes_nothing(
+    inventory: Inventory, leases: LeaseManager, widget: str, inventory_url: str
+) -> None:
+    """Read under A's token, 50 units delivered under B's: B's replenishment to par 20 decided from A's
+    read of 10 would order 10 on top of 60, and the fence accepts B's token. Refused before any statement,
+    as is a count from that read, and a newer read presented with the older lease."""
+    old = lease_for(leases, widget, holder="A")
+    seen = inventory.look(old, widget)
+    leases.break_lease(scope_of(widget), reason="A paused past its lease")
+    new = lease_for(leases, widget, holder="B")
+    inventory.restock(new, widget, 50, key="delivery")
+    newer = inventory.look(new, widget)
+    before = table_rows(inventory_url, TABLES)
+    with pytest.raises(SeenInAnotherEpoch) as refused:
+        inventory.replenish(new, widget, 20, key="par", seen=seen)
+    error = refused.value
+    assert (error.sku, error.seen_token, error.token) == (widget, old.token, new.token)
+    assert isinstance(error, InvalidRequest)  # a request that cannot succeed as sent: ends invalid
+    with pytest.raises(SeenInAnotherEpoch):
+        inventory.count(new, widget, seen.on_hand - 1, key="count", seen=seen, shrinkage=1)
+    with pytest.raises(SeenInAnotherEpoch):
+        inventory.count(new, widget, 9, key="count", seen=seen)
+    with pytest.raises(SeenInAnotherEpoch):  # not even a rejection row: it never reached the fence
+        inventory.replenish(old, widget, 20, key="par", seen=newer)
+    assert table_rows(inventory_url, TABLES) == before
+    # The keys are free for the same requests decided from a read under the lease that writes.
+    assert inventory.replenish(new, widget, 20, key="par", seen=newer).quantity == 0
+    assert level(inventory, widget) == (60, 0, 60)
+    assert inventory.invariant_violations() == []
+
+
 # -- the async shell and the messages ------------------------------------------------------------------
 
 
@@ -335,6 +367,10 @@ async def test_async_inventory_counts_and_replenishes(inventory_url: str, leases
         level_now = await inventory.stock("ASYNC-C")
         assert (level_now.on_hand, level_now.available) == (9, 9)
         assert await inventory.invariant_violations() == []
+        leases.break_lease(scope_of("ASYNC-C"), reason="the holder paused past its lease")
+        with pytest.raises(SeenInAnotherEpoch):  # a read of the lease before
+            await inventory.replenish(lease_for(leases, "ASYNC-C"), "ASYNC-C", 20, key="p2", seen=seen)
+        assert (await inventory.stock("ASYNC-C")).on_hand == 9
 
 
 def test_count_and_replenish_messages_are_checked_and_named_by_what_was_sent() -> None:
