@@ -16,13 +16,17 @@ from __future__ import annotations
 import difflib
 import math
 import os
-from collections.abc import Mapping
+import stat
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
-from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import quote, urlsplit
 
-from fencing import mask_url
+from fencing import InvalidLeaseRequest, mask_url
+from fencing.keys import validate_prefix
+from fencing.manager import lease_backend
+from fencing.sql import normalize_url
+from reservations import numerals
 
 __all__ = [
     "CHAOS_POSTGRES_URL",
@@ -92,18 +96,24 @@ class Variable:
             if word not in _TRUE + _FALSE:
                 raise SettingsError(f"{self.name} must be 1 or 0, got {raw!r}")
             return word in _TRUE
-        try:
-            number = float(raw)
-        except ValueError:
-            raise SettingsError(f"{self.name} must be a number, got {raw!r}") from None
+        # The command line's grammar (reservations.numerals): digits 0-9, a fraction only for seconds.
+        number: int | float | None
+        if self.type == "int":
+            number = numerals.whole(raw)
+            if number is None:
+                raise SettingsError(
+                    f"{self.name} must be a whole number written with the digits 0-9, got {raw!r}"
+                )
+        else:
+            number = numerals.decimal(raw)
+            if number is None:
+                raise SettingsError(
+                    f"{self.name} must be a number written with the digits 0-9, like 2 or 0.5, got {raw!r}"
+                )
         low = -math.inf if self.low is None else self.low
         high = math.inf if self.high is None else self.high
         if not low <= number <= high:
-            raise SettingsError(f"{self.name} must be between {low:g} and {high:g}, got {raw.strip()}")
-        if self.type == "int":
-            if not number.is_integer():
-                raise SettingsError(f"{self.name} must be a whole number, got {raw.strip()}")
-            return int(number)
+            raise SettingsError(f"{self.name} must be between {low:g} and {high:g}, got {raw}")
         return number
 
     def show(self, value: Any) -> str:
@@ -225,15 +235,24 @@ class Settings:
     def __post_init__(self) -> None:
         if not self.lease_url:
             object.__setattr__(self, "lease_url", self.database_url)
+        problems = [*_url_problems(self)]
         if self.log_format not in ("text", "json"):
-            raise SettingsError(f"{PREFIX}LOG_FORMAT must be text or json, got {self.log_format!r}")
+            problems.append(f"{PREFIX}LOG_FORMAT must be text or json, got {self.log_format!r}")
         # Redelivery must never overtake a live attempt: an unacked message comes back only after the
         # longest a lease can be held plus the retry countdowns in between.
         if self.visibility_timeout < 4 * self.lease_ttl:
-            raise SettingsError(
+            problems.append(
                 f"{PREFIX}VISIBILITY_TIMEOUT ({self.visibility_timeout:g}s) must be at least 4x the lease "
                 f"ttl ({self.lease_ttl:g}s, {PREFIX}LEASE_TTL)"
             )
+        # A renewal due only after the lease ran out never keeps it: every long task would lose its SKU.
+        if self.lease_renew_every is not None and self.lease_renew_every >= self.lease_ttl:
+            problems.append(
+                f"{PREFIX}LEASE_RENEW_EVERY ({self.lease_renew_every:g}s) must be shorter than the lease "
+                f"ttl ({self.lease_ttl:g}s, {PREFIX}LEASE_TTL)"
+            )
+        if problems:
+            raise SettingsError(problems)
 
     @classmethod
     def from_env(
@@ -323,6 +342,48 @@ VARIABLES: tuple[Variable, ...] = tuple(
 _BY_FIELD = {variable.field: variable for variable in VARIABLES}
 
 
+# The transports a worker is built and tested for (a kombu or Celery scheme's first part): Redis,
+# RabbitMQ and, for the embedded demo, SQLAlchemy; results in Redis or a database.
+BROKER_SCHEMES = ("redis", "rediss", "amqp", "amqps", "pyamqp", "sqla")
+RESULT_SCHEMES = ("redis", "rediss", "db")
+
+
+def _scheme_problem(name: str, url: str, schemes: tuple[str, ...]) -> str | None:
+    parts = urlsplit(url)
+    scheme = parts.scheme.partition("+")[0].lower()
+    if "://" not in url or scheme not in schemes:
+        wanted = ", ".join(f"{s}+<database>://" if s in ("sqla", "db") else f"{s}://" for s in schemes)
+        return f"{name}: unsupported URL {mask_url(url)}; use one of {wanted}"
+    try:
+        parts.port  # noqa: B018  (raises for a port that is no number)
+    except ValueError:
+        return f"{name}: the URL's port is not a number"
+    return None
+
+
+def _url_problems(settings: Settings) -> list[str]:
+    """What a worker could not build from these URLs and the key prefix, found without connecting: the
+    same parsers the clients use, so nothing that passes here fails when the worker builds them."""
+    problems = []
+    checks: list[tuple[str, Callable[[str], object]]] = [("database_url", normalize_url)]
+    if settings.lease_url != settings.database_url:  # the same URL would be reported twice
+        checks.append(("lease_url", lease_backend))
+    for name, check in checks:
+        try:
+            check(getattr(settings, name))
+        except InvalidLeaseRequest as exc:
+            problems.append(f"{_BY_FIELD[name].name}: {exc}")
+    try:
+        validate_prefix(settings.lease_prefix)
+    except InvalidLeaseRequest as exc:
+        problems.append(f"{PREFIX}LEASE_PREFIX {settings.lease_prefix!r}: {exc}")
+    for name, schemes in (("broker_url", BROKER_SCHEMES), ("result_backend", RESULT_SCHEMES)):
+        problem = _scheme_problem(_BY_FIELD[name].name, getattr(settings, name), schemes)
+        if problem:
+            problems.append(problem)
+    return problems
+
+
 def variable(name: str) -> Variable:
     """The variable of field ``name`` (``variable("lease_ttl").name == "RESERVATIONS_LEASE_TTL"``)."""
     return _BY_FIELD[name]
@@ -376,14 +437,40 @@ def _default_of(variable: Variable, values: Mapping[str, Any]) -> str:
     return str(variable.default)
 
 
+# A password file holds one password: anything longer is the wrong file.
+_PASSWORD_FILE_LIMIT = 4096
+
+
+def _read_password_file(name: str, path: str) -> str:
+    """The text of the password file ``path`` (named by the variable ``name``), or SettingsError naming
+    the variable. Only a regular file is read: a directory, or a FIFO nobody writes to, would otherwise
+    fail with a traceback or block the worker's start forever (open does not wait with O_NONBLOCK)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
+    except OSError as exc:
+        raise SettingsError(f"{name}: cannot read {path}: {exc.strerror}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise SettingsError(f"{name}: {path} is not a regular file")
+        if info.st_size > _PASSWORD_FILE_LIMIT:
+            raise SettingsError(f"{name}: {path} is larger than {_PASSWORD_FILE_LIMIT} bytes")
+        data = os.read(fd, _PASSWORD_FILE_LIMIT + 1)
+    except OSError as exc:
+        raise SettingsError(f"{name}: cannot read {path}: {exc.strerror}") from None
+    finally:
+        os.close(fd)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise SettingsError(f"{name}: {path} is not UTF-8 text") from None
+
+
 def _with_password(env: Mapping[str, str], variable: Variable, url: str) -> str:
     """``url`` with the password read from the file ``variable.password_file`` names: a secret mounted
     as a file never sits in the environment or the compose file. One trailing newline is not part of it."""
     path = env[variable.password_file]
-    try:
-        password = Path(path).read_text().removesuffix("\n").removesuffix("\r")
-    except OSError as exc:
-        raise SettingsError(f"{variable.password_file}: cannot read {path}: {exc.strerror}") from None
+    password = _read_password_file(variable.password_file, path).removesuffix("\n").removesuffix("\r")
     parts = urlsplit(url)
     if not password or parts.password is not None or not parts.hostname:
         raise SettingsError(

@@ -75,10 +75,10 @@ def test_every_problem_is_named_and_reported_at_once(tmp_path: Path) -> None:
         )
     assert caught.value.problems == [
         f"RESERVATIONS_BROKER_PASSWORD_FILE: cannot read {tmp_path / 'missing'}: No such file or directory",
-        "RESERVATIONS_LEASE_TTL must be a number, got 'abc'",
+        "RESERVATIONS_LEASE_TTL must be a number written with the digits 0-9, like 2 or 0.5, got 'abc'",
         "RESERVATIONS_MAX_EPOCHS must be between 1 and 100, got 0",
         "RESERVATIONS_BATCHING must be 1 or 0, got 'maybe'",
-        "RESERVATIONS_BATCH_SIZE must be a whole number, got 2.5",
+        "RESERVATIONS_BATCH_SIZE must be a whole number written with the digits 0-9, got '2.5'",
     ]
     assert "\n" not in str(caught.value)
     with pytest.raises(SettingsError, match=r"RESERVATIONS_VISIBILITY_TIMEOUT .* RESERVATIONS_LEASE_TTL"):
@@ -90,7 +90,7 @@ def test_to_env_reproduces_the_settings_and_masked_hides_passwords() -> None:
         database_url="postgresql://app:s3cret@db/inv",
         lease_url="redis://:pw2@r:6379/2",
         lease_ttl=2.5,
-        lease_renew_every=600.0,
+        lease_renew_every=1.0,
         batching=False,
         max_epochs=5,
     )
@@ -154,6 +154,91 @@ def test_a_password_file_that_cannot_be_used_is_named(secret: Path, tmp_path: Pa
         Settings.from_env({"RESERVATIONS_DATABASE_PASSWORD_FILE": str(secret)})
 
 
+@pytest.mark.parametrize("content", [b"\xff\xfepass\n", None], ids=["not-utf8", "directory"])
+def test_a_password_file_that_is_no_text_file_is_named(tmp_path: Path, content: bytes | None) -> None:
+    path = tmp_path / "password"
+    if content is None:
+        path.mkdir()
+    else:
+        path.write_bytes(content)
+    env = {"RESERVATIONS_BROKER_URL": "redis://mq/0", "RESERVATIONS_BROKER_PASSWORD_FILE": str(path)}
+    with pytest.raises(SettingsError, match=r"^RESERVATIONS_BROKER_PASSWORD_FILE: .*(UTF-8|regular file)"):
+        Settings.from_env(env)
+
+
+def test_a_password_file_that_is_a_fifo_without_a_writer_is_named_at_once(tmp_path: Path) -> None:
+    """Reading a FIFO nobody writes to blocks forever: the settings are read in a child process, which
+    must answer within the timeout instead of hanging a worker's start."""
+    fifo = tmp_path / "password"
+    os.mkfifo(fifo)
+    env = worker_env({"RESERVATIONS_LEASE_URL": "redis://r/2", "RESERVATIONS_LEASE_PASSWORD_FILE": str(fifo)})
+    program = (
+        "from reservations.settings import Settings, SettingsError\n"
+        "try:\n    Settings.from_env()\nexcept SettingsError as exc:\n    print(exc)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", program], env=env, capture_output=True, text=True, timeout=30, check=False
+    )
+    assert done.stdout.strip() == f"RESERVATIONS_LEASE_PASSWORD_FILE: {fifo} is not a regular file"
+
+
+# -- one grammar for numbers, URLs a worker can build ----------------------------------------------------
+
+# What Python's int() or float() take and the command line refuses: spaces, underscores, other scripts'
+# digits, exponents, signs, nan and inf.
+NOT_WRITTEN_AS_A_COUNT = ["\u0661\u0660", "1_0", "1e3", " 3", "3 ", "+3", "-1", "nan", "inf", "0x10", "1.0"]
+
+
+@pytest.mark.parametrize("raw", NOT_WRITTEN_AS_A_COUNT)
+def test_a_count_is_written_as_the_command_line_takes_it(raw: str) -> None:
+    with pytest.raises(SettingsError, match=r"^RESERVATIONS_MAX_RETRIES must be a whole number written"):
+        Settings.from_env({"RESERVATIONS_MAX_RETRIES": raw})
+    code, _, stderr = run("reserve", "--key", "k-1", "--", "WIDGET", raw, env={})
+    assert code == 2 and "digits 0-9" in stderr
+
+
+@pytest.mark.parametrize("raw", [r for r in NOT_WRITTEN_AS_A_COUNT if r != "1.0"])
+def test_seconds_are_written_as_the_command_line_takes_them(raw: str) -> None:
+    with pytest.raises(SettingsError, match=r"^RESERVATIONS_LEASE_TTL must be a number written"):
+        Settings.from_env({"RESERVATIONS_LEASE_TTL": raw})
+    assert Settings.from_env({"RESERVATIONS_LEASE_TTL": "2.5"}).lease_ttl == 2.5
+
+
+def test_a_renewal_not_due_before_the_lease_runs_out_is_refused() -> None:
+    for every in ("10", "12"):
+        with pytest.raises(SettingsError, match=r"RESERVATIONS_LEASE_RENEW_EVERY \(.*\) must be shorter"):
+            Settings.from_env({"RESERVATIONS_LEASE_TTL": "10", "RESERVATIONS_LEASE_RENEW_EVERY": every})
+    assert Settings.from_env({"RESERVATIONS_LEASE_TTL": "10", "RESERVATIONS_LEASE_RENEW_EVERY": "9.5"})
+
+
+# Each URL or prefix a worker could not build its clients from, and the variable its problem names.
+UNUSABLE = [
+    ({"RESERVATIONS_LEASE_URL": "ftp://x"}, "RESERVATIONS_LEASE_URL: unsupported lease URL ftp://x"),
+    (
+        {"RESERVATIONS_LEASE_URL": "redis+sentinel://:pw@s1:26379,s2:26379/inventory"},
+        "RESERVATIONS_LEASE_URL: unsupported lease URL",
+    ),
+    ({"RESERVATIONS_LEASE_URL": "redis://r:port/2"}, "RESERVATIONS_LEASE_URL: not a usable Redis URL"),
+    ({"RESERVATIONS_LEASE_PREFIX": "bad{prefix}"}, "RESERVATIONS_LEASE_PREFIX 'bad{prefix}'"),
+    ({"RESERVATIONS_DATABASE_URL": "garbage"}, "RESERVATIONS_DATABASE_URL: not a database URL"),
+    ({"RESERVATIONS_DATABASE_URL": "mysql://db/inv"}, "RESERVATIONS_DATABASE_URL: unsupported database"),
+    ({"RESERVATIONS_BROKER_URL": "ftp://mq/0"}, "RESERVATIONS_BROKER_URL: unsupported URL"),
+    ({"RESERVATIONS_BROKER_URL": "redis-on-port-6379"}, "RESERVATIONS_BROKER_URL: unsupported URL"),
+    ({"RESERVATIONS_RESULT_BACKEND": "redis://r:x/1"}, "RESERVATIONS_RESULT_BACKEND: the URL's port"),
+    ({"RESERVATIONS_RESULT_BACKEND": "mongodb://r/1"}, "RESERVATIONS_RESULT_BACKEND: unsupported URL"),
+]
+
+
+@pytest.mark.parametrize(("env", "problem"), UNUSABLE, ids=[next(iter(e)) for e, _ in UNUSABLE])
+def test_a_url_a_worker_cannot_use_is_named(env: dict[str, str], problem: str) -> None:
+    with pytest.raises(SettingsError) as caught:
+        Settings.from_env(env)
+    assert len(caught.value.problems) == 1 and caught.value.problems[0].startswith(problem)
+    assert "pw@" not in str(caught.value)
+    code, stdout, stderr = run("config", env=env)  # the command line reports the same
+    assert code == 2 and stdout == "" and problem in stderr
+
+
 # -- unknown names ---------------------------------------------------------------------------------------
 
 
@@ -189,11 +274,16 @@ def _own_services(folder: Path) -> Settings:
 
 @pytest.mark.slow
 def test_a_worker_with_bad_settings_says_so_in_one_line_and_exits(tmp_path: Path) -> None:
+    fifo = tmp_path / "broker-password"
+    os.mkfifo(fifo)  # nobody writes to it: reading it would block the start
     env = worker_env(
         {
             **_own_services(tmp_path).to_env(),
             "RESERVATIONS_LEASE_TTL": "abc",
             "RESERVATIONS_MAX_EPOCHS": "0",
+            "RESERVATIONS_LEASE_URL": "redis+sentinel://s1:26379/inventory",
+            "RESERVATIONS_LEASE_PREFIX": "bad{prefix}",
+            "RESERVATIONS_BROKER_PASSWORD_FILE": str(fifo),
         }
     )
     done = subprocess.run(
@@ -204,12 +294,30 @@ def test_a_worker_with_bad_settings_says_so_in_one_line_and_exits(tmp_path: Path
         timeout=120,
         check=False,
     )
-    assert done.returncode != 0
+    assert done.returncode == 2
     assert "Traceback" not in done.stderr + done.stdout
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1, done.stderr
-    assert "RESERVATIONS_LEASE_TTL must be a number" in lines[0]
-    assert "RESERVATIONS_MAX_EPOCHS must be between 1 and 100" in lines[0]
+    for named in (
+        "RESERVATIONS_LEASE_TTL must be a number",
+        "RESERVATIONS_MAX_EPOCHS must be between 1 and 100",
+        "RESERVATIONS_BROKER_PASSWORD_FILE",
+    ):
+        assert named in lines[0]
+    # The lease URL and prefix are checked once the values parse: the same worker, its ttl fixed.
+    env["RESERVATIONS_LEASE_TTL"], env["RESERVATIONS_MAX_EPOCHS"] = "10", "3"
+    del env["RESERVATIONS_BROKER_PASSWORD_FILE"]
+    done = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "tasks", "worker", "--pool", "solo", "--loglevel", "INFO"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 2 and "Traceback" not in done.stderr + done.stdout
+    (line,) = done.stderr.strip().splitlines()
+    assert "RESERVATIONS_LEASE_URL: unsupported lease URL" in line and "RESERVATIONS_LEASE_PREFIX" in line
 
 
 @pytest.mark.slow
@@ -238,7 +346,10 @@ def test_a_library_user_gets_settings_error_not_an_exit() -> None:
         [sys.executable, "-c", program], env=env, capture_output=True, text=True, timeout=60, check=False
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "SettingsError: RESERVATIONS_LEASE_TTL must be a number, got 'abc'"
+    assert done.stdout.strip() == (
+        "SettingsError: RESERVATIONS_LEASE_TTL must be a number written with the digits 0-9, like 2 or 0.5, "
+        "got 'abc'"
+    )
 
 
 # -- the command line ------------------------------------------------------------------------------------
