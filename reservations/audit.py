@@ -7,6 +7,7 @@ docs/architecture.md, "Where each rule lives".
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -29,6 +30,7 @@ class Rule(StrEnum):
     CONSERVATION = "conservation"  # on_hand, reserved, held reservations and history disagree
     TOKEN_ORDER = "token_order"  # a write accepted with a token lower than an earlier accepted write
     KEY_APPLIED_TWICE = "key_applied_twice"  # one idempotency key changed stock more than once
+    PAST_PAR = "past_par"  # a replenishment's order took on hand past its par (decided from a stale read)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,12 +53,27 @@ def keys_written_twice(operations: sa.ColumnElement[bool]) -> sa.Select[str, str
     )
 
 
+def _past_par(key: str | None, detail: str | None, before: int, ordered: int) -> str | None:
+    """Why a replenishment's order took on hand past its par, or None. Its history row records the par
+    and the on hand it saw (reservations.counting); ``before`` is what was on hand when it was written.
+    Ordering up to par from what was seen passes par only when on hand had grown since the read."""
+    recorded = json.loads(detail) if detail else {}
+    par = recorded.get("par")
+    if ordered <= 0 or not isinstance(par, int) or before + ordered <= par:
+        return None
+    return (
+        f"replenish {key!r} ordered {ordered} for par {par} having seen {recorded.get('seen_on_hand')}"
+        f" on hand, leaving {before + ordered}"
+    )
+
+
 def invariant_violations() -> Plan[list[Violation]]:
     """Every broken invariant; an empty list means the inventory is consistent.
 
     Checks, per SKU: available >= 0; on_hand = available + reserved; reserved = units of held
     reservations; the history's deltas explain on_hand and reserved exactly; accepted writes never
-    carry a token lower than an earlier accepted write; each idempotency key created one reservation.
+    carry a token lower than an earlier accepted write; each idempotency key created one reservation;
+    no replenishment ordered on hand past its par.
     """
     found: list[Violation] = []
     levels: Rows = yield sa.select(*STOCK_COLUMNS)
@@ -88,17 +105,33 @@ def invariant_violations() -> Plan[list[Violation]]:
         if sums_by_sku.get(r.sku, (0, 0)) != (r.on_hand, r.reserved):
             message = f"history explains {sums_by_sku.get(r.sku)} not ({r.on_hand}, {r.reserved})"
             found.append(Violation(Rule.CONSERVATION, r.sku, message))
+    is_replenish = sku_history.c.operation == "replenish"
     writes: Rows = yield (
-        sa.select(sku_history.c.sku, sku_history.c.token, sku_history.c.id)
-        .where(sku_history.c.kind == "write", sku_history.c.operation != "create")
+        sa.select(
+            sku_history.c.sku,
+            sku_history.c.token,
+            sku_history.c.id,
+            sku_history.c.operation,
+            sku_history.c.on_hand_delta,
+            sku_history.c.idempotency_key,
+            sa.case((is_replenish, sku_history.c.detail)),  # what the replenishment saw, its par
+        )
+        .where(sku_history.c.kind == "write")
         .order_by(sku_history.c.sku, sku_history.c.id)
     )
     highest: dict[str, int] = {}
-    for sku, token, entry in writes.rows:
-        if token < highest.get(sku, 0):
-            message = f"write #{entry} accepted with token {token} after token {highest[sku]}"
-            found.append(Violation(Rule.TOKEN_ORDER, sku, message))
-        highest[sku] = max(token, highest.get(sku, 0))
+    on_hand: dict[str, int] = {}  # per SKU, replayed from the deltas (conservation checks them)
+    for sku, token, entry, operation, delta, key, detail in writes.rows:
+        if operation != "create":
+            if token < highest.get(sku, 0):
+                message = f"write #{entry} accepted with token {token} after token {highest[sku]}"
+                found.append(Violation(Rule.TOKEN_ORDER, sku, message))
+            highest[sku] = max(token, highest.get(sku, 0))
+        before = on_hand.get(sku, 0)
+        on_hand[sku] = before + delta
+        past = _past_par(key, detail, before, delta) if operation == "replenish" else None
+        if past is not None:
+            found.append(Violation(Rule.PAST_PAR, sku, past))
     dupes: Rows = yield keys_written_twice(sku_history.c.operation.in_(ONCE_PER_KEY))
     found.extend(
         Violation(Rule.KEY_APPLIED_TWICE, r[1], f"key {r[0]!r} applied {r[3]} times by {r[2]}")

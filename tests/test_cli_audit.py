@@ -1,6 +1,7 @@
 """``reservations audit``: the inventory's invariant check from the command line, on SQLite and PostgreSQL.
-A consistent inventory exits 0; a history row the schema allows but the stock does not explain, or an
-accepted write behind an earlier token, is listed (rule, SKU, message) and exits 1.
+A consistent inventory exits 0; a history row the schema allows but the stock does not explain, an
+accepted write behind an earlier token, or a replenishment that ordered past its par, is listed (rule,
+SKU, message) and exits 1.
 """
 
 from __future__ import annotations
@@ -80,6 +81,30 @@ def test_a_write_accepted_behind_an_earlier_token_exits_1(env: dict[str, str], e
     done = run("audit", "--sku", "WIDGET", "--json", env=env)
     assert done.returncode == 1, done.stdout + done.stderr
     assert [(v["rule"], v["sku"]) for v in json.loads(done.stdout)] == [("token_order", "WIDGET")]
+
+
+def test_a_replenishment_past_par_exits_1(
+    env: dict[str, str], inventory: Inventory, leases: LeaseManager
+) -> None:
+    """The holder reads 5 on hand, books a delivery of 50 under the same lease, then replenishes to par 20
+    from its read: 15 ordered on top of 55. The fence has nothing to refuse (one lease); the history row
+    records the par and the on hand seen, and the audit replays what was on hand when it was written."""
+    lease = leases.acquire(scope_of("GADGET"), ttl=30, holder="host-b:202:task-b")
+    seen = inventory.look(lease, "GADGET")
+    inventory.restock(lease, "GADGET", 50, key="delivery")
+    inventory.replenish(lease, "GADGET", 20, key="par-20", seen=seen)
+    done = run("audit", "--json", env=env)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert json.loads(done.stdout) == [
+        {
+            "rule": "past_par",
+            "sku": "GADGET",
+            "message": "replenish 'par-20' ordered 15 for par 20 having seen 5 on hand, leaving 70",
+        }
+    ]
+    # Decided from a read of the level it writes on, a replenishment stays within par.
+    inventory.replenish(lease, "GADGET", 80, key="par-80", seen=inventory.look(lease, "GADGET"))
+    assert len(json.loads(run("audit", "--json", env=env).stdout)) == 1
 
 
 def test_an_unknown_sku_is_exit_3(env: dict[str, str]) -> None:

@@ -171,7 +171,8 @@ def audit(sku_argument: OneSku = None, sku_option: SkuOption = None, as_json: Js
 
     Rules: oversell (available < 0); conservation (on hand = available + reserved, reserved = held
     reservations, the history's deltas explain the stock); token_order (no accepted write carries a
-    lower token than an earlier one); key_applied_twice (one idempotency key changed stock once).
+    lower token than an earlier one); key_applied_twice (one idempotency key changed stock once);
+    past_par (a replenishment ordered on hand past its par: on hand grew after the read it decided from).
 
     JSON: [{"rule", "sku", "message"}]  (empty when consistent)
 
