@@ -189,6 +189,16 @@ def test_since_must_be_written_with_plain_digits(stocked: dict[str, str]) -> Non
         assert "--since" in _one_line(done.stderr)
 
 
+@pytest.mark.parametrize("command", [("tokens", "WIDGET"), ("rejections",)], ids=["tokens", "rejections"])
+def test_since_is_one_rule_for_every_command(stocked: dict[str, str], command: tuple[str, ...]) -> None:
+    """A command that filters in memory refuses what one that asks the database refuses."""
+    for text in ("99999999999d", "9999-12-31T23:59:59-01:00"):
+        done = run(*command, "--since", text, env=stocked)
+        assert done.returncode == 2, (text, done.stdout + done.stderr)
+        assert f"--since {text!r} is out of range" in _one_line(done.stderr)
+    assert run(*command, "--since", "60000d", env=stocked).returncode == 0  # all of it, not a mistake
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

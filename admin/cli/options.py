@@ -13,20 +13,34 @@ from typing import Annotated, Any, TypeVar
 import typer
 
 from admin.cli.failures import EXIT_USAGE, fail
+from reservations import numerals
+from reservations import validation as valid
 from reservations.errors import InvalidRequest
 
 _RELATIVE = re.compile(r"([0-9]+(?:\.[0-9]+)?)([smhd])")
 
-# Python's int() and float() also take " 3", "1_000", non-ASCII digits, "1e3" and "nan", and typer's
-# int type takes "3.0": none of those is how a person writes a count, so numbers are matched first.
-_WHOLE = re.compile(r"[0-9]+")
-_DECIMAL = re.compile(r"[0-9]+(?:\.[0-9]+)?")
+# Numbers are written as the settings take them (reservations.numerals); typer's own int type would also
+# take "3.0".
 
 
 def parse_since(text: str | None) -> float | None:
-    """``30m``, ``2h``, ``1d`` ago, or an ISO 8601 time (UTC when it has no zone) -> epoch seconds."""
+    """``30m``, ``2h``, ``1d`` ago, or an ISO 8601 time (UTC when it has no zone) -> epoch seconds, within
+    the range the domain takes (:func:`reservations.validation.since`), for every command: one that
+    filters in memory must refuse what one that asks the database refuses."""
     if text is None:
         return None
+    moment = _moment(text)
+    try:
+        return valid.since(moment)
+    except InvalidRequest:
+        raise InvalidRequest(
+            f"--since {text!r} is out of range: times run from about 6000 BC to 9999-12-31"
+            " (use 30m, 2h, 1d or an ISO time)",
+            field="since",
+        ) from None
+
+
+def _moment(text: str) -> float:
     match = _RELATIVE.fullmatch(text)
     if match:
         unit = {"s": 1, "m": 60, "h": 3600, "d": 86400}[match.group(2)]
@@ -46,9 +60,10 @@ def whole(name: str, low: int = 0, high: int | None = None) -> Callable[[str | i
     def parse(text: str | int) -> int:
         if isinstance(text, int):  # a default, already typed
             return text
-        if not _WHOLE.fullmatch(text):
+        number = numerals.whole(text)
+        if number is None:
             fail(EXIT_USAGE, f"{name} {text!r}: write a whole number with the digits 0-9 only")
-        return _within(name, int(text), low, high)
+        return _within(name, number, low, high)
 
     return parse
 
@@ -59,9 +74,10 @@ def decimal(name: str, low: float, high: float) -> Callable[[str | float], float
     def parse(text: str | float) -> float:
         if isinstance(text, int | float):  # a default, already typed
             return float(text)
-        if not _DECIMAL.fullmatch(text):
+        number = numerals.decimal(text)
+        if number is None:
             fail(EXIT_USAGE, f"{name} {text!r}: write a number with the digits 0-9, like 2 or 0.5")
-        return _within(name, float(text), low, high)
+        return _within(name, number, low, high)
 
     return parse
 
