@@ -2,9 +2,15 @@
 
 Start workers with ``celery -A tasks worker``; producers use :func:`enqueue_reservation` (asyncio) or
 :class:`ReservationClient` (both worlds). Configuration: :class:`Settings`, from
-:mod:`reservations.settings`.
+:mod:`reservations.settings`. Every error a producer can meet imports from here too: the request refused
+before publishing (:class:`InvalidRequest`), a key used for another request (:class:`IdempotencyConflict`),
+waiting past the timeout (:class:`OutcomeTimeout`), a closed client (:class:`ClientClosed`,
+:class:`WatcherClosed`), bad settings (:class:`SettingsError`), an unreachable database
+(:class:`BackendUnavailable`).
 """
 
+from fencing import BackendUnavailable
+from reservations.errors import IdempotencyConflict, InvalidRequest
 from reservations.requests import request_id
 from tasks import worker as _worker  # noqa: F401  (connects the per-process lifecycle signals)
 from tasks.app import app, create_app
@@ -13,7 +19,10 @@ from tasks.outcomes import OutcomeTimeout, WatcherClosed
 from tasks.settings import Settings, SettingsError
 
 __all__ = [
+    "BackendUnavailable",
     "ClientClosed",
+    "IdempotencyConflict",
+    "InvalidRequest",
     "OutcomeTimeout",
     "ReservationClient",
     "ReservationHandle",
