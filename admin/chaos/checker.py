@@ -52,6 +52,7 @@ AUDITED = {
     Rule.CONSERVATION: "conservation",
     Rule.TOKEN_ORDER: "writes_after_newer_token",
     Rule.KEY_APPLIED_TWICE: "keys_applied_twice",
+    Rule.PAST_PAR: "replenished_past_par",
 }
 
 
@@ -207,28 +208,6 @@ def _lost_updates(facts: Facts) -> list[str]:
     return found
 
 
-def _replenished_past_par(facts: Facts) -> list[str]:
-    """Replenishments that ordered units and left on hand above their par (on hand replayed from the
-    history's deltas, which the audit checks against the stock row)."""
-    found = []
-    for sku, writes in sorted(facts.writes.items()):
-        on_hand = 0
-        for write in writes:
-            on_hand += write.on_hand_delta
-            par = write.detail.get("par")
-            if (
-                write.operation == "replenish"
-                and write.on_hand_delta > 0
-                and par is not None
-                and on_hand > par
-            ):
-                found.append(
-                    f"{sku}: replenish {write.key!r} ordered {write.on_hand_delta} for par {par} having seen"
-                    f" {write.detail.get('seen_on_hand')} on hand, leaving {on_hand}"
-                )
-    return found
-
-
 def _keys_applied_twice(facts: Facts) -> list[str]:
     return [f"{sku}: key {key!r} applied {n} times by {op}" for key, sku, op, n in facts.applied_again]
 
@@ -277,7 +256,6 @@ CHECKS: tuple[tuple[str, Callable[[Facts], list[str]]], ...] = (
     ("oversells", _oversells),
     ("conservation", _conservation),
     ("lost_updates", _lost_updates),
-    ("replenished_past_par", _replenished_past_par),
     ("keys_applied_twice", _keys_applied_twice),
     ("missing_outcomes", _missing_outcomes),
     ("unexpected_outcomes", _unexpected_outcomes),
