@@ -138,15 +138,16 @@ def _metrics_on(**_: Any) -> None:
 
 @worker_ready.connect
 def _serve_metrics(**_: Any) -> None:
-    port = settings_of(app).metrics_port
+    settings = settings_of(app)
+    port, host = settings.metrics_port, settings.metrics_host
     if not port:
         return
     try:
-        metrics.serve(port)
+        metrics.serve(port, host)
     except OSError as exc:  # the worker still works; its metrics are missing, and the log says why
-        log.error("cannot serve metrics on port %d: %s", port, exc)
+        log.error("cannot serve metrics on %s port %d: %s", host, port, exc)
     else:
-        log.info("metrics on port %d", port)
+        log.info("metrics on %s port %d", host, port)
 
 
 @before_task_publish.connect

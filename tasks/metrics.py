@@ -144,12 +144,12 @@ def switch_on() -> On:
     return current
 
 
-def serve(port: int) -> Any:
-    """Serve the sum of this worker's processes on ``port`` (all interfaces); returns the server."""
+def serve(port: int, host: str) -> Any:
+    """Serve the sum of this worker's processes on ``host:port``; returns the server."""
     from prometheus_client import CollectorRegistry, start_http_server
     from prometheus_client.multiprocess import MultiProcessCollector
 
     registry = CollectorRegistry()
     MultiProcessCollector(registry, path=os.environ[MULTIPROC_DIR])  # type: ignore[no-untyped-call]
-    server, _thread = start_http_server(port, registry=registry)
+    server, _thread = start_http_server(port, addr=host, registry=registry)
     return server

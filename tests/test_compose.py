@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from admin.harness import CeleryProcess, redis_server, start_all, stop_all, wait_until, worker_env
+from reservations import schema
 from tasks.settings import Settings, SettingsError, url_with_password_file
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -139,6 +140,14 @@ def test_workers_send_events_and_every_service_has_limits(services: dict[str, di
         assert limits.get("cpus") and limits.get("memory"), name
 
 
+def test_metrics_listen_on_every_interface_of_their_container(services: dict[str, dict[str, Any]]) -> None:
+    """A container's loopback is its own: Prometheus in another container reaches a listener only when it
+    binds every interface (the default is 127.0.0.1)."""
+    assert services["worker"]["environment"]["RESERVATIONS_METRICS_HOST"] == "0.0.0.0"
+    command = services["metrics"]["command"]
+    assert command[command.index("--host") + 1] == "0.0.0.0"
+
+
 def test_rabbitmq_is_a_profile_and_the_broker_a_choice(services: dict[str, dict[str, Any]]) -> None:
     assert services["rabbitmq"]["profiles"] == ["rabbitmq"]
     assert services["redis"].get("profiles") is None
@@ -197,11 +206,13 @@ def shell_passes(command: str) -> bool:
 @pytest.fixture
 def worker_and_beat(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
     """A real worker touching its heartbeat file and a real beat writing its schedule, on a private Redis."""
+    database = f"sqlite:///{tmp_path / 'inventory.sqlite3'}"
+    schema.upgrade(database)  # migrated first, as compose's one-shot migrate service does
     with redis_server(tmp_path / "redis") as server:
         settings = {
             "RESERVATIONS_BROKER_URL": server.url(0),
             "RESERVATIONS_RESULT_BACKEND": server.url(1),
-            "RESERVATIONS_DATABASE_URL": f"sqlite:///{tmp_path / 'inventory.sqlite3'}",
+            "RESERVATIONS_DATABASE_URL": database,
             "RESERVATIONS_HEARTBEAT_FILE": str(tmp_path / "worker.heartbeat"),
             "RESERVATIONS_EXPIRY_INTERVAL": "0.5",
         }

@@ -20,8 +20,11 @@ from admin.cli.failures import EXIT_UNREACHABLE, fail
 from fencing import mask_url
 from reservations.inventory import Inventory
 from reservations.models import request_outcomes
+from reservations.settings import Settings
 
 DEFAULT_PORT = 9809
+# The workers' default (RESERVATIONS_METRICS_HOST): nothing is exposed beyond this host unless asked.
+DEFAULT_HOST = Settings.metrics_host
 
 
 def outcome_counts(inventory: Inventory) -> dict[str, int]:
@@ -80,6 +83,13 @@ class DatabaseCollector(Collector):
 
 def metrics_command(
     port: Annotated[int, typer.Option(help="Serve /metrics on this port.", min=1, max=65535)] = DEFAULT_PORT,
+    host: Annotated[
+        str,
+        typer.Option(
+            help="The address to listen on: this host only by default; 0.0.0.0 (every interface) where "
+            "Prometheus runs on another host or container."
+        ),
+    ] = DEFAULT_HOST,
     once: Annotated[bool, typer.Option("--once", help="Print the metrics once and exit.")] = False,
 ) -> None:
     """Export what the database holds as Prometheus metrics: refused stale writes per SKU, outcomes by
@@ -95,8 +105,8 @@ def metrics_command(
                 fail(EXIT_UNREACHABLE, f"cannot read the database {mask_url(context.config.database_url)}")
             typer.echo(exposition, nl=False)
             return
-        server, _thread = start_http_server(port, registry=registry)
-        typer.echo(f"serving database metrics on port {port}", err=True)
+        server, _thread = start_http_server(port, addr=host, registry=registry)
+        typer.echo(f"serving database metrics on {host} port {port}", err=True)
         try:
             signal.pause()  # until Ctrl-C; SIGTERM ends the process as usual
         except KeyboardInterrupt:
