@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from celery import Celery
+from kombu.exceptions import OperationalError
 
 from reservations import AsyncInventory, IdempotencyConflict, InvalidRequest, Inventory, counting
 from reservations import validation as valid
@@ -94,6 +95,15 @@ def _settle(future: asyncio.Future[str], sent: str | None, error: BaseException 
         future.set_result(sent)
     else:  # pragma: no cover - the publisher answers a message id or an error
         future.set_exception(RuntimeError("the message was neither sent nor refused"))
+
+
+def _unsent(error: Exception) -> Exception:
+    """The error of a message left unsent because another of its batch found no broker connection."""
+    if not isinstance(error, OperationalError):
+        return error
+    own = OperationalError(*error.args)
+    own.__cause__ = error
+    return own
 
 
 @dataclass(frozen=True)
@@ -195,10 +205,16 @@ class ReservationClient:
                         try:
                             task_id = self._producer.send(item.name, item.key, item.kwargs, producer=producer)
                             answers.append((item, task_id, None))
-                        except Exception as exc:
+                        except OperationalError:
+                            raise
+                        except Exception as exc:  # this message only (it could not be encoded)
                             answers.append((item, None, exc))
-            except Exception as exc:  # no producer at all (the broker refused the connection)
-                answers.extend((item, None, exc) for item in batch[len(answers) :])
+            except Exception as exc:
+                # No broker connection, after the publish retries of one message (about 0.6 s): the rest
+                # of the batch would wait as long each, so its senders hear of it now, each with an
+                # error of its own (a sender's raise adds to the error's traceback).
+                unsent = batch[len(answers) :]
+                answers.extend((item, None, exc if n == 0 else _unsent(exc)) for n, item in enumerate(unsent))
             for item, answer, error in answers:
                 with suppress(RuntimeError):  # its loop closed meanwhile: nobody awaits it any more
                     item.loop.call_soon_threadsafe(_settle, item.future, answer, error)

@@ -1,0 +1,48 @@
+"""Async enqueues while the broker is unreachable: every caller hears of it within one publish retry
+round per batch, not one round per message of the batch ahead of it."""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import suppress
+from pathlib import Path
+
+from kombu.exceptions import OperationalError
+
+from admin.harness import free_port
+from tasks import ReservationClient
+from tasks.app import create_app
+from tasks.settings import Settings
+
+CALLERS = 100
+# One publish retry round is about 0.6 s and the callers span two batches; a round per message took 61 s.
+ALL_HEARD_WITHIN = 5.0
+
+
+async def test_concurrent_enqueuers_all_hear_of_an_unreachable_broker_at_once(tmp_path: Path) -> None:
+    app = create_app(
+        Settings.from_env(
+            {
+                "RESERVATIONS_BROKER_URL": f"redis://127.0.0.1:{free_port()}/0",  # nothing listens there
+                "RESERVATIONS_DATABASE_URL": f"sqlite:///{tmp_path / 'unused.sqlite3'}",
+            }
+        )
+    )
+    heard: list[OperationalError] = []
+
+    async def enqueue(client: ReservationClient, i: int) -> None:
+        try:
+            await client.enqueue_reservation("SKU", 1, idempotency_key=f"down-{i}")
+        except OperationalError as exc:
+            heard.append(exc)
+
+    try:
+        async with ReservationClient(app) as client:
+            with suppress(TimeoutError):  # those still waiting at the bound are counted out below
+                async with asyncio.timeout(ALL_HEARD_WITHIN):
+                    await asyncio.gather(*(enqueue(client, i) for i in range(CALLERS)))
+    finally:
+        app.close()
+    assert len(heard) == CALLERS, f"{len(heard)} of {CALLERS} heard within {ALL_HEARD_WITHIN}s"
+    assert len({id(exc) for exc in heard}) == CALLERS  # each raise adds to its own traceback
+    assert {str(exc) for exc in heard} == {str(heard[0])}  # the broker's one answer, in every caller's words
