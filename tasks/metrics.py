@@ -3,7 +3,10 @@ process serves ``/metrics`` on that port, summing its pool children through prom
 multiprocess mode (a directory of value files, ``PROMETHEUS_MULTIPROC_DIR``).
 
 No label names a SKU: a worker's series stay bounded whatever the catalogue. Per-SKU figures (refused
-writes, waiting requests) come from the database through ``reservations metrics``.
+writes, waiting requests) come from the database through ``reservations metrics``. Every value a label
+can take is a small fixed set, and each of its series exists at 0 from the worker's start: Prometheus'
+``rate()`` and ``increase()`` need a sample before an event to count it, so a series born at 1 would hide
+the first stale write or dead letter after each start from the alerts.
 """
 
 from __future__ import annotations
@@ -12,7 +15,10 @@ import logging
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
+
+from reservations.messages import SHAPES
+from reservations.statuses import RequestStatus
 
 log = logging.getLogger("tasks.metrics")
 
@@ -27,6 +33,16 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 EPOCH_BUCKETS = (0, 1, 2, 3, 5, 10)
 BATCH_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
 
+# The label values of the counters, each series created at 0 when the worker starts (see above).
+# What a task did with its SKU's lease; the type makes every caller pass one of them.
+LeaseResult = Literal["acquired", "busy", "lost"]
+LEASE_RESULTS: tuple[LeaseResult, ...] = get_args(LeaseResult)
+# The operation of each request a worker runs, and the batch server's, whose refused writes name no request.
+SERVE_PENDING = "serve_pending"
+OPERATIONS = (*sorted({shape.operation for shape in SHAPES.values()}), SERVE_PENDING)
+# The backends fencing's BackendUnavailable names (fencing.sql for any database, fencing.redis_backend).
+BACKENDS = ("database", "redis")
+
 
 class Off:
     """Metrics switched off: every call does nothing."""
@@ -34,7 +50,7 @@ class Off:
     on = False
 
     def stale_refused(self, operation: str) -> None: ...
-    def lease(self, result: str, count: int = 1) -> None: ...
+    def lease(self, result: LeaseResult, count: int = 1) -> None: ...
     def regression_repaired(self) -> None: ...
     def outcome(self, status: str, epochs: int, latency: float | None) -> None: ...
     def queued(self) -> None: ...
@@ -88,11 +104,20 @@ class On(Off):
             "attempts retried because a backend was unreachable, by backend",
             ["backend"],
         )
+        # In multiprocess mode these zeros live in the main process's file, summed with the children's.
+        for counter, values in (
+            (self.stale, OPERATIONS),
+            (self.leases, LEASE_RESULTS),
+            (self.outcomes, tuple(RequestStatus)),
+            (self.transients, BACKENDS),
+        ):
+            for value in values:
+                counter.labels(value)
 
     def stale_refused(self, operation: str) -> None:
         self.stale.labels(operation).inc()
 
-    def lease(self, result: str, count: int = 1) -> None:
+    def lease(self, result: LeaseResult, count: int = 1) -> None:
         self.leases.labels(result).inc(count)
 
     def regression_repaired(self) -> None:

@@ -21,6 +21,7 @@ from fencing import mask_url
 from reservations.inventory import Inventory
 from reservations.models import request_outcomes
 from reservations.settings import Settings
+from reservations.statuses import RequestStatus
 
 DEFAULT_PORT = 9809
 # The workers' default (RESERVATIONS_METRICS_HOST): nothing is exposed beyond this host unless asked.
@@ -63,8 +64,10 @@ class DatabaseCollector(Collector):
         by_status = GaugeMetricFamily(
             "reservations_db_outcomes", "request outcomes kept in the database, by status", labels=["status"]
         )
-        for status, count in sorted(outcomes.items()):
-            by_status.add_metric([status], count)
+        # Every status, 0 where none is kept: a series that appears only with its first outcome hides that
+        # outcome from increase() and delta(). SKUs are not filled in: their number is the catalogue's.
+        for status in sorted({*RequestStatus, *outcomes}):
+            by_status.add_metric([status], outcomes.get(status, 0))
         yield by_status
         queued = GaugeMetricFamily(
             "reservations_db_waiting_requests",
