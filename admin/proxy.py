@@ -17,9 +17,9 @@ CHUNK = 65536
 
 
 class DelayProxy:
-    """Listen on ``listen``:<port> (127.0.0.1 unless told); delay client chunks by ``delay`` s when
-    ``delaying()`` says so. With ``fraction=0`` it only forwards (to PostgreSQL from a host of
-    :mod:`admin.netns`, which reaches nothing but the service address it listens on).
+    """Listen on ``listen``:``port`` (127.0.0.1 and a free port unless told); delay client chunks by
+    ``delay`` s when ``delaying()`` says so. With ``fraction=0`` it only forwards (to PostgreSQL from a
+    host of :mod:`admin.netns`, which reaches nothing but the service address it listens on).
 
     A chunk is delayed with probability ``fraction``, within the first ``active`` of every ``period``
     seconds (1.0: always), on the connections chosen with probability ``connections`` when accepted; with
@@ -41,6 +41,7 @@ class DelayProxy:
         seed: int = 1,
         observe: Callable[[], Callable[[bytes], None]] | None = None,
         listen: str = "127.0.0.1",
+        port: int = 0,
     ) -> None:
         self.target = target
         self.delay = delay
@@ -56,7 +57,7 @@ class DelayProxy:
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._sockets: set[socket.socket] = set()
-        self._listener = socket.create_server((listen, 0))
+        self._listener = socket.create_server((listen, port))
         self.host = listen
         self.port: int = self._listener.getsockname()[1]
         self._thread = threading.Thread(target=self._accept, name="delay-proxy", daemon=True)

@@ -214,3 +214,14 @@ class PendingReservation(SQLModel, table=True):
 
 
 pending_reservations = _table(PendingReservation)
+
+
+# One row, rewritten by every migration run (reservations/migrations/env.py): the schema's revision and
+# the oldest code revision that still runs correctly on it, as the migration that made it declares. A
+# worker whose own newest revision is older than the database's reads it to tell whether it may start.
+schema_compatibility = sa.Table(
+    "schema_compatibility",
+    SQLModel.metadata,
+    sa.Column("revision", sa.Text, primary_key=True),
+    sa.Column("oldest_code", sa.Text, nullable=False),
+)

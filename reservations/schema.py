@@ -1,12 +1,22 @@
 """Schema management: run the Alembic migrations shipped inside the package, without an alembic.ini.
 
 ``upgrade(url)`` brings a database to the newest revision (idempotent); ``current(url)`` reports the
-revision a database is at. The SQL lease backend's tables are part of the same migrations.
+revision a database is at; ``fit(url)`` says whether this code may run on it (a worker asks before it
+takes tasks). The SQL lease backend's tables are part of the same migrations.
+
+Rolling upgrades: migrate first, then roll the workers. A worker refuses a database behind its code; it
+accepts one ahead of it only when the migrations since its own newest revision declared themselves
+compatible with it (``oldest_compatible_code`` in a migration module, recorded in the database's
+``schema_compatibility`` row by every migration run), so old workers keep serving while new ones roll out.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+import sqlalchemy as sa
 
 from fencing.sql import make_engine
 
@@ -62,3 +72,74 @@ def head() -> str | None:
     from alembic.script import ScriptDirectory
 
     return ScriptDirectory.from_config(_config("sqlite://")).get_current_head()
+
+
+def revisions() -> list[str]:
+    """This package's revisions, oldest first; the last is its head."""
+    from alembic.script import ScriptDirectory
+
+    script = ScriptDirectory.from_config(_config("sqlite://"))
+    return [rev.revision for rev in reversed(list(script.walk_revisions()))]
+
+
+@dataclass(frozen=True)
+class Fit:
+    """Whether code of these revisions may run on a database: ``ok``, and the line that says why."""
+
+    ok: bool
+    found: str | None  # the database's revision (None: no schema)
+    needed: str  # this code's newest revision
+    message: str
+
+
+def judge(found: str | None, oldest_code: str | None, known: Sequence[str]) -> Fit:
+    """The decision, free of I/O: ``found`` is the database's revision, ``oldest_code`` the oldest code
+    revision its migrations declared compatible (None where the database does not say), ``known`` this
+    code's revisions, oldest first."""
+    head = known[-1]
+    upgrade = "run `reservations db upgrade`"
+    if found is None:
+        return Fit(False, None, head, f"the database has no schema; it needs revision {head}: {upgrade}")
+    if found == head:
+        return Fit(True, found, head, f"the database schema is at revision {head}")
+    if found in known:
+        return Fit(
+            False, found, head, f"the database schema is at revision {found}, behind {head}: {upgrade}"
+        )
+    if oldest_code is not None and oldest_code in known:
+        return Fit(
+            True,
+            found,
+            head,
+            f"the database schema is at revision {found}, newer than this code's {head} and declared "
+            f"compatible with code from revision {oldest_code}",
+        )
+    return Fit(
+        False,
+        found,
+        head,
+        f"the database schema is at revision {found}, which this code (revision {head}) does not know and "
+        "which is not declared compatible with it: run code of that revision",
+    )
+
+
+def fit(url: str) -> Fit:
+    """Whether this code may run on the database at ``url`` (one connection; errors as SQLAlchemy's)."""
+    from alembic.runtime.migration import MigrationContext
+
+    from reservations.models import schema_compatibility
+
+    engine = make_engine(url)
+    try:
+        with engine.connect() as conn:
+            found = MigrationContext.configure(conn).get_current_revision()
+            oldest = None
+            if found is not None and sa.inspect(conn).has_table(schema_compatibility.name):
+                oldest = conn.execute(
+                    sa.select(schema_compatibility.c.oldest_code).where(
+                        schema_compatibility.c.revision == found
+                    )
+                ).scalar()
+    finally:
+        engine.dispose()
+    return judge(found, oldest, revisions())

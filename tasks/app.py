@@ -9,7 +9,6 @@ is Redis or RabbitMQ (classic queues); each gets only the transport options it u
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from typing import Any
 
@@ -25,7 +24,7 @@ from celery.signals import (
 
 from tasks import metrics
 from tasks.heartbeat import HeartbeatFile
-from tasks.logs import use_json
+from tasks.logs import json_wanted, use_json, warnings_as_json
 from tasks.settings import Settings, SettingsError
 
 log = logging.getLogger("tasks.app")
@@ -187,11 +186,14 @@ def _loaded_by_celery_command() -> bool:
 def _refuse_bad_settings() -> None:
     """A worker or beat with a bad setting says so in one line and exits at start, instead of a
     traceback from wherever Celery first reads its configuration."""
+    from tasks.readiness import refuse
+
+    if json_wanted():  # from the first line on, before Celery sets up its logging
+        warnings_as_json()
     try:
         Settings.from_env()
     except SettingsError as exc:
-        print(f"reservations: {exc}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+        refuse(str(exc))
 
 
 app = _with_steps(_FromEnvironment("reservations", include=["tasks.jobs"]))

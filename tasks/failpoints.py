@@ -7,7 +7,9 @@ the lease's local checks and before the statement is sent: a pause there is the 
 in one process only, coordinated by an exclusive marker file in ``RESERVATIONS_FAILPOINT_DIR``, which it
 requires: the markers outlive the processes, so whoever starts a run gives it a directory of its own (or
 empties it) and a later run is not left with a failpoint that already fired.
-Actions: ``stop``, ``kill``, ``sleep:SECONDS``.
+``build_inventory`` and ``build_leases`` sit where a worker process builds its database and lease clients
+(after the checks at start): ``raise`` there is a client that cannot be built in a running worker.
+Actions: ``stop``, ``kill``, ``sleep:SECONDS``, ``raise``.
 """
 
 from __future__ import annotations
@@ -28,7 +30,12 @@ log = logging.getLogger("tasks.failpoints")
 FAILPOINTS = variable("failpoints").name
 FAILPOINT_DIR = variable("failpoint_dir").name
 
-POINTS = ("before_write", "in_write", "after_write")
+POINTS = ("before_write", "in_write", "after_write", "build_inventory", "build_leases")
+ACTIONS = ("stop", "kill", "raise")
+
+
+class FailpointFired(RuntimeError):
+    """The ``raise`` action: the fault a failpoint stands for."""
 
 
 @cache
@@ -37,7 +44,7 @@ def _configured(spec: str) -> dict[str, tuple[str, bool]]:
     for part in filter(None, (p.strip() for p in spec.split(";"))):
         name, _, action = part.partition("=")
         action, _, flag = action.partition(",")
-        if name not in POINTS or not (action in ("stop", "kill") or action.startswith("sleep:")):
+        if name not in POINTS or not (action in ACTIONS or action.startswith("sleep:")):
             raise ValueError(f"bad failpoint {part!r}; points: {', '.join(POINTS)}")
         points[name] = (action, flag == "once")
     return points
@@ -71,5 +78,7 @@ def failpoint(name: str) -> None:
         os.kill(os.getpid(), signal.SIGSTOP)
     elif action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    elif action == "raise":
+        raise FailpointFired(f"failpoint {name}")
     else:
         time.sleep(float(action.removeprefix("sleep:")))

@@ -37,7 +37,7 @@ from tasks.failpoints import failpoint
 from tasks.serving import Batchable, serve_pending, serve_quietly, then_serve, wait_for_holder
 from tasks.states import OutcomeRequest, Redriven, announce_lost
 from tasks.work import Work, work_of
-from tasks.worker import Resources, resources, worker_identity
+from tasks.worker import Resources, Unbuildable, resources, worker_identity
 
 log = logging.getLogger("tasks")
 
@@ -59,9 +59,9 @@ def _run_request(task: Task, name: str, args: tuple[Any, ...], kwargs: dict[str,
     (lease-busy retries) and ``transient`` (unreachable backend), so one kind of retry never uses up
     another's budget. Every way out but a retry records the request's final outcome.
     """
-    res = resources(settings_of(app))
-    settings = res.settings
     sent = dict(task.request.kwargs or {})
+    res = _resources_or_keep(task, sent)
+    settings = res.settings
     transient = policy.counter(sent, "transient")
     who = {"task_id": task.request.id, "worker": worker_identity()}
     operation = messages.SHAPES[name].operation
@@ -89,13 +89,19 @@ def _run_request(task: Task, name: str, args: tuple[Any, ...], kwargs: dict[str,
             return as_result(stored)
         logs.note(key=message.key, operation=message.operation, epoch=message.counts["epoch"])
         if transient > settings.max_transient_retries:
-            return _give_up(task, res, message, who, "the backend stayed unreachable")
+            return _give_up(task, res, message, who, "backend unavailable", "the backend stayed unreachable")
         work = work_of(message)
         return _attempt(task, res, message, work, work.batch if settings.batching else None, again, who)
     except AlreadyApplied:
         # A copy of this request (or another request under its key) decided it while this one was giving
         # up: look again and report that.
         raise task.retry(kwargs=sent, countdown=0.01) from None
+    except Unbuildable as exc:
+        # The lease client cannot be built in this process although the settings passed at start: no
+        # attempt can take a lease, so the request ends with the reason rather than without an outcome.
+        if message is None:
+            raise
+        return _give_up(task, res, message, who, f"{exc.backend} client cannot be built", str(exc))
     except BackendUnavailable as exc:
         # Also covers an outcome or attempt that could not be recorded: nothing is final until it is.
         if message is None:
@@ -105,7 +111,7 @@ def _run_request(task: Task, name: str, args: tuple[Any, ...], kwargs: dict[str,
         if transient >= settings.max_transient_retries:
             log.error("giving up on %s after %d transient failures: %s", message.key, transient, exc)
             try:
-                return _give_up(task, res, message, who, str(exc))
+                return _give_up(task, res, message, who, "backend unavailable", str(exc))
             except BackendUnavailable:
                 # Not even the dead letter can be written: keep coming back at the slowest pace until it
                 # can, so the request still ends with an outcome once the database answers.
@@ -135,16 +141,29 @@ def _run_request(task: Task, name: str, args: tuple[Any, ...], kwargs: dict[str,
         raise
 
 
+def _resources_or_keep(task: Task, sent: dict[str, Any]) -> Resources:
+    """This process's clients; when the database's cannot be built no outcome can be recorded, so the
+    request stays a message and comes back to this or another worker until one can record it (acking it
+    now would lose it unanswered)."""
+    try:
+        return resources(settings_of(app))
+    except Unbuildable as exc:
+        key = sent.get("idempotency_key")
+        log.error("%s; request %s kept for a later attempt", exc, key, extra={"event": "client_unbuildable"})
+        raise task.retry(kwargs=sent, countdown=policy.rng.uniform(1.0, 5.0)) from None
+
+
 def _give_up(
-    task: Task, res: Resources, message: Message, who: dict[str, Any], error: str
+    task: Task, res: Resources, message: Message, who: dict[str, Any], reason: str, error: str
 ) -> dict[str, Any]:
-    """Dead-letter a request whose backend stayed unreachable through every transient retry."""
-    observe.dead_lettered(message, f"backend unavailable: {error[:200]}", who)
+    """Dead-letter a request that cannot be carried out: its backend stayed unreachable through every
+    transient retry, or its lease client cannot be built."""
+    observe.dead_lettered(message, f"{reason}: {error[:200]}", who)
     stored = res.inventory.record_outcome(
         message.key,
         message.operation,
         RequestStatus.DEAD_LETTERED,
-        {"reason": "backend unavailable", "error": error[:500]},
+        {"reason": reason, "error": error[:500]},
         epochs=message.counts["epoch"],
         fingerprint=message.fingerprint,
         **who,

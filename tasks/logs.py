@@ -12,11 +12,14 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
+import os
 import sys
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any
+
+from reservations.settings import variable
 
 __all__ = [
     "FENCING_FIELDS",
@@ -25,12 +28,16 @@ __all__ = [
     "RequestFields",
     "bound",
     "fencing_fields",
+    "json_wanted",
     "note",
+    "say",
     "use_json",
     "use_json_on_stderr",
+    "warnings_as_json",
 ]
 
 FORMATS = ("text", "json")
+LOG_FORMAT = variable("log_format").name
 
 # The facts of a fencing event, present on each of its records (None where it does not apply): the
 # requirement's resource key, presented token, highest accepted token, owner and lease generation.
@@ -117,3 +124,34 @@ def use_json_on_stderr(level: int = logging.WARNING) -> None:
     root.addHandler(handler)
     if root.level == logging.NOTSET or root.level > level:
         root.setLevel(level)
+
+
+def json_wanted(env: dict[str, str] | None = None) -> bool:
+    """Whether ``RESERVATIONS_LOG_FORMAT`` asks for JSON, read from the environment itself: lines said
+    before the settings are parsed (or when they cannot be) follow it too."""
+    return (os.environ if env is None else env).get(LOG_FORMAT, "").strip() == "json"
+
+
+def say(message: str, *, level: int = logging.INFO, logger: str = "tasks.worker", **fields: Any) -> None:
+    """One line on the process's real stderr, past Celery's redirection and whatever the log level: a
+    worker's ready line, what it waits for at start, why it refuses to start. With
+    ``RESERVATIONS_LOG_FORMAT=json`` it is the JSON object every other log line is."""
+    if json_wanted():
+        record = logging.LogRecord(logger, level, "", 0, message, None, None)
+        record.__dict__.update(fields)
+        message = JsonFormatter().format(record)
+    stream = sys.__stderr__ or sys.stderr
+    print(message, file=stream, flush=True)
+
+
+def warnings_as_json() -> None:
+    """Python warnings (Celery warns of a worker run as root before its logging is set up) as JSON lines on
+    stderr, once, instead of the text ``warnings`` prints; they no longer pass to the root logger, whose
+    handlers would print them a second time."""
+    logging.captureWarnings(True)
+    logger = logging.getLogger("py.warnings")
+    if not any(isinstance(h.formatter, JsonFormatter) for h in logger.handlers):
+        handler = logging.StreamHandler(sys.__stderr__ or sys.stderr)
+        use_json([handler])
+        logger.addHandler(handler)
+        logger.propagate = False

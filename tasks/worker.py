@@ -9,13 +9,13 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import sys
 import threading
 from dataclasses import dataclass
 from typing import Any
 
 from celery.signals import (
     celeryd_after_setup,
+    celeryd_init,
     worker_process_init,
     worker_process_shutdown,
     worker_ready,
@@ -26,22 +26,46 @@ from fencing import LeaseManager, mask_url
 from fencing.sql import SyncSqlExecutor
 from reservations import Inventory
 from tasks.failpoints import failpoint
+from tasks.logs import json_wanted, say
+from tasks.readiness import wait_until_usable
 from tasks.settings import Settings, unknown_name_warnings
 from tasks.states import note_task_events
 
 log = logging.getLogger("tasks.worker")
 
 
+class Unbuildable(Exception):
+    """A client this process could not build from settings that passed the checks at start: a failed
+    import, no file descriptors left, an injected fault. ``backend`` names which."""
+
+    def __init__(self, backend: str, error: BaseException) -> None:
+        self.backend = backend
+        self.error = error
+        super().__init__(f"the {backend} client cannot be built: {type(error).__name__}: {error}")
+
+
 @dataclass
 class Resources:
+    """This process's clients. The lease manager may be missing (its construction failed): a request
+    then ends ``dead_lettered`` with the reason, recorded through the inventory, instead of failing
+    without an outcome; the next use tries to build it again."""
+
     settings: Settings
     inventory: Inventory
-    leases: LeaseManager
     pid: int
+    lease_manager: LeaseManager | None = None
+    lease_error: Unbuildable | None = None
+
+    @property
+    def leases(self) -> LeaseManager:
+        if self.lease_manager is None:
+            raise self.lease_error or Unbuildable("lease backend", RuntimeError("not built"))
+        return self.lease_manager
 
     def close(self) -> None:
         self.inventory.close()
-        self.leases.close()
+        if self.lease_manager is not None:
+            self.lease_manager.close()
 
 
 _lock = threading.Lock()
@@ -52,7 +76,8 @@ _resources: Resources | None = None
 SQL_POOL: dict[str, Any] = {"pool_size": 5, "max_overflow": 64}
 
 
-def _pool_options(url: str, lease_ttl: float) -> dict[str, Any]:
+def client_options(url: str, lease_ttl: float) -> dict[str, Any]:
+    """The options a worker builds its client for ``url`` with (Redis or SQL)."""
     if url.startswith(("redis", "rediss", "unix")):
         # A lease call that has not answered within a third of the ttl is of no use (a renewal would come
         # too late): give up then, as unavailable, instead of waiting on TCP for minutes when the worker is
@@ -67,32 +92,52 @@ def worker_identity() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
+def _build_inventory(settings: Settings) -> Inventory:
+    try:
+        failpoint("build_inventory")
+        return Inventory.from_url(
+            settings.database_url,
+            enforce_fence=settings.enforce_fence,
+            before_statement=lambda lease: failpoint("in_write"),
+            transaction_timeout=settings.lease_ttl,
+            **client_options(settings.database_url, settings.lease_ttl),
+        )
+    except Exception as exc:
+        raise Unbuildable("database", exc) from exc
+
+
+def _build_leases(resources: Resources) -> None:
+    settings = resources.settings
+    try:
+        failpoint("build_leases")
+        resources.lease_manager = LeaseManager.from_url(
+            settings.lease_url,
+            prefix=settings.lease_prefix,
+            **client_options(settings.lease_url, settings.lease_ttl),
+        )
+        resources.lease_error = None
+    except Exception as exc:
+        resources.lease_error = Unbuildable("lease backend", exc)
+        log.error("%s", resources.lease_error, extra={"event": "client_unbuildable", "backend": "leases"})
+
+
 def resources(settings: Settings) -> Resources:
-    """This process's clients, created on first use (and again in a forked child)."""
+    """This process's clients, created on first use (and again in a forked child). Unbuildable when the
+    inventory's cannot be built: then no outcome can be recorded either."""
     global _resources
     with _lock:
         if _resources is None or _resources.pid != os.getpid():
             if _resources is not None:
                 # Inherited from the parent: drop the pool without closing the parent's connections.
                 _resources.inventory.executor.engine.dispose(close=False)
-                if isinstance(_resources.leases.executor, SyncSqlExecutor):
-                    _resources.leases.executor.engine.dispose(close=False)
-            _resources = Resources(
-                settings=settings,
-                inventory=Inventory.from_url(
-                    settings.database_url,
-                    enforce_fence=settings.enforce_fence,
-                    before_statement=lambda lease: failpoint("in_write"),
-                    transaction_timeout=settings.lease_ttl,
-                    **_pool_options(settings.database_url, settings.lease_ttl),
-                ),
-                leases=LeaseManager.from_url(
-                    settings.lease_url,
-                    prefix=settings.lease_prefix,
-                    **_pool_options(settings.lease_url, settings.lease_ttl),
-                ),
-                pid=os.getpid(),
-            )
+                if _resources.lease_manager is not None and isinstance(
+                    _resources.lease_manager.executor, SyncSqlExecutor
+                ):
+                    _resources.lease_manager.executor.engine.dispose(close=False)
+                _resources = None
+            _resources = Resources(settings=settings, inventory=_build_inventory(settings), pid=os.getpid())
+        if _resources.lease_manager is None:
+            _build_leases(_resources)
         return _resources
 
 
@@ -108,7 +153,21 @@ def close_resources(**_: Any) -> None:
 def _init_process(**_: Any) -> None:
     from tasks.app import app, settings_of
 
-    resources(settings_of(app))
+    try:
+        resources(settings_of(app))
+    except Unbuildable as exc:  # each task tries again, and keeps its request until one can record it
+        log.error("%s", exc, extra={"event": "client_unbuildable", "backend": exc.backend})
+
+
+@celeryd_init.connect
+def _make_sure_it_can_work(instance: Any = None, **_: Any) -> None:
+    """Before the pool forks and the worker consumes: the backends answer (waited for) and the schema
+    fits this code (exit 2 otherwise). With JSON logs, Celery's banner is left out of the stream."""
+    from tasks.app import app, settings_of
+
+    if json_wanted() and instance is not None:
+        instance.quiet = True
+    wait_until_usable(settings_of(app))
 
 
 worker_process_shutdown.connect(close_resources)
@@ -137,10 +196,9 @@ def _say_ready(sender: Any = None, **_: Any) -> None:
 
     settings = settings_of(app)
     name = getattr(sender, "hostname", None) or worker_identity()
-    print(
+    say(
         f"reservations worker {name} ready: database {mask_url(settings.database_url)}, "
         f"leases {mask_url(settings.lease_url or settings.database_url)}, "
         f"broker {mask_url(settings.broker_url)}, lease ttl {settings.lease_ttl:g}s",
-        file=sys.__stderr__,
-        flush=True,
+        event="worker_ready",
     )

@@ -1,5 +1,5 @@
 """The ``db`` commands: the database schema through the Alembic migrations shipped with the package,
-``upgrade`` (which writes) and ``current``.
+``upgrade`` (which writes) and ``current`` (exit 1 when workers of this version may not run on it).
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from admin.cli.context import config
-from admin.cli.failures import errors
+from admin.cli.failures import EXIT_FAILED, errors
 from admin.cli.render import out
 from fencing import mask_url
 
@@ -27,13 +27,18 @@ def upgrade(revision: Annotated[str, typer.Argument()] = "head") -> None:
 
 
 def current() -> None:
-    """Show the database's schema revision and the newest one this package ships.
+    """Show the database's schema revision, the newest one this package ships, and whether workers of
+    this version may run on it. Exit 1 when they may not (behind: `reservations db upgrade`).
 
     Example: reservations db current
     """
     from reservations import schema
 
     with errors():
-        out.print(f"database: {mask_url(config.database_url)}")
-        out.print(f"current:  {schema.current(config.database_url) or 'none (empty database)'}")
-        out.print(f"head:     {schema.head()}")
+        fit = schema.fit(config.database_url)
+    out.print(f"database: {mask_url(config.database_url)}")
+    out.print(f"current:  {fit.found or 'none (empty database)'}")
+    out.print(f"head:     {fit.needed}")
+    out.print(fit.message, highlight=False, soft_wrap=True)
+    if not fit.ok:
+        raise typer.Exit(EXIT_FAILED)

@@ -5,18 +5,20 @@ the database with the models (inventory tables and SQL lease tables) for ``alemb
 from __future__ import annotations
 
 import os
+from collections.abc import Collection, Mapping
 from logging.config import fileConfig
 from typing import Any, Literal
 
 import sqlalchemy as sa
 from alembic import context
-from alembic.runtime.migration import MigrationContext
+from alembic.runtime.migration import MigrationContext, MigrationInfo
 from sqlmodel import SQLModel
 from sqlmodel.sql.sqltypes import AutoString
 
 import reservations.models  # noqa: F401  (registers the inventory tables on SQLModel.metadata)
 from fencing.sql import make_engine
 from fencing.sql_backend import metadata as lease_metadata
+from reservations.models import schema_compatibility
 
 config = context.config
 if config.config_file_name is not None:  # the alembic CLI, with alembic.ini: its logging setup
@@ -79,9 +81,30 @@ def migrate(connection: sa.Connection) -> None:
         compare_type=same_type_here,
         compare_server_default=True,
         render_item=render_item,
+        on_version_apply=record_compatibility,
     )
     with context.begin_transaction():
         context.run_migrations()
+
+
+def record_compatibility(
+    ctx: MigrationContext, step: MigrationInfo, heads: Collection[Any], run_args: Mapping[str, Any]
+) -> None:
+    """After each migration, in its transaction: which code may run on the schema as it now stands, the
+    revision it is at and the oldest code revision its migration declares compatible
+    (``oldest_compatible_code``; by default only its own). Older workers, which do not know this revision,
+    read it before they start (reservations.schema)."""
+    connection = ctx.connection
+    if connection is None or len(heads) != 1:
+        return
+    if not sa.inspect(connection).has_table(schema_compatibility.name):
+        return  # migrated down to before the table
+    (revision,) = heads
+    assert isinstance(revision, str)
+    module = context.script.get_revision(revision).module
+    oldest = getattr(module, "oldest_compatible_code", revision)
+    connection.execute(schema_compatibility.delete())
+    connection.execute(schema_compatibility.insert().values(revision=revision, oldest_code=oldest))
 
 
 def run() -> None:

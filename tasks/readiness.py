@@ -1,0 +1,102 @@
+"""What a worker makes sure of before it takes tasks, in its main process before the pool forks.
+
+Settings it cannot use were refused when ``tasks`` was imported by the ``celery`` command (every URL, the
+key prefix, numbers, password files: :mod:`reservations.settings`). What is left needs the backends:
+
+- the database and the lease backend answer. A backend that does not answer yet is waited for, with a
+  line every few seconds saying which and why: a database restarting while the workers roll must not
+  crash-loop them. Misconfigured is refused; unreachable is waited for.
+- the database schema is one this code may run on (:func:`reservations.schema.fit`). A worker on a
+  schema behind its code would fail its hot-SKU batches: it exits 2 naming the revision it found and the
+  one it needs (``reservations db upgrade``), so migrations go first and workers roll after them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import NoReturn, TypeVar
+
+import redis
+import sqlalchemy as sa
+
+from fencing import BackendUnavailable, LeaseManager, SchemaMissing, mask_url
+from reservations import schema
+from tasks.logs import say
+from tasks.settings import Settings
+
+__all__ = ["SAY_EVERY", "refuse", "wait_for", "wait_until_usable"]
+
+T = TypeVar("T")
+
+# How often a worker that waits for a backend says so (the first failure is said at once).
+SAY_EVERY = 10.0
+# The scope the lease backend is asked about: a read, which takes no lease and writes nothing.
+_PROBE_SCOPE = "readiness:probe"
+# What "does not answer" looks like from each client; anything else is a bug or misconfiguration.
+_UNANSWERED = (BackendUnavailable, sa.exc.OperationalError, sa.exc.InterfaceError, redis.RedisError, OSError)
+
+
+def refuse(problem: str) -> NoReturn:
+    """One line naming the problem, then exit 2: the code the command line gives a bad setting."""
+    say(f"reservations: {problem}", level=logging.ERROR, event="worker_refused")
+    raise SystemExit(2)
+
+
+def wait_for(
+    what: str,
+    where: str,
+    probe: Callable[[], T],
+    *,
+    sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
+) -> T:
+    """``probe()``'s answer, once the backend answers; until then a line every :data:`SAY_EVERY` seconds.
+    A missing schema is an answer (the caller refuses it), not a reason to wait."""
+    said: float | None = None
+    delay = 0.25
+    while True:
+        try:
+            return probe()
+        except SchemaMissing:
+            raise
+        except _UNANSWERED as exc:
+            now = clock()
+            if said is None or now - said >= SAY_EVERY:
+                reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                say(
+                    f"reservations worker waiting for its {what} at {where}: {reason}",
+                    level=logging.WARNING,
+                    event="waiting_for_backend",
+                    backend=what,
+                )
+                said = now
+        sleep(delay)
+        delay = min(5.0, delay * 2)
+
+
+def wait_until_usable(settings: Settings, *, sleep: Callable[[float], None] = time.sleep) -> None:
+    """Return once the database and the lease backend answer and the schema fits this code; exit 2
+    when the schema does not fit."""
+    from tasks.worker import client_options
+
+    fit = wait_for(
+        "database", mask_url(settings.database_url), lambda: schema.fit(settings.database_url), sleep=sleep
+    )
+    if not fit.ok:
+        refuse(fit.message)
+    if fit.found != fit.needed:
+        say(f"reservations worker: {fit.message}", level=logging.WARNING, event="schema_ahead")
+    leases = LeaseManager.from_url(
+        settings.lease_url,
+        prefix=settings.lease_prefix,
+        **client_options(settings.lease_url, settings.lease_ttl),
+    )
+    try:
+        wait_for("lease backend", leases.url, lambda: leases.current(_PROBE_SCOPE), sleep=sleep)
+    except SchemaMissing as exc:
+        upgrade = "run `reservations db upgrade` on it"
+        refuse(f"the lease backend at {leases.url} has no schema ({exc.reason}): {upgrade}")
+    finally:
+        leases.close()
