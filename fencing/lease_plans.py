@@ -10,9 +10,10 @@ import logging
 import os
 import random
 import socket
+from dataclasses import dataclass
 from typing import Protocol
 
-from fencing.errors import InvalidLeaseRequest, LeaseBusy, StaleToken
+from fencing.errors import BackendUnavailable, FencingError, InvalidLeaseRequest, LeaseBusy, StaleToken
 from fencing.lease import (
     Clock,
     Lease,
@@ -80,6 +81,34 @@ def backoff(
     """
     ceiling = min(cap, first * 2 ** min(attempt, 30))
     return min(max(retry_after, floor), rng.uniform(floor, ceiling))
+
+
+# A renewal the coordinator did not answer is asked again after this, while the lease has at least twice
+# as long left on its local clock.
+RETRY_UNANSWERED = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class RenewalVerdict:
+    """What a renewer does after a failed renewal: ask again in ``retry_in`` seconds or, when that is None,
+    mark the lease lost for ``reason``."""
+
+    reason: str
+    retry_in: float | None = None
+
+
+def renewal_verdict(error: Exception, time_left: float) -> RenewalVerdict:
+    """The verdict on a renewal that raised ``error`` while the lease had ``time_left`` seconds left on its
+    local clock, for the renewers of both shells (a thread for the sync one, a task for the async one).
+
+    An unanswered renewal (:class:`BackendUnavailable`) may well have left the lease held: the answer, not
+    the lease, went missing, so it is asked again while there is time for another try, and a coordinator
+    stalled for less than the ttl costs no lease. Any other failure, or too little time, and the lease
+    cannot be assumed renewed."""
+    reason = f"renewal failed: {error}" if isinstance(error, FencingError) else f"renewal failed: {error!r}"
+    if isinstance(error, BackendUnavailable) and time_left > 2 * RETRY_UNANSWERED:
+        return RenewalVerdict(reason, retry_in=RETRY_UNANSWERED)
+    return RenewalVerdict(reason)
 
 
 class LeasePlans:

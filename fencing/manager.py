@@ -29,6 +29,7 @@ from fencing.lease_plans import (
     LeasePlans,
     backoff,
     default_holder,
+    renewal_verdict,
 )
 from fencing.redis_backend import AsyncRedisExecutor, RedisLeaseCore, SyncRedisExecutor
 from fencing.renewer import Renewer
@@ -214,8 +215,9 @@ class LeaseManager(_Shell[SyncRedisExecutor | SyncSqlExecutor]):
     ) -> Iterator[Lease]:
         """Hold the lease for the block, renewed by this manager's background renewer thread.
 
-        The moment a renewal fails the lease is marked lost, so the next guarded write raises without a
-        round trip. A :class:`StaleToken` leaving the block triggers the regression repair check.
+        A failed renewal is asked again or marks the lease lost, as
+        :func:`fencing.lease_plans.renewal_verdict` decides; once lost, the next guarded write raises
+        without a round trip. A :class:`StaleToken` leaving the block triggers the regression repair check.
         """
         validate_renew_every(renew_every)
         lease = self.acquire(scope, ttl=ttl, holder=holder, wait=wait)
@@ -315,13 +317,19 @@ class AsyncLeaseManager(_Shell[AsyncRedisExecutor | AsyncSqlExecutor]):
         lease = await self.acquire(scope, ttl=ttl, holder=holder, wait=wait)
 
         async def renew_loop() -> None:
+            wait = _renew_interval(lease, renew_every)
             while True:
-                await asyncio.sleep(_renew_interval(lease, renew_every))
+                await asyncio.sleep(wait)
                 try:
                     await self.renew(lease)
-                except FencingError as exc:
-                    lease.mark_lost(f"renewal failed: {exc}")
-                    return
+                except Exception as exc:
+                    verdict = renewal_verdict(exc, lease.time_left())
+                    if verdict.retry_in is None:
+                        lease.mark_lost(verdict.reason)
+                        return
+                    wait = verdict.retry_in
+                else:
+                    wait = _renew_interval(lease, renew_every)
 
         renewer = asyncio.create_task(renew_loop(), name=f"renew:{scope}")
         try:

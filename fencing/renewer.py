@@ -1,8 +1,8 @@
 """The lease renewer: one background thread per lease manager that keeps every held lease renewed.
 
-Used by :meth:`fencing.LeaseManager.hold`; a renewal that fails marks its lease lost at once, so the
-holder's next guarded write is refused without a round trip. A coordinator that did not answer is asked
-again while the lease has time left locally: a stall shorter than the ttl costs no lease.
+Used by :meth:`fencing.LeaseManager.hold`. What follows a failed renewal (ask again, or mark the lease
+lost so the holder's next guarded write is refused without a round trip) is
+:func:`fencing.lease_plans.renewal_verdict`, the same for the async shell's renewal task.
 """
 
 from __future__ import annotations
@@ -13,15 +13,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from fencing.errors import BackendUnavailable, FencingError
 from fencing.lease import Lease
+from fencing.lease_plans import RenewalVerdict, renewal_verdict
 
 
 class Renewer:
     """One thread per lease manager renews every lease held through it when each is due, instead of a
     thread started and joined per hold (about half a millisecond of a reservation task). Renewals run
-    one at a time; a failed one marks its lease lost, as a lost lease must be known without a round
-    trip. Rebuilt in a forked child, which inherits the state but not the thread.
+    one at a time; a failed one is asked again or marks its lease lost, as its verdict says. Rebuilt in
+    a forked child, which inherits the state but not the thread.
 
     Adding a lease wakes the thread only when the lease is due before the thread's next wake-up: a
     worker adds and removes a lease per task, and a wake-up per task (a thread switch and the GIL
@@ -29,9 +29,6 @@ class Renewer:
     naps ``IDLE_NAP`` at a time, so a lease due later than that never needs to wake it."""
 
     IDLE_NAP = 1.0
-    # A renewal the coordinator did not answer is tried again after this, while the lease has at least
-    # twice as long left on its local clock; with less, it is given up as lost.
-    RETRY_UNANSWERED = 0.05
 
     def __init__(self, renew: Callable[[Lease], Any]) -> None:
         self._renew = renew
@@ -95,24 +92,17 @@ class Renewer:
     def _run(self) -> None:
         while (claimed := self._next()) is not None:
             lease_id, lease = claimed
-            failed: str | None = None
-            again = False
+            verdict: RenewalVerdict | None = None
             try:
                 self._renew(lease)
-            except BackendUnavailable as exc:
-                # The lease may well still be held: the answer, not the lease, went missing.
-                again = lease.time_left() > 2 * self.RETRY_UNANSWERED
-                failed = None if again else f"renewal failed: {exc}"
-            except FencingError as exc:
-                failed = f"renewal failed: {exc}"
-            except Exception as exc:  # whatever it was, the lease cannot be assumed renewed
-                failed = f"renewal failed: {exc!r}"
+            except Exception as exc:
+                verdict = renewal_verdict(exc, lease.time_left())
             with self._cond:
-                if failed is not None:
-                    lease.mark_lost(failed)
+                if verdict is not None and verdict.retry_in is None:
+                    lease.mark_lost(verdict.reason)
                     self._held.pop(lease_id, None)
-                elif again and lease_id in self._held:
+                elif verdict is not None and verdict.retry_in is not None and lease_id in self._held:
                     _, held, every = self._held[lease_id]
-                    self._held[lease_id] = (time.monotonic() + self.RETRY_UNANSWERED, held, every)
+                    self._held[lease_id] = (time.monotonic() + verdict.retry_in, held, every)
                 self._busy = None
                 self._cond.notify_all()

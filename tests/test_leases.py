@@ -340,6 +340,23 @@ async def test_async_hold_marks_lost_when_renewal_fails(async_manager: AsyncLeas
         assert lease.lost
 
 
+def test_a_renewal_is_asked_again_only_when_unanswered_and_time_is_left() -> None:
+    from fencing import BackendUnavailable, SchemaMissing
+    from fencing.lease_plans import RETRY_UNANSWERED, renewal_verdict
+
+    unanswered = BackendUnavailable(backend="redis", operation="renew", detail="TimeoutError")
+    assert renewal_verdict(unanswered, 1.0).retry_in == RETRY_UNANSWERED
+    behind = SchemaMissing(operation="renew", problem="missing", detail="no table")
+    assert renewal_verdict(behind, 1.0).retry_in == RETRY_UNANSWERED
+    # Too little time for another try: given up, with the coordinator's failure as the reason.
+    late = renewal_verdict(unanswered, 2 * RETRY_UNANSWERED)
+    assert late.retry_in is None and late.reason == f"renewal failed: {unanswered}"
+    gone = LeaseLost(scope="sku:A", token=3, reason="expired")
+    assert renewal_verdict(gone, 1000.0).retry_in is None
+    odd = renewal_verdict(RuntimeError("bug"), 1000.0)
+    assert odd.retry_in is None and odd.reason == "renewal failed: RuntimeError('bug')"
+
+
 def test_history_retention(manager: LeaseManager) -> None:
     manager.release(manager.acquire("sku:A", ttl=5, holder="A"))
     assert manager.purge_history(older_than=3600) == 0  # recent events stay

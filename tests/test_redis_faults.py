@@ -6,6 +6,7 @@ lease write per token, rejects old epochs, and that the stale-token repair gets 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import shutil
@@ -17,7 +18,7 @@ import pytest
 import redis
 
 from admin.harness import RedisServer, redis_server, wait_until
-from fencing import BackendUnavailable, Lease, LeaseManager, StaleToken
+from fencing import AsyncLeaseManager, BackendUnavailable, Lease, LeaseLost, LeaseManager, StaleToken
 from tests.support import Resource
 
 SCOPE = "sku-A"
@@ -221,25 +222,82 @@ def test_redis_down_raises_backend_unavailable_and_nothing_is_written(
     assert protected.log(SCOPE) == []
 
 
-def test_a_stall_shorter_than_the_ttl_costs_no_lease(server: RedisServer) -> None:
-    """Redis stops answering (alive, CLIENT PAUSE) for less than the ttl while a lease is held, and the
-    holder's client gives up on each call after 0.2 s: the renewal is asked again, not the lease given up,
-    and once Redis answers the lease is renewed and still the holder's."""
-    ttl, stall = 1.5, 0.7
-    url = server.url()
-    with (
-        LeaseManager.from_url(url, prefix=PREFIX, socket_connect_timeout=0.2, socket_timeout=0.2) as mgr,
-        mgr.hold(SCOPE, ttl=ttl, holder="stalled") as lease,
-    ):
-        admin = redis.Redis.from_url(url)
-        admin.execute_command("CLIENT", "PAUSE", int(stall * 1000), "ALL")
-        stall_ends = time.monotonic() + stall
-        wait_until(
-            lambda: lease.lost or (time.monotonic() > stall_ends and lease.time_left() > ttl - 0.5),
-            timeout=5,
-            what="the lease to be renewed after the stall, or lost",
-        )
-        assert not lease.lost, lease.lost_reason
-        current = mgr.current(SCOPE)
-        assert current is not None and current.token == lease.token
+# A lease held while Redis stops answering (alive, CLIENT PAUSE) for less or more than its ttl, through a
+# client that gives up on each call after 0.2 s.
+STALL_TTL = 1.2
+STALLS = [pytest.param(0.6, id="shorter than the ttl"), pytest.param(2.0, id="longer than the ttl")]
+QUICK_CLIENT = {"socket_connect_timeout": 0.2, "socket_timeout": 0.2}
+
+
+@pytest.fixture
+def sqlite_resource(tmp_path: Path) -> Iterator[Resource]:
+    res = Resource(f"sqlite:///{tmp_path / 'resource.sqlite3'}").create(SCOPE, quantity=100)
+    try:
+        yield res
+    finally:
+        res.close()
+
+
+def pause(server: RedisServer, seconds: float) -> float:
+    """Redis stops answering every client for ``seconds``; returns when it answers again (monotonic)."""
+    admin = redis.Redis.from_url(server.url())
+    try:
+        admin.execute_command("CLIENT", "PAUSE", int(seconds * 1000), "ALL")
+    finally:
         admin.close()
+    return time.monotonic() + seconds
+
+
+def settle(lease: Lease, stall_ends: float) -> float | None:
+    """Wait until the stall is decided for ``lease``: renewed after it (None), or lost (the time it had
+    left on its local clock when seen lost)."""
+
+    def decided() -> tuple[float | None] | None:
+        if lease.lost:
+            return (lease.time_left(),)
+        if time.monotonic() > stall_ends and lease.time_left() > STALL_TTL - 0.5:
+            return (None,)
+        return None
+
+    return wait_until(decided, timeout=10, what="the lease to be renewed after the stall, or lost")[0]
+
+
+def held_after_stall(lease: Lease, left: float | None, stall: float, resource: Resource) -> bool:
+    """A stall shorter than the ttl costs no lease: it is still the holder's and its write applies. A
+    longer one loses it, and only once its local time has nearly run out, so writes went on meanwhile."""
+    if stall < STALL_TTL:
+        assert left is None, lease.lost_reason
+        assert resource.write(lease, SCOPE, -1).applied
+        return True
+    assert left is not None and left < STALL_TTL / 4
+    assert (lease.lost_reason or "").startswith("renewal failed: redis unavailable")
+    with pytest.raises(LeaseLost):
+        resource.write(lease, SCOPE, -1)
+    return False
+
+
+@pytest.mark.parametrize("stall", STALLS)
+def test_a_stall_costs_a_hold_its_lease_only_past_the_ttl(
+    server: RedisServer, sqlite_resource: Resource, stall: float
+) -> None:
+    with (
+        LeaseManager.from_url(server.url(), prefix=PREFIX, **QUICK_CLIENT) as mgr,
+        mgr.hold(SCOPE, ttl=STALL_TTL, holder="stalled") as lease,
+    ):
+        left = settle(lease, pause(server, stall))
+        if held_after_stall(lease, left, stall, sqlite_resource):
+            assert mgr.renew(lease).token == lease.token
+
+
+@pytest.mark.parametrize("stall", STALLS)
+async def test_a_stall_costs_an_async_hold_its_lease_only_past_the_ttl(
+    server: RedisServer, sqlite_resource: Resource, stall: float
+) -> None:
+    async with (
+        AsyncLeaseManager.from_url(server.url(), prefix=PREFIX, **QUICK_CLIENT) as mgr,
+        mgr.hold(SCOPE, ttl=STALL_TTL, holder="stalled") as lease,
+    ):
+        # Waited for on a thread: the renewal task needs this loop meanwhile.
+        left = await asyncio.to_thread(settle, lease, pause(server, stall))
+        if held_after_stall(lease, left, stall, sqlite_resource):
+            assert (await mgr.renew(lease)).token == lease.token
