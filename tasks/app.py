@@ -130,9 +130,18 @@ def _log_format(logger: logging.Logger | None = None, **_: Any) -> None:
 
 @celeryd_after_setup.connect
 def _metrics_on(**_: Any) -> None:
-    """With RESERVATIONS_METRICS_PORT set, a worker's metrics are switched on before its pool forks."""
-    if settings_of(app).metrics_port:
+    """With RESERVATIONS_METRICS_PORT set, a worker's metrics are switched on before its pool forks; metrics
+    that cannot work stop it at start with one line, as a bad setting does."""
+    if not settings_of(app).metrics_port:
+        return
+    try:
         metrics.switch_on()
+    except metrics.MetricsUnusable as exc:
+        from tasks.readiness import refuse
+
+        # SystemExit passes through Celery's signal dispatch, which logs and swallows only Exception: the
+        # worker exits here, before its pool forks or its consumer connects.
+        refuse(str(exc))
 
 
 @worker_ready.connect

@@ -150,21 +150,46 @@ class _Repairs(logging.Handler):
             current.regression_repaired()
 
 
+class MetricsUnusable(Exception):
+    """Metrics were asked for (RESERVATIONS_METRICS_PORT) and cannot work here; the message says why in one
+    line. A worker refuses to start on it, as on a bad setting: one serving no metrics looks like one
+    that sees no stale writes."""
+
+
+def _own_directory(folder: Path) -> None:
+    """Make ``folder`` this worker's multiprocess directory: created, values of an earlier run removed
+    (they would be summed in)."""
+    if folder.exists() and not folder.is_dir():
+        raise MetricsUnusable(
+            f"{MULTIPROC_DIR}={folder} is not a directory (it names where the worker's processes keep "
+            "their metrics)"
+        )
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        for stale in folder.glob("*.db"):
+            stale.unlink()
+    except OSError as exc:
+        raise MetricsUnusable(f"{MULTIPROC_DIR}={folder} cannot be used: {exc.strerror or exc}") from exc
+
+
 def switch_on() -> On:
     """Metrics on for this worker (main process, before the pool forks): a clean multiprocess directory
-    (the one named by PROMETHEUS_MULTIPROC_DIR, or a new one), then the metric objects."""
+    (the one named by PROMETHEUS_MULTIPROC_DIR, or a new one), then the metric objects. Raises
+    :class:`MetricsUnusable` when that directory cannot be used."""
     global current
     if isinstance(current, On):
         return current
     folder = os.environ.get(MULTIPROC_DIR)
     if folder:
-        # Values of an earlier run of this worker would be summed in: the directory is this worker's own.
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        for stale in Path(folder).glob("*.db"):
-            stale.unlink()
+        _own_directory(Path(folder))
     else:
-        os.environ[MULTIPROC_DIR] = tempfile.mkdtemp(prefix="reservations-metrics-")
-    current = On()  # prometheus_client is imported here, after the directory is set: it reads it then
+        os.environ[MULTIPROC_DIR] = folder = tempfile.mkdtemp(prefix="reservations-metrics-")
+    try:
+        # prometheus_client is imported here, after the directory is set: it reads it then. The zeros of
+        # every label are written to this process's file in it.
+        current = On()
+    except OSError as exc:
+        raise MetricsUnusable(f"{MULTIPROC_DIR}={folder} cannot be written: {exc.strerror or exc}") from exc
     logging.getLogger("fencing").addHandler(_Repairs())
     return current
 

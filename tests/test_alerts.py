@@ -1,7 +1,7 @@
 """The shipped alert rules (deploy/prometheus/alerts.yml) work on a real Prometheus server scraping real
 workers and the database exporter: every series an alert reads exists from the start, so the first stale
 write and the first dead letter after a worker starts move them. The metrics listeners bind the address
-they are given.
+they are given, and a worker whose metrics cannot work says so in one line at start.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from typing import Any
 
 import pytest
 
-from admin.harness import RedisServer, free_port, redis_server, wait_until
+from admin.harness import CeleryProcess, RedisServer, free_port, redis_server, wait_until, worker_env
+from reservations import schema
 from reservations.messages import SHAPES
 from reservations.statuses import RequestStatus
 from tests.test_observability import Cluster, cluster, stale_write
@@ -258,3 +259,32 @@ def test_metrics_listeners_bind_only_the_address_they_are_given(observed: Observ
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", observed.exporter_port), timeout=5).close()
 
+
+def test_a_multiprocess_dir_that_is_a_file_stops_the_worker_in_one_line(tmp_path: Path) -> None:
+    not_a_folder = tmp_path / "metrics"
+    not_a_folder.write_text("")
+    database = f"sqlite:///{tmp_path / 'inventory.sqlite3'}"
+    schema.upgrade(database)  # a worker waits for a usable database before its metrics are switched on
+    env = worker_env(
+        {
+            # The broker is contacted only after the check: one that does not answer keeps a worker
+            # that got past it retrying until the deadline.
+            "RESERVATIONS_BROKER_URL": "redis://127.0.0.1:1/0",
+            "RESERVATIONS_RESULT_BACKEND": "redis://127.0.0.1:1/1",
+            "RESERVATIONS_DATABASE_URL": database,
+            "RESERVATIONS_METRICS_PORT": str(free_port()),
+        }
+    )
+    env["PROMETHEUS_MULTIPROC_DIR"] = str(not_a_folder)
+    worker = CeleryProcess("badmetrics", env, tmp_path / "worker.log")
+    worker.start()
+    try:
+        wait_until(lambda: not worker.alive(), timeout=TIMEOUT, what="the worker to exit")
+    except TimeoutError:
+        raise AssertionError(worker.tail()) from None
+    finally:
+        worker.stop()
+    assert worker.process is not None and worker.process.returncode == 2, worker.tail()
+    (said,) = [line for line in worker.log().splitlines() if line.startswith("reservations: ")]
+    assert f"PROMETHEUS_MULTIPROC_DIR={not_a_folder} is not a directory" in said, worker.tail()
+    assert "Traceback" not in worker.log()
