@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from admin.harness import CeleryProcess, RedisServer, free_port, redis_server, wait_until, worker_env
+from admin.harness import CeleryProcess, free_port, redis_server, wait_until, worker_env
 from reservations import schema
 from reservations.messages import SHAPES
 from reservations.statuses import RequestStatus
@@ -92,9 +92,9 @@ class Prometheus:
 
 
 @contextmanager
-def prometheus(folder: Path, jobs: dict[str, list[str]]) -> Iterator[Prometheus]:
-    """Prometheus on a free port, scraping ``jobs`` (name -> targets) and evaluating the shipped rules
-    every second; stopped at the end. Never the system's server or its port."""
+def prometheus(binary: str, folder: Path, jobs: dict[str, list[str]]) -> Iterator[Prometheus]:
+    """Prometheus (``binary``) on a free port, scraping ``jobs`` (name -> targets) and evaluating the
+    shipped rules every second; stopped at the end. Never the system's server or its port."""
     folder.mkdir(parents=True, exist_ok=True)
     config = {
         "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
@@ -109,7 +109,7 @@ def prometheus(folder: Path, jobs: dict[str, list[str]]) -> Iterator[Prometheus]
     with log.open("wb") as out:
         process = subprocess.Popen(
             [
-                tool("prometheus"),
+                binary,
                 f"--config.file={folder / 'prometheus.yml'}",
                 f"--storage.tsdb.path={folder / 'data'}",
                 f"--web.listen-address=127.0.0.1:{port}",
@@ -153,40 +153,57 @@ def exporter(run: Cluster, host: str, port: int) -> Iterator[subprocess.Popen[by
 
 
 @dataclass
+class Targets:
+    """What Prometheus scrapes: two workers on their default metrics address (127.0.0.1), and the exporter
+    on another loopback address."""
+
+    run: Cluster
+    exporter: subprocess.Popen[bytes]
+    exporter_port: int
+    folder: Path
+
+    def exporter_answers(self) -> bool:
+        if self.exporter.poll() is not None:
+            error = self.exporter.stderr.read().decode() if self.exporter.stderr else ""
+            raise AssertionError(f"the exporter exited with {self.exporter.returncode}: {error}")
+        try:
+            socket.create_connection((OTHER_LOOPBACK, self.exporter_port), timeout=5).close()
+        except OSError:
+            return False
+        return True
+
+
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Targets]:
+    folder = tmp_path_factory.mktemp("alerts")
+    with redis_server(folder / "redis") as broker, cluster(folder / "cluster", broker) as run:
+        port = free_port()
+        with exporter(run, OTHER_LOOPBACK, port) as process:
+            yield Targets(run, process, port, folder)
+
+
+@dataclass
 class Observed:
     run: Cluster
     prometheus: Prometheus
-    exporter_port: int
 
 
 @pytest.fixture(scope="module")
-def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    with redis_server(tmp_path_factory.mktemp("redis")) as running:
-        yield running
+def observed(targets: Targets) -> Iterator[Observed]:
+    """A Prometheus scraping the targets as the rules file expects (jobs reservations-workers and
+    reservations-db), once it has read all three."""
+    jobs = {
+        "reservations-workers": [f"127.0.0.1:{p}" for p in targets.run.metric_ports],
+        "reservations-db": [f"{OTHER_LOOPBACK}:{targets.exporter_port}"],
+    }
+    with prometheus(tool("prometheus"), targets.folder / "prometheus", jobs) as server:
 
+        def all_up() -> bool:
+            targets.exporter_answers()  # raises if it exited
+            return sorted(v for _, v in server.query("up")) == [1.0, 1.0, 1.0]
 
-@pytest.fixture(scope="module")
-def observed(broker: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
-    """Two workers on their default metrics address, the exporter on another loopback address, and a
-    Prometheus scraping all three as the rules file expects (jobs reservations-workers, reservations-db)."""
-    folder = tmp_path_factory.mktemp("alerts")
-    with cluster(folder / "cluster", broker) as run:
-        port = free_port()
-        with exporter(run, OTHER_LOOPBACK, port) as process:
-            jobs = {
-                "reservations-workers": [f"127.0.0.1:{p}" for p in run.metric_ports],
-                "reservations-db": [f"{OTHER_LOOPBACK}:{port}"],
-            }
-            with prometheus(folder / "prometheus", jobs) as server:
-
-                def all_up() -> bool:
-                    if process.poll() is not None:
-                        error = process.stderr.read().decode() if process.stderr else ""
-                        raise AssertionError(f"the exporter exited with {process.returncode}: {error}")
-                    return sorted(v for _, v in server.query("up")) == [1.0, 1.0, 1.0]
-
-                wait_until(all_up, timeout=TIMEOUT, what="prometheus to scrape both workers and the exporter")
-                yield Observed(run, server, port)
+        wait_until(all_up, timeout=TIMEOUT, what="prometheus to scrape both workers and the exporter")
+        yield Observed(targets.run, server)
 
 
 def measure(expr: str) -> str:
@@ -249,15 +266,15 @@ def test_alerts_see_the_first_stale_write_and_dead_letter_after_a_start(observed
     assert rate > 0
 
 
-def test_metrics_listeners_bind_only_the_address_they_are_given(observed: Observed) -> None:
+def test_metrics_listeners_bind_only_the_address_they_are_given(targets: Targets) -> None:
     """Workers on their default, 127.0.0.1; the exporter on the address of its --host."""
-    for port in observed.run.metric_ports:
-        with socket.create_connection(("127.0.0.1", port), timeout=5):
-            pass
+    for port in targets.run.metric_ports:  # listening once the workers are ready
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
         with pytest.raises(ConnectionRefusedError):
             socket.create_connection((OTHER_LOOPBACK, port), timeout=5).close()
+    wait_until(targets.exporter_answers, timeout=TIMEOUT, what="the exporter to answer")
     with pytest.raises(ConnectionRefusedError):
-        socket.create_connection(("127.0.0.1", observed.exporter_port), timeout=5).close()
+        socket.create_connection(("127.0.0.1", targets.exporter_port), timeout=5).close()
 
 
 def test_a_multiprocess_dir_that_is_a_file_stops_the_worker_in_one_line(tmp_path: Path) -> None:
