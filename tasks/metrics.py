@@ -1,6 +1,7 @@
 """Prometheus metrics of the workers, off unless ``RESERVATIONS_METRICS_PORT`` is set: then the worker's main
-process serves ``/metrics`` on that port, summing its pool children through prometheus_client's
-multiprocess mode (a directory of value files, ``PROMETHEUS_MULTIPROC_DIR``).
+process serves ``/metrics`` on that port of ``RESERVATIONS_METRICS_HOST`` (127.0.0.1 unless told), summing
+its pool children through prometheus_client's multiprocess mode (a directory of value files,
+``PROMETHEUS_MULTIPROC_DIR``).
 
 No label names a SKU: a worker's series stay bounded whatever the catalogue. Per-SKU figures (refused
 writes, waiting requests) come from the database through ``reservations metrics``. Every value a label
