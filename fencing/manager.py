@@ -76,7 +76,7 @@ def lease_backend(url: object) -> str:
     scheme = url.partition("://")[0].lower()
     if scheme in _REDIS_SCHEMES:
         try:
-            redis.connection.parse_url(url)
+            redis.connection.parse_url(url)  # type: ignore[no-untyped-call]
         except ValueError as exc:  # a malformed port or database number
             raise InvalidLeaseRequest(f"not a usable Redis URL: {mask_url(url)} ({exc})") from None
         return "redis"

@@ -36,6 +36,7 @@ __all__ = [
     "SettingsError",
     "Variable",
     "describe",
+    "json_logs",
     "known_names",
     "unknown_name_warnings",
     "unknown_names",
@@ -387,6 +388,12 @@ def _url_problems(settings: Settings) -> list[str]:
 def variable(name: str) -> Variable:
     """The variable of field ``name`` (``variable("lease_ttl").name == "RESERVATIONS_LEASE_TTL"``)."""
     return _BY_FIELD[name]
+
+
+def json_logs(env: Mapping[str, str] | None = None) -> bool:
+    """Whether ``RESERVATIONS_LOG_FORMAT`` asks for JSON lines, read from the environment itself: the lines
+    said before the settings are parsed (or when they cannot be) follow it too."""
+    return (os.environ if env is None else env).get(variable("log_format").name, "").strip() == "json"
 
 
 def known_names() -> list[str]:

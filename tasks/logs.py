@@ -12,14 +12,13 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
-import os
 import sys
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any
+from typing import IO, Any
 
-from reservations.settings import variable
+from reservations.settings import json_logs
 
 __all__ = [
     "FENCING_FIELDS",
@@ -37,7 +36,6 @@ __all__ = [
 ]
 
 FORMATS = ("text", "json")
-LOG_FORMAT = variable("log_format").name
 
 # The facts of a fencing event, present on each of its records (None where it does not apply): the
 # requirement's resource key, presented token, highest accepted token, owner and lease generation.
@@ -126,22 +124,28 @@ def use_json_on_stderr(level: int = logging.WARNING) -> None:
         root.setLevel(level)
 
 
-def json_wanted(env: dict[str, str] | None = None) -> bool:
-    """Whether ``RESERVATIONS_LOG_FORMAT`` asks for JSON, read from the environment itself: lines said
-    before the settings are parsed (or when they cannot be) follow it too."""
-    return (os.environ if env is None else env).get(LOG_FORMAT, "").strip() == "json"
+def json_wanted() -> bool:
+    """Whether this process writes JSON lines (:func:`reservations.settings.json_logs`)."""
+    return json_logs()
 
 
-def say(message: str, *, level: int = logging.INFO, logger: str = "tasks.worker", **fields: Any) -> None:
-    """One line on the process's real stderr, past Celery's redirection and whatever the log level: a
-    worker's ready line, what it waits for at start, why it refuses to start. With
-    ``RESERVATIONS_LOG_FORMAT=json`` it is the JSON object every other log line is."""
+def say(
+    message: str,
+    *,
+    level: int = logging.INFO,
+    logger: str = "tasks.worker",
+    stream: IO[str] | None = None,
+    **fields: Any,
+) -> None:
+    """One line on stderr whatever the log level (by default the process's real one, past Celery's
+    redirection): a worker's ready line, what it waits for at start, why it refuses to start, the command
+    line's warnings and errors. With ``RESERVATIONS_LOG_FORMAT=json`` it is the JSON object every other
+    log line is."""
     if json_wanted():
         record = logging.LogRecord(logger, level, "", 0, message, None, None)
         record.__dict__.update(fields)
         message = JsonFormatter().format(record)
-    stream = sys.__stderr__ or sys.stderr
-    print(message, file=stream, flush=True)
+    print(message, file=stream or sys.__stderr__ or sys.stderr, flush=True)
 
 
 def warnings_as_json() -> None:

@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 
 from admin.cli import app as cli_app
 from admin.harness import CeleryProcess, stop_all, worker_env
+from reservations import schema
 from reservations.settings import (
     PREFIX,
     VARIABLES,
@@ -322,7 +323,9 @@ def test_a_worker_with_bad_settings_says_so_in_one_line_and_exits(tmp_path: Path
 
 @pytest.mark.slow
 def test_a_worker_warns_about_a_name_that_is_no_setting(tmp_path: Path) -> None:
-    env = worker_env({**_own_services(tmp_path).to_env(), TYPO: "5"})
+    settings = _own_services(tmp_path)
+    schema.upgrade(settings.database_url)  # a worker starts only on a schema it was built for
+    env = worker_env({**settings.to_env(), TYPO: "5"})
     worker = CeleryProcess("typo", env, tmp_path / "worker.log")
     try:
         worker.start()
@@ -418,3 +421,16 @@ def test_the_command_line_warns_about_a_name_that_is_no_setting() -> None:
     code, _, stderr = run("config", env={TYPO: "5"})
     assert code == 0
     assert stderr.strip() == f"warning: {TYPO_WARNING}"
+
+
+def test_with_json_logs_the_command_line_writes_its_warnings_and_errors_as_json() -> None:
+    json_logs = {"RESERVATIONS_LOG_FORMAT": "json", TYPO: "5"}
+    code, _, stderr = run("config", env=json_logs)
+    assert code == 0
+    (warning,) = [json.loads(line) for line in stderr.splitlines()]
+    assert warning["level"] == "WARNING" and warning["message"] == TYPO_WARNING
+    code, _, stderr = run("config", env={**json_logs, "RESERVATIONS_LEASE_TTL": "abc"})
+    assert code == 2
+    lines = [json.loads(line) for line in stderr.splitlines()]  # a line that is not JSON fails here
+    assert [line["level"] for line in lines] == ["WARNING", "ERROR"]
+    assert "RESERVATIONS_LEASE_TTL must be a number" in lines[1]["message"]

@@ -12,14 +12,14 @@ and number parsers), ``render`` (tables, JSON), and the commands: ``reads``, ``w
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated, Any
 
 import typer
 
 from admin.cli import metrics, migrations, reads, runs, writes
 from admin.cli.context import config
-from admin.cli.failures import EXIT_USAGE, fail
-from admin.cli.render import err
+from admin.cli.failures import EXIT_USAGE, complain, fail
 from reservations.settings import Settings, SettingsError, unknown_name_warnings, variable
 
 __all__ = ["app", "main"]
@@ -67,7 +67,7 @@ def _root(
     # options before the command winning over them. A bad setting refuses every command: each runs on
     # these settings, or starts workers that would refuse them.
     for line in unknown_name_warnings():
-        err.print(f"[bold yellow]warning:[/] {line}", highlight=False)
+        complain(logging.WARNING, line)
     given = {
         "database_url": database_url,
         "lease_url": lease_url,

@@ -4,6 +4,8 @@ instead of a traceback: not found, bad input, a backend unreachable or without i
 
 from __future__ import annotations
 
+import logging
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import NoReturn
@@ -15,12 +17,25 @@ from admin.cli.render import err
 from fencing import BackendUnavailable, FencingError, InvalidLeaseRequest, SchemaMissing, mask_url
 from fencing.sql import schema_missing
 from reservations.errors import InvalidRequest, ReservationError, UnknownReservation, UnknownSku
+from reservations.settings import json_logs
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_UNREACHABLE = 0, 1, 2, 3, 4
 
 
+def complain(level: int, message: str) -> None:
+    """A warning or an error on stderr: ``warning:`` or ``error:`` and the message, or with
+    ``RESERVATIONS_LOG_FORMAT=json`` one JSON object, as every line a worker writes."""
+    if json_logs():
+        from tasks.logs import say  # only then: importing tasks loads Celery
+
+        say(message, level=level, logger="reservations.cli", stream=sys.stderr)
+        return
+    word, colour = ("error", "red") if level >= logging.ERROR else ("warning", "yellow")
+    err.print(f"[bold {colour}]{word}:[/] {message}", highlight=False)
+
+
 def fail(code: int, message: str) -> NoReturn:
-    err.print(f"[bold red]error:[/] {message}", highlight=False)
+    complain(logging.ERROR, message)
     raise typer.Exit(code)
 
 
