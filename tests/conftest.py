@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,20 +27,33 @@ from tests.support import Resource
 REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 POSTGRES_URL = os.environ.get("TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 
+# The command line's Rich consoles keep the width COLUMNS gives when they are built (on importing
+# admin.cli) for good; without it they follow the COLUMNS each in-process run gives (tests.support.run).
+os.environ.pop("COLUMNS", None)
+
 
 def unique(prefix: str) -> str:
     return f"{prefix}{uuid.uuid4().hex[:12]}"
 
 
+@contextmanager
+def own_redis_prefix() -> Iterator[str]:
+    """A fresh Redis key prefix, its keys deleted on exit."""
+    prefix = unique("t")
+    try:
+        yield prefix
+    finally:
+        client = redis.Redis.from_url(REDIS_URL)
+        keys = list(client.scan_iter(match=f"{prefix}:*", count=1000))
+        if keys:
+            client.delete(*keys)
+        client.close()
+
+
 @pytest.fixture
 def redis_prefix() -> Iterator[str]:
-    prefix = unique("t")
-    yield prefix
-    client = redis.Redis.from_url(REDIS_URL)
-    keys = list(client.scan_iter(match=f"{prefix}:*", count=1000))
-    if keys:
-        client.delete(*keys)
-    client.close()
+    with own_redis_prefix() as prefix:
+        yield prefix
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
 """A small protected resource for fencing tests: rows with fence columns and a log of accepted writes;
-and the start gate of the contending worker processes the multi-process tests run (both sides).
+the start gate of the contending worker processes the multi-process tests run (both sides); and the
+``reservations`` command line, run in this process (``run``) or as the installed script (``cli``).
 
 ``Resource.write`` is the pattern every user of :class:`fencing.Fence` follows: the guarded UPDATE and
 the record of what it did commit in one transaction, so the log shows exactly the accepted writes.
@@ -7,17 +8,24 @@ the record of what it did commit in one transaction, so the log shows exactly th
 
 from __future__ import annotations
 
+import logging
+import os
 import selectors
+import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import sqlalchemy as sa
+from typer.testing import CliRunner
 
 from fencing import Fence, FenceResult, Lease, fence_columns
 from fencing.sql import make_engine
+from reservations.settings import PREFIX
 
 metadata = sa.MetaData()
 
@@ -171,3 +179,50 @@ class Gated:
             for pipe in (process.stdin, process.stdout):
                 if pipe is not None:
                     pipe.close()
+
+
+# -- the command line ------------------------------------------------------------------------------------
+
+SCRIPT = shutil.which("reservations", path=str(Path(sys.executable).parent)) or "reservations"
+
+
+class Done(NamedTuple):
+    """How a run of the command line ended: its exit code and what it wrote on stdout and on stderr."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def _shell(env: Mapping[str, str], columns: int) -> dict[str, str | None]:
+    """The environment a shell gives the command: none of our variables but ``env``, ``columns`` wide,
+    no colours (None: the variable is unset)."""
+    ours: dict[str, str | None] = {k: None for k in os.environ if k.startswith(PREFIX)}
+    return {**ours, **env, "NO_COLOR": "1", "COLUMNS": str(columns)}
+
+
+def run(*args: str, env: Mapping[str, str], columns: int = 80) -> Done:
+    """The command line in this process, as the installed script runs it from a shell (``_shell``),
+    without the second an interpreter takes to start and import it. An exception the script would print
+    as a traceback is raised here. The root logger is left as it was found (JSON logs add a handler to
+    it), as a process of its own would leave this one's."""
+    from admin.cli import app
+
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        result = CliRunner().invoke(app, list(args), env=_shell(env, columns))
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return Done(result.exit_code, result.stdout, result.stderr)
+
+
+def cli(*args: str, env: Mapping[str, str], columns: int = 80) -> Done:
+    """The installed ``reservations`` console script in a subprocess, from a shell (``_shell``). For the
+    few tests about the script itself; every other test runs the command line in process (``run``)."""
+    shell = {k: v for k, v in {**os.environ, **_shell(env, columns)}.items() if v is not None}
+    done = subprocess.run([SCRIPT, *args], env=shell, capture_output=True, text=True, timeout=60, check=False)
+    return Done(done.returncode, done.stdout, done.stderr)

@@ -15,8 +15,7 @@ import sqlalchemy as sa
 from fencing import LeaseManager
 from fencing.sql import make_engine
 from reservations import Inventory, scope_of
-from tests.test_cli import cli
-from tests.test_cli_input import run
+from tests.support import cli, run
 
 
 @pytest.fixture

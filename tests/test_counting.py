@@ -12,9 +12,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from typer.testing import CliRunner
 
-from admin.cli import app
 from fencing import LeaseManager, StaleToken
 from fencing.sql import make_engine
 from reservations import (
@@ -31,6 +29,7 @@ from reservations import (
 from reservations.errors import ConstraintRefused, SeenInAnotherEpoch
 from reservations.messages import InvalidMessage, parse, request_fingerprint
 from reservations.models import idempotency_keys, sku_history, stock
+from tests.support import run
 from tests.test_bad_input import TABLES, table_rows
 from tests.test_inventory import lease_for, level
 
@@ -411,11 +410,9 @@ def test_the_count_and_replenish_commands_check_their_input_and_go_through_the_w
     env = {
         "RESERVATIONS_DATABASE_URL": f"sqlite:///{tmp_path / 'inventory.sqlite3'}",
         "RESERVATIONS_BROKER_URL": "redis://127.0.0.1:1/0",
-        "NO_COLOR": "1",
-        "COLUMNS": "200",
     }
-    done = CliRunner().invoke(app, list(args), env=env)
-    assert done.exit_code == code, done.stdout + done.stderr
+    done = run(*args, env=env, columns=200)
+    assert done.returncode == code, done.stdout + done.stderr
     assert said in done.stderr
     for command in ("count", "replenish"):
-        assert "WRITES (through the workers)" in CliRunner().invoke(app, [command, "--help"], env=env).stdout
+        assert "WRITES (through the workers)" in run(command, "--help", env=env, columns=200).stdout

@@ -396,7 +396,7 @@ def test_masked_urls_hide_every_password() -> None:
 
 
 def test_the_config_command_masks_a_password_holding_an_at_sign() -> None:
-    from tests.test_settings import run
+    from tests.support import run
 
     code, stdout, _ = run("--broker-url", "redis://:my@secret@mq:6379/0", "config", "--json", env={})
     assert code == 0 and "secret" not in stdout

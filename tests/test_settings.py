@@ -14,9 +14,7 @@ from dataclasses import fields
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
-from admin.cli import app as cli_app
 from admin.harness import CeleryProcess, stop_all, worker_env
 from reservations import schema
 from reservations.settings import (
@@ -29,7 +27,7 @@ from reservations.settings import (
     unknown_names,
     variable,
 )
-from tests.test_cli import cli
+from tests.support import cli, run
 
 TYPO = "RESERVATIONS_LEASE_TLL"
 TYPO_WARNING = f"{TYPO} is not a setting; did you mean RESERVATIONS_LEASE_TTL?"
@@ -358,15 +356,6 @@ def test_a_library_user_gets_settings_error_not_an_exit() -> None:
 # -- the command line ------------------------------------------------------------------------------------
 
 
-def run(*args: str, env: dict[str, str]) -> tuple[int, str, str]:
-    """The command line in this process, with none of our variables but ``env``."""
-    ours: dict[str, str | None] = {k: None for k in os.environ if k.startswith(PREFIX)}
-    result = CliRunner().invoke(cli_app, list(args), env={**ours, **env, "NO_COLOR": "1", "COLUMNS": "200"})
-    if result.exception is not None and not isinstance(result.exception, SystemExit):
-        raise result.exception
-    return result.exit_code, result.stdout, result.stderr
-
-
 def test_config_lists_every_setting_with_where_it_came_from(secret: Path) -> None:
     env = {
         "RESERVATIONS_DATABASE_URL": "postgresql://app@db/inv",
@@ -398,7 +387,7 @@ def test_config_lists_every_setting_with_where_it_came_from(secret: Path) -> Non
     }
     assert "p%40ss" not in stdout and "pw2" not in stdout
 
-    code, stdout, _ = run("config", env=env)
+    code, stdout, _ = run("config", env=env, columns=200)  # the table keeps each row on one line
     assert code == 0
     line = next(line for line in stdout.splitlines() if line.startswith("RESERVATIONS_DATABASE_URL"))
     assert line.split() == ["RESERVATIONS_DATABASE_URL", "postgresql://app:***@db/inv", "file", str(secret)]
