@@ -1,47 +1,30 @@
-"""The real ``reservations`` console script, run as a subprocess after a scripted race on PostgreSQL with
-Redis leases: the token history shows both owners, the accepted write and the refused stale one; bad input
-and unreachable backends get one line and a documented exit code, and write nothing.
+"""The ``reservations`` command line after a scripted race on PostgreSQL with Redis leases: the token
+history shows both owners, the accepted write and the refused stale one; bad input and unreachable
+backends get one line and a documented exit code, and write nothing. The installed console script runs
+as a subprocess once, end to end; every other case runs the command line in this process
+(``tests.support.run``), on one race per module unless the test adds to it.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import json
-import os
-import shutil
-import subprocess
-import sys
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import redis
 
+from admin.harness import pg_schema
 from fencing import LeaseManager, StaleToken
-from reservations import Inventory, scope_of
-from tests.conftest import REDIS_URL
-
-SCRIPT = shutil.which("reservations", path=str(Path(sys.executable).parent)) or "reservations"
-
-
-def cli(*args: str, env: dict[str, str], columns: int = 80) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [SCRIPT, *args],
-        env={**os.environ, **env, "COLUMNS": str(columns), "NO_COLOR": "1"},
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+from reservations import Inventory, schema, scope_of
+from tests.conftest import POSTGRES_URL, REDIS_URL, own_redis_prefix
+from tests.support import cli, run
 
 
-@pytest.fixture
-def race(pg_url: str, redis_prefix: str) -> dict[str, Any]:
-    """A acquires, its lease expires (broken, as an expiry would), B acquires and writes, A's late write
-    is rejected."""
-    from reservations import schema
-
-    schema.upgrade(pg_url)
+def _stage_race(pg_url: str, redis_prefix: str) -> dict[str, Any]:
+    """On a migrated database: A acquires, its lease expires (broken, as an expiry would), B acquires and
+    writes, A's late write is rejected."""
     with (
         Inventory.from_url(pg_url) as inventory,
         LeaseManager.from_url(REDIS_URL, prefix=redis_prefix) as leases,
@@ -61,7 +44,22 @@ def race(pg_url: str, redis_prefix: str) -> dict[str, Any]:
     return {"env": env, "a": a.token, "b": b.token}
 
 
+@pytest.fixture(scope="module")
+def race() -> Iterator[dict[str, Any]]:
+    """The race, staged once for the tests that only read it (and for those that must write nothing)."""
+    with pg_schema(POSTGRES_URL, prefix="t") as url, own_redis_prefix() as prefix:
+        yield _stage_race(url, prefix)
+
+
+@pytest.fixture
+def own_race(pg_url: str, redis_prefix: str) -> dict[str, Any]:
+    """The race in a database and key prefix of the test's own, for a test that adds to it."""
+    schema.upgrade(pg_url)
+    return _stage_race(pg_url, redis_prefix)
+
+
 def test_tokens_json_shows_both_owners_the_write_and_the_rejection(race: dict[str, Any]) -> None:
+    """The installed console script, end to end: its own process reads PostgreSQL and the Redis leases."""
     done = cli("tokens", "WIDGET", "--json", env=race["env"])
     assert done.returncode == 0, done.stderr
     data = json.loads(done.stdout)
@@ -86,14 +84,14 @@ def test_human_output_fits_80_columns(race: dict[str, Any]) -> None:
         ("--help",),
         ("tokens", "--help"),
     ):
-        done = cli(*args, env=race["env"], columns=80)
+        done = run(*args, env=race["env"], columns=80)
         assert done.returncode == 0, (args, done.stderr)
         assert max(len(line) for line in done.stdout.splitlines()) <= 80, args
-    assert "stale" in cli("tokens", "WIDGET", env=race["env"]).stdout
+    assert "stale" in run("tokens", "WIDGET", env=race["env"]).stdout
 
 
 def test_stock_rejections_and_show(race: dict[str, Any]) -> None:
-    stock = json.loads(cli("stock", "--json", env=race["env"]).stdout)
+    stock = json.loads(run("stock", "--json", env=race["env"]).stdout)
     assert stock == [
         {
             "sku": "WIDGET",
@@ -104,33 +102,33 @@ def test_stock_rejections_and_show(race: dict[str, Any]) -> None:
             "waiting": 0,
         }
     ]
-    rejections = json.loads(cli("rejections", "--sku", "WIDGET", "--json", env=race["env"]).stdout)
+    rejections = json.loads(run("rejections", "--sku", "WIDGET", "--json", env=race["env"]).stdout)
     assert rejections["counts"] == {"WIDGET": 1}
     assert rejections["rejections"][0]["presented_token"] == race["a"]
-    shown = json.loads(cli("show", "order-b", "--json", env=race["env"]).stdout)
+    shown = json.loads(run("show", "order-b", "--json", env=race["env"]).stdout)
     assert shown["reservation"]["quantity"] == 2 and shown["reservation"]["status"] == "held"
 
 
 def test_rejections_json_lists_every_skus_rejections_without_a_sku(race: dict[str, Any]) -> None:
-    everything = json.loads(cli("rejections", "--json", env=race["env"]).stdout)
+    everything = json.loads(run("rejections", "--json", env=race["env"]).stdout)
     assert everything["counts"] == {"WIDGET": 1}
     assert [(r["sku"], r["presented_token"]) for r in everything["rejections"]] == [("WIDGET", race["a"])]
 
 
 def test_a_sku_is_the_argument_or_sku_on_every_read_command(race: dict[str, Any]) -> None:
     for command in ("tokens", "stock", "rejections", "leases", "audit"):
-        positional = cli(command, "WIDGET", "--json", env=race["env"])
-        option = cli(command, "--sku", "WIDGET", "--json", env=race["env"])
+        positional = run(command, "WIDGET", "--json", env=race["env"])
+        option = run(command, "--sku", "WIDGET", "--json", env=race["env"])
         assert positional.returncode == option.returncode == 0, (command, positional.stderr, option.stderr)
         if command != "leases":  # time left moves between the two reads
             assert json.loads(positional.stdout) == json.loads(option.stdout), command
-        both = cli(command, "WIDGET", "--sku", "OTHER", env=race["env"])
+        both = run(command, "WIDGET", "--sku", "OTHER", env=race["env"])
         assert both.returncode == 2 and "two SKUs given" in both.stderr, command
 
 
 def test_json_times_are_iso_8601_in_utc(race: dict[str, Any]) -> None:
-    tokens = json.loads(cli("tokens", "WIDGET", "--json", env=race["env"]).stdout)
-    shown = json.loads(cli("show", "order-b", "--json", env=race["env"]).stdout)
+    tokens = json.loads(run("tokens", "WIDGET", "--json", env=race["env"]).stdout)
+    shown = json.loads(run("show", "order-b", "--json", env=race["env"]).stdout)
     times = [e["acquired_at"] for e in tokens["epochs"]]
     times += [r["at"] for e in tokens["epochs"] for r in e["rejections"] + e["writes"]]
     times += [shown["reservation"]["created_at"]] + [a["at"] for a in shown["attempts"]]
@@ -138,19 +136,19 @@ def test_json_times_are_iso_8601_in_utc(race: dict[str, Any]) -> None:
     assert all(dt.datetime.fromisoformat(t).tzinfo == dt.UTC for t in times)
 
 
-def test_a_workers_holder_takes_one_line_in_the_tokens_table(race: dict[str, Any], pg_url: str) -> None:
+def test_a_workers_holder_takes_one_line_in_the_tokens_table(own_race: dict[str, Any]) -> None:
     holder = "worker-host-17.warehouse.example.internal:48213:5f0c8a1e-2b7d-4c1e-9a55-0b8e3c2d1f00"
-    with LeaseManager.from_url(REDIS_URL, prefix=race["env"]["RESERVATIONS_LEASE_PREFIX"]) as leases:
+    with LeaseManager.from_url(REDIS_URL, prefix=own_race["env"]["RESERVATIONS_LEASE_PREFIX"]) as leases:
         leases.break_lease(scope_of("WIDGET"), reason="the next holder's turn")
         leases.acquire(scope_of("WIDGET"), ttl=30, holder=holder)
     for columns in (80, 160):
-        table = cli("tokens", "WIDGET", env=race["env"], columns=columns).stdout
+        table = run("tokens", "WIDGET", env=own_race["env"], columns=columns).stdout
         assert "worker-host-17:48213 " in table, table
         assert max(len(line) for line in table.splitlines()) <= columns
 
 
 def _stock_of(env: dict[str, str]) -> Any:
-    return json.loads(cli("stock", "--json", env=env).stdout)
+    return json.loads(run("stock", "--json", env=env).stdout)
 
 
 @pytest.mark.parametrize(
@@ -176,7 +174,7 @@ def test_bad_input_gets_one_line_and_writes_nothing(
     race: dict[str, Any], args: tuple[str, ...], code: int, message: str
 ) -> None:
     before = _stock_of(race["env"])
-    done = cli(*args, env=race["env"])
+    done = run(*args, env=race["env"])
     assert done.returncode == code, (done.stdout, done.stderr)
     assert message in done.stderr and "Traceback" not in done.stderr
     assert _stock_of(race["env"]) == before
@@ -196,7 +194,7 @@ def test_bad_input_gets_one_line_and_writes_nothing(
 def test_unreachable_backend_is_exit_4_with_a_masked_url(
     race: dict[str, Any], override: dict[str, str], args: tuple[str, ...]
 ) -> None:
-    done = cli(*args, env={**race["env"], **override})
+    done = run(*args, env={**race["env"], **override})
     assert done.returncode == 4, done.stderr
     assert "s3cret" not in done.stderr + done.stdout and "***" in done.stderr
     assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
@@ -209,7 +207,7 @@ def test_reserve_enqueues_on_the_broker(race: dict[str, Any], redis_prefix: str)
     queue = f"{redis_prefix}-queue"
     before = _stock_of(race["env"])
     try:
-        done = cli(
+        done = run(
             "reserve",
             "WIDGET",
             "1",
@@ -229,7 +227,7 @@ def test_reserve_enqueues_on_the_broker(race: dict[str, Any], redis_prefix: str)
 
 
 def test_reserve_wait_on_a_key_of_a_different_request_reports_the_conflict(
-    race: dict[str, Any], pg_url: str
+    own_race: dict[str, Any], pg_url: str
 ) -> None:
     """The key already ended as another request (order-b reserved 2 units): waiting on it with a request
     for 1 unit must not print the other request's outcome as this one's."""
@@ -246,9 +244,9 @@ def test_reserve_wait_on_a_key_of_a_different_request_reports_the_conflict(
     broker = "redis://127.0.0.1:6379/9"
     client = redis.Redis.from_url(broker)
     try:
-        done = cli(
+        done = run(
             "reserve", "WIDGET", "1", "--key", "cli-taken", "--wait", "--timeout", "5",
-            env={**race["env"], "RESERVATIONS_BROKER_URL": broker},
+            env={**own_race["env"], "RESERVATIONS_BROKER_URL": broker},
         )  # fmt: skip
     finally:
         for raw in client.lrange("celery", 0, -1):
@@ -262,5 +260,5 @@ def test_reserve_wait_on_a_key_of_a_different_request_reports_the_conflict(
 
 def test_writing_commands_say_so_in_their_help(race: dict[str, Any]) -> None:
     for command in ("reserve", "restock", "confirm", "release", "add-sku", "demo"):
-        assert "WRITES" in cli(command, "--help", env=race["env"]).stdout
-    assert "WRITES" in cli("db", "upgrade", "--help", env=race["env"]).stdout
+        assert "WRITES" in run(command, "--help", env=race["env"]).stdout
+    assert "WRITES" in run("db", "upgrade", "--help", env=race["env"]).stdout
