@@ -1,8 +1,10 @@
 """Lease managers: the public sync and async shells over one set of plans.
 
-``LeaseManager.from_url`` / ``AsyncLeaseManager.from_url`` pick the backend from the URL (``redis://``,
-``rediss://`` or any SQLAlchemy URL). Validation, waiting, backoff and repair decisions live in
-:mod:`fencing.lease_plans`; the shells only drive them and run the background renewal of :meth:`hold`.
+``LeaseManager.from_url`` / ``AsyncLeaseManager.from_url`` pick the backend from the URL: Redis for
+``redis://``, ``rediss://``, ``unix://``, ``redis+sentinel://`` and ``redis+cluster://``
+(:class:`fencing.redis_backend.RedisTopology` gives their forms), SQL for any SQLAlchemy URL.
+Validation, waiting, backoff and repair decisions live in :mod:`fencing.lease_plans`; the shells only
+drive them and run the background renewal of :meth:`hold`.
 """
 
 from __future__ import annotations
@@ -13,9 +15,6 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager, suppress
 from typing import Any, Generic, TypeVar
-
-import redis
-import redis.asyncio
 
 from fencing.errors import FencingError, InvalidLeaseRequest, StaleToken
 from fencing.keys import DEFAULT_PREFIX, validate_prefix
@@ -31,7 +30,16 @@ from fencing.lease_plans import (
     default_holder,
     renewal_verdict,
 )
-from fencing.redis_backend import AsyncRedisExecutor, RedisLeaseCore, SyncRedisExecutor
+from fencing.redis_backend import (
+    REDIS_SCHEMES,
+    AsyncRedisExecutor,
+    RedisLeaseCore,
+    RedisTopology,
+    SyncRedisExecutor,
+    async_client,
+    redis_topology,
+    sync_client,
+)
 from fencing.renewer import Renewer
 from fencing.sql import (
     AsyncSqlExecutor,
@@ -63,35 +71,29 @@ log = logging.getLogger("fencing")
 _RETENTION_MS = round(DEFAULT_HISTORY_RETENTION * 1000)
 
 E = TypeVar("E")  # the shell's executor
-
-
-_REDIS_SCHEMES = ("redis", "rediss", "unix")
+C = TypeVar("C")  # a Redis client, or what builds one
 
 
 def lease_backend(url: object) -> str:
     """``"redis"`` or ``"sql"``: the backend ``from_url`` builds for ``url``, checked without connecting,
     so a process can refuse a URL it cannot use before it says it is ready. InvalidLeaseRequest says why."""
+    return "sql" if _redis_topology(url) is None else "redis"
+
+
+def _redis_topology(url: object) -> RedisTopology | None:
+    """Where a Redis lease URL puts the keys; None for a database URL; InvalidLeaseRequest for neither."""
     if not isinstance(url, str) or not url:
         raise InvalidLeaseRequest(f"the lease URL must be a non-empty string, not {type(url).__name__}")
-    scheme = url.partition("://")[0].lower()
-    if scheme in _REDIS_SCHEMES:
-        try:
-            redis.connection.parse_url(url)  # type: ignore[no-untyped-call]
-        except ValueError as exc:  # a malformed port or database number
-            raise InvalidLeaseRequest(f"not a usable Redis URL: {mask_url(url)} ({exc})") from None
-        return "redis"
+    if url.partition("://")[0].lower() in REDIS_SCHEMES:
+        return redis_topology(url)
     try:
         normalize_url(url)
     except InvalidLeaseRequest:
         raise InvalidLeaseRequest(
-            f"unsupported lease URL {mask_url(url)}: use redis://, rediss://, unix:// or a database URL "
-            "(sqlite, postgresql)"
+            f"unsupported lease URL {mask_url(url)}: use redis://, rediss://, unix://, redis+sentinel://, "
+            "redis+cluster:// or a database URL (sqlite, postgresql)"
         ) from None
-    return "sql"
-
-
-def _is_redis_url(url: object) -> bool:
-    return lease_backend(url) == "redis"
+    return None
 
 
 def _history_cap(cap: object) -> int:
@@ -101,22 +103,42 @@ def _history_cap(cap: object) -> int:
     return cap
 
 
-def _redis_core(url: str, prefix: str, history_cap: int, clock: Clock) -> RedisLeaseCore | None:
-    """The Redis core for a Redis URL, None for a database URL. The prefix and cap are checked on every
-    backend, though only Redis uses them: a bad argument is a bug either way."""
+def _redis_core(
+    url: str, prefix: str, history_cap: int, clock: Clock
+) -> tuple[RedisLeaseCore, RedisTopology] | None:
+    """The Redis core and topology for a Redis URL, None for a database URL. The prefix and cap are
+    checked on every backend, though only Redis uses them: a bad argument is a bug either way."""
     prefix, history_cap = validate_prefix(prefix), _history_cap(history_cap)
-    if not _is_redis_url(url):
+    topology = _redis_topology(url)
+    if topology is None:
         return None
-    return RedisLeaseCore(
-        prefix=prefix, history_cap=history_cap, history_retention_ms=_RETENTION_MS, clock=clock
+    core = RedisLeaseCore(
+        prefix=prefix,
+        history_cap=history_cap,
+        history_retention_ms=_RETENTION_MS,
+        clock=clock,
+        cluster=topology.kind == "cluster",
     )
+    return core, topology
 
 
-def _redis_client(kind: Any, url: str, options: dict[str, Any]) -> Any:
+def _redis_client(
+    connect: Callable[[RedisTopology, dict[str, Any]], C], topology: RedisTopology, options: dict[str, Any]
+) -> C:
     try:
-        return kind.from_url(url, decode_responses=True, **options)
+        return connect(topology, options)
     except ValueError as exc:  # a malformed port, database number or option
-        raise InvalidLeaseRequest(f"not a usable Redis URL: {mask_url(url)} ({exc})") from None
+        raise InvalidLeaseRequest(f"not a usable Redis URL: {topology.masked} ({exc})") from None
+
+
+def _printable(url: str) -> str:
+    """The URL as it may be printed: a Redis topology masks its own (Sentinel and Cluster URLs name several
+    hosts), any other URL goes through mask_url."""
+    try:
+        topology = _redis_topology(url)
+    except InvalidLeaseRequest:
+        topology = None
+    return mask_url(url) if topology is None else topology.masked
 
 
 def _renew_interval(lease: Lease, renew_every: float | None) -> float:
@@ -129,7 +151,7 @@ class _Shell(Generic[E]):
     def __init__(self, core: LeaseCore, executor: E, *, clock: Clock = time.monotonic, url: str = "") -> None:
         self.plans = LeasePlans(core, clock)
         self.executor = executor
-        self.url = mask_url(url) if url else ""
+        self.url = _printable(url) if url else ""
 
     @property
     def backend(self) -> str:
@@ -161,9 +183,10 @@ class LeaseManager(_Shell[SyncRedisExecutor | SyncSqlExecutor]):
         sleep: Callable[[float], None] = time.sleep,
         **client_options: Any,
     ) -> LeaseManager:
-        core = _redis_core(url, prefix, history_cap, clock)
-        if core is not None:
-            client = _redis_client(redis.Redis, url, client_options)
+        found = _redis_core(url, prefix, history_cap, clock)
+        if found is not None:
+            core, topology = found
+            client = _redis_client(sync_client, topology, client_options)
             return cls(core, SyncRedisExecutor(client, sleep), clock=clock, url=url)
         engine = make_engine(url, **client_options)
         sql_core = SqlLeaseCore(dialect=engine.dialect.name, clock=clock)
@@ -264,9 +287,10 @@ class AsyncLeaseManager(_Shell[AsyncRedisExecutor | AsyncSqlExecutor]):
         sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
         **client_options: Any,
     ) -> AsyncLeaseManager:
-        core = _redis_core(url, prefix, history_cap, clock)
-        if core is not None:
-            client = _redis_client(redis.asyncio.Redis, url, client_options)
+        found = _redis_core(url, prefix, history_cap, clock)
+        if found is not None:
+            core, topology = found
+            client = _redis_client(async_client, topology, client_options)
             return cls(core, AsyncRedisExecutor(client, sleep), clock=clock, url=url)
         engine = make_async_engine(url, **client_options)
         sql_core = SqlLeaseCore(dialect=engine.dialect.name, clock=clock)

@@ -3,22 +3,45 @@
 The token counter lives in a hash that never expires, apart from the lease key that does, so an expired
 lease never resets the count. History is a short list per scope written by the same scripts, one entry
 per epoch, expiring with the scope's idleness (see the scripts' comment).
+
+The lease URL names where the keys live (:func:`redis_topology`): one server, a primary found through
+Redis Sentinel, or a Redis Cluster. Whichever it is, a Redis answer that means "not now" (a failover or a
+resharding under way) reaches callers as :class:`BackendUnavailable`, like a lost connection
+(:func:`outage`); any other error Redis answers is not an outage and stays redis-py's.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Awaitable, Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, TypeAlias
+from urllib.parse import unquote, urlsplit
 
 import redis
 import redis.asyncio
+import redis.asyncio.cluster
+import redis.asyncio.sentinel
+import redis.cluster
+import redis.sentinel
+from redis.exceptions import (
+    AskError,
+    ClusterDownError,
+    ClusterError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    RedisClusterException,
+    SlotNotCoveredError,
+    TryAgainError,
+)
 
-from fencing.errors import BackendUnavailable, LeaseBusy, LeaseLost, TokenOverflow
+from fencing.errors import BackendUnavailable, InvalidLeaseRequest, LeaseBusy, LeaseLost, TokenOverflow
 from fencing.keys import ScopeKeys, scope_keys
 from fencing.lease import MAX_TOKEN, Clock, Lease, LeaseEvent, LeaseInfo, parse_token, validate_token
 from fencing.plan import Atomic, Command, Op, Plan, ScriptCall, Sleep, T, foreign, run_async, run_sync
 from fencing.redis_scripts import ACQUIRE, BREAK, CURRENT, HISTORY, RELEASE, RENEW, REPAIR, Reply
+from fencing.sql import mask_url
 
 log = logging.getLogger("fencing")
 
@@ -32,11 +55,14 @@ class RedisLeaseCore:
 
     backend = "redis"
 
-    def __init__(self, *, prefix: str, history_cap: int, history_retention_ms: int, clock: Clock) -> None:
+    def __init__(
+        self, *, prefix: str, history_cap: int, history_retention_ms: int, clock: Clock, cluster: bool = False
+    ) -> None:
         self.prefix = prefix
         self.history_cap = history_cap
         self.history_retention_ms = history_retention_ms
         self.clock = clock
+        self.cluster = cluster  # the keys are spread over a Redis Cluster's nodes
 
     def _keys(self, scope: str) -> ScopeKeys:
         return scope_keys(self.prefix, scope)
@@ -106,7 +132,10 @@ class RedisLeaseCore:
 
     def purge_history(self, older_than_ms: int) -> Plan[int]:
         """Each scope's history expires by itself; this only removes the per-scope event streams that
-        versions before the short history kept, which nothing reads or trims any more."""
+        versions before the short history kept, which nothing reads or trims any more. Those versions could
+        not run on a Redis Cluster, so there is nothing to remove on one (and no single SCAN cursor)."""
+        if self.cluster:
+            return 0
         removed, cursor = 0, "0"
         pattern = f"{self.prefix}:*:events"
         while True:
@@ -209,23 +238,259 @@ def _entry(raw: str) -> dict[str, Any] | None:
     return {**entry, "token": token, "at": at}
 
 
-# Error replies (out of memory, MISCONF, BUSY script, read-only replica) mean Redis cannot serve the
-# operation now; none of them can be a partial lease change, since each script is atomic.
-_UNAVAILABLE = (redis.ConnectionError, redis.TimeoutError, redis.ResponseError)
+# Where the keys live ------------------------------------------------------------------------------------
+
+SERVER_SCHEMES = ("redis", "rediss", "unix")
+SENTINEL_SCHEME = "redis+sentinel"
+CLUSTER_SCHEME = "redis+cluster"
+REDIS_SCHEMES = (*SERVER_SCHEMES, SENTINEL_SCHEME, CLUSTER_SCHEME)
+_FORMS = {
+    SENTINEL_SCHEME: "redis+sentinel://[[user]:password@]host:port[,host:port...]/service[/db]",
+    CLUSTER_SCHEME: "redis+cluster://[[user]:password@]host:port[,host:port...]",
+}
+_DEFAULT_PORTS = {SENTINEL_SCHEME: 26379, CLUSTER_SCHEME: 6379}
+_NOT_IN_HOST = frozenset(" \t/?#@[],")
 
 
-def _unavailable(op: ScriptCall | Command, exc: redis.RedisError) -> BackendUnavailable:
+@dataclass(frozen=True, slots=True)
+class RedisTopology:
+    """Where a lease URL puts the lease keys, read from the URL without connecting (:func:`redis_topology`).
+
+    ``server``: one Redis server, ``redis://``, ``rediss://`` or ``unix://``, handed to redis-py as it is.
+    ``sentinel``: ``redis+sentinel://[[user]:password@]host:port[,host:port...]/service[/db]``. The
+    sentinels at ``nodes`` name the primary of ``service``; the client asks them again whenever it has to
+    connect, so it follows the primary through a failover.
+    ``cluster``: ``redis+cluster://[[user]:password@]host:port[,host:port...]``. Any reachable node of
+    ``nodes`` gives the slot map; every lease script touches one slot (:mod:`fencing.keys`), and the client
+    sends it to the node serving that slot, following MOVED and ASK while slots move.
+
+    A port left out is the scheme's usual one (26379 for sentinels, 6379 for cluster nodes). The user and
+    password are the data nodes'. The sentinels are sent the same ones: a deployment that protects its
+    data nodes gives its sentinels that password as their ``requirepass`` too (it is also what sentinels
+    use with one another); sentinels without one would refuse it.
+    """
+
+    kind: str
+    url: str
+    nodes: tuple[tuple[str, int], ...] = ()
+    service: str = ""
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+
+    @property
+    def masked(self) -> str:
+        """The URL as it may be printed, its password as ``***``."""
+        if self.kind == "server":
+            return mask_url(self.url)
+        return _masked(self.url)
+
+    def auth(self) -> dict[str, Any]:
+        found = {"username": self.username, "password": self.password}
+        return {name: value for name, value in found.items() if value is not None}
+
+
+def redis_topology(url: str) -> RedisTopology:
+    """The topology a Redis lease URL names; :class:`InvalidLeaseRequest` saying what is wrong with it
+    when it is malformed (a port, a database number, a missing service)."""
+    scheme = url.partition("://")[0].lower()
+    if scheme in SERVER_SCHEMES:
+        try:
+            redis.connection.parse_url(url)  # type: ignore[no-untyped-call]
+        except ValueError as exc:  # a malformed port or database number
+            raise InvalidLeaseRequest(f"not a usable Redis URL: {mask_url(url)} ({exc})") from None
+        return RedisTopology("server", url)
+    if scheme not in _FORMS:
+        raise InvalidLeaseRequest(f"not a Redis URL: {mask_url(url)}")
+    try:
+        return _multi_node(scheme, url)
+    except ValueError as exc:
+        raise InvalidLeaseRequest(
+            f"not a usable Redis URL: {_masked(url)} ({exc}; use {_FORMS[scheme]})"
+        ) from None
+
+
+def _multi_node(scheme: str, url: str) -> RedisTopology:
+    """A Sentinel or Cluster URL's parts; ValueError naming the first that is wrong."""
+    parts = urlsplit(url)
+    if parts.query or parts.fragment:
+        raise ValueError("it takes no query options")
+    # The host list starts after the last "@", where redis-py looks for a server's host too.
+    userinfo, at, hosts = parts.netloc.rpartition("@")
+    username, colon, password = userinfo.partition(":")
+    nodes = tuple(_node(text, _DEFAULT_PORTS[scheme]) for text in hosts.split(","))
+    user = unquote(username) or None if at else None
+    secret = unquote(password) or None if colon else None
+    path = parts.path.strip("/")
+    if scheme == CLUSTER_SCHEME:
+        if path not in ("", "0"):
+            raise ValueError("a Redis Cluster has one database, 0")
+        return RedisTopology("cluster", url, nodes, username=user, password=secret)
+    service, _, db = path.partition("/")
+    if not service or not service.isprintable() or any(c.isspace() for c in service):
+        raise ValueError("the path must name the service the sentinels monitor")
+    if db and not (db.isascii() and db.isdigit()):
+        raise ValueError(f"the database after the service must be a number, not {db!r}")
+    return RedisTopology("sentinel", url, nodes, service, int(db or 0), username=user, password=secret)
+
+
+def _node(text: str, default_port: int) -> tuple[str, int]:
+    """``host:port``, ``host`` or ``[v6 address]:port`` as (host, port)."""
+    if text.startswith("["):
+        host, bracket, rest = text[1:].partition("]")
+        if not bracket or (rest and not rest.startswith(":")):
+            raise ValueError(f"{text!r} is not [address]:port")
+        port = rest[1:]
+    else:
+        host, colon, port = text.rpartition(":")
+        if not colon:
+            host, port = text, ""
+    if not host or _NOT_IN_HOST & set(host):
+        raise ValueError(f"{text!r} is not host:port")
+    if not port:
+        return host, default_port
+    if not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
+        raise ValueError(f"the port of {text!r} is not a number from 1 to 65535")
+    return host, int(port)
+
+
+def _masked(url: str) -> str:
+    """A Sentinel or Cluster URL with its password as ``***`` (mask_url reads one host per URL)."""
+    scheme, sep, rest = url.partition("://")
+    authority, slash, path = rest.partition("/")
+    userinfo, at, hosts = authority.rpartition("@")
+    user, colon, _ = userinfo.partition(":")
+    shown = f"{user}{colon}{'***' if colon else ''}{at}{hosts}"
+    return f"{scheme}{sep}{shown}{slash}{path}"
+
+
+SyncClient: TypeAlias = redis.Redis | redis.cluster.RedisCluster
+AsyncClient: TypeAlias = redis.asyncio.Redis | redis.asyncio.cluster.RedisCluster
+
+
+def sync_client(topology: RedisTopology, options: dict[str, Any]) -> SyncClient | Callable[[], SyncClient]:
+    """The blocking client for ``topology`` with the caller's ``options`` (socket timeouts...), or for a
+    Cluster the function that builds it: redis-py's Cluster client asks a node for the slot map as it is
+    built, and a cluster that does not answer yet must fail an operation as BackendUnavailable, not the
+    building of a lease manager (:class:`SyncRedisExecutor` calls it on first use)."""
+    auth = topology.auth()
+    if topology.kind == "server":
+        return redis.Redis.from_url(topology.url, decode_responses=True, **options)
+    if topology.kind == "sentinel":
+        sentinels = redis.sentinel.Sentinel(  # type: ignore[no-untyped-call]
+            list(topology.nodes), sentinel_kwargs=_sentinel_options(options, auth)
+        )
+        client: redis.Redis = sentinels.master_for(  # type: ignore[no-untyped-call]
+            topology.service, db=topology.db, decode_responses=True, **auth, **options
+        )
+        return client
+    nodes = [redis.cluster.ClusterNode(host, port) for host, port in topology.nodes]  # type: ignore[no-untyped-call]
+    return lambda: redis.cluster.RedisCluster(startup_nodes=nodes, decode_responses=True, **auth, **options)
+
+
+def async_client(topology: RedisTopology, options: dict[str, Any]) -> AsyncClient:
+    """The asyncio client for ``topology``; each of them connects on first use."""
+    auth = topology.auth()
+    if topology.kind == "server":
+        return redis.asyncio.Redis.from_url(topology.url, decode_responses=True, **options)
+    if topology.kind == "sentinel":
+        sentinels = redis.asyncio.sentinel.Sentinel(  # type: ignore[no-untyped-call]
+            list(topology.nodes), sentinel_kwargs=_sentinel_options(options, auth)
+        )
+        client: redis.asyncio.Redis = sentinels.master_for(
+            topology.service, db=topology.db, decode_responses=True, **auth, **options
+        )
+        return client
+    nodes = [redis.asyncio.cluster.ClusterNode(host, port) for host, port in topology.nodes]
+    return redis.asyncio.cluster.RedisCluster(startup_nodes=nodes, decode_responses=True, **auth, **options)
+
+
+def _sentinel_options(options: dict[str, Any], auth: dict[str, Any]) -> dict[str, Any]:
+    """How the sentinels are asked for the primary: with the socket options the data nodes get, as
+    redis-py does when given none (a silent sentinel costs no more than a silent primary), and the URL's
+    user and password."""
+    return {**{k: v for k, v in options.items() if k.startswith("socket_")}, **auth}
+
+
+def _sentinels(client: object) -> Any:
+    """The ``Sentinel`` a Sentinel-managed client asks for its primary, None for other clients: it holds
+    connections of its own, to the sentinels, closed with the client's."""
+    return getattr(getattr(client, "connection_pool", None), "sentinel_manager", None)
+
+
+# What Redis says "not now" with: the call did not run, and the same call can succeed once a failover, a
+# resharding or a restart is over. redis-py raises a class of its own for the answers it knows, and the
+# Sentinel and Cluster clients act on some before anyone sees them: a Sentinel client turns READONLY (a
+# primary demoted under its connection) into a ConnectionError and asks the sentinels again; a Cluster
+# client follows MOVED and ASK, waits out TRYAGAIN and CLUSTERDOWN, and raises only once it has run out of
+# tries. LOADING (a node reading its data at start) is a ConnectionError of redis-py's.
+_NOT_NOW_TYPES = (
+    ReadOnlyError,  # READONLY: a replica, or a primary demoted to one
+    TryAgainError,  # TRYAGAIN: a slot being migrated holds some of a script's keys on each node
+    AskError,  # ASK, and MOVED (a subclass): a slot being migrated, or moved
+    ClusterDownError,  # CLUSTERDOWN: a slot without a node; MASTERDOWN (a subclass): a replica cut off
+    OutOfMemoryError,  # OOM: maxmemory reached, until keys expire
+)
+# ... and those it leaves as a plain ResponseError, its code first.
+_NOT_NOW_CODES = frozenset(
+    {
+        "MISCONF",  # a failed snapshot stops writes until one succeeds
+        "BUSY",  # a script is running past its time limit
+        "NOREPLICAS",  # fewer replicas connected than min-replicas-to-write asks for
+    }
+)
+
+
+def outage(exc: BaseException) -> bool:
+    """Whether ``exc``, raised by a redis-py client, means Redis could not serve the call now: no connection
+    or answer in time, or a "not now" answer (above). Any other answer (a script error, WRONGTYPE, a call
+    whose keys span slots) is a refusal that no wait changes, so it is not an outage. Each lease script is
+    atomic, so a "not now" never leaves half a lease change behind."""
+    if isinstance(exc, (redis.ConnectionError, redis.TimeoutError, SlotNotCoveredError, *_NOT_NOW_TYPES)):
+        return True
+    if isinstance(exc, redis.ResponseError):
+        return str(exc).split(" ", 1)[0] in _NOT_NOW_CODES
+    if isinstance(
+        exc, ClusterError
+    ):  # "TTL exhausted": redirected, or told to wait, more often than followed
+        return True
+    if isinstance(exc, RedisClusterException):
+        # The Cluster client's own: an outage when its cause is one (no node could be reached for the slot
+        # map), else a call it cannot route.
+        cause = exc.__cause__ or exc.__context__
+        return cause is not None and outage(cause)
+    return False
+
+
+def _unavailable(op: ScriptCall | Command, exc: Exception) -> BackendUnavailable:
     name = "command" if isinstance(op, Command) else "script"
     return BackendUnavailable(backend="redis", operation=name, detail=f"{type(exc).__name__}: {exc}")
 
 
 class SyncRedisExecutor:
-    """Runs plans on a ``redis.Redis`` client; scripts registered once per client."""
+    """Runs plans on a blocking Redis client (one server, a Sentinel-managed primary, a Cluster); scripts
+    registered once per client. ``client`` may be a function building it, called on first use
+    (:func:`sync_client` says why)."""
 
-    def __init__(self, client: redis.Redis, sleep: Callable[[float], None]) -> None:
-        self.client = client
+    def __init__(self, client: SyncClient | Callable[[], SyncClient], sleep: Callable[[float], None]) -> None:
+        self._client: SyncClient | None = None
+        self._build: Callable[[], SyncClient] | None = None
+        if isinstance(client, redis.Redis | redis.cluster.RedisCluster):
+            self._client = client
+        else:
+            self._build = client
+        self._lock = threading.Lock()  # the renewer thread and the caller's may both be first
         self._sleep = sleep
         self._scripts: dict[str, Any] = {}
+
+    @property
+    def client(self) -> SyncClient:
+        if self._client is None:
+            with self._lock:
+                if self._client is None and self._build is not None:
+                    self._client = self._build()
+        assert self._client is not None
+        return self._client
 
     def run(self, plan: Plan[T]) -> T:
         return run_sync(plan, self._handle)
@@ -244,20 +509,31 @@ class SyncRedisExecutor:
                     script = self._scripts[op.source] = self.client.register_script(op.source)
                 return script(keys=op.keys, args=op.args)
             return self.client.execute_command(*op.args)  # type: ignore[no-untyped-call]
-        except _UNAVAILABLE as exc:
-            raise _unavailable(op, exc) from exc
+        except Exception as exc:
+            if outage(exc):
+                raise _unavailable(op, exc) from exc
+            raise
 
     def close(self) -> None:
-        self.client.close()
+        if self._client is not None:
+            self._client.close()
+            sentinels = _sentinels(self._client)
+            if sentinels is not None:
+                sentinels.close()
 
 
 class AsyncRedisExecutor:
-    """The async shell of :class:`SyncRedisExecutor` over ``redis.asyncio.Redis``."""
+    """The async shell of :class:`SyncRedisExecutor` over an asyncio client, which connects on first use
+    of its own."""
 
-    def __init__(self, client: redis.asyncio.Redis, sleep: Callable[[float], Awaitable[Any]]) -> None:
-        self.client = client
+    def __init__(self, client: AsyncClient, sleep: Callable[[float], Awaitable[Any]]) -> None:
+        self._client = client
         self._sleep = sleep
         self._scripts: dict[str, Any] = {}
+
+    @property
+    def client(self) -> AsyncClient:
+        return self._client
 
     async def run(self, plan: Plan[T]) -> T:
         return await run_async(plan, self._handle)
@@ -275,9 +551,14 @@ class AsyncRedisExecutor:
                 if script is None:
                     script = self._scripts[op.source] = self.client.register_script(op.source)
                 return await script(keys=op.keys, args=op.args)
-            return await self.client.execute_command(*op.args)  # type: ignore[no-untyped-call]
-        except _UNAVAILABLE as exc:
-            raise _unavailable(op, exc) from exc
+            return await self.client.execute_command(*op.args)
+        except Exception as exc:
+            if outage(exc):
+                raise _unavailable(op, exc) from exc
+            raise
 
     async def close(self) -> None:
         await self.client.aclose()
+        sentinels = _sentinels(self.client)
+        if sentinels is not None:
+            await sentinels.aclose()
