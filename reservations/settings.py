@@ -122,7 +122,7 @@ class Variable:
         if value is None:
             return ""
         if self.url:
-            return mask_url(str(value))
+            return _masked(str(value))
         if self.type == "bool":
             return "1" if value else "0"
         if self.type.startswith("float"):
@@ -163,6 +163,11 @@ class Settings:
 
     broker_url: str = _setting("redis://127.0.0.1:6379/0", "Celery broker (Redis or RabbitMQ)", url=True)
     result_backend: str = _setting("redis://127.0.0.1:6379/1", "Celery result backend", url=True)
+    sentinel_master: str = _setting(
+        "",
+        "the Sentinel service (master name) of the broker and result backend when their URLs are "
+        "sentinel://host:port;sentinel://host:port;...",
+    )
     database_url: str = _setting(
         "sqlite:///var/reservations.sqlite3", "inventory database (SQLite or PostgreSQL)", url=True
     )
@@ -187,6 +192,13 @@ class Settings:
         "host wait; at least 4 lease ttls",
         1,
         7 * 86400,
+    )
+    republish_after: float = _setting(
+        30.0,
+        "seconds a client waits for a request's outcome before it publishes the request again (same key "
+        "and task id), then twice as long each time: a broker failover can lose messages; 0: never",
+        0,
+        3600,
     )
     expiry_interval: float = _setting(30.0, "seconds between hold-expiry sweeps by celery beat", 0.1, 86400)
     enforce_fence: bool = _setting(
@@ -343,22 +355,51 @@ VARIABLES: tuple[Variable, ...] = tuple(
 _BY_FIELD = {variable.field: variable for variable in VARIABLES}
 
 
-# The transports a worker is built and tested for (a kombu or Celery scheme's first part): Redis,
-# RabbitMQ and, for the embedded demo, SQLAlchemy; results in Redis or a database.
-BROKER_SCHEMES = ("redis", "rediss", "amqp", "amqps", "pyamqp", "sqla")
-RESULT_SCHEMES = ("redis", "rediss", "db")
+# The transports a worker is built and tested for (a kombu or Celery scheme's first part): Redis, alone
+# or through Sentinel, RabbitMQ and, for the embedded demo, SQLAlchemy; results in Redis or a database.
+BROKER_SCHEMES = ("redis", "rediss", "sentinel", "amqp", "amqps", "pyamqp", "sqla")
+RESULT_SCHEMES = ("redis", "rediss", "sentinel", "db")
+
+# A sentinel:// URL names every sentinel, one URL each joined by ";", the form kombu's Sentinel transport
+# and Celery's Sentinel result backend both read; the service they watch is RESERVATIONS_SENTINEL_MASTER.
+_SENTINELS = ";"
+
+
+def _scheme_of(url: str) -> str:
+    return urlsplit(url).scheme.partition("+")[0].lower()
+
+
+def _is_sentinel(url: str) -> bool:
+    """Whether ``url`` reaches its Redis through Sentinel (``sentinel://host:port;sentinel://...``)."""
+    return _scheme_of(url) == "sentinel"
+
+
+def _parts(url: str) -> list[str]:
+    """A sentinel:// URL's part for each sentinel; any other URL whole (a ";" is no separator there)."""
+    return url.split(_SENTINELS) if _is_sentinel(url) else [url]
+
+
+def _masked(url: str) -> str:
+    """``url`` as it may be printed, each sentinel's part with its password hidden."""
+    return _joined_masked(_parts(url))
+
+
+def _joined_masked(parts: list[str]) -> str:
+    return _SENTINELS.join(mask_url(part) if part else "" for part in parts)
 
 
 def _scheme_problem(name: str, url: str, schemes: tuple[str, ...]) -> str | None:
-    parts = urlsplit(url)
-    scheme = parts.scheme.partition("+")[0].lower()
-    if "://" not in url or scheme not in schemes:
-        wanted = ", ".join(f"{s}+<database>://" if s in ("sqla", "db") else f"{s}://" for s in schemes)
-        return f"{name}: unsupported URL {mask_url(url)}; use one of {wanted}"
-    try:
-        parts.port  # noqa: B018  (raises for a port that is no number)
-    except ValueError:
-        return f"{name}: the URL's port is not a number"
+    parts = url.split(_SENTINELS)
+    for part in parts:
+        if "://" not in part or _scheme_of(part) not in schemes:
+            wanted = ", ".join(f"{s}+<database>://" if s in ("sqla", "db") else f"{s}://" for s in schemes)
+            return f"{name}: unsupported URL {_joined_masked(parts)}; use one of {wanted}"
+        try:
+            urlsplit(part).port  # noqa: B018  (raises for a port that is no number)
+        except ValueError:
+            return f"{name}: the URL's port is not a number"
+    if len(parts) > 1 and not all(_is_sentinel(part) for part in parts):
+        return f"{name}: only a sentinel:// URL names several hosts (joined by ;): {_joined_masked(parts)}"
     return None
 
 
@@ -382,6 +423,12 @@ def _url_problems(settings: Settings) -> list[str]:
         problem = _scheme_problem(_BY_FIELD[name].name, getattr(settings, name), schemes)
         if problem:
             problems.append(problem)
+        elif _is_sentinel(getattr(settings, name)) and not settings.sentinel_master:
+            # kombu and Celery would fail only at the first connection, inside a running worker.
+            problems.append(
+                f"{_BY_FIELD[name].name} is a sentinel:// URL: {_BY_FIELD['sentinel_master'].name} must name "
+                "the Sentinel service of its Redis"
+            )
     return problems
 
 
@@ -475,25 +522,32 @@ def _read_password_file(name: str, path: str) -> str:
 
 def _with_password(env: Mapping[str, str], variable: Variable, url: str) -> str:
     """``url`` with the password read from the file ``variable.password_file`` names: a secret mounted
-    as a file never sits in the environment or the compose file. One trailing newline is not part of it."""
+    as a file never sits in the environment or the compose file. One trailing newline is not part of it.
+    A sentinel:// URL gets it in every sentinel's part: kombu takes the Redis password from the part it
+    currently connects through (it moves to the next after a failed connection), Celery from the first."""
     path = env[variable.password_file]
     password = _read_password_file(variable.password_file, path).removesuffix("\n").removesuffix("\r")
-    parts = urlsplit(url)
-    if not password or parts.password is not None or not parts.hostname:
+    given = [urlsplit(part) for part in _parts(url)]
+    if not password or any(parts.password is not None or not parts.hostname for parts in given):
         raise SettingsError(
             f"{variable.password_file} needs a non-empty file, and a {variable.name} with a host and no "
             "password"
         )
-    userinfo, _, host = parts.netloc.rpartition("@")
-    return parts._replace(netloc=f"{userinfo}:{quote(password, safe='')}@{host}").geturl()
+    with_password = []
+    for parts in given:
+        userinfo, _, host = parts.netloc.rpartition("@")
+        with_password.append(parts._replace(netloc=f"{userinfo}:{quote(password, safe='')}@{host}").geturl())
+    return _SENTINELS.join(with_password)
 
 
 def _without_password(url: str) -> str:
     """The inverse of ``_with_password``: the URL as it was given."""
-    parts = urlsplit(url)
-    userinfo, _, host = parts.netloc.rpartition("@")
-    user = userinfo.partition(":")[0]
-    return parts._replace(netloc=f"{user}@{host}" if user else host).geturl()
+    given = []
+    for parts in map(urlsplit, _parts(url)):
+        userinfo, _, host = parts.netloc.rpartition("@")
+        user = userinfo.partition(":")[0]
+        given.append(parts._replace(netloc=f"{user}@{host}" if user else host).geturl())
+    return _SENTINELS.join(given)
 
 
 def url_with_password_file(env: Mapping[str, str], name: str, url: str) -> str:

@@ -3,7 +3,8 @@
 Late acks + reject-on-worker-loss: a message is acknowledged only after its task finished, so a worker
 killed mid-task gives the request back to the queue; the idempotency key makes the second run harmless.
 Prefetch of one: a worker holds no queue of other SKUs' requests while it waits on a lease. The broker
-is Redis or RabbitMQ (classic queues); each gets only the transport options it understands.
+is Redis (alone or through Sentinel) or RabbitMQ (classic queues); each gets only the transport options
+it understands.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ _SHORT_RETRIES = {
 }
 
 
-_REDELIVERING = ("redis", "rediss", "sqs")
+_REDIS = ("redis", "rediss", "sentinel")
+_REDELIVERING = (*_REDIS, "sqs")
 _AMQP = ("amqp", "amqps", "pyamqp")
 
 
@@ -51,10 +53,13 @@ def transport_options(url: str, settings: Settings, *, broker: bool) -> dict[str
     RabbitMQ redelivers when the consumer's channel closes instead, and bounds how long a delivery may
     stay unacknowledged by the server's consumer_timeout (docs/operations.md, "Brokers"). Publisher
     confirms make a publish to RabbitMQ return once the broker has the message, as a Redis LPUSH does.
+    A sentinel:// URL names the sentinels only: kombu and Celery ask them for the master of the service
+    master_name, and again after a failover.
     """
     scheme = _scheme(url)
     if scheme in _REDELIVERING:
-        return {"visibility_timeout": settings.visibility_timeout}
+        master = {"master_name": settings.sentinel_master} if scheme == "sentinel" else {}
+        return {"visibility_timeout": settings.visibility_timeout, **master}
     if broker and scheme in _AMQP:
         return {"confirm_publish": True}
     return {}
@@ -79,7 +84,7 @@ def configure(app: Celery, settings: Settings) -> None:
         # down costs a worker a few hundred milliseconds per task, not Celery's default twenty retries.
         result_backend_transport_options={
             **transport_options(settings.result_backend, settings, broker=False),
-            **(_SHORT_RETRIES if _scheme(settings.result_backend) in ("redis", "rediss") else {}),
+            **(_SHORT_RETRIES if _scheme(settings.result_backend) in _REDIS else {}),
         },
         result_expires=24 * 3600,
         result_extended=True,

@@ -423,3 +423,77 @@ def test_with_json_logs_the_command_line_writes_its_warnings_and_errors_as_json(
     lines = [json.loads(line) for line in stderr.splitlines()]  # a line that is not JSON fails here
     assert [line["level"] for line in lines] == ["WARNING", "ERROR"]
     assert "RESERVATIONS_LEASE_TTL must be a number" in lines[1]["message"]
+
+
+# -- Sentinel: the broker and result backend's service, their URLs' parts; republishing -----------------
+
+SENTINELS = "sentinel://s1:26379/{db};sentinel://s2:26380/{db};sentinel://s3:26381/{db}"
+
+
+def test_a_sentinel_broker_and_result_backend_need_the_name_of_their_service() -> None:
+    env = {
+        "RESERVATIONS_BROKER_URL": SENTINELS.format(db=0),
+        "RESERVATIONS_RESULT_BACKEND": SENTINELS.format(db=1),
+    }
+    with pytest.raises(SettingsError) as caught:
+        Settings.from_env(env)
+    assert caught.value.problems == [
+        f"RESERVATIONS_{name} is a sentinel:// URL: RESERVATIONS_SENTINEL_MASTER must name the Sentinel "
+        "service of its Redis"
+        for name in ("BROKER_URL", "RESULT_BACKEND")
+    ]
+    code, stdout, stderr = run("config", env=env)  # the command line refuses it alike
+    assert code == 2 and stdout == "" and "RESERVATIONS_SENTINEL_MASTER" in stderr
+    settings = Settings.from_env({**env, "RESERVATIONS_SENTINEL_MASTER": "broker"})
+    assert (settings.broker_url, settings.sentinel_master) == (SENTINELS.format(db=0), "broker")
+    assert Settings.from_env(settings.to_env()) == settings
+
+
+# Each sentinel:// URL a worker could not use, and what its problem says.
+UNUSABLE_SENTINELS = [
+    ("sentinel://:pw@s1:26379/0;redis://:pw@r:6379/0", "only a sentinel:// URL names several hosts"),
+    ("redis://r1:6379/0;redis://r2:6379/0", "only a sentinel:// URL names several hosts"),
+    ("sentinel://s1:26379/0;sentinel://s2:port/0", "the URL's port is not a number"),
+    ("sentinel://:pw@s1:26379/0;", "unsupported URL sentinel://:***@s1:26379/0;"),
+]
+
+
+@pytest.mark.parametrize(("url", "problem"), UNUSABLE_SENTINELS)
+def test_every_part_of_a_sentinel_url_is_checked(url: str, problem: str) -> None:
+    env = {"RESERVATIONS_BROKER_URL": url, "RESERVATIONS_SENTINEL_MASTER": "broker"}
+    with pytest.raises(SettingsError) as caught:
+        Settings.from_env(env)
+    assert caught.value.problems[0].startswith(f"RESERVATIONS_BROKER_URL: {problem}")
+    assert len(caught.value.problems) == 1 and "pw@" not in str(caught.value)
+
+
+def test_a_password_file_puts_the_password_in_every_sentinel_part(secret: Path) -> None:
+    env = {
+        "RESERVATIONS_BROKER_URL": SENTINELS.format(db=0),
+        "RESERVATIONS_BROKER_PASSWORD_FILE": str(secret),
+        "RESERVATIONS_RESULT_BACKEND": SENTINELS.format(db=1),
+        "RESERVATIONS_RESULT_BACKEND_PASSWORD_FILE": str(secret),
+        "RESERVATIONS_SENTINEL_MASTER": "broker",
+    }
+    settings = Settings.from_env(env)
+    quoted = "p%40ss%3Aw%2Frd%25"
+    # kombu reads the password from the part it connects through, Celery's result backend from the first.
+    assert settings.broker_url == SENTINELS.format(db=0).replace("sentinel://", f"sentinel://:{quoted}@")
+    assert settings.result_backend == SENTINELS.format(db=1).replace("sentinel://", f"sentinel://:{quoted}@")
+    assert settings.masked()["broker_url"] == SENTINELS.format(db=0).replace(
+        "sentinel://", "sentinel://:***@"
+    )
+    assert quoted not in repr(settings)
+    assert settings.to_env() == env and Settings.from_env(settings.to_env()) == settings
+    with pytest.raises(SettingsError, match=r"RESERVATIONS_BROKER_PASSWORD_FILE needs .* no password"):
+        Settings.from_env(
+            {**env, "RESERVATIONS_BROKER_URL": "sentinel://s1:26379/0;sentinel://:pw@s2:26380/0"}
+        )
+
+
+def test_republishing_waits_30_seconds_by_default_and_0_turns_it_off() -> None:
+    assert Settings().republish_after == 30.0
+    assert Settings.from_env({"RESERVATIONS_REPUBLISH_AFTER": "0"}).republish_after == 0.0
+    assert Settings.from_env({"RESERVATIONS_REPUBLISH_AFTER": "2.5"}).republish_after == 2.5
+    with pytest.raises(SettingsError, match="RESERVATIONS_REPUBLISH_AFTER must be between 0 and 3600"):
+        Settings.from_env({"RESERVATIONS_REPUBLISH_AFTER": "7200"})
