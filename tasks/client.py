@@ -7,19 +7,22 @@ and publishing needs only the broker. An outcome stored under the key by a diffe
 other arguments) raises :class:`IdempotencyConflict` instead of being handed over.
 Publishing is blocking kombu I/O: the event loop only queues a message, and one thread publishes the
 queue in batches on one broker connection. Waiting is pure asyncio: one watcher per event loop reads
-the outcomes of every awaited key at once (tasks.outcomes).
+the outcomes of every awaited key at once (tasks.outcomes). A handle awaited past
+``RESERVATIONS_REPUBLISH_AFTER`` without an outcome has its request published again under the same key
+(a broker failover may have lost it), through the same thread; ``result_sync`` does so itself.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from celery import Celery
@@ -31,8 +34,10 @@ from reservations.messages import SHAPES, request_fingerprint
 from reservations.requests import RequestResult
 from tasks.app import app as default_app
 from tasks.app import settings_of
-from tasks.outcomes import OutcomeTimeout, OutcomeWatcher
+from tasks.outcomes import OutcomeTimeout, OutcomeWatcher, Published, republish_due
 from tasks.producer import Producer
+
+log = logging.getLogger("tasks.client")
 
 
 def _poll_intervals() -> Callable[[], float]:
@@ -84,6 +89,7 @@ class _Outgoing:
     kwargs: dict[str, Any]
     future: asyncio.Future[str]
     loop: asyncio.AbstractEventLoop
+    enqueued_at: float | None = None  # a copy's: when its request was first enqueued
 
 
 def _settle(future: asyncio.Future[str], sent: str | None, error: BaseException | None) -> None:
@@ -95,6 +101,15 @@ def _settle(future: asyncio.Future[str], sent: str | None, error: BaseException 
         future.set_result(sent)
     else:  # pragma: no cover - the publisher answers a message id or an error
         future.set_exception(RuntimeError("the message was neither sent nor refused"))
+
+
+def _republished(key: str, since: float, error: BaseException | None) -> None:
+    """Say how publishing a request again went; its error is nobody's to raise (the wait goes on, and
+    the next due time tries again)."""
+    if error is not None:
+        log.warning("could not publish %s again after %.1fs without an outcome: %s", key, since, error)
+    else:
+        log.warning("published %s again: no outcome %.1fs after it was published", key, since)
 
 
 def _unsent(error: Exception) -> Exception:
@@ -116,12 +131,14 @@ class ReservationHandle:
     client: ReservationClient
     operation: str | None = None
     fingerprint: str | None = None
+    # What was published, to publish it again while it has no outcome (None: never).
+    published: Published | None = field(default=None, compare=False, repr=False)
 
     async def result(self, timeout: float = 30.0) -> RequestResult:
-        return self._own(await self.client.wait(self.key, timeout=timeout))
+        return self._own(await self.client.wait(self.key, timeout=timeout, published=self.published))
 
     def result_sync(self, timeout: float = 30.0) -> RequestResult:
-        return self._own(self.client.wait_sync(self.key, timeout=timeout))
+        return self._own(self.client.wait_sync(self.key, timeout=timeout, published=self.published))
 
     def _own(self, stored: RequestResult) -> RequestResult:
         if self.operation is None or self.fingerprint is None:
@@ -172,6 +189,7 @@ class ReservationClient:
             client=self,
             operation=SHAPES[name].operation,
             fingerprint=request_fingerprint(name, kwargs),
+            published=Published(name, kwargs, time.monotonic(), time.time()),
         )
 
     async def _send_async(self, name: str, key: str, kwargs: dict[str, Any]) -> ReservationHandle:
@@ -181,14 +199,31 @@ class ReservationClient:
         valid.idempotency_key(key)
         loop = asyncio.get_running_loop()
         sent: asyncio.Future[str] = loop.create_future()
+        self._queue(_Outgoing(name, key, kwargs, sent, loop))
+        return self._handle(name, key, kwargs, await sent)
+
+    def _queue(self, item: _Outgoing) -> None:
+        """Append ``item`` to the outbox, starting the publishing thread if it is idle."""
         with self._outbox_lock:
             self._check_open()
-            self._outbox.append(_Outgoing(name, key, kwargs, sent, loop))
+            self._outbox.append(item)
             start, self._draining = not self._draining, True
             if start:
                 # Under the lock: close() cannot shut the thread down between the check and this.
-                loop.run_in_executor(self._publisher, self._drain)
-        return self._handle(name, key, kwargs, await sent)
+                item.loop.run_in_executor(self._publisher, self._drain)
+
+    def _republish(self, key: str, published: Published) -> None:
+        """The outcome watcher found ``key`` due (tasks.outcomes.republish_due): queue its request again,
+        same key, task id and arguments, for the publishing thread. Called in the watcher's event loop."""
+        if self._closed:
+            return
+        loop = asyncio.get_running_loop()
+        sent: asyncio.Future[str] = loop.create_future()
+        since = time.monotonic() - published.at
+        sent.add_done_callback(
+            lambda done: _republished(key, since, None if done.cancelled() else done.exception())
+        )
+        self._queue(_Outgoing(published.name, key, dict(published.kwargs), sent, loop, published.enqueued_at))
 
     def _drain(self) -> None:
         """The publishing thread: send what is queued, batch after batch, until the outbox is empty."""
@@ -203,7 +238,13 @@ class ReservationClient:
                 with self._producer.batch() as producer:
                     for item in batch:
                         try:
-                            task_id = self._producer.send(item.name, item.key, item.kwargs, producer=producer)
+                            task_id = self._producer.send(
+                                item.name,
+                                item.key,
+                                item.kwargs,
+                                producer=producer,
+                                enqueued_at=item.enqueued_at,
+                            )
                             answers.append((item, task_id, None))
                         except OperationalError:
                             raise
@@ -268,11 +309,14 @@ class ReservationClient:
 
     # -- waiting ------------------------------------------------------------------------------------
 
-    async def wait(self, key: str, *, timeout: float = 30.0) -> RequestResult:
+    async def wait(
+        self, key: str, *, timeout: float = 30.0, published: Published | None = None
+    ) -> RequestResult:
         """The key's final outcome, awaited with every other key this client awaits in its event loop:
-        one watcher reads them all in one query per look (see tasks.outcomes)."""
+        one watcher reads them all in one query per look (see tasks.outcomes). ``published``: what this
+        client published for the key (a handle's), published again while it has no outcome."""
         valid.idempotency_key(key)
-        return await self._outcome_watcher().wait(key, timeout)
+        return await self._outcome_watcher().wait(key, timeout, published=published)
 
     def _outcome_watcher(self) -> OutcomeWatcher:
         self._check_open()
@@ -280,22 +324,48 @@ class ReservationClient:
         found = self._watchers.get(loop)
         if found is None:
             inventory = AsyncInventory.from_url(self.settings.database_url)
-            found = self._watchers[loop] = (OutcomeWatcher(inventory.request_outcomes), inventory)
+            watcher = OutcomeWatcher(
+                inventory.request_outcomes,
+                republish=self._republish,
+                republish_after=self.settings.republish_after,
+            )
+            found = self._watchers[loop] = (watcher, inventory)
         return found[0]
 
-    def wait_sync(self, key: str, *, timeout: float = 30.0) -> RequestResult:
+    def wait_sync(
+        self, key: str, *, timeout: float = 30.0, published: Published | None = None
+    ) -> RequestResult:
+        """As :meth:`wait`, polling from this thread, which also publishes the request again when due."""
         self._check_open()
         if self._inventory is None:
             self._inventory = Inventory.from_url(self.settings.database_url)
         deadline = time.monotonic() + timeout
         pause = _poll_intervals()
+        last: float | None = None
         while True:
             found = self._inventory.request_outcome(key)
             if found is not None:
                 return found
-            if time.monotonic() >= deadline:
+            now = time.monotonic()
+            if now >= deadline:
                 raise OutcomeTimeout(key, timeout)
+            if published is not None and republish_due(
+                published.at, last, now, False, self.settings.republish_after
+            ):
+                last = now
+                self._republish_sync(key, published)
             time.sleep(min(pause(), max(0.0, deadline - time.monotonic())))
+
+    def _republish_sync(self, key: str, published: Published) -> None:
+        since = time.monotonic() - published.at
+        error = None
+        try:
+            self._producer.send(
+                published.name, key, dict(published.kwargs), enqueued_at=published.enqueued_at
+            )
+        except Exception as exc:
+            error = exc
+        _republished(key, since, error)
 
     async def aclose(self) -> None:
         """Close the client: the outcome watcher of this event loop stops (handles still waiting get

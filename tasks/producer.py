@@ -14,6 +14,9 @@ from celery import Celery
 
 from reservations import validation as valid
 from reservations.requests import request_id, task_name
+from reservations.settings import Settings
+from tasks.app import transport_options as transport_options_of
+from tasks.metrics import ENQUEUED_AT
 
 
 class Producer:
@@ -35,15 +38,33 @@ class Producer:
             broker_connection_retry_on_startup=True,
         )
 
-    def send(self, operation: str, key: str, kwargs: dict[str, Any], *, producer: Any = None) -> str:
+    @classmethod
+    def configured(cls, settings: Settings) -> Producer:
+        """A producer on the settings' broker with the transport options the workers' app gives it (a
+        sentinel:// broker cannot be reached without its service's name)."""
+        options = transport_options_of(settings.broker_url, settings, broker=True)
+        return cls(settings.broker_url, transport_options=options)
+
+    def send(
+        self,
+        operation: str,
+        key: str,
+        kwargs: dict[str, Any],
+        *,
+        producer: Any = None,
+        enqueued_at: float | None = None,
+    ) -> str:
         """Publish ``operation`` for ``key``; returns the request's task id (the same for the same key).
-        ``producer``: a kombu producer of this app held across many sends (see :meth:`batch`)."""
+        ``producer``: a kombu producer of this app held across many sends (see :meth:`batch`).
+        ``enqueued_at``: when the request was first enqueued, for a copy published again (tasks.app
+        stamps the time of publishing otherwise)."""
         task_id = request_id(valid.idempotency_key(key))
         self.app.send_task(
             task_name(operation),
             kwargs={**kwargs, "idempotency_key": key},
             task_id=task_id,
             producer=producer,
+            **({} if enqueued_at is None else {"headers": {ENQUEUED_AT: enqueued_at}}),
         )
         return task_id
 

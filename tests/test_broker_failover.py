@@ -1,0 +1,518 @@
+"""The broker and result backend on Redis Sentinel, and a failover that loses queued requests.
+
+A primary, a replica and three sentinels (``redis-server <conf> --sentinel``) serve Celery's Sentinel
+transport and result backend; real workers and a client reach them by ``sentinel://`` URLs. Requests
+flow end to end through them; then the primary is killed with requests queued that its replica never
+received (asynchronous replication), the sentinels promote the replica, and the client publishes each
+request still without an outcome again after ``RESERVATIONS_REPUBLISH_AFTER``: every request ends with
+exactly one outcome, each applied once. The republish decision itself is checked without services.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import socket
+import subprocess
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from contextlib import AsyncExitStack, contextmanager, suppress
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from admin.harness import HarnessError, free_port, redis_server, wait_until
+from reservations import Inventory, schema
+from reservations.requests import RequestResult, request_id
+from tasks import ReservationClient, Settings, create_app
+from tasks.metrics import ENQUEUED_AT
+from tasks.outcomes import OutcomeWatcher, Published, republish_due
+from tasks.producer import Producer
+from tests.workers import cluster, pg_schema
+
+SERVICE = "broker"
+# How long a sentinel waits for an unanswered primary before it calls it down: short, so the failover
+# takes about two seconds here (a production deployment keeps Sentinel's own default or close to it).
+DOWN_AFTER_MS = 500
+FAILOVER_TIMEOUT_MS = 3000
+
+
+class Relay:
+    """A TCP relay the replica replicates through. ``hold`` keeps what the primary sends from reaching
+    the replica (it waits in the relay, as a lagging link's bytes do); ``sever`` closes every connection
+    and drops what was held, so the replica never receives it: asynchronous replication's loss."""
+
+    def __init__(self, target: int) -> None:
+        self.target = target
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port: int = self._listener.getsockname()[1]
+        self._flowing = threading.Event()
+        self._flowing.set()
+        self._severed = threading.Event()
+        self._lock = threading.Lock()
+        self._sockets: list[socket.socket] = []
+        threading.Thread(target=self._accept, name="relay", daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._severed.is_set():
+            try:
+                downstream, _ = self._listener.accept()
+                upstream = socket.create_connection(("127.0.0.1", self.target), timeout=5)
+            except OSError:
+                continue
+            upstream.settimeout(None)
+            with self._lock:
+                self._sockets += [downstream, upstream]
+            threading.Thread(target=self._pump, args=(upstream, downstream, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(downstream, upstream, False), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket, from_primary: bool) -> None:
+        while True:
+            try:
+                data = source.recv(65536)
+            except OSError:
+                return
+            if from_primary:
+                self._flowing.wait()
+            if not data or self._severed.is_set():
+                return
+            try:
+                sink.sendall(data)
+            except OSError:
+                return
+
+    def hold(self) -> None:
+        self._flowing.clear()
+
+    def sever(self) -> None:
+        self._severed.set()
+        self._flowing.set()  # the held pumps wake up, see the relay severed and drop what they hold
+        with suppress(OSError):
+            self._listener.close()
+        with self._lock:
+            for sock in self._sockets:
+                with suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+                sock.close()
+
+
+class Node:
+    """One redis-server process (a data node or, with ``--sentinel``, a sentinel), logging to its folder."""
+
+    def __init__(self, folder: Path, name: str, port: int, args: list[str]) -> None:
+        self.folder, self.name, self.port, self.args = folder, name, port, args
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        with (self.folder / f"{self.name}.log").open("ab") as log:
+            self.process = subprocess.Popen(
+                ["redis-server", *self.args],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=self.folder,
+                start_new_session=True,
+            )
+        wait_until(self._answers, timeout=10, what=f"{self.name} on port {self.port} to answer PING")
+
+    def _answers(self) -> bool:
+        if self.process is not None and self.process.poll() is not None:
+            raise HarnessError(f"{self.name} exited: see {self.folder / f'{self.name}.log'}")
+        try:
+            with self.client() as client:
+                return bool(client.ping())
+        except redis.RedisError:
+            return False
+
+    def client(self, db: int = 0) -> redis.Redis:
+        return redis.Redis(port=self.port, db=db, socket_timeout=2, socket_connect_timeout=2)
+
+    def kill(self) -> None:
+        """SIGKILL: what the primary had not passed on is gone."""
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait()
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+
+class SentinelTopology:
+    """A primary, a replica replicating through a :class:`Relay`, and three sentinels watching the
+    primary as service ``SERVICE`` (quorum two). Without persistence: a killed node's data is gone."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        plain = ["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        port = free_port()
+        # Its replica's first sync starts at once, rather than after Redis's five seconds of waiting for
+        # more replicas to serve in the same transfer.
+        primary = ["--port", str(port), "--repl-diskless-sync-delay", "0", *plain]
+        self.primary = Node(folder, "primary", port, primary)
+        self.relay: Relay | None = None
+        replica_port = free_port()
+        self.replica = Node(folder, "replica", replica_port, ["--port", str(replica_port), *plain])
+        self.sentinels: list[Node] = []
+
+    def url(self, db: int) -> str:
+        """The ``sentinel://`` URL naming every sentinel, for the broker (db 0) or the results (db 1)."""
+        return ";".join(f"sentinel://127.0.0.1:{node.port}/{db}" for node in self.sentinels)
+
+    def start(self) -> None:
+        self.primary.start()
+        self.relay = Relay(self.primary.port)
+        self.replica.args += ["--replicaof", "127.0.0.1", str(self.relay.port)]
+        self.replica.start()
+        wait_until(self._replica_in_sync, timeout=10, what="the replica to finish its first sync")
+        for n in range(3):
+            port = free_port()
+            conf = self.folder / f"sentinel{n}.conf"  # a sentinel rewrites its file with what it learns
+            conf.write_text(
+                f"port {port}\nbind 127.0.0.1\ndir {self.folder}\n"
+                f"sentinel monitor {SERVICE} 127.0.0.1 {self.primary.port} 2\n"
+                f"sentinel down-after-milliseconds {SERVICE} {DOWN_AFTER_MS}\n"
+                f"sentinel failover-timeout {SERVICE} {FAILOVER_TIMEOUT_MS}\n"
+            )
+            self.sentinels.append(Node(self.folder, f"sentinel{n}", port, [str(conf), "--sentinel"]))
+        for sentinel in self.sentinels:
+            sentinel.start()
+        # A failover needs a quorum of sentinels that know each other, and a replica they know of.
+        wait_until(self._sentinels_ready, timeout=20, what="the sentinels to know the replica and each other")
+
+    def _replica_in_sync(self) -> bool:
+        with self.replica.client() as client:
+            return client.info("replication").get("master_link_status") == "up"
+
+    def _sentinels_ready(self) -> bool:
+        for sentinel in self.sentinels:
+            with sentinel.client() as client:
+                replicas = client.execute_command("SENTINEL", "REPLICAS", SERVICE)
+                others = client.execute_command("SENTINEL", "SENTINELS", SERVICE)
+            if len(others) != len(self.sentinels) - 1 or not replicas:
+                return False
+        return True
+
+    def master_port(self) -> int | None:
+        """The primary's port as every sentinel reports it, or None while they disagree."""
+        ports = set()
+        for sentinel in self.sentinels:
+            with sentinel.client() as client:
+                _, port = client.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", SERVICE)
+            ports.add(int(port))
+        return ports.pop() if len(ports) == 1 else None
+
+    def stop(self) -> None:
+        if self.relay is not None:
+            self.relay.sever()
+        for node in [*self.sentinels, self.replica, self.primary]:
+            node.stop()
+
+
+@contextmanager
+def sentinel_topology(folder: Path) -> Iterator[SentinelTopology]:
+    topology = SentinelTopology(folder)
+    try:
+        topology.start()
+        yield topology
+    finally:
+        topology.stop()
+
+
+# -- the republish decision, without services ------------------------------------------------------------
+
+
+def test_a_request_is_due_again_after_the_bound_then_after_twice_the_wait_before() -> None:
+    due = [
+        t / 10
+        for t in range(0, 400)
+        if republish_due(0.0, None, t / 10, False, 2.0)  # never published again yet
+    ]
+    assert due[0] == 2.0
+    # Published again at 2 s: next at 4 s, then 8 s and 16 s from the publication.
+    assert not republish_due(0.0, 2.0, 3.9, False, 2.0) and republish_due(0.0, 2.0, 4.0, False, 2.0)
+    assert not republish_due(0.0, 4.0, 7.9, False, 2.0) and republish_due(0.0, 4.0, 8.0, False, 2.0)
+    assert not republish_due(0.0, 8.0, 15.9, False, 2.0) and republish_due(0.0, 8.0, 16.0, False, 2.0)
+    # A wait that began late (the first look at 5 s) counts the next from there.
+    assert republish_due(0.0, None, 5.0, False, 2.0)
+    assert not republish_due(0.0, 5.0, 9.9, False, 2.0) and republish_due(0.0, 5.0, 10.0, False, 2.0)
+
+
+def test_a_request_with_its_outcome_or_with_republishing_off_is_never_due() -> None:
+    assert not republish_due(0.0, None, 1000.0, True, 2.0)
+    assert not republish_due(0.0, 8.0, 1000.0, True, 2.0)
+    assert not republish_due(0.0, None, 1000.0, False, 0.0)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_the_watcher_publishes_an_awaited_request_again_until_its_outcome_is_read() -> None:
+    """The watcher's part, with an outcome table in memory and a clock of the test's."""
+    outcomes: dict[str, RequestResult] = {}
+    looks: list[float] = []
+    clock = Clock()
+
+    async def read(keys: Sequence[str]) -> dict[str, RequestResult]:
+        looks.append(clock.now)
+        return {key: outcomes[key] for key in keys if key in outcomes}
+
+    again: list[tuple[str, float]] = []
+    watcher = OutcomeWatcher(
+        read, republish=lambda key, _: again.append((key, clock.now)), republish_after=2.0, clock=clock
+    )
+    published = Published("reserve", {"sku": "W", "quantity": 1, "hold_for": None}, 0.0, time.time())
+    mine = asyncio.ensure_future(watcher.wait("mine", 30, published=published))
+    # Another client's request (nothing published by this one) is only read, never published.
+    theirs = asyncio.ensure_future(watcher.wait("theirs", 30))
+
+    async def looked_at(now: float) -> None:
+        clock.now = now
+        seen = len(looks)
+        deadline = time.monotonic() + 10
+        while len(looks) < seen + 2:  # a whole look after the clock moved
+            assert time.monotonic() < deadline, "the watcher stopped looking"
+            await asyncio.sleep(0.01)
+
+    for now in (1.9, 2.0, 3.0, 4.0, 7.9, 8.0):
+        await looked_at(now)
+    assert again == [("mine", 2.0), ("mine", 4.0), ("mine", 8.0)]
+    outcomes["mine"] = outcomes["theirs"] = RequestResult(
+        "mine", "reserve", "reserved", {}, None, None, 1, 0.0
+    )
+    assert (await mine).status == "reserved" and (await theirs).status == "reserved"
+    clock.now = 100.0
+    assert again == [("mine", 2.0), ("mine", 4.0), ("mine", 8.0)] and watcher.waiting == 0
+    await watcher.aclose()
+
+
+def test_workers_and_producers_get_the_service_name_with_the_visibility_timeout() -> None:
+    settings = Settings(
+        broker_url="sentinel://s1:26379/0;sentinel://s2:26380/0",
+        result_backend="sentinel://s1:26379/1;sentinel://s2:26380/1",
+        sentinel_master=SERVICE,
+        visibility_timeout=600.0,
+    )
+    app = create_app(settings)
+    options = {"visibility_timeout": 600.0, "master_name": SERVICE}
+    assert app.conf.broker_transport_options == options
+    assert options.items() <= app.conf.result_backend_transport_options.items()
+    with Producer.configured(settings) as producer:
+        assert producer.app.conf.broker_transport_options == options
+    app.close()
+
+
+# -- the copy is the same request --------------------------------------------------------------------------
+
+
+def queued(client: redis.Redis, queue: str = "celery") -> list[dict[str, Any]]:
+    """The task messages in a Redis queue, oldest first: their headers and keyword arguments."""
+    messages = []
+    for raw in reversed(client.lrange(queue, 0, -1)):
+        message = json.loads(raw)
+        _, kwargs, _ = json.loads(base64.b64decode(message["body"]))
+        messages.append({"headers": message["headers"], "kwargs": kwargs})
+    return messages
+
+
+@pytest.mark.parametrize("shell", ["async", "sync"])
+async def test_a_request_without_an_outcome_is_published_again_under_its_task_id(
+    tmp_path: Path, shell: str
+) -> None:
+    """No worker runs: the client's wait publishes the request again after the bound (0.5 s; the next
+    would be due at 1 s, after the wait gave up), as the same task with the same arguments and its first
+    enqueue time; with the bound at 0 it never does."""
+    database = f"sqlite:///{tmp_path / 'inventory.sqlite3'}"
+    schema.upgrade(database)
+    with redis_server(tmp_path / "redis") as server, server_client(server.port) as broker:
+        for after, copies in ((0.5, 2), (0.0, 1)):
+            broker.delete("celery")
+            settings = Settings(
+                broker_url=server.url(0),
+                result_backend=server.url(1),
+                database_url=database,
+                republish_after=after,
+            )
+            client = ReservationClient(create_app(settings))
+            key = f"again-{shell}-{after}"
+            try:
+                if shell == "async":
+                    handle = await client.enqueue_reservation("W", 2, idempotency_key=key)
+                    with pytest.raises(TimeoutError):
+                        await handle.result(timeout=0.9)
+                else:
+                    handle = client.enqueue_reservation_sync("W", 2, idempotency_key=key)
+                    with pytest.raises(TimeoutError):
+                        handle.result_sync(timeout=0.9)
+            finally:
+                await client.aclose()
+                client.app.close()
+            messages = queued(broker)
+            assert len(messages) == copies
+            assert {m["headers"]["id"] for m in messages} == {request_id(key)}
+            assert {m["headers"]["task"] for m in messages} == {"reservations.reserve"}
+            assert all(m["kwargs"] == messages[0]["kwargs"] for m in messages)
+            assert messages[0]["kwargs"] == {
+                "sku": "W",
+                "quantity": 2,
+                "hold_for": None,
+                "idempotency_key": key,
+            }
+            # The copy carries when the request was first enqueued: its latency counts the time lost.
+            enqueued = [m["headers"][ENQUEUED_AT] for m in messages]
+            assert max(enqueued) - min(enqueued) < 0.1
+
+
+@contextmanager
+def server_client(port: int) -> Iterator[redis.Redis]:
+    client = redis.Redis(port=port, socket_timeout=5)
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+# -- through Sentinel, end to end ------------------------------------------------------------------------
+
+SKU = "SENTINEL-1"
+OUTCOME_TIMEOUT = 30.0
+GATE_TIMEOUT = 20.0  # a wait of the test's own, shorter than the handles' so that it is what fails
+# Short here; the default is 30 s (RESERVATIONS_REPUBLISH_AFTER, docs/operations.md).
+REPUBLISH_AFTER = 2.0
+
+
+def sentinel_env(topology: SentinelTopology, database_url: str) -> dict[str, str]:
+    """The workers' settings: broker and results through the sentinels, leases on the database."""
+    return {
+        "RESERVATIONS_BROKER_URL": topology.url(0),
+        "RESERVATIONS_RESULT_BACKEND": topology.url(1),
+        "RESERVATIONS_SENTINEL_MASTER": SERVICE,
+        "RESERVATIONS_DATABASE_URL": database_url,
+    }
+
+
+def writes_by_key(inventory: Inventory) -> Counter[str]:
+    """The SKU's accepted writes per request key (adding the SKU writes under none)."""
+    history = inventory.history(SKU)
+    return Counter(h.idempotency_key for h in history if h.kind == "write" and h.idempotency_key)
+
+
+@pytest.mark.slow
+def test_requests_flow_through_the_sentinel_broker_and_result_backend(tmp_path: Path) -> None:
+    with (
+        sentinel_topology(tmp_path / "redis") as topology,
+        pg_schema() as database,
+        Inventory.from_url(database) as inventory,
+    ):
+        inventory.add_sku(SKU, on_hand=10)
+        env = sentinel_env(topology, database)
+        with cluster(tmp_path / "workers", env, prefix="s") as running:
+            for worker in running.workers:  # the banner names the transport a worker consumes from
+                assert "transport:   sentinel://" in worker.log(), worker.tail()
+            client = ReservationClient(create_app(running.parsed))
+            try:
+                handles = [
+                    client.enqueue_reservation_sync(SKU, 1, idempotency_key=f"flow-{n}") for n in range(4)
+                ]
+                # The command line's producer reaches the same broker with the same transport options.
+                with Producer.configured(running.parsed) as producer:
+                    producer.send("reserve", "flow-cli", {"sku": SKU, "quantity": 1, "hold_for": None})
+                outcomes = [h.result_sync(timeout=OUTCOME_TIMEOUT) for h in handles]
+                outcomes.append(client.wait_sync("flow-cli", timeout=OUTCOME_TIMEOUT))
+                # Celery's own result, through the Sentinel result backend.
+                stored = client.app.AsyncResult(handles[0].task_id).get(timeout=OUTCOME_TIMEOUT)
+            finally:
+                client.close()
+                client.app.close()
+        assert [o.status for o in outcomes] == ["reserved"] * 5, running.tails()
+        assert stored["status"] == "reserved"
+        assert writes_by_key(inventory) == {f"flow-{n}": 1 for n in range(4)} | {"flow-cli": 1}
+        with topology.primary.client(1) as results:
+            assert results.exists(f"celery-task-meta-{handles[0].task_id}")
+
+
+async def forget(waits: list[asyncio.Future[Any]]) -> None:
+    """The waits a failed test leaves behind, cancelled and their errors taken (asyncio would print them)."""
+    for wait in waits:
+        wait.cancel()
+    await asyncio.gather(*waits, return_exceptions=True)
+
+
+@pytest.mark.slow
+async def test_requests_lost_in_a_failover_are_published_again_and_each_ends_once(tmp_path: Path) -> None:
+    """The replica misses the last requests published (its link holds them when the primary is killed),
+    the sentinels promote it, and the client publishes every request still without an outcome again after
+    the bound: the lost ones are back, the others are queued twice, and each is applied once."""
+    async with AsyncExitStack() as stack:
+        topology = stack.enter_context(sentinel_topology(tmp_path / "redis"))
+        database = stack.enter_context(pg_schema())
+        inventory = stack.enter_context(Inventory.from_url(database))
+        inventory.add_sku(SKU, on_hand=100)
+        env = sentinel_env(topology, database)
+        settings = Settings.from_env({**env, "RESERVATIONS_REPUBLISH_AFTER": f"{REPUBLISH_AFTER:g}"})
+        client = ReservationClient(create_app(settings))
+        stack.callback(client.app.close)
+        stack.push_async_callback(client.aclose)
+        primary = stack.enter_context(topology.primary.client(0))
+        replica = stack.enter_context(topology.replica.client(0))
+
+        # Replicated before the primary is lost: these survive the failover.
+        kept = [await client.enqueue_reservation(SKU, 1, idempotency_key=f"kept-{n}") for n in range(3)]
+        await asyncio.to_thread(
+            wait_until, lambda: replica.llen("celery") == len(kept), timeout=10, what="the replica's copy"
+        )
+        assert topology.relay is not None
+        topology.relay.hold()
+        lost = [await client.enqueue_reservation(SKU, 1, idempotency_key=f"lost-{n}") for n in range(5)]
+        assert (primary.llen("celery"), replica.llen("celery")) == (len(kept) + len(lost), len(kept))
+        waits = [asyncio.ensure_future(h.result(timeout=OUTCOME_TIMEOUT)) for h in [*kept, *lost]]
+        stack.push_async_callback(forget, waits)
+
+        topology.primary.kill()
+        topology.relay.sever()
+        await asyncio.to_thread(
+            wait_until,
+            lambda: topology.master_port() == topology.replica.port,
+            timeout=30,
+            what="the sentinels to promote the replica",
+        )
+        # Nobody consumes yet: every request still without an outcome is published again, the lost ones
+        # and the kept ones alike (their second copy).
+        queue = len(kept) * 2 + len(lost)
+        await asyncio.to_thread(
+            wait_until,
+            lambda: replica.llen("celery") >= queue,
+            timeout=GATE_TIMEOUT,
+            what=f"{queue} messages on the promoted replica (the requests published again)",
+        )
+
+        running = await asyncio.to_thread(stack.enter_context, cluster(tmp_path / "workers", env, prefix="f"))
+        outcomes = await asyncio.gather(*waits)
+
+        assert [o.status for o in outcomes] == ["reserved"] * len(waits), running.tails()
+        # One write per key: the second copy of a kept request found its outcome stored.
+        assert writes_by_key(inventory) == {h.key: 1 for h in [*kept, *lost]}
+        level = inventory.stock(SKU)
+        assert (level.on_hand, level.available) == (100, 100 - len(kept) - len(lost))
+        # The workers ran every copy: a kept request at least twice (once more for each time it was due
+        # again before the workers were up), a lost one at least once; each was applied once (above).
+        logs = "".join(worker.log() for worker in running.workers)
+        received = {
+            h.key: logs.count(f"Task reservations.reserve[{h.task_id}] received") for h in [*kept, *lost]
+        }
+        assert all(received[h.key] >= 2 for h in kept) and all(received[h.key] >= 1 for h in lost), received
