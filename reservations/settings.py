@@ -194,7 +194,7 @@ class Settings:
         7 * 86400,
     )
     republish_after: float = _setting(
-        30.0,
+        10.0,
         "seconds a client waits for a request's outcome before it publishes the request again (same key "
         "and task id), then twice as long each time: a broker failover can lose messages; 0: never",
         0,

@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from typing import NoReturn
 
 import typer
+from rich.markup import escape
 
 from admin.cli.context import config, lease_url_shown
 from admin.cli.render import err
@@ -31,7 +32,8 @@ def complain(level: int, message: str) -> None:
         say(message, level=level, logger="reservations.cli", stream=sys.stderr)
         return
     word, colour = ("error", "red") if level >= logging.ERROR else ("warning", "yellow")
-    err.print(f"[bold {colour}]{word}:[/] {message}", highlight=False)
+    # The message is text, not markup: a URL form such as "[/db]" must print as written.
+    err.print(f"[bold {colour}]{word}:[/] {escape(message)}", highlight=False)
 
 
 def fail(code: int, message: str) -> NoReturn:
