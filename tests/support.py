@@ -1,6 +1,7 @@
 """A small protected resource for fencing tests: rows with fence columns and a log of accepted writes;
 the start gate of the contending worker processes the multi-process tests run (both sides); and the
-``reservations`` command line, run in this process (``run``) or as the installed script (``cli``).
+``reservations`` command line, run in this process (``run``) or as the installed script (``cli``). The
+worker processes import this module: what only the command line's helpers need is imported in them.
 
 ``Resource.write`` is the pattern every user of :class:`fencing.Fence` follows: the guarded UPDATE and
 the record of what it did commit in one transaction, so the log shows exactly the accepted writes.
@@ -21,11 +22,9 @@ from pathlib import Path
 from typing import NamedTuple
 
 import sqlalchemy as sa
-from typer.testing import CliRunner
 
 from fencing import Fence, FenceResult, Lease, fence_columns
 from fencing.sql import make_engine
-from reservations.settings import PREFIX
 
 metadata = sa.MetaData()
 
@@ -197,6 +196,8 @@ class Done(NamedTuple):
 def _shell(env: Mapping[str, str], columns: int) -> dict[str, str | None]:
     """The environment a shell gives the command: none of our variables but ``env``, ``columns`` wide,
     no colours (None: the variable is unset)."""
+    from reservations.settings import PREFIX
+
     ours: dict[str, str | None] = {k: None for k in os.environ if k.startswith(PREFIX)}
     return {**ours, **env, "NO_COLOR": "1", "COLUMNS": str(columns)}
 
@@ -206,6 +207,8 @@ def run(*args: str, env: Mapping[str, str], columns: int = 80) -> Done:
     without the second an interpreter takes to start and import it. An exception the script would print
     as a traceback is raised here. The root logger is left as it was found (JSON logs add a handler to
     it), as a process of its own would leave this one's."""
+    from typer.testing import CliRunner
+
     from admin.cli import app
 
     root = logging.getLogger()
