@@ -444,15 +444,13 @@ _NOT_NOW_CODES = frozenset(
 def outage(exc: BaseException) -> bool:
     """Whether ``exc``, raised by a redis-py client, means Redis could not serve the call now: no connection
     or answer in time, or a "not now" answer (above). Any other answer (a script error, WRONGTYPE, a call
-    whose keys span slots) is a refusal that no wait changes, so it is not an outage. Each lease script is
-    atomic, so a "not now" never leaves half a lease change behind."""
+    whose keys span slots) is a refusal that no wait changes, so it is not an outage."""
     if isinstance(exc, (redis.ConnectionError, redis.TimeoutError, SlotNotCoveredError, *_NOT_NOW_TYPES)):
         return True
     if isinstance(exc, redis.ResponseError):
         return str(exc).split(" ", 1)[0] in _NOT_NOW_CODES
-    if isinstance(
-        exc, ClusterError
-    ):  # "TTL exhausted": redirected, or told to wait, more often than followed
+    if isinstance(exc, ClusterError):
+        # "TTL exhausted": the Cluster client was redirected, or told to wait, more often than it follows.
         return True
     if isinstance(exc, RedisClusterException):
         # The Cluster client's own: an outage when its cause is one (no node could be reached for the slot
