@@ -56,17 +56,26 @@ def redis_prefix() -> Iterator[str]:
         yield prefix
 
 
-@pytest.fixture
-def pg_url() -> Iterator[str]:
-    """A PostgreSQL URL whose search_path is a fresh schema, dropped afterwards."""
+@contextmanager
+def own_pg_schema() -> Iterator[str]:
+    """A PostgreSQL URL whose search_path is a fresh schema, dropped on exit."""
     schema = unique("t_")
     admin = make_engine(POSTGRES_URL)
     with admin.begin() as conn:
         conn.execute(sa.text(f'CREATE SCHEMA "{schema}"'))
-    yield f"{POSTGRES_URL}?options=-csearch_path%3D{schema}"
-    with admin.begin() as conn:
-        conn.execute(sa.text(f'DROP SCHEMA "{schema}" CASCADE'))
-    admin.dispose()
+    try:
+        yield f"{POSTGRES_URL}?options=-csearch_path%3D{schema}"
+    finally:
+        with admin.begin() as conn:
+            conn.execute(sa.text(f'DROP SCHEMA "{schema}" CASCADE'))
+        admin.dispose()
+
+
+@pytest.fixture
+def pg_url() -> Iterator[str]:
+    """A PostgreSQL URL whose search_path is a fresh schema, dropped afterwards."""
+    with own_pg_schema() as url:
+        yield url
 
 
 @dataclass

@@ -1,7 +1,10 @@
 """The README's first command as a user runs it: ``reservations demo`` in a subprocess with real Celery
 workers. By default it writes only to its own folder (embedded SQLite) even when service URLs are
-configured; ``--use-configured`` runs it on PostgreSQL and a private redis-server, again and again in the
-same folder. What it leaves is checked independently.
+configured; ``--use-configured`` runs it on PostgreSQL and a private redis-server, again and again in a
+folder the default run left. What it leaves is checked independently. The default run is made once for
+the module (each demo run costs seconds of real workers); the test that reruns in its folder copies it.
+A configured database that does not answer stops the demo before any worker starts, so that case runs
+the command line in process.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -23,6 +28,8 @@ from fencing import mask_url
 from fencing.sql import make_engine
 from reservations import Inventory
 from tasks.failpoints import failpoint
+from tests.conftest import own_pg_schema
+from tests.support import run
 
 SCRIPT = shutil.which("reservations", path=str(Path(sys.executable).parent)) or "reservations"
 
@@ -68,26 +75,43 @@ def _check_demo_sku(inventory: Inventory, sku: str) -> None:
     assert sorted(o.epochs for o in outcomes if o) == [0, 1]
 
 
+@dataclass(frozen=True)
+class DefaultRun:
+    """A default run (as ``make demo`` runs it) with service URLs configured that it must not use."""
+
+    place: Path  # the demo's folder and where the configured SQLite broker and result store would be
+    folder: Path
+    pg_url: str  # the configured database and leases: a reachable PostgreSQL schema
+    stdout: str
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DefaultRun]:
+    place = tmp_path_factory.mktemp("default-run")
+    with own_pg_schema() as pg_url:
+        configured = {
+            "RESERVATIONS_DATABASE_URL": pg_url,
+            "RESERVATIONS_LEASE_URL": pg_url,
+            "RESERVATIONS_BROKER_URL": f"sqla+sqlite:///{place / 'configured-broker.sqlite3'}",
+            "RESERVATIONS_RESULT_BACKEND": f"db+sqlite:///{place / 'configured-results.sqlite3'}",
+        }
+        done = run_demo(place / "demo", configured, columns=80)
+        yield DefaultRun(place=place, folder=place / "demo", pg_url=pg_url, stdout=done.stdout)
+
+
 def test_demo_writes_only_its_own_folder_and_rejects_the_frozen_workers_write(
-    tmp_path: Path, pg_url: str
+    default_run: DefaultRun,
 ) -> None:
     """Configured URLs (a reachable PostgreSQL schema, a SQLite broker) are named as not used and stay
     untouched; the folder's SQLite inventory holds the story."""
-    configured = {
-        "RESERVATIONS_DATABASE_URL": pg_url,
-        "RESERVATIONS_LEASE_URL": pg_url,
-        "RESERVATIONS_BROKER_URL": f"sqla+sqlite:///{tmp_path / 'configured-broker.sqlite3'}",
-        "RESERVATIONS_RESULT_BACKEND": f"db+sqlite:///{tmp_path / 'configured-results.sqlite3'}",
-    }
-    folder = tmp_path / "demo"
-    done = run_demo(folder, configured, columns=80)
-    assert f"WRITES only to its own folder {folder}" in done.stdout
+    folder, stdout = default_run.folder, default_run.stdout
+    assert f"WRITES only to its own folder {folder}" in stdout
     # Piped, each line of the story stays whole, even past 80 columns.
-    lines = done.stdout.splitlines()
+    lines = stdout.splitlines()
     assert any("took sku:WIDGET with token" in line and "(SIGSTOP)" in line for line in lines)
-    assert "not using the configured database, leases, broker, result backend" in done.stdout
-    assert _tables(pg_url) == []
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["demo"]
+    assert "not using the configured database, leases, broker, result backend" in stdout
+    assert _tables(default_run.pg_url) == []
+    assert sorted(p.name for p in default_run.place.iterdir()) == ["demo"]
     with Inventory.from_url(f"sqlite:///{folder / 'inventory.sqlite3'}") as inventory:
         _check_demo_sku(inventory, "WIDGET")
         assert inventory.invariant_violations() == []
@@ -95,12 +119,12 @@ def test_demo_writes_only_its_own_folder_and_rejects_the_frozen_workers_write(
 
 
 def test_demo_on_the_configured_postgresql_and_redis_reruns_in_the_same_folder(
-    tmp_path: Path, pg_url: str
+    default_run: DefaultRun, tmp_path: Path, pg_url: str
 ) -> None:
     """After a default run (``make demo``) left its markers in the folder, two runs on the configured
     services each freeze worker A again and end with their own DEMO SKU."""
     folder = tmp_path / "demo"
-    run_demo(folder, {})
+    shutil.copytree(default_run.folder, folder)  # the default run's folder as it left it, markers and all
     with redis_server(tmp_path / "redis") as server:
         configured = {
             "RESERVATIONS_DATABASE_URL": pg_url,
@@ -134,8 +158,8 @@ def test_a_once_failpoint_fires_once_per_directory_and_needs_one(
     with pytest.raises(ValueError, match="RESERVATIONS_FAILPOINT_DIR"):
         failpoint("after_write")
     caplog.set_level(logging.WARNING, logger="tasks.failpoints")
-    for run in ("first", "first", "second"):
-        monkeypatch.setenv("RESERVATIONS_FAILPOINT_DIR", str(tmp_path / run))
+    for directory in ("first", "first", "second"):
+        monkeypatch.setenv("RESERVATIONS_FAILPOINT_DIR", str(tmp_path / directory))
         failpoint("after_write")
     fired = [r for r in caplog.records if r.getMessage().startswith("failpoint after_write: sleep:0")]
     assert len(fired) == 2
@@ -143,14 +167,7 @@ def test_a_once_failpoint_fires_once_per_directory_and_needs_one(
 
 def test_demo_on_a_configured_database_that_does_not_answer_is_one_line_and_exit_4(tmp_path: Path) -> None:
     unreachable = {"RESERVATIONS_DATABASE_URL": "postgresql://app:s3cret@127.0.0.1:1/inv"}
-    done = subprocess.run(
-        [SCRIPT, "demo", "--folder", str(tmp_path / "demo"), "--use-configured"],
-        env={**_clean_env(), **unreachable, "NO_COLOR": "1"},
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    done = run("demo", "--folder", str(tmp_path / "demo"), "--use-configured", env=unreachable)
     assert done.returncode == 4, done.stdout + done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
     assert "postgresql://app:***@127.0.0.1:1/inv" in done.stderr and "s3cret" not in done.stdout + done.stderr
