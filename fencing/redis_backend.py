@@ -406,10 +406,10 @@ def async_client(topology: RedisTopology, options: dict[str, Any]) -> AsyncClien
 
 
 def _sentinel_options(options: dict[str, Any], auth: dict[str, Any]) -> dict[str, Any]:
-    """How the sentinels are asked for the primary: with the socket options the data nodes get, as
-    redis-py does when given none (a silent sentinel costs no more than a silent primary), and the URL's
-    user and password."""
-    return {**{k: v for k, v in options.items() if k.startswith("socket_")}, **auth}
+    """How the sentinels are asked for the primary: with the socket options and retry policy the data
+    nodes get, as redis-py does when given none (a silent sentinel costs no more than a silent primary),
+    and the URL's user and password."""
+    return {**{k: v for k, v in options.items() if k.startswith("socket_") or k == "retry"}, **auth}
 
 
 def _sentinels(client: object) -> Any:

@@ -78,16 +78,39 @@ _SECRET_QUERY_KEYS = ("password", "passwd", "pwd", "secret", "token", "sslpasswo
 
 
 def mask_url(url: str | URL) -> str:
-    """The URL as it may be printed: the password, and password-like query parameters, as ``***``."""
+    """The URL as it may be printed: the password, and password-like query parameters, as ``***``. A
+    list of URLs (kombu's ``sentinel://a;sentinel://b``) is masked part by part; one naming several
+    hosts (``redis+sentinel://:pw@s1:26379,s2:26379/service``), which SQLAlchemy cannot parse, by hand."""
+    if isinstance(url, str) and ";" in url and all("://" in part for part in url.split(";") if part):
+        return ";".join(mask_url(part) if part else "" for part in url.split(";"))
     try:
         parsed = make_url(_quote_userinfo_at(url) if isinstance(url, str) else url)
     except Exception:
-        return "<unparseable url>"
+        return _mask_by_hand(url) if isinstance(url, str) and "://" in url else "<unparseable url>"
     query = {
         key: ("***" if any(word in key.lower() for word in _SECRET_QUERY_KEYS) else value)
         for key, value in parsed.query.items()
     }
     return parsed.set(query=query).render_as_string(hide_password=True).replace("%2A%2A%2A", "***")
+
+
+def _mask_by_hand(url: str) -> str:
+    """``url`` with the password of its user information and its password-like query values as ``***``,
+    the rest as written."""
+    scheme, _, rest = url.partition("://")
+    end = min((i for i in map(rest.find, "/?#") if i >= 0), default=len(rest))
+    userinfo, at, hosts = rest[:end].rpartition("@")
+    if at and ":" in userinfo:
+        userinfo = userinfo.partition(":")[0] + ":***"
+    tail = rest[end:]
+    path, question, query = tail.partition("?")
+    if question:
+        pairs = [pair.partition("=") for pair in query.split("&")]
+        query = "&".join(
+            f"{key}{eq}{'***' if any(word in key.lower() for word in _SECRET_QUERY_KEYS) else value}"
+            for key, eq, value in pairs
+        )
+    return f"{scheme}://{userinfo}{at}{hosts}{path}{question}{query}"
 
 
 def _quote_userinfo_at(url: str) -> str:

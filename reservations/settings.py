@@ -122,7 +122,7 @@ class Variable:
         if value is None:
             return ""
         if self.url:
-            return _masked(str(value))
+            return mask_url(str(value))
         if self.type == "bool":
             return "1" if value else "0"
         if self.type.startswith("float"):
@@ -379,27 +379,18 @@ def _parts(url: str) -> list[str]:
     return url.split(_SENTINELS) if _is_sentinel(url) else [url]
 
 
-def _masked(url: str) -> str:
-    """``url`` as it may be printed, each sentinel's part with its password hidden."""
-    return _joined_masked(_parts(url))
-
-
-def _joined_masked(parts: list[str]) -> str:
-    return _SENTINELS.join(mask_url(part) if part else "" for part in parts)
-
-
 def _scheme_problem(name: str, url: str, schemes: tuple[str, ...]) -> str | None:
     parts = url.split(_SENTINELS)
     for part in parts:
         if "://" not in part or _scheme_of(part) not in schemes:
             wanted = ", ".join(f"{s}+<database>://" if s in ("sqla", "db") else f"{s}://" for s in schemes)
-            return f"{name}: unsupported URL {_joined_masked(parts)}; use one of {wanted}"
+            return f"{name}: unsupported URL {mask_url(url)}; use one of {wanted}"
         try:
             urlsplit(part).port  # noqa: B018  (raises for a port that is no number)
         except ValueError:
             return f"{name}: the URL's port is not a number"
     if len(parts) > 1 and not all(_is_sentinel(part) for part in parts):
-        return f"{name}: only a sentinel:// URL names several hosts (joined by ;): {_joined_masked(parts)}"
+        return f"{name}: only a sentinel:// URL names several hosts (joined by ;): {mask_url(url)}"
     return None
 
 

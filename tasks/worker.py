@@ -13,6 +13,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+import redis
 from celery.signals import (
     celeryd_after_setup,
     celeryd_init,
@@ -21,6 +22,8 @@ from celery.signals import (
     worker_ready,
     worker_shutdown,
 )
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from fencing import LeaseManager, mask_url
 from fencing.sql import SyncSqlExecutor
@@ -83,7 +86,11 @@ def client_options(url: str, lease_ttl: float) -> dict[str, Any]:
         # too late): give up then, as unavailable, instead of waiting on TCP for minutes when the worker is
         # cut off from Redis.
         wait = max(0.5, min(5.0, lease_ttl / 3))
-        return {"socket_timeout": wait, "socket_connect_timeout": wait}
+        # One reconnect for a pooled connection the server closed, none with backoff: redis-py's default
+        # retries a refused connection ten times with growing pauses, which a sentinel client pays per
+        # sentinel, seconds in all, before the call says the primary is unreachable.
+        retry = Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,))
+        return {"socket_timeout": wait, "socket_connect_timeout": wait, "retry": retry}
     in_memory = url.startswith("sqlite") and (":memory:" in url or url.rstrip("/") == "sqlite:")
     return {} if in_memory else SQL_POOL
 

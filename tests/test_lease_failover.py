@@ -703,3 +703,19 @@ def test_calls_follow_a_slot_moving_under_a_held_lease(cluster: ClusterTopology)
         "acquire": "ClusterError: TTL exhausted.",
     }
     assert after.token == lease.token + 1
+
+
+@pytest.mark.parametrize("form", ["redis://127.0.0.1:{0}/0", "redis+sentinel://127.0.0.1:{0},127.0.0.1:{1}/m"])
+def test_a_workers_lease_client_says_unreachable_within_a_third_of_the_ttl(form: str) -> None:
+    """Nothing listens on the ports: the call fails as unavailable within the worker's socket bound (a
+    third of the ttl), not after redis-py's default ten retries with growing pauses per sentinel."""
+    url = form.format(free_port(), free_port())
+    ttl = 3.0
+    manager = LeaseManager.from_url(url, **client_options(url, ttl))
+    try:
+        started = time.monotonic()
+        with pytest.raises(BackendUnavailable):
+            manager.current(scope_of("SILENT"))
+        assert time.monotonic() - started < ttl / 3
+    finally:
+        manager.close()

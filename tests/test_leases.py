@@ -393,6 +393,13 @@ def test_masked_urls_hide_every_password() -> None:
     assert mask_url("redis://:my@secret@host/0") == "redis://:***@host/0"
     assert mask_url("amqp://app:a@b@c@mq:5672//") == "amqp://app:***@mq:5672//"
     assert mask_url("postgresql://a:s@c@db/inv?ssl=1") == "postgresql://a:***@db/inv?ssl=1"
+    # Several hosts, and several URLs: the forms of Sentinel and Cluster leases and of kombu's Sentinel.
+    assert mask_url("redis+sentinel://:pw@s1:26379,s2:26379/inv/0") == "redis+sentinel://:***@s1:26379,s2:26379/inv/0"
+    assert mask_url("redis+cluster://u:p@w@h1:7000,h2:7001") == "redis+cluster://u:***@h1:7000,h2:7001"
+    assert mask_url("sentinel://:pw@s1:26379/0;sentinel://:pw@s2:26380/0") == (
+        "sentinel://:***@s1:26379/0;sentinel://:***@s2:26380/0"
+    )
+    assert mask_url("redis+cluster://h1:7000,h2:7001?token=t0k") == "redis+cluster://h1:7000,h2:7001?token=***"
 
 
 def test_the_config_command_masks_a_password_holding_an_at_sign() -> None:
