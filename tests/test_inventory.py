@@ -5,7 +5,9 @@ rejection (recorded durably, nothing changed), and the typed refusal of bad inpu
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -26,9 +28,11 @@ from reservations import (
     StockLimitExceeded,
     UnknownReservation,
     UnknownSku,
+    schema,
     scope_of,
 )
 from reservations.models import reservations, sku_history, stock
+from tests.conftest import own_pg_schema
 
 
 def lease_for(leases: LeaseManager, sku: str, holder: str = "w1") -> Lease:
@@ -347,6 +351,33 @@ def test_database_holds_the_invariants(
 
 # -- bad input ------------------------------------------------------------------------------------
 
+
+@dataclass(frozen=True)
+class Refusing:
+    """WIDGET (10 on hand) and a lease on it, in a database the tests of refused input share: each of
+    them proves it changed nothing, so none sees another's."""
+
+    inventory: Inventory
+    lease: Lease
+    url: str
+
+
+@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+def refusing(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Refusing]:
+    with ExitStack() as stack:
+        if request.param == "postgresql":
+            url = stack.enter_context(own_pg_schema())
+        else:
+            url = f"sqlite:///{tmp_path_factory.mktemp('refusing') / 'inventory.sqlite3'}"
+        schema.upgrade(url)
+        inventory = stack.enter_context(Inventory.from_url(url))
+        leases = stack.enter_context(LeaseManager.from_url(url))
+        inventory.add_sku("WIDGET", on_hand=10)
+        # Valid for as long as the module runs: what is refused is the input, never the lease.
+        lease = leases.acquire(scope_of("WIDGET"), ttl=3600, holder="w1")
+        yield Refusing(inventory=inventory, lease=lease, url=url)
+
+
 BAD_SKUS = [
     "",
     "x" * 65,
@@ -364,11 +395,9 @@ BAD_SKUS = [
 
 
 @pytest.mark.parametrize("sku", BAD_SKUS, ids=repr)
-def test_bad_sku_is_refused_and_nothing_written(
-    inventory: Inventory, leases: LeaseManager, widget: str, inventory_url: str, sku: Any
-) -> None:
-    lease = lease_for(leases, widget)
-    before = snapshot(inventory_url)
+def test_bad_sku_is_refused_and_nothing_written(refusing: Refusing, sku: Any) -> None:
+    inventory, lease = refusing.inventory, refusing.lease
+    before = snapshot(refusing.url)
     for attempt in (
         lambda: inventory.add_sku(sku, on_hand=1),
         lambda: inventory.reserve(lease, sku, 1, key="k"),
@@ -378,15 +407,13 @@ def test_bad_sku_is_refused_and_nothing_written(
         with pytest.raises(InvalidRequest) as refused:
             attempt()
         assert refused.value.field == "sku"
-    assert snapshot(inventory_url) == before
+    assert snapshot(refusing.url) == before
 
 
 @pytest.mark.parametrize("quantity", [0, -1, 1_000_001, 10**30, 1.5, True, "3", None], ids=repr)
-def test_bad_quantity_is_refused(
-    inventory: Inventory, leases: LeaseManager, widget: str, inventory_url: str, quantity: Any
-) -> None:
-    lease = lease_for(leases, widget)
-    before = snapshot(inventory_url)
+def test_bad_quantity_is_refused(refusing: Refusing, quantity: Any) -> None:
+    inventory, lease, widget = refusing.inventory, refusing.lease, "WIDGET"
+    before = snapshot(refusing.url)
     for attempt in (
         lambda: inventory.reserve(lease, widget, quantity, key="k"),
         lambda: inventory.restock(lease, widget, quantity, key="k"),
@@ -394,17 +421,15 @@ def test_bad_quantity_is_refused(
     ):
         with pytest.raises(InvalidRequest):
             attempt()
-    assert snapshot(inventory_url) == before
+    assert snapshot(refusing.url) == before
 
 
 @pytest.mark.parametrize("key", ["", "has space", "k" * 201, "tab\t", "ключ", None, 5], ids=repr)
-def test_bad_idempotency_key_is_refused(
-    inventory: Inventory, leases: LeaseManager, widget: str, key: Any
-) -> None:
+def test_bad_idempotency_key_is_refused(refusing: Refusing, key: Any) -> None:
     with pytest.raises(InvalidRequest) as refused:
-        inventory.reserve(lease_for(leases, widget), widget, 1, key=key)
+        refusing.inventory.reserve(refusing.lease, "WIDGET", 1, key=key)
     assert refused.value.field == "idempotency_key"
-    assert level(inventory, widget) == (10, 0, 10)
+    assert level(refusing.inventory, "WIDGET") == (10, 0, 10)
 
 
 def test_unknown_sku_and_reservation(inventory: Inventory, leases: LeaseManager, widget: str) -> None:
