@@ -1,5 +1,7 @@
 """The processes of one chaos run, started from the process harness and stopped together: a fresh schema,
 two private redis-servers (broker; leases), workers in their roles, celery beat, and the delaying proxy.
+With the lease-failover nemesis, the leases are on a Redis Sentinel topology instead (a primary, a
+replica, three sentinels).
 With network nemeses, each worker runs on a host of its own (admin/netns.py) and reaches the servers on
 the hosts' service address: the redis-servers listen there too, PostgreSQL through a forwarder.
 """
@@ -23,7 +25,16 @@ from admin.chaos.options import (
     ChaosFailed,
     Options,
 )
-from admin.harness import CeleryProcess, HarnessError, RedisServer, pg_schema, start_all, stop_all, worker_env
+from admin.harness import (
+    CeleryProcess,
+    HarnessError,
+    RedisServer,
+    SentinelTopology,
+    pg_schema,
+    start_all,
+    stop_all,
+    worker_env,
+)
 from admin.netns import Host, Hosts, NetnsError
 from admin.proxy import DelayProxy
 from fencing.sql import make_engine
@@ -46,7 +57,7 @@ class ChaosWorker(CeleryProcess):
 class Cluster:
     database_url: str
     settings: Settings  # the workers' settings (the one behind the proxy, and hosts' workers, differ)
-    lease_redis: RedisServer
+    lease_redis: RedisServer | None  # None: the leases are on ``sentinel``
     workers: list[ChaosWorker]  # beat among them, last
     proxy: DelayProxy | None
     # With network nemeses: each worker's host (beat runs in the root namespace), and the ports a host
@@ -54,6 +65,7 @@ class Cluster:
     hosts: dict[str, Host] = field(default_factory=dict)
     ports: dict[str, int] = field(default_factory=dict)
     folder: Path | None = None  # the run's folder (worker logs, the slow link's log)
+    sentinel: SentinelTopology | None = None  # with the lease-failover nemesis: the lease coordinator
 
     def database_port(self, worker: ChaosWorker) -> int:
         """The port a worker's host reaches PostgreSQL on."""
@@ -94,21 +106,33 @@ def cluster(options: Options, *, fenced: bool, folder: Path) -> Iterator[Cluster
         database_url = stack.enter_context(
             pg_schema(options.postgres_url, prefix="chaos", after_upgrade=drop_trigger)
         )
-        hosts = stack.enter_context(Hosts(worker_names(options, fenced=fenced))) if options.nemeses else None
+        hosts = (
+            stack.enter_context(Hosts(worker_names(options, fenced=fenced)))
+            if options.network_nemeses
+            else None
+        )
         listen = hosts.service if hosts is not None else "127.0.0.1"
         binds = (listen,) if hosts is not None else ()
         broker = RedisServer(folder / "redis-broker", binds=binds)
-        lease_redis = RedisServer(folder / "redis-leases", binds=binds)
+        leases = (
+            SentinelTopology(folder / "sentinel-leases")
+            if options.lease_failover
+            else RedisServer(folder / "redis-leases", binds=binds)
+        )
+        lease_redis = leases if isinstance(leases, RedisServer) else None
+        sentinel = leases if isinstance(leases, SentinelTopology) else None
         workers: list[ChaosWorker] = []
         proxies: list[DelayProxy] = []
         try:
             proxy = _proxy(options, database_url, listen) if "delay" in roles(options) else None
             proxies += [proxy] if proxy is not None else []
             broker.start()
-            lease_redis.start()
-            settings = _settings(options, fenced, database_url, broker, lease_redis)
-            up = Cluster(database_url, settings, lease_redis, workers, proxy, folder=folder)
-            if hosts is not None:
+            leases.start()
+            settings = _settings(options, fenced, database_url, broker, leases.url(0))
+            up = Cluster(
+                database_url, settings, lease_redis, workers, proxy, folder=folder, sentinel=sentinel
+            )
+            if hosts is not None and lease_redis is not None:
                 proxies.append(_forwarder(database_url, hosts.service))
                 up.hosts = {host.name: host for host in hosts}
                 up.ports = {"lease": lease_redis.port, "broker": broker.port, "database": proxies[-1].port}
@@ -119,7 +143,10 @@ def cluster(options: Options, *, fenced: bool, folder: Path) -> Iterator[Cluster
         finally:
             stop_all(workers)
             broker.kill()
-            lease_redis.kill()
+            if lease_redis is not None:
+                lease_redis.kill()
+            else:
+                leases.stop()  # every node of the topology
             for opened in proxies:
                 opened.close()
 
@@ -161,13 +188,13 @@ def _via(url: str, host: str, port: int) -> str:
 
 
 def _settings(
-    options: Options, fenced: bool, database_url: str, broker: RedisServer, lease_redis: RedisServer
+    options: Options, fenced: bool, database_url: str, broker: RedisServer, lease_url: str
 ) -> Settings:
     return Settings(
         database_url=database_url,
         broker_url=broker.url(0),
         result_backend=broker.url(1),
-        lease_url=lease_redis.url(0),
+        lease_url=lease_url,
         lease_ttl=LEASE_TTL,
         max_epochs=MAX_EPOCHS,
         visibility_timeout=VISIBILITY_TIMEOUT,

@@ -24,6 +24,7 @@ from admin.chaos.options import (
     KILL_BY,
     KILL_FROM,
     KILLED,
+    LEASE_TTL,
     REDIS_RESTART_AT,
     REDIS_RESTARTED,
     SERVER_FROZEN,
@@ -40,6 +41,7 @@ from fencing.sql import make_engine
 from reservations.models import pending_reservations, request_outcomes
 from reservations.requests import request_id
 from reservations.validation import scope_of
+from tasks.worker import client_options
 
 # How long the lease Redis stays down when it "crashes".
 REDIS_DOWN_FOR = 0.3
@@ -62,7 +64,9 @@ class HotWatch:
     as any operator could."""
 
     def __init__(self, lease_url: str, database_url: str, sent: dict[str, Sent]) -> None:
-        self.leases = LeaseManager.from_url(lease_url, socket_timeout=0.5, socket_connect_timeout=0.5)
+        # The workers' client options: a lease Redis (or a sentinel's primary) that does not answer
+        # holds the driver loop up for half a second, not for redis-py's default retries.
+        self.leases = LeaseManager.from_url(lease_url, **client_options(lease_url, LEASE_TTL))
         self.engine = make_engine(database_url)
         self.sent = sent
         self.keys: dict[str, str] = {}  # task id -> key: a request's task id derives from its key
@@ -76,7 +80,7 @@ class HotWatch:
         """The holding pool child's pid and its task id."""
         try:
             info = self.leases.current(scope_of(HOT_SKU))
-        except BackendUnavailable:  # the lease Redis is being restarted
+        except BackendUnavailable:  # the lease Redis is being restarted, or failed over
             return None
         if info is None:
             return None
@@ -250,14 +254,18 @@ class HolderPauses:
 
 class LeaseRedisRestart:
     """The lease coordinator loses its data (token counters included) once, partway through the stream;
-    the broker is a separate server and keeps the queued requests."""
+    the broker is a separate server and keeps the queued requests. Not on a Sentinel topology
+    (``lease_redis`` None): there the lease-failover nemesis's kill -9 is the data loss."""
 
-    def __init__(self, options: Options, lease_redis: RedisServer, report: RunReport, start: float) -> None:
+    def __init__(
+        self, options: Options, lease_redis: RedisServer | None, report: RunReport, start: float
+    ) -> None:
         self.lease_redis, self.report = lease_redis, report
-        self.at = start + REDIS_RESTART_AT * options.duration if options.restart_lease_redis else None
+        wanted = options.restart_lease_redis and lease_redis is not None
+        self.at = start + REDIS_RESTART_AT * options.duration if wanted else None
 
     def step(self, now: float) -> None:
-        if self.at is None or now < self.at:
+        if self.at is None or now < self.at or self.lease_redis is None:
             return
         self.lease_redis.kill()
         time.sleep(REDIS_DOWN_FOR)  # down for a moment, as after a crash, not a sync point

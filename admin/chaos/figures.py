@@ -4,6 +4,7 @@ flash sale's statuses, what the batching did, which workers lost ownership. Figu
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import re
 from collections import Counter
@@ -19,6 +20,12 @@ from reservations.models import pending_reservations, request_outcomes, sku_hist
 
 # The beat sweep's result in a worker's log: "reservations.serve_waiting[<id>] succeeded in <s>s: {...}".
 SWEPT = re.compile(rb"serve_waiting\[[^\]]+\] succeeded in [0-9.e-]+s: \{'skus': \d+, 'served': (\d+)\}")
+# A regression repair in a worker's log (fencing.lease_plans' warning, after Celery's "[<local time>,<ms>:
+# WARNING/<process>] "), with its time.
+REPAIRED = re.compile(
+    rb"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}): WARNING/[^\]]*\] fencing token regression on scope",
+    re.MULTILINE,
+)
 
 
 @dataclass
@@ -59,6 +66,15 @@ def read_log(path: Path) -> WorkerLog:
         watches=log.count(b"reservations.watch_waiting[") // 2,  # received, ended
         swept=sum(int(n) for n in SWEPT.findall(log)),
     )
+
+
+def repair_times(path: Path) -> list[int]:
+    """When the worker logging to ``path`` repaired a token regression (wall clock, ms)."""
+    found = []
+    for stamp, millis in REPAIRED.findall(path.read_bytes()):
+        local = dt.datetime.strptime(stamp.decode(), "%Y-%m-%d %H:%M:%S")  # Celery logs local time
+        found.append(int(local.timestamp()) * 1000 + int(millis))
+    return found
 
 
 def batching_figures(database_url: str, sent_at: dict[str, float] | None = None) -> Batching:

@@ -66,7 +66,7 @@ class Nemeses:
         folder: Path,
     ) -> None:
         self.up, self.report, self.watch, self.seed = up, report, watch, options.seed
-        self.runs = [NemesisRun(name) for name in options.nemeses]
+        self.runs = [NemesisRun(name, NEMESIS_FAULTS[name]) for name in options.network_nemeses]
         span = (NEMESES_TO - NEMESES_FROM) * options.duration / max(1, len(self.runs))
         first = start + NEMESES_FROM * options.duration
         self.slices = [(first + n * span, first + (n + CATCH_SHARE) * span) for n in range(len(self.runs))]
@@ -118,7 +118,7 @@ class Nemeses:
 
     def _hit(self, run: NemesisRun, worker: ChaosWorker, caught: str, holder: int | None) -> None:
         link = self.links[worker.name]
-        run.target, run.caught = worker.name, caught
+        run.target, run.caught, run.logs = worker.name, caught, [worker.log_path]
         run.pids = set(worker.pool_children())
         run.started_ms = _now_ms()
         # A holder is held still (SIGSTOP) for the milliseconds a cut takes to put in place, so that the

@@ -80,9 +80,28 @@ CATCH_SHARE = 0.5
 # 0.2, 0.6, 1.4, 3.0 s... after it was sent): the figures per nemesis look this far past the heal.
 SETTLE = 3.0
 
+# The lease nemesis (``--nemesis lease-failover``): the lease coordinator is a Redis Sentinel topology
+# (admin/chaos/failover.py) instead of the lease Redis, and its primary is failed over twice during the
+# stream; no host of its own for anyone, so it needs neither root nor ip netns. Its wipe is the kill -9,
+# so the lease Redis restart above is left out.
+LEASE_FAILOVER = "lease-failover"
+# The two failovers, in order, as the report and the JSON's "faults" name them, and the fraction of the
+# stream at which each is due (the second waits for the topology to be healthy again after the first).
+LEASE_FAILED_OVER = "lease primary failed over (SENTINEL FAILOVER)"
+LEASE_PRIMARY_KILLED = "lease primary SIGKILLed, replica promoted, back as replica"
+FAILOVERS = ((LEASE_FAILED_OVER, 0.2), (LEASE_PRIMARY_KILLED, 0.6))
+
 
 class ChaosFailed(RuntimeError):
     """The run could not be carried out (a process did not start); not a failed check."""
+
+
+def nemeses_problem(names: tuple[str, ...]) -> str | None:
+    """Why these nemeses cannot run together, or None. The sentinels name the lease primary by its
+    loopback address, which a worker on a host of its own cannot reach."""
+    if LEASE_FAILOVER in names and any(name in NEMESES for name in names):
+        return f"{LEASE_FAILOVER} runs on loopback, not together with the network nemeses"
+    return None
 
 
 @dataclass(frozen=True)
@@ -100,4 +119,13 @@ class Options:
     postgres_url: str = POSTGRES_URL
     folder: Path | None = None  # worker logs; a temporary folder by default
     pictures: Path = Path("var/chaos")  # one SVG timeline per run is saved here
-    nemeses: tuple[str, ...] = ()  # network nemeses (NEMESES), in order; each worker on a host of its own
+    # Network nemeses (NEMESES), in order, each worker then on a host of its own; or LEASE_FAILOVER.
+    nemeses: tuple[str, ...] = ()
+
+    @property
+    def network_nemeses(self) -> tuple[str, ...]:
+        return tuple(name for name in self.nemeses if name in NEMESES)
+
+    @property
+    def lease_failover(self) -> bool:
+        return LEASE_FAILOVER in self.nemeses

@@ -24,6 +24,8 @@ from admin.chaos.options import (
     HOLDER_FROZEN,
     HOLDER_KILLED,
     KILLED,
+    LEASE_FAILED_OVER,
+    LEASE_PRIMARY_KILLED,
     NEMESIS_FAULTS,
     REDIS_RESTARTED,
     SERVER_FROZEN,
@@ -42,6 +44,8 @@ FAULTS = (
     HOLDER_KILLED,
     SERVER_KILLED,
     REDIS_RESTARTED,
+    LEASE_FAILED_OVER,
+    LEASE_PRIMARY_KILLED,
     DELAYED,
 )
 # How the table names them: under the fault they are part of.
@@ -78,7 +82,7 @@ class RunReport:
     flash: Counter[str] = field(default_factory=Counter)  # final statuses of the hot SKU's reservations
     sent: dict[str, Sent] = field(default_factory=dict)
     picture: Path | None = None
-    nemeses: list[NemesisFigures] = field(default_factory=list)  # the network nemeses, in order
+    nemeses: list[NemesisFigures] = field(default_factory=list)  # the nemeses, in order
 
     @property
     def violations(self) -> int:
@@ -257,24 +261,44 @@ def _print_problems(console: Console, report: RunReport) -> None:
             console.print(f"  [red]{report.mode}[/] {name}: ... {len(problems) - SHOWN_PROBLEMS} more")
 
 
-# -- the network nemeses: one table each ----------------------------------------------------------------
+# -- the nemeses: one table each -------------------------------------------------------------------------
+
+
+def _hit(figures: NemesisFigures) -> str:
+    return f"{figures.target}: {figures.caught}" if figures.caught else figures.target
 
 
 def _nemesis_rows(fenced: NemesisFigures, lease_only: NemesisFigures) -> list[tuple[str, object, object]]:
+    # A lease failover hits what every worker uses: its rows count every worker's requests and writes.
+    whose = "every worker's" if fenced.every_worker else "its host's"
     rows: list[tuple[str, object, object]] = [
-        ("hit", f"{fenced.target}: {fenced.caught}", f"{lease_only.target}: {lease_only.caught}"),
-        ("cut", "; ".join(fenced.cuts), "; ".join(lease_only.cuts)),
+        ("hit", _hit(fenced), _hit(lease_only)),
+        ("failover" if fenced.every_worker else "cut", "; ".join(fenced.cuts), "; ".join(lease_only.cuts)),
         ("lasted (s)", f"{fenced.seconds:.1f}", f"{lease_only.seconds:.1f}"),
     ]
     if fenced.link or lease_only.link:
         rows.append(("packets held / let through at once / dropped", _link(fenced), _link(lease_only)))
-    rows.append(("requests its host's workers touched", fenced.requests, lease_only.requests))
+    touched = (
+        "requests in flight across it or touched"
+        if fenced.every_worker
+        else "requests its host's workers touched"
+    )
+    rows.append((touched, fenced.requests, lease_only.requests))
     for status in sorted(set(fenced.outcomes) | set(lease_only.outcomes)):
         rows.append((f"  outcome {status}", fenced.outcomes[status], lease_only.outcomes[status]))
+    rows.append(
+        (
+            "longest wait for an outcome across it (s)",
+            f"{fenced.longest_wait:.1f}",
+            f"{lease_only.longest_wait:.1f}",
+        )
+    )
     rows.append(("stale writes refused", fenced.stale_refused, lease_only.stale_refused))
+    rows.append(("token regressions repaired", fenced.repairs, lease_only.repairs))
     for result in sorted((set(fenced.attempts) | set(lease_only.attempts)) - {"applied", "replayed"}):
         rows.append((f"  attempts {result}", fenced.attempts[result], lease_only.attempts[result]))
-    rows.append(("VIOLATIONS naming its host's writes or requests", fenced.violations, lease_only.violations))
+    rows.append((f"VIOLATIONS naming {whose} writes or requests", fenced.violations, lease_only.violations))
+    rows.append(("  of which BUSINESS HARM", fenced.harm, lease_only.harm))
     return rows
 
 
@@ -284,11 +308,10 @@ def _link(figures: NemesisFigures) -> str:
 
 
 def print_nemeses(console: Console, fenced: RunReport, lease_only: RunReport) -> None:
-    """One table per network nemesis, both runs side by side (a nemesis that did not run says why)."""
+    """One table per nemesis, both runs side by side (a nemesis that did not run says why)."""
     for mine, theirs in zip(fenced.nemeses, lease_only.nemeses, strict=False):
-        table = Table(
-            title=f"Nemesis {mine.name}: {NEMESIS_FAULTS.get(mine.name, mine.name)}", title_justify="left"
-        )
+        what = mine.fault or NEMESIS_FAULTS.get(mine.name, mine.name)
+        table = Table(title=f"Nemesis {mine.name}: {what}", title_justify="left")
         table.add_column("metric")
         table.add_column("fenced", justify="right")
         table.add_column("lease-only", justify="right")

@@ -1,6 +1,7 @@
 """Both runs of the same workload, fenced and lease-only: for each, the cluster up, the stream sent while
-the faults (and the network nemeses asked for) are injected (the driver loop: one list of steps per tick),
-the drain, then the checker and the figures; the side-by-side tables or the JSON at the end.
+the faults (and the nemeses asked for: network ones, lease failovers) are injected (the driver loop: one
+list of steps per tick), the drain, then the checker and the figures; the side-by-side tables or the JSON
+at the end.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from rich.console import Console
 from admin import links, netns
 from admin.chaos.checker import check
 from admin.chaos.cluster import Cluster, cluster, harness_failures, roles
+from admin.chaos.failover import LeaseFailovers
 from admin.chaos.faults import HolderPauses, HotWatch, LeaseRedisRestart, ResumeFrozen, Step, WorkerKill
 from admin.chaos.figures import batching_figures, flash_statuses, read_log, statuses, waiting_keys
 from admin.chaos.nemeses import Nemeses
@@ -34,7 +36,9 @@ from admin.chaos.options import (
     TICK,
     VISIBILITY_TIMEOUT,
     WATCH_EVERY,
+    ChaosFailed,
     Options,
+    nemeses_problem,
 )
 from admin.chaos.progress import Progress
 from admin.chaos.report import RunReport, print_nemeses, print_table, write_json
@@ -53,6 +57,9 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
 def run(options: Options, console: Console | None = None, *, as_json: bool = False) -> bool:
     """Both runs, the side-by-side table (or JSON); True when the fenced run has no violation."""
     console = console or Console(stderr=as_json)
+    problem = nemeses_problem(options.nemeses)
+    if problem is not None:
+        raise ChaosFailed(problem)
     options = _network(options, console)
     previous = signal.signal(signal.SIGTERM, _interrupt)
     temporary = options.folder is None
@@ -74,14 +81,15 @@ def run(options: Options, console: Console | None = None, *, as_json: bool = Fal
 
 def _network(options: Options, console: Console) -> Options:
     """The network nemeses this machine can inject: one line for what it cannot, and the run goes on."""
-    if not options.nemeses:
+    if not options.network_nemeses:
         return options
     reason = netns.unavailable()
     if reason is not None:
         console.print(
-            f"[yellow]network nemeses skipped[/] ({', '.join(options.nemeses)}): {reason}", highlight=False
+            f"[yellow]network nemeses skipped[/] ({', '.join(options.network_nemeses)}): {reason}",
+            highlight=False,
         )
-        return replace(options, nemeses=())
+        return replace(options, nemeses=tuple(n for n in options.nemeses if n not in options.network_nemeses))
     slow = links.slow_link_unavailable() if SLOW_LINK in options.nemeses else None
     if slow is not None:
         console.print(f"[yellow]nemesis {SLOW_LINK} skipped[/]: {slow}", highlight=False)
@@ -123,7 +131,7 @@ def _one_run(
         runs = drive(options, inventory, skus, up, report, progress)
         progress.phase("checking the database")
         report.checks = check(up.database_url, initial, report.sent)
-        report.nemeses = nemesis_figures(up.database_url, runs, report.checks)
+        report.nemeses = nemesis_figures(up.database_url, runs, report.checks, report.sent_at)
         _read_database(up.database_url, inventory, report)
         report.picture = save_timeline(
             options.pictures / f"timeline-{mode}.svg",
@@ -141,16 +149,20 @@ def _describe(options: Options, report: RunReport) -> str:
         if report.hot_sku
         else ""
     )
-    hosts = (
-        f"; each worker on a host of its own (network namespace), nemeses: {', '.join(options.nemeses)}"
-        if options.nemeses
+    network = ", ".join(options.network_nemeses)
+    hosts = f"; each worker on a host of its own (network namespace), nemeses: {network}" if network else ""
+    leases = (
+        "; leases on Redis Sentinel (a primary, a replica, three sentinels), the primary failed over twice"
+        " (SENTINEL FAILOVER, then kill -9)"
+        if options.lease_failover
         else ""
     )
     return (
         f"[bold]{report.mode}[/]: {options.workers} workers ({parts.count('freeze')} freezing before "
         f"writes, {parts.count('delay')} behind a {options.proxy_delay:g}s delaying proxy), "
         f"{options.skus} SKUs, {options.requests} requests over {options.duration:g}s{flash}"
-        f", batching {'on' if options.batching else 'off'}, beat sweeping every {BEAT_EVERY:g}s{hosts}"
+        f", batching {'on' if options.batching else 'off'}, beat sweeping every {BEAT_EVERY:g}s"
+        f"{hosts}{leases}"
     )
 
 
@@ -235,20 +247,23 @@ def drive(
     progress: Progress,
 ) -> list[NemesisRun]:
     """Send the stream while injecting faults, then wait (still resuming frozen children, and healing a
-    nemesis still in place) for outcomes; the network nemeses as they happened."""
+    nemesis still in place) for outcomes; the nemeses as they happened (network ones, then failovers)."""
     client = Producer(up.settings.broker_url, up.settings.result_backend)
     # The sweep restores what was unacknowledged longer than the workers' visibility timeout; it reads
     # that timeout from its own connection's options, which must therefore be the workers'.
     client.app.conf.broker_transport_options = {"visibility_timeout": VISIBILITY_TIMEOUT}
     workload = Workload(options, skus, inventory)
     report.sent = workload.sent
-    watch = HotWatch(up.lease_redis.url(0), up.database_url, workload.sent) if report.hot_sku else None
+    watch = HotWatch(up.settings.lease_url, up.database_url, workload.sent) if report.hot_sku else None
     start = time.monotonic()
     stream = Stream(options, client, workload, report, start)
     kill = WorkerKill(options, up.workers, report, watch, start)
     resume, sweep = ResumeFrozen(up.workers, report, watch), Sweeper(client)
     folder = up.folder or Path(tempfile.gettempdir())
     nemeses = Nemeses(options, up, report, watch, start, folder) if up.hosts else None
+    failovers = (
+        LeaseFailovers(options, up.sentinel, up.workers, report, start) if up.sentinel is not None else None
+    )
     # One tick: send what is due, then each fault in turn, then the housekeeping.
     steps: list[Step] = [
         stream,
@@ -256,6 +271,7 @@ def drive(
         HolderPauses(up.workers, report, watch, start),
         LeaseRedisRestart(options, up.lease_redis, report, start),
         *([nemeses] if nemeses is not None else []),
+        *([failovers] if failovers is not None else []),
         resume,
         sweep,
     ]
@@ -274,6 +290,7 @@ def drive(
         _drain(options, inventory, client, workload, report, up.database_url, housekeeping, progress)
     finally:
         runs = nemeses.close() if nemeses is not None else []
+        runs += failovers.close() if failovers is not None else []
         client.close()
         if watch is not None:
             watch.close()

@@ -125,7 +125,8 @@ def chaos_command(
         typer.Option(
             "--nemesis",
             help="A network nemesis, repeatable (in order; twice runs it twice): lease-partition, "
-            "db-partition, isolate-holder, slow-link.",
+            "db-partition, isolate-holder, slow-link. Or lease-failover (no root needed; not with network "
+            "nemeses; once however often given): leases on Redis Sentinel, the primary failed over twice.",
         ),
     ] = None,
 ) -> None:
@@ -145,24 +146,39 @@ def chaos_command(
     table (requests, outcomes, stale writes refused, violations). Without root or ip netns they are
     skipped with one line and the rest of the run goes on.
 
+    With --nemesis lease-failover the leases are on a private Redis Sentinel topology instead of the lease
+    Redis (a primary, a replica, three sentinels; the workers' RESERVATIONS_LEASE_URL is its
+    redis+sentinel:// URL, and the lease Redis restart is left out) and its primary is failed over twice
+    during the stream: SENTINEL FAILOVER, then kill -9 (the killed node comes back as a replica). Each
+    failover gets a table (requests in flight across it, the longest wait for an outcome, stale writes
+    refused, token regressions repaired, violations and business harm). It needs neither root nor ip
+    netns, and runs on loopback, so not together with the network nemeses.
+
     JSON fields per run (fenced, lease_only): enqueued, replayed, resent, faults, statuses,
     rejected_stale_writes, lost_ownership_by_worker_role, lost_ownership_serving_batches_by_worker_role,
     batching_on, hot_sku, hot_stock, flash_sale {requests, statuses}, batching {batches, requests,
     for_others, largest, stale_refused, writes_behind_newer_token, left_pending, watches, swept,
-    longest_wait}, violations, checks (rule -> sentences), picture, nemeses [{name, target, caught, cuts,
-    seconds, link, skipped, requests, outcomes, stale_refused, violations}].
+    longest_wait}, violations, checks (rule -> sentences), picture, nemeses [{name, fault, target, caught,
+    cuts, seconds, link, skipped, requests, outcomes, stale_refused, repairs, attempts, longest_wait,
+    violations, business_harm}].
 
     Example: reservations chaos --workers 3 --skus 3 --requests 120 --duration 20
 
     Example: reservations chaos --workers 4 --duration 30 --partitions
+
+    Example: reservations chaos --duration 30 --nemesis lease-failover
     """
     from admin import chaos
-    from admin.chaos.options import NEMESES
+    from admin.chaos.options import LEASE_FAILOVER, NEMESES, nemeses_problem
 
-    unknown = sorted(set(nemesis or ()) - set(NEMESES))
+    known = (*NEMESES, LEASE_FAILOVER)
+    unknown = sorted(set(nemesis or ()) - set(known))
     if unknown:
-        fail(EXIT_USAGE, f"--nemesis {unknown[0]!r}: one of {', '.join(NEMESES)}")
+        fail(EXIT_USAGE, f"--nemesis {unknown[0]!r}: one of {', '.join(known)}")
     chosen = NEMESES if partitions else tuple(nemesis or ())  # a name given twice runs twice
+    problem = nemeses_problem((*chosen, *(nemesis or ())))
+    if problem is not None:
+        fail(EXIT_USAGE, f"--nemesis {problem}")
     options = chaos.Options(
         workers=workers,
         skus=skus,
