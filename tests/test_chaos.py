@@ -9,6 +9,7 @@ each, that the database agrees with, no key applied twice, nothing written behin
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -19,19 +20,26 @@ from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
+from rich.console import Console
 
 from admin.chaos import (
+    LEASE_FAILED_OVER,
+    LEASE_FAILOVER,
+    REDIS_RESTARTED,
     SERVER_FROZEN,
     SERVER_KILLED,
     SERVER_PAUSED,
+    Options,
     Sent,
     batching_figures,
     check,
+    run_once,
 )
 from admin.proxy import DelayProxy
 from fencing import LeaseManager, StaleToken
 from fencing.sql import make_engine
 from reservations import Inventory, scope_of
+from tests import support
 from tests.conftest import POSTGRES_URL
 
 pytestmark = pytest.mark.slow
@@ -130,6 +138,52 @@ def test_fenced_run_is_clean_and_lease_only_run_is_not_with_a_batched_flash_sale
     # workers carry the run's folder in their environment; the redis-servers run in it).
     assert _chaos_schemas() <= schemas_before
     assert _processes_mentioning(str(tmp_path)) == []
+
+
+def test_lease_failover_nemesis_fails_the_sentinel_primary_over_under_a_clean_fenced_run(
+    tmp_path: Path,
+) -> None:
+    """--nemesis lease-failover, kept short: the fenced run alone, in this process, a few requests over
+    6 s (no flash sale), so only the first failover (SENTINEL FAILOVER, due a fifth into the stream) has
+    its turn. The leases are on a private Sentinel topology, failed over under the stream; no violation,
+    and nothing of the run is left running."""
+    schemas_before = _chaos_schemas()
+    options = Options(
+        workers=2,
+        skus=2,
+        requests=16,
+        duration=6,
+        drain=30,
+        hot=0,
+        postgres_url=POSTGRES_URL,
+        pictures=tmp_path / "pictures",
+        nemeses=(LEASE_FAILOVER,),
+    )
+    folder = tmp_path / "fenced"
+    report = run_once(options, fenced=True, folder=folder, console=Console(file=io.StringIO()))
+
+    assert report.violations == 0, report.checks
+    assert sum(report.statuses.values()) == report.enqueued
+    assert report.faults[LEASE_FAILED_OVER] == 1, report.faults
+    assert REDIS_RESTARTED not in report.faults  # on a Sentinel topology the kill -9 is the data loss
+    failover = report.nemeses[0]
+    assert (failover.name, failover.fault, failover.skipped) == (LEASE_FAILOVER, LEASE_FAILED_OVER, "")
+    assert failover.target.startswith("lease primary 127.0.0.1:"), failover.target
+    assert "SENTINEL FAILOVER" in failover.cuts[0] and "demoted by the sentinels" in failover.cuts[1]
+    assert failover.requests >= 1 and failover.violations == 0
+    # The workers' lease URL was the topology's: their logs say so at start, password masked.
+    log = (folder / "worker-f1.log").read_text()
+    assert "redis+sentinel://:***@127.0.0.1:" in log, log[:2000]
+    assert _chaos_schemas() <= schemas_before
+    assert _processes_mentioning(str(tmp_path)) == []  # redis-servers and sentinels stopped with the run
+
+
+def test_lease_failover_does_not_go_with_the_network_nemeses() -> None:
+    """The sentinels name the primary by its loopback address, which a worker on a host of its own cannot
+    reach: asked together, the command refuses at once, before it starts anything."""
+    done = support.run("chaos", "--nemesis", "lease-failover", "--partitions", env={})
+    assert done.returncode == 2, done.stderr
+    assert "lease-failover runs on loopback, not together with the network nemeses" in done.stderr
 
 
 def test_checker_counts_batches_and_refusals_and_catches_an_outcome_the_database_contradicts(
