@@ -8,6 +8,7 @@ with a database holding the protected rows.
 from __future__ import annotations
 
 import os
+import shutil
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
@@ -145,18 +146,29 @@ def resource(stack: Stack) -> Iterator[Resource]:
     res.close()
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def inventory_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    """A migrated inventory database: a SQLite file or a fresh PostgreSQL schema."""
+@pytest.fixture(scope="session")
+def migrated_sqlite(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A SQLite inventory file migrated once per run, for tests to copy (the migrations leave no -wal file
+    beside it)."""
     from reservations import schema
 
-    url = (
-        request.getfixturevalue("pg_url")
-        if request.param == "postgresql"
-        else f"sqlite:///{tmp_path / 'inventory.sqlite3'}"
-    )
-    schema.upgrade(url)
-    return url
+    path = tmp_path_factory.mktemp("migrated") / "inventory.sqlite3"
+    schema.upgrade(f"sqlite:///{path}")
+    return path
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def inventory_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A migrated inventory database: a copy of the migrated SQLite file, or a fresh PostgreSQL schema."""
+    from reservations import schema
+
+    if request.param == "postgresql":
+        url: str = request.getfixturevalue("pg_url")
+        schema.upgrade(url)
+        return url
+    path = tmp_path / "inventory.sqlite3"
+    shutil.copyfile(request.getfixturevalue("migrated_sqlite"), path)
+    return f"sqlite:///{path}"
 
 
 @pytest.fixture
