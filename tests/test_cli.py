@@ -15,10 +15,9 @@ from typing import Any
 import pytest
 import redis
 
-from admin.harness import pg_schema
 from fencing import LeaseManager, StaleToken
 from reservations import Inventory, schema, scope_of
-from tests.conftest import POSTGRES_URL, REDIS_URL, own_redis_prefix
+from tests.conftest import REDIS_URL, own_pg_schema, own_redis_prefix
 from tests.support import cli, run
 
 
@@ -47,7 +46,8 @@ def _stage_race(pg_url: str, redis_prefix: str) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def race() -> Iterator[dict[str, Any]]:
     """The race, staged once for the tests that only read it (and for those that must write nothing)."""
-    with pg_schema(POSTGRES_URL, prefix="t") as url, own_redis_prefix() as prefix:
+    with own_pg_schema() as url, own_redis_prefix() as prefix:
+        schema.upgrade(url)
         yield _stage_race(url, prefix)
 
 
