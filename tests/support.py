@@ -205,14 +205,17 @@ def _shell(env: Mapping[str, str], columns: int) -> dict[str, str | None]:
 def run(*args: str, env: Mapping[str, str], columns: int = 80) -> Done:
     """The command line in this process, as the installed script runs it from a shell (``_shell``),
     without the second an interpreter takes to start and import it. An exception the script would print
-    as a traceback is raised here. The root logger is left as it was found (JSON logs add a handler to
-    it), as a process of its own would leave this one's."""
+    as a traceback is raised here. Logging starts as in a process of its own: the root logger at WARNING
+    without handlers (pytest's are set aside), so a library's warning reaches the run's stderr as it would
+    the script's; afterwards the root logger is put back (JSON logs add a handler to it)."""
     from typer.testing import CliRunner
 
     from admin.cli import app
 
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
+    root.handlers[:] = []
+    root.setLevel(logging.WARNING)
     try:
         result = CliRunner().invoke(app, list(args), env=_shell(env, columns))
     finally:
