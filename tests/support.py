@@ -16,10 +16,12 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+import warnings
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, TextIO
 
 import sqlalchemy as sa
 
@@ -202,25 +204,49 @@ def _shell(env: Mapping[str, str], columns: int) -> dict[str, str | None]:
     return {**ours, **env, "NO_COLOR": "1", "COLUMNS": str(columns)}
 
 
-def run(*args: str, env: Mapping[str, str], columns: int = 80) -> Done:
-    """The command line in this process, as the installed script runs it from a shell (``_shell``),
-    without the second an interpreter takes to start and import it. An exception the script would print
-    as a traceback is raised here. Logging starts as in a process of its own: the root logger at WARNING
-    without handlers (pytest's are set aside), so a library's warning reaches the run's stderr as it would
-    the script's; afterwards the root logger is put back (JSON logs add a handler to it)."""
-    from typer.testing import CliRunner
-
-    from admin.cli import app
-
+@contextmanager
+def _as_its_own_process() -> Iterator[None]:
+    """Logging and warnings as a process of its own starts with them: the root logger at WARNING without
+    handlers (pytest's set aside), Python's default warning filters, and warnings written on stderr rather
+    than recorded by pytest. A library's warning then reaches the stderr of an in-process run as it would
+    the script's. Afterwards the root logger is put back (JSON logs add a handler to it)."""
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
     root.handlers[:] = []
     root.setLevel(logging.WARNING)
     try:
-        result = CliRunner().invoke(app, list(args), env=_shell(env, columns))
+        with warnings.catch_warnings():
+            warnings.resetwarnings()
+            for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+                warnings.simplefilter("ignore", category)
+            warnings.showwarning = _warning_on_stderr
+            yield
     finally:
         root.handlers[:] = handlers
         root.setLevel(level)
+
+
+def _warning_on_stderr(
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    file: TextIO | None = None,
+    line: str | None = None,
+) -> None:
+    sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+
+def run(*args: str, env: Mapping[str, str], columns: int = 80) -> Done:
+    """The command line in this process, as the installed script runs it from a shell (``_shell``) in a
+    process of its own (``_as_its_own_process``), without the second an interpreter takes to start and
+    import it. An exception the script would print as a traceback is raised here."""
+    from typer.testing import CliRunner
+
+    from admin.cli import app
+
+    with _as_its_own_process():
+        result = CliRunner().invoke(app, list(args), env=_shell(env, columns))
     if result.exception is not None and not isinstance(result.exception, SystemExit):
         raise result.exception
     return Done(result.exit_code, result.stdout, result.stderr)
