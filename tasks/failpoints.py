@@ -9,6 +9,8 @@ requires: the markers outlive the processes, so whoever starts a run gives it a 
 empties it) and a later run is not left with a failpoint that already fired.
 ``build_inventory`` and ``build_leases`` sit where a worker process builds its database and lease clients
 (after the checks at start): ``raise`` there is a client that cannot be built in a running worker.
+``retry_published`` sits right after a task published its own retry and before that attempt ends (when
+Celery handles the retry): a pause there lets the retry run to its end on another worker first.
 Actions: ``stop``, ``kill``, ``sleep:SECONDS``, ``raise``.
 """
 
@@ -20,6 +22,10 @@ import signal
 import time
 from functools import cache
 from pathlib import Path
+from typing import Any
+
+from celery import current_task
+from celery.signals import after_task_publish
 
 from reservations.settings import variable
 
@@ -30,7 +36,7 @@ log = logging.getLogger("tasks.failpoints")
 FAILPOINTS = variable("failpoints").name
 FAILPOINT_DIR = variable("failpoint_dir").name
 
-POINTS = ("before_write", "in_write", "after_write", "build_inventory", "build_leases")
+POINTS = ("before_write", "in_write", "after_write", "build_inventory", "build_leases", "retry_published")
 ACTIONS = ("stop", "kill", "raise")
 
 
@@ -82,3 +88,13 @@ def failpoint(name: str) -> None:
         raise FailpointFired(f"failpoint {name}")
     else:
         time.sleep(float(action.removeprefix("sleep:")))
+
+
+@after_task_publish.connect
+def _retry_published(headers: dict[str, Any] | None = None, **_: Any) -> None:
+    """The ``retry_published`` point. A message published from inside a task with that task's own id is its
+    retry (anything else a task sends has an id of its own)."""
+    if not os.environ.get(FAILPOINTS) or headers is None:
+        return
+    if current_task and current_task.request.id == headers.get("id"):  # the proxy is false outside a task
+        failpoint("retry_published")

@@ -35,7 +35,7 @@ from tasks.answers import answer, as_result, reply
 from tasks.app import app, settings_of
 from tasks.failpoints import failpoint
 from tasks.serving import Batchable, serve_pending, serve_quietly, then_serve, wait_for_holder
-from tasks.states import OutcomeRequest, Redriven, announce_lost
+from tasks.states import Redriven, RequestTask, announce_lost
 from tasks.work import Work, work_of
 from tasks.worker import Resources, Unbuildable, resources, worker_identity
 
@@ -309,39 +309,39 @@ def _facts(fields: dict[str, Any]) -> dict[str, Any]:
 # shrinkage; replenish(sku, par, idempotency_key).
 
 
-@app.task(bind=True, max_retries=None, typing=False, name=task_name("reserve"), Request=OutcomeRequest)
+@app.task(bind=True, max_retries=None, typing=False, name=task_name("reserve"), base=RequestTask)
 def reserve(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
     return run_request(self, "reserve", args, kwargs)
 
 
-@app.task(bind=True, max_retries=None, typing=False, name=task_name("reserve_order"), Request=OutcomeRequest)
+@app.task(bind=True, max_retries=None, typing=False, name=task_name("reserve_order"), base=RequestTask)
 def reserve_order(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
     return run_request(self, "reserve_order", args, kwargs)
 
 
-@app.task(bind=True, max_retries=None, typing=False, name=task_name("confirm"), Request=OutcomeRequest)
+@app.task(bind=True, max_retries=None, typing=False, name=task_name("confirm"), base=RequestTask)
 def confirm(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
     return run_request(self, "confirm", args, kwargs)
 
 
-@app.task(bind=True, max_retries=None, typing=False, name=task_name("release"), Request=OutcomeRequest)
+@app.task(bind=True, max_retries=None, typing=False, name=task_name("release"), base=RequestTask)
 def release(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
     return run_request(self, "release", args, kwargs)
 
 
-@app.task(bind=True, max_retries=None, typing=False, name=task_name("restock"), Request=OutcomeRequest)
+@app.task(bind=True, max_retries=None, typing=False, name=task_name("restock"), base=RequestTask)
 def restock(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
     return run_request(self, "restock", args, kwargs)
 
 
-@app.task(bind=True, max_retries=None, typing=False, name=task_name("count"), Request=OutcomeRequest)
+@app.task(bind=True, max_retries=None, typing=False, name=task_name("count"), base=RequestTask)
 def count(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
     """A cycle count: reads the stock under the lease, then sets on hand to the counted figure (sent, or
     the figure read less the shrinkage sent)."""
     return run_request(self, "count", args, kwargs)
 
 
-@app.task(bind=True, max_retries=None, typing=False, name=task_name("replenish"), Request=OutcomeRequest)
+@app.task(bind=True, max_retries=None, typing=False, name=task_name("replenish"), base=RequestTask)
 def replenish(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
     """Replenishment to par: reads on hand under the lease, then books par minus what it read."""
     return run_request(self, "replenish", args, kwargs)

@@ -28,9 +28,13 @@ from __future__ import annotations
 
 import logging
 import re
+import sys
+import traceback
 from typing import Any
 
 from celery import Celery, Task
+from celery.app.task import get_actual_ignore_result
+from celery.exceptions import Retry
 from celery.utils.saferepr import saferepr
 from celery.worker.request import Request
 
@@ -103,6 +107,54 @@ class OutcomeRequest(Request):  # type: ignore[misc]
         # at once), and would then stand as the task's state for good.
         if self.task.acks_late:
             self.acknowledge()
+
+
+class RequestTask(Task):  # type: ignore[misc]
+    """The class of the request tasks: their worker requests name the outcome (:class:`OutcomeRequest`),
+    and a retry's RETRY state is stored before the retry is published.
+
+    Celery publishes a retry, then stores RETRY as the attempt ends. Meanwhile another worker may have run
+    the retry to its end (a lost attempt is driven again at once), and a RETRY that lands after that
+    SUCCESS replaces it for good: the result backend looks for a SUCCESS and writes in two commands, and
+    ``AsyncResult.get()`` waits for a ready state that never comes. Stored before the retry exists, RETRY
+    is older than anything the retry stores.
+    """
+
+    Request = OutcomeRequest
+
+    def retry(
+        self,
+        args: Any = None,
+        kwargs: Any = None,
+        exc: BaseException | None = None,
+        throw: bool = True,
+        eta: Any = None,
+        countdown: float | None = None,
+        max_retries: int | None = None,
+        **options: Any,
+    ) -> Retry:
+        request = self.request
+        # Where Celery would store nothing for the retry (no worker, or the result ignored), neither do we.
+        stores = not (request.called_directly or request.is_eager or get_actual_ignore_result(self, request))
+        if stores:
+            handling = traceback.format_exc() if sys.exc_info()[1] is not None else None
+            try:
+                self.backend.mark_as_retry(request.id, exc, handling, request=request)
+            except Exception as failed:  # the Celery result is a convenience, never the record: retry anyway
+                log.warning("could not store the RETRY state of %s: %s", request.id, failed)
+        try:
+            published: Retry = super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
+        except Retry:
+            self._stored(stores)
+            raise
+        self._stored(stores)  # throw=False: the caller raises it
+        return published
+
+    def _stored(self, stores: bool) -> None:
+        """The retry is published with the request's own ignore_result; from now on the per-request one,
+        read by Celery as the attempt ends, keeps it from storing RETRY a second time, late."""
+        if stores:
+            self.request.ignore_result = True
 
 
 def announce_lost(task: Task, reason: Redriven) -> None:

@@ -185,10 +185,12 @@ class Cluster:
 @contextmanager
 def cluster(workdir: Path, server: RedisServer, **variables: str) -> Iterator[Cluster]:
     """Two prefork workers (one pool child each) with task events on, JSON logs and a one-shot in_write
-    failpoint, disarmed; leases on the private Redis (database 2), which a test may wipe."""
+    failpoint (or those of RESERVATIONS_FAILPOINTS), disarmed; leases on the private Redis (database 2),
+    which a test may wipe."""
     failpoints = workdir / "failpoints"
     failpoints.mkdir(parents=True, exist_ok=True)
-    (failpoints / "in_write").touch()
+    for point in variables.get("RESERVATIONS_FAILPOINTS", FAILPOINTS).split(";"):
+        (failpoints / point.partition("=")[0]).touch()
     with pg_schema() as db:
         settings = Settings.from_env(
             {
@@ -351,6 +353,89 @@ def test_a_stale_write_shows_lost_ownership_then_the_redriven_outcome(running: C
 
     got = run.app.AsyncResult(task_id).get(timeout=TIMEOUT)
     assert (got["status"], got["epochs"]) == ("reserved", 1)
+
+
+def paused_writes(results: redis.Redis) -> int:
+    """How many clients wait for ``CLIENT PAUSE ... WRITE`` to end with a write of the result backend."""
+    return sum(1 for c in results.client_list() if "b" in c["flags"] and c["cmd"] == "setex")
+
+
+def test_the_attempt_that_lost_never_replaces_the_redriven_result(tmp_path: Path) -> None:
+    """The attempt that lost ownership publishes its retry before it has ended, and another worker may run
+    the retry to its end before it does. Whatever the losing attempt stores once its retry is out can land
+    after the final SUCCESS and replace it for good (the result backend's look for SUCCESS and its write
+    are two commands), and AsyncResult.get() then never returns. Scripted: the losing attempt stops just
+    after publishing its retry; the retry stops after its write; the result backend holds writes (CLIENT
+    PAUSE WRITE lets reads through and replays held writes in arrival order) while the retry stores its
+    SUCCESS first and the losing attempt ends second."""
+    spec = "in_write=stop,once;retry_published=stop,once;after_write=stop,once"
+    with (
+        redis_server(tmp_path / "redis") as server,
+        redis_server(tmp_path / "results") as backend,
+        cluster(
+            tmp_path / "cluster",
+            server,
+            RESERVATIONS_RESULT_BACKEND=backend.url(0),
+            RESERVATIONS_FAILPOINTS=spec,
+        ) as run,
+        redis.Redis.from_url(backend.url(0)) as results,
+    ):
+        run.inventory.add_sku("OBS-R", on_hand=10)
+        task_id = request_id("OBS-R-late")
+        run.arm("in_write")
+        late = run.client.enqueue_reservation_sync("OBS-R", 2, idempotency_key="OBS-R-late")
+        lost = wait_until(run.stopped_child, timeout=TIMEOUT, what="a worker to stop inside its write")
+        stopped = [lost]
+        try:
+            wait_until(
+                lambda: run.leases.current("sku:OBS-R") is None,
+                timeout=TIMEOUT,
+                what="the stopped holder's lease to run out",
+            )
+            winner = run.client.enqueue_reservation_sync("OBS-R", 3, idempotency_key="OBS-R-winner")
+            assert run.result(winner).status == "reserved"
+            run.arm("retry_published")
+            run.arm("after_write")
+            os.kill(lost, signal.SIGCONT)
+
+            def both_stopped() -> int | None:
+                # The losing attempt stops after publishing its retry, the retry after its write.
+                children = {w.stopped_child() for w in run.workers}
+                others = children - {lost, None}
+                return others.pop() if lost in children and others else None
+
+            retry = wait_until(both_stopped, timeout=TIMEOUT, what="both attempts to stop")
+            stopped.append(retry)
+            results.execute_command("CLIENT", "PAUSE", int(TIMEOUT * 1000), "WRITE")
+            try:
+                os.kill(retry, signal.SIGCONT)
+                wait_until(lambda: paused_writes(results) == 1, timeout=TIMEOUT, what="the retry's SUCCESS")
+                os.kill(lost, signal.SIGCONT)
+
+                def lost_attempt_ended() -> bool:
+                    # Celery logs a retry once it has handled it, after whatever it stores for it.
+                    return paused_writes(results) == 2 or any(
+                        r["logger"] == "celery.app.trace"
+                        and r.get("data", {}).get("id") == task_id
+                        and " retry: " in r["message"]
+                        for r in run.log_records()
+                    )
+
+                wait_until(lost_attempt_ended, timeout=TIMEOUT, what="the losing attempt to end")
+            finally:
+                results.execute_command("CLIENT", "UNPAUSE")
+        finally:
+            for pid in stopped:
+                os.kill(pid, signal.SIGCONT)
+
+        outcome = run.result(late)
+        assert (outcome.status, outcome.epochs) == ("reserved", 1)
+        wait_until(lambda: paused_writes(results) == 0, timeout=TIMEOUT, what="the held writes to land")
+        # Read past the backend's cache, which keeps a SUCCESS once it has read one.
+        meta = run.app.backend.get_task_meta(task_id, cache=False)
+        assert meta["status"] == "SUCCESS", meta
+        got = run.app.AsyncResult(task_id).get(timeout=TIMEOUT)
+        assert (got["status"], got["epochs"]) == ("reserved", 1)
 
 
 # -- structured logs -------------------------------------------------------------------------------------
