@@ -120,7 +120,7 @@ class Setup:
         if freeze:
             # A's renewal is slower than its pause, as for a request stuck in the network: nothing but
             # the fence stands between its late write and the stock row.
-            settings = settings.with_(failpoints="before_write=stop,once", lease_renew_every=600.0)
+            settings = settings.with_(failpoints="before_write=stop,once;renew=skip")
         return worker_env(settings)
 
 

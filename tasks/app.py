@@ -23,7 +23,7 @@ from celery.signals import (
     worker_ready,
 )
 
-from tasks import metrics
+from tasks import failpoints, metrics
 from tasks.heartbeat import HeartbeatFile
 from tasks.logs import json_wanted, use_json, warnings_as_json
 from tasks.settings import Settings, SettingsError
@@ -205,9 +205,12 @@ def _refuse_bad_settings() -> None:
     if json_wanted():  # from the first line on, before Celery sets up its logging
         warnings_as_json()
     try:
-        Settings.from_env()
+        settings = Settings.from_env()
     except SettingsError as exc:
         refuse(str(exc))
+    problem = failpoints.check(settings.failpoints, settings.failpoint_dir)
+    if problem:
+        refuse(problem)
 
 
 app = _with_steps(_FromEnvironment("reservations", include=["tasks.jobs"]))

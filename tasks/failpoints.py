@@ -7,11 +7,13 @@ the lease's local checks and before the statement is sent: a pause there is the 
 in one process only, coordinated by an exclusive marker file in ``RESERVATIONS_FAILPOINT_DIR``, which it
 requires: the markers outlive the processes, so whoever starts a run gives it a directory of its own (or
 empties it) and a later run is not left with a failpoint that already fired.
+``renew=skip`` makes the process's lease holders never renew: a holder whose renewals do not arrive (its
+requests stuck in the network), so its lease runs out while it works and only the fence stops its write.
 ``build_inventory`` and ``build_leases`` sit where a worker process builds its database and lease clients
 (after the checks at start): ``raise`` there is a client that cannot be built in a running worker.
 ``retry_published`` sits right after a task published its own retry and before that attempt ends (when
 Celery handles the retry): a pause there lets the retry run to its end on another worker first.
-Actions: ``stop``, ``kill``, ``sleep:SECONDS``, ``raise``.
+Actions: ``stop``, ``kill``, ``sleep:SECONDS``, ``raise``, and ``skip`` for ``renew``.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any
 from celery import current_task
 from celery.signals import after_task_publish
 
+from fencing.lease import MAX_TTL
 from reservations.settings import variable
 
 log = logging.getLogger("tasks.failpoints")
@@ -36,8 +39,16 @@ log = logging.getLogger("tasks.failpoints")
 FAILPOINTS = variable("failpoints").name
 FAILPOINT_DIR = variable("failpoint_dir").name
 
-POINTS = ("before_write", "in_write", "after_write", "build_inventory", "build_leases", "retry_published")
-ACTIONS = ("stop", "kill", "raise")
+POINTS = (
+    "before_write",
+    "in_write",
+    "after_write",
+    "build_inventory",
+    "build_leases",
+    "retry_published",
+    "renew",
+)
+ACTIONS = ("stop", "kill", "raise", "skip")
 
 
 class FailpointFired(RuntimeError):
@@ -52,8 +63,22 @@ def _configured(spec: str) -> dict[str, tuple[str, bool]]:
         action, _, flag = action.partition(",")
         if name not in POINTS or not (action in ACTIONS or action.startswith("sleep:")):
             raise ValueError(f"bad failpoint {part!r}; points: {', '.join(POINTS)}")
+        if (name == "renew") != (action == "skip"):
+            raise ValueError(f"bad failpoint {part!r}: skip is renew's action, and renew's only one")
         points[name] = (action, flag == "once")
     return points
+
+
+def check(spec: str, folder: str) -> str | None:
+    """What is wrong with a failpoint configuration, or None: a worker refuses it at start instead of
+    failing every task that reaches a point."""
+    try:
+        points = _configured(spec) if spec else {}
+    except ValueError as exc:
+        return f"{FAILPOINTS}: {exc}"
+    if not folder and any(once for _, once in points.values()):
+        return f"{FAILPOINTS}: 'once' needs {FAILPOINT_DIR}, a directory for this run"
+    return None
 
 
 def _claim(name: str) -> bool:
@@ -98,3 +123,13 @@ def _retry_published(headers: dict[str, Any] | None = None, **_: Any) -> None:
         return
     if current_task and current_task.request.id == headers.get("id"):  # the proxy is false outside a task
         failpoint("retry_published")
+
+
+def renew_every(configured: float | None) -> float | None:
+    """The renewal interval a holder of this process uses: the configured one, or with ``renew=skip``
+    the longest a lease can last, so that no renewal comes while it holds (settings refuse an interval
+    that long: outside fault injection it is a misconfiguration)."""
+    spec = os.environ.get(FAILPOINTS)
+    if spec and _configured(spec).get("renew", ("", False))[0] == "skip":
+        return MAX_TTL
+    return configured

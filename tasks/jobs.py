@@ -30,7 +30,7 @@ from reservations import validation as valid
 from reservations.messages import Message
 from reservations.requests import AlreadyApplied, task_name
 from reservations.statuses import SUCCEEDED, AttemptResult, RequestStatus
-from tasks import logs, metrics, observe, policy
+from tasks import failpoints, logs, metrics, observe, policy
 from tasks.answers import answer, as_result, reply
 from tasks.app import app, settings_of
 from tasks.failpoints import failpoint
@@ -202,7 +202,7 @@ def _attempt(
             work.skus(res),
             ttl=settings.lease_ttl,
             holder=f"{who['worker']}:{who['task_id']}",
-            renew_every=settings.lease_renew_every,
+            renew_every=failpoints.renew_every(settings.lease_renew_every),
         ) as leases:
             lease_token = max((lease.token for lease in leases.values()), default=None)
             metrics.current.lease("acquired", len(leases))

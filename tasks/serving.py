@@ -15,7 +15,7 @@ from fencing import Lease, LeaseBusy, LostOwnership
 from reservations import validation as valid
 from reservations.messages import Message
 from reservations.requests import RequestResult, task_name
-from tasks import metrics, observe
+from tasks import failpoints, metrics, observe
 from tasks.answers import answer, as_result, conflict, reply
 from tasks.app import app
 from tasks.failpoints import failpoint
@@ -149,7 +149,7 @@ def serve_pending(
                 valid.scope_of(sku),
                 ttl=settings.lease_ttl,
                 holder=f"{worker}:{task_id}",
-                renew_every=settings.lease_renew_every,
+                renew_every=failpoints.renew_every(settings.lease_renew_every),
             ) as lease:
                 metrics.current.lease("acquired")
                 drained = False

@@ -174,14 +174,17 @@ def test_watch_of_a_malformed_sku_ends_without_rescheduling(truth: Stack) -> Non
 def test_request_whose_lease_backend_stays_down_is_dead_lettered_with_a_reason(
     server: RedisServer, tmp_path: Path
 ) -> None:
+    lease_redis = RedisServer(tmp_path / "leases")
+    lease_redis.start()  # a worker waits at start for a lease backend that does not answer yet
     with stack(
         "down",
         tmp_path,
         server,
         4,
-        RESERVATIONS_LEASE_URL=f"redis://127.0.0.1:{free_port()}/0",  # nothing listens there
+        RESERVATIONS_LEASE_URL=lease_redis.url(0),
         RESERVATIONS_MAX_TRANSIENT_RETRIES="1",
     ) as down:
+        lease_redis.stop()  # down once the workers run, and for good
         down.inventory.add_sku("D1", on_hand=5)
         handle = down.client.enqueue_reservation_sync("D1", 1, idempotency_key="truth-down")
         ended = handle.result_sync(timeout=OUTCOME_TIMEOUT)

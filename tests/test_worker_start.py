@@ -36,7 +36,7 @@ from fencing.sql import make_engine
 from reservations import Inventory, schema
 from reservations.models import schema_compatibility
 from reservations.statuses import RequestStatus
-from tasks import ReservationClient, Settings, create_app
+from tasks import ReservationClient, Settings, create_app, failpoints
 from tests.test_settings import run
 from tests.workers import pg_schema
 
@@ -57,7 +57,12 @@ KNOWN = ["0001", "0002", "0003"]
         ("0003", None, True, "at revision 0003"),
         ("0002", None, False, "at revision 0002, behind 0003: run `reservations db upgrade`"),
         (None, None, False, "no schema; it needs revision 0003"),
-        ("0004", "0003", True, "newer than this code's 0003 and declared compatible with code from revision 0003"),
+        (
+            "0004",
+            "0003",
+            True,
+            "newer than this code's 0003 and declared compatible with code from revision 0003",
+        ),
         ("0004", "0002", True, "declared compatible with code from revision 0002"),
         ("0004", "0004", False, "not declared compatible"),
         ("0004", None, False, "not declared compatible"),
@@ -250,3 +255,21 @@ def test_every_request_reaches_an_outcome_when_a_client_cannot_be_built(
         client.close()
         client.app.close()
         inventory.close()
+
+
+@pytest.mark.parametrize(
+    ("spec", "folder", "problem"),
+    [
+        ("nowhere=stop", "", "bad failpoint 'nowhere=stop'"),
+        ("before_write=explode", "", "bad failpoint"),
+        ("renew=stop", "", "skip is renew's action"),
+        ("before_write=skip", "", "skip is renew's action"),
+        ("before_write=stop,once", "", "'once' needs RESERVATIONS_FAILPOINT_DIR"),
+    ],
+)
+def test_a_failpoint_a_worker_could_not_reach_is_refused_at_start(
+    spec: str, folder: str, problem: str
+) -> None:
+    found = failpoints.check(spec, folder)
+    assert found is not None and found.startswith("RESERVATIONS_FAILPOINTS: ") and problem in found
+    assert failpoints.check("before_write=stop,once;renew=skip", "/tmp/points") is None

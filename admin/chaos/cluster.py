@@ -239,11 +239,11 @@ def _seen_from(host: Host | None, settings: Settings, up: Cluster) -> tuple[Sett
 def _env(settings: Settings, folder: Path, name: str, role: str, proxied_url: str) -> dict[str, str]:
     extra: dict[str, Any] = {"failpoint_dir": str(folder / f"failpoints-{name}")}
     if role in ("freeze", "delay"):
-        # Renewal slower than the pause or the delay, as for a request stuck in the network: nothing but
-        # the fence stands between the late write and the stock row.
-        extra["lease_renew_every"] = 600.0
+        # No renewal arrives, as for a request stuck in the network: nothing but the fence stands between
+        # the late write and the stock row.
+        extra["failpoints"] = "renew=skip"
     if role == "freeze":
-        extra["failpoints"] = "before_write=stop"  # every write, not ``once``
+        extra["failpoints"] = "before_write=stop;renew=skip"  # every write, not ``once``
     if role == "delay":
         extra["database_url"] = proxied_url
     return worker_env(settings.with_(**extra))
