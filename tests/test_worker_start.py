@@ -37,7 +37,7 @@ from reservations import Inventory, schema
 from reservations.models import schema_compatibility
 from reservations.statuses import RequestStatus
 from tasks import ReservationClient, Settings, create_app, failpoints
-from tests.test_settings import run
+from tests.support import run
 from tests.workers import pg_schema
 
 pytestmark = pytest.mark.slow
