@@ -408,7 +408,10 @@ class Stream:
             for cycle in range(self.MAX_CYCLES):
                 if self.stop.is_set():
                     return
-                self._cycle(leases, self.skus[cycle % len(self.skus)], holder, restock=cycle % 2 == 1)
+                # Each SKU is reserved from and restocked in turn, so none runs out however many cycles a
+                # slow machine makes before the failovers.
+                sku, turn = self.skus[cycle % len(self.skus)], cycle // len(self.skus)
+                self._cycle(leases, sku, holder, restock=turn % 2 == 1)
         except BaseException as exc:  # recorded for the test to fail on
             with self._lock:
                 self.untyped.append(exc)
