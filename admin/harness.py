@@ -116,7 +116,26 @@ def _end(process: subprocess.Popen[bytes], deadline: float, *, group: bool) -> N
     process.wait()
 
 
-class RedisServer:
+class _RedisProcess:
+    """What every redis-server the harness starts can be asked: to die as in a crash, or to stop."""
+
+    process: subprocess.Popen[bytes] | None
+
+    def kill(self) -> None:
+        """SIGKILL: the data is gone, as in a crash without persistence."""
+        process, self.process = self.process, None
+        if process is not None:
+            _end(process, time.monotonic(), group=False)
+
+    def stop(self) -> None:
+        process, self.process = self.process, None
+        if process is not None:
+            with suppress(ProcessLookupError):
+                process.terminate()
+            _end(process, time.monotonic() + STOP_TIMEOUT, group=False)
+
+
+class RedisServer(_RedisProcess):
     """A private redis-server without persistence: a restart loses everything, as a crash would. The
     shared Redis is never touched by a run's broker, results or leases. It listens on 127.0.0.1 and on
     ``binds`` (the service address of :class:`admin.netns.Hosts`, for processes on hosts of their own)."""
@@ -171,18 +190,6 @@ class RedisServer:
         finally:
             client.close()
 
-    def kill(self) -> None:
-        """SIGKILL: the data is gone, as in a crash without persistence."""
-        process, self.process = self.process, None
-        if process is not None:
-            _end(process, time.monotonic(), group=False)
-
-    def stop(self) -> None:
-        process, self.process = self.process, None
-        if process is not None:
-            with suppress(ProcessLookupError):
-                process.terminate()
-            _end(process, time.monotonic() + STOP_TIMEOUT, group=False)
 
 
 @contextmanager
@@ -195,7 +202,7 @@ def redis_server(folder: Path, *, databases: int = 16) -> Iterator[RedisServer]:
         server.stop()
 
 
-class RedisNode:
+class RedisNode(_RedisProcess):
     """One redis-server of the topologies below: a data node, a cluster node, or a sentinel
     (``sentinel=True``), run from a config file of its own in ``folder``. The file is written at the first
     start only: sentinels and cluster nodes rewrite theirs (who is primary, the cluster's node table), so a
@@ -275,18 +282,6 @@ class RedisNode:
 
         wait_until(answers, timeout=10, what=f"redis-server on port {self.port} to answer PING")
 
-    def kill(self) -> None:
-        """SIGKILL: the data is gone, as in a crash without persistence."""
-        process, self.process = self.process, None
-        if process is not None:
-            _end(process, time.monotonic(), group=False)
-
-    def stop(self) -> None:
-        process, self.process = self.process, None
-        if process is not None:
-            with suppress(ProcessLookupError):
-                process.terminate()
-            _end(process, time.monotonic() + STOP_TIMEOUT, group=False)
 
 
 # Settings every data node of a topology runs with: no persistence (a kill loses the data, as with

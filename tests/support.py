@@ -258,3 +258,15 @@ def cli(*args: str, env: Mapping[str, str], columns: int = 80) -> Done:
     shell = {k: v for k, v in {**os.environ, **_shell(env, columns)}.items() if v is not None}
     done = subprocess.run([SCRIPT, *args], env=shell, capture_output=True, text=True, timeout=60, check=False)
     return Done(done.returncode, done.stdout, done.stderr)
+
+
+def refused_worker(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """A ``celery worker`` that is expected to refuse to start: its exit code and what it wrote."""
+    return subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "tasks", "worker", "--pool", "solo", "--loglevel", "INFO"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )

@@ -27,7 +27,7 @@ from reservations.settings import (
     unknown_names,
     variable,
 )
-from tests.support import cli, run
+from tests.support import cli, refused_worker, run
 
 TYPO = "RESERVATIONS_LEASE_TLL"
 TYPO_WARNING = f"{TYPO} is not a setting; did you mean RESERVATIONS_LEASE_TTL?"
@@ -285,14 +285,7 @@ def test_a_worker_with_bad_settings_says_so_in_one_line_and_exits(tmp_path: Path
             "RESERVATIONS_BROKER_PASSWORD_FILE": str(fifo),
         }
     )
-    done = subprocess.run(
-        [sys.executable, "-m", "celery", "-A", "tasks", "worker", "--pool", "solo", "--loglevel", "INFO"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    done = refused_worker(env)
     assert done.returncode == 2
     assert "Traceback" not in done.stderr + done.stdout
     lines = done.stderr.strip().splitlines()
@@ -306,14 +299,7 @@ def test_a_worker_with_bad_settings_says_so_in_one_line_and_exits(tmp_path: Path
     # The lease URL and prefix are checked once the values parse: the same worker, its ttl fixed.
     env["RESERVATIONS_LEASE_TTL"], env["RESERVATIONS_MAX_EPOCHS"] = "10", "3"
     del env["RESERVATIONS_BROKER_PASSWORD_FILE"]
-    done = subprocess.run(
-        [sys.executable, "-m", "celery", "-A", "tasks", "worker", "--pool", "solo", "--loglevel", "INFO"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    done = refused_worker(env)
     assert done.returncode == 2 and "Traceback" not in done.stderr + done.stdout
     (line,) = done.stderr.strip().splitlines()
     assert "RESERVATIONS_LEASE_URL: unsupported lease URL" in line and "RESERVATIONS_LEASE_PREFIX" in line

@@ -13,8 +13,6 @@ once it runs: real ``celery worker`` processes.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -37,7 +35,7 @@ from reservations import Inventory, schema
 from reservations.models import schema_compatibility
 from reservations.statuses import RequestStatus
 from tasks import ReservationClient, Settings, create_app, failpoints
-from tests.support import run
+from tests.support import refused_worker, run
 from tests.workers import pg_schema
 
 pytestmark = pytest.mark.slow
@@ -112,18 +110,6 @@ def forge_newer_revision(url: str, oldest_code: str) -> None:
 # -- real workers ----------------------------------------------------------------------------------------
 
 
-def _celery_worker(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    """A worker that is expected to refuse to start: its exit code and what it wrote."""
-    return subprocess.run(
-        [sys.executable, "-m", "celery", "-A", "tasks", "worker", "--pool", "solo", "--loglevel", "INFO"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-
-
 def _embedded(folder: Path, database_url: str) -> dict[str, str]:
     """Settings of a worker on ``database_url`` with Celery's SQLAlchemy transport for broker and results."""
     return Settings(
@@ -136,7 +122,7 @@ def _embedded(folder: Path, database_url: str) -> dict[str, str]:
 def test_a_worker_refuses_a_schema_behind_its_code(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'inventory.sqlite3'}"
     schema.upgrade(url, "0007")
-    done = _celery_worker(worker_env(_embedded(tmp_path, url)))
+    done = refused_worker(worker_env(_embedded(tmp_path, url)))
     assert done.returncode == 2, done.stderr + done.stdout
     assert "Traceback" not in done.stderr + done.stdout
     (line,) = done.stderr.strip().splitlines()
@@ -146,7 +132,7 @@ def test_a_worker_refuses_a_schema_behind_its_code(tmp_path: Path) -> None:
     # A later release's schema that did not declare itself compatible with this code: refused too.
     schema.upgrade(url)
     forge_newer_revision(url, NEWER)
-    done = _celery_worker(worker_env(_embedded(tmp_path, url)))
+    done = refused_worker(worker_env(_embedded(tmp_path, url)))
     assert done.returncode == 2 and f"at revision {NEWER}, which this code" in done.stderr, done.stderr
     assert run("db", "current", env={"RESERVATIONS_DATABASE_URL": url})[0] == 1
 
