@@ -1,5 +1,5 @@
 # Two entry points: `make demo` (main job, embedded defaults, no services) and `make test` (whole suite).
-# The virtual environment is built from the lock file once and rebuilt only when the lock or project changes.
+# The virtual environment is built from the dev lock once and rebuilt only when the lock or project changes.
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
@@ -7,9 +7,9 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: demo test lint lock bench clean
 
-$(STAMP): requirements.lock pyproject.toml
+$(STAMP): requirements-dev.lock pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --disable-pip-version-check --require-hashes -r requirements.lock
+	$(BIN)/python -m pip install -q --disable-pip-version-check --require-hashes -r requirements-dev.lock
 	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
@@ -26,10 +26,16 @@ test: lint
 bench: $(STAMP)
 	$(BIN)/python -m bench $(BENCH_ARGS)
 
-# Regenerate the lock file after changing dependencies in pyproject.toml.
+# Regenerate both lock files after changing dependencies in pyproject.toml. requirements-dev.lock (the
+# [project] dependencies and the dev extra) builds the virtual environment; requirements.lock (the
+# [project] dependencies alone, at the dev lock's versions) builds the image, and names no package index
+# or wheel folder: whatever index this machine's pip uses is no business of the image.
+LOCK_ARGS := -q --generate-hashes --strip-extras --allow-unsafe
 lock:
 	test -x $(VENV)-lock/bin/pip-compile || ($(PYTHON) -m venv $(VENV)-lock && $(VENV)-lock/bin/pip install -q pip-tools)
-	$(VENV)-lock/bin/pip-compile -q --extra dev --generate-hashes --strip-extras --allow-unsafe -o requirements.lock pyproject.toml
+	$(VENV)-lock/bin/pip-compile $(LOCK_ARGS) --extra dev -o requirements-dev.lock pyproject.toml
+	$(VENV)-lock/bin/pip-compile $(LOCK_ARGS) --no-emit-index-url --no-emit-find-links \
+		--constraint requirements-dev.lock -o requirements.lock pyproject.toml
 
 clean:
 	rm -rf $(VENV) $(VENV)-lock
