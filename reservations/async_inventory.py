@@ -12,7 +12,7 @@ from typing import Any
 
 from fencing import AsyncLeaseManager, Lease
 from fencing.sql import AsyncSqlExecutor, make_async_engine
-from reservations import audit, pending, reads, requests, schema
+from reservations import audit, pending, reads, redrives, requests, schema
 from reservations import inventory_base as base
 from reservations import validation as valid
 from reservations.counting import StockSeen
@@ -161,6 +161,11 @@ class AsyncInventory(InventoryBase[AsyncSqlExecutor]):
     async def request_outcome(self, key: str) -> RequestResult | None:
         return await self.executor.run(requests.request_outcome(key))
 
+    async def own_outcome(self, key: str) -> RequestResult | None:
+        """The outcome row written under ``key`` itself: :meth:`request_outcome` without following a
+        dead letter to its re-drive."""
+        return await self.executor.run(requests.own_outcome(key))
+
     async def request_outcomes(self, keys: Sequence[str]) -> dict[str, RequestResult]:
         return await self.executor.run(requests.outcomes_of(keys))
 
@@ -174,6 +179,27 @@ class AsyncInventory(InventoryBase[AsyncSqlExecutor]):
 
     async def attempts(self, key: str) -> list[Attempt]:
         return await self.executor.run(base.attempts(key))
+
+    # dead letters and their re-drives
+    async def dead_letters(
+        self, *, since: float | None = None, reason: str | None = None, limit: int = 1000
+    ) -> list[redrives.DeadLetter]:
+        """Dead-lettered requests, newest first, each with its latest re-drive (reservations.redrives)."""
+        return await self.executor.run(redrives.dead_letters(since, reason, limit))
+
+    async def redrives_of(self, key: str) -> list[redrives.RedriveLink]:
+        """Every re-drive of the request under ``key``, oldest first."""
+        return await self.executor.run(redrives.redrives_of(key))
+
+    async def claim_redrive(
+        self, key: str, *, by: str | None = None, dry_run: bool = False
+    ) -> redrives.Redrive:
+        """Claim the next re-drive of a dead-lettered request (recorded; ``dry_run``: only checked)."""
+        return await self.executor.run(redrives.claim(key, by=by, dry_run=dry_run))
+
+    async def drop_redrive(self, redrive_key: str) -> bool:
+        """Take back a claimed re-drive that was never sent."""
+        return await self.executor.run(redrives.drop(redrive_key))
 
     async def skus_with_due_holds(self, limit: int = 1000) -> list[str]:
         return await self.executor.run(base.skus_with_due_holds(limit))

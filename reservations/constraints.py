@@ -25,6 +25,11 @@ _KEYS = {
     "request_outcomes.key": "outcome",
     "pending_reservations_key_key": "pending",
     "pending_reservations.key": "pending",
+    # A re-drive's key, or its number for the same origin (SQLite names the first column of the pair).
+    "request_redrives_pkey": "redrive",
+    "request_redrives.redrive_key": "redrive",
+    "uq_request_redrives_origin_number": "redrive",
+    "request_redrives.origin_key": "redrive",
 }
 
 # The CHECK constraints that state an invariant of the audit (reservations.models declares them).

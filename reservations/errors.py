@@ -4,12 +4,15 @@
 
     ReservationError
     ├── InvalidRequest          malformed SKU, quantity, key, lease, text...; nothing written (a ValueError)
+    │   ├── RedriveRefused      a request that may not be driven again now (key, why): not dead-lettered,
+    │   │                       no recorded arguments, a re-drive still running or already ended
     │   ├── StockLimitExceeded  the change would take on_hand past MAX_ON_HAND (sku, on_hand, delta, limit)
     │   ├── CountBelowHeld      a count below the units held for reservations (sku, counted, held)
     │   └── SeenInAnotherEpoch  a count or replenishment decided from a read under another token than
     │                           its writing lease's (sku, seen_token, token)
     ├── UnknownSku              no stock row for the SKU
     ├── UnknownReservation      no reservation with that id or key
+    ├── UnknownRequest          no request has an outcome under that key
     ├── InvalidTransition       confirm/release of a reservation that is final or belongs to another SKU
     ├── InsufficientStock       available < requested (sku, requested, available)
     ├── IdempotencyConflict     the key was used before for a different request
@@ -82,6 +85,16 @@ class SeenInAnotherEpoch(InvalidRequest):
         super().__init__(message, field="seen")
 
 
+class RedriveRefused(InvalidRequest):
+    """A dead letter that may not be driven again now; ``why`` says which rule refused it. Nothing was
+    written: no re-drive recorded, nothing enqueued."""
+
+    def __init__(self, *, key: str, why: str) -> None:
+        self.key = key
+        self.why = why
+        super().__init__(f"cannot re-drive {key!r}: {why}", field="key")
+
+
 class UnknownSku(ReservationError, LookupError):
     def __init__(self, sku: str) -> None:
         self.sku = sku
@@ -92,6 +105,14 @@ class UnknownReservation(ReservationError, LookupError):
     def __init__(self, reservation: str) -> None:
         self.reservation = reservation
         super().__init__(f"unknown reservation {reservation!r}")
+
+
+class UnknownRequest(ReservationError, LookupError):
+    """No request has a final outcome under this key (never sent, still running, or purged)."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        super().__init__(f"no request with an outcome under key {key!r}")
 
 
 class InvalidTransition(ReservationError):

@@ -12,7 +12,7 @@ from typing import Any
 
 from fencing import Lease, LeaseManager
 from fencing.sql import SyncSqlExecutor, make_engine
-from reservations import audit, pending, reads, requests, schema
+from reservations import audit, pending, reads, redrives, requests, schema
 from reservations import inventory_base as base
 from reservations import validation as valid
 from reservations.async_inventory import AsyncInventory
@@ -172,6 +172,11 @@ class Inventory(InventoryBase[SyncSqlExecutor]):
     def request_outcome(self, key: str) -> RequestResult | None:
         return self.executor.run(requests.request_outcome(key))
 
+    def own_outcome(self, key: str) -> RequestResult | None:
+        """The outcome row written under ``key`` itself: :meth:`request_outcome` without following a
+        dead letter to its re-drive."""
+        return self.executor.run(requests.own_outcome(key))
+
     def request_outcomes(self, keys: Sequence[str]) -> dict[str, RequestResult]:
         """Final outcomes of those of ``keys`` (at most 1,000) that have one, in one read."""
         return self.executor.run(requests.outcomes_of(keys))
@@ -186,6 +191,25 @@ class Inventory(InventoryBase[SyncSqlExecutor]):
 
     def attempts(self, key: str) -> list[Attempt]:
         return self.executor.run(base.attempts(key))
+
+    # dead letters and their re-drives
+    def dead_letters(
+        self, *, since: float | None = None, reason: str | None = None, limit: int = 1000
+    ) -> list[redrives.DeadLetter]:
+        """Dead-lettered requests, newest first, each with its latest re-drive (reservations.redrives)."""
+        return self.executor.run(redrives.dead_letters(since, reason, limit))
+
+    def redrives_of(self, key: str) -> list[redrives.RedriveLink]:
+        """Every re-drive of the request under ``key``, oldest first."""
+        return self.executor.run(redrives.redrives_of(key))
+
+    def claim_redrive(self, key: str, *, by: str | None = None, dry_run: bool = False) -> redrives.Redrive:
+        """Claim the next re-drive of a dead-lettered request (recorded; ``dry_run``: only checked)."""
+        return self.executor.run(redrives.claim(key, by=by, dry_run=dry_run))
+
+    def drop_redrive(self, redrive_key: str) -> bool:
+        """Take back a claimed re-drive that was never sent."""
+        return self.executor.run(redrives.drop(redrive_key))
 
     def skus_with_due_holds(self, limit: int = 1000) -> list[str]:
         return self.executor.run(base.skus_with_due_holds(limit))

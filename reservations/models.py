@@ -225,3 +225,24 @@ schema_compatibility = sa.Table(
     sa.Column("revision", sa.Text, primary_key=True),
     sa.Column("oldest_code", sa.Text, nullable=False),
 )
+
+
+class RequestRedrive(SQLModel, table=True):
+    """A dead-lettered request driven again under a key of its own (``redrive_key``): the link from the
+    request's own key (``origin_key``) to that new request. The outcome rows of both stay as written;
+    the origin's key reports the latest re-drive's outcome through this link (reservations.requests).
+    Numbered per origin, one number once: a second claim of the same number is refused by the key."""
+
+    __tablename__ = "request_redrives"
+    __table_args__ = (sa.UniqueConstraint("origin_key", "number", name="uq_request_redrives_origin_number"),)
+
+    redrive_key: str = Field(primary_key=True, max_length=200)
+    origin_key: str = Field(max_length=200)
+    number: int = Field(sa_column=sa.Column(sa.Integer, nullable=False))
+    operation: str = Field(max_length=32)
+    at_ms: int = Field(sa_column=_bigint())
+    # Who asked for it (the operator's user and host, as the command line gives it).
+    by: str | None = Field(default=None, max_length=200)
+
+
+request_redrives = _table(RequestRedrive)

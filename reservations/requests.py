@@ -2,10 +2,16 @@
 
 The stock change itself is made idempotent by :mod:`reservations.operations`; this module records what
 a caller waits for. The first final outcome written for a key wins; later writers get it back.
+
+A dead-lettered request driven again (:mod:`reservations.redrives`) keeps its outcome row as written; its
+key then reports the latest re-drive's outcome, marked as such (:class:`Redriven`), by following the
+link in ``request_redrives``. Only a dead-lettered outcome is followed, so every other read stays one
+round trip.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import uuid
 from collections.abc import Sequence
@@ -19,7 +25,14 @@ from fencing.plan import Alone, Atomic, Plan
 from fencing.sql import Rows, db_now_ms
 from reservations import validation as valid
 from reservations.errors import InvalidRequest, KeyTaken
-from reservations.models import HELD, idempotency_keys, request_outcomes, reservations, task_attempts
+from reservations.models import (
+    HELD,
+    idempotency_keys,
+    request_outcomes,
+    request_redrives,
+    reservations,
+    task_attempts,
+)
 from reservations.statuses import AttemptResult, RequestStatus
 from reservations.views import Outcome
 
@@ -41,6 +54,19 @@ def task_name(operation: str) -> str:
 
 
 @dataclass(frozen=True, slots=True)
+class Redriven:
+    """Where a reported outcome came from when the key's request was dead-lettered and driven again: the
+    latest re-drive's key and number, when and by whom it was asked for, and whether it has ended
+    (``final``; until then the key reports its dead letter, with this attached)."""
+
+    key: str
+    number: int
+    at: float
+    by: str | None
+    final: bool
+
+
+@dataclass(frozen=True, slots=True)
 class RequestResult:
     key: str
     operation: str
@@ -52,6 +78,8 @@ class RequestResult:
     at: float
     # The fingerprint of the request this outcome belongs to (None on outcomes older than fingerprints).
     fingerprint: str | None = None
+    # Set when the key's request was dead-lettered and driven again: the outcome is the re-drive's.
+    redrive: Redriven | None = None
 
     def belongs_to(self, operation: str, fingerprint: str) -> bool:
         """Whether this is the outcome of the request with this operation and fingerprint, rather than of
@@ -106,10 +134,58 @@ _OUTCOME = sa.select(request_outcomes).where(request_outcomes.c.key == sa.bindpa
 
 
 def request_outcome(key: str) -> Plan[RequestResult | None]:
+    """The outcome the key reports: its own, or its latest re-drive's when it was dead-lettered and driven
+    again."""
     # Alone: one round trip on PostgreSQL (no BEGIN/COMMIT around a single read).
     found: Rows = yield Alone(_OUTCOME, {"key": valid.idempotency_key(key)})
     row = found.first()
+    if row is None:
+        return None
+    reported = yield from _followed({row.key: result_of(row)})
+    return reported[row.key]
+
+
+def own_outcome(key: str) -> Plan[RequestResult | None]:
+    """The outcome row written under the key itself, never followed to a re-drive."""
+    found: Rows = yield Alone(_OUTCOME, {"key": valid.idempotency_key(key)})
+    row = found.first()
     return None if row is None else result_of(row)
+
+
+_REDRIVES_OF = (
+    sa.select(request_redrives)
+    .where(request_redrives.c.origin_key.in_(sa.bindparam("keys", expanding=True)))
+    .order_by(request_redrives.c.origin_key, request_redrives.c.number)
+)
+
+
+def _followed(results: dict[str, RequestResult]) -> Plan[dict[str, RequestResult]]:
+    """``results`` with each dead letter that was driven again replaced by what its latest re-drive
+    reports: that re-drive's outcome once it has one, else the dead letter marked as being re-driven."""
+    dead = [key for key, result in results.items() if result.status == RequestStatus.DEAD_LETTERED]
+    if not dead:
+        return results
+    links: Rows = yield Alone(_REDRIVES_OF, {"keys": dead})
+    latest = {row.origin_key: row for row in links.rows}  # ordered by number: the last one wins
+    if not latest:
+        return results
+    found: Rows = yield Alone(_OUTCOMES, {"keys": [link.redrive_key for link in latest.values()]})
+    ended = {row.key: result_of(row) for row in found.rows}
+    reported = dict(results)
+    for origin, link in latest.items():
+        reported[origin] = reported_through(results[origin], link, ended.get(link.redrive_key))
+    return reported
+
+
+def reported_through(dead: RequestResult, link: Any, redrive: RequestResult | None) -> RequestResult:
+    """What a dead-lettered key reports through its re-drive ``link`` (a ``request_redrives`` row):
+    ``redrive``'s outcome, under the key, operation and fingerprint of the request it drove again."""
+    via = Redriven(
+        key=link.redrive_key, number=link.number, at=link.at_ms / 1000, by=link.by, final=redrive is not None
+    )
+    if redrive is None:
+        return dataclasses.replace(dead, redrive=via)
+    return dataclasses.replace(redrive, key=dead.key, fingerprint=dead.fingerprint, redrive=via)
 
 
 _OUTCOMES = sa.select(request_outcomes).where(
@@ -127,7 +203,8 @@ def outcomes_of(keys: Sequence[str]) -> Plan[dict[str, RequestResult]]:
     if not checked:
         return {}
     found: Rows = yield Alone(_OUTCOMES, {"keys": checked})
-    return {row.key: result_of(row) for row in found.rows}
+    reported: dict[str, RequestResult] = yield from _followed({row.key: result_of(row) for row in found.rows})
+    return reported
 
 
 # Outcomes that end a request without any stock change. Recording one also closes the key for good: a
@@ -279,4 +356,6 @@ def _purge(older_than_ms: int) -> Plan[int]:
         sa.delete(request_outcomes).where(request_outcomes.c.at_ms < cutoff).returning(request_outcomes.c.key)
     )
     yield sa.delete(task_attempts).where(task_attempts.c.at_ms < cutoff)
+    # A link goes with the outcomes it joins (a re-drive is newer than the dead letter it drove again).
+    yield sa.delete(request_redrives).where(request_redrives.c.at_ms < cutoff)
     return len(outcomes.rows)

@@ -5,12 +5,13 @@ Start workers with ``celery -A tasks worker``; producers use :func:`enqueue_rese
 :mod:`reservations.settings`. Every error a producer can meet imports from here too: the request refused
 before publishing (:class:`InvalidRequest`), a key used for another request (:class:`IdempotencyConflict`),
 waiting past the timeout (:class:`OutcomeTimeout`), a closed client (:class:`ClientClosed`,
-:class:`WatcherClosed`), bad settings (:class:`SettingsError`), an unreachable database
+:class:`WatcherClosed`), a dead letter that may not be driven again (:class:`RedriveRefused`) or a key
+without a request (:class:`UnknownRequest`), bad settings (:class:`SettingsError`), an unreachable database
 (:class:`BackendUnavailable`).
 """
 
 from fencing import BackendUnavailable
-from reservations.errors import IdempotencyConflict, InvalidRequest
+from reservations.errors import IdempotencyConflict, InvalidRequest, RedriveRefused, UnknownRequest
 from reservations.requests import request_id
 from tasks import worker as _worker  # noqa: F401  (connects the per-process lifecycle signals)
 from tasks.app import app, create_app
@@ -24,10 +25,12 @@ __all__ = [
     "IdempotencyConflict",
     "InvalidRequest",
     "OutcomeTimeout",
+    "RedriveRefused",
     "ReservationClient",
     "ReservationHandle",
     "Settings",
     "SettingsError",
+    "UnknownRequest",
     "WatcherClosed",
     "app",
     "create_app",

@@ -31,7 +31,8 @@ from kombu.exceptions import OperationalError
 from reservations import AsyncInventory, IdempotencyConflict, InvalidRequest, Inventory, counting
 from reservations import validation as valid
 from reservations.messages import SHAPES, request_fingerprint
-from reservations.requests import RequestResult
+from reservations.requests import RequestResult, request_id
+from tasks import redrives
 from tasks.app import app as default_app
 from tasks.app import settings_of
 from tasks.outcomes import OutcomeTimeout, OutcomeWatcher, Published, republish_due
@@ -307,6 +308,28 @@ class ReservationClient:
         valid.idempotency_key(idempotency_key)
         return await self._send_async(_known(operation), idempotency_key, kwargs)
 
+    # -- driving dead letters again ------------------------------------------------------------------
+
+    def redrive_sync(self, key: str, *, by: str | None = None) -> ReservationHandle:
+        """Drive the dead-lettered request under ``key`` again as a new request (``<key>~redrive-<n>``,
+        same operation and arguments): refused with :class:`RedriveRefused` unless it may be now. The
+        handle is the new request's; ``key`` itself reports its outcome once it has one."""
+        self._check_open()
+        claimed = redrives.redrive(self._sync_inventory(), self._producer, key, by=by)
+        return self._handle(
+            claimed.request_type, claimed.key, dict(claimed.arguments), request_id(claimed.key)
+        )
+
+    async def redrive(self, key: str, *, by: str | None = None) -> ReservationHandle:
+        self._check_open()
+        inventory = self._async_inventory()
+        claimed = await inventory.claim_redrive(key, by=by)
+        try:
+            return await self._send_async(claimed.request_type, claimed.key, dict(claimed.arguments))
+        except BaseException:
+            await inventory.drop_redrive(claimed.key)
+            raise
+
     # -- waiting ------------------------------------------------------------------------------------
 
     async def wait(
@@ -318,32 +341,47 @@ class ReservationClient:
         valid.idempotency_key(key)
         return await self._outcome_watcher().wait(key, timeout, published=published)
 
+    def _sync_inventory(self) -> Inventory:
+        if self._inventory is None:
+            self._inventory = Inventory.from_url(
+                self.settings.database_url, pooling=self.settings.database_pooling
+            )
+        return self._inventory
+
+    def _async_inventory(self) -> AsyncInventory:
+        return self._watched()[1]
+
     def _outcome_watcher(self) -> OutcomeWatcher:
+        return self._watched()[0]
+
+    def _watched(self) -> tuple[OutcomeWatcher, AsyncInventory]:
+        """This event loop's outcome watcher and the connection pool it reads through."""
         self._check_open()
         loop = asyncio.get_running_loop()
         found = self._watchers.get(loop)
         if found is None:
-            inventory = AsyncInventory.from_url(self.settings.database_url)
+            inventory = AsyncInventory.from_url(
+                self.settings.database_url, pooling=self.settings.database_pooling
+            )
             watcher = OutcomeWatcher(
                 inventory.request_outcomes,
                 republish=self._republish,
                 republish_after=self.settings.republish_after,
             )
             found = self._watchers[loop] = (watcher, inventory)
-        return found[0]
+        return found
 
     def wait_sync(
         self, key: str, *, timeout: float = 30.0, published: Published | None = None
     ) -> RequestResult:
         """As :meth:`wait`, polling from this thread, which also publishes the request again when due."""
         self._check_open()
-        if self._inventory is None:
-            self._inventory = Inventory.from_url(self.settings.database_url)
+        inventory = self._sync_inventory()
         deadline = time.monotonic() + timeout
         pause = _poll_intervals()
         last: float | None = None
         while True:
-            found = self._inventory.request_outcome(key)
+            found = inventory.request_outcome(key)
             if found is not None:
                 return found
             now = time.monotonic()

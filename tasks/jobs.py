@@ -28,6 +28,7 @@ from reservations import (
 )
 from reservations import validation as valid
 from reservations.messages import Message
+from reservations.redrives import carried_request
 from reservations.requests import AlreadyApplied, task_name
 from reservations.statuses import SUCCEEDED, AttemptResult, RequestStatus
 from tasks import failpoints, logs, metrics, observe, policy
@@ -133,7 +134,7 @@ def _run_request(task: Task, name: str, args: tuple[Any, ...], kwargs: dict[str,
                     message.key,
                     message.operation,
                     RequestStatus.DEAD_LETTERED,
-                    {"reason": "unexpected error", "error": repr(exc)[:500]},
+                    _dead_letter(message, {"reason": "unexpected error", "error": repr(exc)[:500]}),
                     epochs=message.counts["epoch"],
                     fingerprint=message.fingerprint,
                     **who,
@@ -163,12 +164,18 @@ def _give_up(
         message.key,
         message.operation,
         RequestStatus.DEAD_LETTERED,
-        {"reason": reason, "error": error[:500]},
+        _dead_letter(message, {"reason": reason, "error": error[:500]}),
         epochs=message.counts["epoch"],
         fingerprint=message.fingerprint,
         **who,
     )
     return answer(task, message, stored)
+
+
+def _dead_letter(message: Message, detail: dict[str, Any]) -> dict[str, Any]:
+    """A dead letter's detail: why, and the request it carried (its type and checked arguments), so an
+    operator can drive it again once the cause is gone (reservations.redrives)."""
+    return {**detail, "request": carried_request(message.name, message.args)}
 
 
 def _attempt(
@@ -264,7 +271,10 @@ def _busy(
             return answer(task, message, done)
     if message.counts["busy"] >= res.settings.max_retries:
         observe.dead_lettered(message, "lease busy", who, **observe.busy_facts(busy))
-        return final(RequestStatus.DEAD_LETTERED, {"reason": "lease busy", "holder": busy.holder})
+        return final(
+            RequestStatus.DEAD_LETTERED,
+            _dead_letter(message, {"reason": "lease busy", "holder": busy.holder}),
+        )
     raise again("busy", policy.jitter(busy.retry_after, message.counts["busy"]), None) from None
 
 
@@ -290,7 +300,9 @@ def _lost(
     if epoch + 1 >= res.settings.max_epochs:
         reason = f"lost ownership {epoch + 1} times"
         observe.dead_lettered(message, reason, who, **_facts(fields))
-        return final(RequestStatus.DEAD_LETTERED, {"reason": reason, "last": str(lost)})
+        return final(
+            RequestStatus.DEAD_LETTERED, _dead_letter(message, {"reason": reason, "last": str(lost)})
+        )
     redriven = Redriven(f"{policy.printable(lost)}; driven again in epoch {epoch + 1}", fields)
     announce_lost(task, redriven)
     raise again("epoch", policy.jitter(0.01, epoch), redriven) from None

@@ -17,7 +17,13 @@ from admin.cli.context import config, lease_url_shown
 from admin.cli.render import err
 from fencing import BackendUnavailable, FencingError, InvalidLeaseRequest, SchemaMissing, mask_url
 from fencing.sql import schema_missing
-from reservations.errors import InvalidRequest, ReservationError, UnknownReservation, UnknownSku
+from reservations.errors import (
+    InvalidRequest,
+    ReservationError,
+    UnknownRequest,
+    UnknownReservation,
+    UnknownSku,
+)
 from reservations.settings import json_logs
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_UNREACHABLE = 0, 1, 2, 3, 4
@@ -50,7 +56,7 @@ def errors() -> Iterator[None]:
 
     try:
         yield
-    except (UnknownSku, UnknownReservation) as exc:
+    except (UnknownSku, UnknownReservation, UnknownRequest) as exc:
         fail(EXIT_NOT_FOUND, str(exc))
     except (InvalidRequest, InvalidLeaseRequest, RevisionNotFound) as exc:
         fail(EXIT_USAGE, str(exc))

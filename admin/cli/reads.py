@@ -4,7 +4,7 @@ the configuration. They go straight to the database and the lease coordinator an
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 from rich.table import Table
@@ -16,6 +16,7 @@ from admin.cli.options import JsonFlag, Limit, OneSku, Since, SkuOption, one_sku
 from admin.cli.render import out
 from reservations import validation as valid
 from reservations.errors import InvalidRequest, UnknownReservation
+from reservations.redrives import REDRIVE_MARK
 from reservations.timeline import epochs
 
 
@@ -135,9 +136,13 @@ def rejections(
 
 
 def show(key_or_id: str, as_json: JsonFlag = False) -> None:
-    """One request or reservation: its reservation, final outcome and attempts.
+    """One request or reservation: its reservation, final outcome and attempts. A dead-lettered request
+    that was driven again reports its latest re-drive's outcome (its "redrive" names it) and shows its
+    dead letter and every re-drive.
 
-    JSON: {"reservation": {...} | null, "outcome": {...} | null, "attempts": [...]}
+    JSON: {"reservation": {...} | null, "outcome": {..., "redrive": {"key", "number", "at", "by",
+    "final"} | null} | null, "attempts": [...], "dead_letter": {...} | null, "redrives": [{"origin",
+    "key", "number", "at", "by", "status"}]}
 
     Example: reservations show order-1042
     """
@@ -147,15 +152,58 @@ def show(key_or_id: str, as_json: JsonFlag = False) -> None:
         except UnknownReservation:
             found = None
         key = found.idempotency_key if found is not None else key_or_id
-        outcome = inventory.request_outcome(key) if _is_key(key) else None
+        is_key = _is_key(key)
+        outcome = inventory.request_outcome(key) if is_key else None
         attempts = inventory.attempts(key)
         if found is None and outcome is None and not attempts:
             raise UnknownReservation(key_or_id)
+        # A dead letter driven again: its own row, and every re-drive (of it, or of the request that
+        # this re-drive drove again).
+        dead = inventory.own_outcome(key) if outcome is not None and outcome.redrive is not None else None
+        redriven = is_key and outcome is not None and (outcome.redrive is not None or REDRIVE_MARK in key)
+        links = inventory.redrives_of(key) if redriven else []
     if as_json:
-        render.emit_json(render.request_json(found, outcome, attempts))
+        render.emit_json(render.request_json(found, outcome, attempts, dead, links))
         return
-    for line in render.request_lines(found, outcome, attempts):
+    for line in render.request_lines(found, outcome, attempts, dead, links):
         out.print(line)
+
+
+Reason = Annotated[
+    str | None,
+    typer.Option(
+        "--reason", help="Only dead letters whose reason starts with this, e.g. 'backend unavailable'."
+    ),
+]
+
+
+def dead_letters(
+    since: Since = None, reason: Reason = None, limit: Limit = 1000, as_json: JsonFlag = False
+) -> None:
+    """Requests that ended dead_lettered, newest first: key, operation, the request's arguments, reason,
+    when, worker, and whether it was driven again (reservations redrive) and how that ended. A re-drive
+    that dead-lettered too is shown under the original key, which may then be driven again; --since
+    counts from the latest dead letter of such a chain.
+
+    JSON: [{"key", "operation", "request_type", "arguments", "reason", "error", "at", "worker",
+    "task_id", "redrive": {"origin", "key", "number", "at", "by", "status"} | null, "redrivable"}]
+    (times in ISO 8601, UTC; "arguments" null for a dead letter that did not record them)
+
+    Example: reservations dead-letters --since 2h --reason 'backend unavailable'
+    """
+    with errors():
+        starting = parse_since(since)
+        with context.inventory() as inventory:
+            found = inventory.dead_letters(since=starting, reason=reason, limit=limit)
+    if as_json:
+        render.emit_json(render.dead_letters_json(found))
+        return
+    if not found:
+        out.print("no dead-lettered request" + (f" since {since}" if since else ""))
+        return
+    out.print(render.dead_letters_table(found))
+    ready = sum(d.redrivable for d in found)
+    out.print(f"{len(found)} dead-lettered request(s), {ready} can be re-driven (reservations redrive)")
 
 
 def _is_key(text: str) -> bool:

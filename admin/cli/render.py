@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from reservations.audit import Violation
+from reservations.redrives import DeadLetter, RedriveLink
 from reservations.requests import Attempt, RequestResult
 from reservations.timeline import Epoch, TimelineEntry
 from reservations.views import HistoryEntry, ReservationView, StockLevel
@@ -186,18 +187,39 @@ def rejections_table(sku: str, entries: Iterable[HistoryEntry]) -> Table:
 # -- show, audit ----------------------------------------------------------------------------------------
 
 
+def _outcome_json(outcome: RequestResult | None) -> dict[str, Any] | None:
+    if outcome is None:
+        return None
+    shown = _iso_times(asdict(outcome))
+    if outcome.redrive is not None:
+        shown["redrive"] = _iso_times(asdict(outcome.redrive))
+    return shown
+
+
 def request_json(
-    found: ReservationView | None, outcome: RequestResult | None, attempts: Iterable[Attempt]
+    found: ReservationView | None,
+    outcome: RequestResult | None,
+    attempts: Iterable[Attempt],
+    dead_letter: RequestResult | None = None,
+    redrives: Sequence[RedriveLink] = (),
 ) -> dict[str, Any]:
+    """``outcome`` is what the key reports (a re-drive's, with ``redrive`` naming it); ``dead_letter``
+    the key's own dead-lettered outcome when it was driven again, ``redrives`` every re-drive of it."""
     return {
         "reservation": _iso_times(asdict(found)) if found else None,
-        "outcome": _iso_times(asdict(outcome)) if outcome else None,
+        "outcome": _outcome_json(outcome),
         "attempts": [_iso_times(asdict(a)) for a in attempts],
+        "dead_letter": _outcome_json(dead_letter),
+        "redrives": [redrive_json(link) for link in redrives],
     }
 
 
 def request_lines(
-    found: ReservationView | None, outcome: RequestResult | None, attempts: Iterable[Attempt]
+    found: ReservationView | None,
+    outcome: RequestResult | None,
+    attempts: Iterable[Attempt],
+    dead_letter: RequestResult | None = None,
+    redrives: Sequence[RedriveLink] = (),
 ) -> list[str]:
     lines = []
     if found is not None:
@@ -206,12 +228,81 @@ def request_lines(
             f"(token {found.token}, key {found.idempotency_key})"
         )
     if outcome is not None:
+        via = outcome.redrive
+        came = ""
+        if via is not None:
+            came = (
+                f" (from re-drive #{via.number} {via.key})" if via.final else f" (re-drive {via.key} running)"
+            )
         lines.append(
-            f"outcome: {outcome.status} after {outcome.epochs} lost epoch(s) "
+            f"outcome: {outcome.status}{came} after {outcome.epochs} lost epoch(s) "
             f"{json.dumps(outcome.detail, sort_keys=True)}"
+        )
+    if dead_letter is not None and (outcome is None or outcome.redrive is not None):
+        lines.append(
+            f"dead-lettered {when(dead_letter.at)} UTC by {dead_letter.worker}: "
+            f"{json.dumps(dead_letter.detail, sort_keys=True)}"
+        )
+    for link in redrives:
+        lines.append(
+            f"re-drive #{link.number} {link.key} of {link.origin}, {when(link.at)} UTC by {link.by or '?'}: "
+            f"{link.status or 'no outcome yet'}"
         )
     lines += [f"  attempt {short_time(a.at)} {a.result} token={a.token} worker={a.worker}" for a in attempts]
     return lines
+
+
+# -- dead letters ---------------------------------------------------------------------------------------
+
+
+def redrive_json(link: RedriveLink | None) -> dict[str, Any] | None:
+    return None if link is None else _iso_times(asdict(link))
+
+
+def dead_letters_json(found: Iterable[DeadLetter]) -> list[dict[str, Any]]:
+    return [
+        {
+            "key": d.key,
+            "operation": d.operation,
+            "request_type": d.request_type,
+            "arguments": d.arguments,
+            "reason": d.reason,
+            "error": d.error,
+            "at": iso(d.at),
+            "worker": d.worker,
+            "task_id": d.task_id,
+            "redrive": redrive_json(d.redrive),
+            "redrivable": d.redrivable,
+        }
+        for d in found
+    ]
+
+
+def _redriven_cell(d: DeadLetter) -> str:
+    if d.arguments is None:
+        return "cannot: no arguments"
+    if d.redrive is None:
+        return "-"
+    return f"#{d.redrive.number} {d.redrive.status or 'running'}"
+
+
+def dead_letters_table(found: Iterable[DeadLetter]) -> Table:
+    table = Table(title="Dead-lettered requests", title_justify="left")
+    table.add_column("key", overflow="fold", max_width=28)
+    table.add_column("operation")
+    table.add_column("arguments", overflow="fold", max_width=30)
+    table.add_column("reason", overflow="fold", max_width=24)
+    table.add_column("when (UTC)")
+    table.add_column("worker", no_wrap=True, overflow="ellipsis", max_width=16)
+    table.add_column("re-driven", overflow="fold", max_width=22)
+    for d in found:
+        arguments = (
+            "-" if d.arguments is None else json.dumps(d.arguments, sort_keys=True, separators=(",", ":"))
+        )
+        table.add_row(
+            d.key, d.operation, arguments, d.reason, when(d.at), holder_shown(d.worker), _redriven_cell(d)
+        )
+    return table
 
 
 def violations_json(found: Iterable[Violation]) -> list[dict[str, str]]:

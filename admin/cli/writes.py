@@ -1,10 +1,12 @@
 """The commands that write, each saying so in its help: requests handed to the Celery workers by task
-name (this package never imports the tasks), with --wait polling their outcome; and add-sku, direct.
+name (this package never imports the tasks), with --wait polling their outcome; add-sku, direct; and
+redrive, which records each re-drive in the database and publishes it through tasks.redrives.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Callable
 from typing import Annotated, Any
@@ -13,12 +15,13 @@ import typer
 
 from admin.cli import context
 from admin.cli.context import config
-from admin.cli.failures import EXIT_FAILED, EXIT_UNREACHABLE, errors, fail
-from admin.cli.options import Key, Quantity, Timeout, Wait, whole
+from admin.cli.failures import EXIT_FAILED, EXIT_UNREACHABLE, EXIT_USAGE, complain, errors, fail
+from admin.cli.options import Key, Quantity, Timeout, Wait, parse_since, whole
 from admin.cli.render import out
-from fencing import mask_url
-from reservations import counting
+from fencing import BackendUnavailable, mask_url
+from reservations import Inventory, ReservationError, counting
 from reservations import validation as valid
+from reservations.redrives import Redrive
 from reservations.requests import request_id
 
 # The final statuses of a request that did what it asked; any other ends the command with exit 1.
@@ -161,3 +164,145 @@ def add_sku(
     with errors(), context.inventory() as inventory:
         level = inventory.add_sku(sku, on_hand=on_hand)
     out.print(f"created {level.sku} with {level.on_hand} on hand in {mask_url(config.database_url)}")
+
+
+def _operator() -> str:
+    """Who asks, as a re-drive records it: the user and the host."""
+    import getpass
+    import socket
+
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no user name in this environment (a container without one)
+        user = "unknown"
+    return f"{user}@{socket.gethostname()}"
+
+
+def redrive(
+    keys: Annotated[
+        list[str] | None,
+        typer.Argument(
+            metavar="[KEY]...", help="Dead-lettered request keys (or --since).", show_default=False
+        ),
+    ] = None,
+    since: Annotated[
+        str | None,
+        typer.Option(help="Every dead letter since: 30m, 2h, 1d or an ISO time.", show_default=False),
+    ] = None,
+    reason: Annotated[
+        str | None,
+        typer.Option(
+            help="With --since: only dead letters whose reason starts with this.", show_default=False
+        ),
+    ] = None,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Check and say what would be done; write nothing.")
+    ] = False,
+    by: Annotated[
+        str | None, typer.Option("--by", help="Who asks, recorded with each re-drive (default: user@host).")
+    ] = None,
+) -> None:
+    """WRITES (the database, then through the workers): drive dead-lettered requests again.
+
+    Each KEY, or each dead letter since --since (and of --reason), becomes a new request under
+    KEY~redrive-N with the same operation and arguments; the link is recorded first, so KEY reports that
+    request's outcome once it has one (reservations show KEY). The dead letter's own outcome is never
+    changed. Refused with nothing written (exit 2) for a key that is not dead-lettered, whose dead letter
+    did not record its arguments, or whose last re-drive has no outcome yet or did not end dead-lettered;
+    an unknown key exits 3. With KEYs, every one is checked before any is sent.
+
+    Example: reservations redrive --since 2h --reason 'backend unavailable' --dry-run
+    """
+    if bool(keys) == (since is not None):
+        fail(EXIT_USAGE, "give dead-lettered KEYs or --since, not both and not neither")
+    if reason is not None and since is None:
+        fail(EXIT_USAGE, "--reason selects among --since's dead letters; give --since")
+    with errors(), context.inventory() as inventory:
+        who = valid.name(by if by is not None else _operator(), field="by", max_chars=valid.MAX_WORKER_CHARS)
+        if keys:
+            chosen = _checked_keys(inventory, keys, who)
+        else:
+            chosen = _since(inventory, parse_since(since), reason, who)
+        if dry_run:
+            for claim in chosen:
+                out.print(
+                    f"would re-drive {claim.origin} as {claim.key} ({claim.request_type} {_args(claim)})"
+                )
+            out.print(f"dry run: {len(chosen)} request(s) would be re-driven; nothing written")
+            return
+        _send_redrives(inventory, chosen, who)
+
+
+def _args(claim: Redrive) -> str:
+    return json.dumps(claim.arguments, sort_keys=True, separators=(",", ":"))
+
+
+def _checked_keys(inventory: Inventory, keys: list[str], who: str | None) -> list[Redrive]:
+    """Every KEY checked as its re-drive would be (nothing recorded): one refused refuses them all."""
+    chosen: dict[str, Redrive] = {}
+    for key in keys:
+        claim = inventory.claim_redrive(valid.idempotency_key(key), by=who, dry_run=True)
+        chosen.setdefault(claim.origin, claim)  # a key given twice, or with one of its re-drives: once
+    return list(chosen.values())
+
+
+def _since(
+    inventory: Inventory, starting: float | None, reason: str | None, who: str | None
+) -> list[Redrive]:
+    """The dead letters since ``starting`` that may be driven again; those that may not are said."""
+    from reservations.errors import RedriveRefused
+
+    found = inventory.dead_letters(since=starting, reason=reason, limit=valid.MAX_LIMIT)
+    if len(found) == valid.MAX_LIMIT:
+        complain(logging.WARNING, f"only the newest {valid.MAX_LIMIT} dead letters: run again for the rest")
+    chosen = []
+    for dead in found:
+        if dead.arguments is None:
+            complain(logging.WARNING, f"{dead.key}: its dead letter does not record the request's arguments")
+            continue
+        if not dead.redrivable:
+            continue  # its re-drive is running or ended otherwise: nothing to do for it
+        try:
+            chosen.append(inventory.claim_redrive(dead.key, by=who, dry_run=True))
+        except RedriveRefused as refused:
+            complain(logging.WARNING, str(refused))
+    return chosen
+
+
+def _send_redrives(inventory: Inventory, chosen: list[Redrive], who: str | None) -> None:
+    """Claim and publish each; a refusal found now (someone else re-drove it meanwhile) is said and the
+    rest go on; an unreachable broker stops the run (the claim it could not send is taken back)."""
+    from reservations.errors import RedriveRefused
+    from tasks.producer import Producer
+    from tasks.redrives import redrive as send_redrive
+
+    sent, refused = 0, 0
+    try:
+        producer = Producer.configured(config.settings)
+    except Exception as exc:
+        fail(EXIT_UNREACHABLE, f"broker unusable at {mask_url(config.broker_url)}: {exc}")
+    with producer:
+        for claim in chosen:
+            try:
+                done = send_redrive(inventory, producer, claim.origin, by=who)
+            except RedriveRefused as exc:
+                complain(logging.WARNING, str(exc))
+                refused += 1
+                continue
+            except (ReservationError, BackendUnavailable):
+                raise
+            except Exception as exc:  # kombu's and socket errors: the broker is unusable
+                fail(
+                    EXIT_UNREACHABLE,
+                    f"broker unreachable at {mask_url(config.broker_url)}: {exc} ({sent} re-driven before; "
+                    f"{claim.origin} not re-driven)",
+                )
+            sent += 1
+            request = request_id(done.key)
+            out.print(f"re-driving {done.origin} as {done.key} (re-drive #{done.number}, request {request})")
+    out.print(
+        f"wrote {sent} re-drive(s) to {mask_url(config.database_url)} and enqueued them on "
+        f"{mask_url(config.broker_url)}"
+    )
+    if refused:
+        raise typer.Exit(EXIT_FAILED)
