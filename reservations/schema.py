@@ -18,13 +18,18 @@ from typing import TYPE_CHECKING
 
 import sqlalchemy as sa
 
-from fencing.sql import make_engine
+from fencing.sql import Pooling, make_engine
 
 if TYPE_CHECKING:
     from alembic.config import Config
 
 # Alembic is imported when the schema is touched, not with the package: every command line call and
 # worker would otherwise pay for it at start (a tenth of the CLI's start-up).
+
+# The engines here (and the migrations', reservations/migrations/env.py) live for a handful of statements:
+# they never prepare one and hold nothing in their session, so they work through a transaction pooler
+# (PgBouncer) whatever RESERVATIONS_DATABASE_POOLING says, and directly at no cost.
+ONE_SHOT: Pooling = "transaction"
 
 
 class RevisionNotFound(ValueError):
@@ -60,7 +65,7 @@ def upgrade(url: str, revision: str = "head") -> None:
 def current(url: str) -> str | None:
     from alembic.runtime.migration import MigrationContext
 
-    engine = make_engine(url)
+    engine = make_engine(url, pooling=ONE_SHOT)
     try:
         with engine.connect() as conn:
             return MigrationContext.configure(conn).get_current_revision()
@@ -129,7 +134,7 @@ def fit(url: str) -> Fit:
 
     from reservations.models import schema_compatibility
 
-    engine = make_engine(url)
+    engine = make_engine(url, pooling=ONE_SHOT)
     try:
         with engine.connect() as conn:
             found = MigrationContext.configure(conn).get_current_revision()

@@ -25,7 +25,7 @@ from urllib.parse import quote, urlsplit
 from fencing import InvalidLeaseRequest, mask_url
 from fencing.keys import validate_prefix
 from fencing.manager import lease_backend
-from fencing.sql import normalize_url
+from fencing.sql import POOLING_MODES, normalize_url
 from reservations import numerals
 
 __all__ = [
@@ -171,6 +171,12 @@ class Settings:
     database_url: str = _setting(
         "sqlite:///var/reservations.sqlite3", "inventory database (SQLite or PostgreSQL)", url=True
     )
+    database_pooling: str = _setting(
+        "session",
+        "session or transaction: how the database's sessions are held; transaction behind PgBouncer's "
+        "pool_mode=transaction (no prepared statements, and a worker checks at start that the database "
+        "or role bounds idle transactions and lock waits by the lease ttl); also for a SQL lease backend",
+    )
     lease_url: str = _setting(
         "", "lease backend, redis://... or SQL (unset: the database)", url=True, default_from="database_url"
     )
@@ -249,6 +255,12 @@ class Settings:
         if not self.lease_url:
             object.__setattr__(self, "lease_url", self.database_url)
         problems = [*_url_problems(self)]
+        if self.database_pooling not in POOLING_MODES:
+            problems.append(
+                f"{PREFIX}DATABASE_POOLING must be session or transaction, got {self.database_pooling!r}"
+            )
+        elif self.database_pooling == "transaction" and not _is_postgres(self.database_url):
+            problems.append(f"{PREFIX}DATABASE_POOLING=transaction needs a PostgreSQL {PREFIX}DATABASE_URL")
         if self.log_format not in ("text", "json"):
             problems.append(f"{PREFIX}LOG_FORMAT must be text or json, got {self.log_format!r}")
         # Redelivery must never overtake a live attempt: an unacked message comes back only after the
@@ -363,6 +375,10 @@ RESULT_SCHEMES = ("redis", "rediss", "sentinel", "db")
 # A sentinel:// URL names every sentinel, one URL each joined by ";", the form kombu's Sentinel transport
 # and Celery's Sentinel result backend both read; the service they watch is RESERVATIONS_SENTINEL_MASTER.
 _SENTINELS = ";"
+
+
+def _is_postgres(url: str) -> bool:
+    return _scheme_of(url) in ("postgresql", "postgres")
 
 
 def _scheme_of(url: str) -> str:

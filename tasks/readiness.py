@@ -9,6 +9,10 @@ key prefix, numbers, password files: :mod:`reservations.settings`). What is left
 - the database schema is one this code may run on (:func:`reservations.schema.fit`). A worker on a
   schema behind its code would fail its hot-SKU batches: it exits 2 naming the revision it found and the
   one it needs (``reservations db upgrade``), so migrations go first and workers roll after them.
+- behind a transaction pooler (``RESERVATIONS_DATABASE_POOLING=transaction``), the database or role bounds
+  idle transactions and lock waits by the lease ttl. The worker cannot set them per connection there (the
+  pooler lends each transaction any server session), and without them a holder frozen inside its
+  transaction would keep its SKU's row locked for as long as it is frozen: exit 2, naming what is missing.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import redis
 import sqlalchemy as sa
 
 from fencing import BackendUnavailable, LeaseManager, SchemaMissing, mask_url
+from fencing.sql import TransactionBounds, make_engine, transaction_bounds
 from reservations import schema
 from tasks.logs import say
 from tasks.settings import Settings
@@ -76,6 +81,15 @@ def wait_for(
         delay = min(5.0, delay * 2)
 
 
+def _bounds(url: str) -> TransactionBounds:
+    """The bounds a worker's transactions get through the pooler, read as a worker's engine reads."""
+    engine = make_engine(url, pooling="transaction")
+    try:
+        return transaction_bounds(engine)
+    finally:
+        engine.dispose()
+
+
 def wait_until_usable(settings: Settings, *, sleep: Callable[[float], None] = time.sleep) -> None:
     """Return once the database and the lease backend answer and the schema fits this code; exit 2
     when the schema does not fit."""
@@ -88,10 +102,22 @@ def wait_until_usable(settings: Settings, *, sleep: Callable[[float], None] = ti
         refuse(fit.message)
     if fit.found != fit.needed:
         say(f"reservations worker: {fit.message}", level=logging.WARNING, event="schema_ahead")
+    if settings.database_pooling == "transaction":
+        where = mask_url(settings.database_url)
+        beyond = wait_for("database", where, lambda: _bounds(settings.database_url), sleep=sleep).beyond(
+            settings.lease_ttl
+        )
+        if beyond:
+            refuse(
+                f"the database at {where} is behind a transaction pooler (RESERVATIONS_DATABASE_POOLING="
+                f"transaction) and bounds transactions by more than the lease ttl ({settings.lease_ttl:g}s): "
+                f"{', '.join(beyond)}; set both to at most the ttl on the database or role (ALTER ROLE ... "
+                "SET ...), see PgBouncer in docs/operations.md"
+            )
     leases = LeaseManager.from_url(
         settings.lease_url,
         prefix=settings.lease_prefix,
-        **client_options(settings.lease_url, settings.lease_ttl),
+        **client_options(settings.lease_url, settings.lease_ttl, settings.database_pooling),
     )
     try:
         wait_for("lease backend", leases.url, lambda: leases.current(_PROBE_SCOPE), sleep=sleep)

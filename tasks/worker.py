@@ -79,8 +79,9 @@ _resources: Resources | None = None
 SQL_POOL: dict[str, Any] = {"pool_size": 5, "max_overflow": 64}
 
 
-def client_options(url: str, lease_ttl: float) -> dict[str, Any]:
-    """The options a worker builds its client for ``url`` with (Redis or SQL)."""
+def client_options(url: str, lease_ttl: float, pooling: str = "session") -> dict[str, Any]:
+    """The options a worker builds its client for ``url`` with (Redis or SQL); ``pooling``: the SQL
+    engine's (``RESERVATIONS_DATABASE_POOLING``)."""
     if url.startswith(("redis", "rediss", "unix")):
         # A lease call that has not answered within a third of the ttl is of no use (a renewal would come
         # too late): give up then, as unavailable, instead of waiting on TCP for minutes when the worker is
@@ -92,7 +93,7 @@ def client_options(url: str, lease_ttl: float) -> dict[str, Any]:
         retry = Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,))
         return {"socket_timeout": wait, "socket_connect_timeout": wait, "retry": retry}
     in_memory = url.startswith("sqlite") and (":memory:" in url or url.rstrip("/") == "sqlite:")
-    return {} if in_memory else SQL_POOL
+    return {} if in_memory else {**SQL_POOL, "pooling": pooling}
 
 
 def worker_identity() -> str:
@@ -106,8 +107,10 @@ def _build_inventory(settings: Settings) -> Inventory:
             settings.database_url,
             enforce_fence=settings.enforce_fence,
             before_statement=lambda lease: failpoint("in_write"),
-            transaction_timeout=settings.lease_ttl,
-            **client_options(settings.database_url, settings.lease_ttl),
+            # Behind a transaction pooler a per-connection setting is lost: the database or role bounds
+            # transactions there instead, as the checks at start made sure (tasks.readiness).
+            transaction_timeout=None if settings.database_pooling == "transaction" else settings.lease_ttl,
+            **client_options(settings.database_url, settings.lease_ttl, settings.database_pooling),
         )
     except Exception as exc:
         raise Unbuildable("database", exc) from exc
@@ -120,7 +123,7 @@ def _build_leases(resources: Resources) -> None:
         resources.lease_manager = LeaseManager.from_url(
             settings.lease_url,
             prefix=settings.lease_prefix,
-            **client_options(settings.lease_url, settings.lease_ttl),
+            **client_options(settings.lease_url, settings.lease_ttl, settings.database_pooling),
         )
         resources.lease_error = None
     except Exception as exc:

@@ -210,6 +210,19 @@ def test_a_renewal_not_due_before_the_lease_runs_out_is_refused() -> None:
     assert Settings.from_env({"RESERVATIONS_LEASE_TTL": "10", "RESERVATIONS_LEASE_RENEW_EVERY": "9.5"})
 
 
+def test_transaction_pooling_is_a_postgresql_setting_of_two_words() -> None:
+    pooled = {"RESERVATIONS_DATABASE_URL": "postgresql://app@pgbouncer:6432/inv"}
+    settings = Settings.from_env({**pooled, "RESERVATIONS_DATABASE_POOLING": "transaction"})
+    assert settings.database_pooling == "transaction" and Settings().database_pooling == "session"
+    with pytest.raises(SettingsError) as caught:
+        Settings.from_env({**pooled, "RESERVATIONS_DATABASE_POOLING": "statement"})
+    assert caught.value.problems == [
+        "RESERVATIONS_DATABASE_POOLING must be session or transaction, got 'statement'"
+    ]
+    with pytest.raises(SettingsError, match=r"^RESERVATIONS_DATABASE_POOLING=transaction needs a PostgreSQL"):
+        Settings.from_env({"RESERVATIONS_DATABASE_POOLING": "transaction"})  # the SQLite default
+
+
 # Each URL or prefix a worker could not build its clients from, and the variable its problem names.
 UNUSABLE = [
     ({"RESERVATIONS_LEASE_URL": "ftp://x"}, "RESERVATIONS_LEASE_URL: unsupported lease URL ftp://x"),

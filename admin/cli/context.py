@@ -42,11 +42,16 @@ config = Config()
 
 
 def inventory() -> Inventory:
-    return Inventory.from_url(config.database_url)
+    return Inventory.from_url(config.database_url, pooling=config.settings.database_pooling)
 
 
 def leases() -> LeaseManager:
-    return LeaseManager.from_url(config.lease_url or config.database_url, prefix=config.lease_prefix)
+    if config.lease_url:
+        return LeaseManager.from_url(config.lease_url, prefix=config.lease_prefix)
+    # The leases live in the database: its engine, through the same pooler.
+    return LeaseManager.from_url(
+        config.database_url, prefix=config.lease_prefix, pooling=config.settings.database_pooling
+    )
 
 
 def lease_url_shown() -> str:

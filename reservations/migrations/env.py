@@ -19,6 +19,7 @@ import reservations.models  # noqa: F401  (registers the inventory tables on SQL
 from fencing.sql import make_engine
 from fencing.sql_backend import metadata as lease_metadata
 from reservations.models import schema_compatibility
+from reservations.schema import ONE_SHOT
 
 config = context.config
 if config.config_file_name is not None:  # the alembic CLI, with alembic.ini: its logging setup
@@ -112,7 +113,7 @@ def run() -> None:
     if connection is not None:
         migrate(connection)
         return
-    engine = make_engine(database_url())
+    engine = make_engine(database_url(), pooling=ONE_SHOT)
     try:
         with engine.connect() as conn:
             migrate(conn)
