@@ -1,6 +1,8 @@
 """The reference deployment file stays valid and production-shaped: redelivery-safe broker settings, restart
 policies, passwords only from secret files, light health checks that work against what the processes write,
 resource limits, worker events, a RabbitMQ profile; and an image that installs the project, not a checkout.
+With every profile: images pinned to releases, rotated logs, ports on loopback only, a Redis that asks for
+its password and refuses writes when full rather than evict, Flower behind basic auth on the app's broker.
 """
 
 from __future__ import annotations
@@ -9,15 +11,18 @@ import json
 import os
 import re
 import shutil
+import stat
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
+import yaml
 
-from admin.harness import CeleryProcess, redis_server, start_all, stop_all, wait_until, worker_env
+from admin.harness import CeleryProcess, free_port, redis_server, start_all, stop_all, wait_until, worker_env
 from reservations import schema
 from tasks.settings import Settings, SettingsError, url_with_password_file
 
@@ -26,14 +31,17 @@ COMPOSE = ROOT / "compose.yaml"
 LONG_RUNNING = ("redis", "postgres", "rabbitmq", "worker", "beat")
 ONE_SHOT = ("migrate", "demo")
 APP = ("migrate", "worker", "beat", "demo")
+SECRETS = ("postgres_password", "rabbitmq_password", "redis_password", "grafana_admin_password",
+           "flower_auth")  # fmt: skip
+REDIS_SECRET = "/run/secrets/redis_password"
 
 needs_compose = pytest.mark.skipif(shutil.which("docker-compose") is None, reason="docker-compose is missing")
 
 
-def compose(*args: str, **variables: str) -> str:
+def compose(*args: str, file: Path = COMPOSE, **variables: str) -> str:
     """``docker-compose -f compose.yaml ARGS`` with these variables set (and no profile from outside)."""
     done = subprocess.run(
-        ["docker-compose", "-f", str(COMPOSE), *args],
+        ["docker-compose", "-f", str(file), *args],
         env={**os.environ, "COMPOSE_PROFILES": "", **variables},
         capture_output=True, text=True, timeout=60, check=False,
     )
@@ -41,17 +49,19 @@ def compose(*args: str, **variables: str) -> str:
     return done.stdout
 
 
-def resolved(*args: str, **variables: str) -> dict[str, Any]:
+def resolved(*args: str, file: Path = COMPOSE, **variables: str) -> dict[str, Any]:
     """``docker-compose config`` as data. docker-compose 1.x is a Python program whose own interpreter
     has PyYAML (this project does not depend on it); 2.x prints JSON when asked."""
     first_line = Path(shutil.which("docker-compose") or "").read_bytes()[:200].partition(b"\n")[0]
     if not first_line.startswith(b"#!"):
-        data: dict[str, Any] = json.loads(compose(*args, "config", "--format", "json", **variables))
+        text = compose(*args, "config", "--format", "json", file=file, **variables)
+        data: dict[str, Any] = json.loads(text)
         return data
     to_json = "import json, sys, yaml; json.dump(yaml.safe_load(sys.stdin), sys.stdout)"
     done = subprocess.run(
         [*first_line[2:].decode().split(), "-c", to_json],
-        input=compose(*args, "config", **variables), capture_output=True, text=True, timeout=60, check=True,
+        input=compose(*args, "config", file=file, **variables), capture_output=True, text=True, timeout=60,
+        check=True,
     )
     data = json.loads(done.stdout)
     return data
@@ -101,9 +111,7 @@ def test_passwords_come_only_from_secret_files(
     for name, service in services.items():
         env = service.get("environment") or {}
         assert not [key for key in env if re.search(r"PASS(WORD)?$", key)], name
-    assert {s["file"].rsplit("/", 1)[1] for s in config["secrets"].values()} == {
-        "postgres_password", "rabbitmq_password"
-    }
+    assert {s["file"].rsplit("/", 1)[1] for s in config["secrets"].values()} == set(SECRETS)
 
     def mounted(service: dict[str, Any]) -> set[str]:
         return {s if isinstance(s, str) else s["source"] for s in service.get("secrets", [])}
@@ -116,7 +124,9 @@ def test_passwords_come_only_from_secret_files(
         assert secret in mounted(services[name]), name
         assert urlsplit(env["RESERVATIONS_DATABASE_URL"]).password is None, name
         assert "rabbitmq_password" in mounted(services[name]), name
+        assert "redis_password" in mounted(services[name]), name
     assert "rabbitmq_password" in mounted(services["rabbitmq"])
+    assert "redis_password" in mounted(services["redis"])
 
 
 def test_health_checks_are_present_and_start_no_client(services: dict[str, dict[str, Any]]) -> None:
@@ -247,3 +257,233 @@ def test_health_checks_read_what_the_worker_and_beat_write(
     assert not shell_passes(worker_check) and not shell_passes(beat_check)
     wait_until(lambda: shell_passes(worker_check), timeout=15, what="the worker to touch its heartbeat")
     wait_until(lambda: shell_passes(beat_check), timeout=15, what="beat to rewrite its schedule")
+
+
+# -- every profile: pinned images, rotated logs, loopback ports, Redis's password and memory, Flower --------
+
+
+def as_written() -> dict[str, Any]:
+    """compose.yaml as written (anchors resolved, no variable substituted)."""
+    data: dict[str, Any] = yaml.safe_load(COMPOSE.read_text())
+    return data
+
+
+PROFILES = sorted({profile for s in as_written()["services"].values() for profile in s.get("profiles", [])})
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of the deployment (compose file, what it builds and mounts) with a dummy file for each secret,
+    as an operator's folder is once the secrets are made: compose checks what a profile mounts."""
+    folder = tmp_path_factory.mktemp("project")
+    for name in ("compose.yaml", "Dockerfile"):
+        shutil.copy(ROOT / name, folder / name)
+    shutil.copytree(ROOT / "deploy", folder / "deploy")
+    for secret in as_written()["secrets"].values():
+        path = folder / secret["file"]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("dummy\n")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def everything(project: Path) -> dict[str, dict[str, Any]]:
+    """Every service of every profile, resolved."""
+    if shutil.which("docker-compose") is None:
+        pytest.skip("docker-compose is missing")
+    every = [arg for profile in PROFILES for arg in ("--profile", profile)]
+    found: dict[str, dict[str, Any]] = resolved(*every, file=project / "compose.yaml")["services"]
+    return found
+
+
+def test_the_file_has_profiles() -> None:
+    assert {"rabbitmq", "monitoring", "flower"} <= set(PROFILES)
+
+
+@needs_compose
+@pytest.mark.parametrize("profile", ["", *PROFILES])
+def test_compose_accepts_the_file_with_each_profile(project: Path, profile: str) -> None:
+    compose(*(("--profile", profile) if profile else ()), "config", "-q", file=project / "compose.yaml")
+
+
+def test_every_image_is_pinned_to_a_release(everything: dict[str, dict[str, Any]]) -> None:
+    """An exact version, never latest nor a major alone: a `pull` later gets the same servers."""
+    for name, service in everything.items():
+        if "build" in service:  # the project's own image, built from the Dockerfile checked below
+            continue
+        repository, _, tag = service["image"].rpartition(":")
+        assert repository and "/" not in tag, f"{name}: {service['image']} has no tag"
+        # PostgreSQL numbers its releases major.minor since 10 (15.7); the others major.minor.patch.
+        release = r"\d+\.\d+" if repository == "postgres" else r"v?\d+\.\d+\.\d+"
+        assert re.match(rf"{release}(?:$|[-.])", tag), f"{name}: {service['image']} is not a release"
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    bases = re.findall(r"^ARG \w+_IMAGE=(\S+)|^FROM (\S+)", dockerfile, re.MULTILINE)
+    images = [arg or base for arg, base in bases if not (arg or base).startswith("$")]
+    assert images
+    for image in images:
+        assert re.fullmatch(r"[\w./-]+:\d+\.\d+\.\d+[-\w.]*", image), f"Dockerfile: {image} is not a release"
+
+
+def test_every_service_rotates_its_logs(everything: dict[str, dict[str, Any]]) -> None:
+    anchor = as_written()["x-logging"]
+    assert anchor["driver"] == "json-file"
+    assert anchor["options"]["max-size"] and int(anchor["options"]["max-file"]) > 1
+    for name, service in everything.items():
+        assert service.get("logging") == anchor, name
+
+
+def test_ports_are_published_on_loopback_only(everything: dict[str, dict[str, Any]]) -> None:
+    published = {}
+    for name, service in everything.items():
+        assert service.get("network_mode") != "host", name
+        for port in service.get("ports", []):
+            # docker-compose 1.x writes "127.0.0.1:5555:5555/tcp", 2.x a mapping with host_ip.
+            host_ip = port.get("host_ip") if isinstance(port, dict) else str(port).rsplit(":", 2)[0]
+            assert host_ip == "127.0.0.1", f"{name}: {port}"
+            published[name] = port
+    assert {"flower", "prometheus", "grafana"} <= set(published)
+
+
+def size(text: str | int, *, redis: bool = False) -> int:
+    """A byte count as Redis (1mb = 2**20, 1m = 10**6) or Docker (1M = 2**20) writes it."""
+    if isinstance(text, int) or str(text).isdigit():
+        return int(text)
+    matched = re.fullmatch(r"(\d+)\s*([kmg])(b?)", str(text).lower())
+    assert matched, text
+    power = "kmg".index(matched[2]) + 1
+    base = 1000 if redis and not matched[3] else 1024
+    return int(matched[1]) * base**power
+
+
+def test_redis_refuses_writes_when_full_below_its_memory_limit(
+    everything: dict[str, dict[str, Any]],
+) -> None:
+    redis = everything["redis"]
+    options = dict(zip(redis["command"][::2], redis["command"][1::2], strict=True))
+    assert options["--maxmemory-policy"] == "noeviction"
+    limit = size(redis["deploy"]["resources"]["limits"]["memory"])
+    assert 0 < size(options["--maxmemory"], redis=True) < limit
+
+
+def test_redis_asks_for_a_password_every_app_service_reads_from_the_secret(
+    everything: dict[str, dict[str, Any]], tmp_path: Path
+) -> None:
+    redis = everything["redis"]
+    assert [s["source"] if isinstance(s, dict) else s for s in redis["secrets"]] == ["redis_password"]
+    script = redis["entrypoint"][2]
+    assert REDIS_SECRET in script and "requirepass" in script
+    assert not [arg for arg in redis["command"] if "pass" in arg.lower()]  # never on a command line
+    check = " ".join(redis["healthcheck"]["test"][1:])
+    assert "REDISCLI_AUTH" in check and REDIS_SECRET in check
+
+    secret = tmp_path / "redis_password"
+    secret.write_text("0123abcd\n")
+    for name in APP:
+        env = everything[name]["environment"]
+        files = {key for key, value in env.items() if key.endswith("PASSWORD_FILE") and value == REDIS_SECRET}
+        assert files == {
+            "RESERVATIONS_BROKER_PASSWORD_FILE",
+            "RESERVATIONS_RESULT_BACKEND_PASSWORD_FILE",
+            "RESERVATIONS_LEASE_PASSWORD_FILE",
+        }, name
+        # What the settings make of it, the secret's path pointed at this test's file.
+        local = {key: str(secret) if value == REDIS_SECRET else value for key, value in env.items()}
+        local["RESERVATIONS_DATABASE_PASSWORD_FILE"] = ""
+        settings = Settings.from_env(local)
+        for url in (settings.broker_url, settings.result_backend, settings.lease_url):
+            assert urlsplit(url).password == "0123abcd" and urlsplit(url).hostname == "redis", name
+        assert "0123abcd" not in repr(settings) and "0123abcd" not in json.dumps(settings.report())
+
+
+def run_shell(command: str, **env: str) -> subprocess.CompletedProcess[str]:
+    environment = {**os.environ, **env}
+    return subprocess.run(["sh", "-c", command], env=environment, capture_output=True, text=True, timeout=30)
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is missing")
+def test_redis_starts_with_the_secret_and_its_health_check_authenticates(
+    everything: dict[str, dict[str, Any]], tmp_path: Path
+) -> None:
+    """The compose file's own entrypoint script and health check, run against a real redis-server with the
+    container's paths pointed at this test's folder."""
+    redis = everything["redis"]
+    secret, wrong = tmp_path / "redis_password", tmp_path / "wrong_password"
+    secret.write_text("5ecret-0f-the-test\n")
+    wrong.write_text("not-it\n")
+    run_dir = tmp_path / "run"
+
+    def local(text: str) -> str:  # compose's $$ is a $; the container's paths are this test's
+        return text.replace("$$", "$").replace(REDIS_SECRET, str(secret)).replace("/run/redis", str(run_dir))
+
+    kind, _, script, name = redis["entrypoint"]
+    assert (kind, _) == ("sh", "-c")
+    script = local(script).replace("chown -R redis", ": chown")
+    script = script.replace("docker-entrypoint.sh redis-server", "redis-server")  # the image's, then gosu
+    port = free_port()
+    own = ["--port", str(port), "--bind", "127.0.0.1", "--dir", str(tmp_path), "--save", ""]
+    with (tmp_path / "redis.log").open("wb") as log:
+        server = subprocess.Popen(["sh", "-c", script, name, *redis["command"], *own], stdout=log, stderr=log)
+    try:
+        cli = f"redis-cli -p {port}"
+
+        def up() -> bool:
+            assert server.poll() is None, (tmp_path / "redis.log").read_text()
+            return "NOAUTH" in run_shell(f"{cli} ping").stdout
+
+        wait_until(up, timeout=30, what="redis-server to answer")
+        assert stat.S_IMODE((run_dir / "auth.conf").stat().st_mode) == 0o600
+        check = local(redis["healthcheck"]["test"][1]).replace("redis-cli", cli)
+        healthy = run_shell(check)
+        assert healthy.returncode == 0, healthy
+        assert "5ecret" not in healthy.stdout + healthy.stderr
+        assert run_shell(check.replace(str(secret), str(wrong))).returncode != 0
+        config = run_shell(f"{cli} config get maxmemory-policy", REDISCLI_AUTH="5ecret-0f-the-test").stdout
+        assert config.split() == ["maxmemory-policy", "noeviction"]
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+
+
+def test_flower_asks_for_a_password_and_watches_the_apps_broker(
+    everything: dict[str, dict[str, Any]],
+) -> None:
+    flower = everything["flower"]
+    assert flower["profiles"] == ["flower"]
+    mounted = {s["source"] if isinstance(s, dict) else s for s in flower["secrets"]}
+    assert {"flower_auth", "redis_password", "rabbitmq_password"} <= mounted
+    script = flower["entrypoint"][2]
+    # Basic auth from the secret, through the environment: Flower reads FLOWER_BASIC_AUTH itself.
+    assert re.search(r"FLOWER_BASIC_AUTH=\"\$\$\(cat /run/secrets/flower_auth\)\"", script), script
+    assert "export FLOWER_BASIC_AUTH" in script and "--basic-auth" not in script and "--broker" not in script
+    worker = everything["worker"]["environment"]
+    for key in ("RESERVATIONS_BROKER_URL", "RESERVATIONS_BROKER_PASSWORD_FILE"):
+        assert flower["environment"][key] == worker[key], key
+    helper = next(v.split(":")[1] for v in flower["volumes"] if v.split(":")[0].endswith("broker_url.py"))
+    assert f"CELERY_BROKER_URL=\"$$(python {helper})\"" in script
+
+    # With RabbitMQ chosen, Flower follows.
+    chosen = resolved(
+        "--profile", "flower", "--profile", "rabbitmq",
+        file=COMPOSE,
+        RESERVATIONS_BROKER_URL="amqp://reservations@rabbitmq:5672/",
+        RESERVATIONS_BROKER_PASSWORD_FILE="/run/secrets/rabbitmq_password",
+    )["services"]  # fmt: skip
+    assert chosen["flower"]["environment"] == {
+        key: chosen["worker"]["environment"][key] for key in chosen["flower"]["environment"]
+    }
+    assert chosen["flower"]["environment"]["RESERVATIONS_BROKER_URL"].startswith("amqp://")
+
+
+@pytest.mark.parametrize("url", ["redis://redis:6379/0", "amqp://reservations@rabbitmq:5672/", "redis://r"])
+def test_flowers_broker_url_is_the_one_the_settings_give(tmp_path: Path, url: str) -> None:
+    secret = tmp_path / "password"
+    secret.write_text("p@ss:w/rd%\n")
+    helper = ROOT / "deploy" / "flower" / "broker_url.py"
+    for env in (
+        {"RESERVATIONS_BROKER_URL": url, "RESERVATIONS_BROKER_PASSWORD_FILE": str(secret)},
+        {"RESERVATIONS_BROKER_URL": url, "RESERVATIONS_BROKER_PASSWORD_FILE": ""},
+    ):
+        done = subprocess.run(
+            [sys.executable, str(helper)], env=env, capture_output=True, text=True, timeout=30, check=True
+        )
+        assert done.stdout.strip() == Settings.from_env(env).broker_url
