@@ -9,20 +9,26 @@ and nothing is applied twice.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
+from kombu.exceptions import OperationalError
 
 from admin.harness import RedisServer, free_port, redis_server, wait_until
-from reservations import Inventory
+from fencing.sql import make_engine
+from reservations import Inventory, schema
 from reservations.errors import RedriveRefused, UnknownRequest
 from reservations.messages import request_fingerprint
+from reservations.models import schema_compatibility
 from reservations.redrives import carried_request, redrive_key
 from reservations.requests import RequestResult
 from reservations.validation import MAX_KEY_CHARS, idempotency_key
+from tasks import ReservationClient, Settings, create_app
 from tests.support import run
 from tests.workers import cluster, pg_schema
 
@@ -168,6 +174,50 @@ def test_a_redrive_key_fits_the_key_rules_however_long_the_original() -> None:
     assert len(keys) == 3
     assert all(idempotency_key(k) == k and k.endswith(("~redrive-1", "~redrive-12")) for k in keys)
     assert redrive_key("short", 3) == "short~redrive-3"
+
+
+def test_0009_runs_on_an_existing_database_and_lets_0008_workers_on(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'existing.sqlite3'}"
+    schema.upgrade(url, "0008")
+    with Inventory.from_url(url) as inv:
+        # Written by code of 0008: the dead letter records no arguments.
+        inv.record_outcome("before-0009", "reserve", "dead_lettered", {"reason": "backend unavailable"})
+    schema.upgrade(url)
+    engine = make_engine(url)
+    try:
+        with engine.connect() as conn:
+            assert [tuple(row) for row in conn.execute(sa.select(schema_compatibility))] == [("0009", "0008")]
+    finally:
+        engine.dispose()
+    # A worker of 0008 still starts on it: the new table is one it never reads.
+    known = schema.revisions()
+    assert schema.judge("0009", "0008", known[: known.index("0008") + 1]).ok
+    with Inventory.from_url(url) as inv:
+        (listed,) = inv.dead_letters()
+        assert (listed.key, listed.arguments, listed.redrivable) == ("before-0009", None, False)
+
+
+async def test_a_client_takes_back_a_redrive_it_could_not_publish(inventory_url: str) -> None:
+    settings = Settings.from_env(
+        {
+            "RESERVATIONS_DATABASE_URL": inventory_url,
+            "RESERVATIONS_BROKER_URL": f"redis://127.0.0.1:{free_port()}/0",
+        }
+    )
+    app = create_app(settings)
+    try:
+        with Inventory.from_url(inventory_url) as inv:
+            dead_letter(inv, "client-1")
+            async with ReservationClient(app) as client:
+                with pytest.raises(OperationalError):
+                    await client.redrive("client-1", by="test")
+                assert await asyncio.to_thread(inv.redrives_of, "client-1") == []
+                with pytest.raises(OperationalError):
+                    await asyncio.to_thread(client.redrive_sync, "client-1")
+            assert inv.redrives_of("client-1") == []
+            assert inv.claim_redrive("client-1", dry_run=True).number == 1
+    finally:
+        app.close()
 
 
 # -- the command line, without workers -------------------------------------------------------------------
