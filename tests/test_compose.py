@@ -454,7 +454,10 @@ def test_flower_asks_for_a_password_and_watches_the_apps_broker(
     script = flower["entrypoint"][2]
     # Basic auth from the secret, through the environment: Flower reads FLOWER_BASIC_AUTH itself.
     assert re.search(r"FLOWER_BASIC_AUTH=\"\$\$\(cat /run/secrets/flower_auth\)\"", script), script
-    assert "export FLOWER_BASIC_AUTH" in script and "--basic-auth" not in script and "--broker" not in script
+    assert "export FLOWER_BASIC_AUTH" in script and 'exec "$$@"' in script
+    assert flower["command"][:2] == ["celery", "flower"]
+    on_command_line = ("--basic-auth", "--basic_auth", "--broker")
+    assert not [arg for arg in flower["command"] if arg.startswith(on_command_line)]
     worker = everything["worker"]["environment"]
     for key in ("RESERVATIONS_BROKER_URL", "RESERVATIONS_BROKER_PASSWORD_FILE"):
         assert flower["environment"][key] == worker[key], key
