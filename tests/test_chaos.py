@@ -225,13 +225,16 @@ def test_checker_counts_batches_and_refusals_and_catches_an_outcome_the_database
 
 def test_delay_proxy_holds_client_chunks_and_keeps_the_conversation_intact() -> None:
     url = sa.engine.make_url(POSTGRES_URL)
-    proxy = DelayProxy((url.host or "127.0.0.1", url.port or 5432), delay=0.4, fraction=1.0).start()
+    # Every chunk is held (fraction 1.0), and a connection's start-up is a dozen of them: a short delay
+    # keeps the test short, and is still a hundred times a loopback query's own time.
+    delay = 0.1
+    proxy = DelayProxy((url.host or "127.0.0.1", url.port or 5432), delay=delay, fraction=1.0).start()
     engine = make_engine(url.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False))
     try:
         with engine.connect() as conn:
             started = time.monotonic()
             assert conn.execute(sa.text("SELECT 41 + 1")).scalar() == 42
-            assert time.monotonic() - started >= 0.4
+            assert time.monotonic() - started >= delay
         assert proxy.delayed_chunks >= 2  # the connection's startup and the query, each held back
     finally:
         engine.dispose()

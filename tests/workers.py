@@ -15,10 +15,9 @@ from pathlib import Path
 
 from celery import Celery
 
-from admin import harness
 from admin.harness import CeleryProcess, start_all, stop_all, worker_env
 from tasks import ReservationClient, Settings, create_app
-from tests.conftest import POSTGRES_URL
+from tests.conftest import own_pg_schema
 
 # A cluster's worker is the harness's default one: ``celery -A tasks worker``, prefork, one pool child.
 Worker = CeleryProcess
@@ -56,8 +55,9 @@ def rabbitmq_vhost(prefix: str = "tasks") -> Iterator[str]:
 
 
 def pg_schema() -> AbstractContextManager[str]:
-    """A migrated inventory database in a fresh schema of the test PostgreSQL, dropped afterwards."""
-    return harness.pg_schema(POSTGRES_URL, prefix="tasks")
+    """A migrated inventory database in a fresh schema of the test PostgreSQL, dropped afterwards (migrated
+    by replaying the run's one real migration, tests.conftest.migrate_pg_schema)."""
+    return own_pg_schema(migrated=True, prefix="tasks_")
 
 
 @dataclass(frozen=True)
