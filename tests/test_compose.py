@@ -2,7 +2,8 @@
 policies, passwords only from secret files, light health checks that work against what the processes write,
 resource limits, worker events, a RabbitMQ profile; and an image that installs the project, not a checkout.
 With every profile: images pinned to releases, rotated logs, ports on loopback only, a Redis that asks for
-its password and refuses writes when full rather than evict, Flower behind basic auth on the app's broker.
+its password and refuses writes when full rather than evict, Flower behind basic auth on the app's broker;
+the app through PgBouncer in transaction pooling, with one ttl bounding leases, database and pooler.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -490,3 +492,108 @@ def test_flowers_broker_url_is_the_one_the_settings_give(tmp_path: Path, url: st
             [sys.executable, str(helper)], env=env, capture_output=True, text=True, timeout=30, check=True
         )
         assert done.stdout.strip() == Settings.from_env(env).broker_url
+
+
+# -- PgBouncer: the app through the pooler, the bounds in the database, one ttl everywhere ----------------
+
+
+POSTGRES_SECRET = "/run/secrets/postgres_password"
+
+
+def ini_of(service: dict[str, Any]) -> dict[str, str]:
+    """The pgbouncer.ini the service's entrypoint writes, as option -> value."""
+    script = service["entrypoint"][2]
+    body = script.split("<<'INI'\n", 1)[1].split("\nINI\n", 1)[0]
+    pairs = (line.split("=", 1) for line in body.splitlines() if "=" in line and not line.startswith(";"))
+    return {name.strip(): value.strip() for name, value in pairs}
+
+
+def test_the_app_goes_through_the_pooler_and_migrations_go_direct(
+    everything: dict[str, dict[str, Any]],
+) -> None:
+    for name in ("worker", "beat", "metrics"):
+        env = everything[name]["environment"]
+        assert urlsplit(env["RESERVATIONS_DATABASE_URL"]).hostname == "pgbouncer", name
+        assert env["RESERVATIONS_DATABASE_POOLING"] == "transaction", name
+        assert "pgbouncer" in everything[name]["depends_on"], name
+        # A combination the settings accept (the secrets exist only in the containers).
+        Settings.from_env({k: v for k, v in env.items() if not k.endswith("_PASSWORD_FILE")})
+    migrate = everything["migrate"]["environment"]
+    assert urlsplit(migrate["RESERVATIONS_DATABASE_URL"]).hostname == "postgres"
+    assert migrate["RESERVATIONS_DATABASE_POOLING"] == "session"
+
+
+def test_one_ttl_bounds_the_leases_the_database_and_the_pooler(everything: dict[str, dict[str, Any]]) -> None:
+    """A frozen holder's row locks must go within a lease ttl behind the pooler: PostgreSQL's own bounds
+    (every server session starts with them) and PgBouncer's idle_transaction_timeout equal the workers'
+    ttl, which a worker checks at start (docs/operations.md, "PgBouncer")."""
+    ttl = everything["worker"]["environment"]["RESERVATIONS_LEASE_TTL"]
+    command = everything["postgres"]["command"]
+    assert f"idle_in_transaction_session_timeout={ttl}s" in command
+    assert f"lock_timeout={ttl}s" in command
+    ini = ini_of(everything["pgbouncer"])
+    assert ini["idle_transaction_timeout"] == ttl
+    assert (ini["pool_mode"], ini["max_prepared_statements"]) == ("transaction", "0")
+
+
+@pytest.mark.skipif(not os.access("/usr/sbin/pgbouncer", os.X_OK), reason="pgbouncer is missing")
+def test_pgbouncer_starts_from_the_secret_and_asks_for_the_password(
+    everything: dict[str, dict[str, Any]], tmp_path: Path
+) -> None:
+    """The compose file's own entrypoint script, run as the postgres user against a real pgbouncer and the
+    test PostgreSQL, with the container's paths, port and server pointed at this test's."""
+    import pwd
+
+    import psycopg
+
+    from tests.pgbouncer import pooled_role
+
+    # A folder the postgres user can reach (pytest's own are its owner's only), as the container's /tmp.
+    owner = pwd.getpwnam("postgres")
+    base = Path(tempfile.mkdtemp(prefix="compose-pgbouncer-"))
+    os.chmod(base, 0o755)
+    folder = base / "run"
+    folder.mkdir()
+    os.chown(folder, owner.pw_uid, owner.pw_gid)
+    secret = base / "postgres_password"
+    secret.write_text("5ecret-0f-the-test\n")
+    secret.chmod(0o644)
+    port = free_port()
+    kind, _, script, name = [*everything["pgbouncer"]["entrypoint"], "pgbouncer"][:4]
+    assert (kind, _) == ("sh", "-c")
+    with pooled_role() as role:
+        replacements = {
+            "$$": "$", POSTGRES_SECRET: str(secret), "/tmp/pgbouncer": str(folder),
+            '"reservations" "%s"': f'"{role}" "%s"', "host=postgres": "host=127.0.0.1",
+            "dbname=reservations": "dbname=test", "listen_addr = 0.0.0.0": "listen_addr = 127.0.0.1",
+            "listen_port = 6432": f"listen_port = {port}", "exec pgbouncer": "exec /usr/sbin/pgbouncer",
+            # PgBouncer 1.21 added the option (the pinned image has 1.23); Debian's 1.18 refuses it.
+            "max_prepared_statements = 0\n": "",
+        }  # fmt: skip
+        for old, new in replacements.items():
+            assert old in script, old
+            script = script.replace(old, new)
+        log = (tmp_path / "pgbouncer.log").open("wb")
+        server = subprocess.Popen(["sh", "-c", script, name], user="postgres", stdout=log, stderr=log)
+        try:
+            url = f"postgresql://{role}@127.0.0.1:{port}/reservations"
+
+            def up() -> bool:
+                assert server.poll() is None, (tmp_path / "pgbouncer.log").read_text()
+                try:
+                    psycopg.connect(url, password="5ecret-0f-the-test", connect_timeout=2).close()
+                except psycopg.OperationalError:
+                    return False
+                return True
+
+            wait_until(up, timeout=20, what="pgbouncer to let the role in")
+            assert stat.S_IMODE((folder / "userlist.txt").stat().st_mode) == 0o600
+            with pytest.raises(psycopg.OperationalError, match="SASL authentication failed"):
+                psycopg.connect(url, password="not-it", connect_timeout=2).close()
+            with psycopg.connect(url, password="5ecret-0f-the-test", prepare_threshold=None) as conn:
+                assert conn.execute("SELECT current_user").fetchone() == (role,)
+        finally:
+            server.terminate()
+            server.wait(timeout=10)
+            log.close()
+            shutil.rmtree(base, ignore_errors=True)
