@@ -20,7 +20,7 @@ from reservations.errors import InvalidRequest
 from reservations.inventory_base import DEFAULT_IDEMPOTENCY_RETENTION, InventoryBase, lock_order
 from reservations.requests import Attempt, RequestResult
 from reservations.timeline import TimelineEntry, merge
-from reservations.views import HistoryEntry, Outcome, ReservationView, StockLevel
+from reservations.views import ArchivedHistory, HistoryEntry, Outcome, ReservationView, StockLevel
 
 
 class AsyncInventory(InventoryBase[AsyncSqlExecutor]):
@@ -151,6 +151,10 @@ class AsyncInventory(InventoryBase[AsyncSqlExecutor]):
 
     async def history(self, sku: str, *, limit: int = 1000, since: float | None = None) -> list[HistoryEntry]:
         return await self.executor.run(reads.history(sku, limit=limit, since=since))
+
+    async def archived(self, sku: str) -> ArchivedHistory | None:
+        """What of the SKU's history was archived (``reservations archive``), or None."""
+        return await self.executor.run(reads.archived(sku))
 
     async def rejection_counts(self, *, since: float | None = None) -> dict[str, int]:
         return await self.executor.run(reads.rejection_counts(since))

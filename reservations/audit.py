@@ -15,7 +15,7 @@ import sqlalchemy as sa
 
 from fencing.plan import Plan
 from fencing.sql import Rows
-from reservations.models import HELD, reservations, sku_history
+from reservations.models import HELD, reservations, sku_checkpoints, sku_history
 from reservations.reads import STOCK_COLUMNS
 
 # The operations whose key may write at most once; a confirm or release key writes once per reservation
@@ -71,8 +71,9 @@ def invariant_violations() -> Plan[list[Violation]]:
     """Every broken invariant; an empty list means the inventory is consistent.
 
     Checks, per SKU: available >= 0; on_hand = available + reserved; reserved = units of held
-    reservations; the history's deltas explain on_hand and reserved exactly; accepted writes never
-    carry a token lower than an earlier accepted write; each idempotency key created one reservation;
+    reservations; the history's deltas explain on_hand and reserved exactly (from the SKU's newest
+    checkpoint, where history was archived); accepted writes never carry a token lower than an earlier
+    accepted write (nor than the checkpoint's highest); each idempotency key created one reservation;
     no replenishment ordered on hand past its par.
     """
     found: list[Violation] = []
@@ -91,8 +92,28 @@ def invariant_violations() -> Plan[list[Violation]]:
         .where(sku_history.c.kind == "write")
         .group_by(sku_history.c.sku)
     )
+    # History archived whole (reservations.archive) left each SKU's sums in its newest checkpoint, written
+    # in the transaction that took the rows out: checkpoint + the rows still here explain the stock.
+    newest = (
+        sa.select(sku_checkpoints.c.sku, sa.func.max(sku_checkpoints.c.through_ms).label("through_ms"))
+        .group_by(sku_checkpoints.c.sku)
+        .subquery()
+    )
+    checkpoints: Rows = yield sa.select(
+        sku_checkpoints.c.sku,
+        sku_checkpoints.c.on_hand,
+        sku_checkpoints.c.reserved,
+        sku_checkpoints.c.highest_token,
+    ).join(
+        newest,
+        sa.and_(sku_checkpoints.c.sku == newest.c.sku, sku_checkpoints.c.through_ms == newest.c.through_ms),
+    )
+    start = {r[0]: (int(r[1]), int(r[2]), int(r[3])) for r in checkpoints.rows}
     held_by_sku = {r[0]: int(r[1]) for r in held.rows}
-    sums_by_sku = {r[0]: (int(r[1]), int(r[2])) for r in sums.rows}
+    sums_by_sku = {sku: (on_hand, reserved) for sku, (on_hand, reserved, _) in start.items()}
+    for r in sums.rows:
+        units, held_units = sums_by_sku.get(r[0], (0, 0))
+        sums_by_sku[r[0]] = (units + int(r[1]), held_units + int(r[2]))
     for r in levels.rows:
         if r.available < 0:
             found.append(Violation(Rule.OVERSELL, r.sku, f"available is negative ({r.available})"))
@@ -119,8 +140,9 @@ def invariant_violations() -> Plan[list[Violation]]:
         .where(sku_history.c.kind == "write")
         .order_by(sku_history.c.sku, sku_history.c.id)
     )
-    highest: dict[str, int] = {}
-    on_hand: dict[str, int] = {}  # per SKU, replayed from the deltas (conservation checks them)
+    highest: dict[str, int] = {sku: token for sku, (_, _, token) in start.items()}
+    # per SKU, replayed from the deltas (conservation checks them), from the checkpoint on
+    on_hand: dict[str, int] = {sku: units for sku, (units, _, _) in start.items()}
     for sku, token, entry, operation, delta, key, detail in writes.rows:
         if operation != "create":
             if token < highest.get(sku, 0):

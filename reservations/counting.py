@@ -18,7 +18,7 @@ from fencing.sql import Rows, db_now_ms
 from reservations import validation as valid
 from reservations.errors import CountBelowHeld, InvalidRequest, SeenInAnotherEpoch, UnknownSku
 from reservations.ledger import Ledger, fingerprint
-from reservations.models import sku_history, stock
+from reservations.models import sku_checkpoints, sku_history, stock
 from reservations.reads import STOCK_COLUMNS, stock_level
 from reservations.views import Outcome, StockLevel
 
@@ -112,12 +112,20 @@ def _level(row: Any) -> StockLevel:
     return StockLevel(sku=row[0], on_hand=row[1], reserved=row[2], available=row[3], fence_token=row[4])
 
 
-# Built once: the id of a SKU's newest accepted write (the history index is on (sku, id)).
-_VERSION = (
-    sa.select(sku_history.c.id)
-    .where(sku_history.c.sku == sa.bindparam("sku"), sku_history.c.kind == "write")
-    .order_by(sku_history.c.id.desc())
-    .limit(1)
+# Built once: the id of a SKU's newest accepted write (the history index is on (sku, id)); once all of
+# the SKU's history was archived, the newest row id its checkpoint recorded: later writes' ids are higher,
+# so a version never goes back.
+_VERSION = sa.select(
+    sa.func.coalesce(
+        sa.select(sku_history.c.id)
+        .where(sku_history.c.sku == sa.bindparam("sku"), sku_history.c.kind == "write")
+        .order_by(sku_history.c.id.desc())
+        .limit(1)
+        .scalar_subquery(),
+        sa.select(sa.func.max(sku_checkpoints.c.last_id))
+        .where(sku_checkpoints.c.sku == sa.bindparam("sku"))
+        .scalar_subquery(),
+    )
 )
 
 
@@ -161,7 +169,7 @@ class StockCounting(Ledger):
             reserved=level.reserved,
             available=level.available,
             fence_token=level.fence_token,
-            version=0 if version is None else int(version[0]),
+            version=0 if version is None or version[0] is None else int(version[0]),
         )
 
     def count(

@@ -19,8 +19,10 @@
     ├── RequestClosed           the key's request already ended without effect (invalid, dead-lettered)
     ├── KeyTaken                a row under the request's key exists already: a concurrent copy of the
     │                           request committed first (where: reservation, record, outcome, pending)
-    └── ConstraintRefused       the database refused a write that would break a rule (constraint, rule):
-                                a bug or a foreign writer, never retried
+    ├── ConstraintRefused       the database refused a write that would break a rule (constraint, rule):
+    │                           a bug or a foreign writer, never retried
+    └── ArchiveInterrupted      an archive run stopped at a span (partition, why) with nothing of it lost:
+                                its rows stay in the database (or its detached table); run it again
 
 Database integrity errors become the last two in one place, :mod:`reservations.constraints`, by constraint
 name.
@@ -174,3 +176,12 @@ class ConstraintRefused(ReservationError):
         self.rule = rule
         self.detail = detail
         super().__init__(f"the database refused the write ({constraint or 'trigger'}): {detail}")
+
+
+class ArchiveInterrupted(ReservationError):
+    """An archive run stopped at one span, which keeps its rows (reservations.archive): rerun it."""
+
+    def __init__(self, partition: str, why: str) -> None:
+        self.partition = partition
+        self.why = why
+        super().__init__(f"archiving {partition} stopped: {why}")

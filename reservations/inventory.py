@@ -21,7 +21,7 @@ from reservations.errors import InvalidRequest
 from reservations.inventory_base import DEFAULT_IDEMPOTENCY_RETENTION, InventoryBase, lock_order
 from reservations.requests import Attempt, RequestResult
 from reservations.timeline import TimelineEntry, merge
-from reservations.views import HistoryEntry, Outcome, ReservationView, StockLevel
+from reservations.views import ArchivedHistory, HistoryEntry, Outcome, ReservationView, StockLevel
 
 __all__ = ["DEFAULT_IDEMPOTENCY_RETENTION", "AsyncInventory", "Inventory", "lock_order"]
 
@@ -162,6 +162,10 @@ class Inventory(InventoryBase[SyncSqlExecutor]):
 
     def history(self, sku: str, *, limit: int = 1000, since: float | None = None) -> list[HistoryEntry]:
         return self.executor.run(reads.history(sku, limit=limit, since=since))
+
+    def archived(self, sku: str) -> ArchivedHistory | None:
+        """What of the SKU's history was archived (``reservations archive``), or None."""
+        return self.executor.run(reads.archived(sku))
 
     def rejection_counts(self, *, since: float | None = None) -> dict[str, int]:
         return self.executor.run(reads.rejection_counts(since))

@@ -109,10 +109,17 @@ class IdempotencyRecord(SQLModel, table=True):
 
 
 class SkuHistory(SQLModel, table=True):
-    """Append-only: every accepted stock change (with its deltas) and every refused stale write."""
+    """Append-only: every accepted stock change (with its deltas) and every refused stale write.
+
+    On PostgreSQL partitioned by ``at_ms``, one partition per UTC day (revision 0010), its primary key
+    ``(id, at_ms)`` as partitioning requires; ``id`` still comes from one sequence, so it stays unique and
+    in insert order across partitions, and the code keeps ordering and naming entries by it. Whole days
+    leave by ``reservations archive`` (reservations.archive), each SKU's sums kept in ``sku_checkpoints``.
+    """
 
     __tablename__ = "sku_history"
-    __table_args__ = (sa.Index("ix_sku_history_sku_id", "sku", "id"),)
+    # SQLite: AUTOINCREMENT, so an id never comes again once archived rows are deleted (revision 0010).
+    __table_args__ = (sa.Index("ix_sku_history_sku_id", "sku", "id"), {"sqlite_autoincrement": True})
 
     id: int | None = Field(
         default=None,
@@ -161,10 +168,12 @@ class RequestOutcome(SQLModel, table=True):
 
 
 class TaskAttempt(SQLModel, table=True):
-    """One attempt at a request: applied, replayed, lost ownership, busy, transient failure, ..."""
+    """One attempt at a request: applied, replayed, lost ownership, busy, transient failure, ...
+
+    Partitioned like ``sku_history`` on PostgreSQL (revision 0010), by ``at_ms``, per UTC day."""
 
     __tablename__ = "task_attempts"
-    __table_args__ = (sa.Index("ix_task_attempts_key_id", "key", "id"),)
+    __table_args__ = (sa.Index("ix_task_attempts_key_id", "key", "id"), {"sqlite_autoincrement": True})
 
     id: int | None = Field(
         default=None,
@@ -184,6 +193,28 @@ class TaskAttempt(SQLModel, table=True):
 
 request_outcomes = _table(RequestOutcome)
 task_attempts = _table(TaskAttempt)
+
+
+class SkuCheckpoint(SQLModel, table=True):
+    """A SKU's stock as its history explained it up to ``through_ms`` (exclusive), written in the
+    transaction that took that history out of ``sku_history`` to archive it: the audit and the token
+    history start from a SKU's newest checkpoint and add the rows that remain. Never changed."""
+
+    __tablename__ = "sku_checkpoints"
+
+    sku: str = Field(primary_key=True, max_length=64)
+    through_ms: int = Field(sa_column=sa.Column(sa.BigInteger, primary_key=True))
+    on_hand: int = Field(sa_column=_bigint())
+    reserved: int = Field(sa_column=_bigint())
+    # The highest token an accepted write carried (0: none but the creation), and the newest history row
+    # of the SKU that left (SQLite's append-only trigger lets only rows up to it go).
+    highest_token: int = Field(sa_column=_bigint())
+    last_id: int = Field(sa_column=_bigint())
+    archived_ms: int = Field(sa_column=_bigint())
+    archive: str | None = Field(default=None, max_length=200)  # the archive file's name
+
+
+sku_checkpoints = _table(SkuCheckpoint)
 
 
 class PendingReservation(SQLModel, table=True):

@@ -12,8 +12,8 @@ from fencing.plan import Plan
 from fencing.sql import Rows
 from reservations import validation as valid
 from reservations.errors import InvalidRequest, UnknownReservation, UnknownSku
-from reservations.models import RESERVATION_STATUSES, reservations, sku_history, stock
-from reservations.views import HistoryEntry, ReservationView, StockLevel
+from reservations.models import RESERVATION_STATUSES, reservations, sku_checkpoints, sku_history, stock
+from reservations.views import ArchivedHistory, HistoryEntry, ReservationView, StockLevel
 
 STOCK_COLUMNS = (stock.c.sku, stock.c.on_hand, stock.c.reserved, stock.c.available, stock.c.fence_token)
 
@@ -119,6 +119,28 @@ def history(sku: str, *, limit: int = 1000, since: float | None = None) -> Plan[
         )
         for r in reversed(found.rows)
     ]
+
+
+def archived(sku: str) -> Plan[ArchivedHistory | None]:
+    """The SKU's history that was archived, as its newest checkpoint sums it up; None if none was."""
+    found: Rows = yield (
+        sa.select(sku_checkpoints)
+        .where(sku_checkpoints.c.sku == valid.sku(sku))
+        .order_by(sku_checkpoints.c.through_ms.desc())
+        .limit(1)
+    )
+    row = found.first()
+    if row is None:
+        return None
+    return ArchivedHistory(
+        sku=row.sku,
+        through=row.through_ms / 1000,
+        on_hand=row.on_hand,
+        reserved=row.reserved,
+        highest_token=row.highest_token,
+        archived_at=row.archived_ms / 1000,
+        archive=row.archive,
+    )
 
 
 def rejection_counts(since: float | None = None) -> Plan[dict[str, int]]:

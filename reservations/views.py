@@ -97,6 +97,21 @@ class Outcome:
 
 
 @dataclass(frozen=True, slots=True)
+class ArchivedHistory:
+    """What left a SKU's history for the archive (its newest checkpoint): the history before ``through``
+    explained ``on_hand`` and ``reserved``, and its accepted writes carried tokens up to
+    ``highest_token``."""
+
+    sku: str
+    through: float
+    on_hand: int
+    reserved: int
+    highest_token: int
+    archived_at: float
+    archive: str | None
+
+
+@dataclass(frozen=True, slots=True)
 class HistoryEntry:
     """One row of a SKU's history: an accepted write (``kind="write"``) or a refused stale write
     (``kind="rejected"``, with ``token`` the presented token and ``highest_token`` the fence)."""

@@ -30,9 +30,12 @@ def tokens(
     """The SKU's token history: each token with its holder, when it was acquired, how it ended, the
     writes accepted under it and the stale writes refused (presented token, highest token, holder).
 
+    History archived by `reservations archive` shows as one line: tokens up to N archived, with the span.
+
     JSON: {"sku", "epochs": [{"token", "holder", "acquired_at", "ended", "writes": [{"at", "operation",
     "quantity", "idempotency_key"}], "rejections": [{"at", "operation", "quantity", "presented_token",
-    "highest_token", "holder", "idempotency_key"}]}]}  (times in ISO 8601, UTC)
+    "highest_token", "holder", "idempotency_key"}]}], "archived": null or {"highest_token", "before",
+    "archived_at", "archive", "on_hand", "reserved"}}  (times in ISO 8601, UTC)
 
     Example: reservations tokens WIDGET --since 1h
     """
@@ -43,12 +46,16 @@ def tokens(
         with context.inventory() as inventory, context.leases() as leases:
             inventory.stock(sku)  # unknown SKU -> exit 3
             timeline = inventory.timeline(sku, leases, limit=limit)
+            archived = inventory.archived(sku)
         if starting is not None:
             timeline = [e for e in timeline if e.at >= starting]
         grouped = epochs(timeline)
     if as_json:
-        render.emit_json(render.epochs_json(sku, grouped))
+        render.emit_json(render.epochs_json(sku, grouped) | {"archived": render.archived_json(archived)})
         return
+    if archived is not None:
+        # The tokens of the archived days are in the archive files; the checkpoint keeps the highest.
+        out.print(render.archived_line(archived), soft_wrap=True)
     out.print(render.epochs_table(sku, grouped))
     rejected = sum(len(e.rejections) for e in grouped)
     out.print(f"{len(grouped)} tokens, {rejected} stale writes rejected")

@@ -18,7 +18,7 @@ from reservations.audit import Violation
 from reservations.redrives import DeadLetter, RedriveLink
 from reservations.requests import Attempt, RequestResult
 from reservations.timeline import Epoch, TimelineEntry
-from reservations.views import HistoryEntry, ReservationView, StockLevel
+from reservations.views import ArchivedHistory, HistoryEntry, ReservationView, StockLevel
 
 out = Console(soft_wrap=False)
 err = Console(stderr=True, soft_wrap=True)
@@ -107,6 +107,27 @@ def epochs_json(sku: str, grouped: Sequence[Epoch]) -> dict[str, Any]:
             for e in grouped
         ],
     }
+
+
+def archived_json(archived: ArchivedHistory | None) -> dict[str, Any] | None:
+    if archived is None:
+        return None
+    return {
+        "highest_token": archived.highest_token,
+        "before": iso(archived.through),
+        "archived_at": iso(archived.archived_at),
+        "archive": archived.archive,
+        "on_hand": archived.on_hand,
+        "reserved": archived.reserved,
+    }
+
+
+def archived_line(archived: ArchivedHistory) -> str:
+    return (
+        f"tokens up to {archived.highest_token} archived: history before {iso(archived.through)}"
+        f" (to {archived.archive}, at {iso(archived.archived_at)}; it left {archived.on_hand} on hand,"
+        f" {archived.reserved} reserved)"
+    )
 
 
 def epochs_table(sku: str, grouped: Sequence[Epoch]) -> Table:

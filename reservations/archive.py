@@ -1,0 +1,495 @@
+"""Archiving the history: whole UTC days of ``sku_history`` and ``task_attempts`` leave the database for
+one gzip CSV file each (with a JSON manifest: rows, first and last ``at_ms``, SHA-256 of the CSV), and each
+SKU's stock as that history explained it stays behind as a checkpoint (``sku_checkpoints``), from which the
+audit and the token history start.
+
+PostgreSQL (the tables are partitioned per UTC day, revision 0010), per partition, oldest first:
+
+1. one transaction: DETACH the partition (it waits for the writes in flight into it and takes no more),
+   and, for ``sku_history``, write every SKU's checkpoint from the detached rows and the SKU's previous
+   checkpoint. From this commit on, checkpoint + attached rows explain the stock, as before.
+2. COPY the detached table to ``<partition>.csv.gz`` (written to a temporary name, fsynced, renamed),
+   read the file back: its rows and checksum must match the table's count and the copy's checksum; then
+   the manifest, likewise.
+3. DROP the detached table.
+
+A run that stops anywhere is taken up by the next: a crash in 1 leaves nothing done, one after 1 leaves a
+detached table, which the next run finds in the catalog and copies again before it drops it.
+
+SQLite has no partitions: per UTC day the rows go to the same files first, then one transaction checks the
+day still holds exactly the rows written, writes the checkpoints and deletes the rows (the append-only
+trigger lets a row go only once a checkpoint of its SKU covers its time and id).
+"""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import hashlib
+import io
+import json
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, date, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+
+from fencing.sql import db_now_ms
+from reservations.errors import ArchiveInterrupted, InvalidRequest
+from reservations.models import sku_checkpoints, sku_history, task_attempts
+
+__all__ = [
+    "DAYS_AHEAD",
+    "ArchiveReport",
+    "ArchivedSpan",
+    "archive",
+    "day_ms",
+    "detach",
+    "partition_name",
+    "prepare_partitions",
+]
+
+DAY_MS = 86_400_000
+# Partitions kept ready ahead of the clock (revision 0010 makes the first week; the hourly
+# `reservations.purge` and every archive run keep it this wide). A write past them lands in DEFAULT.
+DAYS_AHEAD = 7
+TABLES = (sku_history, task_attempts)
+_DAY_PARTITION = re.compile(r"^(sku_history|task_attempts)_p([0-9]{8})$")
+
+
+@dataclass(frozen=True, slots=True)
+class ArchivedSpan:
+    """One day of one table: archived (or, in a dry run, to be)."""
+
+    table: str
+    partition: str  # sku_history_p20261204: the partition's name, and the archive file's stem
+    from_ms: int
+    to_ms: int  # exclusive
+    rows: int
+    checkpoints: int  # SKUs checkpointed (sku_history)
+    file: str | None  # the archive file written (None in a dry run)
+    sha256: str | None
+    resumed: bool  # detached by an earlier run that stopped before dropping it
+
+
+@dataclass(frozen=True, slots=True)
+class ArchiveReport:
+    before_ms: int  # days ending at or before it were archived
+    dry_run: bool
+    spans: list[ArchivedSpan] = field(default_factory=list)
+    created: list[str] = field(default_factory=list)  # partitions made ahead
+
+
+def day_ms(day: date) -> int:
+    return int(datetime(day.year, day.month, day.day, tzinfo=UTC).timestamp()) * 1000
+
+
+def _day_of(ms: int) -> date:
+    return datetime.fromtimestamp(ms / 1000, UTC).date()
+
+
+def partition_name(table: str, day: date) -> str:
+    if table not in ("sku_history", "task_attempts"):
+        raise InvalidRequest(f"{table!r} is not a partitioned history table", field="table")
+    return f"{table}_p{day:%Y%m%d}"
+
+
+def _parse_partition(name: str) -> tuple[str, date] | None:
+    match = _DAY_PARTITION.match(name)
+    if match is None:
+        return None
+    try:
+        return match.group(1), datetime.strptime(match.group(2), "%Y%m%d").replace(tzinfo=UTC).date()
+    except ValueError:  # p20261399: not one of ours
+        return None
+
+
+def _ident(conn: sa.Connection, name: str) -> str:
+    return conn.dialect.identifier_preparer.quote_identifier(name)
+
+
+# -- PostgreSQL: partitions ---------------------------------------------------------------------------
+
+_TABLES_HERE = sa.text(
+    """
+    SELECT c.relname, parent.relname AS parent
+    FROM pg_class c
+    JOIN pg_namespace n ON n.oid = c.relnamespace AND n.nspname = current_schema()
+    LEFT JOIN pg_inherits i ON i.inhrelid = c.oid
+    LEFT JOIN pg_class parent ON parent.oid = i.inhparent
+    WHERE c.relkind = 'r' AND (c.relname LIKE 'sku\\_history\\_p%' OR c.relname LIKE 'task\\_attempts\\_p%')
+    """
+)
+
+
+def _day_tables(conn: sa.Connection) -> tuple[list[tuple[str, date]], list[tuple[str, date]]]:
+    """(attached, detached) day partitions of the history tables in this schema, oldest first."""
+    attached: list[tuple[str, date]] = []
+    detached: list[tuple[str, date]] = []
+    for name, parent in conn.execute(_TABLES_HERE).all():
+        parsed = _parse_partition(name)
+        if parsed is None:
+            continue
+        (attached if parent == parsed[0] else detached).append((name, parsed[1]))
+    order = {"sku_history": 0, "task_attempts": 1}
+    key = lambda item: (item[1], order[_parse_partition(item[0])[0]])  # type: ignore[index]  # noqa: E731
+    return sorted(attached, key=key), sorted(detached, key=key)
+
+
+def prepare_partitions(engine: sa.Engine, *, days_ahead: int = DAYS_AHEAD) -> list[str]:
+    """Make the day partitions from today to ``days_ahead`` days ahead (database clock) that are missing;
+    their names. A day whose rows already sit in the DEFAULT partition is left there (PostgreSQL would
+    refuse the partition): those rows stay readable and counted, only never archived. Nothing on SQLite."""
+    if engine.dialect.name != "postgresql":
+        return []
+    created: list[str] = []
+    with engine.begin() as conn:
+        today = _day_of(conn.execute(sa.select(db_now_ms())).scalar_one())
+        attached, detached = _day_tables(conn)
+        taken = {name for name, _ in attached + detached}
+        # A day once archived is not partitioned again (a write dated in it lands in DEFAULT, counted but
+        # never archived): its archive file is the day's, once.
+        archived_until = conn.execute(sa.select(sa.func.max(sku_checkpoints.c.through_ms))).scalar() or 0
+        for offset in range(days_ahead + 1):
+            day = today + timedelta(days=offset)
+            if day_ms(day) < archived_until:
+                continue
+            for table in TABLES:
+                name = partition_name(table.name, day)
+                if name in taken:
+                    continue
+                low, high = day_ms(day), day_ms(day + timedelta(days=1))
+                stray = conn.execute(
+                    sa.select(sa.literal(1))
+                    .select_from(sa.table(f"{table.name}_default"))
+                    .where(sa.column("at_ms") >= low, sa.column("at_ms") < high)
+                    .limit(1)
+                ).first()
+                if stray is not None:
+                    continue
+                conn.execute(
+                    sa.text(
+                        f"CREATE TABLE {_ident(conn, name)} PARTITION OF {_ident(conn, table.name)} "
+                        f"FOR VALUES FROM ({low}) TO ({high})"
+                    )
+                )
+                created.append(name)
+    return created
+
+
+# -- checkpoints ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    sku: str
+    through_ms: int
+    on_hand: int
+    reserved: int
+    highest_token: int
+    last_id: int
+    archived_ms: int
+    archive: str | None
+
+
+def _newest_checkpoints(conn: sa.Connection) -> dict[str, Checkpoint]:
+    newest = (
+        sa.select(sku_checkpoints.c.sku, sa.func.max(sku_checkpoints.c.through_ms).label("through_ms"))
+        .group_by(sku_checkpoints.c.sku)
+        .subquery()
+    )
+    rows = conn.execute(
+        sa.select(sku_checkpoints).join(
+            newest,
+            sa.and_(
+                sku_checkpoints.c.sku == newest.c.sku, sku_checkpoints.c.through_ms == newest.c.through_ms
+            ),
+        )
+    ).all()
+    return {r.sku: Checkpoint(**r._asdict()) for r in rows}
+
+
+def _write_checkpoints(conn: sa.Connection, source: sa.FromClause, to_ms: int, archive: str) -> int:
+    """Each SKU of ``source`` (the rows leaving): its previous checkpoint plus these rows' deltas."""
+    is_write = source.c.kind == "write"
+    sums = conn.execute(
+        sa.select(
+            source.c.sku,
+            sa.func.coalesce(sa.func.sum(sa.case((is_write, source.c.on_hand_delta), else_=0)), 0),
+            sa.func.coalesce(sa.func.sum(sa.case((is_write, source.c.reserved_delta), else_=0)), 0),
+            # The creation's token 0 is no owner's (the audit skips it too).
+            sa.func.max(sa.case((sa.and_(is_write, source.c.operation != "create"), source.c.token))),
+            sa.func.max(source.c.id),
+        ).group_by(source.c.sku)
+    ).all()
+    if not sums:
+        return 0
+    before = _newest_checkpoints(conn)
+    now = conn.execute(sa.select(db_now_ms())).scalar_one()
+    rows = []
+    for sku, on_hand, reserved, highest, last_id in sums:
+        prior = before.get(sku)
+        rows.append(
+            {
+                "sku": sku,
+                "through_ms": to_ms,
+                "on_hand": (prior.on_hand if prior else 0) + int(on_hand),
+                "reserved": (prior.reserved if prior else 0) + int(reserved),
+                "highest_token": max(prior.highest_token if prior else 0, int(highest or 0)),
+                "last_id": max(prior.last_id if prior else 0, int(last_id or 0)),
+                "archived_ms": now,
+                "archive": archive,
+            }
+        )
+    conn.execute(sa.insert(sku_checkpoints), rows)
+    return len(rows)
+
+
+# -- files ---------------------------------------------------------------------------------------------
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_durably(path: Path, chunks: Iterator[bytes], *, compress: bool) -> None:
+    """``chunks`` to ``path`` through a temporary name, fsynced before and after the rename."""
+    partial = path.with_name(path.name + ".partial")
+    with open(partial, "wb") as raw:
+        sink: Any = gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) if compress else raw
+        for chunk in chunks:
+            sink.write(chunk)
+        if compress:
+            sink.close()
+        raw.flush()
+        os.fsync(raw.fileno())
+    os.replace(partial, path)
+    _fsync_dir(path.parent)
+
+
+def _read_back(path: Path) -> tuple[int, str]:
+    """(rows, SHA-256 of the CSV) of an archive file, as a reader of it will see them."""
+    digest = hashlib.sha256()
+    with gzip.open(path, "rb") as raw:
+        while chunk := raw.read(1 << 20):
+            digest.update(chunk)
+    with gzip.open(path, "rt", newline="", encoding="utf-8") as text:
+        rows = sum(1 for _ in csv.reader(text)) - 1  # the header
+    return rows, digest.hexdigest()
+
+
+def _finish_file(
+    folder: Path, table: str, name: str, low: int, high: int, chunks: Iterator[bytes], expected: int
+) -> tuple[Path, str]:
+    """Write the archive file and its manifest; raise unless the file holds ``expected`` rows."""
+    digest = hashlib.sha256()
+    stats: dict[str, int | None] = {"min": None, "max": None}
+
+    def hashed() -> Iterator[bytes]:
+        for chunk in chunks:
+            digest.update(chunk)
+            yield chunk
+
+    path = folder / f"{name}.csv.gz"
+    _write_durably(path, hashed(), compress=True)
+    rows, checksum = _read_back(path)
+    if rows != expected or checksum != digest.hexdigest():
+        raise ArchiveInterrupted(name, f"the file holds {rows} rows, the table {expected}: kept the table")
+    with gzip.open(path, "rt", newline="", encoding="utf-8") as text:
+        reader = csv.DictReader(text)
+        for row in reader:
+            at = int(row["at_ms"])
+            low_seen, high_seen = stats["min"], stats["max"]
+            stats["min"] = at if low_seen is None else min(low_seen, at)
+            stats["max"] = at if high_seen is None else max(high_seen, at)
+    manifest = {
+        "table": table,
+        "partition": name,
+        "file": path.name,
+        "format": "csv, header row, gzip; NULL as an empty unquoted field",
+        "from_ms": low,
+        "to_ms": high,
+        "rows": rows,
+        "min_at_ms": stats["min"],
+        "max_at_ms": stats["max"],
+        "sha256": checksum,  # of the uncompressed CSV
+    }
+    manifest_path = folder / f"{name}.json"
+    _write_durably(manifest_path, iter([json.dumps(manifest, indent=2).encode() + b"\n"]), compress=False)
+    return path, checksum
+
+
+# -- the run -------------------------------------------------------------------------------------------
+
+
+def _check_args(before_ms: int, to: Path) -> None:
+    if isinstance(before_ms, bool) or not isinstance(before_ms, int):
+        raise InvalidRequest("the cutoff must be milliseconds since the epoch", field="before")
+    if not 0 <= before_ms < day_ms(date(9999, 12, 31)):
+        raise InvalidRequest("the cutoff must lie between 1970 and 9999", field="before")
+    if to.exists() and not to.is_dir():
+        raise InvalidRequest(f"{to} is not a directory", field="to")
+
+
+def archive(engine: sa.Engine, *, before_ms: int, to: Path, dry_run: bool = False) -> ArchiveReport:
+    """Archive every whole UTC day of history that ends at or before ``before_ms`` into ``to``."""
+    _check_args(before_ms, to)
+    report = ArchiveReport(before_ms=before_ms, dry_run=dry_run)
+    if not dry_run:
+        to.mkdir(parents=True, exist_ok=True)
+    if engine.dialect.name == "postgresql":
+        _archive_pg(engine, report, to)
+        if not dry_run:
+            report.created.extend(prepare_partitions(engine))
+    else:
+        _archive_sqlite(engine, report, to)
+    return report
+
+
+def detach(engine: sa.Engine, name: str) -> int:
+    """Step 1 on PostgreSQL: detach the day partition ``name`` and, of ``sku_history``, write the
+    checkpoints of its SKUs, in one transaction; the number of checkpoints."""
+    parsed = _parse_partition(name)
+    if parsed is None:
+        raise InvalidRequest(f"{name!r} is not a day partition of the history", field="partition")
+    table, day = parsed
+    with engine.begin() as conn:
+        # Waits for the inserts in flight into the partition; none come after it.
+        conn.execute(sa.text(f"ALTER TABLE {_ident(conn, table)} DETACH PARTITION {_ident(conn, name)}"))
+        if table != "sku_history":
+            return 0
+        leaving = sa.table(name, *(sa.column(c.name) for c in sku_history.c))
+        return _write_checkpoints(conn, leaving, day_ms(day + timedelta(days=1)), f"{name}.csv.gz")
+
+
+def _copy_out(engine: sa.Engine, name: str) -> tuple[int, Iterator[bytes], Any]:
+    """(rows, CSV chunks, the connection to close) of a detached table, in one snapshot."""
+    from psycopg import sql
+
+    raw = engine.raw_connection()
+    conn: Any = raw.driver_connection
+    cursor = conn.cursor()
+    table = sql.Identifier(name)
+    cursor.execute(sql.SQL("BEGIN ISOLATION LEVEL REPEATABLE READ"))
+    rows = cursor.execute(sql.SQL("SELECT count(*) FROM {}").format(table)).fetchone()[0]
+
+    def chunks() -> Iterator[bytes]:
+        statement = sql.SQL("COPY (SELECT * FROM {} ORDER BY id) TO STDOUT WITH (FORMAT csv, HEADER true)")
+        with cursor.copy(statement.format(table)) as copy:
+            for chunk in copy:
+                yield bytes(chunk)
+        cursor.execute(sql.SQL("COMMIT"))
+
+    return int(rows), chunks(), raw
+
+
+def _archive_pg(engine: sa.Engine, report: ArchiveReport, to: Path) -> None:
+    with engine.connect() as conn:
+        attached, detached = _day_tables(conn)
+    resumed = {name for name, _ in detached}
+    due = [(name, day) for name, day in attached if day_ms(day + timedelta(days=1)) <= report.before_ms]
+    for name, day in sorted(detached + due, key=lambda item: (item[1], item[0].startswith("task"))):
+        parsed = _parse_partition(name)
+        assert parsed is not None
+        table = parsed[0]
+        low, high = day_ms(day), day_ms(day + timedelta(days=1))
+        file_name = f"{name}.csv.gz"
+        checkpoints = 0
+        if report.dry_run:
+            with engine.connect() as conn:
+                rows = conn.execute(sa.select(sa.func.count()).select_from(sa.table(name))).scalar_one()
+            report.spans.append(
+                ArchivedSpan(table, name, low, high, int(rows), 0, None, None, name in resumed)
+            )
+            continue
+        if name not in resumed:
+            if (to / file_name).exists():
+                # A day archived before whose partition came back (rows written with a clock set back):
+                # its file is never overwritten, and nothing of the day moves until it is moved away.
+                raise ArchiveInterrupted(name, f"{to / file_name} exists: move it away and run again")
+            checkpoints = detach(engine, name)
+        rows, chunks, raw = _copy_out(engine, name)
+        try:
+            path, checksum = _finish_file(to, table, name, low, high, chunks, rows)
+        finally:
+            raw.close()
+        with engine.begin() as conn:
+            conn.execute(sa.text(f"DROP TABLE {_ident(conn, name)}"))
+        if name in resumed and table == "sku_history":
+            with engine.connect() as conn:
+                checkpoints = conn.execute(
+                    sa.select(sa.func.count()).where(sku_checkpoints.c.through_ms == high)
+                ).scalar_one()
+        report.spans.append(
+            ArchivedSpan(table, name, low, high, rows, checkpoints, str(path), checksum, name in resumed)
+        )
+
+
+def _csv_chunks(header: list[str], rows: Any) -> Iterator[bytes]:
+    """The rows as PostgreSQL's COPY ... csv HEADER writes them (NULL as an empty unquoted field)."""
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(header)
+    for row in rows:
+        writer.writerow(["" if value is None else value for value in row])
+        if buffer.tell() > 1 << 16:
+            yield buffer.getvalue().encode()
+            buffer.seek(0)
+            buffer.truncate()
+    yield buffer.getvalue().encode()
+
+
+def _archive_sqlite(engine: sa.Engine, report: ArchiveReport, to: Path) -> None:
+    cutoff = day_ms(_day_of(report.before_ms))  # whole days: those that end at or before the cutoff
+    with engine.connect() as conn:
+        days = sorted(
+            {
+                int(d)
+                for table in TABLES
+                for (d,) in conn.execute(
+                    sa.select(sa.distinct(table.c.at_ms / DAY_MS)).where(table.c.at_ms < cutoff)
+                ).all()
+            }
+        )
+        archived = {r[0] for r in conn.execute(sa.select(sa.distinct(sku_checkpoints.c.through_ms))).all()}
+    for number in days:
+        low, high = number * DAY_MS, (number + 1) * DAY_MS
+        day = _day_of(low)
+        for table in TABLES:
+            name = partition_name(table.name, day)
+            span = sa.and_(table.c.at_ms >= low, table.c.at_ms < high)
+            with engine.connect() as conn:
+                rows = conn.execute(sa.select(sa.func.count()).where(span)).scalar_one()
+            if rows == 0:
+                continue
+            if report.dry_run:
+                report.spans.append(ArchivedSpan(table.name, name, low, high, rows, 0, None, None, False))
+                continue
+            if table is sku_history and high in archived and (to / f"{name}.csv.gz").exists():
+                # Rows written into a day already archived (a clock set back): its file is not overwritten.
+                raise ArchiveInterrupted(name, f"new rows in a day archived before; move {name}.csv.gz away")
+            with engine.connect() as conn:
+                result = conn.execute(sa.select(table).where(span).order_by(table.c.id))
+                path, checksum = _finish_file(
+                    to, table.name, name, low, high, _csv_chunks(list(result.keys()), result), rows
+                )
+            checkpoints = 0
+            with engine.begin() as conn:
+                now = conn.execute(sa.select(sa.func.count()).where(span)).scalar_one()
+                if now != rows:
+                    raise ArchiveInterrupted(name, f"{now - rows} rows arrived while it was written; rerun")
+                if table is sku_history:
+                    leaving = sa.select(table).where(span).subquery()
+                    checkpoints = _write_checkpoints(conn, leaving, high, path.name)
+                conn.execute(sa.delete(table).where(span))
+            report.spans.append(
+                ArchivedSpan(table.name, name, low, high, rows, checkpoints, str(path), checksum, False)
+            )

@@ -1,0 +1,366 @@
+"""History partitions and ``reservations archive``: revision 0010 partitions a PostgreSQL database that
+already holds rows (every row kept, the append-only trigger still refusing, code of 0009 still running on
+it); whole days leave for gzip CSV files that hold exactly the rows that left, each SKU's checkpoint stays,
+and the audit and the token history still hold; a second run does nothing, a run stopped after the detach
+is taken up; on SQLite the rows are copied out and then deleted through the path the trigger leaves open
+to archived spans only.
+"""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import hashlib
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from fencing import LeaseManager
+from fencing.sql import make_engine
+from reservations import Inventory, archive, schema, scope_of
+from reservations.models import sku_history, task_attempts
+from tests.conftest import migrate_pg_schema, schema_of
+from tests.support import run
+
+ROOT = Path(__file__).resolve().parent.parent
+# The commit that added revision 0009: the code that ran on it, to run on 0010.
+CODE_OF_0009 = "d943fdb6ae7a11467fd54d20cd60433ded39125c"
+
+
+@pytest.fixture
+def engine_of() -> Iterator[Any]:
+    engines: list[sa.Engine] = []
+
+    def make(url: str) -> sa.Engine:
+        engines.append(make_engine(url))
+        return engines[-1]
+
+    yield make
+    for engine in engines:
+        engine.dispose()
+
+
+def rows(engine: sa.Engine, table: sa.Table) -> list[tuple[Any, ...]]:
+    with engine.connect() as conn:
+        return [tuple(r) for r in conn.execute(sa.select(table).order_by(table.c.id))]
+
+
+def write_some(inventory: Inventory, leases: LeaseManager) -> int:
+    """Stock changes under two tokens of WIDGET and one of GADGET, through the real code; the highest
+    token of WIDGET."""
+    inventory.add_sku("WIDGET", on_hand=10)
+    inventory.add_sku("GADGET", on_hand=5)
+    first = leases.acquire(scope_of("WIDGET"), ttl=30, holder="host-a:1:task-a")
+    held = inventory.reserve(first, "WIDGET", 3, key="order-1")
+    inventory.confirm(first, held.reservation_ids[0], key="confirm-1")
+    inventory.restock(first, "WIDGET", 4, key="restock-1")
+    leases.release(first)
+    second = leases.acquire(scope_of("WIDGET"), ttl=30, holder="host-b:2:task-b")
+    inventory.reserve(second, "WIDGET", 2, key="order-2")
+    gadget = leases.acquire(scope_of("GADGET"), ttl=30, holder="host-a:1:task-c")
+    inventory.reserve(gadget, "GADGET", 1, key="order-3")
+    leases.release(gadget)
+    for key in ("order-1", "order-2", "order-3"):
+        inventory.record_attempt(key, "reserve", "applied", task_id=f"task-{key}", worker="host-a")
+    return second.token
+
+
+def day_start(days_from_today: int) -> datetime:
+    today = datetime.now(UTC).replace(hour=0, minute=0, second=0, microsecond=0)
+    return today + timedelta(days=days_from_today)
+
+
+def ms(moment: datetime) -> int:
+    return int(moment.timestamp() * 1000)
+
+
+def archive_file(path: str) -> tuple[list[dict[str, str]], str]:
+    """The rows of an archive file and the SHA-256 of its CSV."""
+    with gzip.open(path, "rb") as raw:
+        data = raw.read()
+    return list(csv.DictReader(data.decode().splitlines(keepends=True))), hashlib.sha256(data).hexdigest()
+
+
+def assert_archive_holds(span: dict[str, Any], left: list[tuple[Any, ...]]) -> None:
+    """The span's file holds exactly ``left`` (by id), as many as the JSON and the manifest say, and its
+    checksum is the manifest's."""
+    found, checksum = archive_file(span["file"])
+    manifest = json.loads(Path(span["file"]).with_name(span["partition"] + ".json").read_text())
+    assert [int(r["id"]) for r in found] == [r[0] for r in left]
+    assert len(found) == span["rows"] == manifest["rows"]
+    assert checksum == span["sha256"] == manifest["sha256"]
+
+
+# -- the migration -------------------------------------------------------------------------------------
+
+
+def test_0010_partitions_a_database_with_rows_and_code_of_0009_runs_on_it(
+    pg_url: str, engine_of: Any, tmp_path: Path
+) -> None:
+    schema.upgrade(pg_url, "0009")
+    engine = engine_of(pg_url)
+    three_days_ago = ms(day_start(-3)) + 5000
+    with Inventory.from_url(pg_url) as inventory, LeaseManager.from_url(pg_url) as leases:
+        write_some(inventory, leases)
+    with engine.begin() as conn:  # rows of days before the migration: their days get partitions
+        conn.execute(
+            sa.insert(sku_history).values(
+                sku="WIDGET",
+                at_ms=three_days_ago,
+                kind="rejected",
+                operation="reserve",
+                token=1,
+                on_hand_delta=0,
+                reserved_delta=0,
+                highest_token=2,
+            )
+        )
+        conn.execute(
+            sa.insert(task_attempts).values(
+                key="old", operation="reserve", result="busy", at_ms=three_days_ago
+            )
+        )
+    history, attempts = rows(engine, sku_history), rows(engine, task_attempts)
+
+    schema.upgrade(pg_url)
+
+    assert (rows(engine, sku_history), rows(engine, task_attempts)) == (history, attempts)
+    old_day = archive.partition_name("sku_history", day_start(-3).date())
+    with engine.connect() as conn:
+        kinds = dict(
+            conn.execute(
+                sa.text(
+                    "SELECT relname, relkind FROM pg_class"
+                    " WHERE relnamespace = current_schema()::regnamespace"
+                    " AND relname IN ('sku_history', 'task_attempts')"
+                )
+            ).all()
+        )
+        in_old_day = conn.execute(sa.select(sa.func.count()).select_from(sa.table(old_day))).scalar_one()
+    assert kinds == {"sku_history": "p", "task_attempts": "p"} and in_old_day == 1
+    for statement in ("UPDATE sku_history SET token = 0", "DELETE FROM sku_history"):
+        with pytest.raises(sa.exc.IntegrityError, match="append-only"), engine.begin() as conn:
+            conn.execute(sa.text(statement))
+    assert rows(engine, sku_history) == history
+
+    # The code that ran on 0009, as released, on the partitioned schema: it may start (0010 declares it
+    # compatible), writes, and its audit finds everything consistent.
+    subprocess.run(
+        [
+            "git",
+            "-C",
+            str(ROOT),
+            "archive",
+            "-o",
+            str(tmp_path / "code.tar"),
+            CODE_OF_0009,
+            "fencing",
+            "reservations",
+        ],
+        check=True,
+    )
+    subprocess.run(["tar", "-xf", str(tmp_path / "code.tar"), "-C", str(tmp_path)], check=True)
+    script = f"""
+from fencing import LeaseManager
+from reservations import Inventory, schema, scope_of
+url = {pg_url!r}
+assert schema.fit(url).ok, schema.fit(url).message
+with Inventory.from_url(url) as inventory, LeaseManager.from_url(url) as leases:
+    inventory.add_sku("SPROCKET", on_hand=1)
+    lease = leases.acquire(scope_of("SPROCKET"), ttl=30, holder="old-code")
+    inventory.restock(lease, "SPROCKET", 2, key="old-code-restock")
+    inventory.record_attempt("old-code-restock", "restock", "applied")
+    assert inventory.invariant_violations() == [], inventory.invariant_violations()
+    print(schema.head())
+"""
+    old = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert (old.returncode, old.stdout.strip()) == (0, "0009"), old.stderr
+    assert len(rows(engine, sku_history)) == len(history) + 2
+    assert rows(engine, sku_history)[-1][0] > history[-1][0]  # the one sequence goes on
+
+
+# -- archiving on PostgreSQL ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def pg_inventory(pg_url: str) -> str:
+    migrate_pg_schema(schema_of(pg_url))
+    return pg_url
+
+
+def test_archive_round_trip_on_postgresql(pg_inventory: str, engine_of: Any, tmp_path: Path) -> None:
+    url, folder = pg_inventory, tmp_path / "archive"
+    env = {"RESERVATIONS_DATABASE_URL": url}
+    engine = engine_of(url)
+    with Inventory.from_url(url) as inventory, LeaseManager.from_url(url) as leases:
+        highest = write_some(inventory, leases)
+    # A refused write two days ago, in a partition of that day: two days of history leave.
+    two_days_ago = day_start(-2)
+    old_day = archive.partition_name("sku_history", two_days_ago.date())
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                f'CREATE TABLE "{old_day}" PARTITION OF sku_history'
+                f" FOR VALUES FROM ({ms(two_days_ago)}) TO ({ms(day_start(-1))})"
+            )
+        )
+        conn.execute(
+            sa.insert(sku_history).values(
+                sku="WIDGET",
+                at_ms=ms(two_days_ago) + 1,
+                kind="rejected",
+                operation="reserve",
+                token=1,
+                on_hand_delta=0,
+                reserved_delta=0,
+                highest_token=2,
+            )
+        )
+    history, attempts = rows(engine, sku_history), rows(engine, task_attempts)
+    before = day_start(1).isoformat()  # the end of today: today's partitions go too
+
+    dry = run("archive", "--before", before, "--to", str(folder), "--dry-run", "--json", env=env)
+    assert dry.returncode == 0, dry.stderr
+    assert [s["rows"] for s in json.loads(dry.stdout)["archived"]] == [1, len(history) - 1, len(attempts)]
+    assert not folder.exists() and rows(engine, sku_history) == history
+
+    done = run("archive", "--before", before, "--to", str(folder), "--json", env=env)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    spans = {s["partition"]: s for s in report["archived"]}
+    today = archive.partition_name("sku_history", day_start(0).date())
+    assert list(spans) == [old_day, today, archive.partition_name("task_attempts", day_start(0).date())]
+    assert_archive_holds(spans[old_day], history[:0] + [r for r in history if r[2] < ms(day_start(-1))])
+    assert_archive_holds(spans[today], [r for r in history if r[2] >= ms(day_start(0))])
+    assert_archive_holds(spans[archive.partition_name("task_attempts", day_start(0).date())], attempts)
+    assert spans[today]["checkpoints"] == 2
+    assert rows(engine, sku_history) == [] and rows(engine, task_attempts) == []
+
+    audited = run("audit", env=env)
+    assert audited.returncode == 0, audited.stdout + audited.stderr
+    tokens = run("tokens", "WIDGET", env=env, columns=200)
+    assert tokens.returncode == 0 and f"tokens up to {highest} archived" in tokens.stdout, tokens.stdout
+    shown = json.loads(run("tokens", "WIDGET", "--json", env=env).stdout)["archived"]
+    assert (shown["highest_token"], shown["on_hand"], shown["reserved"]) == (highest, 11, 2)
+
+    # Writes go on after the archive (into DEFAULT: an archived day is not partitioned again) and the
+    # audit still adds them to the checkpoints; a write behind the checkpoint's token is still caught.
+    with Inventory.from_url(url) as inventory, LeaseManager.from_url(url) as leases:
+        lease = leases.acquire(scope_of("GADGET"), ttl=30, holder="host-a:1:task-d")
+        inventory.restock(lease, "GADGET", 3, key="restock-2")
+    assert run("audit", env=env).returncode == 0
+    again = run("archive", "--before", before, "--to", str(folder), env=env)
+    assert again.returncode == 0 and "nothing to archive" in again.stdout, again.stdout
+    assert sorted(p.name for p in folder.iterdir()) == sorted(
+        f"{name}{ext}" for name in spans for ext in (".csv.gz", ".json")
+    )
+
+
+def test_a_run_stopped_after_the_detach_is_taken_up(
+    pg_inventory: str, engine_of: Any, tmp_path: Path
+) -> None:
+    url, folder = pg_inventory, tmp_path / "archive"
+    env = {"RESERVATIONS_DATABASE_URL": url}
+    engine = engine_of(url)
+    with Inventory.from_url(url) as inventory, LeaseManager.from_url(url) as leases:
+        write_some(inventory, leases)
+    history = rows(engine, sku_history)
+    today = archive.partition_name("sku_history", day_start(0).date())
+    # Step 1 alone, as a run that died right after it leaves it: the partition detached, the checkpoints
+    # written, no file. The stock is explained all the same.
+    assert archive.detach(engine, today) == 2
+    assert rows(engine, sku_history) == [] and run("audit", env=env).returncode == 0
+
+    done = run(
+        "archive", "--before", day_start(-5).date().isoformat(), "--to", str(folder), "--json", env=env
+    )
+    assert done.returncode == 0, done.stderr
+    (span,) = json.loads(done.stdout)["archived"]  # only the detached one: the cutoff is days ago
+    assert (span["partition"], span["resumed"], span["checkpoints"]) == (today, True, 2)
+    assert_archive_holds(span, history)
+    with engine.connect() as conn:
+        assert not sa.inspect(conn).has_table(today)
+    assert run("audit", env=env).returncode == 0
+
+
+# -- SQLite --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path, migrated_sqlite: Path) -> str:
+    path = tmp_path / "inventory.sqlite3"
+    path.write_bytes(migrated_sqlite.read_bytes())
+    return f"sqlite:///{path}"
+
+
+def test_on_sqlite_rows_are_copied_out_then_deleted(sqlite_url: str, engine_of: Any, tmp_path: Path) -> None:
+    url, folder = sqlite_url, tmp_path / "archive"
+    env = {"RESERVATIONS_DATABASE_URL": url}
+    engine = engine_of(url)
+    with Inventory.from_url(url) as inventory, LeaseManager.from_url(url) as leases:
+        highest = write_some(inventory, leases)
+    history, attempts = rows(engine, sku_history), rows(engine, task_attempts)
+    # Not archived, not deletable: the trigger lets only archived rows go.
+    with pytest.raises(sa.exc.IntegrityError, match="append-only"), engine.begin() as conn:
+        conn.execute(sa.delete(sku_history))
+
+    dry = run("archive", "--before", day_start(1).isoformat(), "--to", str(folder), "--dry-run", env=env)
+    assert dry.returncode == 0 and "wrote nothing" in dry.stdout and not folder.exists()
+
+    done = run("archive", "--before", day_start(1).isoformat(), "--to", str(folder), "--json", env=env)
+    assert done.returncode == 0, done.stderr
+    spans = json.loads(done.stdout)["archived"]
+    assert [s["table"] for s in spans] == ["sku_history", "task_attempts"]
+    assert_archive_holds(spans[0], history)
+    assert_archive_holds(spans[1], attempts)
+    assert rows(engine, sku_history) == [] and rows(engine, task_attempts) == []
+    assert run("audit", env=env).returncode == 0
+    tokens = run("tokens", "WIDGET", env=env, columns=200)
+    assert f"tokens up to {highest} archived" in tokens.stdout, tokens.stdout
+
+    with Inventory.from_url(url) as inventory, LeaseManager.from_url(url) as leases:
+        lease = leases.acquire(scope_of("GADGET"), ttl=30, holder="host-a:1:task-d")
+        inventory.restock(lease, "GADGET", 3, key="restock-2")
+    assert run("audit", env=env).returncode == 0
+    # A row written after the archive is not covered by a checkpoint: still refused.
+    with pytest.raises(sa.exc.IntegrityError, match="append-only"), engine.begin() as conn:
+        conn.execute(sa.delete(sku_history))
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--before", "last tuesday"], "--before 'last tuesday'"),
+        (["--before", "1d", "--to", "{file}"], "is not a directory"),
+    ],
+)
+def test_bad_input_is_refused_with_nothing_written(
+    sqlite_url: str, engine_of: Any, tmp_path: Path, args: list[str], says: str
+) -> None:
+    env = {"RESERVATIONS_DATABASE_URL": sqlite_url}
+    with Inventory.from_url(sqlite_url) as inventory:
+        inventory.add_sku("WIDGET", on_hand=1)
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    args = [a.replace("{file}", str(a_file)) for a in args]
+    if "--to" not in args:
+        args += ["--to", str(tmp_path / "archive")]
+    done = run("archive", *args, env=env)
+    assert done.returncode == 2 and says in done.stderr, done.stderr
+    assert not (tmp_path / "archive").exists()
+    assert len(rows(engine_of(sqlite_url), sku_history)) == 1
