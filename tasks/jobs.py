@@ -27,6 +27,7 @@ from reservations import (
     messages,
 )
 from reservations import validation as valid
+from reservations.archive import prepare_partitions
 from reservations.messages import Message
 from reservations.redrives import carried_request
 from reservations.requests import AlreadyApplied, task_name
@@ -425,9 +426,12 @@ def serve_waiting(self: Task) -> dict[str, int]:
 def purge() -> dict[str, int]:
     """Beat: apply the retention of idempotency records (keep it far above the redelivery horizon) and of
     SQL lease events, and drop queued requests that ended elsewhere; Redis lease streams are capped
-    instead."""
+    instead. On PostgreSQL, also make the history's day partitions of the coming week that are missing
+    (hourly, so a day's partition exists days before its first write; one missed still only means rows
+    in the DEFAULT partition)."""
     res = resources(settings_of(app))
     return {
+        "history_partitions": len(prepare_partitions(res.inventory.executor.engine)),
         "idempotency_records": res.inventory.purge_idempotency(),
         "request_outcomes": res.inventory.purge_requests(),
         "ended_waits": res.inventory.purge_ended_waits(),

@@ -364,3 +364,29 @@ def test_bad_input_is_refused_with_nothing_written(
     assert done.returncode == 2 and says in done.stderr, done.stderr
     assert not (tmp_path / "archive").exists()
     assert len(rows(engine_of(sqlite_url), sku_history)) == 1
+
+
+def test_partitions_are_made_ahead_except_for_a_day_already_in_default(
+    pg_inventory: str, engine_of: Any
+) -> None:
+    engine = engine_of(pg_inventory)
+    ahead = {d: archive.partition_name("sku_history", day_start(d).date()) for d in (3, 4)}
+    with engine.begin() as conn:
+        for name in ahead.values():
+            conn.execute(sa.text(f'DROP TABLE "{name}"'))
+        # A row of day 4 written while it had no partition: in DEFAULT, where it stays.
+        conn.execute(
+            sa.insert(sku_history).values(
+                sku="WIDGET",
+                at_ms=ms(day_start(4)) + 1,
+                kind="rejected",
+                operation="reserve",
+                token=1,
+                on_hand_delta=0,
+                reserved_delta=0,
+            )
+        )
+    assert archive.prepare_partitions(engine) == [ahead[3]]
+    assert archive.prepare_partitions(engine) == []
+    with engine.connect() as conn:
+        assert sa.inspect(conn).has_table(ahead[3]) and not sa.inspect(conn).has_table(ahead[4])
