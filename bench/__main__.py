@@ -24,6 +24,7 @@ from bench.hot_sku import SPREAD as SPREAD_SKUS
 from bench.leases import redis_vs_raw, sql_vs_redis_leases
 from bench.report import Plan, render_markdown, render_rich
 from bench.reserve import reserve_vs_raw
+from bench.soak import redis_per_request
 from bench.tasks_e2e import tasks_vs_noop
 from bench.timing import Progress, Results
 from bench.writes import guarded_vs_plain
@@ -44,7 +45,7 @@ TASK_SHARE = 5
 HOT_SHARE = 10
 MIN_ITERATIONS = 5
 WARMUP_FRACTION = 0.1
-SECTIONS = ("redis", "writes", "reserve", "backends", "tasks", "hot", "asyncio")
+SECTIONS = ("redis", "writes", "reserve", "backends", "tasks", "hot", "asyncio", "soak")
 # The asyncio section: messages per enqueue case, and the enqueue-and-await calls kept in flight.
 ASYNC_ENQUEUES = 2000
 ASYNC_IN_FLIGHT = (100, 1000, 10_000)
@@ -75,7 +76,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "tasks end to end (own redis-server and workers; needs PostgreSQL), hot = one hot SKU vs "
         f"{SPREAD_SKUS} SKUs on a thread pool of {', '.join(map(str, SLOTS))} task slots, batching on and "
         "off (same needs), asyncio = the asyncio client's enqueue rate vs Task.delay and its event loop lag "
-        f"with {', '.join(map(str, ASYNC_IN_FLIGHT))} requests in flight (same needs)",
+        f"with {', '.join(map(str, ASYNC_IN_FLIGHT))} requests in flight (same needs), soak = Redis memory "
+        "per request over 8 waves of reservations, results off vs kept vs kept 24 h extended (same needs)",
     )
     parser.add_argument(
         "--no-sql-leases", action="store_true",
@@ -175,6 +177,10 @@ def _asyncio(run: Run) -> None:
     )  # fmt: skip
 
 
+def _soak(run: Run) -> None:
+    redis_per_request(run.scratch, run.results, quick=run.args.quick, progress=run.progress)
+
+
 def _celery(run: Run) -> bool:
     return run.postgres_ok and run.redis_server
 
@@ -188,6 +194,7 @@ SECTION_RUNS: list[tuple[str, Callable[[Run], bool], str, Callable[[Run], None]]
     ("tasks", _celery, "Celery end to end: reservation vs no-op tasks, hot vs spread SKUs", _tasks),
     ("hot", _celery, "Celery end to end on a thread pool: one hot SKU vs many, batching on and off", _hot),
     ("asyncio", _celery, "asyncio producer: enqueue rate and event loop lag with real workers", _asyncio),
+    ("soak", _celery, "soak: Redis memory per request, request results off vs kept", _soak),
 ]
 
 
@@ -223,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     if not postgres_ok and wanted - {"redis"}:
         what = "the PostgreSQL rows" + (" and the Celery sections" if wanted & {"tasks", "hot"} else "")
         results.skipped.append(f"Skipped {what}: PostgreSQL is unreachable.")
-    if redis_server is None and wanted & {"tasks", "hot", "asyncio"}:
+    if redis_server is None and wanted & {"tasks", "hot", "asyncio", "soak"}:
         results.skipped.append("Skipped the Celery sections: no redis-server on PATH for a private broker.")
 
     # A terminated run (CI timeout, kill) must still reach the cleanup below; SystemExit does.

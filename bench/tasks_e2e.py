@@ -61,6 +61,7 @@ MIN_BURST = 20  # a few times the pool's concurrency, so the pool is full for mo
 MAX_WARMUP = 20  # enough for each pool child to open its connections and fill its statement caches
 
 SPREAD = 32
+RESULT_EXPIRES = 600
 ON_HAND = 10**6
 
 # Redis commands of the server's own idle traffic (idle workers' blocking pops) are measured over this
@@ -235,12 +236,14 @@ def tasks_vs_noop(
         _seed(database_url, spread + counted_skus + metered + (sql_spread if sql_leases else []))
 
         # One redis-server, one database number per role; every worker has a broker database of its
-        # own so that no worker takes another's tasks.
+        # own so that no worker takes another's tasks. Requests keep their Celery result (none by
+        # default): the AsyncResult.get cases wait on it.
         redis_settings = Settings(
             broker_url=f"{base}/0",
             result_backend=f"{base}/1",
             database_url=database_url,
             lease_url=f"{base}/2",
+            result_expires=RESULT_EXPIRES,
         )
         sql_settings = redis_settings.with_(
             broker_url=f"{base}/3", result_backend=f"{base}/4", lease_url=database_url
@@ -375,7 +378,8 @@ def tasks_vs_noop(
     results.context += [
         f"Celery workers: {len(workers)} x celery {version('celery')} worker --pool {POOL} -c {CONCURRENCY} "
         "--without-gossip --without-mingle --without-heartbeat --loglevel INFO: the project's app (acks "
-        "late, prefetch 1, extended results), the same app counting through a proxy, an app at Celery's "
+        "late, prefetch 1, request results kept "
+        f"{RESULT_EXPIRES} s), the same app counting through a proxy, an app at Celery's "
         "defaults (early acks, prefetch 4)"
         + (", the project's app on SQL leases" if sql_leases else "")
         + f"; one busy at a time, the others idling; ready {startup:.1f} s after start",

@@ -163,6 +163,13 @@ class Settings:
 
     broker_url: str = _setting("redis://127.0.0.1:6379/0", "Celery broker (Redis or RabbitMQ)", url=True)
     result_backend: str = _setting("redis://127.0.0.1:6379/1", "Celery result backend", url=True)
+    result_expires: int = _setting(
+        0,
+        "seconds a request task's Celery result is kept, for callers of AsyncResult.get(); 0: request "
+        "tasks store none (their outcome is the database row the client reads)",
+        0,
+        7 * 86400,
+    )
     sentinel_master: str = _setting(
         "",
         "the Sentinel service (master name) of the broker and result backend when their URLs are "

@@ -36,6 +36,10 @@ _SHORT_RETRIES = {
 }
 
 
+# How long the results of tasks that are no requests (beat's sweeps and purge, the no-op) are kept when
+# request tasks store none: bounded by the schedule, not by the traffic.
+SCHEDULED_RESULT_EXPIRES = 3600
+
 _REDIS = ("redis", "rediss", "sentinel")
 _REDELIVERING = (*_REDIS, "sqs")
 _AMQP = ("amqp", "amqps", "pyamqp")
@@ -86,8 +90,13 @@ def configure(app: Celery, settings: Settings) -> None:
             **transport_options(settings.result_backend, settings, broker=False),
             **(_SHORT_RETRIES if _scheme(settings.result_backend) in _REDIS else {}),
         },
-        result_expires=24 * 3600,
-        result_extended=True,
+        # Request tasks store a result only for RESERVATIONS_RESULT_EXPIRES seconds, none by default
+        # (RequestTask.ignore_result): their outcome is the database row. The schedule's own tasks and
+        # the no-op keep theirs an hour then, a few per sweep interval whatever the traffic.
+        result_expires=settings.result_expires or SCHEDULED_RESULT_EXPIRES,
+        # No name, arguments, worker or queue beside a result: the outcome row and the attempts hold them,
+        # the task events carry them to Flower, and they would double every stored result.
+        result_extended=False,
         # No STARTED state: it is a result-backend write before every task, which would make running a
         # request depend on the result backend (a task whose STARTED write fails never runs).
         task_track_started=False,
@@ -189,6 +198,11 @@ def create_app(settings: Settings | None = None) -> Celery:
 def settings_of(app: Celery) -> Settings:
     settings: Settings = app.conf.reservations_settings
     return settings
+
+
+def stores_request_results(app: Celery) -> bool:
+    """Whether request tasks store their Celery result (``RESERVATIONS_RESULT_EXPIRES`` above 0)."""
+    return settings_of(app).result_expires > 0
 
 
 def _loaded_by_celery_command() -> bool:

@@ -17,7 +17,7 @@ from reservations.messages import Message
 from reservations.requests import RequestResult, task_name
 from tasks import failpoints, metrics, observe
 from tasks.answers import answer, as_result, conflict, reply
-from tasks.app import app
+from tasks.app import app, stores_request_results
 from tasks.failpoints import failpoint
 from tasks.states import QUEUED, announce
 from tasks.worker import Resources
@@ -46,8 +46,9 @@ def wait_for_holder(
     """The lease is busy: queue the request for the holder instead of spinning on the lease.
 
     The task then ends at once, returning "queued" without storing it: whoever serves the request writes
-    its outcome row and its Celery result. The first request to wait on the SKU also schedules a watch
-    of the SKU's queue, which serves it once the lease is free if the holder died.
+    its outcome row and, where request results are kept, its Celery result. The first request to wait on
+    the SKU also schedules a watch of the SKU's queue, which serves it once the lease is free if the
+    holder died.
     """
     settings = res.settings
     key, epoch = message.key, message.counts["epoch"]
@@ -115,10 +116,12 @@ def publish(outcomes: list[RequestResult]) -> None:
     """Give each served request's own Celery task its result, as if it had run the request itself.
 
     The outcome rows are already committed and are what callers wait on; a result lost here (the server
-    died in between) leaves only ``AsyncResult`` of that request waiting.
+    died in between) leaves only ``AsyncResult`` of that request waiting. Stored only where request tasks
+    store theirs (``RESERVATIONS_RESULT_EXPIRES``).
     """
+    stored = stores_request_results(app)
     for outcome in outcomes:
-        if outcome.task_id:
+        if stored and outcome.task_id:
             try:
                 app.backend.store_result(outcome.task_id, as_result(outcome), states.SUCCESS)
             except Exception as exc:  # the result backend is a convenience here, never the record

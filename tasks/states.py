@@ -2,7 +2,9 @@
 
 Celery reports every request that returned as SUCCESS, whatever it was told. The result backend must keep
 SUCCESS (``AsyncResult.ready()`` and ``get()`` wait for a ready state, and a custom one never is), so the
-outcome is named in the monitoring events instead, where a custom event type is a state of its own:
+outcome is named in the monitoring events instead, where a custom event type is a state of its own. The
+result backend column holds where request results are kept (``RESERVATIONS_RESULT_EXPIRES`` above 0); by
+default a request stores none, and its events and outcome row say what happened:
 
 =============================  ==================================  =====================================
 what happened                  event (state in Flower)             result backend
@@ -40,6 +42,7 @@ from celery.worker.request import Request
 
 from reservations.requests import RequestResult
 from tasks.answers import as_result
+from tasks.app import stores_request_results
 
 log = logging.getLogger("tasks")
 
@@ -111,7 +114,8 @@ class OutcomeRequest(Request):  # type: ignore[misc]
 
 class RequestTask(Task):  # type: ignore[misc]
     """The class of the request tasks: their worker requests name the outcome (:class:`OutcomeRequest`),
-    and a retry's RETRY state is stored before the retry is published.
+    they store a Celery result only when ``RESERVATIONS_RESULT_EXPIRES`` keeps one, and a retry's RETRY
+    state is stored before the retry is published.
 
     Celery publishes a retry, then stores RETRY as the attempt ends. Meanwhile another worker may have run
     the retry to its end (a lost attempt is driven again at once), and a RETRY that lands after that
@@ -121,6 +125,13 @@ class RequestTask(Task):  # type: ignore[misc]
     """
 
     Request = OutcomeRequest
+
+    @property
+    def ignore_result(self) -> bool:
+        """Celery's per-task default (a message's own ``ignore_result`` still wins), read from the settings
+        of the app this task is bound to. By default a request stores no result: the outcome row is the
+        record, and a result kept per request grows the result backend with the traffic."""
+        return not stores_request_results(self.app)
 
     def retry(
         self,

@@ -15,12 +15,13 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
+import redis
 
 from admin.harness import process_state, redis_server, wait_until
 from reservations import scope_of
 from reservations.requests import RequestResult
 from tasks import ReservationClient, request_id
-from tests.test_tasks_e2e import FAULT_TIMEOUT, Stack, client_result, identity, stack
+from tests.test_tasks_e2e import FAULT_TIMEOUT, KEEP_RESULTS, Stack, client_result, identity, logged, stack
 from tests.workers import BROKERS, rabbitmq_vhost
 
 pytestmark = pytest.mark.slow
@@ -44,6 +45,8 @@ def hot_stack(tmp_path_factory: pytest.TempPathFactory, broker: str) -> Iterator
                 broker=url,
                 RESERVATIONS_LEASE_TTL=str(TTL),
                 RESERVATIONS_HANDOFF_CHECK="0.2",
+                # The server of a batch stores each served request's Celery result: under test here.
+                **KEEP_RESULTS,
             )
         )
 
@@ -249,6 +252,13 @@ def test_a_holder_serves_what_queued_behind_it_as_soon_as_it_releases(
         assert all(outcomes[key].detail["served_by"] == request_id("holder") for key in keys)
         assert all(outcomes[key].detail["token"] == holder_token + 1 for key in keys)
         exactly_once(running, sku, outcomes)
+        # At the default retention neither the holder nor those it served store a Celery result. Its
+        # task logs its success once the results would have been stored.
+        wait_until(
+            lambda: logged(running, request_id("holder"), "succeeded"), timeout=FAULT_TIMEOUT, what="its end"
+        )
+        with redis.Redis.from_url(running.cluster.parsed.result_backend) as results:
+            assert not results.exists(*(f"celery-task-meta-{request_id(key)}" for key in outcomes))
 
 
 def test_the_sweep_serves_requests_nobody_else_would(hot: Stack) -> None:

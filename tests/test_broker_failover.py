@@ -420,7 +420,8 @@ def test_requests_flow_through_the_sentinel_broker_and_result_backend(tmp_path: 
         Inventory.from_url(database) as inventory,
     ):
         inventory.add_sku(SKU, on_hand=10)
-        env = sentinel_env(topology, database)
+        # Requests keep their Celery result: the Sentinel result backend is under test.
+        env = {**sentinel_env(topology, database), "RESERVATIONS_RESULT_EXPIRES": "600"}
         with cluster(tmp_path / "workers", env, prefix="s") as running:
             for worker in running.workers:  # the banner names the transport a worker consumes from
                 assert "transport:   sentinel://" in worker.log(), worker.tail()

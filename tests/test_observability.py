@@ -205,6 +205,8 @@ def cluster(workdir: Path, server: RedisServer, **variables: str) -> Iterator[Cl
                 "RESERVATIONS_MAX_RETRIES": "0",
                 "RESERVATIONS_FAILPOINTS": FAILPOINTS,
                 "RESERVATIONS_FAILPOINT_DIR": str(failpoints),
+                # Requests keep their Celery result here: what AsyncResult.get() returns is under test.
+                "RESERVATIONS_RESULT_EXPIRES": "600",
                 **variables,
             }
         )

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+import tasks.jobs  # noqa: F401  (declares the tasks each app binds)
 from admin.harness import CeleryProcess, stop_all, worker_env
 from reservations import schema
 from reservations.settings import (
@@ -27,6 +28,8 @@ from reservations.settings import (
     unknown_names,
     variable,
 )
+from tasks import create_app
+from tasks.app import SCHEDULED_RESULT_EXPIRES
 from tests.support import cli, refused_worker, run
 
 TYPO = "RESERVATIONS_LEASE_TLL"
@@ -496,3 +499,28 @@ def test_republishing_waits_30_seconds_by_default_and_0_turns_it_off() -> None:
     assert Settings.from_env({"RESERVATIONS_REPUBLISH_AFTER": "2.5"}).republish_after == 2.5
     with pytest.raises(SettingsError, match="RESERVATIONS_REPUBLISH_AFTER must be between 0 and 3600"):
         Settings.from_env({"RESERVATIONS_REPUBLISH_AFTER": "7200"})
+
+
+def test_requests_keep_no_celery_result_by_default_and_whole_seconds_when_asked() -> None:
+    assert Settings().result_expires == 0
+    assert Settings.from_env({"RESERVATIONS_RESULT_EXPIRES": "3600"}).result_expires == 3600
+    # Celery's Redis backend keeps whole seconds: a fraction would be cut to 0, which it takes as "forever".
+    with pytest.raises(SettingsError, match=r"^RESERVATIONS_RESULT_EXPIRES must be a whole number written"):
+        Settings.from_env({"RESERVATIONS_RESULT_EXPIRES": "0.5"})
+    with pytest.raises(SettingsError, match="RESERVATIONS_RESULT_EXPIRES must be between 0 and 604800"):
+        Settings.from_env({"RESERVATIONS_RESULT_EXPIRES": "604801"})
+
+
+@pytest.mark.parametrize("expires", [0, 60])
+def test_request_tasks_store_results_only_when_kept_and_the_schedule_always(expires: int) -> None:
+    app = create_app(Settings(result_expires=expires))
+    try:
+        assert app.conf.result_expires == (expires or SCHEDULED_RESULT_EXPIRES)
+        assert app.conf.result_extended is False
+        requests = ("reserve", "reserve_order", "confirm", "release", "restock", "count", "replenish")
+        assert {app.tasks[f"reservations.{name}"].ignore_result for name in requests} == {not expires}
+        # The sweeps and the purge: a few results per interval, whatever the traffic.
+        assert not app.tasks["reservations.serve_waiting"].ignore_result
+        assert not app.tasks["reservations.purge"].ignore_result
+    finally:
+        app.close()

@@ -6,6 +6,7 @@ SQL-lease cluster's tests run on RabbitMQ as the broker too.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import redis
 
 from admin.harness import RedisServer, process_state, redis_server, wait_until
 from fencing import LeaseManager
@@ -100,6 +102,11 @@ def stack(
                 client.app.close()
 
 
+# The SQL-lease clusters keep each request's Celery result: their tests compare it with the outcome row.
+# The Redis-lease cluster runs at the default, which stores none.
+KEEP_RESULTS = {"RESERVATIONS_RESULT_EXPIRES": "600"}
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     with redis_server(tmp_path_factory.mktemp("redis")) as running:
@@ -110,7 +117,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
 def sql_redis(server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """Two workers, SQL leases on the inventory database, up to three epochs per request."""
     workdir = tmp_path_factory.mktemp("sql_cluster")
-    with stack("sql", workdir, server, 0, RESERVATIONS_LEASE_TTL=str(SQL_TTL)) as running:
+    with stack("sql", workdir, server, 0, RESERVATIONS_LEASE_TTL=str(SQL_TTL), **KEEP_RESULTS) as running:
         yield running
 
 
@@ -120,7 +127,9 @@ def sql_rabbitmq(server: RedisServer, tmp_path_factory: pytest.TempPathFactory) 
     workdir = tmp_path_factory.mktemp("amqp_cluster")
     with (
         rabbitmq_vhost() as broker,
-        stack("amqp", workdir, server, 6, broker=broker, RESERVATIONS_LEASE_TTL=str(SQL_TTL)) as running,
+        stack(
+            "amqp", workdir, server, 6, broker=broker, RESERVATIONS_LEASE_TTL=str(SQL_TTL), **KEEP_RESULTS
+        ) as running,
     ):
         yield running
 
@@ -436,6 +445,31 @@ def test_same_request_twice_is_applied_once(backend: str, request: pytest.Fixtur
     level = inv.stock(sku)
     assert (level.on_hand, level.reserved, level.available) == (10, 3, 7)
     assert inv.invariant_violations() == []
+
+
+# How long each cluster keeps a request's Celery result: seconds left, or -2 (Redis: no such key).
+RESULT_TTLS = {"sql_redis": range(1, 601), "redis_leases": range(-2, -1)}
+
+
+@pytest.mark.parametrize("backend", sorted(RESULT_TTLS))
+def test_a_request_stores_its_celery_result_only_when_results_are_kept(
+    backend: str, request: pytest.FixtureRequest
+) -> None:
+    run: Stack = request.getfixturevalue(backend)
+    inv, sku, key = run.inventory, f"K-{backend}", f"kept-{backend}"
+    inv.add_sku(sku, on_hand=5)
+    handle = run.client.enqueue_reservation_sync(sku, 1, idempotency_key=key)
+    assert run.result(handle).status == "reserved"
+    # Celery logs the success after storing the result: from then on nothing more is stored.
+    wait_until(lambda: logged(run, handle.task_id, "succeeded") >= 1, timeout=OUTCOME_TIMEOUT, what="its run")
+    with redis.Redis.from_url(run.cluster.parsed.result_backend) as results:
+        name = f"celery-task-meta-{handle.task_id}"
+        ttl, stored = results.ttl(name), results.get(name)
+    assert ttl in RESULT_TTLS[backend]
+    if stored is not None:  # without the extended metadata: the outcome row holds who ran what
+        meta = json.loads(stored)
+        assert meta["result"]["status"] == "reserved"
+        assert not {"name", "args", "kwargs", "worker"} & set(meta)
 
 
 def test_request_losing_its_only_epoch_is_dead_lettered(redis_leases: Stack) -> None:
