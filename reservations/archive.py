@@ -378,7 +378,8 @@ def _copy_out(engine: sa.Engine, name: str) -> tuple[int, Iterator[bytes], Any]:
     conn: Any = raw.driver_connection
     cursor = conn.cursor()
     table = sql.Identifier(name)
-    cursor.execute(sql.SQL("BEGIN ISOLATION LEVEL REPEATABLE READ"))
+    # One transaction (the driver opens it) for the count and the copy. The table is detached: nothing
+    # writes to it any more, so the two see the same rows.
     rows = cursor.execute(sql.SQL("SELECT count(*) FROM {}").format(table)).fetchone()[0]
 
     def chunks() -> Iterator[bytes]:
@@ -386,7 +387,7 @@ def _copy_out(engine: sa.Engine, name: str) -> tuple[int, Iterator[bytes], Any]:
         with cursor.copy(statement.format(table)) as copy:
             for chunk in copy:
                 yield bytes(chunk)
-        cursor.execute(sql.SQL("COMMIT"))
+        conn.commit()
 
     return int(rows), chunks(), raw
 
