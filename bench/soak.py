@@ -223,7 +223,7 @@ def soak(
 
         def drained() -> bool:
             # kombu's Redis transport: the queue is a list, delivered and unacknowledged messages a hash.
-            return broker.llen("celery") == 0 and broker.hlen("unacked") == 0
+            return bool(broker.llen("celery") == 0 and broker.hlen("unacked") == 0)
 
         recorded: list[Wave] = []
         try:
