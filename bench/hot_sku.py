@@ -30,6 +30,7 @@ import sqlalchemy as sa
 from celery import Celery
 
 from admin.harness import CeleryProcess, redis_server, stop_all, worker_env
+from bench import old_results
 from bench.env import Scratch
 from bench.leases import UnexpectedReply
 from bench.tasks_e2e import _check_stock, _round_robin, _seed
@@ -54,6 +55,8 @@ MIN_BURST_TIMEOUT = 60.0
 DRAIN_TIMEOUT = 180.0
 FINAL_STATES = frozenset({"SUCCESS", "FAILURE", "REVOKED"})
 LEASE_DB = 0  # one lease database for all modes: every mode reserves on SKUs of its own
+RESULT_EXPIRES = 600
+ROOT = Path(__file__).resolve().parent.parent
 
 OUTCOMES = sa.text("SELECT key, status, at_ms FROM request_outcomes WHERE key = ANY(:keys)")
 # Requests served in a lease holder's batch: one attempt row each, sharing the batch's task and time.
@@ -91,6 +94,8 @@ class Mode:
             database_url=database_url,
             lease_url=f"{base}/{LEASE_DB}",
             batching=self.batching,
+            # Each burst is drained until every task's Celery result is final: requests keep theirs.
+            result_expires=RESULT_EXPIRES,
         )
 
 
@@ -244,9 +249,11 @@ def _run_mode(
         if progress:
             progress(f"  {mode.label}: starting the worker")
         started = time.monotonic()
+        # With the extended metadata beside each result: the drain counts each task's retries from it.
         worker = CeleryProcess(
-            name, worker_env(settings), workdir / f"{name}.log", pool=POOL, concurrency=mode.slots
-        )
+            name, worker_env(settings), workdir / f"{name}.log", app=old_results.__name__, pool=POOL,
+            concurrency=mode.slots, cwd=ROOT,
+        )  # fmt: skip
         stack.callback(stop_all, [worker])  # warm shutdown, waited for: nothing of it outlives the mode
         worker.start()
         worker.wait_ready()

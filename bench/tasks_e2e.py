@@ -23,7 +23,7 @@ from celery import Celery
 from sqlalchemy.engine import make_url
 
 from admin.harness import CeleryProcess, free_port, redis_server, start_all, stop_all, worker_env
-from bench import celery_defaults
+from bench import celery_defaults, old_results
 from bench.bursts import (
     BurstFn,
     InFlight,
@@ -260,12 +260,15 @@ def tasks_vs_noop(
         metrics_settings = redis_settings.with_(
             broker_url=f"{base}/9", result_backend=f"{base}/10", metrics_port=free_port()
         )
+        # The project's workers store results with the extended metadata, as before request results
+        # became optional: the retries column reads each task's retries from it.
+        project = old_results.__name__
         envs: dict[str, tuple[str, Settings | Mapping[str, str]]] = {
-            "bench-redis": ("tasks", redis_settings),
-            "bench-metrics": ("tasks", metrics_settings),
+            "bench-redis": (project, redis_settings),
+            "bench-metrics": (project, metrics_settings),
             "bench-defaults": ("bench.celery_defaults", defaults_env),
-            "bench-count": ("tasks", count_settings),
-            **({"bench-sql": ("tasks", sql_settings)} if sql_leases else {}),
+            "bench-count": (project, count_settings),
+            **({"bench-sql": (project, sql_settings)} if sql_leases else {}),
         }
         workers = {
             name: CeleryProcess(
@@ -378,9 +381,9 @@ def tasks_vs_noop(
     results.context += [
         f"Celery workers: {len(workers)} x celery {version('celery')} worker --pool {POOL} -c {CONCURRENCY} "
         "--without-gossip --without-mingle --without-heartbeat --loglevel INFO: the project's app (acks "
-        "late, prefetch 1, request results kept "
-        f"{RESULT_EXPIRES} s), the same app counting through a proxy, an app at Celery's "
-        "defaults (early acks, prefetch 4)"
+        f"late, prefetch 1, request results kept {RESULT_EXPIRES} s with Celery's extended metadata as "
+        "bench.old_results stores them, for the retries column), the same app counting through a proxy, an "
+        "app at Celery's defaults (early acks, prefetch 4)"
         + (", the project's app on SQL leases" if sql_leases else "")
         + f"; one busy at a time, the others idling; ready {startup:.1f} s after start",
         f"Celery broker / results: private redis-server {server.version}, {broker} / {backend} "
