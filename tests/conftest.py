@@ -273,3 +273,13 @@ def leases(inventory_url: str) -> Iterator[LeaseManager]:
     """The SQL lease backend on the inventory's own database (its tables come from the migrations)."""
     with LeaseManager.from_url(inventory_url) as manager:
         yield manager
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Spread over several processes (pytest-xdist, ``--dist loadfile --no-loadscope-reorder``), the
+    modules that run real processes go first, so that the last module a process takes is a short one and
+    no process is left running a long module alone at the end. A run in one process keeps its order."""
+    if not hasattr(config, "workerinput"):  # set in each process of pytest-xdist, which collect and run
+        return
+    slow = {item.path for item in items if item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: item.path not in slow)  # stable: each group keeps its order

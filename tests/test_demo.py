@@ -99,6 +99,7 @@ def default_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DefaultRun
         yield DefaultRun(place=place, folder=place / "demo", pg_url=pg_url, stdout=done.stdout)
 
 
+@pytest.mark.slow
 def test_demo_writes_only_its_own_folder_and_rejects_the_frozen_workers_write(
     default_run: DefaultRun,
 ) -> None:
@@ -118,6 +119,7 @@ def test_demo_writes_only_its_own_folder_and_rejects_the_frozen_workers_write(
         assert inventory.rejection_counts() == {"WIDGET": 1}
 
 
+@pytest.mark.slow
 def test_demo_on_the_configured_postgresql_and_redis_reruns_in_the_same_folder(
     default_run: DefaultRun, tmp_path: Path, pg_url: str
 ) -> None:
