@@ -19,6 +19,7 @@ from rich.console import Console
 
 from bench.asyncio_client import asyncio_producer
 from bench.capacity import reservation_costs
+from bench.capacity_check import capacity_check
 from bench.env import Scratch, Settings, probe
 from bench.hot_sku import PER_SLOT, SLOTS, hot_vs_many
 from bench.hot_sku import SPREAD as SPREAD_SKUS
@@ -46,7 +47,9 @@ TASK_SHARE = 5
 HOT_SHARE = 10
 MIN_ITERATIONS = 5
 WARMUP_FRACTION = 0.1
-SECTIONS = ("redis", "writes", "reserve", "backends", "tasks", "hot", "asyncio", "soak", "capacity")
+SECTIONS = (
+    "redis", "writes", "reserve", "backends", "tasks", "hot", "asyncio", "soak", "capacity", "capacity-check",
+)  # fmt: skip
 # The asyncio section: messages per enqueue case, and the enqueue-and-await calls kept in flight.
 ASYNC_ENQUEUES = 2000
 ASYNC_IN_FLIGHT = (100, 1000, 10_000)
@@ -79,7 +82,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "off (same needs), asyncio = the asyncio client's enqueue rate vs Task.delay and its event loop lag "
         f"with {', '.join(map(str, ASYNC_IN_FLIGHT))} requests in flight (same needs), soak = Redis memory "
         "per request over 8 waves of reservations, results off vs kept vs kept 24 h extended (same needs), "
-        "capacity = CPU, WAL, Redis and disk per reservation end to end (same needs)",
+        "capacity = CPU, WAL, Redis and disk per reservation end to end (same needs), capacity-check = the "
+        "capacity model fitted on 1,000 uniform SKUs and checked on 100,000 Zipf SKUs (same needs)",
     )
     parser.add_argument(
         "--no-sql-leases", action="store_true",
@@ -187,6 +191,10 @@ def _capacity(run: Run) -> None:
     reservation_costs(run.scratch, run.results, quick=run.args.quick, progress=run.progress)
 
 
+def _capacity_check(run: Run) -> None:
+    capacity_check(run.scratch, run.results, quick=run.args.quick, progress=run.progress)
+
+
 def _celery(run: Run) -> bool:
     return run.postgres_ok and run.redis_server
 
@@ -202,6 +210,8 @@ SECTION_RUNS: list[tuple[str, Callable[[Run], bool], str, Callable[[Run], None]]
     ("asyncio", _celery, "asyncio producer: enqueue rate and event loop lag with real workers", _asyncio),
     ("soak", _celery, "soak: Redis memory per request, request results off vs kept", _soak),
     ("capacity", _celery, "capacity: what one reservation costs end to end", _capacity),
+    ("capacity-check", _celery, "capacity model: fitted on one configuration, checked on another",
+     _capacity_check),
 ]
 
 
@@ -237,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     if not postgres_ok and wanted - {"redis"}:
         what = "the PostgreSQL rows" + (" and the Celery sections" if wanted & {"tasks", "hot"} else "")
         results.skipped.append(f"Skipped {what}: PostgreSQL is unreachable.")
-    if redis_server is None and wanted & {"tasks", "hot", "asyncio", "soak", "capacity"}:
+    if redis_server is None and wanted & {"tasks", "hot", "asyncio", "soak", "capacity", "capacity-check"}:
         results.skipped.append("Skipped the Celery sections: no redis-server on PATH for a private broker.")
 
     # A terminated run (CI timeout, kill) must still reach the cleanup below; SystemExit does.
