@@ -19,6 +19,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import UTC, date, datetime
 from pathlib import Path
 from typing import Any
 
@@ -99,7 +100,7 @@ def own_pg_schema(*, migrated: bool = False, prefix: str = "t_") -> Iterator[str
 
 
 @functools.cache
-def _migration_script() -> str:
+def _migration_script(day: date) -> str:
     """Every statement ``schema.upgrade`` sent to an empty schema of the test PostgreSQL, in order, with its
     parameters bound as the driver bound them: one script that, run in another empty schema, makes it what
     the migrations make it (tables, indexes, sequences, functions and triggers, the alembic_version and
@@ -107,7 +108,9 @@ def _migration_script() -> str:
     migration by itself; tests/test_migrated_copies.py compares a replayed schema with a migrated one.
 
     The statements carry no schema name: the migrations create everything in the connection's search_path,
-    and the catalog queries they make find the schema through it too."""
+    and the catalog queries they make find the schema through it too. They do carry the day they ran on
+    (revision 0010 makes the partitions from that day on), so the script is recorded again for a run that
+    goes past midnight UTC: ``day`` is today's."""
     import psycopg
 
     from reservations import schema
@@ -157,7 +160,7 @@ def migrate_pg_schema(schema: str) -> None:
     """Bring an empty schema of the test PostgreSQL to the newest revision, as ``schema.upgrade`` does, by
     replaying what it did once this run (:func:`_migration_script`): a tenth of its time, in one
     transaction."""
-    script = _migration_script()
+    script = _migration_script(datetime.now(UTC).date())
     with _admin().begin() as conn:
         conn.execute(sa.text(f'SET LOCAL search_path TO "{schema}"'))
         # No parameters: the script's own '%' (in the functions' messages) reaches the server as written.
