@@ -20,8 +20,10 @@ lint: $(STAMP)
 	$(BIN)/ruff check fencing reservations tasks admin tests bench
 	$(BIN)/mypy
 
+# Two processes, one test file each (a module's clusters and topologies are built once): the suite's
+# tests wait on workers and servers far more than they compute. `pytest tests/x.py` stays one process.
 test: lint
-	$(BIN)/pytest $(PYTEST_ARGS)
+	$(BIN)/pytest -n 2 --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench $(BENCH_ARGS)
