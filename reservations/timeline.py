@@ -2,7 +2,9 @@
 refused stale writes from the database, and the same facts grouped per token (one epoch per owner).
 
 Lease events carry the coordinator's clock and writes the database's; entries are ordered by time, and
-within a token by kind (acquired before its writes), which is the order that can actually happen.
+entries of the same millisecond by the epoch they belong to (tokens grow with time) and, within it, as an
+epoch runs: acquired, its writes, its end, then the stale writes refused because of it (a refusal names the
+highest token the row had accepted, so it came after that epoch began).
 """
 
 from __future__ import annotations
@@ -14,14 +16,14 @@ from itertools import pairwise
 from fencing import LeaseEvent
 from reservations.views import HistoryEntry
 
-_KIND_ORDER = {
+_PLACE_IN_EPOCH = {
     "acquired": 0,
     "renewed": 1,
     "write": 2,
-    "rejected": 3,
-    "released": 4,
-    "broken": 4,
-    "repaired": 4,
+    "released": 3,
+    "broken": 3,
+    "repaired": 3,
+    "rejected": 4,
 }
 
 
@@ -71,7 +73,14 @@ def merge(lease_events: Iterable[LeaseEvent], history: Iterable[HistoryEntry]) -
         )
         for h in history
     ]
-    return sorted(entries, key=lambda e: (e.at, _KIND_ORDER.get(e.kind, 5), e.token))
+    return sorted(entries, key=_order)
+
+
+def _order(entry: TimelineEntry) -> tuple[float, int, int]:
+    # A refused write is placed in the epoch of the token that beat it, not of the one it presented.
+    beaten_by = entry.highest_token if entry.kind == "rejected" else None
+    epoch = entry.token if beaten_by is None else beaten_by
+    return (entry.at, epoch, _PLACE_IN_EPOCH.get(entry.kind, 5))
 
 
 def epochs(timeline: Iterable[TimelineEntry]) -> list[Epoch]:

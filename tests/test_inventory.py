@@ -663,3 +663,29 @@ def test_a_purged_key_reused_is_a_typed_conflict(
     with pytest.raises(IdempotencyConflict):
         inventory.reserve(lease, widget, 1, key="old-key")
     assert level(inventory, widget) == (10, 1, 9)
+
+
+def test_a_timeline_of_one_millisecond_still_runs_epoch_by_epoch() -> None:
+    """Lease events and history rows of the same millisecond (a fast machine, two clocks of millisecond
+    resolution): the seed story still reads acquired, writes, end, then the refusals it caused."""
+    from fencing import LeaseEvent
+    from reservations.timeline import merge
+    from reservations.views import HistoryEntry
+
+    at, a, b = 1_700_000_000.001, 7, 8
+
+    def lease(event: str, token: int) -> LeaseEvent:
+        return LeaseEvent("sku:S", event, token, "A" if token == a else "B", None, at)
+
+    def row(kind: str, token: int, highest: int | None) -> HistoryEntry:
+        return HistoryEntry(
+            token, "S", at, kind, "reserve", token, None, None, 1, None, None, 0, 0, highest, None
+        )
+
+    # Handed over in the order least like the story: each source backwards.
+    events = [lease("released", b), lease("acquired", b), lease("broken", a), lease("acquired", a)]
+    rows = [row("rejected", a, b), row("write", b, b), row("write", 0, 0)]
+    assert [(e.kind, e.token) for e in merge(events, rows)] == [
+        ("write", 0), ("acquired", a), ("broken", a), ("acquired", b), ("write", b), ("released", b),
+        ("rejected", a),
+    ]  # fmt: skip
