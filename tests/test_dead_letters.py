@@ -182,7 +182,7 @@ def test_0009_runs_on_an_existing_database_and_lets_0008_workers_on(tmp_path: Pa
     with Inventory.from_url(url) as inv:
         # Written by code of 0008: the dead letter records no arguments.
         inv.record_outcome("before-0009", "reserve", "dead_lettered", {"reason": "backend unavailable"})
-    schema.upgrade(url)
+    schema.upgrade(url, "0009")
     engine = make_engine(url)
     try:
         with engine.connect() as conn:
