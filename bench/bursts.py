@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime as dt
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -15,6 +16,7 @@ from celery.result import AsyncResult
 
 from bench import celery_defaults
 from bench.leases import UnexpectedReply
+from reservations import Inventory
 from tasks import ReservationClient, ReservationHandle, request_id
 
 
@@ -33,6 +35,17 @@ BURST_TIMEOUT_PER_TASK = 0.5
 MIN_BURST_TIMEOUT = 30.0
 
 BurstFn = Callable[[str, int], Burst]  # (unique tag for this burst's keys, task count) -> Burst
+
+OUTCOME_READ = 1000  # keys per outcome read (Inventory.request_outcomes takes at most that many)
+
+
+def outcomes_in(inventory: Inventory, keys: list[str]) -> Counter[str] | None:
+    """The statuses of ``keys`` once every one of them has an outcome; None before."""
+    statuses: Counter[str] = Counter()
+    for start in range(0, len(keys), OUTCOME_READ):
+        found = inventory.request_outcomes(keys[start : start + OUTCOME_READ])
+        statuses.update(outcome.status for outcome in found.values())
+    return statuses if statuses.total() == len(keys) else None
 
 
 def _done_at(result: AsyncResult) -> float:

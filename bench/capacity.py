@@ -34,6 +34,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 
 from admin.harness import CeleryProcess, redis_server, start_all, stop_all, wait_until, worker_env
+from bench.bursts import outcomes_in
 from bench.capacity_wal import schema_wal
 from bench.costs import RedisCommands, group_cpu, per_task_text
 from bench.env import Scratch
@@ -52,7 +53,6 @@ CONCURRENCY = 2
 ON_HAND = 10**6
 IDLE_SAMPLE = 2.0  # seconds of WAL and Redis traffic with nothing of ours running, taken off the burst
 BURST_TIMEOUT = 300.0
-OUTCOME_READ = 1000  # keys per outcome read (Inventory.request_outcomes takes at most that many)
 
 # Every table of the schema with its size (indexes and TOAST included) and rows; a partition counts
 # for its partitioned table.
@@ -241,15 +241,6 @@ def _rows(conn: sa.Connection, schema_name: str, names: Iterable[str]) -> dict[s
     }
 
 
-def _outcomes_in(inventory: Inventory, keys: list[str]) -> Counter[str] | None:
-    """The statuses of ``keys`` once every one of them has an outcome; None before."""
-    statuses: Counter[str] = Counter()
-    for start in range(0, len(keys), OUTCOME_READ):
-        found = inventory.request_outcomes(keys[start : start + OUTCOME_READ])
-        statuses.update(outcome.status for outcome in found.values())
-    return statuses if statuses.total() == len(keys) else None
-
-
 def _lease_memory(leases: redis.Redis) -> int:
     """Bytes of every lease key (the lease database holds nothing else; keys of touched SKUs only)."""
     return sum(leases.memory_usage(key, samples=0) or 0 for key in leases.scan_iter(count=1000))
@@ -333,7 +324,7 @@ def reservation_costs(  # noqa: C901  # one run's steps in order; its counters s
             for pick, key in zip(picks, keys, strict=True):
                 client.enqueue_reservation_sync(skus[pick], 1, idempotency_key=key)
             statuses = wait_until(
-                lambda: _outcomes_in(inventory, keys),
+                lambda: outcomes_in(inventory, keys),
                 timeout=BURST_TIMEOUT,
                 what=f"the {name} burst",
                 interval=0.1,

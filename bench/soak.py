@@ -32,6 +32,7 @@ from sqlalchemy.engine import make_url
 
 from admin.harness import CeleryProcess, children, redis_server, start_all, stop_all, wait_until, worker_env
 from bench import old_results
+from bench.bursts import outcomes_in
 from bench.env import Scratch
 from bench.timing import Progress, Results
 from fencing.sql import make_engine
@@ -52,7 +53,6 @@ CONCURRENCY = 2
 SWEEP_EVERY = 5.0
 GOAL = 100.0  # bytes of Redis memory per request after the second wave
 WAVE_TIMEOUT = 120.0  # a wave's outcomes and an empty broker, far above a wave's few seconds
-OUTCOME_READ = 1000  # keys per outcome read (Inventory.request_outcomes takes at most that many)
 SCAN_LIMIT = 100_000  # keys looked at per database when the key families are counted
 
 
@@ -151,15 +151,6 @@ def _seed(url: str, skus: list[str]) -> None:
             inventory.add_sku(sku, on_hand=ON_HAND)
 
 
-def _outcomes_in(inventory: Inventory, keys: list[str]) -> Counter[str] | None:
-    """The statuses of ``keys`` once every one of them has an outcome; None before."""
-    statuses: Counter[str] = Counter()
-    for start in range(0, len(keys), OUTCOME_READ):
-        found = inventory.request_outcomes(keys[start : start + OUTCOME_READ])
-        statuses.update(outcome.status for outcome in found.values())
-    return statuses if statuses.total() == len(keys) else None
-
-
 def _connections(engine: sa.Engine, tag: str) -> int:
     with engine.connect() as conn:
         query = sa.text("SELECT count(*) FROM pg_stat_activity WHERE application_name = :tag")
@@ -235,7 +226,7 @@ def soak(
                         skus[(wave * per_wave + n) % len(skus)], 1, idempotency_key=key
                     )
                 statuses = wait_until(
-                    lambda: _outcomes_in(inventory, keys),  # noqa: B023  (called within this iteration)
+                    lambda: outcomes_in(inventory, keys),  # noqa: B023  (called within this iteration)
                     timeout=WAVE_TIMEOUT, what=f"the outcomes of wave {wave + 1}", interval=0.1,
                 )  # fmt: skip
                 if statuses != Counter(reserved=per_wave):
