@@ -81,6 +81,15 @@ def ms(moment: datetime) -> int:
     return int(moment.timestamp() * 1000)
 
 
+def refused_write(at_ms: int, highest: int | None = 2) -> sa.Insert:
+    """A refused stale write of WIDGET at ``at_ms``, written directly: the database clock cannot be set, and
+    a day before the test's needs a row of its own."""
+    return sa.insert(sku_history).values(
+        sku="WIDGET", at_ms=at_ms, kind="rejected", operation="reserve", token=1,
+        on_hand_delta=0, reserved_delta=0, highest_token=highest,
+    )  # fmt: skip
+
+
 def archive_file(path: str) -> tuple[list[dict[str, str]], str]:
     """The rows of an archive file and the SHA-256 of its CSV."""
     with gzip.open(path, "rb") as raw:
@@ -110,18 +119,7 @@ def test_0010_partitions_a_database_with_rows_and_code_of_0009_runs_on_it(
     with Inventory.from_url(pg_url) as inventory, LeaseManager.from_url(pg_url) as leases:
         write_some(inventory, leases)
     with engine.begin() as conn:  # rows of days before the migration: their days get partitions
-        conn.execute(
-            sa.insert(sku_history).values(
-                sku="WIDGET",
-                at_ms=three_days_ago,
-                kind="rejected",
-                operation="reserve",
-                token=1,
-                on_hand_delta=0,
-                reserved_delta=0,
-                highest_token=2,
-            )
-        )
+        conn.execute(refused_write(three_days_ago))
         conn.execute(
             sa.insert(task_attempts).values(
                 key="old", operation="reserve", result="busy", at_ms=three_days_ago
@@ -219,18 +217,7 @@ def test_archive_round_trip_on_postgresql(pg_inventory: str, engine_of: Any, tmp
                 f" FOR VALUES FROM ({ms(two_days_ago)}) TO ({ms(day_start(-1))})"
             )
         )
-        conn.execute(
-            sa.insert(sku_history).values(
-                sku="WIDGET",
-                at_ms=ms(two_days_ago) + 1,
-                kind="rejected",
-                operation="reserve",
-                token=1,
-                on_hand_delta=0,
-                reserved_delta=0,
-                highest_token=2,
-            )
-        )
+        conn.execute(refused_write(ms(two_days_ago) + 1))
     history, attempts = rows(engine, sku_history), rows(engine, task_attempts)
     before = day_start(1).isoformat()  # the end of today: today's partitions go too
 
@@ -375,17 +362,7 @@ def test_partitions_are_made_ahead_except_for_a_day_already_in_default(
         for name in ahead.values():
             conn.execute(sa.text(f'DROP TABLE "{name}"'))
         # A row of day 4 written while it had no partition: in DEFAULT, where it stays.
-        conn.execute(
-            sa.insert(sku_history).values(
-                sku="WIDGET",
-                at_ms=ms(day_start(4)) + 1,
-                kind="rejected",
-                operation="reserve",
-                token=1,
-                on_hand_delta=0,
-                reserved_delta=0,
-            )
-        )
+        conn.execute(refused_write(ms(day_start(4)) + 1, highest=None))
     assert archive.prepare_partitions(engine) == [ahead[3]]
     assert archive.prepare_partitions(engine) == []
     with engine.connect() as conn:
