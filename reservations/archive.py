@@ -29,10 +29,9 @@ import hashlib
 import io
 import json
 import os
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from datetime import UTC, date, datetime, timedelta
+from datetime import date, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -40,26 +39,20 @@ import sqlalchemy as sa
 
 from fencing.sql import db_now_ms
 from reservations.errors import ArchiveInterrupted, InvalidRequest
-from reservations.models import sku_checkpoints, sku_history, task_attempts
+from reservations.models import sku_checkpoints, sku_history
+from reservations.partitions import (
+    DAY_MS,
+    TABLES,
+    day_ms,
+    day_of,
+    day_tables,
+    ident,
+    parse_partition,
+    partition_name,
+    prepare_partitions,
+)
 
-__all__ = [
-    "DAYS_AHEAD",
-    "ArchiveReport",
-    "ArchivedSpan",
-    "archive",
-    "day_ms",
-    "detach",
-    "partition_name",
-    "prepare_partitions",
-]
-
-DAY_MS = 86_400_000
-# Partitions kept ready ahead of the clock (revision 0010 makes the first week; the hourly
-# `reservations.purge` and every archive run keep it this wide). A write past them lands in DEFAULT.
-DAYS_AHEAD = 7
-TABLES = (sku_history, task_attempts)
-_DAY_PARTITION = re.compile(r"^(sku_history|task_attempts)_p([0-9]{8})$")
-
+__all__ = ["ArchiveReport", "ArchivedSpan", "archive", "detach"]
 
 @dataclass(frozen=True, slots=True)
 class ArchivedSpan:
@@ -82,103 +75,6 @@ class ArchiveReport:
     dry_run: bool
     spans: list[ArchivedSpan] = field(default_factory=list)
     created: list[str] = field(default_factory=list)  # partitions made ahead
-
-
-def day_ms(day: date) -> int:
-    return int(datetime(day.year, day.month, day.day, tzinfo=UTC).timestamp()) * 1000
-
-
-def _day_of(ms: int) -> date:
-    return datetime.fromtimestamp(ms / 1000, UTC).date()
-
-
-def partition_name(table: str, day: date) -> str:
-    if table not in ("sku_history", "task_attempts"):
-        raise InvalidRequest(f"{table!r} is not a partitioned history table", field="table")
-    return f"{table}_p{day:%Y%m%d}"
-
-
-def _parse_partition(name: str) -> tuple[str, date] | None:
-    match = _DAY_PARTITION.match(name)
-    if match is None:
-        return None
-    try:
-        return match.group(1), datetime.strptime(match.group(2), "%Y%m%d").replace(tzinfo=UTC).date()
-    except ValueError:  # p20261399: not one of ours
-        return None
-
-
-def _ident(conn: sa.Connection, name: str) -> str:
-    return conn.dialect.identifier_preparer.quote_identifier(name)
-
-
-# -- PostgreSQL: partitions ---------------------------------------------------------------------------
-
-_TABLES_HERE = sa.text(
-    """
-    SELECT c.relname, parent.relname AS parent
-    FROM pg_class c
-    JOIN pg_namespace n ON n.oid = c.relnamespace AND n.nspname = current_schema()
-    LEFT JOIN pg_inherits i ON i.inhrelid = c.oid
-    LEFT JOIN pg_class parent ON parent.oid = i.inhparent
-    WHERE c.relkind = 'r' AND (c.relname LIKE 'sku\\_history\\_p%' OR c.relname LIKE 'task\\_attempts\\_p%')
-    """
-)
-
-
-def _day_tables(conn: sa.Connection) -> tuple[list[tuple[str, date]], list[tuple[str, date]]]:
-    """(attached, detached) day partitions of the history tables in this schema, oldest first."""
-    attached: list[tuple[str, date]] = []
-    detached: list[tuple[str, date]] = []
-    for name, parent in conn.execute(_TABLES_HERE).all():
-        parsed = _parse_partition(name)
-        if parsed is None:
-            continue
-        (attached if parent == parsed[0] else detached).append((name, parsed[1]))
-    order = {"sku_history": 0, "task_attempts": 1}
-    key = lambda item: (item[1], order[_parse_partition(item[0])[0]])  # type: ignore[index]  # noqa: E731
-    return sorted(attached, key=key), sorted(detached, key=key)
-
-
-def prepare_partitions(engine: sa.Engine, *, days_ahead: int = DAYS_AHEAD) -> list[str]:
-    """Make the day partitions from today to ``days_ahead`` days ahead (database clock) that are missing;
-    their names. A day whose rows already sit in the DEFAULT partition is left there (PostgreSQL would
-    refuse the partition): those rows stay readable and counted, only never archived. Nothing on SQLite."""
-    if engine.dialect.name != "postgresql":
-        return []
-    created: list[str] = []
-    with engine.begin() as conn:
-        today = _day_of(conn.execute(sa.select(db_now_ms())).scalar_one())
-        attached, detached = _day_tables(conn)
-        taken = {name for name, _ in attached + detached}
-        # A day once archived is not partitioned again (a write dated in it lands in DEFAULT, counted but
-        # never archived): its archive file is the day's, once.
-        archived_until = conn.execute(sa.select(sa.func.max(sku_checkpoints.c.through_ms))).scalar() or 0
-        for offset in range(days_ahead + 1):
-            day = today + timedelta(days=offset)
-            if day_ms(day) < archived_until:
-                continue
-            for table in TABLES:
-                name = partition_name(table.name, day)
-                if name in taken:
-                    continue
-                low, high = day_ms(day), day_ms(day + timedelta(days=1))
-                stray = conn.execute(
-                    sa.select(sa.literal(1))
-                    .select_from(sa.table(f"{table.name}_default"))
-                    .where(sa.column("at_ms") >= low, sa.column("at_ms") < high)
-                    .limit(1)
-                ).first()
-                if stray is not None:
-                    continue
-                conn.execute(
-                    sa.text(
-                        f"CREATE TABLE {_ident(conn, name)} PARTITION OF {_ident(conn, table.name)} "
-                        f"FOR VALUES FROM ({low}) TO ({high})"
-                    )
-                )
-                created.append(name)
-    return created
 
 
 # -- checkpoints ---------------------------------------------------------------------------------------
@@ -357,13 +253,13 @@ def archive(engine: sa.Engine, *, before_ms: int, to: Path, dry_run: bool = Fals
 def detach(engine: sa.Engine, name: str) -> int:
     """Step 1 on PostgreSQL: detach the day partition ``name`` and, of ``sku_history``, write the
     checkpoints of its SKUs, in one transaction; the number of checkpoints."""
-    parsed = _parse_partition(name)
+    parsed = parse_partition(name)
     if parsed is None:
         raise InvalidRequest(f"{name!r} is not a day partition of the history", field="partition")
     table, day = parsed
     with engine.begin() as conn:
         # Waits for the inserts in flight into the partition; none come after it.
-        conn.execute(sa.text(f"ALTER TABLE {_ident(conn, table)} DETACH PARTITION {_ident(conn, name)}"))
+        conn.execute(sa.text(f"ALTER TABLE {ident(conn, table)} DETACH PARTITION {ident(conn, name)}"))
         if table != "sku_history":
             return 0
         leaving = sa.table(name, *(sa.column(c.name) for c in sku_history.c))
@@ -394,11 +290,11 @@ def _copy_out(engine: sa.Engine, name: str) -> tuple[int, Iterator[bytes], Any]:
 
 def _archive_pg(engine: sa.Engine, report: ArchiveReport, to: Path) -> None:
     with engine.connect() as conn:
-        attached, detached = _day_tables(conn)
+        attached, detached = day_tables(conn)
     resumed = {name for name, _ in detached}
     due = [(name, day) for name, day in attached if day_ms(day + timedelta(days=1)) <= report.before_ms]
     for name, day in sorted(detached + due, key=lambda item: (item[1], item[0].startswith("task"))):
-        parsed = _parse_partition(name)
+        parsed = parse_partition(name)
         assert parsed is not None
         table = parsed[0]
         low, high = day_ms(day), day_ms(day + timedelta(days=1))
@@ -423,7 +319,7 @@ def _archive_pg(engine: sa.Engine, report: ArchiveReport, to: Path) -> None:
         finally:
             raw.close()
         with engine.begin() as conn:
-            conn.execute(sa.text(f"DROP TABLE {_ident(conn, name)}"))
+            conn.execute(sa.text(f"DROP TABLE {ident(conn, name)}"))
         if name in resumed and table == "sku_history":
             with engine.connect() as conn:
                 checkpoints = conn.execute(
@@ -449,7 +345,7 @@ def _csv_chunks(header: list[str], rows: Any) -> Iterator[bytes]:
 
 
 def _archive_sqlite(engine: sa.Engine, report: ArchiveReport, to: Path) -> None:
-    cutoff = day_ms(_day_of(report.before_ms))  # whole days: those that end at or before the cutoff
+    cutoff = day_ms(day_of(report.before_ms))  # whole days: those that end at or before the cutoff
     with engine.connect() as conn:
         days = sorted(
             {
@@ -463,7 +359,7 @@ def _archive_sqlite(engine: sa.Engine, report: ArchiveReport, to: Path) -> None:
         archived = {r[0] for r in conn.execute(sa.select(sa.distinct(sku_checkpoints.c.through_ms))).all()}
     for number in days:
         low, high = number * DAY_MS, (number + 1) * DAY_MS
-        day = _day_of(low)
+        day = day_of(low)
         for table in TABLES:
             name = partition_name(table.name, day)
             span = sa.and_(table.c.at_ms >= low, table.c.at_ms < high)

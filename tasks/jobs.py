@@ -27,8 +27,8 @@ from reservations import (
     messages,
 )
 from reservations import validation as valid
-from reservations.archive import prepare_partitions
 from reservations.messages import Message
+from reservations.partitions import prepare_partitions
 from reservations.redrives import carried_request
 from reservations.requests import AlreadyApplied, task_name
 from reservations.statuses import SUCCEEDED, AttemptResult, RequestStatus

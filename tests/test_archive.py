@@ -24,7 +24,7 @@ import sqlalchemy as sa
 
 from fencing import LeaseManager
 from fencing.sql import make_engine
-from reservations import Inventory, archive, schema, scope_of
+from reservations import Inventory, archive, partitions, schema, scope_of
 from reservations.models import sku_history, task_attempts
 from tests.conftest import migrate_pg_schema, schema_of
 from tests.support import run
@@ -130,7 +130,7 @@ def test_0010_partitions_a_database_with_rows_and_code_of_0009_runs_on_it(
     schema.upgrade(pg_url)
 
     assert (rows(engine, sku_history), rows(engine, task_attempts)) == (history, attempts)
-    old_day = archive.partition_name("sku_history", day_start(-3).date())
+    old_day = partitions.partition_name("sku_history", day_start(-3).date())
     with engine.connect() as conn:
         kinds = dict(
             conn.execute(
@@ -209,7 +209,7 @@ def test_archive_round_trip_on_postgresql(pg_inventory: str, engine_of: Any, tmp
         highest = write_some(inventory, leases)
     # A refused write two days ago, in a partition of that day: two days of history leave.
     two_days_ago = day_start(-2)
-    old_day = archive.partition_name("sku_history", two_days_ago.date())
+    old_day = partitions.partition_name("sku_history", two_days_ago.date())
     with engine.begin() as conn:
         conn.execute(
             sa.text(
@@ -230,11 +230,11 @@ def test_archive_round_trip_on_postgresql(pg_inventory: str, engine_of: Any, tmp
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     spans = {s["partition"]: s for s in report["archived"]}
-    today = archive.partition_name("sku_history", day_start(0).date())
-    assert list(spans) == [old_day, today, archive.partition_name("task_attempts", day_start(0).date())]
+    today = partitions.partition_name("sku_history", day_start(0).date())
+    assert list(spans) == [old_day, today, partitions.partition_name("task_attempts", day_start(0).date())]
     assert_archive_holds(spans[old_day], history[:0] + [r for r in history if r[2] < ms(day_start(-1))])
     assert_archive_holds(spans[today], [r for r in history if r[2] >= ms(day_start(0))])
-    assert_archive_holds(spans[archive.partition_name("task_attempts", day_start(0).date())], attempts)
+    assert_archive_holds(spans[partitions.partition_name("task_attempts", day_start(0).date())], attempts)
     assert spans[today]["checkpoints"] == 2
     assert rows(engine, sku_history) == [] and rows(engine, task_attempts) == []
 
@@ -267,7 +267,7 @@ def test_a_run_stopped_after_the_detach_is_taken_up(
     with Inventory.from_url(url) as inventory, LeaseManager.from_url(url) as leases:
         write_some(inventory, leases)
     history = rows(engine, sku_history)
-    today = archive.partition_name("sku_history", day_start(0).date())
+    today = partitions.partition_name("sku_history", day_start(0).date())
     # Step 1 alone, as a run that died right after it leaves it: the partition detached, the checkpoints
     # written, no file. The stock is explained all the same.
     assert archive.detach(engine, today) == 2
@@ -357,13 +357,13 @@ def test_partitions_are_made_ahead_except_for_a_day_already_in_default(
     pg_inventory: str, engine_of: Any
 ) -> None:
     engine = engine_of(pg_inventory)
-    ahead = {d: archive.partition_name("sku_history", day_start(d).date()) for d in (3, 4)}
+    ahead = {d: partitions.partition_name("sku_history", day_start(d).date()) for d in (3, 4)}
     with engine.begin() as conn:
         for name in ahead.values():
             conn.execute(sa.text(f'DROP TABLE "{name}"'))
         # A row of day 4 written while it had no partition: in DEFAULT, where it stays.
         conn.execute(refused_write(ms(day_start(4)) + 1, highest=None))
-    assert archive.prepare_partitions(engine) == [ahead[3]]
-    assert archive.prepare_partitions(engine) == []
+    assert partitions.prepare_partitions(engine) == [ahead[3]]
+    assert partitions.prepare_partitions(engine) == []
     with engine.connect() as conn:
         assert sa.inspect(conn).has_table(ahead[3]) and not sa.inspect(conn).has_table(ahead[4])
