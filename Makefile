@@ -17,7 +17,7 @@ demo: $(STAMP)
 	$(BIN)/reservations demo
 
 lint: $(STAMP)
-	$(BIN)/ruff check fencing reservations tasks admin tests bench
+	$(BIN)/ruff check fencing reservations tasks admin service tests bench
 	$(BIN)/mypy
 
 # Two processes, one test file each (a module's clusters and topologies are built once): the suite's

@@ -30,6 +30,9 @@ _KEYS = {
     "request_redrives.redrive_key": "redrive",
     "uq_request_redrives_origin_number": "redrive",
     "request_redrives.origin_key": "redrive",
+    # A request the front door accepted under the key (reservations.acceptance).
+    "accepted_requests_pkey": "acceptance",
+    "accepted_requests.key": "acceptance",
 }
 
 # The CHECK constraints that state an invariant of the audit (reservations.models declares them).

@@ -277,3 +277,22 @@ class RequestRedrive(SQLModel, table=True):
 
 
 request_redrives = _table(RequestRedrive)
+
+
+class AcceptedRequest(SQLModel, table=True):
+    """A request the HTTP front door accepted and published under its idempotency key: what it was (its
+    operation and fingerprint), when, and until when it is wanted (``deadline_ms``). Written once per key,
+    before publishing, so a key in flight reads "pending" rather than "never seen", and a key reused for
+    another request is refused before anything is published (reservations.acceptance)."""
+
+    __tablename__ = "accepted_requests"
+    __table_args__ = (sa.Index("ix_accepted_requests_at_ms", "at_ms"),)
+
+    key: str = Field(primary_key=True, max_length=200)
+    operation: str = Field(max_length=32)
+    fingerprint: str = Field(max_length=64)
+    at_ms: int = Field(sa_column=_bigint())
+    deadline_ms: int | None = Field(default=None, sa_column=_bigint(nullable=True))
+
+
+accepted_requests = _table(AcceptedRequest)

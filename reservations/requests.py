@@ -27,6 +27,7 @@ from reservations import validation as valid
 from reservations.errors import InvalidRequest, KeyTaken
 from reservations.models import (
     HELD,
+    accepted_requests,
     idempotency_keys,
     request_outcomes,
     request_redrives,
@@ -210,7 +211,7 @@ def outcomes_of(keys: Sequence[str]) -> Plan[dict[str, RequestResult]]:
 # Outcomes that end a request without any stock change. Recording one also closes the key for good: a
 # tombstone in the idempotency records makes a copy of the request still in flight (a redelivery, a
 # duplicate enqueue) replay "closed" instead of applying late, and whichever commits first wins.
-NO_EFFECT = (RequestStatus.INVALID, RequestStatus.DEAD_LETTERED)
+NO_EFFECT = (RequestStatus.INVALID, RequestStatus.DEAD_LETTERED, RequestStatus.EXPIRED)
 TOMBSTONE_FINGERPRINT = "closed"
 
 
@@ -358,4 +359,7 @@ def _purge(older_than_ms: int) -> Plan[int]:
     yield sa.delete(task_attempts).where(task_attempts.c.at_ms < cutoff)
     # A link goes with the outcomes it joins (a re-drive is newer than the dead letter it drove again).
     yield sa.delete(request_redrives).where(request_redrives.c.at_ms < cutoff)
+    # What the front door accepted goes too: an outcome that old was purged above, and a request that
+    # never reached one in the whole retention is not waited for any more.
+    yield sa.delete(accepted_requests).where(accepted_requests.c.at_ms < cutoff)
     return len(outcomes.rows)

@@ -213,6 +213,30 @@ class Settings:
         0,
         3600,
     )
+    http_wait: float = _setting(
+        5.0,
+        "seconds the HTTP service waits for a request's outcome before it answers 202 with the request's "
+        "Location (a caller's Prefer: wait=N asks for another, up to RESERVATIONS_HTTP_MAX_WAIT)",
+        0,
+        300,
+    )
+    http_max_wait: float = _setting(
+        30.0, "the longest wait a caller's Prefer: wait=N gets from the HTTP service", 0, 300
+    )
+    request_deadline: float = _setting(
+        300.0,
+        "seconds after which a request the HTTP service enqueued is no longer wanted when its caller sends "
+        "no Request-Deadline: a worker reaching it later ends it expired without touching stock; 0: none",
+        0,
+        7 * 86400,
+    )
+    queue_bound: int = _setting(
+        10_000,
+        "requests waiting in the broker's queue above which the HTTP service answers 503 with Retry-After "
+        "instead of enqueueing; 0: no bound",
+        0,
+        10_000_000,
+    )
     expiry_interval: float = _setting(30.0, "seconds between hold-expiry sweeps by celery beat", 0.1, 86400)
     enforce_fence: bool = _setting(
         True, "0 drops the token condition from stock writes: lease-only, for chaos comparisons only"

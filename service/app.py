@@ -1,0 +1,154 @@
+"""The app factory: :func:`create_app` builds the FastAPI app of the reservation front door.
+
+``reservations serve`` runs it under uvicorn (``service:create_app``, a factory, one app per worker
+process). A deployment that knows its callers passes ``caller``: a FastAPI dependency (it may take the
+``Request``, headers, other dependencies, and raise ``HTTPException(401)``) that returns the caller's name
+or None. Each caller's idempotency keys are then its own: the same key from two callers names two
+requests. Without it, every caller shares one scope. See docs/architecture.md, "The HTTP front door".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager, suppress
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from reservations import AsyncInventory
+from reservations.acceptance import accepted
+from reservations.settings import Settings
+from service import routes
+from service.answers import Answer, problem_answer
+from service.backlog import Backlog
+from service.door import UNANSWERED, Door, unavailable
+from service.metrics import HttpMetrics
+from service.problems import Problem, problem
+from service.routes import respond
+from tasks import ReservationClient
+from tasks import create_app as create_tasks_app
+
+log = logging.getLogger("service")
+
+Caller = Callable[..., Any]  # a FastAPI dependency returning the caller's name (str) or None
+# Readiness: the broker answered a queue sample within this many of the sampler's intervals.
+BROKER_SILENT_AFTER = 4
+READINESS_KEY = "readiness:probe"
+
+
+class _Measured:
+    """Counts and times every answer by route template (never the path: a key or SKU is no label)."""
+
+    def __init__(self, app: ASGIApp, metrics: HttpMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        code = 500
+        in_flight = self.metrics.in_flight
+
+        async def sent(message: Message) -> None:
+            nonlocal code
+            if message["type"] == "http.response.start":
+                code = message["status"]
+            await send(message)
+
+        in_flight.inc()
+        try:
+            await self.app(scope, receive, sent)
+        finally:
+            in_flight.dec()
+            route = scope.get("route")
+            template = getattr(route, "path", None) or "unmatched"
+            self.metrics.answered(template, scope["method"], code, time.perf_counter() - start)
+
+
+def create_app(settings: Settings | None = None, *, caller: Caller | None = None) -> FastAPI:
+    """The front door's app, on ``settings`` (the environment's by default)."""
+    settings = settings or Settings.from_env()
+    metrics = HttpMetrics(routes.measured())
+    state: dict[str, Any] = {}
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        tasks_app = create_tasks_app(settings)
+        client = ReservationClient(tasks_app)
+        inventory = AsyncInventory.from_url(settings.database_url, pooling=settings.database_pooling)
+        backlog = Backlog(tasks_app.connection_for_read, tasks_app.conf.task_default_queue)
+        sampler = asyncio.create_task(backlog.run(), name="backlog")
+        state["door"] = Door(client, inventory, backlog, queue_bound=settings.queue_bound)
+        try:
+            yield
+        finally:
+            # uvicorn calls this once every connection has had its answer: nothing is waiting to be
+            # published (a handler returns only after its request went out, or was refused).
+            sampler.cancel()
+            with suppress(asyncio.CancelledError):
+                await sampler
+            backlog.close()
+            await client.aclose()
+            await inventory.close()
+
+    app = FastAPI(
+        title="Reservations",
+        summary="Fenced inventory reservations over HTTP: idempotent, deadline-bound, honest about pending.",
+        version="1",
+        lifespan=lifespan,
+    )
+
+    def door() -> Door:
+        found: Door = state["door"]
+        return found
+
+    @app.exception_handler(Problem)
+    async def _problem(request: Request, exc: Problem) -> Response:
+        return respond(problem_answer(exc, request.url.path))
+
+    @app.exception_handler(RequestValidationError)
+    async def _malformed(request: Request, exc: RequestValidationError) -> Response:
+        errors = [
+            {"where": ".".join(str(p) for p in error.get("loc", ())), "message": error.get("msg", "")}
+            for error in exc.errors()
+        ]
+        found = problem("invalid-request", "the request is malformed", errors=errors)
+        return respond(problem_answer(found, request.url.path))
+
+    for unanswered in UNANSWERED:
+
+        @app.exception_handler(unanswered)
+        async def _unanswered(request: Request, exc: Exception) -> Response:
+            return respond(unavailable("database", exc))
+
+    async def ready() -> Answer:
+        backlog = door().backlog
+        problems = []
+        try:
+            # A read of the table the door writes first: the database answers and has the door's schema.
+            await asyncio.wait_for(door().inventory.executor.run(accepted(READINESS_KEY)), 2.0)
+        except (TimeoutError, *UNANSWERED) as exc:
+            problems.append(f"database: {(str(exc).splitlines() or [type(exc).__name__])[0]}")
+        if not backlog.answered_within(BROKER_SILENT_AFTER * backlog.every):
+            problems.append(f"broker: {backlog.error or 'no answer yet'}")
+        if problems:
+            return Answer(503, {"status": "unready", "problems": problems}, {"Retry-After": "1"})
+        return Answer(200, {"status": "ready", "queue_depth": backlog.depth})
+
+    def exposition() -> bytes:
+        metrics.backlog.set(door().backlog.depth or 0)
+        return metrics.exposition()
+
+    app.include_router(routes.router(door, ready, exposition, settings, caller))
+    app.add_middleware(_Measured, metrics=metrics)
+    return app
+
+
+Ready = Callable[[], Awaitable[Answer]]

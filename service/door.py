@@ -1,0 +1,196 @@
+"""The front door's one way in for every request that changes stock: admit it under its key, publish it
+once, wait for its outcome as long as the caller asked, and say what is known.
+
+- A key with a final outcome gets that outcome's answer again (nothing is published).
+- A key first seen is recorded as accepted (reservations.acceptance) and its request published; if the
+  broker does not take it, the record is withdrawn and the caller hears 503: nothing is stored, so the same
+  key tries again.
+- A key already accepted for the same request is waited on, not published again: a duplicate in flight
+  is not a second message. Its wait can still publish a copy when the outcome is long overdue (the
+  first publisher may have died between recording and publishing, or a broker failover lost it), exactly
+  as the client does for its own requests (tasks.outcomes).
+- A key accepted or decided for another request is 422, before anything is published.
+- No outcome within the wait: 202 with the request's Location.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import suppress
+from typing import Any
+
+from kombu.exceptions import OperationalError
+
+from fencing import BackendUnavailable
+from reservations import AsyncInventory, IdempotencyConflict, InvalidRequest, messages
+from reservations.acceptance import Admission, admit, withdraw
+from reservations.acceptance import accepted as accepted_under
+from reservations.requests import RequestResult, request_outcome
+from reservations.statuses import RequestStatus
+from service.answers import Answer, answer_of, pending, problem_answer
+from service.backlog import Backlog, retry_after
+from service.problems import problem
+from tasks import OutcomeTimeout, ReservationClient
+from tasks.outcomes import Published
+
+# Retry-After when the broker or the database did not answer: a failover takes seconds.
+UNAVAILABLE_RETRY_AFTER = 5
+# What does not answer: the database (fencing) or the broker (kombu, after its publish retries).
+UNANSWERED = (BackendUnavailable, OperationalError, ConnectionError, TimeoutError)
+
+
+def unavailable(what: str, error: BaseException) -> Answer:
+    reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+    return problem_answer(
+        problem(
+            "unavailable",
+            f"the {what} did not answer: {reason}",
+            headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER)},
+        ),
+        None,
+    )
+
+
+class Door:
+    def __init__(
+        self,
+        client: ReservationClient,
+        inventory: AsyncInventory,
+        backlog: Backlog,
+        *,
+        queue_bound: int,
+    ) -> None:
+        self.client = client
+        self.inventory = inventory
+        self.backlog = backlog
+        self.queue_bound = queue_bound
+
+    async def submit(
+        self,
+        name: str,
+        key: str,
+        args: dict[str, Any],
+        *,
+        shown_key: str,
+        deadline: float | None,
+        wait: float,
+        location: str,
+    ) -> Answer:
+        """Carry the request of task type ``name`` under the stored ``key`` (``shown_key`` is the caller's)
+        to its answer."""
+        try:
+            message = messages.parse(name, [], {**args, "idempotency_key": key})
+        except InvalidRequest as exc:
+            raise problem("invalid-request", str(exc), field=exc.field) from None
+        run = self.inventory.executor.run
+        try:
+            if self.backlog.over(self.queue_bound):
+                # Not enqueued; a key that has its outcome already is still answered.
+                done = await run(request_outcome(key))
+                if done is None:
+                    return self._overloaded()
+                admission = Admission(outcome=done, accepted=None, first=False)
+            else:
+                admission = await run(admit(key, message.operation, message.fingerprint, deadline))
+        except UNANSWERED as exc:
+            return unavailable("database", exc)
+        if admission.outcome is not None:
+            return self._final(shown_key, admission.outcome, message, location)
+        accepted = admission.accepted
+        assert accepted is not None  # an admission without an outcome holds its record
+        if not accepted.names(message.operation, message.fingerprint):
+            return self._reused(shown_key, accepted.operation, location)
+        if admission.first:
+            try:
+                handle = await self.client.enqueue(
+                    name, idempotency_key=key, deadline=deadline, **message.args
+                )
+            except UNANSWERED as exc:
+                # If even that fails the record stays: a retry under the key waits on it and publishes a copy.
+                with suppress(*UNANSWERED):
+                    await run(withdraw(key, message.fingerprint))
+                return unavailable("broker", exc)
+            published = handle.published
+        else:
+            # Someone accepted it first: wait as its publisher would, with the times it was accepted at.
+            since = max(0.0, time.time() - accepted.at)
+            published = Published(
+                name, dict(message.args), time.monotonic() - since, accepted.at, accepted.deadline
+            )
+        return await self._await(shown_key, key, message, published, wait, location)
+
+    async def _await(
+        self,
+        shown_key: str,
+        key: str,
+        message: messages.Message,
+        published: Published | None,
+        wait: float,
+        location: str,
+    ) -> Answer:
+        try:
+            result = await self.client.wait(key, timeout=wait, published=published)
+        except OutcomeTimeout:
+            return pending(shown_key, location)
+        except UNANSWERED as exc:
+            return unavailable("database", exc)
+        return self._final(shown_key, result, message, location)
+
+    def _final(
+        self, shown_key: str, result: RequestResult, message: messages.Message, location: str
+    ) -> Answer:
+        if not result.belongs_to(message.operation, message.fingerprint):
+            return self._reused(shown_key, result.operation, location)
+        return answer_of(shown_key, result, instance=location, created=True)
+
+    @staticmethod
+    def _reused(shown_key: str, stored_operation: str, location: str) -> Answer:
+        conflict = IdempotencyConflict(
+            key=shown_key, operation="this request", stored_operation=stored_operation
+        )
+        return problem_answer(problem("idempotency-key-reused", str(conflict), key=shown_key), location)
+
+    def _overloaded(self) -> Answer:
+        depth = self.backlog.depth or 0
+        after = retry_after(depth, self.queue_bound, self.backlog.drained_per_second)
+        return problem_answer(
+            problem(
+                "overloaded",
+                f"{depth} requests are waiting, more than this service's bound of {self.queue_bound}",
+                headers={"Retry-After": str(after)},
+            ),
+            None,
+        )
+
+    async def look(self, key: str, *, shown_key: str, location: str) -> Answer:
+        """``GET`` of a key: its outcome (200 or its problem), 202 while accepted without one, else 404."""
+        run = self.inventory.executor.run
+        try:
+            result = await run(request_outcome(key))
+            if result is None:
+                accepted = await run(accepted_under(key))
+                if accepted is None:
+                    raise problem("not-found", f"no request was accepted under the key {shown_key!r}")
+                return pending(shown_key, location)
+        except UNANSWERED as exc:
+            return unavailable("database", exc)
+        return answer_of(shown_key, result, instance=location, created=False)
+
+    async def reservation_under(self, key: str, *, shown_key: str) -> str:
+        """The id of the reservation made under ``key``, for confirming or releasing it."""
+        result = await self.inventory.executor.run(request_outcome(key))
+        if result is None:
+            if await self.inventory.executor.run(accepted_under(key)) is None:
+                raise problem("not-found", f"no request was accepted under the key {shown_key!r}")
+            raise problem(
+                "not-reserved",
+                f"the request under {shown_key!r} has no outcome yet",
+                headers={"Retry-After": "1"},
+                key=shown_key,
+            )
+        ids = result.detail.get("reservation_ids") or []
+        if result.status != RequestStatus.RESERVED or len(ids) != 1:
+            raise problem(
+                "not-reserved", f"the request under {shown_key!r} ended {result.status}", key=shown_key
+            )
+        return str(ids[0])

@@ -1,0 +1,115 @@
+"""The service's errors as RFC 9457 problem documents, each type written once with its status and title.
+
+Every route answers an error with the same document for the same problem (``type``, ``title``,
+``status``, ``detail``, ``instance``, plus members of its own such as ``key`` or ``available``), served as
+``application/problem+json``. ``GET /problems/{name}`` describes each type, so a ``type`` resolves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+PROBLEM_MEDIA_TYPE = "application/problem+json"
+
+
+@dataclass(frozen=True, slots=True)
+class ProblemType:
+    name: str
+    status: int
+    title: str
+    about: str
+    # Whether the answer is the key's stored final outcome (sent again for the key) or of this try only.
+    stored: bool = False
+
+    @property
+    def uri(self) -> str:
+        return f"/problems/{self.name}"
+
+
+def _types(*types: ProblemType) -> dict[str, ProblemType]:
+    return {t.name: t for t in types}
+
+
+TYPES = _types(
+    ProblemType(
+        "insufficient-stock", 409, "Not enough stock",
+        "The SKU had fewer units available than requested when a worker held its lease. Final for the "
+        "key: the same key answers the same; send a new key to try again.", stored=True,
+    ),
+    ProblemType(
+        "invalid-request", 400, "Invalid request",
+        "The request is malformed or can never succeed (body, path or headers; or an unknown SKU or "
+        "reservation found by the worker, then final for the key).",
+    ),
+    ProblemType(
+        "invalid-transition", 409, "The reservation is not in a state that allows this",
+        "Confirming or releasing a reservation that is no longer held (released, expired or confirmed "
+        "already). Final for the key.", stored=True,
+    ),
+    ProblemType(
+        "idempotency-key-missing", 400, "Idempotency-Key header required",
+        "Every request that changes stock needs an Idempotency-Key header: 1 to 200 printable ASCII "
+        "characters without spaces, fewer when the deployment scopes keys per caller.",
+    ),
+    ProblemType(
+        "idempotency-key-reused", 422, "Idempotency-Key used for a different request",
+        "The key was first used for a request with another operation or other arguments; that "
+        "request's answer belongs to it. Send this request under a new key.",
+    ),
+    ProblemType(
+        "not-found", 404, "Not found",
+        "No request was ever accepted under this key (for this caller), or the SKU does not exist.",
+    ),
+    ProblemType(
+        "not-reserved", 409, "No reservation under this key",
+        "The key's request did not reserve (its outcome is another), or has no outcome yet "
+        "(then Retry-After says when to look again).",
+    ),
+    ProblemType(
+        "unavailable", 503, "Service unavailable",
+        "The broker or the database did not answer. Nothing was stored under the key: retry the same "
+        "request with the same key after Retry-After.",
+    ),
+    ProblemType(
+        "overloaded", 503, "Too many requests waiting",
+        "The queue of requests is deeper than this deployment's bound; the request was not enqueued. "
+        "Retry the same request with the same key after Retry-After.",
+    ),
+    ProblemType(
+        "dead-lettered", 503, "The request was dead-lettered",
+        "Workers could not carry the request out (a backend stayed unreachable, or it lost its lease "
+        "too often); nothing was reserved by it. Final until an operator drives it again "
+        "(reservations redrive), after which the key reports that outcome.", stored=True,
+    ),
+    ProblemType(
+        "expired", 504, "The request's deadline passed before a worker took it up",
+        "A worker reached the request after its deadline (Request-Deadline) and ended it without "
+        "touching stock. Final for the key; send a new key if it is still wanted.", stored=True,
+    ),
+)  # fmt: skip
+
+
+@dataclass(eq=False)
+class Problem(Exception):
+    """A problem answer, raised anywhere under a route and rendered by the app's handler."""
+
+    type: ProblemType
+    detail: str
+    extra: dict[str, Any] = field(default_factory=dict)
+    headers: dict[str, str] = field(default_factory=dict)
+
+    def document(self, instance: str | None) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "type": self.type.uri,
+            "title": self.type.title,
+            "status": self.type.status,
+            "detail": self.detail,
+        }
+        if instance is not None:
+            body["instance"] = instance
+        return {**body, **self.extra}
+
+
+def problem(name: str, detail: str, *, headers: dict[str, str] | None = None, **extra: Any) -> Problem:
+    return Problem(TYPES[name], detail, extra, headers or {})

@@ -1,0 +1,326 @@
+"""The routes, each with every answer it can give declared once: the OpenAPI document lists them, and the
+metrics create each route's series for them at 0.
+
+Stock changes (``POST``) carry an ``Idempotency-Key`` of their own; reads carry none. A confirm or
+release names the reservation by the key that made it.
+"""
+
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Header, Path, Response
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from reservations import UnknownSku
+from reservations.settings import Settings
+from reservations.validation import MAX_QUANTITY
+from service.answers import (
+    DEADLINE_HEADER,
+    KEY_HEADER,
+    Answer,
+    caller_key,
+    deadline_of,
+    scoped_key,
+    wait_of,
+)
+from service.door import Door
+from service.problems import PROBLEM_MEDIA_TYPE, TYPES, problem
+
+
+class ReservationBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    sku: str = Field(description="the SKU to reserve from", examples=["SKU-1"])
+    quantity: int = Field(description="units to reserve", gt=0, le=MAX_QUANTITY, examples=[2])
+    hold_for: float | None = Field(
+        default=None, description="seconds the hold lasts unconfirmed (the deployment's default: none)"
+    )
+
+
+class CountBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    counted: int = Field(description="units found on hand by the count", ge=0, examples=[40])
+
+
+class OutcomeModel(BaseModel):
+    key: str
+    operation: str
+    status: str = Field(examples=["reserved"])
+    reservation_id: str | None = None
+    token: int | None = Field(default=None, description="the fencing token the write was accepted under")
+    at: str = Field(description="when the outcome was written (ISO 8601, UTC)")
+    detail: dict[str, Any]
+
+
+class PendingModel(BaseModel):
+    key: str
+    status: str = Field(examples=["pending"])
+    location: str
+
+
+class ProblemModel(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    title: str
+    status: int
+    detail: str
+    instance: str | None = None
+
+
+class StockModel(BaseModel):
+    sku: str
+    on_hand: int
+    reserved: int
+    available: int
+    token: int = Field(description="the highest fencing token the SKU's rows accepted")
+
+
+def _problems(*names: str) -> dict[int | str, dict[str, Any]]:
+    by_status: dict[int, list[str]] = {}
+    for name in names:
+        by_status.setdefault(TYPES[name].status, []).append(name)
+    return {
+        status: {
+            "model": ProblemModel,
+            "content": {PROBLEM_MEDIA_TYPE: {}},
+            "description": "; ".join(f"{TYPES[n].uri}: {TYPES[n].title}" for n in found),
+        }
+        for status, found in by_status.items()
+    }
+
+
+_PENDING: dict[int | str, dict[str, Any]] = {
+    202: {"model": PendingModel, "description": "no outcome yet: look at Location, or send again"}
+}
+_WRITE = ("invalid-request", "idempotency-key-missing", "idempotency-key-reused", "unavailable", "overloaded")
+_FINAL = ("invalid-request", "dead-lettered", "expired")
+RESPONSES: dict[tuple[str, str], dict[int | str, dict[str, Any]]] = {
+    ("/reservations", "POST"): {
+        201: {"model": OutcomeModel, "description": "reserved"},
+        **_PENDING,
+        **_problems(*_WRITE, *_FINAL, "insufficient-stock"),
+    },
+    ("/reservations/{key}", "GET"): {
+        200: {"model": OutcomeModel, "description": "the key's final outcome"},
+        **_PENDING,
+        **_problems("not-found", "unavailable", *_FINAL, "insufficient-stock"),
+    },
+    **{
+        (f"/reservations/{{key}}/{step}", "POST"): {
+            200: {"model": OutcomeModel, "description": f"{step}ed" if step == "confirm" else "released"},
+            **_PENDING,
+            **_problems(*_WRITE, *_FINAL, "not-found", "not-reserved", "invalid-transition"),
+        }
+        for step in ("confirm", "release")
+    },
+    ("/requests/{key}", "GET"): {
+        200: {"model": OutcomeModel, "description": "the key's final outcome"},
+        **_PENDING,
+        **_problems("not-found", "unavailable", *_FINAL, "insufficient-stock", "invalid-transition"),
+    },
+    ("/skus/{sku}/count", "POST"): {
+        200: {"model": OutcomeModel, "description": "counted"},
+        **_PENDING,
+        **_problems(*_WRITE, *_FINAL),
+    },
+    ("/skus/{sku}", "GET"): {
+        200: {"model": StockModel, "description": "the SKU's stock"},
+        **_problems("not-found", "unavailable"),
+    },
+    ("/healthz", "GET"): {200: {"description": "the event loop answers"}},
+    ("/readyz", "GET"): {
+        200: {"description": "the database and the broker answer"},
+        503: {"description": "the database or the broker does not answer"},
+    },
+    ("/metrics", "GET"): {200: {"description": "Prometheus text exposition"}},
+    ("/problems/{name}", "GET"): {200: {"description": "a problem type"}, **_problems("not-found")},
+}
+
+
+def measured() -> Iterator[tuple[str, str, list[int]]]:
+    """Every route, method and status code it can answer (500 too), for the metrics' zero series."""
+    for (route, method), answers in RESPONSES.items():
+        yield route, method, sorted({int(code) for code in answers} | {500})
+
+
+def _responses(route: str, method: str) -> dict[int | str, dict[str, Any]]:
+    return RESPONSES[(route, method)]
+
+
+KeyHeader = Annotated[
+    str | None,
+    Header(
+        alias=KEY_HEADER,
+        description="required: names the request; the same key answers the same request's outcome",
+    ),
+]
+PreferHeader = Annotated[
+    str | None, Header(description="RFC 7240: wait=N seconds for the outcome, or respond-async")
+]
+DeadlineHeader = Annotated[
+    str | None,
+    Header(
+        alias=DEADLINE_HEADER,
+        description="seconds from now after which the request is no longer wanted (default: the "
+        "deployment's RESERVATIONS_REQUEST_DEADLINE)",
+    ),
+]
+KeyPath = Annotated[str, Path(description="the Idempotency-Key the request was sent under")]
+SkuPath = Annotated[str, Path(description="a SKU")]
+
+
+def respond(answer: Answer) -> Response:
+    return JSONResponse(answer.body, answer.status, answer.headers, media_type=answer.media_type)
+
+
+def _request_location(key: str) -> str:
+    return f"/requests/{key}"
+
+
+def router(
+    door: Callable[[], Door],
+    ready: Callable[[], Awaitable[Answer]],
+    exposition: Callable[[], bytes],
+    settings: Settings,
+    caller: Callable[..., Any] | None,
+) -> APIRouter:
+    async def anyone() -> str | None:
+        return None
+
+    Scope = Annotated[str | None, Depends(caller or anyone)]
+    api = APIRouter()
+
+    async def write(
+        name: str, scope: str | None, key: str | None, args: dict[str, Any], prefer: str | None,
+        deadline: str | None, location_of: Callable[[str], str],
+    ) -> Response:  # fmt: skip
+        stored = scoped_key(scope, key)
+        shown = caller_key(scope, stored)
+        answer = await door().submit(
+            name,
+            stored,
+            args,
+            shown_key=shown,
+            deadline=deadline_of(deadline, settings.request_deadline, time.time()),
+            wait=wait_of(prefer, settings.http_wait, settings.http_max_wait),
+            location=location_of(shown),
+        )
+        return respond(answer)
+
+    @api.post(
+        "/reservations",
+        status_code=201,
+        responses=_responses("/reservations", "POST"),
+        summary="Reserve units of a SKU",
+    )
+    async def reserve(
+        body: ReservationBody,
+        scope: Scope,
+        key: KeyHeader = None,
+        prefer: PreferHeader = None,
+        deadline: DeadlineHeader = None,
+    ) -> Response:
+        args = body.model_dump(exclude_none=True)
+        return await write("reserve", scope, key, args, prefer, deadline, lambda k: f"/reservations/{k}")
+
+    @api.get(
+        "/reservations/{key}",
+        responses=_responses("/reservations/{key}", "GET"),
+        summary="The outcome of the reservation requested under a key",
+    )
+    async def outcome(key: KeyPath, scope: Scope) -> Response:
+        stored = scoped_key(scope, key)
+        return respond(await door().look(stored, shown_key=key, location=f"/reservations/{key}"))
+
+    def lifecycle(step: str) -> None:
+        @api.post(
+            f"/reservations/{{key}}/{step}",
+            responses=_responses(f"/reservations/{{key}}/{step}", "POST"),
+            summary=f"{step.capitalize()} the reservation made under a key",
+            name=step,
+        )
+        async def change(
+            key: KeyPath,
+            scope: Scope,
+            own_key: KeyHeader = None,
+            prefer: PreferHeader = None,
+            deadline: DeadlineHeader = None,
+        ) -> Response:
+            scoped_key(scope, own_key)  # its own key first: a request without one looks nothing up
+            reservation = await door().reservation_under(scoped_key(scope, key), shown_key=key)
+            args = {"reservation_id": reservation}
+            return await write(step, scope, own_key, args, prefer, deadline, _request_location)
+
+    lifecycle("confirm")
+    lifecycle("release")
+
+    @api.get(
+        "/requests/{key}",
+        responses=_responses("/requests/{key}", "GET"),
+        summary="The outcome of any request (a confirm, release or count) by its key",
+    )
+    async def request(key: KeyPath, scope: Scope) -> Response:
+        stored = scoped_key(scope, key)
+        return respond(await door().look(stored, shown_key=key, location=_request_location(key)))
+
+    @api.post(
+        "/skus/{sku}/count",
+        responses=_responses("/skus/{sku}/count", "POST"),
+        summary="Set a SKU's on-hand units to a count, under its lease",
+    )
+    async def count(
+        sku: SkuPath,
+        body: CountBody,
+        scope: Scope,
+        key: KeyHeader = None,
+        prefer: PreferHeader = None,
+        deadline: DeadlineHeader = None,
+    ) -> Response:
+        args = {"sku": sku, "counted": body.counted}
+        return await write("count", scope, key, args, prefer, deadline, _request_location)
+
+    _reads(api, door, ready, exposition)
+    return api
+
+
+def _reads(
+    api: APIRouter,
+    door: Callable[[], Door],
+    ready: Callable[[], Awaitable[Answer]],
+    exposition: Callable[[], bytes],
+) -> None:
+    """The routes that change nothing: stock, health, metrics and the problem types."""
+
+    @api.get("/skus/{sku}", responses=_responses("/skus/{sku}", "GET"), summary="A SKU's stock")
+    async def stock(sku: SkuPath) -> StockModel:
+        try:
+            level = await door().inventory.stock(sku)
+        except UnknownSku:
+            raise problem("not-found", f"no SKU {sku!r}") from None
+        return StockModel(
+            sku=level.sku,
+            on_hand=level.on_hand,
+            reserved=level.reserved,
+            available=level.available,
+            token=level.fence_token,
+        )
+
+    @api.get("/healthz", responses=_responses("/healthz", "GET"), summary="Liveness")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @api.get("/readyz", responses=_responses("/readyz", "GET"), summary="Readiness")
+    async def readyz() -> Response:
+        return respond(await ready())
+
+    @api.get("/metrics", responses=_responses("/metrics", "GET"), include_in_schema=False)
+    async def metrics() -> Response:
+        return Response(exposition(), media_type="text/plain; version=0.0.4")
+
+    @api.get("/problems/{name}", responses=_responses("/problems/{name}", "GET"), summary="A problem type")
+    async def problem_type(name: str) -> dict[str, Any]:
+        found = TYPES.get(name)
+        if found is None:
+            raise problem("not-found", f"no problem type {name!r}")
+        return {"type": found.uri, "title": found.title, "status": found.status, "about": found.about}
