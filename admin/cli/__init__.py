@@ -17,7 +17,7 @@ from typing import Annotated, Any
 
 import typer
 
-from admin.cli import archives, metrics, migrations, reads, runs, writes
+from admin.cli import archives, metrics, migrations, reads, runs, serve, writes
 from admin.cli.context import config
 from admin.cli.failures import EXIT_USAGE, complain, fail
 from reservations.settings import Settings, SettingsError, unknown_name_warnings, variable
@@ -104,6 +104,7 @@ app.command("redrive")(writes.redrive)
 app.command("archive")(archives.archive_command)
 app.command("config")(reads.show_config)
 app.command("metrics")(metrics.metrics_command)
+app.command("serve")(serve.serve_command)
 db_app.command("upgrade")(migrations.upgrade)
 db_app.command("current")(migrations.current)
 app.command("demo")(runs.demo_command)
