@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager, suppress
+from types import FrameType
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
@@ -72,6 +75,31 @@ class _Measured:
             self.metrics.answered(template, scope["method"], code, time.perf_counter() - start)
 
 
+def _drain_on_stop(door: Door, loop: asyncio.AbstractEventLoop) -> Callable[[], None]:
+    """Chain a handler before the server's own for SIGINT and SIGTERM that drains the door: uvicorn stops
+    accepting and waits for every request in flight, and a drained door answers its waiting ones at once
+    instead of at the end of their waits. Returns what puts the previous handlers back."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None  # signals reach the main thread only (an app served from another thread)
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def stopping(sig: int, frame: FrameType | None) -> None:
+        loop.call_soon_threadsafe(door.drain)
+        prior = previous[signal.Signals(sig)]
+        if callable(prior):
+            prior(sig, frame)
+
+    for sig in previous:
+        signal.signal(sig, stopping)
+
+    def restore() -> None:
+        for sig, prior in previous.items():
+            if signal.getsignal(sig) is stopping:
+                signal.signal(sig, prior)
+
+    return restore
+
+
 def create_app(settings: Settings | None = None, *, caller: Caller | None = None) -> FastAPI:
     """The front door's app, on ``settings`` (the environment's by default)."""
     settings = settings or Settings.from_env()
@@ -85,10 +113,12 @@ def create_app(settings: Settings | None = None, *, caller: Caller | None = None
         inventory = AsyncInventory.from_url(settings.database_url, pooling=settings.database_pooling)
         backlog = Backlog(tasks_app.connection_for_read, tasks_app.conf.task_default_queue)
         sampler = asyncio.create_task(backlog.run(), name="backlog")
-        state["door"] = Door(client, inventory, backlog, queue_bound=settings.queue_bound)
+        state["door"] = found = Door(client, inventory, backlog, queue_bound=settings.queue_bound)
+        restore = _drain_on_stop(found, asyncio.get_running_loop())
         try:
             yield
         finally:
+            restore()
             # uvicorn calls this once every connection has had its answer: nothing is waiting to be
             # published (a handler returns only after its request went out, or was refused).
             sampler.cancel()

@@ -15,6 +15,7 @@ once, wait for its outcome as long as the caller asked, and say what is known.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from contextlib import suppress
 from typing import Any
@@ -64,6 +65,9 @@ class Door:
         self.inventory = inventory
         self.backlog = backlog
         self.queue_bound = queue_bound
+        # Set by a stop signal: waits end now with 202 and their Location (see drain).
+        self.draining = False
+        self._waits: set[asyncio.Future[RequestResult]] = set()
 
     async def submit(
         self,
@@ -128,13 +132,32 @@ class Door:
         wait: float,
         location: str,
     ) -> Answer:
+        waiting = asyncio.ensure_future(
+            self.client.wait(key, timeout=0.0 if self.draining else wait, published=published)
+        )
+        self._waits.add(waiting)
         try:
-            result = await self.client.wait(key, timeout=wait, published=published)
+            result = await waiting
         except OutcomeTimeout:
             return pending(shown_key, location)
         except UNANSWERED as exc:
             return unavailable("database", exc)
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if not self.draining or (current is not None and current.cancelling()):
+                raise  # the caller went away (or the server is cancelling its handlers): not ours to answer
+            return pending(shown_key, location)
+        finally:
+            self._waits.discard(waiting)
         return self._final(shown_key, result, message, location)
+
+    def drain(self) -> None:
+        """The process is stopping: every request waiting for its outcome is answered 202 with its
+        Location now (the request itself went out already), and later ones do not wait. The server then
+        finds no handler left to wait for, and the process exits in well under a request's wait."""
+        self.draining = True
+        for waiting in list(self._waits):
+            waiting.cancel()
 
     def _final(
         self, shown_key: str, result: RequestResult, message: messages.Message, location: str
