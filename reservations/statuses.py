@@ -29,6 +29,8 @@ class RequestStatus(StrEnum):
     INSUFFICIENT_STOCK = "insufficient_stock"
     INVALID = "invalid"
     DEAD_LETTERED = "dead_lettered"
+    # Taken up after the deadline its sender gave: ended without touching stock or taking a lease.
+    EXPIRED = "expired"
 
 
 class AttemptResult(StrEnum):
@@ -42,6 +44,7 @@ class AttemptResult(StrEnum):
     INSUFFICIENT_STOCK = "insufficient_stock"
     INVALID = "invalid"
     DEAD_LETTERED = "dead_lettered"
+    EXPIRED = "expired"
 
 
 # The status a request that succeeded ends in, per operation.

@@ -116,6 +116,23 @@ def hold_seconds(value: object) -> float | None:
     return float(value)
 
 
+def deadline(value: object) -> float | None:
+    """When a request stops being worth doing, in seconds since the epoch (None: never). A figure past
+    :data:`MAX_TIMESTAMP` is refused: milliseconds given for seconds would make a deadline that never
+    comes."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise InvalidRequest("deadline must be a number of seconds since the epoch", field="deadline")
+    if not 0 < value <= MAX_TIMESTAMP:
+        raise InvalidRequest(
+            f"deadline must be seconds since the epoch, above 0 and at most {MAX_TIMESTAMP:.0f}, "
+            f"got {value!r}",
+            field="deadline",
+        )
+    return float(value)
+
+
 def order_lines(lines: object) -> list[tuple[str, int]]:
     """Order lines as (sku, quantity) with distinct SKUs, sorted by SKU: the order leases are taken in."""
     if not isinstance(lines, list | tuple) or not 1 <= len(lines) <= MAX_ORDER_LINES:
