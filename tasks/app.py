@@ -23,7 +23,7 @@ from celery.signals import (
     worker_ready,
 )
 
-from tasks import failpoints, metrics
+from tasks import deadlines, failpoints, metrics
 from tasks.heartbeat import HeartbeatFile
 from tasks.logs import json_wanted, use_json, warnings_as_json
 from tasks.settings import Settings, SettingsError
@@ -175,12 +175,19 @@ def _serve_metrics(**_: Any) -> None:
 @before_task_publish.connect
 def _stamp_enqueue_time(headers: dict[str, Any] | None = None, **_: Any) -> None:
     """Every task message carries when its request was first enqueued (a retry keeps its request's), so
-    a worker can measure enqueue to final outcome. Clocks of different hosts differ by their skew."""
-    if headers is None or ENQUEUED_AT in headers:
+    a worker can measure enqueue to final outcome. Clocks of different hosts differ by their skew. A retry
+    keeps its request's deadline too (tasks.deadlines): retried past it, the request ends expired."""
+    if headers is None:
         return
-    inherited = None
+    retried = None
     if current_task and current_task.request.id == headers.get("id"):  # the proxy is false outside a task
-        inherited = getattr(current_task.request, ENQUEUED_AT, None)
+        retried = current_task.request
+    deadline = getattr(retried, deadlines.DEADLINE, None)
+    if deadline is not None:
+        headers.setdefault(deadlines.DEADLINE, deadline)
+    if ENQUEUED_AT in headers:
+        return
+    inherited = getattr(retried, ENQUEUED_AT, None)
     headers[ENQUEUED_AT] = inherited if isinstance(inherited, int | float) else time.time()
 
 

@@ -32,7 +32,7 @@ from reservations.partitions import prepare_partitions
 from reservations.redrives import carried_request
 from reservations.requests import AlreadyApplied, task_name
 from reservations.statuses import SUCCEEDED, AttemptResult, RequestStatus
-from tasks import failpoints, logs, metrics, observe, policy
+from tasks import deadlines, failpoints, logs, metrics, observe, policy
 from tasks.answers import answer, as_result, reply
 from tasks.app import app, settings_of
 from tasks.failpoints import failpoint
@@ -92,8 +92,12 @@ def _run_request(task: Task, name: str, args: tuple[Any, ...], kwargs: dict[str,
         logs.note(key=message.key, operation=message.operation, epoch=message.counts["epoch"])
         if transient > settings.max_transient_retries:
             return _give_up(task, res, message, who, "backend unavailable", "the backend stayed unreachable")
+        # Past its deadline it ends expired, unattempted (a reservation queued for its SKU's lease holder
+        # is later served without this check).
+        expired = _past_deadline(task, res, message, who)
         work = work_of(message)
-        return _attempt(task, res, message, work, work.batch if settings.batching else None, again, who)
+        batch = work.batch if settings.batching else None
+        return expired if expired is not None else _attempt(task, res, message, work, batch, again, who)
     except AlreadyApplied:
         # A copy of this request (or another request under its key) decided it while this one was giving
         # up: look again and report that.
@@ -170,6 +174,33 @@ def _give_up(
         fingerprint=message.fingerprint,
         **who,
     )
+    return answer(task, message, stored)
+
+
+def _past_deadline(
+    task: Task, res: Resources, message: Message, who: dict[str, Any]
+) -> dict[str, Any] | None:
+    """End a request taken up after its deadline ``expired``, taking no lease and touching no stock; the
+    answer is the key's stored outcome (a copy may have decided it first). None: carry it out. A
+    reservation handed to its SKU's lease holder (hot-SKU batching) is served without this check."""
+    late = deadlines.late(getattr(task.request, deadlines.DEADLINE, None), key=message.key)
+    if late is None:
+        return None
+    key, op, print_ = message.key, message.operation, message.fingerprint
+    try:
+        stored = res.inventory.record_outcome(
+            key,
+            op,
+            RequestStatus.EXPIRED,
+            late.detail(),
+            epochs=message.counts["epoch"],
+            fingerprint=print_,
+            **who,
+        )
+    except AlreadyApplied:  # a copy applied it and stopped before its outcome: the attempt replays it
+        return None
+    if stored.status == RequestStatus.EXPIRED and stored.belongs_to(op, print_):
+        res.inventory.record_attempt(key, op, AttemptResult.EXPIRED, detail=late.describe(), **who)
     return answer(task, message, stored)
 
 

@@ -4,6 +4,7 @@
 error in an attempt             action
 ==============================  =======================================================================
 malformed message               final ``invalid`` (recorded under its key when it has one)
+taken up past its deadline      final ``expired``, before any lease or stock is touched (tasks.deadlines)
 InvalidRequest, UnknownSku,     final ``invalid``: it can never succeed
 UnknownReservation,
 InvalidTransition,

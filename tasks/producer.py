@@ -15,6 +15,7 @@ from celery import Celery
 from reservations import validation as valid
 from reservations.requests import request_id, task_name
 from reservations.settings import Settings
+from tasks import deadlines
 from tasks.app import transport_options as transport_options_of
 from tasks.metrics import ENQUEUED_AT
 
@@ -53,18 +54,25 @@ class Producer:
         *,
         producer: Any = None,
         enqueued_at: float | None = None,
+        deadline: float | None = None,
     ) -> str:
         """Publish ``operation`` for ``key``; returns the request's task id (the same for the same key).
         ``producer``: a kombu producer of this app held across many sends (see :meth:`batch`).
         ``enqueued_at``: when the request was first enqueued, for a copy published again (tasks.app
-        stamps the time of publishing otherwise)."""
+        stamps the time of publishing otherwise). ``deadline``: seconds since the epoch after which a
+        worker ends the request ``expired`` instead of carrying it out (tasks.deadlines); a header, not
+        an argument, so it is no part of the request's fingerprint."""
         task_id = request_id(valid.idempotency_key(key))
+        headers = {
+            **deadlines.header(deadline),
+            **({} if enqueued_at is None else {ENQUEUED_AT: enqueued_at}),
+        }
         self.app.send_task(
             task_name(operation),
             kwargs={**kwargs, "idempotency_key": key},
             task_id=task_id,
             producer=producer,
-            **({} if enqueued_at is None else {"headers": {ENQUEUED_AT: enqueued_at}}),
+            **({"headers": headers} if headers else {}),
         )
         return task_id
 
