@@ -91,6 +91,7 @@ class _Outgoing:
     future: asyncio.Future[str]
     loop: asyncio.AbstractEventLoop
     enqueued_at: float | None = None  # a copy's: when its request was first enqueued
+    deadline: float | None = None
 
 
 def _settle(future: asyncio.Future[str], sent: str | None, error: BaseException | None) -> None:
@@ -178,30 +179,37 @@ class ReservationClient:
         if self._closed:
             raise ClientClosed("the client is closed")
 
-    def _send(self, name: str, key: str, kwargs: dict[str, Any]) -> ReservationHandle:
+    def _send(
+        self, name: str, key: str, kwargs: dict[str, Any], deadline: float | None = None
+    ) -> ReservationHandle:
         self._check_open()
-        task_id = self._producer.send(name, key, kwargs)  # validates the key before publishing
-        return self._handle(name, key, kwargs, task_id)
+        task_id = self._producer.send(name, key, kwargs, deadline=deadline)  # checks key and deadline
+        return self._handle(name, key, kwargs, task_id, deadline)
 
-    def _handle(self, name: str, key: str, kwargs: dict[str, Any], task_id: str) -> ReservationHandle:
+    def _handle(
+        self, name: str, key: str, kwargs: dict[str, Any], task_id: str, deadline: float | None = None
+    ) -> ReservationHandle:
         return ReservationHandle(
             key=key,
             task_id=task_id,
             client=self,
             operation=SHAPES[name].operation,
             fingerprint=request_fingerprint(name, kwargs),
-            published=Published(name, kwargs, time.monotonic(), time.time()),
+            published=Published(name, kwargs, time.monotonic(), time.time(), deadline),
         )
 
-    async def _send_async(self, name: str, key: str, kwargs: dict[str, Any]) -> ReservationHandle:
+    async def _send_async(
+        self, name: str, key: str, kwargs: dict[str, Any], deadline: float | None = None
+    ) -> ReservationHandle:
         """Queue the message for the publishing thread and await its publication. Requests enqueued
         while a batch is going out wait for the next one: a batch goes out on one producer, one broker
         connection, in the thread, so the event loop only appends to a list and awaits a future."""
         valid.idempotency_key(key)
+        valid.deadline(deadline)
         loop = asyncio.get_running_loop()
         sent: asyncio.Future[str] = loop.create_future()
-        self._queue(_Outgoing(name, key, kwargs, sent, loop))
-        return self._handle(name, key, kwargs, await sent)
+        self._queue(_Outgoing(name, key, kwargs, sent, loop, deadline=deadline))
+        return self._handle(name, key, kwargs, await sent, deadline)
 
     def _queue(self, item: _Outgoing) -> None:
         """Append ``item`` to the outbox, starting the publishing thread if it is idle."""
@@ -224,7 +232,17 @@ class ReservationClient:
         sent.add_done_callback(
             lambda done: _republished(key, since, None if done.cancelled() else done.exception())
         )
-        self._queue(_Outgoing(published.name, key, dict(published.kwargs), sent, loop, published.enqueued_at))
+        self._queue(
+            _Outgoing(
+                published.name,
+                key,
+                dict(published.kwargs),
+                sent,
+                loop,
+                published.enqueued_at,
+                published.deadline,
+            )
+        )
 
     def _drain(self) -> None:
         """The publishing thread: send what is queued, batch after batch, until the outbox is empty."""
@@ -245,6 +263,7 @@ class ReservationClient:
                                 item.kwargs,
                                 producer=producer,
                                 enqueued_at=item.enqueued_at,
+                                deadline=item.deadline,
                             )
                             answers.append((item, task_id, None))
                         except OperationalError:
@@ -261,18 +280,40 @@ class ReservationClient:
                 with suppress(RuntimeError):  # its loop closed meanwhile: nobody awaits it any more
                     item.loop.call_soon_threadsafe(_settle, item.future, answer, error)
 
+    # Every enqueue takes ``deadline``: seconds since the epoch after which a worker that takes the
+    # request up ends it ``expired``, touching no stock (tasks.deadlines). It is no part of the request:
+    # the same key sent with another deadline names the same request.
+
     def enqueue_reservation_sync(
-        self, sku: str, quantity: int, *, idempotency_key: str, hold_for: float | None = None
+        self,
+        sku: str,
+        quantity: int,
+        *,
+        idempotency_key: str,
+        hold_for: float | None = None,
+        deadline: float | None = None,
     ) -> ReservationHandle:
-        return self._send("reserve", idempotency_key, _reservation(sku, quantity, hold_for))
+        return self._send("reserve", idempotency_key, _reservation(sku, quantity, hold_for), deadline)
 
     async def enqueue_reservation(
-        self, sku: str, quantity: int, *, idempotency_key: str, hold_for: float | None = None
+        self,
+        sku: str,
+        quantity: int,
+        *,
+        idempotency_key: str,
+        hold_for: float | None = None,
+        deadline: float | None = None,
     ) -> ReservationHandle:
-        return await self._send_async("reserve", idempotency_key, _reservation(sku, quantity, hold_for))
+        reservation = _reservation(sku, quantity, hold_for)
+        return await self._send_async("reserve", idempotency_key, reservation, deadline)
 
     async def enqueue_order(
-        self, lines: list[tuple[str, int]], *, idempotency_key: str, hold_for: float | None = None
+        self,
+        lines: list[tuple[str, int]],
+        *,
+        idempotency_key: str,
+        hold_for: float | None = None,
+        deadline: float | None = None,
     ) -> ReservationHandle:
         order = valid.order_lines(lines)
         valid.idempotency_key(idempotency_key)
@@ -281,32 +322,45 @@ class ReservationClient:
             "reserve_order",
             idempotency_key,
             {"lines": [list(line) for line in order], "hold_for": hold_for},
+            deadline,
         )
 
-    def enqueue_count_sync(self, sku: str, counted: int, *, idempotency_key: str) -> ReservationHandle:
+    def enqueue_count_sync(
+        self, sku: str, counted: int, *, idempotency_key: str, deadline: float | None = None
+    ) -> ReservationHandle:
         """A cycle count: the worker reads the SKU's stock under its lease and sets on hand to ``counted``
         (``enqueue_sync("count", shrinkage=...)`` has it count what it read less the shrinkage)."""
-        return self._send("count", idempotency_key, _count(sku, counted))
+        return self._send("count", idempotency_key, _count(sku, counted), deadline)
 
-    async def enqueue_count(self, sku: str, counted: int, *, idempotency_key: str) -> ReservationHandle:
-        return await self._send_async("count", idempotency_key, _count(sku, counted))
+    async def enqueue_count(
+        self, sku: str, counted: int, *, idempotency_key: str, deadline: float | None = None
+    ) -> ReservationHandle:
+        return await self._send_async("count", idempotency_key, _count(sku, counted), deadline)
 
-    def enqueue_replenish_sync(self, sku: str, *, par: int, idempotency_key: str) -> ReservationHandle:
+    def enqueue_replenish_sync(
+        self, sku: str, *, par: int, idempotency_key: str, deadline: float | None = None
+    ) -> ReservationHandle:
         """Replenishment to par: the worker reads on hand under its lease and books par minus it."""
-        return self._send("replenish", idempotency_key, _replenishment(sku, par))
+        return self._send("replenish", idempotency_key, _replenishment(sku, par), deadline)
 
-    async def enqueue_replenish(self, sku: str, *, par: int, idempotency_key: str) -> ReservationHandle:
-        return await self._send_async("replenish", idempotency_key, _replenishment(sku, par))
+    async def enqueue_replenish(
+        self, sku: str, *, par: int, idempotency_key: str, deadline: float | None = None
+    ) -> ReservationHandle:
+        return await self._send_async("replenish", idempotency_key, _replenishment(sku, par), deadline)
 
-    def enqueue_sync(self, operation: str, *, idempotency_key: str, **kwargs: Any) -> ReservationHandle:
+    def enqueue_sync(
+        self, operation: str, *, idempotency_key: str, deadline: float | None = None, **kwargs: Any
+    ) -> ReservationHandle:
         """Any request by task operation name: reserve, reserve_order, confirm, release, restock,
         count, replenish."""
         valid.idempotency_key(idempotency_key)
-        return self._send(_known(operation), idempotency_key, kwargs)
+        return self._send(_known(operation), idempotency_key, kwargs, deadline)
 
-    async def enqueue(self, operation: str, *, idempotency_key: str, **kwargs: Any) -> ReservationHandle:
+    async def enqueue(
+        self, operation: str, *, idempotency_key: str, deadline: float | None = None, **kwargs: Any
+    ) -> ReservationHandle:
         valid.idempotency_key(idempotency_key)
-        return await self._send_async(_known(operation), idempotency_key, kwargs)
+        return await self._send_async(_known(operation), idempotency_key, kwargs, deadline)
 
     # -- driving dead letters again ------------------------------------------------------------------
 
@@ -399,7 +453,11 @@ class ReservationClient:
         error = None
         try:
             self._producer.send(
-                published.name, key, dict(published.kwargs), enqueued_at=published.enqueued_at
+                published.name,
+                key,
+                dict(published.kwargs),
+                enqueued_at=published.enqueued_at,
+                deadline=published.deadline,
             )
         except Exception as exc:
             error = exc
@@ -459,9 +517,14 @@ def _default_client() -> ReservationClient:
 
 
 async def enqueue_reservation(
-    sku: str, quantity: int, *, idempotency_key: str, hold_for: float | None = None
+    sku: str,
+    quantity: int,
+    *,
+    idempotency_key: str,
+    hold_for: float | None = None,
+    deadline: float | None = None,
 ) -> ReservationHandle:
     """``handle = await enqueue_reservation(...)``; ``outcome = await handle.result(timeout=...)``."""
     return await _default_client().enqueue_reservation(
-        sku, quantity, idempotency_key=idempotency_key, hold_for=hold_for
+        sku, quantity, idempotency_key=idempotency_key, hold_for=hold_for, deadline=deadline
     )

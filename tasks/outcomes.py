@@ -36,12 +36,15 @@ Read = Callable[[Sequence[str]], Awaitable[dict[str, RequestResult]]]
 class Published:
     """What a client published for a key, enough to publish it again: the task's operation and
     arguments, when (``at`` on the monotonic clock) and ``enqueued_at`` (seconds since the epoch, which a
-    copy carries on, so the workers' enqueue-to-outcome latency counts the time lost)."""
+    copy carries on, so the workers' enqueue-to-outcome latency counts the time lost), and its
+    ``deadline`` (seconds since the epoch, or None), which a copy carries too: a copy is the same request.
+    """
 
     name: str
     kwargs: Mapping[str, Any]
     at: float
     enqueued_at: float
+    deadline: float | None = None
 
 
 def republish_due(
