@@ -1,6 +1,7 @@
 """The commands that write, each saying so in its help: requests handed to the Celery workers by task
-name (this package never imports the tasks), with --wait polling their outcome; add-sku, direct; and
-redrive, which records each re-drive in the database and publishes it through tasks.redrives.
+name (this package never imports the tasks), with --wait polling their outcome and --deadline bounding
+when they may still be carried out; add-sku, direct; and redrive, which records each re-drive in the
+database and publishes it through tasks.redrives.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import typer
 from admin.cli import context
 from admin.cli.context import config
 from admin.cli.failures import EXIT_FAILED, EXIT_UNREACHABLE, EXIT_USAGE, complain, errors, fail
-from admin.cli.options import Key, Quantity, Timeout, Wait, parse_since, whole
+from admin.cli.options import Key, Quantity, Timeout, Wait, decimal, parse_since, whole
 from admin.cli.render import out
 from fencing import BackendUnavailable, mask_url
 from reservations import Inventory, ReservationError, counting
@@ -24,18 +25,38 @@ from reservations import validation as valid
 from reservations.redrives import Redrive
 from reservations.requests import request_id
 
-# The final statuses of a request that did what it asked; any other ends the command with exit 1.
+# The final statuses of a request that did what it asked; any other (insufficient_stock, invalid,
+# dead_lettered, expired) ends the command with exit 1.
 _DONE = ("reserved", "confirmed", "released", "restocked", "counted", "replenished")
 
+Deadline = Annotated[
+    float | None,
+    typer.Option(
+        "--deadline",
+        metavar="SECONDS",
+        parser=decimal("--deadline", 0.1, valid.MAX_HOLD_SECONDS),
+        help=(
+            "Carry the request out only within SECONDS from now: a worker that takes it up later ends it "
+            "expired, touching no stock (with --wait: exit 1, as for insufficient_stock or "
+            f"dead_lettered). [0.1-{valid.MAX_HOLD_SECONDS}]"
+        ),
+        show_default=False,
+    ),
+]
 
-def _enqueue(operation: str, key: str, kwargs: dict[str, Any], wait: bool, timeout: float) -> None:
-    """Hand the request to the workers by task name; with --wait, poll its final outcome."""
+
+def _enqueue(
+    operation: str, key: str, kwargs: dict[str, Any], wait: bool, timeout: float, within: float | None
+) -> None:
+    """Hand the request to the workers by task name, with a deadline ``within`` seconds from now if
+    given; with --wait, poll its final outcome."""
     from tasks.producer import Producer
 
     valid.idempotency_key(key)
+    deadline = None if within is None else valid.deadline(time.time() + within)
     try:
         with Producer(config.broker_url) as producer:
-            producer.send(operation, key, kwargs)
+            producer.send(operation, key, kwargs, deadline=deadline)
     except Exception as exc:  # kombu raises its own and socket errors; all mean the broker is unusable
         fail(EXIT_UNREACHABLE, f"broker unreachable at {mask_url(config.broker_url)}: {exc}")
     out.print(f"enqueued {operation} {key} (request {request_id(key)}) on {mask_url(config.broker_url)}")
@@ -61,29 +82,61 @@ def _await_outcome(operation: str, key: str, kwargs: dict[str, Any], timeout: fl
 
 
 def _operating(
-    operation: str, build: Callable[[], dict[str, Any]], key: str, wait: bool, timeout: float
+    operation: str,
+    build: Callable[[], dict[str, Any]],
+    key: str,
+    wait: bool,
+    timeout: float,
+    deadline: float | None,
 ) -> None:
     with errors():
-        _enqueue(operation, key, build(), wait, timeout)
+        _enqueue(operation, key, build(), wait, timeout, deadline)
 
 
-def reserve(sku: str, quantity: Quantity, key: Key, wait: Wait = False, timeout: Timeout = 30) -> None:
+def reserve(
+    sku: str,
+    quantity: Quantity,
+    key: Key,
+    wait: Wait = False,
+    timeout: Timeout = 30,
+    deadline: Deadline = None,
+) -> None:
     """WRITES (through the workers): reserve QUANTITY units of SKU.
 
-    Example: reservations reserve WIDGET 2 --key order-1042 --wait
+    With --wait, exit 1 unless it ends reserved (insufficient_stock, invalid, dead_lettered, or expired
+    when --deadline passed before a worker took it up).
+
+    Example: reservations reserve WIDGET 2 --key order-1042 --deadline 900 --wait
     """
     _operating(
-        "reserve", lambda: {"sku": valid.sku(sku), "quantity": valid.quantity(quantity)}, key, wait, timeout
+        "reserve",
+        lambda: {"sku": valid.sku(sku), "quantity": valid.quantity(quantity)},
+        key,
+        wait,
+        timeout,
+        deadline,
     )
 
 
-def restock(sku: str, quantity: Quantity, key: Key, wait: Wait = False, timeout: Timeout = 30) -> None:
+def restock(
+    sku: str,
+    quantity: Quantity,
+    key: Key,
+    wait: Wait = False,
+    timeout: Timeout = 30,
+    deadline: Deadline = None,
+) -> None:
     """WRITES (through the workers): add QUANTITY units to SKU's stock on hand.
 
     Example: reservations restock WIDGET 100 --key delivery-77 --wait
     """
     _operating(
-        "restock", lambda: {"sku": valid.sku(sku), "quantity": valid.quantity(quantity)}, key, wait, timeout
+        "restock",
+        lambda: {"sku": valid.sku(sku), "quantity": valid.quantity(quantity)},
+        key,
+        wait,
+        timeout,
+        deadline,
     )
 
 
@@ -93,6 +146,7 @@ def count(
     key: Key,
     wait: Wait = False,
     timeout: Timeout = 30,
+    deadline: Deadline = None,
 ) -> None:
     """WRITES (through the workers): a cycle count; SKU's stock on hand becomes COUNTED.
 
@@ -107,6 +161,7 @@ def count(
         key,
         wait,
         timeout,
+        deadline,
     )
 
 
@@ -118,6 +173,7 @@ def replenish(
     key: Key,
     wait: Wait = False,
     timeout: Timeout = 30,
+    deadline: Deadline = None,
 ) -> None:
     """WRITES (through the workers): replenish SKU to its par level.
 
@@ -127,27 +183,46 @@ def replenish(
     Example: reservations replenish WIDGET --par 120 --key reorder-0501-WIDGET --wait
     """
     _operating(
-        "replenish", lambda: {"sku": valid.sku(sku), "par": counting.par_units(par)}, key, wait, timeout
+        "replenish",
+        lambda: {"sku": valid.sku(sku), "par": counting.par_units(par)},
+        key,
+        wait,
+        timeout,
+        deadline,
     )
 
 
-def confirm(reservation_id: str, key: Key, wait: Wait = False, timeout: Timeout = 30) -> None:
+def confirm(
+    reservation_id: str, key: Key, wait: Wait = False, timeout: Timeout = 30, deadline: Deadline = None
+) -> None:
     """WRITES (through the workers): turn a held reservation into a committed deduction.
 
     Example: reservations confirm r_0123... --key confirm-1042 --wait
     """
     _operating(
-        "confirm", lambda: {"reservation_id": valid.reservation_id(reservation_id)}, key, wait, timeout
+        "confirm",
+        lambda: {"reservation_id": valid.reservation_id(reservation_id)},
+        key,
+        wait,
+        timeout,
+        deadline,
     )
 
 
-def release(reservation_id: str, key: Key, wait: Wait = False, timeout: Timeout = 30) -> None:
+def release(
+    reservation_id: str, key: Key, wait: Wait = False, timeout: Timeout = 30, deadline: Deadline = None
+) -> None:
     """WRITES (through the workers): cancel a held reservation; its units become available again.
 
     Example: reservations release r_0123... --key cancel-1042 --wait
     """
     _operating(
-        "release", lambda: {"reservation_id": valid.reservation_id(reservation_id)}, key, wait, timeout
+        "release",
+        lambda: {"reservation_id": valid.reservation_id(reservation_id)},
+        key,
+        wait,
+        timeout,
+        deadline,
     )
 
 
