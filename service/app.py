@@ -113,7 +113,9 @@ def create_app(settings: Settings | None = None, *, caller: Caller | None = None
         inventory = AsyncInventory.from_url(settings.database_url, pooling=settings.database_pooling)
         backlog = Backlog(tasks_app.connection_for_read, tasks_app.conf.task_default_queue)
         sampler = asyncio.create_task(backlog.run(), name="backlog")
-        state["door"] = found = Door(client, inventory, backlog, queue_bound=settings.queue_bound)
+        state["door"] = found = Door(
+            client, inventory, backlog, queue_bound=settings.queue_bound, overloaded=metrics.refused.inc
+        )
         restore = _drain_on_stop(found, asyncio.get_running_loop())
         try:
             yield

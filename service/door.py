@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from contextlib import suppress
 from typing import Any
 
@@ -60,11 +61,13 @@ class Door:
         backlog: Backlog,
         *,
         queue_bound: int,
+        overloaded: Callable[[], None] = lambda: None,
     ) -> None:
         self.client = client
         self.inventory = inventory
         self.backlog = backlog
         self.queue_bound = queue_bound
+        self._count_overloaded = overloaded
         # Set by a stop signal: waits end now with 202 and their Location (see drain).
         self.draining = False
         self._waits: set[asyncio.Future[RequestResult]] = set()
@@ -174,6 +177,7 @@ class Door:
         return problem_answer(problem("idempotency-key-reused", str(conflict), key=shown_key), location)
 
     def _overloaded(self) -> Answer:
+        self._count_overloaded()
         depth = self.backlog.depth or 0
         after = retry_after(depth, self.queue_bound, self.backlog.drained_per_second)
         return problem_answer(
