@@ -152,15 +152,37 @@ def exporter(run: Cluster, host: str, port: int) -> Iterator[subprocess.Popen[by
             process.stderr.close()
 
 
+@contextmanager
+def front_door(run: Cluster, port: int, log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """``reservations serve`` in front of the cluster, on 127.0.0.1:``port``."""
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "admin", "serve", "--port", str(port), "--no-access-log"],
+            env={**os.environ, **run.settings.to_env()},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        yield process
+    finally:
+        process.terminate()
+        with suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=10)
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
 @dataclass
 class Targets:
-    """What Prometheus scrapes: two workers on their default metrics address (127.0.0.1), and the exporter
-    on another loopback address."""
+    """What Prometheus scrapes: two workers on their default metrics address (127.0.0.1), the exporter
+    on another loopback address, and the HTTP front door."""
 
     run: Cluster
     exporter: subprocess.Popen[bytes]
     exporter_port: int
     folder: Path
+    api_port: int
 
     def exporter_answers(self) -> bool:
         if self.exporter.poll() is not None:
@@ -177,9 +199,9 @@ class Targets:
 def targets(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Targets]:
     folder = tmp_path_factory.mktemp("alerts")
     with redis_server(folder / "redis") as broker, cluster(folder / "cluster", broker) as run:
-        port = free_port()
-        with exporter(run, OTHER_LOOPBACK, port) as process:
-            yield Targets(run, process, port, folder)
+        port, api_port = free_port(), free_port()
+        with exporter(run, OTHER_LOOPBACK, port) as process, front_door(run, api_port, folder / "api.log"):
+            yield Targets(run, process, port, folder, api_port)
 
 
 @dataclass
@@ -190,19 +212,20 @@ class Observed:
 
 @pytest.fixture(scope="module")
 def observed(targets: Targets) -> Iterator[Observed]:
-    """A Prometheus scraping the targets as the rules file expects (jobs reservations-workers and
-    reservations-db), once it has read all three."""
+    """A Prometheus scraping the targets as the rules file expects (jobs reservations-workers,
+    reservations-db and reservations-api), once it has read all four."""
     jobs = {
         "reservations-workers": [f"127.0.0.1:{p}" for p in targets.run.metric_ports],
         "reservations-db": [f"{OTHER_LOOPBACK}:{targets.exporter_port}"],
+        "reservations-api": [f"127.0.0.1:{targets.api_port}"],
     }
     with prometheus(tool("prometheus"), targets.folder / "prometheus", jobs) as server:
 
         def all_up() -> bool:
             targets.exporter_answers()  # raises if it exited
-            return sorted(v for _, v in server.query("up")) == [1.0, 1.0, 1.0]
+            return sorted(v for _, v in server.query("up")) == [1.0, 1.0, 1.0, 1.0]
 
-        wait_until(all_up, timeout=TIMEOUT, what="prometheus to scrape both workers and the exporter")
+        wait_until(all_up, timeout=TIMEOUT, what="prometheus to scrape the workers, exporter and api")
         yield Observed(targets.run, server)
 
 
@@ -215,7 +238,9 @@ def measure(expr: str) -> str:
 def test_alerts_see_the_first_stale_write_and_dead_letter_after_a_start(observed: Observed) -> None:
     server, run = observed.prometheus, observed.run
     rules = {rule["name"]: rule["query"] for rule in server.rules()}
-    assert {"StaleWritesRising", "DeadLetters", "LeasesLostOften", "HotSkuBacklog"} <= set(rules)
+    assert {"StaleWritesRising", "DeadLetters", "LeasesLostOften", "HotSkuBacklog", "ApiOverloaded"} <= set(
+        rules
+    )
 
     # Before any request: every alert's measure is a series already (NaN where it divides 0 by 0), read
     # from label values each worker created at 0 when it started.
@@ -242,6 +267,10 @@ def test_alerts_see_the_first_stale_write_and_dead_letter_after_a_start(observed
     assert labels("reservations_leases_total", "result") == {"acquired", "busy", "lost"}
     assert labels("reservations_transient_failures_total", "backend") == {"database", "redis"}
     assert labels("reservations_db_outcomes", "status") == set(RequestStatus)  # the exporter's
+    # The front door's answers: every code each route can give, by route template (never a path).
+    assert {"201", "202", "409", "422", "503", "504"} <= labels(
+        'reservations_http_requests_total{route="/reservations",method="POST"}', "code"
+    )
     assert server.alerts() == {}
 
     # One stale write, one dead letter: each alert that counts them sees it.

@@ -24,6 +24,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from admin.cli.metrics import DatabaseCollector
 from reservations import Inventory
+from service import routes
+from service.metrics import HttpMetrics
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "compose.yaml"
@@ -84,9 +86,7 @@ def metric_names(expr: str) -> set[str]:
     text = _MATCHERS.sub("", text)
     text = _RANGE.sub("", text)
     text = _LABEL_LIST.sub("", text)
-    return {
-        name for name, call in _NAME.findall(text) if not call and name.lower() not in KEYWORDS
-    }
+    return {name for name, call in _NAME.findall(text) if not call and name.lower() not in KEYWORDS}
 
 
 def test_metric_names_are_read_from_an_expression_as_prometheus_would() -> None:
@@ -166,7 +166,9 @@ def defined_metrics(migrated_sqlite: Path, tmp_path_factory: pytest.TempPathFact
     exporter = exported_names(exposition)
     assert {"reservations_outcomes_total", "reservations_request_latency_seconds_bucket"} <= worker
     assert {"reservations_db_up", "reservations_db_stale_writes_refused_total"} <= exporter
-    return worker | exporter
+    api = exported_names(HttpMetrics(routes.measured()).exposition().decode())  # the front door's
+    assert {"reservations_http_requests_total", "reservations_http_overloaded_total"} <= api
+    return worker | exporter | api
 
 
 def test_every_dashboard_expression_parses_with_promtool(tmp_path: Path) -> None:
