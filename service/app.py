@@ -23,7 +23,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from reservations import AsyncInventory
+from reservations import AsyncInventory, InvalidRequest
 from reservations.acceptance import accepted
 from reservations.settings import Settings
 from service import routes
@@ -152,6 +152,12 @@ def create_app(settings: Settings | None = None, *, caller: Caller | None = None
             for error in exc.errors()
         ]
         found = problem("invalid-request", "the request is malformed", errors=errors)
+        return respond(problem_answer(found, request.url.path))
+
+    @app.exception_handler(InvalidRequest)
+    async def _invalid(request: Request, exc: InvalidRequest) -> Response:
+        # A path value the domain refuses (a SKU too long or of odd characters): nothing was read.
+        found = problem("invalid-request", str(exc), field=exc.field)
         return respond(problem_answer(found, request.url.path))
 
     for unanswered in UNANSWERED:
