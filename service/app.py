@@ -185,6 +185,14 @@ def create_app(settings: Settings | None = None, *, caller: Caller | None = None
         return metrics.exposition()
 
     app.include_router(routes.router(door, ready, exposition, settings, caller))
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = routes.as_declared(build())
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     app.add_middleware(_Measured, metrics=metrics)
     return app
 

@@ -5,6 +5,7 @@ Stock changes (``POST``) carry an ``Idempotency-Key`` of their own; reads carry 
 release names the reservation by the key that made it.
 """
 
+import json
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Annotated, Any
@@ -146,6 +147,25 @@ def measured() -> Iterator[tuple[str, str, list[int]]]:
 
 def _responses(route: str, method: str) -> dict[int | str, dict[str, Any]]:
     return RESPONSES[(route, method)]
+
+
+def as_declared(document: dict[str, Any]) -> dict[str, Any]:
+    """The OpenAPI document with each route's answers exactly as RESPONSES declares them. FastAPI adds a
+    422 "Validation Error" to every route with a parameter, but a malformed request is answered 400
+    (/problems/invalid-request): a route that never answers 422 must not list it."""
+    paths = document.get("paths", {})
+    for (route, method), answers in RESPONSES.items():
+        operation = paths.get(route, {}).get(method.lower())
+        if operation is None:
+            continue
+        declared = {str(code) for code in answers}
+        for code in [code for code in operation["responses"] if code not in declared]:
+            del operation["responses"][code]
+    if "#/components/schemas/HTTPValidationError" not in json.dumps(paths):
+        schemas = document.get("components", {}).get("schemas", {})
+        for unused in ("HTTPValidationError", "ValidationError"):
+            schemas.pop(unused, None)
+    return document
 
 
 KeyHeader = Annotated[
