@@ -152,7 +152,8 @@ def _responses(route: str, method: str) -> dict[int | str, dict[str, Any]]:
 def as_declared(document: dict[str, Any]) -> dict[str, Any]:
     """The OpenAPI document with each route's answers exactly as RESPONSES declares them. FastAPI adds a
     422 "Validation Error" to every route with a parameter, but a malformed request is answered 400
-    (/problems/invalid-request): a route that never answers 422 must not list it."""
+    (/problems/invalid-request): a route that never answers 422 must not list it. A problem's schema is
+    documented under the media type it is served as."""
     paths = document.get("paths", {})
     for (route, method), answers in RESPONSES.items():
         operation = paths.get(route, {}).get(method.lower())
@@ -161,6 +162,12 @@ def as_declared(document: dict[str, Any]) -> dict[str, Any]:
         declared = {str(code) for code in answers}
         for code in [code for code in operation["responses"] if code not in declared]:
             del operation["responses"][code]
+        for answer in operation["responses"].values():
+            # FastAPI puts a response model's schema under the route's JSON media type; a problem is
+            # served as application/problem+json only.
+            content = answer.get("content", {})
+            if PROBLEM_MEDIA_TYPE in content and "application/json" in content:
+                content[PROBLEM_MEDIA_TYPE] = content.pop("application/json")
     if "#/components/schemas/HTTPValidationError" not in json.dumps(paths):
         schemas = document.get("components", {}).get("schemas", {})
         for unused in ("HTTPValidationError", "ValidationError"):
