@@ -25,6 +25,7 @@ _SCOPE = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _KEY = re.compile(r"[!-~]+")  # printable ASCII, no spaces (reservations.validation's rule, length apart)
 # RFC 7240: ``Prefer: wait=10``, ``Prefer: respond-async``, several preferences comma separated.
 _PREFERENCE = re.compile(r"\s*([A-Za-z0-9!#$%&'*+.^_`|~-]+)\s*(?:=\s*(\"[^\"]*\"|[^;,\s]*))?[^,]*")
+_SECONDS = re.compile(r"[0-9]+")
 MAX_DEADLINE = 7 * 86400.0
 PENDING_RETRY_AFTER = 1
 
@@ -69,7 +70,9 @@ def wait_of(prefer: str | None, default: float, maximum: float) -> float:
     async_ = False
     for match in _PREFERENCE.finditer(prefer):
         name, value = match.group(1).lower(), (match.group(2) or "").strip('"')
-        if name == "wait" and value.isdigit():
+        # delta-seconds are ASCII digits (str.isdigit also takes a Latin-1 "²", which float refuses);
+        # a preference given twice counts once, the first time (RFC 7240, section 2).
+        if name == "wait" and asked is None and _SECONDS.fullmatch(value):
             asked = float(value)
         elif name == "respond-async":
             async_ = True
