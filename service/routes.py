@@ -9,6 +9,7 @@ import json
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Annotated, Any
+from urllib.parse import quote
 
 from fastapi import APIRouter, Depends, Header, Path, Response
 from fastapi.responses import JSONResponse
@@ -201,8 +202,18 @@ def respond(answer: Answer) -> Response:
     return JSONResponse(answer.body, answer.status, answer.headers, media_type=answer.media_type)
 
 
+def _reservation_location(key: str) -> str:
+    return f"/reservations/{_segment(key)}"
+
+
 def _request_location(key: str) -> str:
-    return f"/requests/{key}"
+    return f"/requests/{_segment(key)}"
+
+
+def _segment(key: str) -> str:
+    """A key as one path segment: a key may hold ``?``, ``#`` or ``%``, which would otherwise lead a caller
+    following the Location to another key or to none."""
+    return quote(key, safe="")
 
 
 def router(
@@ -249,7 +260,7 @@ def router(
         deadline: DeadlineHeader = None,
     ) -> Response:
         args = body.model_dump(exclude_none=True)
-        return await write("reserve", scope, key, args, prefer, deadline, lambda k: f"/reservations/{k}")
+        return await write("reserve", scope, key, args, prefer, deadline, _reservation_location)
 
     @api.get(
         "/reservations/{key}",
@@ -258,7 +269,7 @@ def router(
     )
     async def outcome(key: KeyPath, scope: Scope) -> Response:
         stored = scoped_key(scope, key)
-        return respond(await door().look(stored, shown_key=key, location=f"/reservations/{key}"))
+        return respond(await door().look(stored, shown_key=key, location=_reservation_location(key)))
 
     def lifecycle(step: str) -> None:
         @api.post(
