@@ -42,6 +42,13 @@ Caller = Callable[..., Any]  # a FastAPI dependency returning the caller's name 
 # Readiness: the broker answered a queue sample within this many of the sampler's intervals.
 BROKER_SILENT_AFTER = 4
 READINESS_KEY = "readiness:probe"
+# Every request holds a database connection while it is admitted (and while a look reads its outcome), and
+# a busy door has dozens at once. SQLAlchemy's default pool keeps 5 and closes each of its 10 overflow
+# connections the moment it is returned, so under load nearly every request opened and closed a PostgreSQL
+# connection (a server process, its authentication and its settings each time; no statement stays
+# prepared). Keep all 15 once opened instead, no more than the default's peak: a request beyond them
+# waits for one (at most pool_timeout, 30 s), as it waited for an overflow connection to open.
+DOOR_POOL: dict[str, Any] = {"pool_size": 15, "max_overflow": 0}
 
 
 class _Measured:
@@ -110,7 +117,9 @@ def create_app(settings: Settings | None = None, *, caller: Caller | None = None
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         tasks_app = create_tasks_app(settings)
         client = ReservationClient(tasks_app)
-        inventory = AsyncInventory.from_url(settings.database_url, pooling=settings.database_pooling)
+        inventory = AsyncInventory.from_url(
+            settings.database_url, pooling=settings.database_pooling, **DOOR_POOL
+        )
         backlog = Backlog(tasks_app.connection_for_read, tasks_app.conf.task_default_queue)
         sampler = asyncio.create_task(backlog.run(), name="backlog")
         state["door"] = found = Door(
