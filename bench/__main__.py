@@ -23,6 +23,7 @@ from bench.capacity_check import capacity_check
 from bench.env import Scratch, Settings, probe
 from bench.hot_sku import PER_SLOT, SLOTS, hot_vs_many
 from bench.hot_sku import SPREAD as SPREAD_SKUS
+from bench.http import http_front_door
 from bench.leases import redis_vs_raw, sql_vs_redis_leases
 from bench.report import Plan, render_markdown, render_rich
 from bench.reserve import reserve_vs_raw
@@ -49,6 +50,7 @@ MIN_ITERATIONS = 5
 WARMUP_FRACTION = 0.1
 SECTIONS = (
     "redis", "writes", "reserve", "backends", "tasks", "hot", "asyncio", "soak", "capacity", "capacity-check",
+    "http",
 )  # fmt: skip
 # The asyncio section: messages per enqueue case, and the enqueue-and-await calls kept in flight.
 ASYNC_ENQUEUES = 2000
@@ -83,7 +85,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         f"with {', '.join(map(str, ASYNC_IN_FLIGHT))} requests in flight (same needs), soak = Redis memory "
         "per request over 8 waves of reservations, results off vs kept vs kept 24 h extended (same needs), "
         "capacity = CPU, WAL, Redis and disk per reservation end to end (same needs), capacity-check = the "
-        "capacity model fitted on 1,000 uniform SKUs and checked on 100,000 Zipf SKUs (same needs)",
+        "capacity model fitted on 1,000 uniform SKUs and checked on 100,000 Zipf SKUs (same needs), http = "
+        "the HTTP front door (reservations serve) vs the same server stack awaiting a Celery no-op, /healthz "
+        "latency with 1,000 requests open, and the load generator's cost (same needs)",
     )
     parser.add_argument(
         "--no-sql-leases", action="store_true",
@@ -195,6 +199,12 @@ def _capacity_check(run: Run) -> None:
     capacity_check(run.scratch, run.results, quick=run.args.quick, progress=run.progress)
 
 
+def _http(run: Run) -> None:
+    http_front_door(
+        run.scratch, run.results, quick=run.args.quick, repeats=run.args.repeats, progress=run.progress
+    )
+
+
 def _celery(run: Run) -> bool:
     return run.postgres_ok and run.redis_server
 
@@ -212,6 +222,7 @@ SECTION_RUNS: list[tuple[str, Callable[[Run], bool], str, Callable[[Run], None]]
     ("capacity", _celery, "capacity: what one reservation costs end to end", _capacity),
     ("capacity-check", _celery, "capacity model: fitted on one configuration, checked on another",
      _capacity_check),
+    ("http", _celery, "HTTP front door: service vs FastAPI + Celery no-op, /healthz under load", _http),
 ]
 
 
@@ -247,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     if not postgres_ok and wanted - {"redis"}:
         what = "the PostgreSQL rows" + (" and the Celery sections" if wanted & {"tasks", "hot"} else "")
         results.skipped.append(f"Skipped {what}: PostgreSQL is unreachable.")
-    if redis_server is None and wanted & {"tasks", "hot", "asyncio", "soak", "capacity", "capacity-check"}:
+    celery_sections = {"tasks", "hot", "asyncio", "soak", "capacity", "capacity-check", "http"}
+    if redis_server is None and wanted & celery_sections:
         results.skipped.append("Skipped the Celery sections: no redis-server on PATH for a private broker.")
 
     # A terminated run (CI timeout, kill) must still reach the cleanup below; SystemExit does.

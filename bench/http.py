@@ -1,0 +1,635 @@
+"""The HTTP front door end to end: ``reservations serve`` as a real process in front of a real worker, on
+PostgreSQL and a private redis-server as broker, driven over loopback by aiohttp's client.
+
+1. ``POST /reservations`` (distinct keys, spread SKUs with ample stock, a fixed number of connections each
+   sending its next request once answered) against the same server stack whose handler awaits a Celery
+   no-op round trip (:mod:`bench.http_baseline`), in alternating rounds: requests/s, p50 / p99.
+2. ``GET /healthz`` polled on a connection of its own at a steady rate while 1,000 reservation requests on
+   one hot SKU are open and waiting for their outcomes (each connection sends its next as soon as one is
+   answered, so the 1,000 stay open), idle first for comparison; the service's own in-flight gauge is read
+   from ``/metrics`` beside the client's count.
+3. The load generator's own cost: the same ``/healthz`` load from aiohttp's and from httpx's client,
+   requests/s and the client process's CPU per 1,000 requests, so a reader sees the client is not what
+   limits the figures above.
+
+One uvicorn process for the service and one for the baseline (``--workers 1``): the machine's cores are
+shared by the worker's pool, PostgreSQL, Redis and the load generator, and a second uvicorn process would
+only compete with them for the same cores while splitting the outcome watcher's batched reads in two.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from contextlib import ExitStack, contextmanager, suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import httpx
+import uvloop
+
+from admin.harness import CeleryProcess, free_port, redis_server, stop_all, worker_env
+from bench import http_baseline
+from bench.costs import group_cpu
+from bench.env import Scratch
+from bench.leases import UnexpectedReply
+from bench.tasks_e2e import CONCURRENCY, POOL
+from bench.timing import CaseStats, Progress, Results
+from reservations import Inventory, schema
+from tasks import Settings
+
+ROOT = Path(__file__).resolve().parent.parent
+SECTION_POST = "http: POST /reservations through the service vs FastAPI + Celery no-op round trip"
+SECTION_COSTS = "http: per 1,000 requests (CPU seconds by process group)"
+SECTION_HEALTH = "http: GET /healthz every 20 ms on its own connection"
+SECTION_CLIENT = "http: load generator cost, GET /healthz"
+SERVICE = "POST /reservations, service"
+BASELINE = "POST /noop, FastAPI + Celery no-op"
+
+CONNECTIONS = 64
+SPREAD = 256
+HOT_SKU = "H-0"
+ON_HAND = 1_000_000
+IN_FLIGHT = 1000
+POLL_EVERY = 0.020
+METRICS_EVERY = 2.0
+CLIENT_CONNECTIONS = 300
+WAIT = "wait=30"
+START_TIMEOUT = 60.0
+STOP_TIMEOUT = 20.0
+REQUEST_TIMEOUT = 90.0
+# uvicorn closes a connection idle for 5 s (--timeout-keep-alive): a client that reuses one as old races
+# that close and sees the server hang up. Idle connections are dropped before.
+KEEPALIVE_EXPIRY = 4.0
+IN_FLIGHT_GAUGE = re.compile(rb"^reservations_http_in_flight(?:\{[^}]*\})? ([0-9.e+-]+)$", re.M)
+
+
+@dataclass(frozen=True)
+class Sizing:
+    warmup: int  # POSTs per case before the timed rounds
+    posts: int  # POSTs per case and round
+    repeats: int
+    health_seconds: float  # /healthz polled this long with the 1,000 open
+    idle_seconds: float  # and this long with nothing else
+    client_requests: int  # /healthz requests per load generator and round, at most
+    client_seconds: float  # and at most this long (httpx's client is far slower than aiohttp's)
+    client_repeats: int
+
+
+def sizing(quick: bool, repeats: int) -> Sizing:
+    if quick:
+        return Sizing(100, 500, min(repeats, 2), 6.0, 2.0, 5000, 4.0, 1)
+    return Sizing(300, 2000, repeats, 15.0, 4.0, 20_000, 8.0, repeats)
+
+
+# -- the processes -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Server:
+    """A uvicorn process in its own session (its group is its CPU), logging to ``log_path``."""
+
+    name: str
+    command: list[str]
+    env: Mapping[str, str]
+    log_path: Path
+    port: int
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    def start(self) -> None:
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(
+                self.command, env={**self.env, "PYTHONUNBUFFERED": "1"}, cwd=ROOT, stdout=log,
+                stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+
+    def tail(self, lines: int = 30) -> str:
+        text = self.log_path.read_text(errors="replace").splitlines()[-lines:]
+        return f"--- last lines of {self.name}'s log ---\n" + "\n".join(text)
+
+    def wait_ready(self, path: str, timeout: float = START_TIMEOUT) -> None:
+        deadline = time.monotonic() + timeout
+        with httpx.Client(timeout=2.0) as client:
+            while True:
+                if self.process is None or self.process.poll() is not None:
+                    raise UnexpectedReply(f"{self.name} exited\n{self.tail()}")
+                with suppress(httpx.HTTPError):
+                    if client.get(self.url + path).status_code == 200:
+                        return
+                if time.monotonic() > deadline:
+                    raise UnexpectedReply(f"{self.name} not ready after {timeout:.0f} s\n{self.tail()}")
+                time.sleep(0.1)
+
+    def stop(self) -> None:
+        """SIGTERM to the group (the service answers its waiting requests at once and exits), SIGKILL
+        after :data:`STOP_TIMEOUT`."""
+        if self.process is None:
+            return
+        with suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, signal.SIGTERM)
+        with suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=STOP_TIMEOUT)
+        with suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+
+
+def _service(settings: Settings, workdir: Path) -> Server:
+    port = free_port()
+    reservations = Path(sys.executable).parent / "reservations"
+    command = [str(reservations), "serve", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+               "--no-access-log"]  # fmt: skip
+    return Server("service", command, worker_env(settings), workdir / "service.log", port)
+
+
+def _baseline(broker_url: str, backend_url: str, workdir: Path) -> Server:
+    port = free_port()
+    command = [
+        sys.executable, "-m", "uvicorn", f"{http_baseline.__name__}:create_app", "--factory",
+        "--host", "127.0.0.1", "--port", str(port), "--workers", "1", "--loop", "uvloop",
+        "--http", "httptools", "--no-access-log",
+    ]  # fmt: skip
+    env = {**worker_env({}), http_baseline.BROKER_ENV: broker_url, http_baseline.BACKEND_ENV: backend_url}
+    return Server("baseline", command, env, workdir / "baseline.log", port)
+
+
+def _run(coroutine: Awaitable[Any]) -> Any:
+    """The load generator's loop is uvloop, as the servers' are."""
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(coroutine)  # type: ignore[arg-type]
+
+
+# -- load ----------------------------------------------------------------------------------------------
+
+
+Request = Callable[[int], Awaitable[int]]  # sends request number i, returns its status
+
+
+@dataclass
+class Round:
+    seconds: float = 0.0
+    latencies: list[float] = field(default_factory=list)
+    statuses: Counter[int] = field(default_factory=Counter)
+    samples: dict[int, str] = field(default_factory=dict)  # the first body of each unexpected status
+
+
+async def _closed_loop(
+    send: Request, connections: int, count: int, timeout: float, duration: float | None = None
+) -> Round:
+    """``count`` requests over ``connections`` senders, each sending its next once answered; with a
+    ``duration``, none is sent after that many seconds (``seconds`` is then the time to the last answer)."""
+    found = Round()
+    numbers = iter(range(count))
+    start = time.perf_counter()
+    stop_at = start + duration if duration is not None else float("inf")
+
+    async def sender() -> None:
+        for i in numbers:
+            t0 = time.perf_counter()
+            if t0 > stop_at:
+                return
+            status = await send(i)
+            found.latencies.append(time.perf_counter() - t0)
+            found.statuses[status] += 1
+
+    async with asyncio.timeout(timeout):
+        await asyncio.gather(*(sender() for _ in range(connections)))
+    found.seconds = time.perf_counter() - start
+    return found
+
+
+def _session(connections: int) -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(
+            limit=connections, limit_per_host=0, keepalive_timeout=KEEPALIVE_EXPIRY
+        ),
+        timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT),
+    )
+
+
+def _poster(
+    session: aiohttp.ClientSession, url: str, tag: str, sku: Callable[[int], str], samples: dict[int, str]
+) -> Request:
+    async def send(i: int) -> int:
+        headers = {"Idempotency-Key": f"{tag}-{i}", "Prefer": WAIT}
+        async with session.post(url, json={"sku": sku(i), "quantity": 1}, headers=headers) as response:
+            body = await response.read()
+            if response.status not in (201, 202):
+                samples.setdefault(response.status, body[:300].decode(errors="replace"))
+            return response.status
+
+    return send
+
+
+def _expect(what: str, found: Round, status: int) -> None:
+    wrong = {code: n for code, n in found.statuses.items() if code != status}
+    if wrong:
+        raise UnexpectedReply(f"{what}: answers other than {status}: {wrong}; first bodies: {found.samples}")
+
+
+def _post_round(server: Server, path: str, tag: str, count: int) -> Round:
+    async def go() -> Round:
+        async with _session(CONNECTIONS) as session:
+            samples: dict[int, str] = {}
+            send = _poster(session, server.url + path, tag, lambda i: f"S-{i % SPREAD}", samples)
+            found = await _closed_loop(send, CONNECTIONS, count, timeout=max(120.0, count / 20))
+            found.samples = samples
+            return found
+
+    found: Round = _run(go())
+    _expect(f"{server.name} {path}", found, 201)
+    return found
+
+
+# -- 1. throughput against the baseline ------------------------------------------------------------
+
+
+@dataclass
+class Spent:
+    requests: int = 0
+    cpu: dict[str, float] = field(default_factory=Counter)
+
+
+def _throughput(
+    service: Server, baseline: Server, worker: CeleryProcess, results: Results, size: Sizing,
+    progress: Progress | None,
+) -> int:  # fmt: skip
+    """Alternating rounds of each; returns how many reservations the service made."""
+    run_id = uuid.uuid4().hex[:8]
+    cases = [(SERVICE, service, "/reservations"), (BASELINE, baseline, "/noop")]
+    if progress:
+        progress(f"  warm-up: {size.warmup} POSTs each")
+    for _, server, path in cases:
+        _post_round(server, path, f"{run_id}-w-{server.name}", size.warmup)
+    made = size.warmup
+    stats = {name: CaseStats(name) for name, _, _ in cases}
+    spent = {name: Spent() for name, _, _ in cases}
+    for repeat in range(size.repeats):
+        shift = repeat % len(cases)
+        for name, server, path in [*cases[shift:], *cases[:shift]]:
+            if progress:
+                progress(f"  run {repeat + 1}/{size.repeats}: {name} ({size.posts} POSTs)")
+            groups = {"server": server.pid, "worker": worker.pid}
+            before = {k: group_cpu(pid) for k, pid in groups.items()}
+            client_before = time.process_time()
+            found = _post_round(server, path, f"{run_id}-r{repeat}-{server.name}", size.posts)
+            spent[name].cpu["client"] += time.process_time() - client_before
+            for k, pid in groups.items():
+                spent[name].cpu[k] += group_cpu(pid) - before[k]
+            spent[name].requests += size.posts
+            stats[name].ops_per_s.append(size.posts / found.seconds)
+            stats[name].latencies.extend(found.latencies)
+        made += size.posts
+    results.add(SECTION_POST, stats, SERVICE, BASELINE)
+    for name, used in spent.items():
+        per = 1000 / used.requests
+        values = {f"{k} CPU s": f"{v * per:.2f}" for k, v in used.cpu.items()}
+        results.cost(SECTION_COSTS, name, values)
+    return made
+
+
+def _check_stock(database_url: str, made: int) -> str:
+    with Inventory.from_url(database_url) as inventory:
+        problems = inventory.invariant_violations()
+        reserved = sum(level.reserved for level in inventory.all_stock() if level.sku.startswith("S-"))
+    if problems or reserved != made:
+        raise UnexpectedReply(f"stock check: {problems[:3]}; {reserved} units reserved for {made} requests")
+    return f"{made} reservations on {SPREAD} SKUs, stock consistent"
+
+
+# -- 2. liveness with 1,000 requests open ----------------------------------------------------------
+
+
+@dataclass
+class Health:
+    latencies: list[float] = field(default_factory=list)
+    open_seen: list[int] = field(default_factory=list)  # the client's count of open POSTs at each poll
+    gauge: list[float] = field(default_factory=list)  # reservations_http_in_flight, as /metrics said
+    posts: Round = field(default_factory=Round)
+    polled_for: float = 0.0
+
+
+async def _poll(url: str, seconds: float, found: Health, open_now: Callable[[], int]) -> None:
+    """``GET url`` every :data:`POLL_EVERY` on one connection; a late poll goes at once, never twice."""
+    async with _session(1) as session:
+        start = time.perf_counter()
+        next_at = start
+        while (now := time.perf_counter()) - start < seconds:
+            if next_at > now:
+                await asyncio.sleep(next_at - now)
+            next_at = max(next_at + POLL_EVERY, time.perf_counter())
+            t0 = time.perf_counter()
+            async with session.get(url) as response:
+                await response.read()
+                if response.status != 200:
+                    raise UnexpectedReply(f"GET {url}: {response.status}")
+            found.latencies.append(time.perf_counter() - t0)
+            found.open_seen.append(open_now())
+    found.polled_for = time.perf_counter() - start
+
+
+async def _gauge(url: str, stop: asyncio.Event, found: Health) -> None:
+    async with _session(1) as session:
+        while not stop.is_set():
+            async with session.get(url) as response:
+                match = IN_FLIGHT_GAUGE.search(await response.read())
+            if match:
+                found.gauge.append(float(match.group(1)))
+            with suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), METRICS_EVERY)
+
+
+async def _health_under_load(service: Server, seconds: float, run_id: str) -> Health:
+    found = Health()
+    stop = asyncio.Event()
+    numbers = iter(range(10**9))
+    open_now = 0
+
+    async with _session(IN_FLIGHT) as session:
+        url = service.url + "/reservations"
+        send = _poster(session, url, f"{run_id}-hot", lambda i: HOT_SKU, found.posts.samples)
+
+        async def sender() -> None:
+            nonlocal open_now
+            for i in numbers:
+                if stop.is_set():
+                    return
+                open_now += 1
+                t0 = time.perf_counter()
+                try:
+                    status = await send(i)
+                finally:
+                    open_now -= 1
+                found.posts.latencies.append(time.perf_counter() - t0)
+                found.posts.statuses[status] += 1
+
+        senders = [asyncio.create_task(sender()) for _ in range(IN_FLIGHT)]
+        try:
+            ramp = time.perf_counter() + 30.0
+            while open_now < IN_FLIGHT and time.perf_counter() < ramp:
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(1.0)  # every connection made and its first request sent
+            counted = len(found.posts.latencies)
+            gauge = asyncio.create_task(_gauge(service.url + "/metrics", stop, found))
+            await _poll(service.url + "/healthz", seconds, found, lambda: open_now)
+            found.posts.seconds = found.polled_for
+            answered = len(found.posts.latencies) - counted
+            stop.set()
+            await gauge
+            found.posts.latencies = found.posts.latencies[counted : counted + answered]
+        finally:
+            # The requests still open are abandoned (their connections close): this is the section's last
+            # load, and stopping the service answers their handlers at once.
+            stop.set()
+            for task in senders:
+                task.cancel()
+            await asyncio.gather(*senders, return_exceptions=True)
+    return found
+
+
+async def _idle_health(service: Server, seconds: float) -> Health:
+    found = Health()
+    await _poll(service.url + "/healthz", seconds, found, lambda: 0)
+    return found
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.1f} ms"
+
+
+def _quantile(values: list[float], q: int) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
+
+
+def _health(service: Server, results: Results, size: Sizing, progress: Progress | None) -> float:
+    """Returns the p99 of /healthz under load, in seconds."""
+    if progress:
+        progress(f"  /healthz idle for {size.idle_seconds:.0f} s")
+    idle: Health = _run(_idle_health(service, size.idle_seconds))
+    if progress:
+        progress(f"  /healthz for {size.health_seconds:.0f} s with {IN_FLIGHT} POSTs open on {HOT_SKU}")
+    loaded: Health = _run(_health_under_load(service, size.health_seconds, uuid.uuid4().hex[:8]))
+    for case, found in (("idle", idle), (f"{IN_FLIGHT} POSTs open on one hot SKU", loaded)):
+        posts = found.posts
+        values = {
+            "polls": f"{len(found.latencies)}",
+            "p50": _ms(statistics.median(found.latencies)),
+            "p99": _ms(_quantile(found.latencies, 99)),
+            "max": _ms(max(found.latencies)),
+            "open (client) min / median": (
+                f"{min(found.open_seen)} / {statistics.median(found.open_seen):.0f}"
+                if posts.latencies else "-"
+            ),
+            "in flight (/metrics) min / median": (
+                f"{min(found.gauge):.0f} / {statistics.median(found.gauge):.0f}" if found.gauge else "-"
+            ),
+            "POSTs answered/s": f"{len(posts.latencies) / posts.seconds:,.0f}" if posts.latencies else "-",
+            "POST p50 / p99": (
+                f"{statistics.median(posts.latencies):.2f} s / {_quantile(posts.latencies, 99):.2f} s"
+                if len(posts.latencies) > 1 else "-"
+            ),
+            "POST answers": ", ".join(f"{n} x {code}" for code, n in sorted(posts.statuses.items())) or "-",
+        }  # fmt: skip
+        results.cost(SECTION_HEALTH, case, values)
+    results.notes.append(
+        f"http /healthz: polled every {POLL_EVERY * 1000:.0f} ms on a connection of its own (a late poll "
+        f"goes at once), {size.idle_seconds:.0f} s idle, then {size.health_seconds:.0f} s while "
+        f"{IN_FLIGHT} connections each keep one POST /reservations on {HOT_SKU} open (Prefer: {WAIT}, the "
+        f"next sent once one is answered); open (client) = the client's count at each poll, in flight "
+        f"(/metrics) = reservations_http_in_flight read every {METRICS_EVERY:.0f} s (it counts the poll "
+        f"itself); POSTs answered/s and POST p50 / p99 over the polling; POST answers = every answer of "
+        "the run; the POSTs still open when the polls ended were abandoned."
+    )
+    return _quantile(loaded.latencies, 99)
+
+
+# -- 3. the load generator's cost ------------------------------------------------------------------
+
+
+@dataclass
+class Load:
+    """One timed round of a load generator, and the client process's CPU seconds over it."""
+
+    found: Round
+    cpu: float
+
+
+async def _timed(send: Request, count: int, duration: float) -> Load:
+    """Every connection opened and used once first (untimed), then ``count`` requests or ``duration``."""
+    await _closed_loop(send, CLIENT_CONNECTIONS, CLIENT_CONNECTIONS, timeout=60.0)
+    before = time.process_time()
+    found = await _closed_loop(send, CLIENT_CONNECTIONS, count, timeout=duration + 60.0, duration=duration)
+    return Load(found, time.process_time() - before)
+
+
+async def _aiohttp_load(url: str, count: int, duration: float) -> Load:
+    async with _session(CLIENT_CONNECTIONS) as session:
+
+        async def send(i: int) -> int:
+            async with session.get(url) as response:
+                await response.read()
+                return response.status
+
+        return await _timed(send, count, duration)
+
+
+async def _httpx_load(url: str, count: int, duration: float) -> Load:
+    limits = httpx.Limits(
+        max_connections=CLIENT_CONNECTIONS,
+        max_keepalive_connections=CLIENT_CONNECTIONS,
+        keepalive_expiry=KEEPALIVE_EXPIRY,
+    )
+    async with httpx.AsyncClient(limits=limits, timeout=REQUEST_TIMEOUT) as client:
+
+        async def send(i: int) -> int:
+            return (await client.get(url)).status_code
+
+        return await _timed(send, count, duration)
+
+
+def _clients(service: Server, results: Results, size: Sizing, progress: Progress | None) -> None:
+    url = service.url + "/healthz"
+    clients: list[tuple[str, Callable[[str, int, float], Awaitable[Load]]]] = [
+        (f"aiohttp {aiohttp.__version__} ClientSession", _aiohttp_load),
+        (f"httpx {httpx.__version__} AsyncClient", _httpx_load),
+    ]
+    rates: dict[str, list[float]] = {name: [] for name, _ in clients}
+    cpu = dict.fromkeys(rates, 0.0)
+    server_cpu = dict.fromkeys(rates, 0.0)
+    done = dict.fromkeys(rates, 0)
+    latencies: dict[str, list[float]] = {name: [] for name in rates}
+    for repeat in range(size.client_repeats):
+        shift = repeat % len(clients)
+        for name, load in [*clients[shift:], *clients[:shift]]:
+            if progress:
+                progress(
+                    f"  run {repeat + 1}/{size.client_repeats}: {name}, {size.client_requests} GETs or "
+                    f"{size.client_seconds:.0f} s"
+                )
+            server_before = group_cpu(service.pid)
+            ran: Load = _run(load(url, size.client_requests, size.client_seconds))
+            server_cpu[name] += group_cpu(service.pid) - server_before
+            _expect(name, ran.found, 200)
+            answered = len(ran.found.latencies)
+            cpu[name] += ran.cpu
+            done[name] += answered
+            rates[name].append(answered / ran.found.seconds)
+            latencies[name].extend(ran.found.latencies)
+    for name in rates:
+        p50, p99 = statistics.median(latencies[name]), _quantile(latencies[name], 99)
+        results.cost(
+            SECTION_CLIENT,
+            name,
+            {
+                "requests": f"{done[name]:,}",
+                "requests/s": f"{statistics.median(rates[name]):,.0f}",
+                "p50 / p99": f"{_ms(p50)} / {_ms(p99)}",
+                "client CPU s / 1,000": f"{cpu[name] * 1000 / done[name]:.3f}",
+                "server CPU s / 1,000 (whole round)": f"{server_cpu[name] * 1000 / done[name]:.3f}",
+            },
+        )
+    results.notes.append(
+        f"http load generators: {CLIENT_CONNECTIONS} connections on GET /healthz, each sending its next "
+        f"request once answered, {size.client_requests:,} requests or {size.client_seconds:.0f} s per "
+        f"round, whichever ends first, {size.client_repeats} round(s) each, alternating, after every "
+        "connection was opened and used once (untimed); client CPU = this process's time.process_time() "
+        "over the timed part; the loop is uvloop for both."
+    )
+
+
+# -- the section ---------------------------------------------------------------------------------
+
+
+@contextmanager
+def _running(servers: list[Server]) -> Iterator[None]:
+    try:
+        for server in servers:
+            server.start()
+        yield
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def http_front_door(
+    scratch: Scratch, results: Results, *, quick: bool, repeats: int, progress: Progress | None = None
+) -> None:
+    """Needs PostgreSQL and a ``redis-server`` binary; the caller checks both."""
+    size = sizing(quick, repeats)
+    with ExitStack() as stack:
+        workdir = Path(tempfile.mkdtemp(prefix="fencing-bench-http-"))
+        stack.callback(shutil.rmtree, workdir, ignore_errors=True)
+        if progress:
+            progress("  starting a private redis-server, migrating a fresh schema, starting a worker")
+        base = stack.enter_context(redis_server(workdir / "redis")).url(None)
+        database_url = scratch.postgres_url("http")
+        schema.upgrade(database_url)
+        with Inventory.from_url(database_url) as inventory:
+            for n in range(SPREAD):
+                inventory.add_sku(f"S-{n}", on_hand=ON_HAND)
+            inventory.add_sku(HOT_SKU, on_hand=ON_HAND)
+        settings = Settings(
+            broker_url=f"{base}/0",
+            result_backend=f"{base}/1",
+            database_url=database_url,
+            lease_url=f"{base}/2",
+        )
+        worker = CeleryProcess(
+            "bench-http", worker_env(settings), workdir / "worker.log", pool=POOL, concurrency=CONCURRENCY,
+            cwd=ROOT,
+        )  # fmt: skip
+        stack.callback(stop_all, [worker])
+        worker.start()
+        service = _service(settings, workdir)
+        baseline = _baseline(settings.broker_url, settings.result_backend, workdir)
+        stack.enter_context(_running([service, baseline]))
+        worker.wait_ready()
+        service.wait_ready("/readyz")
+        baseline.wait_ready("/healthz")
+
+        started = time.perf_counter()
+        made = _throughput(service, baseline, worker, results, size, progress)
+        stock = _check_stock(database_url, made)
+        throughput_took = time.perf_counter() - started
+        if progress:
+            progress(f"  load generators: {CLIENT_CONNECTIONS} connections on /healthz")
+        _clients(service, results, size, progress)
+        p99 = _health(service, results, size, progress)
+    results.notes.append(
+        f"http POST rows: {CONNECTIONS} connections, each sending its next request once answered (distinct "
+        f"Idempotency-Keys, {SPREAD} SKUs of {ON_HAND:,} units, Prefer: {WAIT}, every answer 201); "
+        f"{size.posts} POSTs per case and run, {size.repeats} runs alternating the two, after {size.warmup} "
+        f"each ({throughput_took:.0f} s); {stock}. Both servers are one uvicorn process on uvloop + "
+        "httptools, access log off (reservations serve --workers 1 --no-access-log; the baseline is "
+        "bench.http_baseline: the same body model, Celery send_task of reservations.noop from one thread, "
+        "its result awaited through one Redis pattern subscription), in front of one worker (prefork "
+        f"-c {CONCURRENCY}, Redis leases) on a private redis-server; one process each because the "
+        "machine's cores are shared with the worker, PostgreSQL, Redis and this load generator. CPU per "
+        "1,000: the serving process, the worker's group (pool children included), this client."
+    )
+    results.notes.append(
+        f"http /healthz p99 with {IN_FLIGHT} POSTs open: {_ms(p99)} "
+        f"({'within' if p99 < 0.050 else 'over'} the 50 ms goal)."
+    )
