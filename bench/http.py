@@ -91,7 +91,7 @@ class Sizing:
 
 def sizing(quick: bool, repeats: int) -> Sizing:
     if quick:
-        return Sizing(100, 500, min(repeats, 2), 6.0, 2.0, 5000, 4.0, 1)
+        return Sizing(60, 300, min(repeats, 2), 6.0, 2.0, 5000, 4.0, 1)
     return Sizing(300, 2000, repeats, 15.0, 4.0, 20_000, 8.0, repeats)
 
 
@@ -329,6 +329,37 @@ class Health:
     gauge: list[float] = field(default_factory=list)  # reservations_http_in_flight, as /metrics said
     posts: Round = field(default_factory=Round)
     polled_for: float = 0.0
+    shares: dict[str, float] = field(default_factory=dict)  # CPU over the polls, in cores
+
+
+def _machine_busy() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine so far, from /proc/stat (zeros without it)."""
+    try:
+        with open("/proc/stat") as stat:
+            fields = [int(v) for v in stat.readline().split()[1:]]
+    except OSError:
+        return 0.0, 0.0
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    tick = os.sysconf("SC_CLK_TCK")
+    return (sum(fields) - idle) / tick, sum(fields) / tick
+
+
+@contextmanager
+def _cpu_shares(groups: Mapping[str, int], into: dict[str, float]) -> Iterator[None]:
+    """Cores used over the block by each process group and by the whole machine (every process, this
+    machine's other tenants included): whether a slow answer was the service computing or waiting for a
+    core."""
+    before = {name: group_cpu(pid) for name, pid in groups.items()}
+    busy, total = _machine_busy()
+    start, client = time.perf_counter(), time.process_time()
+    yield
+    took = time.perf_counter() - start
+    for name, pid in groups.items():
+        into[name] = (group_cpu(pid) - before[name]) / took
+    into["load generator"] = (time.process_time() - client) / took
+    busy_after, total_after = _machine_busy()
+    if total_after > total:
+        into["machine"] = (busy_after - busy) / (total_after - total) * (os.cpu_count() or 1)
 
 
 async def _poll(url: str, seconds: float, found: Health, open_now: Callable[[], int]) -> None:
@@ -361,7 +392,9 @@ async def _gauge(url: str, stop: asyncio.Event, found: Health) -> None:
                 await asyncio.wait_for(stop.wait(), METRICS_EVERY)
 
 
-async def _health_under_load(service: Server, seconds: float, run_id: str) -> Health:
+async def _health_under_load(
+    service: Server, groups: Mapping[str, int], seconds: float, run_id: str
+) -> Health:
     found = Health()
     stop = asyncio.Event()
     numbers = iter(range(10**9))
@@ -393,7 +426,8 @@ async def _health_under_load(service: Server, seconds: float, run_id: str) -> He
             await asyncio.sleep(1.0)  # every connection made and its first request sent
             counted = len(found.posts.latencies)
             gauge = asyncio.create_task(_gauge(service.url + "/metrics", stop, found))
-            await _poll(service.url + "/healthz", seconds, found, lambda: open_now)
+            with _cpu_shares(groups, found.shares):
+                await _poll(service.url + "/healthz", seconds, found, lambda: open_now)
             found.posts.seconds = found.polled_for
             answered = len(found.posts.latencies) - counted
             stop.set()
@@ -409,9 +443,10 @@ async def _health_under_load(service: Server, seconds: float, run_id: str) -> He
     return found
 
 
-async def _idle_health(service: Server, seconds: float) -> Health:
+async def _idle_health(service: Server, groups: Mapping[str, int], seconds: float) -> Health:
     found = Health()
-    await _poll(service.url + "/healthz", seconds, found, lambda: 0)
+    with _cpu_shares(groups, found.shares):
+        await _poll(service.url + "/healthz", seconds, found, lambda: 0)
     return found
 
 
@@ -423,14 +458,17 @@ def _quantile(values: list[float], q: int) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
 
 
-def _health(service: Server, results: Results, size: Sizing, progress: Progress | None) -> float:
+def _health(
+    service: Server, worker: CeleryProcess, results: Results, size: Sizing, progress: Progress | None
+) -> float:
     """Returns the p99 of /healthz under load, in seconds."""
     if progress:
         progress(f"  /healthz idle for {size.idle_seconds:.0f} s")
-    idle: Health = _run(_idle_health(service, size.idle_seconds))
+    groups = {"service": service.pid, "worker": worker.pid}
+    idle: Health = _run(_idle_health(service, groups, size.idle_seconds))
     if progress:
         progress(f"  /healthz for {size.health_seconds:.0f} s with {IN_FLIGHT} POSTs open on {HOT_SKU}")
-    loaded: Health = _run(_health_under_load(service, size.health_seconds, uuid.uuid4().hex[:8]))
+    loaded: Health = _run(_health_under_load(service, groups, size.health_seconds, uuid.uuid4().hex[:8]))
     for case, found in (("idle", idle), (f"{IN_FLIGHT} POSTs open on one hot SKU", loaded)):
         posts = found.posts
         values = {
@@ -451,6 +489,7 @@ def _health(service: Server, results: Results, size: Sizing, progress: Progress 
                 if len(posts.latencies) > 1 else "-"
             ),
             "POST answers": ", ".join(f"{n} x {code}" for code, n in sorted(posts.statuses.items())) or "-",
+            **{f"{name} cores": f"{used:.2f}" for name, used in found.shares.items()},
         }  # fmt: skip
         results.cost(SECTION_HEALTH, case, values)
     results.notes.append(
@@ -460,7 +499,11 @@ def _health(service: Server, results: Results, size: Sizing, progress: Progress 
         f"next sent once one is answered); open (client) = the client's count at each poll, in flight "
         f"(/metrics) = reservations_http_in_flight read every {METRICS_EVERY:.0f} s (it counts the poll "
         f"itself); POSTs answered/s and POST p50 / p99 over the polling; POST answers = every answer of "
-        "the run; the POSTs still open when the polls ended were abandoned."
+        "the run; the POSTs still open when the polls ended were abandoned. Cores: CPU seconds per second "
+        "over the polls of the service's process, the worker's group, this load generator and the whole "
+        "machine (/proc/stat, "
+        f"every process of every tenant; {os.cpu_count()} cores in all): a machine near its core count "
+        "leaves the service waiting for a core, which /healthz then measures too."
     )
     return _quantile(loaded.latencies, 99)
 
@@ -616,7 +659,7 @@ def http_front_door(
         if progress:
             progress(f"  load generators: {CLIENT_CONNECTIONS} connections on /healthz")
         _clients(service, results, size, progress)
-        p99 = _health(service, results, size, progress)
+        p99 = _health(service, worker, results, size, progress)
     results.notes.append(
         f"http POST rows: {CONNECTIONS} connections, each sending its next request once answered (distinct "
         f"Idempotency-Keys, {SPREAD} SKUs of {ON_HAND:,} units, Prefer: {WAIT}, every answer 201); "
