@@ -75,6 +75,11 @@ REQUEST_TIMEOUT = 90.0
 # that close and sees the server hang up. Idle connections are dropped before.
 KEEPALIVE_EXPIRY = 4.0
 IN_FLIGHT_GAUGE = re.compile(rb"^reservations_http_in_flight(?:\{[^}]*\})? ([0-9.e+-]+)$", re.M)
+QUEUE_GAUGE = re.compile(rb"^reservations_http_queue_depth(?:\{[^}]*\})? ([0-9.e+-]+)$", re.M)
+# The polls start once the broker's queue holds this share of the open requests: the service has admitted
+# and published the burst of the first 1,000 and they are waiting for their outcomes.
+SETTLED = 0.9
+SETTLE_TIMEOUT = 60.0
 
 
 @dataclass(frozen=True)
@@ -91,7 +96,7 @@ class Sizing:
 
 def sizing(quick: bool, repeats: int) -> Sizing:
     if quick:
-        return Sizing(60, 300, min(repeats, 2), 6.0, 2.0, 5000, 4.0, 1)
+        return Sizing(60, 300, min(repeats, 2), 6.0, 1.0, 5000, 3.0, 1)
     return Sizing(300, 2000, repeats, 15.0, 4.0, 20_000, 8.0, repeats)
 
 
@@ -329,6 +334,7 @@ class Health:
     gauge: list[float] = field(default_factory=list)  # reservations_http_in_flight, as /metrics said
     posts: Round = field(default_factory=Round)
     polled_for: float = 0.0
+    settled_in: float = 0.0  # seconds from the first POST until the polls began
     shares: dict[str, float] = field(default_factory=dict)  # CPU over the polls, in cores
 
 
@@ -392,6 +398,22 @@ async def _gauge(url: str, stop: asyncio.Event, found: Health) -> None:
                 await asyncio.wait_for(stop.wait(), METRICS_EVERY)
 
 
+async def _settle(service: Server, open_now: Callable[[], int]) -> None:
+    """Until every connection has its POST open and the broker's queue (as the service last sampled it)
+    holds :data:`SETTLED` of them: the burst is admitted and published, the requests wait for outcomes."""
+    deadline = time.perf_counter() + SETTLE_TIMEOUT
+    async with _session(1) as session:
+        while time.perf_counter() < deadline:
+            await asyncio.sleep(0.25)
+            if open_now() < IN_FLIGHT:
+                continue
+            async with session.get(service.url + "/metrics") as response:
+                match = QUEUE_GAUGE.search(await response.read())
+            if match and float(match.group(1)) >= SETTLED * IN_FLIGHT:
+                return
+    raise UnexpectedReply(f"the {IN_FLIGHT} POSTs were not queued within {SETTLE_TIMEOUT:.0f} s")
+
+
 async def _health_under_load(
     service: Server, groups: Mapping[str, int], seconds: float, run_id: str
 ) -> Health:
@@ -418,12 +440,11 @@ async def _health_under_load(
                 found.posts.latencies.append(time.perf_counter() - t0)
                 found.posts.statuses[status] += 1
 
+        began = time.perf_counter()
         senders = [asyncio.create_task(sender()) for _ in range(IN_FLIGHT)]
         try:
-            ramp = time.perf_counter() + 30.0
-            while open_now < IN_FLIGHT and time.perf_counter() < ramp:
-                await asyncio.sleep(0.05)
-            await asyncio.sleep(1.0)  # every connection made and its first request sent
+            await _settle(service, lambda: open_now)
+            found.settled_in = time.perf_counter() - began
             counted = len(found.posts.latencies)
             gauge = asyncio.create_task(_gauge(service.url + "/metrics", stop, found))
             with _cpu_shares(groups, found.shares):
@@ -496,7 +517,9 @@ def _health(
         f"http /healthz: polled every {POLL_EVERY * 1000:.0f} ms on a connection of its own (a late poll "
         f"goes at once), {size.idle_seconds:.0f} s idle, then {size.health_seconds:.0f} s while "
         f"{IN_FLIGHT} connections each keep one POST /reservations on {HOT_SKU} open (Prefer: {WAIT}, the "
-        f"next sent once one is answered); open (client) = the client's count at each poll, in flight "
+        f"next sent once one is answered), from when the broker's queue held {SETTLED:.0%} of them "
+        f"({loaded.settled_in:.1f} s after the first: the burst admitted and published); open (client) = "
+        "the client's count at each poll, in flight "
         f"(/metrics) = reservations_http_in_flight read every {METRICS_EVERY:.0f} s (it counts the poll "
         f"itself); POSTs answered/s and POST p50 / p99 over the polling; POST answers = every answer of "
         "the run; the POSTs still open when the polls ended were abandoned. Cores: CPU seconds per second "
