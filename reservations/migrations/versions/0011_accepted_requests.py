@@ -18,8 +18,9 @@ down_revision = "0010"
 branch_labels = None
 depends_on = None
 
-# A new table that workers never read or write: workers of 0010 keep serving beside it.
-oldest_compatible_code = "0010"
+# A new table that workers never read or write: workers of 0010, and of 0009 (which 0010 serves), keep
+# serving beside it.
+oldest_compatible_code = "0009"
 
 
 def upgrade() -> None:
