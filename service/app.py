@@ -19,20 +19,17 @@ from contextlib import asynccontextmanager, suppress
 from types import FrameType
 from typing import Any
 
-from fastapi import FastAPI, Request, Response
-from fastapi.exceptions import RequestValidationError
+from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from reservations import AsyncInventory, InvalidRequest
+from reservations import AsyncInventory
 from reservations.acceptance import accepted
 from reservations.settings import Settings
-from service import routes
-from service.answers import Answer, problem_answer
+from service import errors, routes
+from service.answers import Answer
 from service.backlog import Backlog
-from service.door import UNANSWERED, Door, unavailable
+from service.door import UNANSWERED, Door
 from service.metrics import HttpMetrics
-from service.problems import Problem, problem
-from service.routes import respond
 from tasks import ReservationClient
 from tasks import create_app as create_tasks_app
 
@@ -78,7 +75,8 @@ class _Measured:
         finally:
             in_flight.dec()
             route = scope.get("route")
-            template = getattr(route, "path", None) or "unmatched"
+            # The template without converters ({key}, not {key:path}): the label RESPONSES declares.
+            template = getattr(route, "path_format", None) or "unmatched"
             self.metrics.answered(template, scope["method"], code, time.perf_counter() - start)
 
 
@@ -150,30 +148,7 @@ def create_app(settings: Settings | None = None, *, caller: Caller | None = None
         found: Door = state["door"]
         return found
 
-    @app.exception_handler(Problem)
-    async def _problem(request: Request, exc: Problem) -> Response:
-        return respond(problem_answer(exc, request.url.path))
-
-    @app.exception_handler(RequestValidationError)
-    async def _malformed(request: Request, exc: RequestValidationError) -> Response:
-        errors = [
-            {"where": ".".join(str(p) for p in error.get("loc", ())), "message": error.get("msg", "")}
-            for error in exc.errors()
-        ]
-        found = problem("invalid-request", "the request is malformed", errors=errors)
-        return respond(problem_answer(found, request.url.path))
-
-    @app.exception_handler(InvalidRequest)
-    async def _invalid(request: Request, exc: InvalidRequest) -> Response:
-        # A path value the domain refuses (a SKU too long or of odd characters): nothing was read.
-        found = problem("invalid-request", str(exc), field=exc.field)
-        return respond(problem_answer(found, request.url.path))
-
-    for unanswered in UNANSWERED:
-
-        @app.exception_handler(unanswered)
-        async def _unanswered(request: Request, exc: Exception) -> Response:
-            return respond(unavailable("database", exc))
+    errors.install(app)
 
     async def ready() -> Answer:
         backlog = door().backlog

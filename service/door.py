@@ -41,12 +41,12 @@ UNAVAILABLE_RETRY_AFTER = 5
 UNANSWERED = (BackendUnavailable, OperationalError, ConnectionError, TimeoutError)
 
 
-def unavailable(what: str, error: BaseException) -> Answer:
+def unavailable(what: str, error: BaseException, *, then: str = "") -> Answer:
     reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
     return problem_answer(
         problem(
             "unavailable",
-            f"the {what} did not answer: {reason}",
+            f"the {what} did not answer{then}: {reason}",
             headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER)},
         ),
         None,
@@ -144,7 +144,8 @@ class Door:
         except OutcomeTimeout:
             return pending(shown_key, location)
         except UNANSWERED as exc:
-            return unavailable("database", exc)
+            # The request went out: it goes on, and the same key sent again waits on it.
+            return unavailable("database", exc, then=" while the request, sent, waited for its outcome")
         except asyncio.CancelledError:
             current = asyncio.current_task()
             if not self.draining or (current is not None and current.cancelling()):

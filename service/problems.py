@@ -62,14 +62,27 @@ TYPES = _types(
         "No request was ever accepted under this key (for this caller), or the SKU does not exist.",
     ),
     ProblemType(
+        "method-not-allowed", 405, "Method not allowed",
+        "The path exists but does not take this method (its Allow header lists those it takes).",
+    ),
+    ProblemType(
+        "unauthorized", 401, "Not authenticated",
+        "The deployment's caller dependency did not recognise the caller.",
+    ),
+    ProblemType(
+        "forbidden", 403, "Forbidden",
+        "The deployment's caller dependency refused the caller.",
+    ),
+    ProblemType(
         "not-reserved", 409, "No reservation under this key",
         "The key's request did not reserve (its outcome is another), or has no outcome yet "
         "(then Retry-After says when to look again).",
     ),
     ProblemType(
         "unavailable", 503, "Service unavailable",
-        "The broker or the database did not answer. Nothing was stored under the key: retry the same "
-        "request with the same key after Retry-After.",
+        "The broker or the database did not answer. Retry the same request under the same key after "
+        "Retry-After: a request that went out before the failure is found (in flight or ended), one that "
+        "did not is sent anew. Not stored: the key never answers this again by itself.",
     ),
     ProblemType(
         "overloaded", 503, "Too many requests waiting",

@@ -263,7 +263,7 @@ def router(
         return await write("reserve", scope, key, args, prefer, deadline, _reservation_location)
 
     @api.get(
-        "/reservations/{key}",
+        "/reservations/{key:path}",
         responses=_responses("/reservations/{key}", "GET"),
         summary="The outcome of the reservation requested under a key",
     )
@@ -273,7 +273,7 @@ def router(
 
     def lifecycle(step: str) -> None:
         @api.post(
-            f"/reservations/{{key}}/{step}",
+            f"/reservations/{{key:path}}/{step}",
             responses=_responses(f"/reservations/{{key}}/{step}", "POST"),
             summary=f"{step.capitalize()} the reservation made under a key",
             name=step,
@@ -294,7 +294,7 @@ def router(
     lifecycle("release")
 
     @api.get(
-        "/requests/{key}",
+        "/requests/{key:path}",
         responses=_responses("/requests/{key}", "GET"),
         summary="The outcome of any request (a confirm, release or count) by its key",
     )

@@ -25,6 +25,7 @@ from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, TypeVar
+from urllib.parse import quote
 
 import aiohttp
 import httpx
@@ -62,6 +63,7 @@ class Service:
     settings: dict[str, str]
     log_path: Path
     port: int = field(default_factory=free_port)
+    factory: str | None = None  # module:function of a deployment's own app (None: the service's)
     process: subprocess.Popen[bytes] | None = None
     _log: IO[bytes] | None = None
 
@@ -71,8 +73,9 @@ class Service:
 
     def start(self) -> None:
         self._log = self.log_path.open("ab")
+        own = [] if self.factory is None else ["--factory", self.factory]
         self.process = subprocess.Popen(
-            [SCRIPT, "serve", "--port", str(self.port), "--no-access-log"],
+            [SCRIPT, "serve", "--port", str(self.port), "--no-access-log", *own],
             env=worker_env(self.settings),
             stdout=self._log,
             stderr=subprocess.STDOUT,
@@ -608,7 +611,7 @@ def test_a_key_s_location_names_that_key_whatever_its_characters(served: Served,
     lead back to it, not to another key (``a?b`` read as ``a`` with a query) or to nothing."""
     item, stem = sku("U", served.inventory, 10), key("odd")
     base = httpx.URL(served.main.url)
-    for k in (f"{stem}?x=1", f"{stem}#part", f"{stem}%41", f"{stem}&+;=@:,$!'()*"):
+    for k in (f"{stem}?x=1", f"{stem}#part", f"{stem}%41", f"{stem}&+;=@:,$!'()*", f"{stem}/a/b"):
         refused = problem_of(reserve(http, item, 50, k), "insufficient-stock", 409)
         read = http.get(base.join(refused["instance"]))
         assert (read.status_code, read.json().get("key")) == (409, k), (k, refused["instance"], read.text)
@@ -621,6 +624,60 @@ def test_a_key_s_location_names_that_key_whatever_its_characters(served: Served,
         assert accepted.json()["location"] == location
         read = idle.get(httpx.URL(served.idle.url).join(location))
         assert (read.status_code, read.json().get("key")) == (202, k), (location, read.text)
+
+
+def test_a_key_holding_slashes_is_read_confirmed_and_released_by_its_location(
+    served: Served, http: httpx.Client
+) -> None:
+    item, k = sku("SL", served.inventory, 10), f"{key('order')}/line/1"
+    made = reserve(http, item, 2, k)
+    assert made.status_code == 201, made.text
+    read = http.get(f"/reservations/{quote(k, safe='')}")
+    assert (read.status_code, read.json()["key"]) == (200, k), read.text
+    confirmed = http.post(
+        f"/reservations/{quote(k, safe='')}/confirm", headers={**WAIT, "Idempotency-Key": f"{k}/confirm"}
+    )
+    assert (confirmed.status_code, confirmed.json()["status"]) == (200, "confirmed"), confirmed.text
+    again = http.get(f"/requests/{quote(f'{k}/confirm', safe='')}")
+    assert again.status_code == 200 and again.json()["key"] == f"{k}/confirm", again.text
+
+
+def test_unknown_paths_and_methods_are_problem_documents(served: Served, http: httpx.Client) -> None:
+    assert problem_of(http.get("/no/such/path"), "not-found", 404)["instance"] == "/no/such/path"
+    wrong = http.delete("/reservations")
+    assert problem_of(wrong, "method-not-allowed", 405) and "POST" in wrong.headers["allow"]
+
+
+def test_a_caller_dependency_gives_each_caller_keys_of_its_own(served: Served) -> None:
+    """A deployment's factory passes a caller dependency: two callers' same key names two requests, a
+    caller reads only its own, and a request naming no caller is refused as a problem document."""
+    if served.kind != "sqlite":
+        pytest.skip("the scoping is the service's, whatever the database: shown once")
+    scoped = Service(
+        "callers", served.settings, served.main.log_path.with_name("callers.log"),
+        factory="tests.service_callers:app",
+    )  # fmt: skip
+    scoped.start()
+    try:
+        scoped.wait_ready()
+        item, k = sku("SC", served.inventory, 10), key("shared")
+        with scoped.client() as http:
+            alice = reserve(http, item, 1, k, {"X-Caller": "alice"})
+            bob = reserve(http, item, 3, k, {"X-Caller": "bob"})  # another body: no 422, another scope
+            assert (alice.status_code, bob.status_code) == (201, 201), (alice.text, bob.text)
+            assert alice.json()["key"] == bob.json()["key"] == k
+            assert alice.json()["reservation_id"] != bob.json()["reservation_id"]
+            mine = http.get(f"/reservations/{k}", headers={"X-Caller": "bob"})
+            assert mine.json()["reservation_id"] == bob.json()["reservation_id"]
+            assert http.get(f"/reservations/{k}", headers={"X-Caller": "carol"}).status_code == 404
+            nobody = reserve(http, item, 1, key("anon"))
+            assert (
+                problem_of(nobody, "unauthorized", 401) and nobody.headers["www-authenticate"] == "X-Caller"
+            )
+        stored = {r.idempotency_key for r in served.inventory.reservations(item)}
+        assert stored == {f"alice:{k}", f"bob:{k}"}
+    finally:
+        stopped_cleanly(scoped)
 
 
 def test_a_queue_deeper_than_its_bound_is_503_overloaded(served: Served) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from typing import Annotated
 
 import typer
@@ -49,6 +50,10 @@ def serve_command(
 
     settings = config.settings
     os.environ.update(settings.to_env())
+    # A deployment's own factory is found as uvicorn's command finds an app: from the current directory
+    # (uvicorn's worker processes inherit the path).
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     err.print(f"serving {factory} on http://{host}:{port} ({workers} process(es))", highlight=False)
     uvicorn.run(
         factory,
