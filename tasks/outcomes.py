@@ -85,6 +85,11 @@ class OutcomeWatcher:
 
     FIRST = 0.005
     SLOWEST = 0.1
+    # A look at every waiting key is followed by a pause of at least this many times its own length: with
+    # thousands waiting, a look costs the event loop milliseconds, and looks back to back (a key arriving
+    # every few milliseconds asks for the next) would leave the loop nothing else. Keys that arrived since
+    # the last look are looked at on their own in between, so a new request still hears within FIRST.
+    SPACING = 3.0
 
     def __init__(
         self,
@@ -99,6 +104,7 @@ class OutcomeWatcher:
         self._republish_after = republish_after
         self._clock = clock
         self._waiting: dict[str, list[asyncio.Future[RequestResult]]] = {}
+        self._fresh: set[str] = set()  # keys that arrived since the last look
         self._sent: dict[str, _Sent] = {}
         self._task: asyncio.Task[None] | None = None
         self._news: asyncio.Event | None = None
@@ -116,6 +122,7 @@ class OutcomeWatcher:
             raise WatcherClosed("the client is closed")
         future: asyncio.Future[RequestResult] = asyncio.get_running_loop().create_future()
         self._waiting.setdefault(key, []).append(future)
+        self._fresh.add(key)
         if published is not None:
             self._sent.setdefault(key, _Sent(published))
         self._start()
@@ -145,17 +152,28 @@ class OutcomeWatcher:
 
     async def _watch(self) -> None:
         assert self._news is not None
-        pause = self.FIRST
+        pause = self.FIRST  # between looks at every key: FIRST after one found outcomes, growing otherwise
+        # Paced on the event loop's clock, as its sleeps are (the injected clock times republishing).
+        ticks = asyncio.get_running_loop().time
+        due = ticks()  # when the next look at every key may start
         while self._waiting:
             if self._news.is_set():
                 # Keys keep arriving in a burst: gather them for one look instead of a look each.
                 self._news.clear()
-                pause = self.FIRST
                 await asyncio.sleep(self.FIRST)
-            found = await self._look(list(self._waiting))
-            pause = self.FIRST if found else min(pause * 1.5, self.SLOWEST)
+            now = ticks()
+            if now >= due:
+                keys, every = list(self._waiting), True
+            else:  # too soon for every key: the new ones only
+                keys, every = [k for k in self._fresh if k in self._waiting], False
+            self._fresh.clear()
+            if keys:
+                found = await self._look(keys)
+                if every:
+                    pause = self.FIRST if found else min(pause * 1.5, self.SLOWEST)
+                    due = now + max(pause, self.SPACING * (ticks() - now))
             with suppress(TimeoutError):
-                await asyncio.wait_for(self._news.wait(), pause)
+                await asyncio.wait_for(self._news.wait(), max(0.0, due - ticks()))
 
     async def _look(self, keys: list[str]) -> int:
         """Read the keys' outcomes and hand each to its waiters, then publish again those due; returns

@@ -7,6 +7,8 @@ silent timeout, and a closed client neither publishes nor waits.
 from __future__ import annotations
 
 import asyncio
+import itertools
+import time
 from collections.abc import AsyncIterator, Sequence
 
 import pytest
@@ -163,3 +165,38 @@ async def test_an_unreachable_broker_reaches_every_enqueuer_as_an_error(inventor
         assert all(isinstance(r, OperationalError) for r in results), results
     finally:
         app.close()
+
+
+async def test_looks_at_every_key_leave_the_loop_time_while_new_keys_are_still_heard_at_once() -> None:
+    """With many keys waiting a look at all of them costs the loop milliseconds; keys arriving every few
+    milliseconds must not make such looks back to back. New keys are looked at on their own meanwhile."""
+    decided: dict[str, RequestResult] = {}
+    full_looks: list[float] = []
+    loop = asyncio.get_running_loop()
+    waiting_keys = 200
+
+    async def read(keys: Sequence[str]) -> dict[str, RequestResult]:
+        if len(keys) >= waiting_keys:
+            full_looks.append(loop.time())
+            time.sleep(0.02)  # the loop is busy reading, as with a thousand parameters to bind and parse
+        return {key: decided[key] for key in keys if key in decided}
+
+    watcher = OutcomeWatcher(read)
+    never = [asyncio.ensure_future(watcher.wait(f"open-{i}", timeout=30)) for i in range(waiting_keys)]
+    heard: list[float] = []
+    start = loop.time()
+    while loop.time() - start < 0.6:  # a new request every 3 ms, its outcome already there
+        key = f"new-{len(heard)}"
+        decided[key] = RequestResult(key, "reserve", "reserved", {}, None, None, 0, 0.0)
+        began = loop.time()
+        await watcher.wait(key, timeout=5)
+        heard.append(loop.time() - began)
+        await asyncio.sleep(0.003)
+    spaced = [b - a for a, b in itertools.pairwise(full_looks)]
+    # Each look at every key (20 ms) is followed by more than twice as long without one (SPACING: three).
+    assert spaced and min(spaced) >= 0.05, spaced
+    assert sorted(heard)[len(heard) // 2] < 0.05, heard  # new keys: within a few looks of their own
+    for waiter in never:
+        waiter.cancel()
+    await asyncio.gather(*never, return_exceptions=True)
+    await watcher.aclose()
