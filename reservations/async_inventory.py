@@ -171,7 +171,7 @@ class AsyncInventory(InventoryBase[AsyncSqlExecutor]):
         return await self.executor.run(requests.own_outcome(key))
 
     async def request_outcomes(self, keys: Sequence[str]) -> dict[str, RequestResult]:
-        return await self.executor.run(requests.outcomes_of(keys))
+        return await self.executor.run(requests.outcomes_of(keys, array=self.dialect == "postgresql"))
 
     async def record_outcome(
         self, key: str, operation: str, status: str, detail: dict[str, Any], **who: Any

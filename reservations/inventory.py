@@ -183,7 +183,7 @@ class Inventory(InventoryBase[SyncSqlExecutor]):
 
     def request_outcomes(self, keys: Sequence[str]) -> dict[str, RequestResult]:
         """Final outcomes of those of ``keys`` (at most 1,000) that have one, in one read."""
-        return self.executor.run(requests.outcomes_of(keys))
+        return self.executor.run(requests.outcomes_of(keys, array=self.dialect == "postgresql"))
 
     def record_outcome(
         self, key: str, operation: str, status: str, detail: dict[str, Any], **who: Any

@@ -158,6 +158,7 @@ class InventoryBase(Generic[E]):
         """``single_statement`` (default: on PostgreSQL) sends a single-SKU reservation as one statement;
         False keeps the multi-statement transaction that SQLite uses."""
         dialect = executor.engine.dialect.name
+        self.dialect = dialect
         self.executor = executor
         if executor.translate is None:
             # Integrity errors reach the plans as the domain's typed errors, however the executor was built.

@@ -20,6 +20,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import ARRAY
 
 from fencing.plan import Alone, Atomic, Plan
 from fencing.sql import Rows, db_now_ms
@@ -192,18 +193,25 @@ def reported_through(dead: RequestResult, link: Any, redrive: RequestResult | No
 _OUTCOMES = sa.select(request_outcomes).where(
     request_outcomes.c.key.in_(sa.bindparam("keys", expanding=True))
 )
+# PostgreSQL: the keys as one array parameter. An expanding IN is a statement of its own for each number
+# of keys, rendered and converted by the client every time (about 10 ms of its CPU for 1,000 keys, on
+# the event loop of whoever waits for them); this one is the same statement whatever the keys.
+_OUTCOMES_ANY = sa.select(request_outcomes).where(
+    request_outcomes.c.key == sa.any_(sa.bindparam("keys", type_=ARRAY(sa.String)))
+)
 MAX_KEYS_PER_READ = 1000
 
 
-def outcomes_of(keys: Sequence[str]) -> Plan[dict[str, RequestResult]]:
+def outcomes_of(keys: Sequence[str], *, array: bool = False) -> Plan[dict[str, RequestResult]]:
     """The final outcomes of those of ``keys`` that have one, in one read (at most
-    :data:`MAX_KEYS_PER_READ` keys): what a client waiting on many requests asks each time it looks."""
+    :data:`MAX_KEYS_PER_READ` keys): what a client waiting on many requests asks each time it looks.
+    ``array``: send the keys as one array (PostgreSQL)."""
     if len(keys) > MAX_KEYS_PER_READ:
         raise InvalidRequest(f"at most {MAX_KEYS_PER_READ} keys per read", field="keys")
     checked = [valid.idempotency_key(key) for key in keys]
     if not checked:
         return {}
-    found: Rows = yield Alone(_OUTCOMES, {"keys": checked})
+    found: Rows = yield Alone(_OUTCOMES_ANY if array else _OUTCOMES, {"keys": checked})
     reported: dict[str, RequestResult] = yield from _followed({row.key: result_of(row) for row in found.rows})
     return reported
 
