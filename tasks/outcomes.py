@@ -152,28 +152,28 @@ class OutcomeWatcher:
 
     async def _watch(self) -> None:
         assert self._news is not None
-        pause = self.FIRST  # between looks at every key: FIRST after one found outcomes, growing otherwise
+        pause = self.FIRST  # FIRST after a look that found outcomes or after new keys, growing otherwise
         # Paced on the event loop's clock, as its sleeps are (the injected clock times republishing).
         ticks = asyncio.get_running_loop().time
-        due = ticks()  # when the next look at every key may start
+        spaced_until = ticks()  # no look at every key before this: SPACING times the last one's length
         while self._waiting:
             if self._news.is_set():
                 # Keys keep arriving in a burst: gather them for one look instead of a look each.
                 self._news.clear()
+                pause = self.FIRST
                 await asyncio.sleep(self.FIRST)
-            now = ticks()
-            if now >= due:
+            began = ticks()
+            if began >= spaced_until:
                 keys, every = list(self._waiting), True
-            else:  # too soon for every key: the new ones only
+            else:  # too soon after the last look at every key: the new keys only
                 keys, every = [k for k in self._fresh if k in self._waiting], False
             self._fresh.clear()
-            if keys:
-                found = await self._look(keys)
-                if every:
-                    pause = self.FIRST if found else min(pause * 1.5, self.SLOWEST)
-                    due = now + max(pause, self.SPACING * (ticks() - now))
+            found = await self._look(keys) if keys else 0
+            if every:
+                spaced_until = ticks() + self.SPACING * (ticks() - began)
+            pause = self.FIRST if found else min(pause * 1.5, self.SLOWEST)
             with suppress(TimeoutError):
-                await asyncio.wait_for(self._news.wait(), max(0.0, due - ticks()))
+                await asyncio.wait_for(self._news.wait(), max(pause, spaced_until - ticks()))
 
     async def _look(self, keys: list[str]) -> int:
         """Read the keys' outcomes and hand each to its waiters, then publish again those due; returns
