@@ -20,10 +20,11 @@ lint: $(STAMP)
 	$(BIN)/ruff check fencing reservations tasks admin service tests bench
 	$(BIN)/mypy
 
-# Two processes, one test file each (a module's clusters and topologies are built once): the suite's
-# tests wait on workers and servers far more than they compute. `pytest tests/x.py` stays one process.
+# Three processes on two CPUs, one test file each (a module's clusters and topologies are built once):
+# the suite's tests wait on workers and servers far more than they compute (a whole run uses about 1.5
+# CPUs). `pytest tests/x.py` stays one process.
 test: lint
-	$(BIN)/pytest -n 2 --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
+	$(BIN)/pytest -n 3 --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench $(BENCH_ARGS)
