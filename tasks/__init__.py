@@ -5,9 +5,9 @@ Start workers with ``celery -A tasks worker``; producers use :func:`enqueue_rese
 :mod:`reservations.settings`. Every error a producer can meet imports from here too: the request refused
 before publishing (:class:`InvalidRequest`), a key used for another request (:class:`IdempotencyConflict`),
 waiting past the timeout (:class:`OutcomeTimeout`), a closed client (:class:`ClientClosed`,
-:class:`WatcherClosed`), a dead letter that may not be driven again (:class:`RedriveRefused`) or a key
-without a request (:class:`UnknownRequest`), bad settings (:class:`SettingsError`), an unreachable database
-(:class:`BackendUnavailable`).
+:class:`WatcherClosed`; these three are :class:`TasksError`), a dead letter that may not be driven
+again (:class:`RedriveRefused`) or a key without a request (:class:`UnknownRequest`), bad settings
+(:class:`SettingsError`), an unreachable database (:class:`BackendUnavailable`).
 """
 
 from fencing import BackendUnavailable
@@ -15,8 +15,8 @@ from reservations.errors import IdempotencyConflict, InvalidRequest, RedriveRefu
 from reservations.requests import request_id
 from tasks import worker as _worker  # noqa: F401  (connects the per-process lifecycle signals)
 from tasks.app import app, create_app
-from tasks.client import ClientClosed, ReservationClient, ReservationHandle, enqueue_reservation
-from tasks.outcomes import OutcomeTimeout, WatcherClosed
+from tasks.client import ReservationClient, ReservationHandle, enqueue_reservation
+from tasks.errors import ClientClosed, OutcomeTimeout, TasksError, WatcherClosed
 from tasks.settings import Settings, SettingsError
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "ReservationHandle",
     "Settings",
     "SettingsError",
+    "TasksError",
     "UnknownRequest",
     "WatcherClosed",
     "app",

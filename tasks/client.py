@@ -35,7 +35,8 @@ from reservations.requests import RequestResult, request_id
 from tasks import redrives
 from tasks.app import app as default_app
 from tasks.app import settings_of
-from tasks.outcomes import OutcomeTimeout, OutcomeWatcher, Published, republish_due
+from tasks.errors import ClientClosed, OutcomeTimeout
+from tasks.outcomes import OutcomeWatcher, Published, republish_due
 from tasks.producer import Producer
 
 log = logging.getLogger("tasks.client")
@@ -75,10 +76,6 @@ def _known(operation: str) -> str:
             f"unknown operation {operation!r}; one of {', '.join(sorted(SHAPES))}", field="operation"
         )
     return operation
-
-
-class ClientClosed(RuntimeError):
-    """The client was closed: it publishes and watches nothing more."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from reservations.requests import MAX_KEYS_PER_READ, RequestResult
+from tasks.errors import OutcomeTimeout, WatcherClosed
 
 log = logging.getLogger("tasks.outcomes")
 
@@ -67,16 +68,6 @@ def republish_due(
 class _Sent:
     published: Published
     last: float | None = None
-
-
-class OutcomeTimeout(TimeoutError):
-    def __init__(self, key: str, timeout: float) -> None:
-        self.key = key
-        super().__init__(f"no final outcome for {key!r} within {timeout}s")
-
-
-class WatcherClosed(RuntimeError):
-    """The client was closed while a handle still waited for its outcome."""
 
 
 class OutcomeWatcher:

@@ -10,15 +10,15 @@ import fencing.errors
 import reservations.errors
 import reservations.settings
 import tasks
-import tasks.client
-import tasks.outcomes
+import tasks.errors
 
 DEFINED = [
     (reservations.errors, "InvalidRequest"),  # refused before publishing
     (reservations.errors, "IdempotencyConflict"),  # the key's outcome belongs to another request
-    (tasks.outcomes, "OutcomeTimeout"),
-    (tasks.outcomes, "WatcherClosed"),
-    (tasks.client, "ClientClosed"),
+    (tasks.errors, "OutcomeTimeout"),
+    (tasks.errors, "WatcherClosed"),
+    (tasks.errors, "ClientClosed"),
+    (tasks.errors, "TasksError"),
     (reservations.settings, "SettingsError"),  # a client builds its settings from the environment
     (fencing.errors, "BackendUnavailable"),  # the outcomes' database does not answer
 ]
@@ -28,3 +28,14 @@ DEFINED = [
 def test_a_client_error_imports_from_tasks(module: object, name: str) -> None:
     assert name in tasks.__all__
     assert getattr(tasks, name) is getattr(module, name)
+
+
+@pytest.mark.parametrize(
+    ("name", "builtin"),
+    [("ClientClosed", RuntimeError), ("WatcherClosed", RuntimeError), ("OutcomeTimeout", TimeoutError)],
+)
+def test_the_tasks_errors_share_one_base_and_keep_their_builtin_one(name: str, builtin: type) -> None:
+    """``except tasks.TasksError`` catches each; code that caught the builtin base still does."""
+    error = getattr(tasks, name)
+    assert issubclass(error, tasks.TasksError) and issubclass(error, builtin)
+    assert not issubclass(tasks.TasksError, builtin)

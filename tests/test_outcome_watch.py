@@ -18,7 +18,8 @@ from fencing import BackendUnavailable
 from reservations import AsyncInventory, Inventory
 from reservations.requests import RequestResult
 from tasks import ClientClosed, ReservationClient, Settings, create_app
-from tasks.outcomes import OutcomeTimeout, OutcomeWatcher, WatcherClosed
+from tasks.errors import OutcomeTimeout, WatcherClosed
+from tasks.outcomes import OutcomeWatcher
 
 
 class CountedReads:
