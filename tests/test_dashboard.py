@@ -206,7 +206,7 @@ def test_the_alert_rules_name_only_metrics_the_code_defines(defined_metrics: set
 
 def test_the_dashboard_shows_what_operators_watch() -> None:
     """Lost ownership and stale writes per operation, outcomes by status, lease acquisitions, hot-SKU batch
-    sizes, enqueue-to-outcome latency, dead letters."""
+    sizes, enqueue-to-outcome latency, dead letters; the front door's answers by code and its latency."""
     exprs = [expr for _, expr in expressions()]
     read = set().union(*map(metric_names, exprs))
     assert {
@@ -215,12 +215,15 @@ def test_the_dashboard_shows_what_operators_watch() -> None:
         "reservations_outcomes_total",
         "reservations_batch_size_bucket",
         "reservations_request_latency_seconds_bucket",
+        "reservations_http_request_seconds_bucket",
+        "reservations_http_queue_depth",
     } <= read
     squeezed = [re.sub(r"\s+", "", expr) for expr in exprs]
     assert any("by(operation)" in e and "reservations_stale_writes_refused_total" in e for e in squeezed)
     assert any("by(status)" in e and "reservations_outcomes_total" in e for e in squeezed)
     assert any('result="lost"' in e for e in squeezed)
     assert any('status="dead_lettered"' in e for e in squeezed)
+    assert any("by(code)" in e and "reservations_http_requests_total" in e for e in squeezed)
 
 
 # -- Prometheus's configuration ----------------------------------------------------------------------------
