@@ -17,10 +17,8 @@ import json
 import logging
 import math
 import re
-import shutil
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,7 +33,7 @@ from reservations import validation as valid
 from tasks import ReservationClient, Settings, create_app, request_id
 from tasks.deadlines import DEADLINE, Late, header, late
 from tests.support import run
-from tests.workers import Cluster, cluster, pg_schema
+from tests.workers import Cluster, cluster, migrated_database
 
 OUTCOME_TIMEOUT = 20.0
 NOW = 1_800_000_000.0
@@ -241,17 +239,6 @@ class Running:
             assert self.leases.history(valid.scope_of(sku)) == []
 
 
-@contextmanager
-def _database(kind: str, folder: Path, migrated: Path) -> Iterator[str]:
-    if kind == "postgresql":
-        with pg_schema() as url:
-            yield url
-        return
-    path = folder / "inventory.sqlite3"
-    shutil.copyfile(migrated, path)
-    yield f"sqlite:///{path}"
-
-
 @pytest.fixture(scope="module", params=["sqlite", "postgresql"])
 def running(
     request: pytest.FixtureRequest,
@@ -263,7 +250,7 @@ def running(
     kind: str = request.param
     workdir = tmp_path_factory.mktemp(f"deadlines_{kind}")
     db = 0 if kind == "sqlite" else 2
-    with _database(kind, workdir, migrated_sqlite) as url:
+    with migrated_database(kind, workdir, migrated_sqlite) as url:
         env = {
             "RESERVATIONS_BROKER_URL": server.url(db),
             "RESERVATIONS_RESULT_BACKEND": server.url(db + 1),

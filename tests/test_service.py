@@ -16,12 +16,11 @@ import asyncio
 import json
 import random
 import re
-import shutil
 import signal
 import subprocess
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from contextlib import ExitStack, contextmanager, suppress
+from contextlib import ExitStack, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, TypeVar
@@ -38,7 +37,7 @@ from reservations import Inventory
 from reservations import validation as valid
 from service.routes import RESPONSES
 from tests.support import SCRIPT, run
-from tests.workers import Cluster, cluster, pg_schema
+from tests.workers import Cluster, cluster, migrated_database
 
 pytestmark = pytest.mark.slow
 
@@ -146,17 +145,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
         yield running
 
 
-@contextmanager
-def database(kind: str, folder: Path, migrated: Path) -> Iterator[str]:
-    if kind == "postgresql":
-        with pg_schema() as url:
-            yield url
-        return
-    path = folder / "inventory.sqlite3"
-    shutil.copyfile(migrated, path)
-    yield f"sqlite:///{path}"
-
-
 @dataclass
 class Served:
     kind: str
@@ -210,7 +198,7 @@ def served(
     kind: str = request.param
     workdir = tmp_path_factory.mktemp(f"service_{kind}")
     broker_db, idle_db = _broker_dbs(kind)
-    with database(kind, workdir, migrated_sqlite) as url, ExitStack() as stack:
+    with migrated_database(kind, workdir, migrated_sqlite) as url, ExitStack() as stack:
         settings = {
             "RESERVATIONS_BROKER_URL": server.url(broker_db),
             "RESERVATIONS_RESULT_BACKEND": server.url(broker_db + 1),

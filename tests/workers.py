@@ -6,6 +6,7 @@ and disarmed, the test PostgreSQL's fresh schemas they write to, and RabbitMQ vi
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import uuid
 from collections.abc import Iterator, Mapping
@@ -58,6 +59,19 @@ def pg_schema() -> AbstractContextManager[str]:
     """A migrated inventory database in a fresh schema of the test PostgreSQL, dropped afterwards (migrated
     by replaying the run's one real migration, tests.conftest.migrate_pg_schema)."""
     return own_pg_schema(migrated=True, prefix="tasks_")
+
+
+@contextmanager
+def migrated_database(kind: str, folder: Path, migrated_sqlite: Path) -> Iterator[str]:
+    """The URL of a migrated inventory database of ``kind`` for workers: a fresh PostgreSQL schema
+    (dropped afterwards), or a copy of the run's migrated SQLite file in ``folder``."""
+    if kind == "postgresql":
+        with pg_schema() as url:
+            yield url
+        return
+    path = folder / "inventory.sqlite3"
+    shutil.copyfile(migrated_sqlite, path)
+    yield f"sqlite:///{path}"
 
 
 @dataclass(frozen=True)
