@@ -122,12 +122,17 @@ def prometheus(binary: str, folder: Path, jobs: dict[str, list[str]]) -> Iterato
         wait_until(server.running, timeout=TIMEOUT, what="prometheus to be ready")
         yield server
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stopped(process)
+
+
+def stopped(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, then SIGKILL if ``process`` has not gone within 10 s."""
+    process.terminate()
+    with suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=10)
+    if process.poll() is None:
+        process.kill()
+        process.wait()
 
 
 @contextmanager
@@ -142,12 +147,7 @@ def exporter(run: Cluster, host: str, port: int) -> Iterator[subprocess.Popen[by
     try:
         yield process
     finally:
-        process.terminate()
-        with suppress(subprocess.TimeoutExpired):
-            process.wait(timeout=10)
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+        stopped(process)
         if process.stderr is not None:
             process.stderr.close()
 
@@ -165,12 +165,7 @@ def front_door(run: Cluster, port: int, log: Path) -> Iterator[subprocess.Popen[
     try:
         yield process
     finally:
-        process.terminate()
-        with suppress(subprocess.TimeoutExpired):
-            process.wait(timeout=10)
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+        stopped(process)
 
 
 @dataclass
