@@ -190,26 +190,25 @@ class Door:
             None,
         )
 
+    async def _seen(self, key: str, shown_key: str) -> RequestResult | None:
+        """The key's outcome, or None while a request accepted under it has none; the not-found problem
+        for a key never seen. (A database that does not answer is the app's 503, service.errors.)"""
+        result = await self.inventory.executor.run(request_outcome(key))
+        if result is None and await self.inventory.executor.run(accepted_under(key)) is None:
+            raise problem("not-found", f"no request was accepted under the key {shown_key!r}")
+        return result
+
     async def look(self, key: str, *, shown_key: str, location: str) -> Answer:
         """``GET`` of a key: its outcome (200 or its problem), 202 while accepted without one, else 404."""
-        run = self.inventory.executor.run
-        try:
-            result = await run(request_outcome(key))
-            if result is None:
-                accepted = await run(accepted_under(key))
-                if accepted is None:
-                    raise problem("not-found", f"no request was accepted under the key {shown_key!r}")
-                return pending(shown_key, location)
-        except UNANSWERED as exc:
-            return unavailable("database", exc)
+        result = await self._seen(key, shown_key)
+        if result is None:
+            return pending(shown_key, location)
         return answer_of(shown_key, result, instance=location, created=False)
 
     async def reservation_under(self, key: str, *, shown_key: str) -> str:
         """The id of the reservation made under ``key``, for confirming or releasing it."""
-        result = await self.inventory.executor.run(request_outcome(key))
+        result = await self._seen(key, shown_key)
         if result is None:
-            if await self.inventory.executor.run(accepted_under(key)) is None:
-                raise problem("not-found", f"no request was accepted under the key {shown_key!r}")
             raise problem(
                 "not-reserved",
                 f"the request under {shown_key!r} has no outcome yet",
