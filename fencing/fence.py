@@ -77,10 +77,21 @@ class Fence:
 
     def accepts(self, lease: Lease) -> sa.ColumnElement[bool]:
         """The token condition as a SQL expression, for callers building their own statement."""
-        return sa.or_(
-            self._token < lease.token,
-            sa.and_(self._token == lease.token, self._lease == lease.lease_id),
-        )
+        return self.admits(lease.token, lease.lease_id)
+
+    def admits(
+        self, token: int | sa.ColumnElement[int], lease_id: str | sa.ColumnElement[str]
+    ) -> sa.ColumnElement[bool]:
+        """The fence predicate, the one place it is written in SQL: a token above the highest accepted,
+        or equal to it from the lease that wrote it. ``token`` and ``lease_id`` may be values or SQL
+        expressions (bind parameters, for a statement compiled once and sent as text)."""
+        return sa.or_(self._token < token, sa.and_(self._token == token, self._lease == lease_id))
+
+    @staticmethod
+    def refuses(highest: int, writer: str | None, lease: Lease) -> bool:
+        """The negation of :meth:`admits` on a fence already read: the row's ``highest`` token and its
+        ``writer`` lease refuse ``lease``."""
+        return highest > lease.token or (highest == lease.token and writer != lease.lease_id)
 
     def prepare(self, lease: Lease, scope: str) -> None:
         """The local checks before a guarded statement is sent, then the ``before_statement`` hook: for
@@ -135,7 +146,7 @@ class Fence:
         """Raise :class:`StaleToken` (and mark the lease lost) if a row whose fence reads ``highest`` and
         ``writer`` refuses ``lease``. For a caller that read the fence under the row's lock, which makes
         the judgement as atomic as the guarded UPDATE's own; otherwise only the UPDATE decides."""
-        if self.enforce and (highest > lease.token or (highest == lease.token and writer != lease.lease_id)):
+        if self.enforce and self.refuses(highest, writer, lease):
             lease.mark_lost(f"{operation} rejected: resource accepted token {highest}")
             raise StaleToken(
                 scope=scope,

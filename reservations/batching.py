@@ -15,11 +15,11 @@ from fencing import Lease, StaleToken
 from fencing.plan import Atomic, Plan
 from fencing.sql import Rows, db_now_ms
 from reservations import validation as valid
+from reservations.collisions import settled
 from reservations.errors import (
     IdempotencyConflict,
     InsufficientStock,
     InvalidRequest,
-    KeyTaken,
     RequestClosed,
     UnknownSku,
 )
@@ -60,18 +60,18 @@ def serve(
     if valid.scope_of(sku) != lease.scope:
         raise InvalidRequest(f"the lease is for {lease.scope}, not SKU {sku!r}", field="lease")
     lease.raise_if_lost()
-    for _ in range(3):
-        try:
-            served: list[RequestResult] = yield Atomic(_batch(plans, lease, sku, limit, task_id, worker))
-            return served
-        except StaleToken as stale:
-            yield Atomic(plans.one(plans.rejection(stale, lease, sku, "reserve", None, None)))
-            raise
-        except KeyTaken:
-            # A request of this batch got its outcome elsewhere meanwhile (its own retry dead-lettered
-            # it): the next round sees that and only removes it from the list.
-            continue
-    raise RuntimeError(f"the pending reservations of {sku!r} kept colliding")  # pragma: no cover
+
+    def attempt() -> Plan[list[RequestResult]]:
+        served: list[RequestResult] = yield Atomic(_batch(plans, lease, sku, limit, task_id, worker))
+        return served
+
+    try:
+        # A request of this batch that got its outcome elsewhere meanwhile (its own retry dead-lettered
+        # it) fails the batch on its key: the next round sees that and only removes it from the list.
+        return (yield from settled(attempt, f"the pending reservations of {sku!r}"))
+    except StaleToken as stale:
+        yield Atomic(plans.one(plans.rejection(stale, lease, sku, "reserve", None, None)))
+        raise
 
 
 def _batch(

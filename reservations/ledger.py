@@ -20,6 +20,7 @@ from fencing import Fence, FenceOutcome, Lease, StaleToken
 from fencing.plan import Atomic, Plan
 from fencing.sql import Rows, db_now_ms
 from reservations import validation as valid
+from reservations.collisions import settled
 from reservations.errors import (
     IdempotencyConflict,
     InsufficientStock,
@@ -119,27 +120,30 @@ class Ledger:
         on_stale: Callable[[StaleToken], sa.Executable],
         lock: Callable[[], Plan[None]],
     ) -> Plan[Outcome]:
-        for _ in range(3):
+
+        def attempt() -> Plan[Outcome]:
             try:
                 outcome: Outcome = yield Atomic(self._attempt(key, operation, print_, apply, lock))
                 return outcome
             except _Refused as refused:
-                try:
-                    stored: Outcome | None = yield Atomic(
-                        self._store_refusal(key, operation, print_, refused.error)
-                    )
-                except KeyTaken:
-                    continue  # a concurrent attempt stored its outcome first: the next round replays it
+                # A concurrent attempt that stored its outcome first fails this store on the key: the
+                # next round replays it.
+                stored: Outcome | None = yield Atomic(
+                    self._store_refusal(key, operation, print_, refused.error)
+                )
                 if stored is not None:
                     return stored  # a concurrent attempt applied the key meanwhile: its outcome stands
                 raise refused.error from None
-            except StaleToken as stale:
-                yield Atomic(self.one(on_stale(stale)))
-                raise
-            except KeyTaken as taken:
-                _unless_replayable(taken, key, operation)
-                # A concurrent attempt with the same key committed first; the next round replays it.
-        raise RuntimeError(f"idempotency key {key!r} kept colliding")  # pragma: no cover
+
+        def replayable(taken: KeyTaken) -> None:
+            _unless_replayable(taken, key, operation)
+
+        try:
+            outcome: Outcome = yield from settled(attempt, f"idempotency key {key!r}", on_taken=replayable)
+            return outcome
+        except StaleToken as stale:
+            yield Atomic(self.one(on_stale(stale)))
+            raise
 
     def one(self, stmt: sa.Executable) -> Plan[None]:
         yield stmt

@@ -15,6 +15,7 @@ from fencing.plan import Alone, Atomic, Plan
 from fencing.sql import Rows, db_now_ms
 from reservations import reserve_statement
 from reservations import validation as valid
+from reservations.collisions import settled
 from reservations.counting import StockCounting
 from reservations.errors import InsufficientStock, InvalidRequest, KeyTaken
 from reservations.ledger import (
@@ -180,52 +181,57 @@ class InventoryPlans(ReservationLifecycle, StockCounting):
             if speaker is not None:
                 ended: RequestResult | None = yield from request_outcome(key)
                 if ended is not None:
-                    return reserve_statement.Reply(ended=ended)
+                    return reserve_statement.Ended(ended)
             found: Rows = yield Alone(_RECORD, {"key": key})
             if found.rows:
-                return reserve_statement.Reply(prior=reserve_statement.Prior(*found.rows[0]))
+                return reserve_statement.Replay(reserve_statement.Prior(*found.rows[0]))
         self.fence.prepare(lease, scope)
         clashed = False
-        for _ in range(3):
-            try:
-                reply: reserve_statement.Reply = yield from reserve_statement.reserve(
-                    lease,
-                    sku,
-                    quantity,
-                    key=key,
-                    fingerprint=print_,
-                    hold_ms=hold_ms,
-                    reservation_id=new_reservation_id(),
-                    enforce=self.fence.enforce,
-                    speaker=speaker,
-                )
-                return reply
-            except StaleToken as stale:
-                yield Atomic(self.one(self.rejection(stale, lease, sku, "reserve", key, quantity)))
-                raise
-            except KeyTaken as taken:
-                # The statement reads the key on its starting snapshot, so a copy of the request (or
-                # another request under the key) committed while it waited on the row lock shows up
-                # here, as whichever of the key's rows the database inserted first: look again. Only a
-                # reservation that still clashes when the key has neither record nor outcome is one
-                # whose record was purged.
-                if taken.where == "reservation":
-                    if clashed:
-                        raise reservation_conflict(key, "reserve") from None
-                    clashed = True
-        raise RuntimeError(f"idempotency key {key!r} kept colliding")  # pragma: no cover
+
+        def clash(taken: KeyTaken) -> None:
+            # The statement reads the key on its starting snapshot, so a copy of the request (or another
+            # request under the key) committed while it waited on the row lock shows up here, as
+            # whichever of the key's rows the database inserted first: look again. Only a reservation
+            # that still clashes when the key has neither record nor outcome is one whose record was
+            # purged.
+            nonlocal clashed
+            if taken.where == "reservation":
+                if clashed:
+                    raise reservation_conflict(key, "reserve") from None
+                clashed = True
+
+        def statement() -> Plan[reserve_statement.Reply]:
+            return reserve_statement.reserve(
+                lease,
+                sku,
+                quantity,
+                key=key,
+                fingerprint=print_,
+                hold_ms=hold_ms,
+                reservation_id=new_reservation_id(),
+                fence=self.fence,
+                speaker=speaker,
+            )
+
+        try:
+            return (yield from settled(statement, f"the reservation under {key!r}", on_taken=clash))
+        except StaleToken as stale:
+            yield Atomic(self.one(self.rejection(stale, lease, sku, "reserve", key, quantity)))
+            raise
 
     def _reserve_alone(
         self, lease: Lease, sku: str, quantity: int, key: str, hold_ms: int | None, print_: str
     ) -> Plan[Outcome]:
         reply = yield from self._reserve_in_one(lease, sku, quantity, key, hold_ms, print_)
-        if reply.prior is not None:
-            return self.replay(reply.prior, "reserve", print_)
-        if reply.refused is not None:
-            raise reply.refused
-        if reply.outcome is None:  # pragma: no cover - the statement answers one of the three
-            raise RuntimeError(f"the reservation statement gave no answer for {key!r}")
-        return reply.outcome
+        match reply:
+            case reserve_statement.Reserved(outcome):
+                return outcome
+            case reserve_statement.Short(refused):
+                raise refused
+            case reserve_statement.Replay(prior):
+                return self.replay(prior, "reserve", print_)
+            case reserve_statement.Ended():  # pragma: no cover - only a statement with a speaker ends
+                raise RuntimeError(f"the reservation statement answered an ended request for {key!r}")
 
     def reserve_request(
         self,
@@ -243,19 +249,23 @@ class InventoryPlans(ReservationLifecycle, StockCounting):
         :class:`InsufficientStock`: that is an outcome."""
         hold_ms, print_ = _checked_reserve(lease, sku, quantity, key, hold_for)
         who = {"task_id": speaker.task_id, "worker": speaker.worker}
+        replayed: Outcome | InsufficientStock
         if self.single_statement:
             reply = yield from self._reserve_in_one(lease, sku, quantity, key, hold_ms, print_, speaker)
-            if reply.ended is not None:
-                return RequestReply(reply.ended, None)
-            if reply.told is not None:
-                return RequestReply(reply.told, reply.outcome)
-            if reply.prior is None:  # pragma: no cover - the statement answers one of the three
-                raise RuntimeError(f"the reservation statement gave no answer for {key!r}")
-            replayed: Outcome | InsufficientStock
-            try:
-                replayed = self.replay(reply.prior, "reserve", print_)
-            except InsufficientStock as short:
-                replayed = short
+            match reply:
+                case reserve_statement.Ended(ended):
+                    return RequestReply(ended, None)
+                case reserve_statement.Reserved(outcome, told) if told is not None:
+                    return RequestReply(told, outcome)
+                case reserve_statement.Short(_, told) if told is not None:
+                    return RequestReply(told, None)
+                case reserve_statement.Replay(prior):
+                    try:
+                        replayed = self.replay(prior, "reserve", print_)
+                    except InsufficientStock as short:
+                        replayed = short
+                case _:  # pragma: no cover - a statement with a speaker tells what it did
+                    raise RuntimeError(f"the reservation statement told nothing for {key!r}")
         else:
             done: RequestResult | None = yield Atomic(request_outcome(key))
             if done is not None:

@@ -12,8 +12,10 @@ import sqlalchemy as sa
 
 from fencing.plan import Alone, Atomic, Plan
 from fencing.sql import Rows, db_now_ms
+from reservations import sql_text
 from reservations import validation as valid
-from reservations.errors import InvalidRequest, KeyTaken
+from reservations.collisions import settled
+from reservations.errors import InvalidRequest
 from reservations.models import pending_reservations, request_outcomes
 from reservations.operations import hold_ms_of
 from reservations.requests import RequestResult, result_from_json, result_of
@@ -36,7 +38,7 @@ class HandOff:
 # anything waited on the SKU before (the statement's snapshot does not see its own insert) and whether
 # the queued key is this very request. Two copies racing on one key: the loser fails on the unique key,
 # writes nothing, and looks again.
-_HAND_OFF = """
+_HAND_OFF_SQL = """
 WITH done AS (
     SELECT key, operation, status, detail, task_id, worker, epochs, at_ms, fingerprint
     FROM request_outcomes WHERE key = %(key)s::text
@@ -46,7 +48,7 @@ WITH done AS (
     INSERT INTO pending_reservations (key, sku, quantity, hold_ms, task_id, epochs, enqueued_ms)
     SELECT %(key)s::text, %(sku)s::text, %(quantity)s::bigint, %(hold_ms)s::bigint,
            %(task_id)s::text, %(epochs)s::integer,
-           CAST(EXTRACT(EPOCH FROM statement_timestamp()) * 1000 AS BIGINT)
+           {now_ms}
     WHERE NOT EXISTS (SELECT 1 FROM done) AND NOT EXISTS (SELECT 1 FROM mine)
     RETURNING id
 )
@@ -56,6 +58,7 @@ SELECT (SELECT row_to_json(done) FROM done)::text AS done,
        EXISTS (SELECT 1 FROM mine WHERE sku = %(sku)s::text AND quantity = %(quantity)s::bigint
                AND hold_ms IS NOT DISTINCT FROM %(hold_ms)s::bigint) AS same
 """
+_HAND_OFF = _HAND_OFF_SQL.format(now_ms=sql_text.NOW_MS)  # the database clock, from fencing
 
 
 def hand_off(
@@ -81,16 +84,16 @@ def hand_off(
         "task_id": task_id,
         "epochs": epochs,
     }
-    for _ in range(3):
-        try:
-            if single_statement:
-                found: Rows = yield Alone(_HAND_OFF, values)
-                return _handed_off(found.rows[0])
-            queued: HandOff = yield Atomic(_hand_off(values))
-            return queued
-        except KeyTaken:  # the same key was added concurrently: look again
-            continue
-    raise RuntimeError(f"could not hand off {key!r}")  # pragma: no cover
+
+    def attempt() -> Plan[HandOff]:
+        if single_statement:
+            found: Rows = yield Alone(_HAND_OFF, values)
+            return _handed_off(found.rows[0])
+        queued: HandOff = yield Atomic(_hand_off(values))
+        return queued
+
+    # The same key added concurrently fails on the unique key: the next round finds it queued.
+    return (yield from settled(attempt, f"the hand-off of {key!r}"))
 
 
 def _handed_off(row: Any) -> HandOff:
@@ -129,9 +132,7 @@ def _hand_off(values: dict[str, Any]) -> Plan[HandOff]:
 
 # Built once: every reservation task asks this after releasing its lease.
 _ANY_PENDING = (
-    sa.select(pending_reservations.c.id)
-    .where(pending_reservations.c.sku == sa.bindparam("sku"))
-    .limit(1)
+    sa.select(pending_reservations.c.id).where(pending_reservations.c.sku == sa.bindparam("sku")).limit(1)
 )
 
 

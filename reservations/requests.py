@@ -25,7 +25,8 @@ from sqlalchemy.dialects.postgresql import ARRAY
 from fencing.plan import Alone, Atomic, Plan
 from fencing.sql import Rows, db_now_ms
 from reservations import validation as valid
-from reservations.errors import InvalidRequest, KeyTaken
+from reservations.collisions import settled
+from reservations.errors import InvalidRequest
 from reservations.models import (
     HELD,
     accepted_requests,
@@ -280,13 +281,13 @@ def record_outcome(
         "epochs": epochs,
         "fingerprint": fingerprint,
     }
-    for _ in range(3):
-        try:
-            result: RequestResult = yield Atomic(_insert_outcome(values))
-            return result
-        except KeyTaken:  # a concurrent writer stored its outcome first; read it back
-            continue
-    raise RuntimeError(f"could not store the outcome of {key!r}")  # pragma: no cover
+
+    def attempt() -> Plan[RequestResult]:
+        result: RequestResult = yield Atomic(_insert_outcome(values))
+        return result
+
+    # A concurrent writer that stored its outcome first fails this insert: the next round reads it back.
+    return (yield from settled(attempt, f"the outcome of {key!r}"))
 
 
 def _insert_attempt(values: dict[str, Any]) -> Plan[None]:

@@ -13,12 +13,14 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
-from fencing import Lease, StaleToken
+from fencing import Fence, Lease
 from fencing.plan import Alone, Plan
 from fencing.sql import Rows
+from reservations import sql_text
 from reservations.errors import InsufficientStock, UnknownSku
+from reservations.models import stock
 from reservations.requests import RequestResult, result_from_json
 from reservations.statuses import RequestStatus
 from reservations.views import Outcome, StockLevel
@@ -50,10 +52,10 @@ WITH done AS (
     SELECT fingerprint, operation, outcome FROM idempotency_keys
     WHERE key = %(key)s::text AND NOT EXISTS (SELECT 1 FROM done)
 ), cur AS (
-    SELECT sku, available, fence_token,
+    SELECT sku, available, fence_token, fence_lease_id,
            {accepted} AS accepted,
            available >= %(quantity)s::bigint AS enough,
-           CAST(EXTRACT(EPOCH FROM statement_timestamp()) * 1000 AS BIGINT) AS now_ms
+           {now_ms} AS now_ms
     FROM stock
     WHERE sku = %(sku)s::text AND NOT EXISTS (SELECT 1 FROM prior) AND NOT EXISTS (SELECT 1 FROM done)
     FOR UPDATE
@@ -125,6 +127,7 @@ WITH done AS (
 )
 SELECT row_to_json(d)::text AS done, row_to_json(p)::text AS prior,
        c.sku IS NOT NULL AS known, c.accepted, c.available AS seen_available, c.fence_token AS highest,
+       c.fence_lease_id AS writer,
        c.now_ms, u.sku IS NOT NULL AS applied, u.on_hand, u.reserved, u.available, u.fence_token
 FROM (SELECT 1) AS one
 LEFT JOIN done AS d ON TRUE
@@ -148,14 +151,10 @@ def _as_sent(sql: str) -> str:
     return re.sub(r"\s*([(),=])\s*", r"\1", re.sub(r"\s+", " ", sql)).strip()
 
 
-FENCED = _as_sent(
-    _SQL.format(
-        accepted="(fence_token < %(token)s::bigint"
-        " OR (fence_token = %(token)s::bigint AND fence_lease_id = %(lease_id)s::text))"
-    )
-)
+# The fence predicate and the database clock come from fencing (reservations.sql_text renders them).
+FENCED = _as_sent(_SQL.format(accepted=sql_text.fence_admits(Fence(stock)), now_ms=sql_text.NOW_MS))
 # Lease-only: the token is written but not checked (for measuring what the fence prevents).
-UNFENCED = _as_sent(_SQL.format(accepted="TRUE"))
+UNFENCED = _as_sent(_SQL.format(accepted="TRUE", now_ms=sql_text.NOW_MS))
 
 
 def parameters(**values: Any) -> dict[str, Any]:
@@ -183,15 +182,38 @@ class Speaker:
 
 
 @dataclass(frozen=True, slots=True)
-class Reply:
-    """What the statement did: the request had ended (``ended``), the key had a record to replay
-    (``prior``), or it applied (``outcome``); with a speaker, ``told`` is the outcome row it wrote."""
+class Ended:
+    """The request had already ended (a statement speaking for a queued request): its outcome."""
 
-    outcome: Outcome | None = None
-    prior: Prior | None = None
-    ended: RequestResult | None = None
-    refused: InsufficientStock | None = None
-    told: RequestResult | None = None
+    result: RequestResult
+
+
+@dataclass(frozen=True, slots=True)
+class Replay:
+    """The key had an idempotency record: nothing was written, the record is to be replayed."""
+
+    prior: Prior
+
+
+@dataclass(frozen=True, slots=True)
+class Reserved:
+    """The units were reserved; with a speaker, ``told`` is the outcome row written with them."""
+
+    outcome: Outcome
+    told: RequestResult | None
+
+
+@dataclass(frozen=True, slots=True)
+class Short:
+    """The token was accepted but the units were not there: the refusal is recorded under the key;
+    with a speaker, ``told`` is the outcome row written with it."""
+
+    refused: InsufficientStock
+    told: RequestResult | None
+
+
+# What the statement did: exactly one of these (a stale token raises instead).
+Reply: TypeAlias = Ended | Replay | Reserved | Short
 
 
 def reserve(
@@ -203,16 +225,16 @@ def reserve(
     fingerprint: str,
     hold_ms: int | None,
     reservation_id: str,
-    enforce: bool,
+    fence: Fence,
     speaker: Speaker | None = None,
 ) -> Plan[Reply]:
     """Send the statement and read its one row.
 
-    Raises :class:`UnknownSku` or :class:`StaleToken` (nothing written; the lease is marked lost). A
-    refusal for lack of units comes back as ``refused``, already recorded under the key.
+    Raises :class:`UnknownSku` or :class:`~fencing.StaleToken` (nothing written; ``fence`` marks the
+    lease lost). A refusal for lack of units comes back as :class:`Short`, already recorded under the key.
     """
     found: Rows = yield Alone(
-        FENCED if enforce else UNFENCED,
+        FENCED if fence.enforce else UNFENCED,
         parameters(
             key=key,
             sku=sku,
@@ -231,10 +253,10 @@ def reserve(
     )
     row: Any = found.rows[0]
     if row.done is not None:
-        return Reply(ended=result_from_json(row.done))
+        return Ended(result_from_json(row.done))
     if row.prior is not None:
         prior = json.loads(row.prior)
-        return Reply(prior=Prior(key, prior["fingerprint"], prior["operation"], prior["outcome"]))
+        return Replay(Prior(key, prior["fingerprint"], prior["operation"], prior["outcome"]))
     if not row.known:
         raise UnknownSku(sku)
 
@@ -256,15 +278,10 @@ def reserve(
     if row.applied:
         level = StockLevel(sku, row.on_hand, row.reserved, row.available, row.fence_token)
         outcome = Outcome.reserved(key, lease.token, reservation_id, level, quantity)
-        return Reply(outcome=outcome, told=told(RequestStatus.RESERVED, outcome.summary()))
+        return Reserved(outcome, told(RequestStatus.RESERVED, outcome.summary()))
     if not row.accepted:
-        lease.mark_lost(f"reserve rejected: resource accepted token {row.highest}")
-        raise StaleToken(
-            scope=lease.scope,
-            presented=lease.token,
-            highest=int(row.highest),
-            lease_id=lease.lease_id,
-            holder=lease.holder,
-        )
+        # The statement judged the token by the fence's own predicate; the fence raises the error.
+        fence.refuse_if_stale(lease, lease.scope, int(row.highest), row.writer, "reserve")
+        raise RuntimeError(f"the fence refused token {lease.token} and then admitted it")  # pragma: no cover
     short = InsufficientStock(sku=sku, requested=quantity, available=int(row.seen_available))
-    return Reply(refused=short, told=told(RequestStatus.INSUFFICIENT_STOCK, short.summary()))
+    return Short(short, told(RequestStatus.INSUFFICIENT_STOCK, short.summary()))
