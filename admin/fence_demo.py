@@ -17,7 +17,7 @@ from rich.table import Table
 
 from admin.harness import wait_until
 from fencing import Fence, Lease, LeaseManager, StaleToken, fence_columns, mask_url
-from fencing.sql import make_engine
+from fencing.engines import make_engine
 
 SKU = "WIDGET"
 SCOPE = f"sku:{SKU}"

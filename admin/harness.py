@@ -28,7 +28,7 @@ import sqlalchemy as sa
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from fencing.sql import make_engine
+from fencing.engines import make_engine
 from reservations import schema
 from reservations.settings import PREFIX, Settings
 

@@ -39,7 +39,7 @@ from bench.capacity_wal import schema_wal
 from bench.costs import RedisCommands, group_cpu, per_task_text
 from bench.env import Scratch
 from bench.timing import Progress, Results
-from fencing.sql import make_engine
+from fencing.engines import make_engine
 from reservations import Inventory, schema
 from tasks import ReservationClient, Settings, create_app
 

@@ -23,7 +23,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.schema import CreateSchema, DropSchema
 
 from fencing import LeaseManager, mask_url
-from fencing.sql import make_engine
+from fencing.engines import make_engine
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"

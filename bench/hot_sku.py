@@ -36,7 +36,7 @@ from bench.leases import UnexpectedReply
 from bench.tasks_e2e import _check_stock, _round_robin, _seed
 from bench.timing import CaseStats, Progress, Results
 from fencing import mask_url
-from fencing.sql import make_engine
+from fencing.engines import make_engine
 from reservations import schema
 from tasks import ReservationClient, Settings, create_app, request_id
 

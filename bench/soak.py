@@ -35,7 +35,7 @@ from bench import old_results
 from bench.bursts import outcomes_in
 from bench.env import Scratch
 from bench.timing import Progress, Results
-from fencing.sql import make_engine
+from fencing.engines import make_engine
 from reservations import Inventory, schema
 from tasks import ReservationClient, Settings, create_app
 

@@ -12,7 +12,7 @@ from sqlalchemy.engine import Engine
 from bench.leases import UnexpectedReply
 from bench.timing import Case, Op, Progress, Results, measure
 from fencing import Fence, Lease, LeaseManager, fence_columns
-from fencing.sql import make_engine
+from fencing.engines import make_engine
 
 SKU = "SKU-1"
 SCOPE = f"stock:{SKU}"

@@ -20,7 +20,7 @@ from fencing.errors import (
 from fencing.fence import Fence, FenceOutcome, FenceResult, fence_columns
 from fencing.lease import MAX_TOKEN, Lease, LeaseEvent, LeaseInfo
 from fencing.manager import AsyncLeaseManager, LeaseManager
-from fencing.sql import mask_url
+from fencing.urls import mask_url
 
 __all__ = [
     "MAX_TOKEN",

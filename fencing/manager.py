@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager, suppress
 from typing import Any, Generic, TypeVar
 
+from fencing.engines import make_async_engine, make_engine
 from fencing.errors import FencingError, InvalidLeaseRequest, StaleToken
 from fencing.keys import DEFAULT_PREFIX, validate_prefix
 from fencing.lease import Clock, Lease, LeaseEvent, LeaseInfo, validate_renew_every
@@ -41,15 +42,9 @@ from fencing.redis_backend import (
     sync_client,
 )
 from fencing.renewer import Renewer
-from fencing.sql import (
-    AsyncSqlExecutor,
-    SyncSqlExecutor,
-    make_async_engine,
-    make_engine,
-    mask_url,
-    normalize_url,
-)
 from fencing.sql_backend import SqlLeaseCore, metadata
+from fencing.sql_executor import AsyncSqlExecutor, SyncSqlExecutor
+from fencing.urls import mask_url, normalize_url
 
 # Re-exported: callers import these from here (the policy itself lives in fencing.lease_plans).
 __all__ = [

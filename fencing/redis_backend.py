@@ -41,7 +41,7 @@ from fencing.keys import ScopeKeys, scope_keys
 from fencing.lease import MAX_TOKEN, Clock, Lease, LeaseEvent, LeaseInfo, parse_token, validate_token
 from fencing.plan import Atomic, Command, Op, Plan, ScriptCall, Sleep, T, foreign, run_async, run_sync
 from fencing.redis_scripts import ACQUIRE, BREAK, CURRENT, HISTORY, RELEASE, RENEW, REPAIR, Reply
-from fencing.sql import mask_url
+from fencing.urls import mask_url
 
 log = logging.getLogger("fencing")
 

@@ -11,7 +11,8 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
 from fencing import AsyncLeaseManager, Lease
-from fencing.sql import AsyncSqlExecutor, make_async_engine
+from fencing.engines import make_async_engine
+from fencing.sql_executor import AsyncSqlExecutor
 from reservations import audit, pending, reads, redrives, requests, schema
 from reservations import inventory_base as base
 from reservations import validation as valid

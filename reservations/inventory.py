@@ -11,7 +11,8 @@ from contextlib import ExitStack, contextmanager
 from typing import Any
 
 from fencing import Lease, LeaseManager
-from fencing.sql import SyncSqlExecutor, make_engine
+from fencing.engines import make_engine
+from fencing.sql_executor import SyncSqlExecutor
 from reservations import audit, pending, reads, redrives, requests, schema
 from reservations import inventory_base as base
 from reservations import validation as valid

@@ -10,7 +10,8 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from fencing import Lease
 from fencing.plan import Plan
-from fencing.sql import Translate, mask_url
+from fencing.sql_errors import Translate
+from fencing.urls import mask_url
 from reservations import batching, constraints, pending, requests
 from reservations import validation as valid
 from reservations.errors import InvalidRequest

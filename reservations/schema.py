@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import sqlalchemy as sa
 
-from fencing.sql import Pooling, make_engine
+from fencing.engines import Pooling, make_engine
 
 if TYPE_CHECKING:
     from alembic.config import Config

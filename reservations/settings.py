@@ -23,9 +23,10 @@ from typing import Any, TypeVar
 from urllib.parse import quote, urlsplit
 
 from fencing import InvalidLeaseRequest, mask_url
+from fencing.engines import POOLING_MODES
 from fencing.keys import validate_prefix
 from fencing.manager import lease_backend
-from fencing.sql import POOLING_MODES, normalize_url
+from fencing.urls import normalize_url
 from reservations import numerals
 
 __all__ = [

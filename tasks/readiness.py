@@ -26,7 +26,7 @@ import redis
 import sqlalchemy as sa
 
 from fencing import BackendUnavailable, LeaseManager, SchemaMissing, mask_url
-from fencing.sql import TransactionBounds, make_engine, transaction_bounds
+from fencing.engines import TransactionBounds, make_engine, transaction_bounds
 from reservations import schema
 from tasks.logs import say
 from tasks.settings import Settings

@@ -26,7 +26,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from fencing import LeaseManager, mask_url
-from fencing.sql import SyncSqlExecutor
+from fencing.sql_executor import SyncSqlExecutor
 from reservations import Inventory
 from tasks.failpoints import failpoint
 from tasks.logs import json_wanted, say

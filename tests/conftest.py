@@ -28,7 +28,7 @@ import redis
 import sqlalchemy as sa
 
 from fencing import AsyncLeaseManager, LeaseManager
-from fencing.sql import make_engine
+from fencing.engines import make_engine
 from reservations import Inventory
 from tests.support import Resource
 

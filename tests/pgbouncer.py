@@ -26,7 +26,7 @@ from pathlib import Path
 import sqlalchemy as sa
 
 from admin.harness import free_port, wait_until
-from fencing.sql import make_engine
+from fencing.engines import make_engine
 from tests.conftest import POSTGRES_URL
 
 PGBOUNCER = "/usr/sbin/pgbouncer"

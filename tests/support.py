@@ -26,7 +26,7 @@ from typing import NamedTuple, TextIO
 import sqlalchemy as sa
 
 from fencing import Fence, FenceResult, Lease, fence_columns
-from fencing.sql import make_engine
+from fencing.engines import make_engine
 
 metadata = sa.MetaData()
 

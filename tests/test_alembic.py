@@ -12,7 +12,7 @@ import pytest
 import sqlalchemy as sa
 
 from admin.harness import worker_env
-from fencing.sql import make_engine
+from fencing.engines import make_engine
 from reservations import schema
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -23,7 +23,7 @@ import pytest
 import sqlalchemy as sa
 
 from fencing import LeaseManager
-from fencing.sql import make_engine
+from fencing.engines import make_engine
 from reservations import Inventory, archive, partitions, schema, scope_of
 from reservations.models import sku_history, task_attempts
 from tests.conftest import migrate_pg_schema, schema_of

@@ -22,8 +22,8 @@ import redis
 import sqlalchemy as sa
 
 from fencing import AsyncLeaseManager, InvalidLeaseRequest, Lease, LeaseManager, StaleToken
+from fencing.engines import make_engine
 from fencing.lease import new_lease_id
-from fencing.sql import make_engine
 from reservations import AsyncInventory, InvalidRequest, Inventory, lock_order, scope_of
 from reservations import schema as inventory_schema
 from tests.conftest import POSTGRES_URL, REDIS_URL

@@ -11,7 +11,7 @@ import pytest
 import sqlalchemy as sa
 
 from fencing import Lease, LeaseLost, LeaseManager, StaleToken
-from fencing.sql import make_engine
+from fencing.engines import make_engine
 from reservations import AsyncInventory, InvalidRequest, Inventory, scope_of
 from reservations.audit import Rule
 from reservations.models import pending_reservations, reservations

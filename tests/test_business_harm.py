@@ -11,7 +11,7 @@ import sqlalchemy as sa
 from admin.chaos import Sent, check
 from admin.chaos.checker import BUSINESS_HARM, business_harm
 from fencing import Lease, LeaseManager, StaleToken
-from fencing.sql import make_engine
+from fencing.engines import make_engine
 from reservations import Inventory, Outcome, scope_of
 
 PAR = 20

@@ -37,7 +37,7 @@ from admin.chaos import (
 )
 from admin.proxy import DelayProxy
 from fencing import LeaseManager, StaleToken
-from fencing.sql import make_engine
+from fencing.engines import make_engine
 from reservations import Inventory, scope_of
 from tests import support
 from tests.conftest import POSTGRES_URL

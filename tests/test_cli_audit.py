@@ -13,7 +13,7 @@ import pytest
 import sqlalchemy as sa
 
 from fencing import LeaseManager
-from fencing.sql import make_engine
+from fencing.engines import make_engine
 from reservations import Inventory, scope_of
 from tests.support import cli, run
 

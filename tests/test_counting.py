@@ -14,7 +14,7 @@ import pytest
 import sqlalchemy as sa
 
 from fencing import LeaseManager, StaleToken
-from fencing.sql import make_engine
+from fencing.engines import make_engine
 from reservations import (
     MAX_ON_HAND,
     AsyncInventory,

@@ -20,7 +20,7 @@ import sqlalchemy as sa
 from kombu.exceptions import OperationalError
 
 from admin.harness import RedisServer, free_port, redis_server, wait_until
-from fencing.sql import make_engine
+from fencing.engines import make_engine
 from reservations import Inventory, schema
 from reservations.errors import RedriveRefused, UnknownRequest
 from reservations.messages import request_fingerprint

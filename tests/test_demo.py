@@ -25,7 +25,7 @@ import sqlalchemy as sa
 
 from admin.harness import redis_server
 from fencing import mask_url
-from fencing.sql import make_engine
+from fencing.engines import make_engine
 from reservations import Inventory
 from tasks.failpoints import failpoint
 from tests.conftest import own_pg_schema

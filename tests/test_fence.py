@@ -20,8 +20,8 @@ from fencing import (
     ScopeMismatch,
     StaleToken,
 )
+from fencing.engines import make_async_engine
 from fencing.keys import scope_keys
-from fencing.sql import make_async_engine
 from fencing.sql_backend import leases
 from tests.conftest import REDIS_URL, Stack
 from tests.support import Resource, items

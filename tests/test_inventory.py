@@ -15,7 +15,7 @@ import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 
 from fencing import Lease, LeaseLost, LeaseManager, ScopeMismatch, StaleToken
-from fencing.sql import make_engine
+from fencing.engines import make_engine
 from reservations import (
     MAX_ON_HAND,
     AsyncInventory,

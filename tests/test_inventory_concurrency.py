@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from fencing.sql import make_engine
+from fencing.engines import make_engine
 from reservations import Inventory
 from reservations.audit import Rule
 from tests.conftest import REDIS_URL

@@ -22,12 +22,14 @@ from fencing import (
     LeaseLost,
     LeaseManager,
 )
+from fencing.engines import make_engine
 from fencing.keys import scope_keys
 from fencing.lease import new_lease_id
 from fencing.manager import DEFAULT_HISTORY_CAP, DEFAULT_HISTORY_RETENTION
 from fencing.plan import Bound, Command, Op, Plan, ScriptCall, run_sync
 from fencing.redis_backend import SyncRedisExecutor
-from fencing.sql import SyncSqlExecutor, execute, make_engine
+from fencing.sql import execute
+from fencing.sql_executor import SyncSqlExecutor
 from tests.conftest import REDIS_URL, Stack
 
 # The deadline of every poll here: each waits only for a lease's short ttl to pass, on the coordinator's

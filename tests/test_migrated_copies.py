@@ -9,7 +9,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from fencing.sql import make_engine
+from fencing.engines import make_engine
 from reservations import schema
 from tests.conftest import own_pg_schema, schema_of
 

@@ -22,7 +22,7 @@ import sqlalchemy as sa
 
 from admin.harness import RedisServer, redis_server, wait_until, worker_env
 from fencing import BackendUnavailable, LeaseBusy, LeaseManager
-from fencing.sql import make_engine, transaction_bounds
+from fencing.engines import make_engine, transaction_bounds
 from reservations import AsyncInventory, Inventory, schema, scope_of
 from tasks.outcomes import OutcomeWatcher
 from tests import pgbouncer as bouncer

@@ -16,7 +16,7 @@ import sqlalchemy as sa
 from psycopg import pq
 
 from fencing import BackendUnavailable, Lease, LeaseLost, LeaseManager, StaleToken
-from fencing.sql import make_engine
+from fencing.engines import make_engine
 from reservations import InsufficientStock, Inventory, reserve_statement, scope_of
 from reservations.messages import InvalidMessage, parse, request_fingerprint
 from reservations.operations import fingerprint

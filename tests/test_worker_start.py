@@ -30,7 +30,7 @@ from admin.harness import (
     worker_env,
 )
 from admin.proxy import DelayProxy
-from fencing.sql import make_engine
+from fencing.engines import make_engine
 from reservations import Inventory, schema
 from reservations.models import schema_compatibility
 from reservations.statuses import RequestStatus

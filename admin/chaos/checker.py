@@ -15,7 +15,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from admin.chaos.workload import Sent
-from fencing.sql import make_engine
+from fencing.engines import make_engine
 from reservations.audit import ONCE_PER_KEY, Rule, keys_written_twice
 from reservations.counting import DECIDED
 from reservations.inventory import Inventory

@@ -37,7 +37,7 @@ from admin.harness import (
 )
 from admin.netns import Host, Hosts, NetnsError
 from admin.proxy import DelayProxy
-from fencing.sql import make_engine
+from fencing.engines import make_engine
 from reservations.settings import Settings
 
 

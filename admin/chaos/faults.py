@@ -37,7 +37,7 @@ from admin.chaos.report import RunReport
 from admin.chaos.workload import Sent
 from admin.harness import RedisServer, process_state
 from fencing import BackendUnavailable, LeaseManager
-from fencing.sql import make_engine
+from fencing.engines import make_engine
 from reservations.models import pending_reservations, request_outcomes
 from reservations.requests import request_id
 from reservations.validation import scope_of

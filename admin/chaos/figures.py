@@ -15,7 +15,7 @@ import sqlalchemy as sa
 
 from admin.chaos.options import HOT_SKU
 from admin.chaos.workload import Sent
-from fencing.sql import make_engine
+from fencing.engines import make_engine
 from reservations.models import pending_reservations, request_outcomes, sku_history, task_attempts
 
 # The beat sweep's result in a worker's log: "reservations.serve_waiting[<id>] succeeded in <s>s: {...}".

@@ -19,7 +19,7 @@ import sqlalchemy as sa
 from admin.chaos.checker import BUSINESS_HARM
 from admin.chaos.figures import repair_times
 from admin.chaos.options import SETTLE
-from fencing.sql import make_engine
+from fencing.engines import make_engine
 from reservations.models import request_outcomes, sku_history, task_attempts
 
 _WRITE = re.compile(r"write #(\d+) ")  # how the audit names a history entry written behind a newer token

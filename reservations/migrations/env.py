@@ -17,7 +17,7 @@ from sqlmodel import SQLModel
 from sqlmodel.sql.sqltypes import AutoString
 
 import reservations.models  # noqa: F401  (registers the inventory tables on SQLModel.metadata)
-from fencing.sql import make_engine
+from fencing.engines import make_engine
 from fencing.sql_backend import metadata as lease_metadata
 from reservations.models import schema_compatibility
 from reservations.schema import ONE_SHOT

@@ -1,0 +1,165 @@
+"""The sync and async shells that run SQL plans, each plan (and each :class:`Atomic` step) in one
+transaction."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from fencing.plan import (
+    Alone,
+    Atomic,
+    Bound,
+    Command,
+    Op,
+    Plan,
+    ScriptCall,
+    Sleep,
+    T,
+    foreign,
+    run_async,
+    run_sync,
+)
+from fencing.sql import Rows, execute, execute_async
+from fencing.sql_errors import Translate, mapped
+
+
+def _just(op: Alone) -> Plan[Rows]:
+    """``op`` as a plan of one statement, for a database that has no autocommit round trip to save."""
+    if isinstance(op.statement, str):
+        raise TypeError("driver-level SQL runs on PostgreSQL only")
+    rows: Rows = yield (op.statement if op.params is None else Bound(op.statement, op.params))
+    return rows
+
+
+class SyncSqlExecutor:
+    """Runs each plan (and each :class:`Atomic` step) in its own transaction, opened at its first
+    statement so a plan that only waits never holds a connection."""
+
+    def __init__(
+        self, engine: Engine, sleep: Callable[[float], None], *, translate: Translate | None = None
+    ) -> None:
+        self.engine = engine
+        self._sleep = sleep
+        # The caller's own typed errors for database errors (reservations.constraints), or None.
+        self.translate = translate
+
+    def run(self, plan: Plan[T]) -> T:
+        conn: Connection | None = None
+
+        def handle(op: Op) -> Any:
+            nonlocal conn
+            if isinstance(op, Sleep):
+                return self._sleep(op.seconds)
+            if isinstance(op, Atomic):
+                return self.run(op.plan)
+            if isinstance(op, Alone):
+                return self._alone(op)
+            if isinstance(op, ScriptCall | Command):
+                raise foreign("SQL", op)
+            if conn is None:
+                try:
+                    conn = self.engine.connect()
+                    conn.begin()
+                except DBAPIError as exc:
+                    raise mapped(exc, "connect", self.translate) from exc
+            try:
+                return execute(conn, op)
+            except DBAPIError as exc:
+                raise mapped(exc, "statement", self.translate) from exc
+
+        try:
+            result = run_sync(plan, handle)
+            if conn is not None:
+                conn.commit()
+            return result
+        except DBAPIError as exc:
+            raise mapped(exc, "commit", self.translate) from exc
+        finally:
+            if conn is not None:
+                conn.close()  # rolls back anything not committed
+
+    def _alone(self, op: Alone) -> Rows:
+        if self.engine.dialect.name != "postgresql":
+            return self.run(_just(op))
+        try:
+            with self.engine.connect() as conn:
+                auto = conn.execution_options(isolation_level="AUTOCOMMIT")
+                if isinstance(op.statement, str):
+                    return Rows.of(auto.exec_driver_sql(op.statement, op.params))
+                return Rows.of(auto.execute(op.statement, op.params))
+        except DBAPIError as exc:
+            raise mapped(exc, "statement", self.translate) from exc
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+
+class AsyncSqlExecutor:
+    """The async shell of :class:`SyncSqlExecutor` over an ``AsyncEngine``."""
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        sleep: Callable[[float], Awaitable[Any]],
+        *,
+        translate: Translate | None = None,
+    ) -> None:
+        self.engine = engine
+        self._sleep = sleep
+        # The caller's own typed errors for database errors (reservations.constraints), or None.
+        self.translate = translate
+
+    async def run(self, plan: Plan[T]) -> T:
+        conn: AsyncConnection | None = None
+
+        async def handle(op: Op) -> Any:
+            nonlocal conn
+            if isinstance(op, Sleep):
+                return await self._sleep(op.seconds)
+            if isinstance(op, Atomic):
+                return await self.run(op.plan)
+            if isinstance(op, Alone):
+                return await self._alone(op)
+            if isinstance(op, ScriptCall | Command):
+                raise foreign("SQL", op)
+            if conn is None:
+                try:
+                    conn = await self.engine.connect()
+                    await conn.begin()
+                except DBAPIError as exc:
+                    raise mapped(exc, "connect", self.translate) from exc
+            try:
+                return await execute_async(conn, op)
+            except DBAPIError as exc:
+                raise mapped(exc, "statement", self.translate) from exc
+
+        try:
+            result = await run_async(plan, handle)
+            if conn is not None:
+                await conn.commit()
+            return result
+        except DBAPIError as exc:
+            raise mapped(exc, "commit", self.translate) from exc
+        finally:
+            if conn is not None:
+                await conn.close()
+
+    async def _alone(self, op: Alone) -> Rows:
+        if self.engine.dialect.name != "postgresql":
+            return await self.run(_just(op))
+        try:
+            async with self.engine.connect() as conn:
+                auto = await conn.execution_options(isolation_level="AUTOCOMMIT")
+                if isinstance(op.statement, str):
+                    return Rows.of(await auto.exec_driver_sql(op.statement, op.params))
+                return Rows.of(await auto.execute(op.statement, op.params))
+        except DBAPIError as exc:
+            raise mapped(exc, "statement", self.translate) from exc
+
+    async def close(self) -> None:
+        await self.engine.dispose()
