@@ -1,15 +1,14 @@
-"""The reservation tasks: take the SKU leases, run the fenced operation, give every request one outcome.
+"""The reservation tasks: each request task checks its message, then makes one attempt at it
+(:class:`tasks.attempt.Attempt`) and gives the request one outcome.
 
 A request that already has a final outcome returns it (for a single-SKU reserve, the reservation
-statement itself answers that); what each error leads to is the table in :mod:`tasks.policy`. The final
-outcome is written once, by idempotency key, with the request's fingerprint.
+statement itself answers that); what each error leads to is the table in :mod:`tasks.policy`, applied by
+the attempt's steps and, for what ends a request task whatever the attempt was doing, by :func:`_ended`.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from contextlib import suppress
 from typing import Any
 
 from celery import Task
@@ -17,28 +16,24 @@ from celery.exceptions import Retry
 
 from fencing import (
     BackendUnavailable,
-    Lease,
     LeaseBusy,
     LostOwnership,
 )
 from reservations import (
-    InsufficientStock,
     InvalidRequest,
     messages,
 )
 from reservations import validation as valid
 from reservations.messages import Message
 from reservations.partitions import prepare_partitions
-from reservations.redrives import carried_request
 from reservations.requests import AlreadyApplied, task_name
-from reservations.statuses import SUCCEEDED, AttemptResult, RequestStatus
-from tasks import deadlines, failpoints, logs, metrics, observe, policy
-from tasks.answers import answer, as_result, reply
+from reservations.statuses import RequestStatus
+from tasks import logs, observe, policy
+from tasks.answers import as_result, reply
 from tasks.app import app, settings_of
-from tasks.failpoints import failpoint
-from tasks.serving import Batchable, serve_pending, serve_quietly, then_serve, wait_for_holder
-from tasks.states import Redriven, RequestTask, announce_lost
-from tasks.work import Work, work_of
+from tasks.attempt import Attempt
+from tasks.serving import serve_pending, serve_quietly
+from tasks.states import RequestTask
 from tasks.worker import Resources, Unbuildable, resources, worker_identity
 
 log = logging.getLogger("tasks")
@@ -63,88 +58,65 @@ def _run_request(task: Task, name: str, args: tuple[Any, ...], kwargs: dict[str,
     """
     sent = dict(task.request.kwargs or {})
     res = _resources_or_keep(task, sent)
-    settings = res.settings
-    transient = policy.counter(sent, "transient")
-    who = {"task_id": task.request.id, "worker": worker_identity()}
-    operation = messages.SHAPES[name].operation
-
-    def again(counter: str, countdown: float, reason: Exception | None = None) -> Exception:
-        kwargs = {**sent, counter: policy.counter(sent, counter) + 1}
-        return task.retry(kwargs=kwargs, countdown=countdown, exc=reason)  # type: ignore[no-any-return]
-
-    message: Message | None = None
+    attempt: Attempt | None = None
     try:
-        try:
-            message = messages.parse(name, args, kwargs)
-        except messages.InvalidMessage as exc:
-            if exc.key is None:  # nowhere to record it by key: the Celery result carries it
-                invalid = {"error": "InvalidRequest", "message": str(exc)}
-                return reply(RequestStatus.INVALID, 0, None, operation, invalid)
-            stored = res.inventory.record_outcome(
-                exc.key,
-                operation,
-                RequestStatus.INVALID,
-                {"error": "InvalidRequest", "message": str(exc)},
-                fingerprint=exc.fingerprint,
-                **who,
-            )
-            return as_result(stored)
-        logs.note(key=message.key, operation=message.operation, epoch=message.counts["epoch"])
-        if transient > settings.max_transient_retries:
-            return _give_up(task, res, message, who, "backend unavailable", "the backend stayed unreachable")
-        # Past its deadline it ends expired, unattempted (a reservation queued for its SKU's lease holder
-        # is later served without this check).
-        expired = _past_deadline(task, res, message, who)
-        work = work_of(message)
-        batch = work.batch if settings.batching else None
-        return expired if expired is not None else _attempt(task, res, message, work, batch, again, who)
-    except AlreadyApplied:
+        checked = _parsed(name, args, kwargs)
+        if isinstance(checked, messages.InvalidMessage):
+            return _refused(task, res, checked, messages.SHAPES[name].operation)
+        attempt = Attempt(task, res, checked, sent)
+        logs.note(key=checked.key, operation=checked.operation, epoch=checked.counts["epoch"])
+        return attempt.carry_out()
+    except Exception as exc:
+        return _ended(task, sent, attempt, exc)
+
+
+def _parsed(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Message | messages.InvalidMessage:
+    """The checked message, or why it can never succeed."""
+    try:
+        return messages.parse(name, args, kwargs)
+    except messages.InvalidMessage as exc:
+        return exc
+
+
+def _refused(task: Task, res: Resources, exc: messages.InvalidMessage, operation: str) -> dict[str, Any]:
+    """A message that can never succeed ends ``invalid``, recorded under its key when it has one."""
+    invalid = {"error": "InvalidRequest", "message": str(exc)}
+    if exc.key is None:  # nowhere to record it by key: the Celery result carries it
+        return reply(RequestStatus.INVALID, 0, None, operation, invalid)
+    who = {"task_id": task.request.id, "worker": worker_identity()}
+    stored = res.inventory.record_outcome(
+        exc.key, operation, RequestStatus.INVALID, invalid, fingerprint=exc.fingerprint, **who
+    )
+    return as_result(stored)
+
+
+def _ended(task: Task, sent: dict[str, Any], attempt: Attempt | None, exc: Exception) -> dict[str, Any]:
+    """Where every error that escaped a request task's steps leads: a retry, a final outcome, or (a bug)
+    a dead letter and the error raised. ``attempt`` is None while the message is not checked yet."""
+    if isinstance(exc, Retry):
+        raise exc
+    if isinstance(exc, AlreadyApplied):
         # A copy of this request (or another request under its key) decided it while this one was giving
         # up: look again and report that.
         raise task.retry(kwargs=sent, countdown=0.01) from None
-    except Unbuildable as exc:
+    if isinstance(exc, Unbuildable) and attempt is not None:
         # The lease client cannot be built in this process although the settings passed at start: no
         # attempt can take a lease, so the request ends with the reason rather than without an outcome.
-        if message is None:
-            raise
-        return _give_up(task, res, message, who, f"{exc.backend} client cannot be built", str(exc))
-    except BackendUnavailable as exc:
-        # Also covers an outcome or attempt that could not be recorded: nothing is final until it is.
-        if message is None:
+        return attempt.give_up(f"{exc.backend} client cannot be built", str(exc))
+    if isinstance(exc, BackendUnavailable):
+        if attempt is None:
             # A refusal that could not be recorded yet: the same message comes back (its counters are not
             # trusted, so none is touched) until the database answers.
             raise task.retry(kwargs=sent, countdown=policy.rng.uniform(1.0, 30.0)) from None
-        if transient >= settings.max_transient_retries:
-            log.error("giving up on %s after %d transient failures: %s", message.key, transient, exc)
-            try:
-                return _give_up(task, res, message, who, "backend unavailable", str(exc))
-            except BackendUnavailable:
-                # Not even the dead letter can be written: keep coming back at the slowest pace until it
-                # can, so the request still ends with an outcome once the database answers.
-                sent["transient"] = settings.max_transient_retries + 1
-                raise task.retry(kwargs=sent, countdown=policy.rng.uniform(15.0, 30.0)) from None
-        metrics.current.transient(exc.backend)
-        # Its own backoff, growing to half a minute: a database restart or a Redis failover takes that long.
-        ceiling = min(30.0, 0.2 * 2**transient)
-        raise again("transient", policy.rng.uniform(ceiling / 2, ceiling), None) from None
-    except Exception as exc:
-        if isinstance(exc, Retry):
-            raise
-        # A bug or an unforeseen input must still end the request, or its caller waits forever.
-        key = message.key if message is not None else sent.get("idempotency_key")
-        log.exception("request %s failed unexpectedly", key, extra={"event": "unexpected_error", "key": key})
-        if message is not None:
-            with suppress(Exception):
-                res.inventory.record_outcome(
-                    message.key,
-                    message.operation,
-                    RequestStatus.DEAD_LETTERED,
-                    _dead_letter(message, {"reason": "unexpected error", "error": repr(exc)[:500]}),
-                    epochs=message.counts["epoch"],
-                    fingerprint=message.fingerprint,
-                    **who,
-                )
-        raise
+        return attempt.unavailable(exc)
+    if isinstance(exc, Unbuildable):
+        raise exc
+    # A bug or an unforeseen input must still end the request, or its caller waits forever.
+    key = attempt.message.key if attempt is not None else sent.get("idempotency_key")
+    log.exception("request %s failed unexpectedly", key, extra={"event": "unexpected_error", "key": key})
+    if attempt is not None:
+        attempt.failed(exc)
+    raise exc
 
 
 def _resources_or_keep(task: Task, sent: dict[str, Any]) -> Resources:
@@ -157,191 +129,6 @@ def _resources_or_keep(task: Task, sent: dict[str, Any]) -> Resources:
         key = sent.get("idempotency_key")
         log.error("%s; request %s kept for a later attempt", exc, key, extra={"event": "client_unbuildable"})
         raise task.retry(kwargs=sent, countdown=policy.rng.uniform(1.0, 5.0)) from None
-
-
-def _give_up(
-    task: Task, res: Resources, message: Message, who: dict[str, Any], reason: str, error: str
-) -> dict[str, Any]:
-    """Dead-letter a request that cannot be carried out: its backend stayed unreachable through every
-    transient retry, or its lease client cannot be built."""
-    observe.dead_lettered(message, f"{reason}: {error[:200]}", who)
-    stored = res.inventory.record_outcome(
-        message.key,
-        message.operation,
-        RequestStatus.DEAD_LETTERED,
-        _dead_letter(message, {"reason": reason, "error": error[:500]}),
-        epochs=message.counts["epoch"],
-        fingerprint=message.fingerprint,
-        **who,
-    )
-    return answer(task, message, stored)
-
-
-def _past_deadline(
-    task: Task, res: Resources, message: Message, who: dict[str, Any]
-) -> dict[str, Any] | None:
-    """End a request taken up after its deadline ``expired``, taking no lease and touching no stock; the
-    answer is the key's stored outcome (a copy may have decided it first). None: carry it out. A
-    reservation handed to its SKU's lease holder (hot-SKU batching) is served without this check."""
-    late = deadlines.late(getattr(task.request, deadlines.DEADLINE, None), key=message.key)
-    if late is None:
-        return None
-    key, op, print_ = message.key, message.operation, message.fingerprint
-    try:
-        stored = res.inventory.record_outcome(
-            key,
-            op,
-            RequestStatus.EXPIRED,
-            late.detail(),
-            epochs=message.counts["epoch"],
-            fingerprint=print_,
-            **who,
-        )
-    except AlreadyApplied:  # a copy applied it and stopped before its outcome: the attempt replays it
-        return None
-    if stored.status == RequestStatus.EXPIRED and stored.belongs_to(op, print_):
-        res.inventory.record_attempt(key, op, AttemptResult.EXPIRED, detail=late.describe(), **who)
-    return answer(task, message, stored)
-
-
-def _dead_letter(message: Message, detail: dict[str, Any]) -> dict[str, Any]:
-    """A dead letter's detail: why, and the request it carried (its type and checked arguments), so an
-    operator can drive it again once the cause is gone (reservations.redrives)."""
-    return {**detail, "request": carried_request(message.name, message.args)}
-
-
-def _attempt(
-    task: Task,
-    res: Resources,
-    message: Message,
-    work: Work,
-    batch: Batchable | None,
-    again: Again,
-    who: dict[str, Any],
-) -> dict[str, Any]:
-    settings = res.settings
-    key, operation = message.key, message.operation
-    epoch = message.counts["epoch"]
-
-    def final(status: str, detail: dict[str, Any]) -> dict[str, Any]:
-        stored = res.inventory.record_outcome(
-            key, operation, status, detail, epochs=epoch, fingerprint=message.fingerprint, **who
-        )
-        return answer(task, message, stored)
-
-    lease_token: int | None = None
-    leases: dict[str, Lease] = {}
-    try:
-        if work.run is None:
-            done = res.inventory.request_outcome(key)
-            if done is not None:
-                return answer(task, message, done)
-        with res.inventory.hold_many(
-            res.leases,
-            work.skus(res),
-            ttl=settings.lease_ttl,
-            holder=f"{who['worker']}:{who['task_id']}",
-            renew_every=failpoints.renew_every(settings.lease_renew_every),
-        ) as leases:
-            lease_token = max((lease.token for lease in leases.values()), default=None)
-            metrics.current.lease("acquired", len(leases))
-            try:
-                # A count or a replenishment reads under its leases here and decides its write, so a
-                # worker paused at the failpoint writes a figure decided before its pause.
-                apply = work.decided(res.inventory, leases)
-                failpoint("before_write")
-                if work.run is not None:
-                    reply = work.run(res.inventory, leases, who, epoch)
-                else:
-                    outcome = apply(res.inventory, leases)
-            except BackendUnavailable as exc:
-                lost = policy.lost_with_the_lease(leases, exc)
-                if lost is None:
-                    raise
-                raise lost from exc
-            failpoint("after_write")
-        if work.run is not None:
-            return then_serve(res, batch, leases, who, answer(task, message, reply.result))
-        res.inventory.record_attempt(
-            key, operation, AttemptResult.REPLAYED if outcome.replayed else AttemptResult.APPLIED,
-            token=outcome.token, **who,
-        )  # fmt: skip
-        return then_serve(res, batch, leases, who, final(SUCCEEDED[operation], outcome.summary()))
-    except InsufficientStock as exc:
-        return then_serve(res, batch, leases, who, final(RequestStatus.INSUFFICIENT_STOCK, exc.summary()))
-    except policy.INVALID as exc:
-        # A conflict is recorded only where the key has no outcome yet (its record was purged); otherwise
-        # the stored outcome, which belongs to the other request, comes back and the answer says so.
-        return final(RequestStatus.INVALID, {"error": type(exc).__name__, "message": str(exc)})
-    except LeaseBusy as busy:
-        metrics.current.lease("busy")
-        if batch is not None:
-            return wait_for_holder(task, res, message, batch, who)
-        return _busy(task, res, message, work, busy, final, again, who)
-    except LostOwnership as lost:
-        return _lost(task, res, message, lost, lease_token, final, again, who)
-
-
-Final = Callable[[str, dict[str, Any]], dict[str, Any]]
-Again = Callable[[str, float, Exception | None], Exception]
-
-
-def _busy(
-    task: Task,
-    res: Resources,
-    message: Message,
-    work: Work,
-    busy: LeaseBusy,
-    final: Final,
-    again: Again,
-    who: dict[str, Any],
-) -> dict[str, Any]:
-    """A lease found busy by a request that cannot wait for its holder: retry later, within a budget."""
-    if work.run is not None:  # it did not look before taking the lease: a copy may have ended it
-        done = res.inventory.request_outcome(message.key)
-        if done is not None:
-            return answer(task, message, done)
-    if message.counts["busy"] >= res.settings.max_retries:
-        observe.dead_lettered(message, "lease busy", who, **observe.busy_facts(busy))
-        return final(
-            RequestStatus.DEAD_LETTERED,
-            _dead_letter(message, {"reason": "lease busy", "holder": busy.holder}),
-        )
-    raise again("busy", policy.jitter(busy.retry_after, message.counts["busy"]), None) from None
-
-
-def _lost(
-    task: Task,
-    res: Resources,
-    message: Message,
-    lost: LostOwnership,
-    lease_token: int | None,
-    final: Final,
-    again: Again,
-    who: dict[str, Any],
-) -> dict[str, Any]:
-    """Terminal for this attempt and its lease: nothing more happens under it. The request itself goes
-    back to coordination: a new task run takes a new lease, and the idempotency key keeps an effect that
-    already landed from being applied twice."""
-    key, operation, epoch = message.key, message.operation, message.counts["epoch"]
-    fields = observe.lost_ownership(lost, lease_token, message, **who)
-    res.inventory.record_attempt(
-        key, operation, AttemptResult.LOST_OWNERSHIP,
-        token=lost.token or lease_token, detail=policy.printable(lost), **who,
-    )  # fmt: skip
-    if epoch + 1 >= res.settings.max_epochs:
-        reason = f"lost ownership {epoch + 1} times"
-        observe.dead_lettered(message, reason, who, **_facts(fields))
-        return final(
-            RequestStatus.DEAD_LETTERED, _dead_letter(message, {"reason": reason, "last": str(lost)})
-        )
-    redriven = Redriven(f"{policy.printable(lost)}; driven again in epoch {epoch + 1}", fields)
-    announce_lost(task, redriven)
-    raise again("epoch", policy.jitter(0.01, epoch), redriven) from None
-
-
-def _facts(fields: dict[str, Any]) -> dict[str, Any]:
-    return {name: fields[name] for name in ("scope", "token", "highest", "holder", "lease_id")}
 
 
 # The request tasks take their arguments as sent and check them in :func:`messages.parse`, so that a

@@ -1,13 +1,21 @@
-"""What each request message does: the SKUs whose leases it takes, the fenced operation it runs under
-them (for a count or a replenishment, decided from what it reads under them first), and for a single-SKU
-reservation how a busy lease's holder can serve it instead.
+"""What each request message does: the SKUs whose leases it takes and the fenced write it makes under them.
+
+Two kinds, one type each (:data:`Work`):
+
+- :class:`Reserve`, a single-SKU reservation: one statement writes its change, its attempt and its
+  outcome (on PostgreSQL), and answers a request that already ended too; a busy lease's holder can serve
+  it in a batch (:class:`tasks.serving.Batchable`).
+- every other request (:class:`Fenced`): the attempt takes its leases, makes the write it decides, then
+  records the attempt and the outcome. A count or a replenishment reads under its leases first and
+  decides its write from the read (the read comes before the ``before_write`` failpoint, the write
+  after it); the others decide nothing.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from fencing import Lease
 from reservations import Inventory, Outcome
@@ -15,88 +23,150 @@ from reservations.counting import counted_units, short_count
 from reservations.messages import Message
 from reservations.requests import RequestReply
 from tasks.serving import Batchable
-from tasks.worker import Resources
 
-Apply = Callable[[Inventory, dict[str, Lease]], Outcome]
-Run = Callable[[Inventory, dict[str, Lease], dict[str, Any], int], RequestReply]
-# A request whose write is decided from a read: reads under the leases, returns the write it decided.
-Decide = Callable[[Inventory, dict[str, Lease]], Apply]
+Leases = dict[str, Lease]
+# The write a request makes under its leases, decided (for a count, a replenishment) from a read.
+Write = Callable[[Inventory, Leases], Outcome]
 
 
 @dataclass(frozen=True)
-class Work:
-    """What a checked message does: the SKUs whose leases it takes, the fenced operation under them, and
-    (for a single-SKU reservation) how a busy lease's holder can serve it instead."""
+class Reserve:
+    """A single-SKU reservation, written with its attempt and outcome in one statement."""
 
-    skus: Callable[[Resources], list[str]]
-    apply: Apply
-    batch: Batchable | None = None
-    # A request whose run also writes its own attempt and outcome (one statement on PostgreSQL); it
-    # answers a request that already ended too, so no separate look at the outcome comes first.
-    run: Run | None = None
-    # A request that reads under its leases first and writes what it decided from the read (a count, a
-    # replenishment): the read comes before the ``before_write`` failpoint, the write after it.
-    decide: Decide | None = None
+    sku: str
+    quantity: int
+    hold_for: float | None
+    key: str
 
-    def decided(self, inv: Inventory, leases: dict[str, Lease]) -> Apply:
-        """The write to make: read and decided now, for a request that decides from a read."""
-        return self.apply if self.decide is None else self.decide(inv, leases)
+    def skus(self, inv: Inventory) -> list[str]:
+        return [self.sku]
 
+    @property
+    def batch(self) -> Batchable:
+        """What the holder of its busy lease serves for it."""
+        return Batchable(self.sku, self.quantity, self.hold_for)
 
-def _count(sku: str, counted: int | None, shrinkage: int | None, key: str) -> Decide:
-    def decide(inv: Inventory, leases: dict[str, Lease]) -> Apply:
-        seen = inv.look(leases[sku], sku)
-        # Sent as a figure, or as shrinkage from the figure read now (the message has one of the two).
-        figure = counted_units(counted) if shrinkage is None else short_count(seen, shrinkage)
-        return lambda inv, leases: inv.count(
-            leases[sku], sku, figure, key=key, seen=seen, shrinkage=shrinkage
+    def run(self, inv: Inventory, leases: Leases, who: dict[str, Any], epochs: int) -> RequestReply:
+        return inv.reserve_request(
+            leases[self.sku],
+            self.sku,
+            self.quantity,
+            key=self.key,
+            hold_for=self.hold_for,
+            epochs=epochs,
+            **who,
         )
 
-    return decide
+
+class Fenced(Protocol):
+    """A request whose attempt and outcome the task records after its write."""
+
+    def skus(self, inv: Inventory) -> list[str]: ...
+
+    def decide(self, inv: Inventory, leases: Leases) -> Write:
+        """The write to make, read for and decided now (under the leases)."""
+        ...
 
 
-def _replenish(sku: str, par: int, key: str) -> Decide:
-    def decide(inv: Inventory, leases: dict[str, Lease]) -> Apply:
+@dataclass(frozen=True)
+class ReserveOrder:
+    lines: list[tuple[str, int]]
+    hold_for: float | None
+    key: str
+
+    def skus(self, inv: Inventory) -> list[str]:
+        return [sku for sku, _ in self.lines]
+
+    def decide(self, inv: Inventory, leases: Leases) -> Write:
+        return lambda inv, leases: inv.reserve_many(leases, self.lines, key=self.key, hold_for=self.hold_for)
+
+
+@dataclass(frozen=True)
+class Restock:
+    sku: str
+    quantity: int
+    key: str
+
+    def skus(self, inv: Inventory) -> list[str]:
+        return [self.sku]
+
+    def decide(self, inv: Inventory, leases: Leases) -> Write:
+        return lambda inv, leases: inv.restock(leases[self.sku], self.sku, self.quantity, key=self.key)
+
+
+@dataclass(frozen=True)
+class Count:
+    """Sets on hand to the figure sent, or to the figure read now less the shrinkage sent (the message
+    has one of the two)."""
+
+    sku: str
+    counted: int | None
+    shrinkage: int | None
+    key: str
+
+    def skus(self, inv: Inventory) -> list[str]:
+        return [self.sku]
+
+    def decide(self, inv: Inventory, leases: Leases) -> Write:
+        sku, shrinkage = self.sku, self.shrinkage
         seen = inv.look(leases[sku], sku)
-        return lambda inv, leases: inv.replenish(leases[sku], sku, par, key=key, seen=seen)
+        figure = counted_units(self.counted) if shrinkage is None else short_count(seen, shrinkage)
+        return lambda inv, leases: inv.count(
+            leases[sku], sku, figure, key=self.key, seen=seen, shrinkage=shrinkage
+        )
 
-    return decide
+
+@dataclass(frozen=True)
+class Replenish:
+    """Books par minus the on hand read now."""
+
+    sku: str
+    par: int
+    key: str
+
+    def skus(self, inv: Inventory) -> list[str]:
+        return [self.sku]
+
+    def decide(self, inv: Inventory, leases: Leases) -> Write:
+        seen = inv.look(leases[self.sku], self.sku)
+        return lambda inv, leases: inv.replenish(
+            leases[self.sku], self.sku, self.par, key=self.key, seen=seen
+        )
 
 
-def _decided(sku: str, decide: Decide) -> Work:
-    return Work(lambda _: [sku], lambda inv, leases: decide(inv, leases)(inv, leases), decide=decide)
+@dataclass(frozen=True)
+class Finish:
+    """A confirm or a release of a reservation, under the lease of the reservation's SKU."""
+
+    operation: str  # "confirm" or "release"
+    reservation_id: str
+    key: str
+
+    def skus(self, inv: Inventory) -> list[str]:
+        return [inv.reservation(self.reservation_id).sku]
+
+    def decide(self, inv: Inventory, leases: Leases) -> Write:
+        return self._write
+
+    def _write(self, inv: Inventory, leases: Leases) -> Outcome:
+        (lease,) = leases.values()
+        finish = inv.confirm if self.operation == "confirm" else inv.release
+        return finish(lease, self.reservation_id, key=self.key)
+
+
+Work = Reserve | Fenced
 
 
 def work_of(message: Message) -> Work:
     args, key = message.args, message.key
     if message.name == "reserve":
-        sku, quantity, hold_for = args["sku"], args["quantity"], args["hold_for"]
-        return Work(
-            lambda _: [sku],
-            lambda inv, leases: inv.reserve(leases[sku], sku, quantity, key=key, hold_for=hold_for),
-            Batchable(sku, quantity, hold_for),
-            lambda inv, leases, who, epochs: inv.reserve_request(
-                leases[sku], sku, quantity, key=key, hold_for=hold_for, epochs=epochs, **who
-            ),
-        )
+        return Reserve(args["sku"], args["quantity"], args["hold_for"], key)
     if message.name == "reserve_order":
-        lines = args["lines"]
-        return Work(
-            lambda _: [sku for sku, _ in lines],
-            lambda inv, leases: inv.reserve_many(leases, lines, key=key, hold_for=args["hold_for"]),
-        )
+        return ReserveOrder(args["lines"], args["hold_for"], key)
     if message.name == "restock":
-        sku, quantity = args["sku"], args["quantity"]
-        return Work(lambda _: [sku], lambda inv, leases: inv.restock(leases[sku], sku, quantity, key=key))
+        return Restock(args["sku"], args["quantity"], key)
     if message.name == "count":
-        return _decided(args["sku"], _count(args["sku"], args["counted"], args["shrinkage"], key))
+        return Count(args["sku"], args["counted"], args["shrinkage"], key)
     if message.name == "replenish":
-        return _decided(args["sku"], _replenish(args["sku"], args["par"], key))
-    reservation_id = args["reservation_id"]
-
-    def apply(inv: Inventory, leases: dict[str, Lease]) -> Outcome:
-        (lease,) = leases.values()
-        finish = inv.confirm if message.name == "confirm" else inv.release
-        return finish(lease, reservation_id, key=key)
-
-    return Work(lambda res: [res.inventory.reservation(reservation_id).sku], apply)
+        return Replenish(args["sku"], args["par"], key)
+    return Finish(message.name, args["reservation_id"], key)

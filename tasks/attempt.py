@@ -1,0 +1,276 @@
+"""One attempt at a checked request message, as one object whose methods are its steps.
+
+:meth:`Attempt.carry_out` gives up when the backend stayed unreachable through every transient retry, ends a
+request taken up past its deadline ``expired``, or takes the request's SKU leases and makes its write
+(:mod:`tasks.work`). Every error the attempt meets leads where the table in :mod:`tasks.policy` says: to a
+final outcome (:meth:`Attempt.final`, :meth:`Attempt.give_up`), to a retry under one of the counters that
+travel with the message (:meth:`Attempt.again`), or to the holder of a busy lease
+(:func:`tasks.serving.wait_for_holder`). The final outcome is written once, by idempotency key, with the
+request's fingerprint.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import suppress
+from typing import Any
+
+from celery import Task
+
+from fencing import BackendUnavailable, Lease, LeaseBusy, LostOwnership
+from reservations import InsufficientStock, Outcome
+from reservations.messages import Message
+from reservations.redrives import carried_request
+from reservations.requests import AlreadyApplied, RequestReply
+from reservations.statuses import SUCCEEDED, AttemptResult, RequestStatus
+from tasks import deadlines, failpoints, metrics, observe, policy
+from tasks.answers import answer
+from tasks.failpoints import failpoint
+from tasks.serving import Batchable, then_serve, wait_for_holder
+from tasks.states import Redriven, announce_lost
+from tasks.work import Reserve, work_of
+from tasks.worker import Resources, worker_identity
+
+log = logging.getLogger("tasks")
+
+
+class Attempt:
+    """The task, its checked message, this process's clients and, once taken, the request's leases.
+
+    ``sent``: the message's keyword arguments as sent, which a retry sends again with one counter
+    raised; ``who``: the task id and worker every record of the attempt names.
+    """
+
+    def __init__(self, task: Task, res: Resources, message: Message, sent: dict[str, Any]) -> None:
+        self.task = task
+        self.res = res
+        self.message = message
+        self.sent = sent
+        self.who: dict[str, Any] = {"task_id": task.request.id, "worker": worker_identity()}
+        self.epoch = message.counts["epoch"]
+        self.transient = policy.counter(sent, "transient")
+        self.work = work_of(message)
+        work = self.work
+        self.batch: Batchable | None = (
+            work.batch if isinstance(work, Reserve) and res.settings.batching else None
+        )
+        self.leases: dict[str, Lease] = {}
+        self.lease_token: int | None = None
+
+    # -- the steps ------------------------------------------------------------------------------------
+
+    def carry_out(self) -> dict[str, Any]:
+        """The request's final outcome, or "queued" for its SKU's lease holder; raises Celery's Retry."""
+        if self.transient > self.res.settings.max_transient_retries:
+            return self.give_up("backend unavailable", "the backend stayed unreachable")
+        # Past its deadline it ends expired, unattempted (a reservation queued for its SKU's lease holder
+        # is later served without this check).
+        expired = self.past_deadline()
+        return expired if expired is not None else self.attempt()
+
+    def past_deadline(self) -> dict[str, Any] | None:
+        """End a request taken up after its deadline ``expired``, taking no lease and touching no stock;
+        the answer is the key's stored outcome (a copy may have decided it first). None: carry it out."""
+        message, inventory = self.message, self.res.inventory
+        late = deadlines.late(getattr(self.task.request, deadlines.DEADLINE, None), key=message.key)
+        if late is None:
+            return None
+        try:
+            stored = inventory.record_outcome(
+                message.key,
+                message.operation,
+                RequestStatus.EXPIRED,
+                late.detail(),
+                epochs=self.epoch,
+                fingerprint=message.fingerprint,
+                **self.who,
+            )
+        except AlreadyApplied:  # a copy applied it and stopped before its outcome: the attempt replays it
+            return None
+        if stored.status == RequestStatus.EXPIRED and stored.belongs_to(
+            message.operation, message.fingerprint
+        ):
+            inventory.record_attempt(
+                message.key, message.operation, AttemptResult.EXPIRED, detail=late.describe(), **self.who
+            )
+        return answer(self.task, message, stored)
+
+    def attempt(self) -> dict[str, Any]:
+        """Take the leases and write; what each error of the attempt leads to (tasks.policy)."""
+        try:
+            return self.applied()
+        except InsufficientStock as exc:
+            return self.served(self.final(RequestStatus.INSUFFICIENT_STOCK, exc.summary()))
+        except policy.INVALID as exc:
+            # A conflict is recorded only where the key has no outcome yet (its record was purged);
+            # otherwise the stored outcome, which belongs to the other request, comes back and the answer
+            # says so.
+            return self.final(RequestStatus.INVALID, {"error": type(exc).__name__, "message": str(exc)})
+        except LeaseBusy as busy:
+            metrics.current.lease("busy")
+            if self.batch is not None:
+                return wait_for_holder(self.task, self.res, self.message, self.batch, self.who)
+            return self.busy(busy)
+        except LostOwnership as lost:
+            return self.lost(lost)
+
+    def applied(self) -> dict[str, Any]:
+        """The write made under the request's leases, and the outcome it ends with."""
+        res, message = self.res, self.message
+        if not isinstance(self.work, Reserve):  # the reservation statement answers an ended request itself
+            done = res.inventory.request_outcome(message.key)
+            if done is not None:
+                return answer(self.task, message, done)
+        with res.inventory.hold_many(
+            res.leases,
+            self.work.skus(res.inventory),
+            ttl=res.settings.lease_ttl,
+            holder=f"{self.who['worker']}:{self.who['task_id']}",
+            renew_every=failpoints.renew_every(res.settings.lease_renew_every),
+        ) as leases:
+            self.leases = leases
+            self.lease_token = max((lease.token for lease in leases.values()), default=None)
+            metrics.current.lease("acquired", len(leases))
+            try:
+                done_now = self.write(leases)
+            except BackendUnavailable as exc:
+                lost = policy.lost_with_the_lease(leases, exc)
+                if lost is None:
+                    raise
+                raise lost from exc
+            failpoint("after_write")
+        return self.served(self.succeeded(done_now))
+
+    def write(self, leases: dict[str, Lease]) -> RequestReply | Outcome:
+        """The fenced write. A count or a replenishment reads under its leases first and decides its write,
+        so a worker paused at the failpoint writes a figure decided before its pause."""
+        work, inventory = self.work, self.res.inventory
+        if isinstance(work, Reserve):
+            failpoint("before_write")
+            return work.run(inventory, leases, self.who, self.epoch)
+        decided = work.decide(inventory, leases)
+        failpoint("before_write")
+        return decided(inventory, leases)
+
+    def succeeded(self, done: RequestReply | Outcome) -> dict[str, Any]:
+        """The answer to a write made: the reservation statement stored its outcome itself; any other write
+        has its attempt and outcome recorded now."""
+        if isinstance(done, RequestReply):
+            return answer(self.task, self.message, done.result)
+        message = self.message
+        applied = AttemptResult.REPLAYED if done.replayed else AttemptResult.APPLIED
+        self.res.inventory.record_attempt(
+            message.key, message.operation, applied, token=done.token, **self.who
+        )
+        return self.final(SUCCEEDED[message.operation], done.summary())
+
+    def served(self, result: dict[str, Any]) -> dict[str, Any]:
+        """``result``, after serving whatever queued up for the lease meanwhile (tasks.serving)."""
+        return then_serve(self.res, self.batch, self.leases, self.who, result)
+
+    def busy(self, busy: LeaseBusy) -> dict[str, Any]:
+        """A lease found busy by a request that cannot wait for its holder: retry later, within a budget."""
+        message = self.message
+        if isinstance(
+            self.work, Reserve
+        ):  # it did not look before taking the lease: a copy may have ended it
+            done = self.res.inventory.request_outcome(message.key)
+            if done is not None:
+                return answer(self.task, message, done)
+        if message.counts["busy"] >= self.res.settings.max_retries:
+            observe.dead_lettered(message, "lease busy", self.who, **observe.busy_facts(busy))
+            return self.final(
+                RequestStatus.DEAD_LETTERED, self.dead_letter({"reason": "lease busy", "holder": busy.holder})
+            )
+        raise self.again("busy", policy.jitter(busy.retry_after, message.counts["busy"])) from None
+
+    def lost(self, lost: LostOwnership) -> dict[str, Any]:
+        """Terminal for this attempt and its lease: nothing more happens under it. The request itself goes
+        back to coordination: a new task run takes a new lease, and the idempotency key keeps an effect
+        that already landed from being applied twice."""
+        message, epoch = self.message, self.epoch
+        fields = observe.lost_ownership(lost, self.lease_token, message, **self.who)
+        self.res.inventory.record_attempt(
+            message.key, message.operation, AttemptResult.LOST_OWNERSHIP,
+            token=lost.token or self.lease_token, detail=policy.printable(lost), **self.who,
+        )  # fmt: skip
+        if epoch + 1 >= self.res.settings.max_epochs:
+            reason = f"lost ownership {epoch + 1} times"
+            observe.dead_lettered(message, reason, self.who, **_facts(fields))
+            return self.final(
+                RequestStatus.DEAD_LETTERED, self.dead_letter({"reason": reason, "last": str(lost)})
+            )
+        redriven = Redriven(f"{policy.printable(lost)}; driven again in epoch {epoch + 1}", fields)
+        announce_lost(self.task, redriven)
+        raise self.again("epoch", policy.jitter(0.01, epoch), redriven) from None
+
+    # -- the ways out ---------------------------------------------------------------------------------
+
+    def final(self, status: str, detail: dict[str, Any]) -> dict[str, Any]:
+        """Record the request's final outcome; the answer is the outcome stored under its key."""
+        message = self.message
+        stored = self.res.inventory.record_outcome(
+            message.key,
+            message.operation,
+            status,
+            detail,
+            epochs=self.epoch,
+            fingerprint=message.fingerprint,
+            **self.who,
+        )
+        return answer(self.task, message, stored)
+
+    def again(self, counter: str, countdown: float, reason: Exception | None = None) -> Exception:
+        """The retry of this message with ``counter`` raised by one, to be raised."""
+        kwargs = {**self.sent, counter: policy.counter(self.sent, counter) + 1}
+        return self.task.retry(kwargs=kwargs, countdown=countdown, exc=reason)  # type: ignore[no-any-return]
+
+    def give_up(self, reason: str, error: str) -> dict[str, Any]:
+        """Dead-letter a request that cannot be carried out: its backend stayed unreachable through every
+        transient retry, or its lease client cannot be built."""
+        observe.dead_lettered(self.message, f"{reason}: {error[:200]}", self.who)
+        return self.final(
+            RequestStatus.DEAD_LETTERED, self.dead_letter({"reason": reason, "error": error[:500]})
+        )
+
+    def unavailable(self, exc: BackendUnavailable) -> dict[str, Any]:
+        """A backend did not answer (an outcome or attempt that could not be recorded too: nothing is final
+        until it is): retry with a backoff of its own, or give up once the transient budget is spent."""
+        transient, most = self.transient, self.res.settings.max_transient_retries
+        if transient >= most:
+            log.error("giving up on %s after %d transient failures: %s", self.message.key, transient, exc)
+            try:
+                return self.give_up("backend unavailable", str(exc))
+            except BackendUnavailable:
+                # Not even the dead letter can be written: keep coming back at the slowest pace until it
+                # can, so the request still ends with an outcome once the database answers.
+                self.sent["transient"] = most + 1
+                raise self.task.retry(kwargs=self.sent, countdown=policy.rng.uniform(15.0, 30.0)) from None
+        metrics.current.transient(exc.backend)
+        # Its own backoff, growing to half a minute: a database restart or a Redis failover takes that long.
+        ceiling = min(30.0, 0.2 * 2**transient)
+        raise self.again("transient", policy.rng.uniform(ceiling / 2, ceiling)) from None
+
+    def failed(self, exc: Exception) -> None:
+        """A bug or an unforeseen input: the request still ends, dead-lettered, or its caller waits
+        forever. Best effort: the error itself is what the task raises."""
+        message = self.message
+        with suppress(Exception):
+            self.res.inventory.record_outcome(
+                message.key,
+                message.operation,
+                RequestStatus.DEAD_LETTERED,
+                self.dead_letter({"reason": "unexpected error", "error": repr(exc)[:500]}),
+                epochs=self.epoch,
+                fingerprint=message.fingerprint,
+                **self.who,
+            )
+
+    def dead_letter(self, detail: dict[str, Any]) -> dict[str, Any]:
+        """A dead letter's detail: why, and the request it carried (its type and checked arguments), so an
+        operator can drive it again once the cause is gone (reservations.redrives)."""
+        return {**detail, "request": carried_request(self.message.name, self.message.args)}
+
+
+def _facts(fields: dict[str, Any]) -> dict[str, Any]:
+    return {name: fields[name] for name in ("scope", "token", "highest", "holder", "lease_id")}
