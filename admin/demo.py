@@ -29,10 +29,10 @@ from fencing import LeaseManager, mask_url
 from reservations import schema
 from reservations.inventory import Inventory
 from reservations.requests import RequestResult
-from reservations.settings import Settings
 from reservations.timeline import TimelineEntry, epochs
 from reservations.validation import scope_of
 from tasks.producer import Producer
+from tasks.settings import Settings
 
 LEASE_TTL = 2.0
 MARKER = ".reservations-demo"

@@ -30,7 +30,8 @@ from redis.retry import Retry
 
 from fencing.engines import make_engine
 from reservations import schema
-from reservations.settings import PREFIX, Settings
+from tasks.settings import Settings
+from tasks.variables import PREFIX
 
 if TYPE_CHECKING:
     from admin.netns import Host

@@ -24,7 +24,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from reservations import AsyncInventory
 from reservations.acceptance import accepted
-from reservations.settings import Settings
 from service import errors, routes
 from service.answers import Answer
 from service.backlog import Backlog
@@ -32,6 +31,7 @@ from service.door import UNANSWERED, Door
 from service.metrics import HttpMetrics
 from tasks import ReservationClient
 from tasks import create_app as create_tasks_app
+from tasks.settings import Settings
 
 log = logging.getLogger("service")
 

@@ -16,7 +16,6 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from reservations import UnknownSku
-from reservations.settings import Settings
 from reservations.validation import MAX_QUANTITY
 from service.answers import (
     DEADLINE_HEADER,
@@ -29,6 +28,7 @@ from service.answers import (
 )
 from service.door import Door
 from service.problems import PROBLEM_MEDIA_TYPE, TYPES, problem
+from tasks.settings import Settings
 
 
 class ReservationBody(BaseModel):

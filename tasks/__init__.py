@@ -2,7 +2,7 @@
 
 Start workers with ``celery -A tasks worker``; producers use :func:`enqueue_reservation` (asyncio) or
 :class:`ReservationClient` (both worlds). Configuration: :class:`Settings`, from
-:mod:`reservations.settings`. Every error a producer can meet imports from here too: the request refused
+:mod:`tasks.settings`. Every error a producer can meet imports from here too: the request refused
 before publishing (:class:`InvalidRequest`), a key used for another request (:class:`IdempotencyConflict`),
 waiting past the timeout (:class:`OutcomeTimeout`), a closed client (:class:`ClientClosed`,
 :class:`WatcherClosed`; these three are :class:`TasksError`), a dead letter that may not be driven
@@ -17,7 +17,8 @@ from tasks import worker as _worker  # noqa: F401  (connects the per-process lif
 from tasks.app import app, create_app
 from tasks.client import ReservationClient, ReservationHandle, enqueue_reservation
 from tasks.errors import ClientClosed, OutcomeTimeout, TasksError, WatcherClosed
-from tasks.settings import Settings, SettingsError
+from tasks.settings import Settings
+from tasks.variables import SettingsError
 
 __all__ = [
     "BackendUnavailable",

@@ -26,7 +26,8 @@ from celery.signals import (
 from tasks import deadlines, failpoints, metrics
 from tasks.heartbeat import HeartbeatFile
 from tasks.logs import json_wanted, use_json, warnings_as_json
-from tasks.settings import Settings, SettingsError
+from tasks.settings import Settings
+from tasks.variables import SettingsError
 
 log = logging.getLogger("tasks.app")
 ENQUEUED_AT = metrics.ENQUEUED_AT

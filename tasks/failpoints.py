@@ -30,7 +30,7 @@ from celery import current_task
 from celery.signals import after_task_publish
 
 from fencing.lease import MAX_TTL
-from reservations.settings import variable
+from tasks.settings import variable
 
 log = logging.getLogger("tasks.failpoints")
 

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import IO, Any
 
-from reservations.settings import json_logs
+from tasks.settings import json_logs
 
 __all__ = [
     "FENCING_FIELDS",
@@ -125,7 +125,7 @@ def use_json_on_stderr(level: int = logging.WARNING) -> None:
 
 
 def json_wanted() -> bool:
-    """Whether this process writes JSON lines (:func:`reservations.settings.json_logs`)."""
+    """Whether this process writes JSON lines (:func:`tasks.settings.json_logs`)."""
     return json_logs()
 
 

@@ -14,10 +14,10 @@ from celery import Celery
 
 from reservations import validation as valid
 from reservations.requests import request_id, task_name
-from reservations.settings import Settings
 from tasks import deadlines
 from tasks.app import transport_options as transport_options_of
 from tasks.metrics import ENQUEUED_AT
+from tasks.settings import Settings
 
 
 class Producer:

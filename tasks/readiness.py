@@ -1,7 +1,7 @@
 """What a worker makes sure of before it takes tasks, in its main process before the pool forks.
 
 Settings it cannot use were refused when ``tasks`` was imported by the ``celery`` command (every URL, the
-key prefix, numbers, password files: :mod:`reservations.settings`). What is left needs the backends:
+key prefix, numbers, password files: :mod:`tasks.settings`). What is left needs the backends:
 
 - the database and the lease backend answer. A backend that does not answer yet is waited for, with a
   line every few seconds saying which and why: a database restarting while the workers roll must not

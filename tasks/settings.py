@@ -1,21 +1,367 @@
-"""The settings object lives in the domain package (:mod:`reservations.settings`, which lists every variable);
-re-exported here, where workers and producers have always imported it from.
+"""The settings of workers, producers, the HTTP service and the command line: one frozen object built
+once from the ``RESERVATIONS_*`` environment variables. Each field of :class:`Settings` is the one
+declaration of its variable (name, type, default, range, help), which :mod:`tasks.variables` parses and
+describes and ``masked()`` and ``to_env()`` read. ``reservations config`` prints every effective value and
+where it came from.
+
+A URL that can carry a password (database, lease, broker, result backend) may take it from a file,
+such as a compose secret: ``RESERVATIONS_DATABASE_PASSWORD_FILE``, ``RESERVATIONS_LEASE_PASSWORD_FILE``,
+``RESERVATIONS_BROKER_PASSWORD_FILE``, ``RESERVATIONS_RESULT_BACKEND_PASSWORD_FILE``; the URL then names
+the user without a password. Every problem is reported at once in one ``SettingsError``, each by its
+variable's name; :func:`unknown_names` finds the names that are not settings (a typo is otherwise
+silently ignored).
 """
 
-from reservations.settings import (
+from __future__ import annotations
+
+import difflib
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from fencing import InvalidLeaseRequest
+from fencing.engines import POOLING_MODES
+from fencing.keys import validate_prefix
+from fencing.manager import lease_backend
+from fencing.urls import normalize_url
+from tasks.variables import (
+    DEFAULT,
+    GIVEN,
     PREFIX,
-    Settings,
     SettingsError,
-    unknown_name_warnings,
-    unknown_names,
-    url_with_password_file,
+    Variable,
+    declared,
+    is_sentinel,
+    read,
+    scheme_of,
+    scheme_problem,
+    setting,
+    with_password,
+    without_password,
 )
 
 __all__ = [
-    "PREFIX",
+    "CHAOS_POSTGRES_URL",
+    "VARIABLES",
     "Settings",
-    "SettingsError",
+    "json_logs",
+    "known_names",
     "unknown_name_warnings",
     "unknown_names",
     "url_with_password_file",
+    "variable",
 ]
+
+# Read by the command line's chaos run only (``reservations chaos``), not a setting of this object, but a
+# name of ours all the same: it is never reported as unknown.
+CHAOS_POSTGRES_URL = PREFIX + "CHAOS_POSTGRES_URL"
+
+# The transports a worker is built and tested for (a kombu or Celery scheme's first part): Redis, alone
+# or through Sentinel, RabbitMQ and, for the embedded demo, SQLAlchemy; results in Redis or a database.
+# A sentinel:// URL names every sentinel (one URL each joined by ";"); the service they watch is
+# RESERVATIONS_SENTINEL_MASTER.
+BROKER_SCHEMES = ("redis", "rediss", "sentinel", "amqp", "amqps", "pyamqp", "sqla")
+RESULT_SCHEMES = ("redis", "rediss", "sentinel", "db")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every setting, each field declaring its ``RESERVATIONS_<FIELD>`` variable. ``from_env`` reads them;
+    constructing one directly (tests, tools that start workers) takes the defaults for the rest."""
+
+    broker_url: str = setting("redis://127.0.0.1:6379/0", "Celery broker (Redis or RabbitMQ)", url=True)
+    result_backend: str = setting("redis://127.0.0.1:6379/1", "Celery result backend", url=True)
+    result_expires: int = setting(
+        0,
+        "seconds a request task's Celery result is kept, for callers of AsyncResult.get(); 0: request "
+        "tasks store none (their outcome is the database row the client reads)",
+        0,
+        7 * 86400,
+    )
+    sentinel_master: str = setting(
+        "",
+        "the Sentinel service (master name) of the broker and result backend when their URLs are "
+        "sentinel://host:port;sentinel://host:port;...",
+    )
+    database_url: str = setting(
+        "sqlite:///var/reservations.sqlite3", "inventory database (SQLite or PostgreSQL)", url=True
+    )
+    database_pooling: str = setting(
+        "session",
+        "session or transaction: how the database's sessions are held; transaction behind PgBouncer's "
+        "pool_mode=transaction (no prepared statements, and a worker checks at start that the database "
+        "or role bounds idle transactions and lock waits by the lease ttl); also for a SQL lease backend",
+    )
+    lease_url: str = setting(
+        "", "lease backend, redis://... or SQL (unset: the database)", url=True, default_from="database_url"
+    )
+    lease_prefix: str = setting("fencing", "Redis key prefix of the leases")
+    lease_ttl: float = setting(30.0, "seconds a task's SKU lease lasts without renewal", 0.05, 3600)
+    lease_renew_every: float | None = setting(
+        None, "seconds between renewals while a task holds its lease (unset: a third of the ttl)", 0.01, 3600
+    )
+    max_epochs: int = setting(
+        3, "attempts of one request that may lose ownership; at that many it is dead-lettered", 1, 100
+    )
+    max_retries: int = setting(200, "lease-busy retries before dead-letter", 0, 100_000)
+    max_transient_retries: int = setting(
+        20, "retries while Redis or the database is down (backing off to 30 s), then dead-letter", 0, 1000
+    )
+    visibility_timeout: float = setting(
+        300.0,
+        "seconds before an unacknowledged message is redelivered: how long the requests of a dead worker "
+        "host wait; at least 4 lease ttls",
+        1,
+        7 * 86400,
+    )
+    republish_after: float = setting(
+        10.0,
+        "seconds a client waits for a request's outcome before it publishes the request again (same key "
+        "and task id), then twice as long each time: a broker failover can lose messages; 0: never",
+        0,
+        3600,
+    )
+    http_wait: float = setting(
+        5.0,
+        "seconds the HTTP service waits for a request's outcome before it answers 202 with the request's "
+        "Location (a caller's Prefer: wait=N asks for another, up to RESERVATIONS_HTTP_MAX_WAIT)",
+        0,
+        300,
+    )
+    http_max_wait: float = setting(
+        30.0, "the longest wait a caller's Prefer: wait=N gets from the HTTP service", 0, 300
+    )
+    request_deadline: float = setting(
+        300.0,
+        "seconds after which a request the HTTP service enqueued is no longer wanted when its caller sends "
+        "no Request-Deadline: a worker reaching it later ends it expired without touching stock; 0: none",
+        0,
+        7 * 86400,
+    )
+    queue_bound: int = setting(
+        10_000,
+        "requests waiting in the broker's queue above which the HTTP service answers 503 with Retry-After "
+        "instead of enqueueing; 0: no bound",
+        0,
+        10_000_000,
+    )
+    expiry_interval: float = setting(30.0, "seconds between hold-expiry sweeps by celery beat", 0.1, 86400)
+    enforce_fence: bool = setting(
+        True, "0 drops the token condition from stock writes: lease-only, for chaos comparisons only"
+    )
+    batching: bool = setting(
+        True,
+        "a reservation that finds its SKU's lease busy waits for the holder to serve it in a batch; 0 "
+        "retries it through the broker until it gets the lease itself",
+    )
+    batch_size: int = setting(100, "pending reservations served per fenced transaction", 1, 1000)
+    handoff_check: float = setting(
+        1.0,
+        "seconds until a SKU's queue is first looked after by its watch task, should its holder not serve "
+        "it; then doubling up to the lease ttl",
+        0.01,
+        3600,
+    )
+    heartbeat_file: str = setting("", "a consuming worker touches this file every 5 s (health checks)")
+    log_format: str = setting(
+        "text", "text or json: json writes each log line of workers, beat and the CLI as one JSON object"
+    )
+    metrics_port: int = setting(
+        0,
+        "a worker serves Prometheus metrics on this port (0: off); PROMETHEUS_MULTIPROC_DIR, if set, must "
+        "be the worker's own directory",
+        0,
+        65535,
+    )
+    metrics_host: str = setting(
+        "127.0.0.1",
+        "the address a worker's metrics listener binds: this host only by default; 0.0.0.0 (every "
+        "interface) where a scraper on another host or container reads it",
+    )
+    task_events: bool = setting(
+        False,
+        "1: workers send task events, as celery worker -E does (Flower, celery events); a request's event "
+        "names its outcome",
+    )
+    # Fault injection (tasks.failpoints reads these two from the environment at each point).
+    failpoints: str = setting("", "fault-injection points, e.g. before_write=stop,once (tests, chaos runs)")
+    failpoint_dir: str = setting("", "a directory for this run's once-only failpoint markers")
+    # Where each value came from, by field (absent: default, or given to the constructor).
+    sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
+    password_files: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.lease_url:
+            object.__setattr__(self, "lease_url", self.database_url)
+        problems = [*_url_problems(self)]
+        if self.database_pooling not in POOLING_MODES:
+            problems.append(
+                f"{PREFIX}DATABASE_POOLING must be session or transaction, got {self.database_pooling!r}"
+            )
+        elif self.database_pooling == "transaction" and not _is_postgres(self.database_url):
+            problems.append(f"{PREFIX}DATABASE_POOLING=transaction needs a PostgreSQL {PREFIX}DATABASE_URL")
+        if self.log_format not in ("text", "json"):
+            problems.append(f"{PREFIX}LOG_FORMAT must be text or json, got {self.log_format!r}")
+        # Redelivery must never overtake a live attempt: an unacked message comes back only after the
+        # longest a lease can be held plus the retry countdowns in between.
+        if self.visibility_timeout < 4 * self.lease_ttl:
+            problems.append(
+                f"{PREFIX}VISIBILITY_TIMEOUT ({self.visibility_timeout:g}s) must be at least 4x the lease "
+                f"ttl ({self.lease_ttl:g}s, {PREFIX}LEASE_TTL)"
+            )
+        # A renewal due only after the lease ran out never keeps it: every long task would lose its SKU.
+        if self.lease_renew_every is not None and self.lease_renew_every >= self.lease_ttl:
+            problems.append(
+                f"{PREFIX}LEASE_RENEW_EVERY ({self.lease_renew_every:g}s) must be shorter than the lease "
+                f"ttl ({self.lease_ttl:g}s, {PREFIX}LEASE_TTL)"
+            )
+        if problems:
+            raise SettingsError(problems)
+
+    @classmethod
+    def from_env(
+        cls, env: Mapping[str, str] | None = None, *, options: Mapping[str, str] | None = None
+    ) -> Settings:
+        """The settings ``env`` (the process environment by default) gives, with ``options`` (by field,
+        as text: a command line's own options) winning over it. Raises SettingsError naming every problem."""
+        env = os.environ if env is None else env
+        values, sources, files = read(VARIABLES, env, options or {})
+        return cls(**values, sources=sources, password_files=files)
+
+    def source(self, name: str) -> str:
+        """Where field ``name`` came from: environment, file (a password), option, default or given."""
+        if name in self.sources:
+            return self.sources[name]
+        variable = _BY_FIELD[name]
+        default = getattr(self, variable.default_from) if variable.default_from else variable.default
+        return DEFAULT if getattr(self, name) == default else GIVEN
+
+    def with_(self, **changes: Any) -> Settings:
+        """A copy with ``changes``; a lease URL left to default follows a new database URL."""
+        if "database_url" in changes and "lease_url" not in changes and self.source("lease_url") == DEFAULT:
+            changes["lease_url"] = ""
+        kept = {k: v for k, v in self.sources.items() if k not in changes}
+        files = {k: v for k, v in self.password_files.items() if k not in changes}
+        return replace(self, **changes, sources=kept, password_files=files)
+
+    def __repr__(self) -> str:
+        # Celery prints its configuration (``celery report``); this object must not leak passwords there.
+        return f"Settings({', '.join(f'{k}={v}' for k, v in self.masked().items())})"
+
+    def masked(self) -> dict[str, str]:
+        """Every setting as it may be printed, by field: URLs with their passwords hidden."""
+        return {v.field: v.show(getattr(self, v.field)) for v in VARIABLES}
+
+    def report(self) -> list[dict[str, str]]:
+        """Every variable with its value as it may be printed and where it came from (``reservations
+        config``); a password read from a file names that file."""
+        return [
+            {
+                "name": v.name,
+                "value": v.show(getattr(self, v.field)),
+                "source": self.source(v.field),
+                **({"password_file": self.password_files[v.field]} if v.field in self.password_files else {}),
+            }
+            for v in VARIABLES
+        ]
+
+    def to_env(self) -> dict[str, str]:
+        """The variables that reproduce these settings (those not at their defaults), for starting workers.
+        A password read from a file stays in its file: the URL goes without it, with the file's variable."""
+        env: dict[str, str] = {}
+        for variable in VARIABLES:
+            value = getattr(self, variable.field)
+            if self.source(variable.field) == DEFAULT or value is None:
+                continue
+            if variable.field in self.password_files:
+                env[variable.password_file] = self.password_files[variable.field]
+                value = without_password(value)
+            env[variable.name] = ("1" if value else "0") if isinstance(value, bool) else str(value)
+        return env
+
+
+VARIABLES: tuple[Variable, ...] = declared(Settings)
+_BY_FIELD = {variable.field: variable for variable in VARIABLES}
+
+
+def _is_postgres(url: str) -> bool:
+    return scheme_of(url) in ("postgresql", "postgres")
+
+
+def _url_problems(settings: Settings) -> list[str]:
+    """What a worker could not build from these URLs and the key prefix, found without connecting: the
+    same parsers the clients use, so nothing that passes here fails when the worker builds them."""
+    problems = []
+    checks: list[tuple[str, Callable[[str], object]]] = [("database_url", normalize_url)]
+    if settings.lease_url != settings.database_url:  # the same URL would be reported twice
+        checks.append(("lease_url", lease_backend))
+    for name, check in checks:
+        try:
+            check(getattr(settings, name))
+        except InvalidLeaseRequest as exc:
+            problems.append(f"{_BY_FIELD[name].name}: {exc}")
+    try:
+        validate_prefix(settings.lease_prefix)
+    except InvalidLeaseRequest as exc:
+        problems.append(f"{PREFIX}LEASE_PREFIX {settings.lease_prefix!r}: {exc}")
+    for name, schemes in (("broker_url", BROKER_SCHEMES), ("result_backend", RESULT_SCHEMES)):
+        problem = scheme_problem(_BY_FIELD[name].name, getattr(settings, name), schemes)
+        if problem:
+            problems.append(problem)
+        elif is_sentinel(getattr(settings, name)) and not settings.sentinel_master:
+            # kombu and Celery would fail only at the first connection, inside a running worker.
+            problems.append(
+                f"{_BY_FIELD[name].name} is a sentinel:// URL: {_BY_FIELD['sentinel_master'].name} must name "
+                "the Sentinel service of its Redis"
+            )
+    return problems
+
+
+def variable(name: str) -> Variable:
+    """The variable of field ``name`` (``variable("lease_ttl").name == "RESERVATIONS_LEASE_TTL"``)."""
+    return _BY_FIELD[name]
+
+
+def json_logs(env: Mapping[str, str] | None = None) -> bool:
+    """Whether ``RESERVATIONS_LOG_FORMAT`` asks for JSON lines, read from the environment itself: the lines
+    said before the settings are parsed (or when they cannot be) follow it too."""
+    return (os.environ if env is None else env).get(variable("log_format").name, "").strip() == "json"
+
+
+def known_names() -> list[str]:
+    """Every ``RESERVATIONS_*`` name this project reads."""
+    files = [v.password_file for v in VARIABLES if v.url]
+    return [*(v.name for v in VARIABLES), *files, CHAOS_POSTGRES_URL]
+
+
+def unknown_names(env: Mapping[str, str] | None = None) -> list[tuple[str, str | None]]:
+    """The ``RESERVATIONS_*`` names in ``env`` that are not ours, each with the closest one (or None)."""
+    env = os.environ if env is None else env
+    known = known_names()
+    # Compared without the prefix they all share, which would make any two names look alike.
+    stems = [name.removeprefix(PREFIX) for name in known]
+
+    def closest(name: str) -> str | None:
+        found = difflib.get_close_matches(name.removeprefix(PREFIX), stems, n=1, cutoff=0.6)
+        return PREFIX + found[0] if found else None
+
+    return [(name, closest(name)) for name in sorted(env) if name.startswith(PREFIX) and name not in known]
+
+
+def unknown_name_warnings(env: Mapping[str, str] | None = None) -> list[str]:
+    """One line per unknown name, as workers log them and the command line prints them."""
+    return [
+        f"{name} is not a setting" + (f"; did you mean {closest}?" if closest else "")
+        for name, closest in unknown_names(env)
+    ]
+
+
+def url_with_password_file(env: Mapping[str, str], name: str, url: str) -> str:
+    """``url`` with the password from the file ``RESERVATIONS_<name>_PASSWORD_FILE`` names, when that
+    is set (``name``: DATABASE, LEASE, BROKER or RESULT_BACKEND)."""
+    wanted = f"{PREFIX}{name}_PASSWORD_FILE"
+    found = next((v for v in VARIABLES if v.password_file == wanted), None)
+    if found is None:
+        raise SettingsError(f"{wanted} is not a setting")
+    return with_password(env, found, url) if env.get(wanted) else url

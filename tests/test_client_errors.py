@@ -8,9 +8,9 @@ import pytest
 
 import fencing.errors
 import reservations.errors
-import reservations.settings
 import tasks
 import tasks.errors
+import tasks.variables
 
 DEFINED = [
     (reservations.errors, "InvalidRequest"),  # refused before publishing
@@ -19,7 +19,7 @@ DEFINED = [
     (tasks.errors, "WatcherClosed"),
     (tasks.errors, "ClientClosed"),
     (tasks.errors, "TasksError"),
-    (reservations.settings, "SettingsError"),  # a client builds its settings from the environment
+    (tasks.variables, "SettingsError"),  # a client builds its settings from the environment
     (fencing.errors, "BackendUnavailable"),  # the outcomes' database does not answer
 ]
 

@@ -26,7 +26,8 @@ import yaml
 
 from admin.harness import CeleryProcess, free_port, redis_server, start_all, stop_all, wait_until, worker_env
 from reservations import schema
-from tasks.settings import Settings, SettingsError, url_with_password_file
+from tasks.settings import Settings, url_with_password_file
+from tasks.variables import SettingsError
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "compose.yaml"

@@ -38,7 +38,7 @@ from admin.harness import (
 from admin.netns import Host, Hosts, NetnsError
 from admin.proxy import DelayProxy
 from fencing.engines import make_engine
-from reservations.settings import Settings
+from tasks.settings import Settings
 
 
 @dataclass

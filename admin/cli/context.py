@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from fencing import LeaseManager, mask_url
 from reservations.inventory import Inventory
-from reservations.settings import DEFAULT, Settings
+from tasks.settings import Settings
+from tasks.variables import DEFAULT
 
 
 class Config:

@@ -24,7 +24,7 @@ from reservations.errors import (
     UnknownReservation,
     UnknownSku,
 )
-from reservations.settings import json_logs
+from tasks.settings import json_logs
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_UNREACHABLE = 0, 1, 2, 3, 4
 

@@ -20,8 +20,8 @@ from admin.cli.failures import EXIT_UNREACHABLE, fail
 from fencing import mask_url
 from reservations.inventory import Inventory
 from reservations.models import request_outcomes
-from reservations.settings import Settings
 from reservations.statuses import RequestStatus
+from tasks.settings import Settings
 
 DEFAULT_PORT = 9809
 # The workers' default (RESERVATIONS_METRICS_HOST): nothing is exposed beyond this host unless asked.

@@ -251,7 +251,7 @@ def audit(sku_argument: OneSku = None, sku_option: SkuOption = None, as_json: Js
 
 def show_config(as_json: JsonFlag = False) -> None:
     """Every setting in effect (passwords masked) and where it came from: environment, file (a password
-    file's), option, default. The variables, their types, ranges and help: reservations.settings."""
+    file's), option, default. The variables, their types, ranges and help: tasks.settings."""
     rows = context.config.settings.report()
     if as_json:
         render.emit_json(rows)

@@ -1,5 +1,5 @@
 """Print the broker URL Flower is to use: RESERVATIONS_BROKER_URL with the password read from the file
-RESERVATIONS_BROKER_PASSWORD_FILE names (when set and not empty), as reservations.settings gives it to the
+RESERVATIONS_BROKER_PASSWORD_FILE names (when set and not empty), as tasks.settings gives it to the
 workers. Flower's image holds Celery, not this project, so the few lines are here; tests/test_compose.py
 checks that both give the same URL. A sentinel:// URL is not supported: Flower would also need the
 Sentinel service name as a transport option.
