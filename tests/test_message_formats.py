@@ -1,0 +1,229 @@
+"""Old messages are still served: every recorded request message of every released format
+(tests/fixtures/messages/v<N>/, recorded by tests/record_messages.py from the code of that release) is
+put as it was recorded onto the broker queue of a real ``celery worker`` of this code, with only what
+names one request replaced by fresh values (its key and the task id derived from it, its SKUs, the
+reservation it confirms or releases, a deadline that would have passed, the broker's delivery tag), and
+must end with the outcome and the stock change it asked for, on SQLite and on PostgreSQL.
+
+The raw message goes onto the queue as the broker carries it (an LPUSH of the JSON payload onto the
+Redis list, as kombu's producer does): nothing of this code's producers takes part, so a producer that
+changed its layout cannot hide a worker that no longer reads the old one.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from admin.harness import RedisServer, redis_server, wait_until
+from reservations import Inventory
+from reservations.messages import COUNTERS, request_fingerprint
+from reservations.requests import RequestResult, request_id
+from tasks import ReservationClient
+from tasks.deadlines import DEADLINE
+from tests.workers import Cluster, cluster, migrated_database
+
+pytestmark = pytest.mark.slow
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "messages"
+ALL = sorted(FIXTURES.glob("v*/*.json"))
+OUTCOME_TIMEOUT = 30.0
+ON_HAND = 10
+
+# What each recorded case asks for, by the letter of the SKU (the recorder's FIXSKU-A and FIXSKU-B):
+# its final status, and the SKUs' (on hand, reserved) afterwards, each SKU starting with ON_HAND units.
+# Written here, not read from the fixtures: a fixture whose arguments changed fails instead of
+# bringing its own expectation along.
+EXPECTED: dict[str, tuple[str, dict[str, tuple[int, int]]]] = {
+    "reserve": ("reserved", {"A": (10, 2)}),
+    "reserve_held": ("reserved", {"A": (10, 2)}),
+    "reserve_async": ("reserved", {"A": (10, 2)}),
+    "reserve_order": ("reserved", {"A": (10, 1), "B": (10, 2)}),
+    "redrive": ("reserved", {"A": (10, 1), "B": (10, 2)}),
+    "confirm": ("confirmed", {"A": (8, 0)}),
+    "release": ("released", {"A": (10, 0)}),
+    "restock": ("restocked", {"A": (15, 0)}),
+    "restock_retry": ("restocked", {"B": (15, 0)}),
+    "count": ("counted", {"A": (7, 0)}),
+    "count_shrinkage": ("counted", {"A": (8, 0)}),
+    "replenish": ("replenished", {"A": (20, 0)}),
+}
+
+
+def fixture_id(path: Path) -> str:
+    return f"{path.parent.name}/{path.stem}"
+
+
+def load(path: Path) -> dict[str, Any]:
+    fixture: dict[str, Any] = json.loads(path.read_text())
+    return fixture
+
+
+def test_every_released_format_has_fixtures_of_every_request_type() -> None:
+    """Each format's folder covers every request task a producer publishes, and names itself."""
+    formats = sorted({path.parent.name for path in ALL})
+    assert "v1" in formats
+    for version in formats:
+        fixtures = [load(path) for path in ALL if path.parent.name == version]
+        tasks = {fixture["task"] for fixture in fixtures}
+        assert tasks == {f"reservations.{name}" for name in REQUEST_TASKS}, version
+        assert {fixture["format"] for fixture in fixtures} == {int(version.removeprefix("v"))}
+        assert {fixture["case"] for fixture in fixtures} <= set(EXPECTED), version
+
+
+REQUEST_TASKS = ("reserve", "reserve_order", "confirm", "release", "restock", "count", "replenish")
+
+
+# -- the substitution ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Fresh:
+    """The values naming one request of a fixture, this time."""
+
+    key: str
+    skus: dict[str, str]  # the fixture's SKU -> a fresh one
+    reservation_id: str | None
+
+
+def fresh_message(fixture: dict[str, Any], fresh: Fresh) -> tuple[dict[str, Any], bytes]:
+    """The fixture's message with ``fresh``'s values in place of its stand-ins, and its raw payload as
+    the broker's queue would hold it."""
+    stand_ins = fixture["stand_ins"]
+    text = json.dumps(fixture["message"])
+    swaps = {stand_ins["key"]: fresh.key, request_id(stand_ins["key"]): request_id(fresh.key)}
+    swaps.update({sku: fresh.skus[sku] for sku in stand_ins.get("skus", [])})
+    if fresh.reservation_id is not None:
+        swaps[stand_ins["reservation_id"]] = fresh.reservation_id
+    for old, new in swaps.items():
+        assert old in text, f"{old!r} is not in the recorded message"
+        text = text.replace(old, new)
+    message: dict[str, Any] = json.loads(text)
+    headers, properties = message["headers"], message["properties"]
+    if DEADLINE in headers:  # recorded as a deadline that has passed since: carried out, not expired
+        headers[DEADLINE] = time.time() + 600
+    properties["delivery_tag"] = str(uuid.uuid4())
+    assert properties["body_encoding"] == "base64"
+    raw = {**message, "body": base64.b64encode(json.dumps(message["body"]).encode()).decode()}
+    return message, json.dumps(raw).encode()
+
+
+# -- a worker of this code ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Running:
+    cluster: Cluster
+    broker: redis.Redis
+    client: ReservationClient
+    inventory: Inventory
+
+    def publish(self, raw: bytes) -> None:
+        """Onto the worker's queue as kombu's Redis producer puts it there (it consumes from the other
+        end)."""
+        self.broker.lpush("celery", raw)
+
+    def outcome(self, key: str) -> RequestResult:
+        try:
+            found: RequestResult = wait_until(
+                lambda: self.inventory.request_outcome(key),
+                timeout=OUTCOME_TIMEOUT,
+                what=f"the outcome of {key}",
+            )
+        except Exception as exc:
+            raise AssertionError(f"{exc}\n{self.cluster.tails()}") from None
+        return found
+
+    def held_reservation(self, sku: str) -> str:
+        """A reservation of 2 units of ``sku`` held by a request through the worker: its id."""
+        handle = self.client.enqueue_reservation_sync(sku, 2, idempotency_key=f"held-{uuid.uuid4().hex}")
+        result = handle.result_sync(timeout=OUTCOME_TIMEOUT)
+        assert result.status == "reserved", result
+        (reservation,) = result.detail["reservation_ids"]
+        return str(reservation)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    with redis_server(tmp_path_factory.mktemp("redis")) as running:
+        yield running
+
+
+@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+def running(
+    request: pytest.FixtureRequest,
+    server: RedisServer,
+    migrated_sqlite: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Running]:
+    """One worker of this code on the inventory database (its SQL leases there too), on a private Redis."""
+    kind: str = request.param
+    workdir = tmp_path_factory.mktemp(f"formats_{kind}")
+    db = 0 if kind == "sqlite" else 2
+    with migrated_database(kind, workdir, migrated_sqlite) as url:
+        env = {
+            "RESERVATIONS_BROKER_URL": server.url(db),
+            "RESERVATIONS_RESULT_BACKEND": server.url(db + 1),
+            "RESERVATIONS_DATABASE_URL": url,
+        }
+        with cluster(workdir, env, count=1, prefix=f"fmt{kind[:2]}") as started:
+            client = started.client()
+            inventory = Inventory.from_url(url)
+            broker = redis.Redis.from_url(server.url(db))
+            try:
+                yield Running(started, broker, client, inventory)
+            finally:
+                broker.close()
+                inventory.close()
+                client.close()
+                client.app.close()
+
+
+def fresh_for(running: Running, fixture: dict[str, Any]) -> Fresh:
+    """Fresh values for the fixture's stand-ins: the SKUs created with ON_HAND units each, and for a
+    confirm or release a reservation held on its first SKU."""
+    run = uuid.uuid4().hex[:10]
+    stand_ins = fixture["stand_ins"]
+    key = re.sub(r"^msgfix-", f"msgfix-{run}-", stand_ins["key"])
+    assert key != stand_ins["key"]
+    reservation = None
+    if "reservation_id" in stand_ins:
+        skus = {"FIXSKU-A": f"FMT{run}-A"}
+        running.inventory.add_sku(skus["FIXSKU-A"], on_hand=ON_HAND)
+        reservation = running.held_reservation(skus["FIXSKU-A"])
+    else:
+        skus = {sku: f"FMT{run}-{sku.rpartition('-')[2]}" for sku in stand_ins["skus"]}
+        for sku in skus.values():
+            running.inventory.add_sku(sku, on_hand=ON_HAND)
+    return Fresh(key, skus, reservation)
+
+
+@pytest.mark.parametrize("path", ALL, ids=fixture_id)
+def test_a_recorded_message_is_served(running: Running, path: Path) -> None:
+    fixture = load(path)
+    fresh = fresh_for(running, fixture)
+    message, raw = fresh_message(fixture, fresh)
+    running.publish(raw)
+    outcome = running.outcome(fresh.key)
+
+    status, stock = EXPECTED[fixture["case"]]
+    assert outcome.status == status, outcome
+    name = fixture["task"].removeprefix("reservations.")
+    kwargs = {k: v for k, v in message["body"][1].items() if k not in COUNTERS}
+    # The worker recorded the request under the fingerprint a producer computes for it today: a copy of
+    # the same request sent in any format names the same request.
+    assert outcome.fingerprint == request_fingerprint(name, kwargs)
+    for letter, (on_hand, reserved) in stock.items():
+        level = running.inventory.stock(fresh.skus[f"FIXSKU-{letter}"])
+        assert (level.on_hand, level.reserved) == (on_hand, reserved), (letter, level)
+    assert [a.result for a in running.inventory.attempts(fresh.key)] == ["applied"]
