@@ -2,7 +2,7 @@
 
 ``LeaseManager.from_url`` / ``AsyncLeaseManager.from_url`` pick the backend from the URL: Redis for
 ``redis://``, ``rediss://``, ``unix://``, ``redis+sentinel://`` and ``redis+cluster://``
-(:class:`fencing.redis_backend.RedisTopology` gives their forms), SQL for any SQLAlchemy URL.
+(:class:`fencing.redis_topology.RedisTopology` gives their forms), SQL for any SQLAlchemy URL.
 Validation, waiting, backoff and repair decisions live in :mod:`fencing.lease_plans`; the shells only
 drive them and run the background renewal of :meth:`hold`.
 """
@@ -31,16 +31,9 @@ from fencing.lease_plans import (
     default_holder,
     renewal_verdict,
 )
-from fencing.redis_backend import (
-    REDIS_SCHEMES,
-    AsyncRedisExecutor,
-    RedisLeaseCore,
-    RedisTopology,
-    SyncRedisExecutor,
-    async_client,
-    redis_topology,
-    sync_client,
-)
+from fencing.redis_backend import RedisLeaseCore
+from fencing.redis_executor import AsyncRedisExecutor, SyncRedisExecutor, async_client, sync_client
+from fencing.redis_topology import REDIS_SCHEMES, RedisTopology, redis_topology
 from fencing.renewer import Renewer
 from fencing.sql_backend import SqlLeaseCore, metadata
 from fencing.sql_executor import AsyncSqlExecutor, SyncSqlExecutor

@@ -41,7 +41,7 @@ LEASE_RESULTS: tuple[LeaseResult, ...] = get_args(LeaseResult)
 # The operation of each request a worker runs, and the batch server's, whose refused writes name no request.
 SERVE_PENDING = "serve_pending"
 OPERATIONS = (*sorted({shape.operation for shape in SHAPES.values()}), SERVE_PENDING)
-# The backends fencing's BackendUnavailable names (fencing.sql for any database, fencing.redis_backend).
+# The backends fencing's BackendUnavailable names (fencing.sql_errors for any database, fencing.redis_outage).
 BACKENDS = ("database", "redis")
 
 

@@ -4,6 +4,7 @@ and the typed refusal of bad input. Each test runs against Redis, SQLite and Pos
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import redis
+import redis.asyncio
 import sqlalchemy as sa
 
 from admin.harness import wait_until
@@ -25,9 +27,11 @@ from fencing import (
 from fencing.engines import make_engine
 from fencing.keys import scope_keys
 from fencing.lease import new_lease_id
+from fencing.lease_plans import renewal_verdict
 from fencing.manager import DEFAULT_HISTORY_CAP, DEFAULT_HISTORY_RETENTION
 from fencing.plan import Bound, Command, Op, Plan, ScriptCall, run_sync
-from fencing.redis_backend import SyncRedisExecutor
+from fencing.redis_executor import AsyncRedisExecutor, SyncRedisExecutor
+from fencing.redis_outage import outage
 from fencing.sql import execute
 from fencing.sql_executor import SyncSqlExecutor
 from tests.conftest import REDIS_URL, Stack
@@ -524,3 +528,31 @@ def test_an_executor_refuses_the_operations_of_the_other_backend(tmp_path: Path)
     assert rd.run(sends(sa.select(sa.literal(1)))) == "the Redis executor cannot run Select"
     assert rd.run(sends(Command(("PING",)))) == "ran"
     rd.close()
+
+
+async def test_a_redis_error_that_is_no_outage_is_raised_as_itself_and_not_asked_again(
+    redis_prefix: str,
+) -> None:
+    """Only a lost connection or a "not now" answer is an outage that callers wait out or ask again
+    (fencing.redis_outage). A script failing on a real Redis is redis-py's own error from both shells,
+    and a renewal that met it is not asked again."""
+
+    def runs(op: Op) -> Plan[object]:
+        reply = yield op
+        return reply
+
+    # A Lua error at run time, as a bug in one of the lease scripts would raise it.
+    broken = ScriptCall("return redis.call('INCR', KEYS[1])", (f"{redis_prefix}:text",), ())
+    client = redis.Redis.from_url(REDIS_URL, decode_responses=True)
+    client.set(f"{redis_prefix}:text", "not a number")
+    sync_shell = SyncRedisExecutor(client, time.sleep)
+    with pytest.raises(redis.ResponseError, match="not an integer") as failed:
+        sync_shell.run(runs(broken))
+    assert not outage(failed.value)
+    assert renewal_verdict(failed.value, time_left=30).retry_in is None
+    sync_shell.close()
+    async_client = redis.asyncio.Redis.from_url(REDIS_URL, decode_responses=True)
+    async_shell = AsyncRedisExecutor(async_client, asyncio.sleep)
+    with pytest.raises(redis.ResponseError, match="not an integer"):
+        await async_shell.run(runs(broken))
+    await async_shell.close()

@@ -18,7 +18,7 @@ import sqlalchemy as sa
 
 from fencing import AsyncLeaseManager, InvalidLeaseRequest, Lease, LeaseManager
 from fencing.engines import make_engine
-from fencing.redis_backend import AsyncRedisExecutor, SyncRedisExecutor
+from fencing.redis_executor import AsyncRedisExecutor, SyncRedisExecutor
 from fencing.sql_executor import AsyncSqlExecutor, SyncSqlExecutor
 from reservations import AsyncInventory, InvalidRequest, Inventory, scope_of
 from reservations.models import request_outcomes, task_attempts

@@ -1,0 +1,169 @@
+"""The clients a lease URL's topology is reached through, and the sync and async shells that run Redis
+plans on them."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeAlias
+
+import redis
+import redis.asyncio
+import redis.asyncio.cluster
+import redis.asyncio.sentinel
+import redis.cluster
+import redis.sentinel
+
+from fencing.plan import Atomic, Command, Op, Plan, ScriptCall, Sleep, T, foreign, run_async, run_sync
+from fencing.redis_outage import outage, unavailable
+from fencing.redis_topology import RedisTopology
+
+SyncClient: TypeAlias = redis.Redis | redis.cluster.RedisCluster
+AsyncClient: TypeAlias = redis.asyncio.Redis | redis.asyncio.cluster.RedisCluster
+
+
+def sync_client(topology: RedisTopology, options: dict[str, Any]) -> SyncClient | Callable[[], SyncClient]:
+    """The blocking client for ``topology`` with the caller's ``options`` (socket timeouts...), or for a
+    Cluster the function that builds it: redis-py's Cluster client asks a node for the slot map as it is
+    built, and a cluster that does not answer yet must fail an operation as BackendUnavailable, not the
+    building of a lease manager (:class:`SyncRedisExecutor` calls it on first use)."""
+    auth = topology.auth()
+    if topology.kind == "server":
+        return redis.Redis.from_url(topology.url, decode_responses=True, **options)
+    if topology.kind == "sentinel":
+        sentinels = redis.sentinel.Sentinel(  # type: ignore[no-untyped-call]
+            list(topology.nodes), sentinel_kwargs=_sentinel_options(options, auth)
+        )
+        client: redis.Redis = sentinels.master_for(  # type: ignore[no-untyped-call]
+            topology.service, db=topology.db, decode_responses=True, **auth, **options
+        )
+        return client
+    nodes = [redis.cluster.ClusterNode(host, port) for host, port in topology.nodes]  # type: ignore[no-untyped-call]
+    return lambda: redis.cluster.RedisCluster(startup_nodes=nodes, decode_responses=True, **auth, **options)
+
+
+def async_client(topology: RedisTopology, options: dict[str, Any]) -> AsyncClient:
+    """The asyncio client for ``topology``; each of them connects on first use."""
+    auth = topology.auth()
+    if topology.kind == "server":
+        return redis.asyncio.Redis.from_url(topology.url, decode_responses=True, **options)
+    if topology.kind == "sentinel":
+        sentinels = redis.asyncio.sentinel.Sentinel(  # type: ignore[no-untyped-call]
+            list(topology.nodes), sentinel_kwargs=_sentinel_options(options, auth)
+        )
+        client: redis.asyncio.Redis = sentinels.master_for(
+            topology.service, db=topology.db, decode_responses=True, **auth, **options
+        )
+        return client
+    nodes = [redis.asyncio.cluster.ClusterNode(host, port) for host, port in topology.nodes]
+    return redis.asyncio.cluster.RedisCluster(startup_nodes=nodes, decode_responses=True, **auth, **options)
+
+
+def _sentinel_options(options: dict[str, Any], auth: dict[str, Any]) -> dict[str, Any]:
+    """How the sentinels are asked for the primary: with the socket options and retry policy the data
+    nodes get, as redis-py does when given none (a silent sentinel costs no more than a silent primary),
+    and the URL's user and password."""
+    return {**{k: v for k, v in options.items() if k.startswith("socket_") or k == "retry"}, **auth}
+
+
+def _sentinels(client: object) -> Any:
+    """The ``Sentinel`` a Sentinel-managed client asks for its primary, None for other clients: it holds
+    connections of its own, to the sentinels, closed with the client's."""
+    return getattr(getattr(client, "connection_pool", None), "sentinel_manager", None)
+
+
+class SyncRedisExecutor:
+    """Runs plans on a blocking Redis client (one server, a Sentinel-managed primary, a Cluster); scripts
+    registered once per client. ``client`` may be a function building it, called on first use
+    (:func:`sync_client` says why)."""
+
+    def __init__(self, client: SyncClient | Callable[[], SyncClient], sleep: Callable[[float], None]) -> None:
+        self._client: SyncClient | None = None
+        self._build: Callable[[], SyncClient] | None = None
+        if isinstance(client, redis.Redis | redis.cluster.RedisCluster):
+            self._client = client
+        else:
+            self._build = client
+        self._lock = threading.Lock()  # the renewer thread and the caller's may both be first
+        self._sleep = sleep
+        self._scripts: dict[str, Any] = {}
+
+    @property
+    def client(self) -> SyncClient:
+        if self._client is None:
+            with self._lock:
+                if self._client is None and self._build is not None:
+                    self._client = self._build()
+        assert self._client is not None
+        return self._client
+
+    def run(self, plan: Plan[T]) -> T:
+        return run_sync(plan, self._handle)
+
+    def _handle(self, op: Op) -> Any:
+        if isinstance(op, Sleep):
+            return self._sleep(op.seconds)
+        if isinstance(op, Atomic):
+            return self.run(op.plan)
+        if not isinstance(op, ScriptCall | Command):
+            raise foreign("Redis", op)
+        try:
+            if isinstance(op, ScriptCall):
+                script = self._scripts.get(op.source)
+                if script is None:
+                    script = self._scripts[op.source] = self.client.register_script(op.source)
+                return script(keys=op.keys, args=op.args)
+            return self.client.execute_command(*op.args)  # type: ignore[no-untyped-call]
+        except Exception as exc:
+            if outage(exc):
+                raise unavailable(op, exc) from exc
+            raise
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            sentinels = _sentinels(self._client)
+            if sentinels is not None:
+                sentinels.close()
+
+
+class AsyncRedisExecutor:
+    """The async shell of :class:`SyncRedisExecutor` over an asyncio client, which connects on first use
+    of its own."""
+
+    def __init__(self, client: AsyncClient, sleep: Callable[[float], Awaitable[Any]]) -> None:
+        self._client = client
+        self._sleep = sleep
+        self._scripts: dict[str, Any] = {}
+
+    @property
+    def client(self) -> AsyncClient:
+        return self._client
+
+    async def run(self, plan: Plan[T]) -> T:
+        return await run_async(plan, self._handle)
+
+    async def _handle(self, op: Op) -> Any:
+        if isinstance(op, Sleep):
+            return await self._sleep(op.seconds)
+        if isinstance(op, Atomic):
+            return await self.run(op.plan)
+        if not isinstance(op, ScriptCall | Command):
+            raise foreign("Redis", op)
+        try:
+            if isinstance(op, ScriptCall):
+                script = self._scripts.get(op.source)
+                if script is None:
+                    script = self._scripts[op.source] = self.client.register_script(op.source)
+                return await script(keys=op.keys, args=op.args)
+            return await self.client.execute_command(*op.args)
+        except Exception as exc:
+            if outage(exc):
+                raise unavailable(op, exc) from exc
+            raise
+
+    async def close(self) -> None:
+        await self.client.aclose()
+        sentinels = _sentinels(self.client)
+        if sentinels is not None:
+            await sentinels.aclose()
