@@ -1,8 +1,9 @@
 """What a request's sender is told: its stored final outcome as a Celery result, or a conflict when its
 key names a different request (then the key's Celery result stays the owning request's).
 
-Every answer starts with its status and epochs, in that order: the worker's main process names the
-task's Celery event after the status read from the front of the result's repr (:mod:`tasks.states`).
+An answer is a plain dict, as the result backend stores it and clients read it: ``status``, ``epochs``,
+``key``, ``operation``, ``detail``. Whatever names the task's outcome reads its ``status`` field (the
+task events, :mod:`tasks.states`; the metrics, :func:`tasks.observe.finished`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from reservations.statuses import RequestStatus
 def reply(
     status: str, epochs: int, key: str | None, operation: str, detail: dict[str, Any]
 ) -> dict[str, Any]:
-    """An answer as the Celery result carries it; status and epochs first (see the module docstring)."""
+    """An answer as the Celery result carries it (see the module docstring)."""
     return {"status": str(status), "epochs": epochs, "key": key, "operation": operation, "detail": detail}
 
 

@@ -20,19 +20,20 @@ queued for its SKU's holder    none (stays STARTED); the server    SUCCESS, writ
 
 The final event replaces Celery's ``task-succeeded`` and keeps its ``result`` and ``runtime`` fields and
 adds ``outcome`` and ``epochs`` (a request that lost ownership and was driven again ends with epochs >= 1,
-after its LOST_OWNERSHIP events). It is sent by the worker's main process, which reads the status from
-the front of the result's repr: every answer starts with it (:func:`tasks.answers.reply`). The
-lost-ownership event is sent by the pool child before it publishes the retry, so it always arrives
+after its LOST_OWNERSHIP events). It is sent by the worker's main process, which Celery hands only the
+repr of what the task returned; so the pool child hands it an :class:`Answered` instead, the answer's
+status and epochs read from the answer dict itself along with that repr (:meth:`RequestTask.__trace__`).
+The lost-ownership event is sent by the pool child before it publishes the retry, so it always arrives
 before the next attempt's events (a custom state is overtaken only by a later custom or final one).
 """
 
 from __future__ import annotations
 
 import logging
-import re
 import sys
 import traceback
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 from celery import Celery, Task
 from celery.app.task import get_actual_ignore_result
@@ -48,9 +49,6 @@ log = logging.getLogger("tasks")
 
 QUEUED = "queued"
 LOST_OWNERSHIP = "task-lost_ownership"
-
-# The front of a request task's result repr: {'status': 'reserved', 'epochs': 0, ...
-_ANSWER = re.compile(r"\{'status': '([a-z_]+)', 'epochs': (\d+)")
 
 # Whether this worker sends task events (-E or RESERVATIONS_TASK_EVENTS): set in the main process before
 # the pool forks, so a pool child that serves queued requests knows whether to announce them.
@@ -76,30 +74,74 @@ def event_type(status: str) -> str:
     return f"task-{status}"
 
 
-def named(result: object) -> tuple[str, dict[str, Any]] | None:
-    """The event a request task's result repr calls for: its type and extra fields; None for a result
-    that is no answer (Celery's own event stands), ``("", {})`` for a queued request (no event)."""
-    found = _ANSWER.match(result) if isinstance(result, str) else None
-    if found is None:
-        return None
-    status, epochs = found.group(1), int(found.group(2))
-    if status == QUEUED:
-        return "", {}
-    return event_type(status), {"outcome": status, "epochs": epochs}
+class Answered(NamedTuple):
+    """What a request task's pool child hands the worker's main process when the task returned an
+    answer (:func:`tasks.answers.reply`): its status and epochs, and Celery's repr of it (the event's
+    ``result``). Crosses the process boundary by pickle."""
+
+    status: str
+    epochs: int
+    text: str | None
+
+    @classmethod
+    def of(cls, answer: object, text: str | None) -> Answered | None:
+        """``answer``'s status and epochs; None for a return value that is no answer."""
+        if not isinstance(answer, dict):
+            return None
+        status, epochs = answer.get("status"), answer.get("epochs")
+        if not isinstance(status, str) or isinstance(epochs, bool) or not isinstance(epochs, int):
+            return None
+        return cls(status, epochs, text)
+
+    def event(self) -> tuple[str, dict[str, Any]] | None:
+        """The final event this answer calls for, its type and fields; None for a queued request (the
+        server of its batch announces the outcome)."""
+        if self.status == QUEUED:
+            return None
+        return event_type(self.status), {"result": self.text, "outcome": self.status, "epochs": self.epochs}
+
+
+Tracer = Callable[..., Any]
+
+
+def _answering(tracer: Tracer) -> Tracer:
+    """A request task's Celery tracer, whose successful traces hand the main process an
+    :class:`Answered` where Celery hands it the repr of the return value."""
+
+    def trace(*args: Any, **kwargs: Any) -> Any:
+        traced = tracer(*args, **kwargs)  # celery.app.trace.trace_ok_t
+        answered = Answered.of(traced.retval, traced.retstr) if traced.info is None else None
+        return traced if answered is None else traced._replace(retstr=answered)
+
+    return trace
 
 
 class OutcomeRequest(Request):  # type: ignore[misc]
     """The worker's request of a reservation task: its events name the outcome (module docstring)."""
 
+    _stored: Answered | None = None
+
     def send_event(self, type: str, **fields: Any) -> None:
         if type == "task-succeeded":
-            found = named(fields.get("result"))
-            if found is not None:
-                type, extra = found
-                if not type:
-                    return  # queued: the server of its batch announces the outcome
+            answered = fields.get("result")
+            if not isinstance(answered, Answered):
+                answered = self._stored
+            if answered is not None:
+                final = answered.event()
+                if final is None:
+                    return
+                type, extra = final
                 fields.update(extra)
         super().send_event(type, **fields)
+
+    def _success_was_stored(self) -> Any:
+        """Celery's look for the SUCCESS a pool child stored before it was lost: Celery then sends
+        ``task-succeeded`` with the repr of the stored result; :meth:`send_event` names its answer."""
+        meta = super()._success_was_stored()
+        if meta:
+            stored = meta.get("result")
+            self._stored = Answered.of(stored, saferepr(stored, self.task.resultrepr_maxsize))
+        return meta
 
     def on_retry(self, exc_info: Any) -> None:
         if not isinstance(getattr(exc_info.exception, "exc", None), Redriven):
@@ -125,6 +167,18 @@ class RequestTask(Task):  # type: ignore[misc]
     """
 
     Request = OutcomeRequest
+
+    _tracer: Tracer | None = None
+
+    @property
+    def __trace__(self) -> Tracer | None:
+        """The tracer the worker runs this task with (Celery builds and assigns it, in every pool child and
+        in the main process): Celery's, handing the main process an :class:`Answered`."""
+        return self._tracer
+
+    @__trace__.setter
+    def __trace__(self, tracer: Tracer | None) -> None:
+        self._tracer = None if tracer is None else _answering(tracer)
 
     @property
     def ignore_result(self) -> bool:
