@@ -1,0 +1,43 @@
+"""A handle on one enqueued request: its key and task id, and what its client published for it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from reservations import IdempotencyConflict
+from reservations.requests import RequestResult
+from tasks.outcomes import Published
+
+if TYPE_CHECKING:
+    from tasks.client import ReservationClient
+
+
+@dataclass(frozen=True)
+class ReservationHandle:
+    """One enqueued request. ``result`` raises :class:`IdempotencyConflict` when the outcome under its key
+    belongs to a different request (the key was used first with other arguments)."""
+
+    key: str
+    task_id: str
+    client: ReservationClient
+    operation: str | None = None
+    fingerprint: str | None = None
+    # What was published, to publish it again while it has no outcome (None: never).
+    published: Published | None = field(default=None, compare=False, repr=False)
+
+    async def result(self, timeout: float = 30.0) -> RequestResult:
+        return self._own(await self.client.wait(self.key, timeout=timeout, published=self.published))
+
+    def result_sync(self, timeout: float = 30.0) -> RequestResult:
+        return self._own(self.client.wait_sync(self.key, timeout=timeout, published=self.published))
+
+    def _own(self, stored: RequestResult) -> RequestResult:
+        """The outcome, when it is this request's: the one decision both shells share."""
+        if self.operation is None or self.fingerprint is None:
+            return stored
+        if not stored.belongs_to(self.operation, self.fingerprint):
+            raise IdempotencyConflict(
+                key=self.key, operation=self.operation, stored_operation=stored.operation
+            )
+        return stored
