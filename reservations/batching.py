@@ -70,7 +70,7 @@ def serve(
         # it) fails the batch on its key: the next round sees that and only removes it from the list.
         return (yield from settled(attempt, f"the pending reservations of {sku!r}"))
     except StaleToken as stale:
-        yield Atomic(plans.one(plans.rejection(stale, lease, sku, "reserve", None, None)))
+        yield Atomic(plans.ledger.one(plans.ledger.rejection(stale, lease, sku, "reserve", None, None)))
         raise
 
 
@@ -123,7 +123,9 @@ def _batch(
     else:
 
         def hold(request: Any) -> Plan[Outcome]:
-            return plans.hold_one(lease, request.sku, request.quantity, request.key, request.hold_ms)
+            return plans.lifecycle.hold_one(
+                lease, request.sku, request.quantity, request.key, request.hold_ms
+            )
 
     now = db_now_ms()
     records: list[dict[str, Any]] = []
@@ -164,7 +166,7 @@ def _batch(
             }
         )
     if allotted:
-        yield from plans.hold_together(lease, sku, allotted)
+        yield from plans.lifecycle.hold_together(lease, sku, allotted)
     if records:
         yield sa.insert(idempotency_keys).values(records)
     if outcomes:
@@ -226,7 +228,7 @@ def _serve_one(
         if not known:
             raise UnknownSku(sku)
         if key in stored:
-            outcome = plans.replay(stored[key], "reserve", print_)
+            outcome = plans.ledger.replay(stored[key], "reserve", print_)
             return RequestStatus.RESERVED, outcome.summary(), AttemptResult.REPLAYED
         if key in clashing:
             raise IdempotencyConflict(

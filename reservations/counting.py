@@ -129,8 +129,11 @@ _VERSION = sa.select(
 )
 
 
-class StockCounting(Ledger):
+class StockCounting:
     """The read under a lease, and the two writes decided from it. Decisions and statements; no I/O."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
 
     def look(self, lease: Lease, sku: str) -> Plan[StockSeen]:
         """The SKU's stock and version, read under ``lease`` to decide a write from. The read raises the
@@ -142,12 +145,12 @@ class StockCounting(Ledger):
         try:
             seen: StockSeen = yield Atomic(self._look(lease, sku))
         except StaleToken as stale:
-            yield Atomic(self.one(self.rejection(stale, lease, sku, "look", None, None)))
+            yield Atomic(self.ledger.one(self.ledger.rejection(stale, lease, sku, "look", None, None)))
             raise
         return seen
 
     def _look(self, lease: Lease, sku: str) -> Plan[StockSeen]:
-        result = yield from self.fence.plan(
+        result = yield from self.ledger.fence.plan(
             lease,
             scope=valid.scope_of(sku),
             where=[stock.c.sku == sku],
@@ -203,7 +206,7 @@ class StockCounting(Ledger):
             before = yield from stock_level(sku)
             level = yield from self._set_on_hand(lease, sku, counted)
             change = counted - before.on_hand
-            yield self._history(
+            yield self.ledger.history(
                 lease, sku, "count", key, quantity=change, on_hand=change, reserved=0,
                 detail=json.dumps(detail, sort_keys=True),
             )  # fmt: skip
@@ -211,18 +214,18 @@ class StockCounting(Ledger):
                 operation="count", key=key, token=lease.token, stock=(level,), quantity=change, detail=detail
             )
 
-        return self._idempotent(
+        return self.ledger.idempotent(
             key,
             "count",
             count_fingerprint(sku, counted, shrinkage),
             apply,
-            lambda stale: self.rejection(stale, lease, sku, "count", key, counted),
-            self._lock_skus(sku),
+            lambda stale: self.ledger.rejection(stale, lease, sku, "count", key, counted),
+            self.ledger.lock_skus(sku),
         )
 
     def _set_on_hand(self, lease: Lease, sku: str, counted: int) -> Plan[StockLevel]:
         """The fenced absolute write; the held units are checked in its own condition."""
-        result = yield from self.fence.plan(
+        result = yield from self.ledger.fence.plan(
             lease,
             scope=valid.scope_of(sku),
             where=[stock.c.sku == sku],
@@ -256,10 +259,10 @@ class StockCounting(Ledger):
         detail = {"par": par, **_seen_detail(checked)}
 
         def apply() -> Plan[Outcome]:
-            level = yield from self._fenced(
+            level = yield from self.ledger.fenced(
                 lease, sku, "replenish", on_hand=order, reserved=0, condition=None
             )
-            yield self._history(
+            yield self.ledger.history(
                 lease, sku, "replenish", key, quantity=order, on_hand=order, reserved=0,
                 detail=json.dumps(detail, sort_keys=True),
             )  # fmt: skip
@@ -272,11 +275,11 @@ class StockCounting(Ledger):
                 detail=detail,
             )
 
-        return self._idempotent(
+        return self.ledger.idempotent(
             key,
             "replenish",
             replenish_fingerprint(sku, par),
             apply,
-            lambda stale: self.rejection(stale, lease, sku, "replenish", key, order),
-            self._lock_skus(sku),
+            lambda stale: self.ledger.rejection(stale, lease, sku, "replenish", key, order),
+            self.ledger.lock_skus(sku),
         )

@@ -111,7 +111,7 @@ class Ledger:
 
     # -- the idempotent envelope -------------------------------------------------------------------
 
-    def _idempotent(
+    def idempotent(
         self,
         key: str,
         operation: str,
@@ -177,7 +177,7 @@ class Ledger:
         )
         return outcome
 
-    def _lock_skus(self, *skus: str) -> Callable[[], Plan[None]]:
+    def lock_skus(self, *skus: str) -> Callable[[], Plan[None]]:
         """Lock the stock rows in sorted order (PostgreSQL; SQLite transactions are already exclusive)."""
 
         def lock() -> Plan[None]:
@@ -186,13 +186,13 @@ class Ledger:
 
         return lock
 
-    def _lock_reservation_sku(self, reservation_id: str) -> Callable[[], Plan[None]]:
+    def lock_reservation_sku(self, reservation_id: str) -> Callable[[], Plan[None]]:
         def lock() -> Plan[None]:
             # A reservation's SKU never changes (a trigger refuses it), so it is safe to read unlocked.
             found: Rows = yield sa.select(reservations.c.sku).where(reservations.c.id == reservation_id)
             row = found.first()
             if row is not None:
-                yield from self._lock_skus(row.sku)()
+                yield from self.lock_skus(row.sku)()
 
         return lock
 
@@ -239,7 +239,7 @@ class Ledger:
         reservation_id: str | None = None,
     ) -> sa.Executable:
         return sa.insert(sku_history).values(
-            self._history_values(
+            self.history_values(
                 lease,
                 sku,
                 operation,
@@ -254,7 +254,7 @@ class Ledger:
         )
 
     @staticmethod
-    def _history_values(
+    def history_values(
         lease: Lease,
         sku: str,
         operation: str,
@@ -288,7 +288,7 @@ class Ledger:
 
     # -- building blocks ---------------------------------------------------------------------------
 
-    def _fenced(
+    def fenced(
         self,
         lease: Lease,
         sku: str,
@@ -332,7 +332,7 @@ class Ledger:
         row = result.row
         return StockLevel(sku=row[0], on_hand=row[1], reserved=row[2], available=row[3], fence_token=row[4])
 
-    def _history(
+    def history(
         self,
         lease: Lease,
         sku: str,
@@ -346,7 +346,7 @@ class Ledger:
         detail: str | None = None,
     ) -> sa.Executable:
         return sa.insert(sku_history).values(
-            self._history_values(
+            self.history_values(
                 lease,
                 sku,
                 operation,
@@ -361,7 +361,7 @@ class Ledger:
             )
         )
 
-    def _unkeyed(
+    def unkeyed(
         self,
         apply: Callable[[], Plan[Outcome]],
         on_stale: Callable[[StaleToken], sa.Executable],

@@ -17,8 +17,11 @@ from reservations.reads import stock_level
 from reservations.views import Outcome, StockLevel
 
 
-class ReservationLifecycle(Ledger):
+class ReservationLifecycle:
     """Holding units and ending a hold; the operations that start a reservation build on it."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
 
     def hold_line(
         self,
@@ -32,7 +35,7 @@ class ReservationLifecycle(Ledger):
         hold_ms: int | None,
         operation: str,
     ) -> Plan[tuple[str, StockLevel]]:
-        level = yield from self._fenced(
+        level = yield from self.ledger.fenced(
             lease, sku, operation, on_hand=0, reserved=quantity, condition=stock.c.available >= quantity
         )
         reservation_id = new_reservation_id()
@@ -49,7 +52,7 @@ class ReservationLifecycle(Ledger):
             lease_id=lease.lease_id,
             created_ms=now,
         )
-        yield self._history(
+        yield self.ledger.history(
             lease,
             sku,
             operation,
@@ -67,7 +70,7 @@ class ReservationLifecycle(Ledger):
         history rows: three statements for a batch of any size. PostgreSQL only, where the held-units
         check counts a statement's reservations together (migration 0007); returns the level after."""
         total = sum(line.quantity for line in held)
-        level = yield from self._fenced(
+        level = yield from self.ledger.fenced(
             lease, sku, "reserve", on_hand=0, reserved=total, condition=stock.c.available >= total
         )
         now = db_now_ms()
@@ -90,7 +93,7 @@ class ReservationLifecycle(Ledger):
         )
         yield sa.insert(sku_history).values(
             [
-                self._history_values(
+                self.ledger.history_values(
                     lease,
                     sku,
                     "reserve",
@@ -144,7 +147,7 @@ class ReservationLifecycle(Ledger):
             if row.status != HELD:
                 raise InvalidTransition(reservation_id=reservation_id, status=row.status, operation=operation)
             on_hand = -row.quantity if status == CONFIRMED else 0
-            level = yield from self._fenced(
+            level = yield from self.ledger.fenced(
                 lease, row.sku, operation, on_hand=on_hand, reserved=-row.quantity, condition=None
             )
             changed: Rows = yield (
@@ -155,7 +158,7 @@ class ReservationLifecycle(Ledger):
             )
             if not changed.rows:  # finished (or expired) by someone else since we read it: roll back
                 raise InvalidTransition(reservation_id=reservation_id, status="final", operation=operation)
-            yield self._history(
+            yield self.ledger.history(
                 lease,
                 row.sku,
                 operation,
@@ -174,15 +177,15 @@ class ReservationLifecycle(Ledger):
                 quantity=row.quantity,
             )
 
-        return self._idempotent(
+        return self.ledger.idempotent(
             key,
             operation,
             fingerprint(operation, reservation_id=reservation_id),
             apply,
-            lambda stale: self.rejection(
+            lambda stale: self.ledger.rejection(
                 stale, lease, sku_box[-1] if sku_box else "?", operation, key, None, reservation_id
             ),
-            self._lock_reservation_sku(reservation_id),
+            self.ledger.lock_reservation_sku(reservation_id),
         )
 
     def confirm(self, lease: Lease, reservation_id: str, key: str) -> Plan[Outcome]:
@@ -217,7 +220,7 @@ class ReservationLifecycle(Ledger):
             for r in due.rows:
                 # One reservation at a time, stock first: the database checks after every reservation
                 # row that the SKU's reserved units equal its held reservations.
-                level = yield from self._fenced(
+                level = yield from self.ledger.fenced(
                     lease, sku, "expire", on_hand=0, reserved=-r.quantity, condition=None
                 )
                 yield (
@@ -225,7 +228,7 @@ class ReservationLifecycle(Ledger):
                     .where(reservations.c.id == r.id, reservations.c.status == HELD)
                     .values(status=EXPIRED, final_ms=db_now_ms(), final_token=lease.token, final_key=key)
                 )
-                yield self._history(
+                yield self.ledger.history(
                     lease,
                     sku,
                     "expire",
@@ -244,8 +247,8 @@ class ReservationLifecycle(Ledger):
                 quantity=total,
             )
 
-        on_stale = lambda stale: self.rejection(stale, lease, sku, "expire", key, None)  # noqa: E731
-        lock = self._lock_skus(sku)
+        on_stale = lambda stale: self.ledger.rejection(stale, lease, sku, "expire", key, None)  # noqa: E731
+        lock = self.ledger.lock_skus(sku)
         if key is None:
-            return self._unkeyed(apply, on_stale, lock)
-        return self._idempotent(key, "expire", fingerprint("expire", sku=sku), apply, on_stale, lock)
+            return self.ledger.unkeyed(apply, on_stale, lock)
+        return self.ledger.idempotent(key, "expire", fingerprint("expire", sku=sku), apply, on_stale, lock)

@@ -6,20 +6,21 @@ counts and replenishment to par (writes decided from a read) are :mod:`reservati
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import sqlalchemy as sa
 
-from fencing import Lease, StaleToken
+from fencing import Fence, Lease, StaleToken
 from fencing.plan import Alone, Atomic, Plan
 from fencing.sql import Rows, db_now_ms
 from reservations import reserve_statement
 from reservations import validation as valid
 from reservations.collisions import settled
-from reservations.counting import StockCounting
+from reservations.counting import StockCounting, StockSeen
 from reservations.errors import InsufficientStock, InvalidRequest, KeyTaken
 from reservations.ledger import (
     HeldLine,
+    Ledger,
     fingerprint,
     hold_ms_of,
     new_reservation_id,
@@ -56,8 +57,60 @@ _RECORD = sa.select(
 ).where(idempotency_keys.c.key == sa.bindparam("key"))
 
 
-class InventoryPlans(ReservationLifecycle, StockCounting):
-    """Decisions and statements for every inventory operation; no I/O."""
+class InventoryPlans:
+    """Decisions and statements for every inventory operation; no I/O. Composed of the ledger (the
+    envelope every fenced write shares), the reservation lifecycle and stock counting; the operations
+    that start a reservation or change on-hand stock are its own."""
+
+    def __init__(
+        self,
+        *,
+        enforce_fence: bool = True,
+        before_statement: Callable[[Lease], None] | None = None,
+        single_statement: bool = False,
+    ) -> None:
+        self.ledger = Ledger(
+            enforce_fence=enforce_fence, before_statement=before_statement, single_statement=single_statement
+        )
+        self.lifecycle = ReservationLifecycle(self.ledger)
+        self.counting = StockCounting(self.ledger)
+
+    @property
+    def fence(self) -> Fence:
+        return self.ledger.fence
+
+    @property
+    def single_statement(self) -> bool:
+        return self.ledger.single_statement
+
+    # -- the lifecycle's and counting's operations, as the shells call them ------------------------
+
+    def confirm(self, lease: Lease, reservation_id: str, key: str) -> Plan[Outcome]:
+        return self.lifecycle.confirm(lease, reservation_id, key)
+
+    def release(self, lease: Lease, reservation_id: str, key: str) -> Plan[Outcome]:
+        return self.lifecycle.release(lease, reservation_id, key)
+
+    def expire_due(self, lease: Lease, sku: str, key: str | None = None) -> Plan[Outcome]:
+        return self.lifecycle.expire_due(lease, sku, key)
+
+    def look(self, lease: Lease, sku: str) -> Plan[StockSeen]:
+        return self.counting.look(lease, sku)
+
+    def count(
+        self,
+        lease: Lease,
+        sku: str,
+        counted: int,
+        key: str,
+        *,
+        seen: StockSeen | None = None,
+        shrinkage: int | None = None,
+    ) -> Plan[Outcome]:
+        return self.counting.count(lease, sku, counted, key, seen=seen, shrinkage=shrinkage)
+
+    def replenish(self, lease: Lease, sku: str, par: int, key: str, *, seen: StockSeen) -> Plan[Outcome]:
+        return self.counting.replenish(lease, sku, par, key, seen=seen)
 
     # -- operations --------------------------------------------------------------------------------
 
@@ -122,21 +175,21 @@ class InventoryPlans(ReservationLifecycle, StockCounting):
     ) -> Plan[Outcome]:
         def apply() -> Plan[Outcome]:
             condition = None if delta > 0 else stock.c.available >= -delta
-            level = yield from self._fenced(
+            level = yield from self.ledger.fenced(
                 lease, sku, operation, on_hand=delta, reserved=0, condition=condition
             )
-            yield self._history(
+            yield self.ledger.history(
                 lease, sku, operation, key, quantity=delta, on_hand=delta, reserved=0, detail=reason
             )
             return Outcome(operation=operation, key=key, token=lease.token, stock=(level,), quantity=delta)
 
-        return self._idempotent(
+        return self.ledger.idempotent(
             key,
             operation,
             fingerprint(operation, sku=sku, delta=delta, reason=reason),
             apply,
-            lambda stale: self.rejection(stale, lease, sku, operation, key, delta),
-            self._lock_skus(sku),
+            lambda stale: self.ledger.rejection(stale, lease, sku, operation, key, delta),
+            self.ledger.lock_skus(sku),
         )
 
     def reserve(
@@ -148,19 +201,19 @@ class InventoryPlans(ReservationLifecycle, StockCounting):
     def _reserve(
         self, lease: Lease, sku: str, quantity: int, key: str, hold_ms: int | None, print_: str
     ) -> Plan[Outcome]:
-        if self.single_statement:
+        if self.ledger.single_statement:
             return self._reserve_alone(lease, sku, quantity, key, hold_ms, print_)
 
         def apply() -> Plan[Outcome]:
-            return (yield from self.hold_one(lease, sku, quantity, key, hold_ms))
+            return (yield from self.lifecycle.hold_one(lease, sku, quantity, key, hold_ms))
 
-        return self._idempotent(
+        return self.ledger.idempotent(
             key,
             "reserve",
             print_,
             apply,
-            lambda stale: self.rejection(stale, lease, sku, "reserve", key, quantity),
-            self._lock_skus(sku),
+            lambda stale: self.ledger.rejection(stale, lease, sku, "reserve", key, quantity),
+            self.ledger.lock_skus(sku),
         )
 
     def _reserve_in_one(
@@ -185,7 +238,7 @@ class InventoryPlans(ReservationLifecycle, StockCounting):
             found: Rows = yield Alone(_RECORD, {"key": key})
             if found.rows:
                 return reserve_statement.Replay(reserve_statement.Prior(*found.rows[0]))
-        self.fence.prepare(lease, scope)
+        self.ledger.fence.prepare(lease, scope)
         clashed = False
 
         def clash(taken: KeyTaken) -> None:
@@ -209,14 +262,14 @@ class InventoryPlans(ReservationLifecycle, StockCounting):
                 fingerprint=print_,
                 hold_ms=hold_ms,
                 reservation_id=new_reservation_id(),
-                fence=self.fence,
+                fence=self.ledger.fence,
                 speaker=speaker,
             )
 
         try:
             return (yield from settled(statement, f"the reservation under {key!r}", on_taken=clash))
         except StaleToken as stale:
-            yield Atomic(self.one(self.rejection(stale, lease, sku, "reserve", key, quantity)))
+            yield Atomic(self.ledger.one(self.ledger.rejection(stale, lease, sku, "reserve", key, quantity)))
             raise
 
     def _reserve_alone(
@@ -229,7 +282,7 @@ class InventoryPlans(ReservationLifecycle, StockCounting):
             case reserve_statement.Short(refused):
                 raise refused
             case reserve_statement.Replay(prior):
-                return self.replay(prior, "reserve", print_)
+                return self.ledger.replay(prior, "reserve", print_)
             case reserve_statement.Ended():  # pragma: no cover - only a statement with a speaker ends
                 raise RuntimeError(f"the reservation statement answered an ended request for {key!r}")
 
@@ -250,7 +303,7 @@ class InventoryPlans(ReservationLifecycle, StockCounting):
         hold_ms, print_ = _checked_reserve(lease, sku, quantity, key, hold_for)
         who = {"task_id": speaker.task_id, "worker": speaker.worker}
         replayed: Outcome | InsufficientStock
-        if self.single_statement:
+        if self.ledger.single_statement:
             reply = yield from self._reserve_in_one(lease, sku, quantity, key, hold_ms, print_, speaker)
             match reply:
                 case reserve_statement.Ended(ended):
@@ -261,7 +314,7 @@ class InventoryPlans(ReservationLifecycle, StockCounting):
                     return RequestReply(told, None)
                 case reserve_statement.Replay(prior):
                     try:
-                        replayed = self.replay(prior, "reserve", print_)
+                        replayed = self.ledger.replay(prior, "reserve", print_)
                     except InsufficientStock as short:
                         replayed = short
                 case _:  # pragma: no cover - a statement with a speaker tells what it did
@@ -307,7 +360,7 @@ class InventoryPlans(ReservationLifecycle, StockCounting):
         def apply() -> Plan[Outcome]:
             ids, levels = [], []
             for sku, quantity in order:
-                reservation_id, level = yield from self.hold_line(
+                reservation_id, level = yield from self.lifecycle.hold_line(
                     leases[sku],
                     sku,
                     quantity,
@@ -331,13 +384,13 @@ class InventoryPlans(ReservationLifecycle, StockCounting):
         def on_stale(stale: StaleToken) -> sa.Executable:
             sku = stale.scope.removeprefix("sku:")
             quantity = dict(order).get(sku)
-            return self.rejection(stale, leases[sku], sku, "reserve_many", key, quantity)
+            return self.ledger.rejection(stale, leases[sku], sku, "reserve_many", key, quantity)
 
-        return self._idempotent(
+        return self.ledger.idempotent(
             key,
             "reserve_many",
             fingerprint("reserve_many", lines=order, hold_ms=hold_ms),
             apply,
             on_stale,
-            self._lock_skus(*(sku for sku, _ in order)),
+            self.ledger.lock_skus(*(sku for sku, _ in order)),
         )
