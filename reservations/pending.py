@@ -6,7 +6,7 @@ sweep ask what is waiting. Serving the list is :mod:`reservations.batching`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 import sqlalchemy as sa
 
@@ -22,14 +22,27 @@ from reservations.requests import RequestResult, result_from_json, result_of
 
 
 @dataclass(frozen=True, slots=True)
-class HandOff:
-    """What queueing a request found: its final outcome if it already had one, and whether it was the
-    first request waiting on its SKU (its sender then arranges a later look at the SKU's queue).
-    ``conflict`` is True when its key was already queued for a different request: nothing was queued."""
+class Ended:
+    """The request already had its final outcome: nothing was queued."""
 
-    outcome: RequestResult | None
+    result: RequestResult
+
+
+@dataclass(frozen=True, slots=True)
+class Queued:
+    """The request waits on its SKU's list (now, or already: a redelivery is not queued twice).
+    ``first``: nothing waited before it, so its sender arranges a later look at the SKU's list."""
+
     first: bool
-    conflict: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Conflicting:
+    """Its key is already queued for a different request: nothing was queued."""
+
+
+# What queueing a request found: exactly one of these.
+HandOff: TypeAlias = Ended | Queued | Conflicting
 
 
 # PostgreSQL: the hand-off as one statement, the decisions of ``_hand_off`` in one round trip with no
@@ -98,17 +111,17 @@ def hand_off(
 
 def _handed_off(row: Any) -> HandOff:
     if row.done is not None:
-        return HandOff(outcome=result_from_json(row.done), first=False)
+        return Ended(result_from_json(row.done))
     if row.already and not row.same:
-        return HandOff(outcome=None, first=False, conflict=True)
-    return HandOff(outcome=None, first=not row.any_waiting)
+        return Conflicting()
+    return Queued(first=not row.any_waiting)
 
 
 def _hand_off(values: dict[str, Any]) -> Plan[HandOff]:
     found: Rows = yield sa.select(request_outcomes).where(request_outcomes.c.key == values["key"])
     row = found.first()
     if row is not None:
-        return HandOff(outcome=result_of(row), first=False)
+        return Ended(result_of(row))
     # One round trip for all three: is anything waiting on the SKU, is this key already among it, and is
     # it queued as this very request (a redelivery) rather than a different one under the same key?
     pending = pending_reservations.c
@@ -124,10 +137,10 @@ def _hand_off(values: dict[str, Any]) -> Plan[HandOff]:
     )
     any_waiting, already, same = waiting.rows[0]
     if already and not same:
-        return HandOff(outcome=None, first=False, conflict=True)
+        return Conflicting()
     if not already:
         yield sa.insert(pending_reservations).values(enqueued_ms=db_now_ms(), **values)
-    return HandOff(outcome=None, first=not any_waiting)
+    return Queued(first=not any_waiting)
 
 
 # Built once: every reservation task asks this after releasing its lease.

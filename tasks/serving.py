@@ -12,6 +12,7 @@ from typing import Any
 from celery import Task, current_task, states
 
 from fencing import Lease, LeaseBusy, LostOwnership
+from reservations import pending
 from reservations import validation as valid
 from reservations.messages import Message
 from reservations.requests import RequestResult, task_name
@@ -55,21 +56,22 @@ def wait_for_holder(
     queued = res.inventory.hand_off(
         batch.sku, batch.quantity, key=key, hold_for=batch.hold_for, task_id=who["task_id"], epochs=epoch
     )
-    if queued.outcome is not None:
-        return answer(task, message, queued.outcome)
-    if queued.conflict:
-        # Its key waits in the queue as a different request: that one is served, this one conflicts.
-        return conflict(task, message, "reserve", "is queued for")
-    if queued.first:
-        try:
-            app.send_task(
-                task_name("watch_waiting"),
-                args=[batch.sku],
-                countdown=settings.handoff_check,
-                ignore_result=True,  # as the task itself: no result is awaited, none is subscribed to
-            )
-        except Exception as exc:  # the request is queued: the holder or the beat sweep still serve it
-            log.warning("could not schedule the watch of %s: %s", batch.sku, exc)
+    match queued:
+        case pending.Ended(result):
+            return answer(task, message, result)
+        case pending.Conflicting():
+            # Its key waits in the queue as a different request: that one is served, this one conflicts.
+            return conflict(task, message, "reserve", "is queued for")
+        case pending.Queued(first=True):
+            try:
+                app.send_task(
+                    task_name("watch_waiting"),
+                    args=[batch.sku],
+                    countdown=settings.handoff_check,
+                    ignore_result=True,  # as the task itself: no result is awaited, none is subscribed to
+                )
+            except Exception as exc:  # the request is queued: the holder or the beat sweep still serve it
+                log.warning("could not schedule the watch of %s: %s", batch.sku, exc)
     # Served nothing: the lease is busy, and its holder looks at the queue again after releasing.
     if serve_quietly(res, batch.sku, known_waiting=True, **who):
         done = res.inventory.request_outcome(key)

@@ -12,7 +12,7 @@ import sqlalchemy as sa
 
 from fencing import Lease, LeaseLost, LeaseManager, StaleToken
 from fencing.engines import make_engine
-from reservations import AsyncInventory, InvalidRequest, Inventory, scope_of
+from reservations import AsyncInventory, InvalidRequest, Inventory, pending, scope_of
 from reservations.audit import Rule
 from reservations.models import pending_reservations, reservations
 from tests.test_inventory import level, snapshot
@@ -39,7 +39,7 @@ def test_holder_serves_queued_requests_in_one_batch(
     keys = [f"flash-{i}" for i in range(5)]
     for i, key in enumerate(keys):
         queued = inventory.hand_off(hot, 1 + i % 2, key=key, task_id=f"task-{i}")
-        assert queued.outcome is None and queued.first == (i == 0)
+        assert queued == pending.Queued(first=i == 0)
     assert inventory.pending_count(hot) == 5
     assert statuses(inventory, keys) == dict.fromkeys(keys)
 
@@ -121,12 +121,12 @@ def test_a_key_applied_directly_is_replayed_not_applied_again(
 def test_handing_off_twice_queues_once_and_an_ended_request_not_at_all(
     inventory: Inventory, leases: LeaseManager, hot: str
 ) -> None:
-    assert inventory.hand_off(hot, 1, key="dup").outcome is None
-    assert inventory.hand_off(hot, 1, key="dup").outcome is None
+    assert inventory.hand_off(hot, 1, key="dup") == pending.Queued(first=True)
+    assert inventory.hand_off(hot, 1, key="dup") == pending.Queued(first=False)
     assert inventory.pending_count(hot) == 1
     inventory.serve_pending(lease_for(leases, hot), hot, limit=10)
-    again = inventory.hand_off(hot, 1, key="dup").outcome
-    assert again is not None and again.status == "reserved"
+    again = inventory.hand_off(hot, 1, key="dup")
+    assert isinstance(again, pending.Ended) and again.result.status == "reserved"
     assert inventory.pending_count() == 0
     assert level(inventory, hot) == (10, 1, 9)
 
@@ -271,7 +271,10 @@ def test_a_batch_holds_each_request_against_what_the_ones_before_it_left(
         inventory.hand_off(hot, quantity, key=key)
     served = {r.key: r for r in inventory.serve_pending(lease, hot, limit=10)}
     assert {k: r.status for k, r in served.items()} == {
-        "a": "reserved", "b": "reserved", "c": "insufficient_stock", "d": "reserved"
+        "a": "reserved",
+        "b": "reserved",
+        "c": "insufficient_stock",
+        "d": "reserved",
     }
     # Each outcome reports the level right after its own request, as one write each would have.
     assert [served[k].detail["stock"][0]["available"] for k in ("a", "b", "d")] == [6, 1, 0]
@@ -344,7 +347,7 @@ def test_pending_rows_carry_what_the_request_asked(
 async def test_async_inventory_hands_off_and_serves(inventory_url: str, leases: LeaseManager) -> None:
     async with AsyncInventory.from_url(inventory_url) as inventory:
         await inventory.add_sku("ASYNC", on_hand=3)
-        assert (await inventory.hand_off("ASYNC", 2, key="a-1")).first
+        assert await inventory.hand_off("ASYNC", 2, key="a-1") == pending.Queued(first=True)
         assert await inventory.pending_count("ASYNC") == 1
         served = await inventory.serve_pending(lease_for(leases, "ASYNC"), "ASYNC", limit=10)
         assert [r.status for r in served] == ["reserved"]

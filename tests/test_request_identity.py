@@ -17,7 +17,7 @@ from psycopg import pq
 
 from fencing import BackendUnavailable, Lease, LeaseLost, LeaseManager, StaleToken
 from fencing.engines import make_engine
-from reservations import InsufficientStock, Inventory, reserve_statement, scope_of
+from reservations import InsufficientStock, Inventory, pending, reserve_statement, scope_of
 from reservations.messages import InvalidMessage, parse, request_fingerprint
 from reservations.operations import fingerprint
 
@@ -91,12 +91,12 @@ def test_an_outcome_belongs_only_to_the_request_that_produced_it(inventory: Inve
 def test_a_key_queued_for_one_request_is_a_conflict_for_another(inventory: Inventory) -> None:
     inventory.add_sku("Q1", on_hand=10)
     first = inventory.hand_off("Q1", 1, key="queued-k")
-    assert (first.outcome, first.first, first.conflict) == (None, True, False)
+    assert first == pending.Queued(first=True)
     again = inventory.hand_off("Q1", 1, key="queued-k")  # a redelivery of the same request
-    assert (again.first, again.conflict) == (False, False)
+    assert again == pending.Queued(first=False)
     for quantity, hold_for in ((2, None), (1, 60.0)):
         other = inventory.hand_off("Q1", quantity, key="queued-k", hold_for=hold_for)
-        assert other.conflict and other.outcome is None
+        assert other == pending.Conflicting()
     assert inventory.pending_count("Q1") == 1
 
 
