@@ -3,6 +3,13 @@ and the fingerprint that names the request independent of its key.
 
 Workers parse each message here; producers compute the same fingerprint before publishing, so a caller
 whose key already belongs to a different request learns that instead of receiving that request's outcome.
+
+A message names its format in a header (:data:`FORMAT`): how its task name, arguments and retry counters
+are laid out. Producers send :data:`CURRENT_FORMAT`; a message without the header is format 1, what
+every release before the header sent (the same layout as format 2). A worker serves every format in
+:data:`FORMATS`; a message of any other format (one newer than the worker) is read no further than its
+key and ends dead-lettered (:class:`UnknownFormat`), changing nothing, so that it can be driven again
+once a worker that knows its format runs (docs/operations.md, "Message formats").
 """
 
 from __future__ import annotations
@@ -16,10 +23,20 @@ from reservations import counting
 from reservations import validation as valid
 from reservations.errors import InvalidRequest
 from reservations.operations import fingerprint, hold_ms_of
+from reservations.redrives import carried_request
+from reservations.statuses import RequestStatus
 
 # Retry counters travel with the message (see tasks.jobs); a producer never sets them.
 COUNTERS = ("epoch", "busy", "transient")
 MAX_COUNTER = 1_000_000
+
+# The message header naming a request message's format, a whole number (tasks.producer sets it; a retry
+# keeps its message's, tasks.app). Bump CURRENT_FORMAT whenever a worker of the previous release would
+# misread or refuse what producers now send, and add it to FORMATS in the same change.
+FORMAT = "reservations_format"
+CURRENT_FORMAT = 2
+UNMARKED_FORMAT = 1  # a message without the header
+FORMATS = (1, 2)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +77,10 @@ class Message:
 
 class InvalidMessage(InvalidRequest):
     """A message that can never succeed. ``key`` and ``fingerprint`` are set when its idempotency key itself
-    was usable, so the refusal can be recorded as that request's outcome."""
+    was usable, so the refusal can be recorded as that request's outcome: :attr:`status` with
+    :meth:`detail`."""
+
+    status: str = RequestStatus.INVALID
 
     def __init__(
         self, message: str, *, key: str | None, fingerprint: str | None = None, field: str | None = None
@@ -68,6 +88,58 @@ class InvalidMessage(InvalidRequest):
         self.key = key
         self.fingerprint = fingerprint
         super().__init__(message, field=field)
+
+    def detail(self) -> dict[str, Any]:
+        """The refused request's outcome detail."""
+        return {"error": "InvalidRequest", "message": str(self)}
+
+
+class UnknownFormat(InvalidMessage):
+    """A message whose format header names none of :data:`FORMATS`: sent by a producer newer than this
+    worker (or not a format at all). Nothing of it is read but its idempotency key; it ends dead-lettered,
+    with no stock touched and no lease taken, its detail naming its format and the ones this worker serves
+    and carrying its arguments as sent, so that an operator can drive it again once every worker knows
+    its format."""
+
+    status = RequestStatus.DEAD_LETTERED
+
+    def __init__(self, name: str, value: object, args: Any, kwargs: Any) -> None:
+        self.format = value
+        sent = dict(kwargs) if isinstance(kwargs, Mapping) else {}
+        try:
+            key = valid.idempotency_key(sent.get("idempotency_key"))
+        except InvalidRequest:
+            key = None
+        # Its arguments as sent, for a re-drive; the retry counters are no part of the request. A message
+        # with positional arguments cannot be read without its format: it carries none.
+        claimed = {k: v for k, v in sent.items() if k != "idempotency_key" and k not in COUNTERS}
+        self.request = None if args else carried_request(name, claimed)
+        known = " and ".join(map(str, FORMATS))
+        super().__init__(
+            f"{name} message of format {value!r}: this worker serves formats {known} (a message without "
+            f"{FORMAT} is format {UNMARKED_FORMAT}); drive it again once every worker serves its format",
+            key=key,
+            fingerprint=_raw_fingerprint(f"{name} of format {value!r}", claimed),
+            field=FORMAT,
+        )
+
+    def detail(self) -> dict[str, Any]:
+        carried = {} if self.request is None else {"request": self.request}
+        return {
+            "reason": "unknown message format",
+            "error": "UnknownFormat",
+            "message": str(self),
+            "format": self.format if isinstance(self.format, int | float | str) else repr(self.format),
+            "formats": list(FORMATS),
+            **carried,
+        }
+
+
+def format_of(request: object) -> object:
+    """The format a delivered message names (``request``: the task's request, which holds its headers):
+    :data:`UNMARKED_FORMAT` without the header, else the header's value as sent, checked by :func:`parse`."""
+    value = getattr(request, FORMAT, None)
+    return UNMARKED_FORMAT if value is None else value
 
 
 def _normalized(name: str, args: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
@@ -145,12 +217,18 @@ def request_fingerprint(name: str, args: Mapping[str, Any]) -> str:
     return _raw_fingerprint(name, claimed)
 
 
-def parse(name: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Message:
-    """Check a message of task ``name`` (positional ``args`` map onto its parameters in order).
+def parse(
+    name: str, args: Sequence[Any], kwargs: Mapping[str, Any], *, message_format: object = CURRENT_FORMAT
+) -> Message:
+    """Check a message of task ``name`` (positional ``args`` map onto its parameters in order) sent in
+    ``message_format`` (:func:`format_of` a delivered message).
 
-    Raises :class:`InvalidMessage` for anything a producer could not have meant: unknown or missing
-    arguments, malformed values, retry counters that are not small non-negative whole numbers.
+    Raises :class:`UnknownFormat` for a format not in :data:`FORMATS`, before reading anything else, and
+    :class:`InvalidMessage` for anything a producer could not have meant: unknown or missing arguments,
+    malformed values, retry counters that are not small non-negative whole numbers.
     """
+    if isinstance(message_format, bool) or message_format not in FORMATS:
+        raise UnknownFormat(name, message_format, args, kwargs)
     shape = SHAPES[name]
     if not isinstance(args, list | tuple) or not isinstance(kwargs, Mapping):
         raise InvalidMessage("message arguments must be a list and a mapping", key=None)

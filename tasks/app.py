@@ -23,6 +23,7 @@ from celery.signals import (
     worker_ready,
 )
 
+from reservations import messages
 from tasks import deadlines, failpoints, metrics
 from tasks.heartbeat import HeartbeatFile
 from tasks.logs import json_wanted, use_json, warnings_as_json
@@ -177,15 +178,17 @@ def _serve_metrics(**_: Any) -> None:
 def _stamp_enqueue_time(headers: dict[str, Any] | None = None, **_: Any) -> None:
     """Every task message carries when its request was first enqueued (a retry keeps its request's), so
     a worker can measure enqueue to final outcome. Clocks of different hosts differ by their skew. A retry
-    keeps its request's deadline too (tasks.deadlines): retried past it, the request ends expired."""
+    keeps its request's deadline too (tasks.deadlines): retried past it, the request ends expired; and its
+    message's format (reservations.messages): the retry is laid out as the message it retries."""
     if headers is None:
         return
     retried = None
     if current_task and current_task.request.id == headers.get("id"):  # the proxy is false outside a task
         retried = current_task.request
-    deadline = getattr(retried, deadlines.DEADLINE, None)
-    if deadline is not None:
-        headers.setdefault(deadlines.DEADLINE, deadline)
+    for kept in (deadlines.DEADLINE, messages.FORMAT):
+        value = getattr(retried, kept, None)
+        if value is not None:
+            headers.setdefault(kept, value)
     if ENQUEUED_AT in headers:
         return
     inherited = getattr(retried, ENQUEUED_AT, None)

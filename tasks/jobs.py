@@ -60,7 +60,7 @@ def _run_request(task: Task, name: str, args: tuple[Any, ...], kwargs: dict[str,
     res = _resources_or_keep(task, sent)
     attempt: Attempt | None = None
     try:
-        checked = _parsed(name, args, kwargs)
+        checked = _parsed(name, args, kwargs, messages.format_of(task.request))
         if isinstance(checked, messages.InvalidMessage):
             return _refused(task, res, checked, messages.SHAPES[name].operation)
         attempt = Attempt(task, res, checked, sent)
@@ -70,22 +70,29 @@ def _run_request(task: Task, name: str, args: tuple[Any, ...], kwargs: dict[str,
         return _ended(task, sent, attempt, exc)
 
 
-def _parsed(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Message | messages.InvalidMessage:
-    """The checked message, or why it can never succeed."""
+def _parsed(
+    name: str, args: tuple[Any, ...], kwargs: dict[str, Any], message_format: object
+) -> Message | messages.InvalidMessage:
+    """The checked message, or why it can never succeed (or never on this worker: a newer format)."""
     try:
-        return messages.parse(name, args, kwargs)
+        return messages.parse(name, args, kwargs, message_format=message_format)
     except messages.InvalidMessage as exc:
         return exc
 
 
 def _refused(task: Task, res: Resources, exc: messages.InvalidMessage, operation: str) -> dict[str, Any]:
-    """A message that can never succeed ends ``invalid``, recorded under its key when it has one."""
-    invalid = {"error": "InvalidRequest", "message": str(exc)}
+    """A message that can never succeed ends ``invalid`` (one of a format this worker does not know ends
+    dead-lettered, to be driven again), recorded under its key when it has one."""
+    refusal = exc.detail()
+    if exc.status == RequestStatus.DEAD_LETTERED:
+        log.warning(
+            "request %s dead-lettered: %s", exc.key, exc, extra={"event": "unknown_format", "key": exc.key}
+        )
     if exc.key is None:  # nowhere to record it by key: the Celery result carries it
-        return reply(RequestStatus.INVALID, 0, None, operation, invalid)
+        return reply(exc.status, 0, None, operation, refusal)
     who = {"task_id": task.request.id, "worker": worker_identity()}
     stored = res.inventory.record_outcome(
-        exc.key, operation, RequestStatus.INVALID, invalid, fingerprint=exc.fingerprint, **who
+        exc.key, operation, exc.status, refusal, fingerprint=exc.fingerprint, **who
     )
     return as_result(stored)
 

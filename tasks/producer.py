@@ -12,6 +12,7 @@ from typing import Any
 
 from celery import Celery
 
+from reservations import messages
 from reservations import validation as valid
 from reservations.requests import request_id, task_name
 from tasks import deadlines
@@ -61,9 +62,12 @@ class Producer:
         ``enqueued_at``: when the request was first enqueued, for a copy published again (tasks.app
         stamps the time of publishing otherwise). ``deadline``: seconds since the epoch after which a
         worker ends the request ``expired`` instead of carrying it out (tasks.deadlines); a header, not
-        an argument, so it is no part of the request's fingerprint."""
+        an argument, so it is no part of the request's fingerprint. Every message names its format
+        (:data:`messages.FORMAT`: :data:`messages.CURRENT_FORMAT`), which a worker checks before anything
+        else (a worker of a release before formats ignores the header)."""
         task_id = request_id(valid.idempotency_key(key))
         headers = {
+            messages.FORMAT: messages.CURRENT_FORMAT,
             **deadlines.header(deadline),
             **({} if enqueued_at is None else {ENQUEUED_AT: enqueued_at}),
         }
@@ -72,7 +76,7 @@ class Producer:
             kwargs={**kwargs, "idempotency_key": key},
             task_id=task_id,
             producer=producer,
-            **({"headers": headers} if headers else {}),
+            headers=headers,
         )
         return task_id
 

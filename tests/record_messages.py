@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import importlib
 import json
 import os
 import subprocess
@@ -41,6 +42,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -61,12 +63,17 @@ SKU_A, SKU_B = "FIXSKU-A", "FIXSKU-B"
 RESERVATION = "r_0f1e2d3c4b5a69788796a5b4c3d2e1f0"
 
 
-def current_format() -> int:
+def messages_module() -> Any:
+    """The module that parses request messages (it moved from reservations to tasks)."""
     try:
-        from tasks.messages import CURRENT_FORMAT
-    except ImportError:  # the release before messages carried a format: format 1
-        return 1
-    return CURRENT_FORMAT
+        return importlib.import_module("tasks.messages")
+    except ImportError:
+        return importlib.import_module("reservations.messages")
+
+
+def current_format() -> int:
+    """The format this code's producers send: 1 for a release before messages named theirs."""
+    return int(getattr(messages_module(), "CURRENT_FORMAT", 1))
 
 
 def key_of(producer: str, case: str) -> str:
@@ -135,15 +142,11 @@ def record_client(folder: Path, server: RedisServer, database_url: str) -> None:
     from reservations.statuses import RequestStatus
     from tasks import ReservationClient, Settings, create_app
 
-    try:
-        from tasks.messages import parse
-    except ImportError:
-        from reservations.messages import parse  # type: ignore[no-redef]
-
+    parse = messages_module().parse
     env = settings_env(server, 0, database_url)
     client = ReservationClient(create_app(Settings.from_env(env)))
     broker = redis.Redis.from_url(env["RESERVATIONS_BROKER_URL"])
-    k = lambda case: key_of("client", case)  # noqa: E731
+    k = partial(key_of, "client")
     deadline = time.time() + 3600
     sync: list[tuple[str, str, Callable[[], Any], dict[str, Any]]] = [
         ("reserve", "enqueue_reservation_sync(SKU_A, 2)",
@@ -218,7 +221,7 @@ def record_cli(folder: Path, server: RedisServer, database_url: str) -> None:
 
     env = settings_env(server, 2, database_url)
     broker = redis.Redis.from_url(env["RESERVATIONS_BROKER_URL"])
-    k = lambda case: key_of("cli", case)  # noqa: E731
+    k = partial(key_of, "cli")
     commands: list[tuple[str, list[str], dict[str, Any]]] = [
         ("reserve", ["reserve", SKU_A, "2", "--key", k("reserve"), "--deadline", "3600"], {"skus": [SKU_A]}),
         ("restock", ["restock", SKU_A, "5", "--key", k("restock")], {"skus": [SKU_A]}),
@@ -274,7 +277,7 @@ def record_service(folder: Path, server: RedisServer, database_url: str, workdir
 
     env = settings_env(server, 4, database_url)
     broker = redis.Redis.from_url(env["RESERVATIONS_BROKER_URL"])
-    k = lambda case: key_of("service", case)  # noqa: E731
+    k = partial(key_of, "service")
     held = "msgfix-service-held"  # a reservation the lifecycle routes find under its key
     with Inventory.from_url(database_url) as inventory:
         inventory.record_outcome(held, "reserve", RequestStatus.RESERVED, {"reservation_ids": [RESERVATION]})

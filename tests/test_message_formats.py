@@ -8,6 +8,11 @@ must end with the outcome and the stock change it asked for, on SQLite and on Po
 The raw message goes onto the queue as the broker carries it (an LPUSH of the JSON payload onto the
 Redis list, as kombu's producer does): nothing of this code's producers takes part, so a producer that
 changed its layout cannot hide a worker that no longer reads the old one.
+
+Then the format header: this code's producers send the current format, a format-2 fixture names its
+format (its worker's retry too), and a message of a format the worker does not know (a newer one, or
+not a format at all) ends dead-lettered, touching no stock and taking no lease, its detail naming the
+formats, and is served once driven again.
 """
 
 from __future__ import annotations
@@ -26,11 +31,25 @@ import pytest
 import redis
 
 from admin.harness import RedisServer, redis_server, wait_until
+from fencing import LeaseManager
 from reservations import Inventory
-from reservations.messages import COUNTERS, request_fingerprint
+from reservations import validation as valid
+from reservations.messages import (
+    COUNTERS,
+    CURRENT_FORMAT,
+    FORMAT,
+    FORMATS,
+    UNMARKED_FORMAT,
+    UnknownFormat,
+    format_of,
+    parse,
+    request_fingerprint,
+)
 from reservations.requests import RequestResult, request_id
+from reservations.statuses import RequestStatus
 from tasks import ReservationClient
 from tasks.deadlines import DEADLINE
+from tasks.producer import Producer
 from tests.workers import Cluster, cluster, migrated_database
 
 pytestmark = pytest.mark.slow
@@ -82,6 +101,79 @@ def test_every_released_format_has_fixtures_of_every_request_type() -> None:
 
 
 REQUEST_TASKS = ("reserve", "reserve_order", "confirm", "release", "restock", "count", "replenish")
+
+
+def test_a_format_from_2_on_is_named_by_its_every_message() -> None:
+    """A fixture of format 2 or later names its format in its header, a worker's retry included;
+    format 1 is the one without it."""
+    for path in ALL:
+        fixture = load(path)
+        headers = fixture["message"]["headers"]
+        if fixture["format"] == UNMARKED_FORMAT:
+            assert FORMAT not in headers, path
+        else:
+            assert headers[FORMAT] == fixture["format"], path
+    assert f"v{CURRENT_FORMAT}" in {path.parent.name for path in ALL}, "record the current format's fixtures"
+    assert {int(path.parent.name.removeprefix("v")) for path in ALL} <= set(FORMATS)
+
+
+# -- the format, without services ----------------------------------------------------------------------------
+
+
+class Delivered:
+    """A delivered message's request, holding its headers as attributes as Celery's does."""
+
+    def __init__(self, **headers: object) -> None:
+        self.__dict__.update(headers)
+
+
+def test_a_message_without_the_header_is_format_1() -> None:
+    assert format_of(Delivered()) == UNMARKED_FORMAT == 1
+    assert format_of(Delivered(**{FORMAT: 2})) == 2
+    assert format_of(Delivered(**{FORMAT: "7"})) == "7"  # as sent: parse refuses it
+
+
+@pytest.mark.parametrize("message_format", FORMATS)
+def test_every_known_format_is_parsed_alike(message_format: int) -> None:
+    sent = {"sku": "W", "quantity": 2, "idempotency_key": "k-1"}
+    parsed = parse("reserve", [], sent, message_format=message_format)
+    assert parsed == parse("reserve", [], sent)  # the current format by default
+    assert parsed.fingerprint == request_fingerprint("reserve", sent)
+
+
+@pytest.mark.parametrize("message_format", [3, 0, -1, "2", 2.5, True, None, [2]])
+def test_a_format_the_worker_does_not_know_is_refused_before_anything_else(message_format: object) -> None:
+    # Arguments this worker would refuse as malformed: the format is checked first, and they are kept.
+    sent = {"item": "W", "units": 2, "idempotency_key": "k-1", "busy": 4}
+    with pytest.raises(UnknownFormat) as refused:
+        parse("reserve", [], sent, message_format=message_format)
+    exc = refused.value
+    assert (exc.key, exc.status, exc.field) == ("k-1", RequestStatus.DEAD_LETTERED, FORMAT)
+    detail = exc.detail()
+    assert detail["reason"] == "unknown message format" and detail["formats"] == [1, 2]
+    assert detail["request"] == {"type": "reserve", "arguments": {"item": "W", "units": 2}}
+    assert f"format {message_format!r}" in detail["message"] and "formats 1 and 2" in detail["message"]
+    assert exc.fingerprint is not None and exc.fingerprint != request_fingerprint("reserve", sent)
+    # Without a usable key it is refused all the same, with nowhere to record it.
+    with pytest.raises(UnknownFormat) as keyless:
+        parse("reserve", [], {"sku": "W"}, message_format=message_format)
+    assert keyless.value.key is None
+
+
+def test_a_positional_message_of_an_unknown_format_carries_nothing_to_drive_again() -> None:
+    with pytest.raises(UnknownFormat) as refused:
+        parse("reserve", ["W", 2], {"idempotency_key": "k-1"}, message_format=3)
+    assert "request" not in refused.value.detail()
+
+
+def test_this_codes_producer_sends_the_current_format(tmp_path: Path) -> None:
+    with redis_server(tmp_path / "redis") as server, Producer(server.url(0)) as producer:
+        producer.send("restock", "k-wire", {"sku": "W", "quantity": 1})
+        producer.send("reserve", "k-late", {"sku": "W", "quantity": 1}, deadline=time.time() + 60)
+        with redis.Redis.from_url(server.url(0)) as broker:
+            sent = [json.loads(raw)["headers"] for raw in reversed(broker.lrange("celery", 0, -1))]
+    assert [headers[FORMAT] for headers in sent] == [CURRENT_FORMAT, CURRENT_FORMAT]
+    assert DEADLINE in sent[1]
 
 
 # -- the substitution ----------------------------------------------------------------------------------
@@ -143,6 +235,16 @@ class Running:
         except Exception as exc:
             raise AssertionError(f"{exc}\n{self.cluster.tails()}") from None
         return found
+
+    def publish_fixture(self, path: Path, **headers: object) -> tuple[Fresh, dict[str, Any]]:
+        """Put the recorded message at ``path`` on the queue with fresh values and ``headers`` set."""
+        fixture = load(FIXTURES / path)
+        fresh = fresh_for(self, fixture)
+        message, _ = fresh_message(fixture, fresh)
+        message["headers"].update(headers)
+        raw = {**message, "body": base64.b64encode(json.dumps(message["body"]).encode()).decode()}
+        self.publish(json.dumps(raw).encode())
+        return fresh, message
 
     def held_reservation(self, sku: str) -> str:
         """A reservation of 2 units of ``sku`` held by a request through the worker: its id."""
@@ -227,3 +329,40 @@ def test_a_recorded_message_is_served(running: Running, path: Path) -> None:
         level = running.inventory.stock(fresh.skus[f"FIXSKU-{letter}"])
         assert (level.on_hand, level.reserved) == (on_hand, reserved), (letter, level)
     assert [a.result for a in running.inventory.attempts(fresh.key)] == ["applied"]
+
+
+# -- formats on a worker ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("message_format", [1, 2])
+def test_a_known_format_named_in_the_header_is_served(running: Running, message_format: int) -> None:
+    fresh, _ = running.publish_fixture(Path("v1/client.reserve.json"), **{FORMAT: message_format})
+    assert running.outcome(fresh.key).status == "reserved"
+    level = running.inventory.stock(fresh.skus["FIXSKU-A"])
+    assert (level.on_hand, level.reserved) == (10, 2)
+
+
+@pytest.mark.parametrize("message_format", [3, "two"])
+def test_a_message_of_an_unknown_format_is_dead_lettered_untouched_and_driven_again(
+    running: Running, message_format: object
+) -> None:
+    fresh, _ = running.publish_fixture(Path("v1/client.reserve_order.json"), **{FORMAT: message_format})
+    ended = running.outcome(fresh.key)
+    assert (ended.status, ended.operation) == ("dead_lettered", "reserve_many")
+    assert ended.detail["reason"] == "unknown message format" and ended.detail["error"] == "UnknownFormat"
+    assert ended.detail["format"] == message_format and ended.detail["formats"] == [1, 2]
+    assert ended.epochs == 0
+    skus = [fresh.skus["FIXSKU-A"], fresh.skus["FIXSKU-B"]]
+    for sku in skus:
+        level = running.inventory.stock(sku)
+        assert (level.on_hand, level.reserved) == (ON_HAND, 0)
+        assert [(h.kind, h.operation) for h in running.inventory.history(sku)] == [("write", "create")]
+    with LeaseManager.from_url(running.cluster.lease_url) as leases:
+        assert all(leases.history(valid.scope_of(sku)) == [] for sku in skus)
+    assert running.inventory.attempts(fresh.key) == []
+    # Once a worker that knows it runs (here: driven again, by this code's producer, in its format) it is
+    # served as the request it was, under the re-drive's key.
+    redriven = running.client.redrive_sync(fresh.key, by="test")
+    served = redriven.result_sync(timeout=OUTCOME_TIMEOUT)
+    assert served.status == "reserved", served
+    assert [running.inventory.stock(sku).reserved for sku in skus] == [1, 2]
