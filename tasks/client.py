@@ -31,6 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 from celery import Celery
+from kombu.exceptions import OperationalError
 
 from reservations import AsyncInventory, Inventory
 from reservations import validation as valid
@@ -39,7 +40,7 @@ from reservations.requests import RequestResult, request_id
 from tasks import payloads, redrives
 from tasks.app import app as default_app
 from tasks.app import settings_of
-from tasks.errors import ClientClosed, OutcomeTimeout
+from tasks.errors import BrokerUnavailable, ClientClosed, OutcomeTimeout
 from tasks.handle import ReservationHandle
 from tasks.outbox import Outbox, republished
 from tasks.outcomes import OutcomeWatcher, Published, republish_due
@@ -107,7 +108,10 @@ class ReservationClient:
         self, name: str, key: str, kwargs: dict[str, Any], deadline: float | None = None
     ) -> ReservationHandle:
         self._checked(key, deadline)
-        task_id = self._producer.send(name, key, kwargs, deadline=deadline)
+        try:
+            task_id = self._producer.send(name, key, kwargs, deadline=deadline)
+        except OperationalError as exc:
+            raise BrokerUnavailable.of(exc) from exc
         return self._handle(name, key, kwargs, task_id, deadline)
 
     async def _send_async(
@@ -225,7 +229,10 @@ class ReservationClient:
         same operation and arguments): refused with :class:`RedriveRefused` unless it may be now. The
         handle is the new request's; ``key`` itself reports its outcome once it has one."""
         self._check_open()
-        claimed = redrives.redrive(self._sync_inventory(), self._producer, key, by=by)
+        try:
+            claimed = redrives.redrive(self._sync_inventory(), self._producer, key, by=by)
+        except OperationalError as exc:
+            raise BrokerUnavailable.of(exc) from exc
         return self._handle(
             claimed.request_type, claimed.key, dict(claimed.arguments), request_id(claimed.key)
         )

@@ -1,10 +1,20 @@
 """The errors the tasks floor raises of its own, under one base, :class:`TasksError`, so a producer can
-catch "anything the client itself refused" in one clause. Each keeps the builtin base it had
-(``RuntimeError``, ``TimeoutError``): code that caught those still does. Errors of the floors below
-(``InvalidRequest``, ``IdempotencyConflict``, ``BackendUnavailable``) keep theirs.
+catch "anything the client itself refused" in one clause. Each keeps the builtin or library base it had
+(``RuntimeError``, ``TimeoutError``, kombu's ``OperationalError``): code that caught those still does.
+Errors of the floors below (``InvalidRequest``, ``IdempotencyConflict``, ``BackendUnavailable``) keep
+theirs::
+
+    TasksError
+    ├── ClientClosed (RuntimeError)       enqueue or wait on a closed client
+    ├── WatcherClosed (RuntimeError)      the client closed while a handle waited
+    ├── OutcomeTimeout (TimeoutError)     no final outcome within the wait; ``key``
+    ├── BrokerUnavailable (OperationalError)  the broker did not take the message
+    └── Redriven                          a worker's retry reason after a lost lease (tasks.states)
 """
 
 from __future__ import annotations
+
+from kombu.exceptions import OperationalError
 
 
 class TasksError(Exception):
@@ -25,3 +35,15 @@ class OutcomeTimeout(TasksError, TimeoutError):
     def __init__(self, key: str, timeout: float) -> None:
         self.key = key
         super().__init__(f"no final outcome for {key!r} within {timeout}s")
+
+
+class BrokerUnavailable(TasksError, OperationalError):
+    """The broker did not take the message: no connection after the publish retries. Nothing was
+    enqueued; enqueueing the same key again later names the same request."""
+
+    @classmethod
+    def of(cls, error: OperationalError) -> BrokerUnavailable:
+        """kombu's error, mapped at the client's boundary; a new instance per caller, caused by it."""
+        own = cls(*error.args)
+        own.__cause__ = error
+        return own

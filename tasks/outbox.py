@@ -18,7 +18,7 @@ from typing import Any
 
 from kombu.exceptions import OperationalError
 
-from tasks.errors import ClientClosed
+from tasks.errors import BrokerUnavailable, ClientClosed
 from tasks.outcomes import Published
 from tasks.producer import Producer
 
@@ -126,8 +126,7 @@ class Outbox:
                 # No broker connection, after the publish retries of one message (about 0.6 s): the rest
                 # of the batch would wait as long each, so its senders hear of it now, each with an
                 # error of its own (a sender's raise adds to the error's traceback).
-                unsent = batch[len(answers) :]
-                answers.extend((item, None, exc if n == 0 else _unsent(exc)) for n, item in enumerate(unsent))
+                answers.extend((item, None, _unsent(exc)) for item in batch[len(answers) :])
             for item, answer, error in answers:
                 with suppress(RuntimeError):  # its loop closed meanwhile: nobody awaits it any more
                     item.loop.call_soon_threadsafe(_settle, item.future, answer, error)
@@ -156,9 +155,6 @@ def _settle(future: asyncio.Future[str], sent: str | None, error: BaseException 
 
 
 def _unsent(error: Exception) -> Exception:
-    """The error of a message left unsent because another of its batch found no broker connection."""
-    if not isinstance(error, OperationalError):
-        return error
-    own = OperationalError(*error.args)
-    own.__cause__ = error
-    return own
+    """The error of a message left unsent because its batch found no broker connection: its own
+    :class:`BrokerUnavailable` for each sender."""
+    return BrokerUnavailable.of(error) if isinstance(error, OperationalError) else error

@@ -44,6 +44,7 @@ from celery.worker.request import Request
 from reservations.requests import RequestResult
 from tasks.answers import as_result
 from tasks.app import stores_request_results
+from tasks.errors import TasksError
 
 log = logging.getLogger("tasks")
 
@@ -55,7 +56,7 @@ LOST_OWNERSHIP = "task-lost_ownership"
 _task_events = {"on": False}
 
 
-class Redriven(Exception):
+class Redriven(TasksError):
     """The reason a request is retried after an attempt lost ownership: it runs again in a new epoch.
 
     Crosses from the pool child to the worker's main process by pickle and into the result backend as

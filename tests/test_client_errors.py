@@ -5,6 +5,7 @@ class where it is defined: an ``except tasks.IdempotencyConflict`` catches what 
 from __future__ import annotations
 
 import pytest
+from kombu.exceptions import OperationalError
 
 import fencing.errors
 import reservations.errors
@@ -18,6 +19,7 @@ DEFINED = [
     (tasks.errors, "OutcomeTimeout"),
     (tasks.errors, "WatcherClosed"),
     (tasks.errors, "ClientClosed"),
+    (tasks.errors, "BrokerUnavailable"),  # the broker did not take the message
     (tasks.errors, "TasksError"),
     (tasks.variables, "SettingsError"),  # a client builds its settings from the environment
     (fencing.errors, "BackendUnavailable"),  # the outcomes' database does not answer
@@ -32,7 +34,12 @@ def test_a_client_error_imports_from_tasks(module: object, name: str) -> None:
 
 @pytest.mark.parametrize(
     ("name", "builtin"),
-    [("ClientClosed", RuntimeError), ("WatcherClosed", RuntimeError), ("OutcomeTimeout", TimeoutError)],
+    [
+        ("ClientClosed", RuntimeError),
+        ("WatcherClosed", RuntimeError),
+        ("OutcomeTimeout", TimeoutError),
+        ("BrokerUnavailable", OperationalError),
+    ],
 )
 def test_the_tasks_errors_share_one_base_and_keep_their_builtin_one(name: str, builtin: type) -> None:
     """``except tasks.TasksError`` catches each; code that caught the builtin base still does."""
