@@ -1,11 +1,12 @@
-# Two entry points: `make demo` (main job, embedded defaults, no services) and `make test` (whole suite).
+# Entry points: `make demo` (main job, embedded defaults, no services), `make test` (whole suite) and
+# `make test-fast` (the tests that need no server, in under a minute).
 # The virtual environment is built from the dev lock once and rebuilt only when the lock or project changes.
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint lock bench clean
+.PHONY: demo test test-fast lint lock bench clean
 
 $(STAMP): requirements-dev.lock pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,6 +26,18 @@ lint: $(STAMP)
 # CPUs). `pytest tests/x.py` stays one process.
 test: lint
 	$(BIN)/pytest -n 3 --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
+
+# The fast tier: every test that reaches no server (SQLite files, the SQL lease backend on them, pure
+# decisions, plans stepped with scripted answers) and runs no process for seconds; tests/conftest.py marks
+# them `fast` from their parameters and fixtures. Redis, PostgreSQL and RabbitMQ need not run: their URLs
+# point at a closed port here, so a test that reaches one anyway fails at once, and none waits past
+# FAST_TIMEOUT seconds.
+CLOSED       := 127.0.0.1:9
+FAST_TIMEOUT ?= 30
+test-fast: $(STAMP)
+	TEST_REDIS_URL=redis://$(CLOSED)/0 TEST_POSTGRES_URL=postgresql+psycopg://postgres@$(CLOSED)/test \
+	TEST_RABBITMQ_URL=amqp://guest:guest@$(CLOSED) \
+	$(BIN)/pytest -m fast -n 2 --dist loadfile --timeout $(FAST_TIMEOUT) $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench $(BENCH_ARGS)

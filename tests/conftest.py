@@ -198,27 +198,31 @@ STACKS = ["redis+postgresql", "redis+sqlite", "sqlite", "postgresql"]
 LEASE_BACKENDS = ["redis", "sqlite", "postgresql"]
 
 
-def _stack(name: str, request: pytest.FixtureRequest, prefix: str, tmp_path: Path) -> Stack:
+def _stack(name: str, request: pytest.FixtureRequest, tmp_path: Path) -> Stack:
+    """The stack ``name``, asking for the servers it names only: a stack on SQLite alone reaches none (its
+    tests run in the fast tier, ``-m fast``)."""
     db_url = (
         request.getfixturevalue("pg_url")
         if name.endswith("postgresql")
         else f"sqlite:///{tmp_path / 'fencing.sqlite3'}"
     )
-    lease_url = REDIS_URL if name.startswith("redis") else db_url
-    return Stack(name=name, lease_url=lease_url, db_url=db_url, prefix=prefix)
+    if name.startswith("redis"):
+        return Stack(
+            name=name, lease_url=REDIS_URL, db_url=db_url, prefix=request.getfixturevalue("redis_prefix")
+        )
+    return Stack(name=name, lease_url=db_url, db_url=db_url, prefix=unique("t"))
 
 
 @pytest.fixture(params=STACKS)
-def stack(request: pytest.FixtureRequest, redis_prefix: str, tmp_path: Path) -> Stack:
+def stack(request: pytest.FixtureRequest, tmp_path: Path) -> Stack:
     """Every lease backend with every database for the protected rows (Redis with both)."""
-    return _stack(request.param, request, redis_prefix, tmp_path)
+    return _stack(request.param, request, tmp_path)
 
 
 @pytest.fixture(params=LEASE_BACKENDS)
-def lease_stack(request: pytest.FixtureRequest, redis_prefix: str, tmp_path: Path) -> Stack:
+def lease_stack(request: pytest.FixtureRequest, tmp_path: Path) -> Stack:
     """Each lease backend once: Redis (protected rows on SQLite), SQLite, PostgreSQL."""
-    name = "redis+sqlite" if request.param == "redis" else request.param
-    return _stack(name, request, redis_prefix, tmp_path)
+    return _stack("redis+sqlite" if request.param == "redis" else request.param, request, tmp_path)
 
 
 @pytest.fixture
@@ -321,11 +325,117 @@ MODULE_SECONDS = {
 }
 
 
+# -- the fast tier ---------------------------------------------------------------------------------------
+#
+# ``pytest -m fast`` (``make test-fast``) runs every test that reaches no server: SQLite files, the SQL lease
+# backend on them, pure decision code, plans stepped with scripted answers. A test is marked ``services``
+# when anything it runs could reach Redis, PostgreSQL or RabbitMQ, or start a server of its own (a private
+# redis-server, PgBouncer, Prometheus): a parameter naming one, a fixture that provides one, or a name that
+# reaches one in its code, its module's fixtures or the helpers of tests/ they call. Every other test that
+# is not ``slow`` is marked ``fast``. The Makefile runs the tier with the service URLs pointing at a closed
+# port and a short timeout, so a test this reading misjudges fails at once rather than hanging; .ci/run
+# runs it in a network namespace of its own, where no server answers at all.
+
+# Parameter values that name a server (the backends, brokers and stacks the tests are parametrized over).
+SERVICE_PARAMS = frozenset(
+    {"redis", "postgresql", "rabbitmq", "redis+sqlite", "redis+postgresql", "sentinel"}
+)
+
+# The fixtures, helpers and constants through which a test reaches a server or starts one.
+SERVICE_NAMES = frozenset(
+    {
+        # tests/conftest.py
+        "pg_url",
+        "redis_prefix",
+        "own_pg_schema",
+        "own_redis_prefix",
+        "migrate_pg_schema",
+        "schema_url",
+        "REDIS_URL",
+        "POSTGRES_URL",
+        # tests/workers.py, tests/pgbouncer.py
+        "RABBITMQ_URL",
+        "rabbitmq_vhost",
+        "pg_schema",
+        "cluster",
+        # admin.harness: servers of a test's own
+        "RedisServer",
+        "RedisNode",
+        "redis_server",
+        "SentinelTopology",
+        "ClusterTopology",
+        "bouncer",
+        "pgbouncer",
+        "prometheus",
+        "promtool",
+    }
+)
+
+
+def _reached(code: Any, seen: set[int], found: set[str], module_globals: Mapping[str, Any]) -> None:
+    """The service names ``code`` refers to (names, and strings such as a fixture's name given to
+    ``getfixturevalue``), following the functions and classes of tests/ it calls."""
+    if id(code) in seen:
+        return
+    seen.add(id(code))
+    for name in (*code.co_names, *(c for c in code.co_consts if isinstance(c, str))):
+        if name in SERVICE_NAMES:
+            found.add(name)
+        _follow(module_globals.get(name), seen, found)
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):
+            _reached(const, seen, found, module_globals)
+
+
+def _follow(obj: Any, seen: set[int], found: set[str]) -> None:
+    """Follow a function or class defined in tests/ (never the project's own code: the tier's closed ports
+    and timeout catch a default that reaches a server there)."""
+    if not getattr(obj, "__module__", "").startswith("tests."):
+        return
+    if isinstance(obj, type):
+        if id(obj) in seen:
+            return
+        seen.add(id(obj))
+        for member in vars(obj).values():
+            _follow(getattr(member, "__func__", getattr(member, "fget", member)), seen, found)
+        return
+    code = getattr(obj, "__code__", None)
+    if code is not None:
+        _reached(code, seen, found, getattr(obj, "__globals__", {}))
+
+
+def services_of(item: pytest.Item) -> set[str]:
+    """Why ``item`` may reach a server: the parameters, fixtures and names that could (empty: none)."""
+    found: set[str] = set()
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None:
+        found |= {v for v in callspec.params.values() if isinstance(v, str) and v in SERVICE_PARAMS}
+    names = set(getattr(item, "fixturenames", ()))
+    found |= names & SERVICE_NAMES
+    seen: set[int] = set()
+    _follow(getattr(item, "obj", None), seen, found)
+    fixtureinfo = getattr(item, "_fixtureinfo", None)
+    for name in names:
+        for fixturedef in fixtureinfo.name2fixturedefs.get(name, ()) if fixtureinfo else ():
+            # This file's parametrized fixtures ask for a server by their parameter, read above.
+            if fixturedef.func.__module__ != __name__:
+                _follow(fixturedef.func, seen, found)
+    return found
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Spread over several processes (pytest-xdist, ``--dist loadfile --no-loadscope-reorder``), the
+    """Mark each test ``services`` or ``fast`` (above): a test marked ``services`` by hand stays out of the
+    fast tier whatever its reading says.
+
+    Spread over several processes (pytest-xdist, ``--dist loadfile --no-loadscope-reorder``), the
     longest modules go first (:data:`MODULE_SECONDS`; then those that run real processes), so that the
     last module a process takes is a short one and no process is left running a long module alone at
     the end. A run in one process keeps its order."""
+    for item in items:
+        if services_of(item) or item.get_closest_marker("services") is not None:
+            item.add_marker(pytest.mark.services)
+        elif item.get_closest_marker("slow") is None:
+            item.add_marker(pytest.mark.fast)
     if not hasattr(config, "workerinput"):  # set in each process of pytest-xdist, which collect and run
         return
     slow = {item.path for item in items if item.get_closest_marker("slow") is not None}
