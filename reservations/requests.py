@@ -51,11 +51,6 @@ def request_id(key: str) -> str:
     return str(uuid.uuid5(_REQUEST_NAMESPACE, valid.idempotency_key(key)))
 
 
-def task_name(operation: str) -> str:
-    """Celery task names are plain strings, so producers (the CLI too) need not import the workers."""
-    return f"reservations.{operation}"
-
-
 @dataclass(frozen=True, slots=True)
 class Redriven:
     """Where a reported outcome came from when the key's request was dead-lettered and driven again: the

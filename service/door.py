@@ -24,7 +24,7 @@ from typing import Any
 from kombu.exceptions import OperationalError
 
 from fencing import BackendUnavailable
-from reservations import AsyncInventory, IdempotencyConflict, InvalidRequest, messages
+from reservations import AsyncInventory, IdempotencyConflict, InvalidRequest
 from reservations.acceptance import Admission, admit, withdraw
 from reservations.acceptance import accepted as accepted_under
 from reservations.requests import RequestResult, request_outcome
@@ -32,7 +32,7 @@ from reservations.statuses import RequestStatus
 from service.answers import Answer, answer_of, pending, problem_answer
 from service.backlog import Backlog, retry_after
 from service.problems import problem
-from tasks import OutcomeTimeout, ReservationClient
+from tasks import OutcomeTimeout, ReservationClient, messages
 from tasks.outcomes import Published
 
 # Retry-After when the broker or the database did not answer: a failover takes seconds.

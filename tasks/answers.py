@@ -12,9 +12,9 @@ from typing import Any
 
 from celery import Task
 
-from reservations.messages import Message
 from reservations.requests import RequestResult
 from reservations.statuses import RequestStatus
+from tasks.messages import Message
 
 
 def reply(

@@ -23,8 +23,7 @@ from celery.signals import (
     worker_ready,
 )
 
-from reservations import messages
-from tasks import deadlines, failpoints, metrics
+from tasks import deadlines, failpoints, messages, metrics
 from tasks.heartbeat import HeartbeatFile
 from tasks.logs import json_wanted, use_json, warnings_as_json
 from tasks.settings import Settings
@@ -179,7 +178,7 @@ def _stamp_enqueue_time(headers: dict[str, Any] | None = None, **_: Any) -> None
     """Every task message carries when its request was first enqueued (a retry keeps its request's), so
     a worker can measure enqueue to final outcome. Clocks of different hosts differ by their skew. A retry
     keeps its request's deadline too (tasks.deadlines): retried past it, the request ends expired; and its
-    message's format (reservations.messages): the retry is laid out as the message it retries."""
+    message's format (tasks.messages): the retry is laid out as the message it retries."""
     if headers is None:
         return
     retried = None

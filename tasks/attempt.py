@@ -19,13 +19,13 @@ from celery import Task
 
 from fencing import BackendUnavailable, Lease, LeaseBusy, LostOwnership
 from reservations import InsufficientStock, Outcome
-from reservations.messages import Message
 from reservations.redrives import carried_request
 from reservations.requests import AlreadyApplied, RequestReply
 from reservations.statuses import SUCCEEDED, AttemptResult, RequestStatus
 from tasks import deadlines, failpoints, metrics, observe, policy
 from tasks.answers import answer
 from tasks.failpoints import failpoint
+from tasks.messages import Message
 from tasks.serving import Batchable, then_serve, wait_for_holder
 from tasks.states import Redriven, announce_lost
 from tasks.work import Reserve, work_of

@@ -35,13 +35,13 @@ from kombu.exceptions import OperationalError
 
 from reservations import AsyncInventory, Inventory
 from reservations import validation as valid
-from reservations.messages import SHAPES, request_fingerprint
 from reservations.requests import RequestResult, request_id
 from tasks import payloads, redrives
 from tasks.app import app as default_app
 from tasks.app import settings_of
 from tasks.errors import BrokerUnavailable, ClientClosed, OutcomeTimeout
 from tasks.handle import ReservationHandle
+from tasks.messages import SHAPES, request_fingerprint
 from tasks.outbox import Outbox, republished
 from tasks.outcomes import OutcomeWatcher, Published, republish_due
 from tasks.producer import Producer

@@ -19,19 +19,16 @@ from fencing import (
     LeaseBusy,
     LostOwnership,
 )
-from reservations import (
-    InvalidRequest,
-    messages,
-)
+from reservations import InvalidRequest
 from reservations import validation as valid
-from reservations.messages import Message
 from reservations.partitions import prepare_partitions
-from reservations.requests import AlreadyApplied, task_name
+from reservations.requests import AlreadyApplied
 from reservations.statuses import RequestStatus
-from tasks import logs, observe, policy
+from tasks import logs, messages, observe, policy
 from tasks.answers import as_result, reply
 from tasks.app import app, settings_of
 from tasks.attempt import Attempt
+from tasks.messages import Message, task_name
 from tasks.serving import serve_pending, serve_quietly
 from tasks.states import RequestTask
 from tasks.worker import Resources, Unbuildable, resources, worker_identity

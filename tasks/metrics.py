@@ -18,8 +18,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from reservations.messages import SHAPES
 from reservations.statuses import RequestStatus
+from tasks.messages import SHAPES
 
 log = logging.getLogger("tasks.metrics")
 

@@ -10,10 +10,10 @@ import time
 from typing import Any
 
 from fencing import LeaseBusy, LostOwnership, StaleToken
-from reservations.messages import Message
 from reservations.requests import RequestResult
 from tasks import metrics
 from tasks.logs import fencing_fields
+from tasks.messages import Message
 
 log = logging.getLogger("tasks")
 

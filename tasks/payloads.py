@@ -9,7 +9,7 @@ from typing import Any
 
 from reservations import InvalidRequest, counting
 from reservations import validation as valid
-from reservations.messages import SHAPES
+from tasks.messages import SHAPES
 
 __all__ = ["count", "known", "order", "replenishment", "reservation"]
 

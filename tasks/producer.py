@@ -12,11 +12,11 @@ from typing import Any
 
 from celery import Celery
 
-from reservations import messages
 from reservations import validation as valid
-from reservations.requests import request_id, task_name
-from tasks import deadlines
+from reservations.requests import request_id
+from tasks import deadlines, messages
 from tasks.app import transport_options as transport_options_of
+from tasks.messages import task_name
 from tasks.metrics import ENQUEUED_AT
 from tasks.settings import Settings
 

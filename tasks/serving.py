@@ -14,12 +14,12 @@ from celery import Task, current_task, states
 from fencing import Lease, LeaseBusy, LostOwnership
 from reservations import pending
 from reservations import validation as valid
-from reservations.messages import Message
-from reservations.requests import RequestResult, task_name
+from reservations.requests import RequestResult
 from tasks import failpoints, metrics, observe
 from tasks.answers import answer, as_result, conflict, reply
 from tasks.app import app, stores_request_results
 from tasks.failpoints import failpoint
+from tasks.messages import Message, task_name
 from tasks.states import QUEUED, announce
 from tasks.worker import Resources
 

@@ -20,8 +20,8 @@ from typing import Any, Protocol
 from fencing import Lease
 from reservations import Inventory, Outcome
 from reservations.counting import counted_units, short_count
-from reservations.messages import Message
 from reservations.requests import RequestReply
+from tasks.messages import Message
 from tasks.serving import Batchable
 
 Leases = dict[str, Lease]

@@ -64,7 +64,7 @@ RESERVATION = "r_0f1e2d3c4b5a69788796a5b4c3d2e1f0"
 
 
 def messages_module() -> Any:
-    """The module that parses request messages (it moved from reservations to tasks)."""
+    """The module that parses request messages (in reservations before it moved to tasks)."""
     try:
         return importlib.import_module("tasks.messages")
     except ImportError:

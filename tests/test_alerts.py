@@ -25,8 +25,8 @@ import pytest
 
 from admin.harness import CeleryProcess, free_port, redis_server, wait_until, worker_env
 from reservations import schema
-from reservations.messages import SHAPES
 from reservations.statuses import RequestStatus
+from tasks.messages import SHAPES
 from tests.test_observability import Cluster, cluster, stale_write
 
 pytestmark = pytest.mark.slow

@@ -231,7 +231,7 @@ def test_reserve_wait_on_a_key_of_a_different_request_reports_the_conflict(
 ) -> None:
     """The key already ended as another request (order-b reserved 2 units): waiting on it with a request
     for 1 unit must not print the other request's outcome as this one's."""
-    from reservations.messages import request_fingerprint
+    from tasks.messages import request_fingerprint
 
     with Inventory.from_url(pg_url) as inventory:
         inventory.record_outcome(

@@ -27,8 +27,8 @@ from reservations import (
     scope_of,
 )
 from reservations.errors import ConstraintRefused, SeenInAnotherEpoch
-from reservations.messages import InvalidMessage, parse, request_fingerprint
 from reservations.models import idempotency_keys, sku_history, stock
+from tasks.messages import InvalidMessage, parse, request_fingerprint
 from tests.support import run
 from tests.test_bad_input import TABLES, table_rows
 from tests.test_inventory import lease_for, level

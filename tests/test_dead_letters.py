@@ -23,12 +23,12 @@ from admin.harness import RedisServer, free_port, redis_server, wait_until
 from fencing.engines import make_engine
 from reservations import Inventory, schema
 from reservations.errors import RedriveRefused, UnknownRequest
-from reservations.messages import request_fingerprint
 from reservations.models import schema_compatibility
 from reservations.redrives import carried_request, redrive_key
 from reservations.requests import RequestResult
 from reservations.validation import MAX_KEY_CHARS, idempotency_key
 from tasks import ReservationClient, Settings, create_app
+from tasks.messages import request_fingerprint
 from tests.support import run
 from tests.workers import cluster, pg_schema
 

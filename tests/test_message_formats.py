@@ -34,7 +34,11 @@ from admin.harness import RedisServer, redis_server, wait_until
 from fencing import LeaseManager
 from reservations import Inventory
 from reservations import validation as valid
-from reservations.messages import (
+from reservations.requests import RequestResult, request_id
+from reservations.statuses import RequestStatus
+from tasks import ReservationClient
+from tasks.deadlines import DEADLINE
+from tasks.messages import (
     COUNTERS,
     CURRENT_FORMAT,
     FORMAT,
@@ -45,10 +49,6 @@ from reservations.messages import (
     parse,
     request_fingerprint,
 )
-from reservations.requests import RequestResult, request_id
-from reservations.statuses import RequestStatus
-from tasks import ReservationClient
-from tasks.deadlines import DEADLINE
 from tasks.producer import Producer
 from tests.workers import Cluster, cluster, migrated_database
 

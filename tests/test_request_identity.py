@@ -18,8 +18,8 @@ from psycopg import pq
 from fencing import BackendUnavailable, Lease, LeaseLost, LeaseManager, StaleToken
 from fencing.engines import make_engine
 from reservations import InsufficientStock, Inventory, pending, reserve_statement, scope_of
-from reservations.messages import InvalidMessage, parse, request_fingerprint
 from reservations.operations import fingerprint
+from tasks.messages import InvalidMessage, parse, request_fingerprint
 
 # -- the message parser ------------------------------------------------------------------------------------
 

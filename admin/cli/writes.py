@@ -66,7 +66,7 @@ def _enqueue(
 
 def _await_outcome(operation: str, key: str, kwargs: dict[str, Any], timeout: float) -> None:
     """Poll the request's final outcome until ``timeout``, print it, exit 1 unless it did what it asked."""
-    from reservations.messages import SHAPES, request_fingerprint
+    from tasks.messages import SHAPES, request_fingerprint
 
     deadline = time.monotonic() + timeout
     with context.inventory() as inventory:

@@ -1,5 +1,10 @@
-"""Request messages as a queue carries them: every argument and retry counter checked before anything else,
-and the fingerprint that names the request independent of its key.
+"""Request messages as a queue carries them: their task names, every argument and retry counter checked
+before anything else, and the fingerprint that names the request independent of its key.
+
+This is the transport's vocabulary, kept out of the domain (:mod:`reservations` knows operations and
+their arguments, not tasks or messages): the fingerprint a message names is the one its operation stores
+with its idempotency record, which :mod:`reservations.operations` and :mod:`reservations.counting`
+compute; this module only maps a message's arguments onto them.
 
 Workers parse each message here; producers compute the same fingerprint before publishing, so a caller
 whose key already belongs to a different request learns that instead of receiving that request's outcome.
@@ -48,7 +53,14 @@ class Shape:
     optional: frozenset[str] = frozenset()
 
 
-# Keyed by the task name's suffix (``reservations.<name>``); an order is the ``reserve_many`` operation.
+def task_name(name: str) -> str:
+    """The Celery task of request type (or other task) ``name``: ``reservations.<name>``. Task names are
+    plain strings, so producers (the CLI too) need not import the workers."""
+    return f"reservations.{name}"
+
+
+# Keyed by the request type, the task name's suffix (:func:`task_name`); an order is the ``reserve_many``
+# operation.
 SHAPES = {
     "reserve": Shape("reserve", ("sku", "quantity", "idempotency_key", "hold_for"), frozenset({"hold_for"})),
     "reserve_order": Shape("reserve_many", ("lines", "idempotency_key", "hold_for"), frozenset({"hold_for"})),
