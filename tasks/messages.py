@@ -139,8 +139,7 @@ class UnknownFormat(InvalidMessage):
         carried = {} if self.request is None else {"request": self.request}
         return {
             "reason": "unknown message format",
-            "error": "UnknownFormat",
-            "message": str(self),
+            "error": str(self),
             "format": self.format if isinstance(self.format, int | float | str) else repr(self.format),
             "formats": list(FORMATS),
             **carried,

@@ -152,7 +152,7 @@ def test_a_format_the_worker_does_not_know_is_refused_before_anything_else(messa
     detail = exc.detail()
     assert detail["reason"] == "unknown message format" and detail["formats"] == [1, 2]
     assert detail["request"] == {"type": "reserve", "arguments": {"item": "W", "units": 2}}
-    assert f"format {message_format!r}" in detail["message"] and "formats 1 and 2" in detail["message"]
+    assert f"format {message_format!r}:" in detail["error"] and "formats 1 and 2" in detail["error"]
     assert exc.fingerprint is not None and exc.fingerprint != request_fingerprint("reserve", sent)
     # Without a usable key it is refused all the same, with nowhere to record it.
     with pytest.raises(UnknownFormat) as keyless:
@@ -349,7 +349,8 @@ def test_a_message_of_an_unknown_format_is_dead_lettered_untouched_and_driven_ag
     fresh, _ = running.publish_fixture(Path("v1/client.reserve_order.json"), **{FORMAT: message_format})
     ended = running.outcome(fresh.key)
     assert (ended.status, ended.operation) == ("dead_lettered", "reserve_many")
-    assert ended.detail["reason"] == "unknown message format" and ended.detail["error"] == "UnknownFormat"
+    assert ended.detail["reason"] == "unknown message format"
+    assert f"reserve_order message of format {message_format!r}:" in ended.detail["error"]
     assert ended.detail["format"] == message_format and ended.detail["formats"] == [1, 2]
     assert ended.epochs == 0
     skus = [fresh.skus["FIXSKU-A"], fresh.skus["FIXSKU-B"]]
