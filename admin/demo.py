@@ -24,7 +24,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from admin.harness import CeleryProcess, HarnessError, stop_all, wait_until, worker_env
+from admin.celery_processes import CeleryProcess, stop_all, worker_env
+from admin.harness import HarnessError, wait_until
 from fencing import LeaseManager, mask_url
 from reservations import schema
 from reservations.inventory import Inventory

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import redis
 
-from admin.harness import CeleryProcess, redis_server, stop_all, worker_env
+from admin.celery_processes import CeleryProcess, stop_all, worker_env
+from admin.redis_servers import redis_server
 from bench.env import Scratch
 from bench.tasks_e2e import CONCURRENCY, POOL
 from bench.timing import CaseStats, Progress, Results

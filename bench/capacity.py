@@ -33,7 +33,9 @@ import redis
 import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 
-from admin.harness import CeleryProcess, redis_server, start_all, stop_all, wait_until, worker_env
+from admin.celery_processes import CeleryProcess, start_all, stop_all, worker_env
+from admin.harness import wait_until
+from admin.redis_servers import redis_server
 from bench.bursts import outcomes_in
 from bench.capacity_wal import schema_wal
 from bench.costs import RedisCommands, group_cpu, per_task_text

@@ -29,7 +29,8 @@ import redis
 import sqlalchemy as sa
 from celery import Celery
 
-from admin.harness import CeleryProcess, redis_server, stop_all, worker_env
+from admin.celery_processes import CeleryProcess, stop_all, worker_env
+from admin.redis_servers import redis_server
 from bench import old_results
 from bench.env import Scratch
 from bench.leases import UnexpectedReply

@@ -41,7 +41,9 @@ import aiohttp
 import httpx
 import uvloop
 
-from admin.harness import CeleryProcess, free_port, redis_server, stop_all, worker_env
+from admin.celery_processes import CeleryProcess, stop_all, worker_env
+from admin.harness import free_port
+from admin.redis_servers import redis_server
 from bench import http_baseline
 from bench.costs import group_cpu
 from bench.env import Scratch

@@ -30,7 +30,9 @@ import redis
 import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 
-from admin.harness import CeleryProcess, children, redis_server, start_all, stop_all, wait_until, worker_env
+from admin.celery_processes import CeleryProcess, start_all, stop_all, worker_env
+from admin.harness import children, wait_until
+from admin.redis_servers import redis_server
 from bench import old_results
 from bench.bursts import outcomes_in
 from bench.env import Scratch

@@ -22,7 +22,9 @@ from pathlib import Path
 from celery import Celery
 from sqlalchemy.engine import make_url
 
-from admin.harness import CeleryProcess, free_port, redis_server, start_all, stop_all, worker_env
+from admin.celery_processes import CeleryProcess, start_all, stop_all, worker_env
+from admin.harness import free_port
+from admin.redis_servers import redis_server
 from bench import celery_defaults, old_results
 from bench.bursts import (
     BurstFn,

@@ -49,7 +49,9 @@ from typing import Any
 import httpx
 import redis
 
-from admin.harness import RedisServer, free_port, redis_server, wait_until, worker_env
+from admin.celery_processes import worker_env
+from admin.harness import free_port, wait_until
+from admin.redis_servers import RedisServer, redis_server
 from reservations import Inventory, schema
 from reservations.requests import request_id
 

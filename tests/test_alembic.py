@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from admin.harness import worker_env
+from admin.celery_processes import worker_env
 from fencing.engines import make_engine
 from reservations import schema
 

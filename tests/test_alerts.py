@@ -23,7 +23,9 @@ from typing import Any
 
 import pytest
 
-from admin.harness import CeleryProcess, free_port, redis_server, wait_until, worker_env
+from admin.celery_processes import CeleryProcess, worker_env
+from admin.harness import free_port, wait_until
+from admin.redis_servers import redis_server
 from reservations import schema
 from reservations.statuses import RequestStatus
 from tasks.messages import SHAPES

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from admin.harness import process_state, redis_server, wait_until
+from admin.harness import process_state, wait_until
+from admin.redis_servers import redis_server
 from reservations import scope_of
 from reservations.requests import RequestResult
 from tasks import ReservationClient, request_id

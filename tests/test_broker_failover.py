@@ -26,7 +26,8 @@ from typing import Any
 import pytest
 import redis
 
-from admin.harness import HarnessError, free_port, redis_server, wait_until
+from admin.harness import HarnessError, free_port, wait_until
+from admin.redis_servers import redis_server
 from reservations import Inventory, schema
 from reservations.requests import RequestResult, request_id
 from tasks import ReservationClient, Settings, create_app

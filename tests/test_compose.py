@@ -24,7 +24,9 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from admin.harness import CeleryProcess, free_port, redis_server, start_all, stop_all, wait_until, worker_env
+from admin.celery_processes import CeleryProcess, start_all, stop_all, worker_env
+from admin.harness import free_port, wait_until
+from admin.redis_servers import redis_server
 from reservations import schema
 from tasks.settings import Settings, url_with_password_file
 from tasks.variables import SettingsError

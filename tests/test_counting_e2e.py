@@ -14,7 +14,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from admin.harness import process_state, redis_server, wait_until
+from admin.harness import process_state, wait_until
+from admin.redis_servers import redis_server
 from fencing import LeaseManager
 from reservations import Inventory
 from tasks import request_id

@@ -19,7 +19,8 @@ import pytest
 import sqlalchemy as sa
 from kombu.exceptions import OperationalError
 
-from admin.harness import RedisServer, free_port, redis_server, wait_until
+from admin.harness import free_port, wait_until
+from admin.redis_servers import RedisServer, redis_server
 from fencing.engines import make_engine
 from reservations import Inventory, schema
 from reservations.errors import RedriveRefused, UnknownRequest

@@ -26,7 +26,8 @@ from typing import Any
 import pytest
 import redis
 
-from admin.harness import RedisServer, redis_server, wait_until
+from admin.harness import wait_until
+from admin.redis_servers import RedisServer, redis_server
 from fencing import LeaseManager
 from reservations import InvalidRequest, Inventory
 from reservations import validation as valid

@@ -23,7 +23,7 @@ import pytest
 import redis
 import sqlalchemy as sa
 
-from admin.harness import redis_server
+from admin.redis_servers import redis_server
 from fencing import mask_url
 from fencing.engines import make_engine
 from reservations import Inventory

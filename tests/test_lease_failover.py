@@ -2,8 +2,8 @@
 
 The Sentinel and Cluster lease URLs, read without connecting; the Redis answers that mean "not now"
 (a demoted primary, a slot on the move) reaching callers as BackendUnavailable while other errors do
-not; and, against private topologies (admin.harness.SentinelTopology and ClusterTopology, started once
-per module, left healthy by every test), the fence and the counter repair keeping stock safe when a
+not; and, against private topologies (admin.redis_topologies.SentinelTopology and ClusterTopology, started
+once per module, left healthy by every test), the fence and the counter repair keeping stock safe when a
 failover loses the newest tokens.
 """
 
@@ -30,7 +30,8 @@ from redis._parsers.base import BaseParser
 from redis.crc import key_slot
 from redis.exceptions import ClusterError, RedisClusterException, SlotNotCoveredError
 
-from admin.harness import ClusterTopology, SentinelTopology, free_port, wait_until
+from admin.harness import free_port, wait_until
+from admin.redis_topologies import ClusterTopology, SentinelTopology
 from fencing import (
     AsyncLeaseManager,
     BackendUnavailable,

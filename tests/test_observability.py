@@ -29,17 +29,9 @@ from celery import Celery
 from celery.events.state import State
 from prometheus_client.parser import text_string_to_metric_families
 
-from admin.harness import (
-    CeleryProcess,
-    RedisServer,
-    free_port,
-    process_state,
-    redis_server,
-    start_all,
-    stop_all,
-    wait_until,
-    worker_env,
-)
+from admin.celery_processes import CeleryProcess, start_all, stop_all, worker_env
+from admin.harness import free_port, process_state, wait_until
+from admin.redis_servers import RedisServer, redis_server
 from fencing import LeaseManager
 from reservations import Inventory, schema
 from reservations.requests import RequestResult

@@ -19,10 +19,13 @@ import pytest
 import sqlalchemy as sa
 
 from admin import netns
-from admin.harness import CeleryProcess, RedisServer, pg_schema, start_all, stop_all, wait_until, worker_env
+from admin.celery_processes import CeleryProcess, start_all, stop_all, worker_env
+from admin.harness import wait_until
 from admin.links import Link
 from admin.netns import Hosts
+from admin.pg_schemas import pg_schema
 from admin.proxy import DelayProxy
+from admin.redis_servers import RedisServer
 from fencing import LeaseManager
 from reservations import Inventory, scope_of
 from tasks.producer import Producer

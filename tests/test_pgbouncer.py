@@ -20,7 +20,9 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from admin.harness import RedisServer, redis_server, wait_until, worker_env
+from admin.celery_processes import worker_env
+from admin.harness import wait_until
+from admin.redis_servers import RedisServer, redis_server
 from fencing import BackendUnavailable, LeaseBusy, LeaseManager
 from fencing.engines import make_engine, transaction_bounds
 from reservations import AsyncInventory, Inventory, schema, scope_of

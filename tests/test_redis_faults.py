@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from admin.harness import RedisServer, redis_server, wait_until
+from admin.harness import wait_until
+from admin.redis_servers import RedisServer, redis_server
 from fencing import AsyncLeaseManager, BackendUnavailable, Lease, LeaseLost, LeaseManager, StaleToken
 from tests.support import Resource
 

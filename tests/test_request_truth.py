@@ -18,7 +18,8 @@ from typing import Any
 
 import pytest
 
-from admin.harness import RedisServer, free_port, redis_server, wait_until
+from admin.harness import free_port, wait_until
+from admin.redis_servers import RedisServer, redis_server
 from reservations import IdempotencyConflict
 from reservations.requests import RequestResult
 from tasks import request_id

@@ -31,7 +31,9 @@ import httpx
 import pytest
 import redis
 
-from admin.harness import RedisServer, free_port, redis_server, wait_until, worker_env
+from admin.celery_processes import worker_env
+from admin.harness import free_port, wait_until
+from admin.redis_servers import RedisServer, redis_server
 from fencing import LeaseManager
 from reservations import Inventory
 from reservations import validation as valid

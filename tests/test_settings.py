@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import tasks.jobs  # noqa: F401  (declares the tasks each app binds)
-from admin.harness import worker_env
+from admin.celery_processes import worker_env
 from tasks import create_app
 from tasks.app import SCHEDULED_RESULT_EXPIRES
 from tasks.settings import VARIABLES, Settings, variable

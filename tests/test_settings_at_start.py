@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from admin.harness import CeleryProcess, stop_all, worker_env
+from admin.celery_processes import CeleryProcess, stop_all, worker_env
 from reservations import schema
 from tasks.settings import VARIABLES, Settings, unknown_name_warnings, unknown_names
 from tests.support import cli, refused_worker, run

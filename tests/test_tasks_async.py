@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from admin.harness import redis_server
+from admin.redis_servers import redis_server
 from reservations import Inventory
 from reservations.requests import RequestResult
 from tasks import ReservationClient, request_id

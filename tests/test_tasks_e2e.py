@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from admin.harness import RedisServer, process_state, redis_server, wait_until
+from admin.harness import process_state, wait_until
+from admin.redis_servers import RedisServer, redis_server
 from fencing import LeaseManager
 from reservations import InvalidRequest, Inventory
 from reservations.requests import RequestResult

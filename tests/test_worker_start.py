@@ -20,16 +20,10 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 
-from admin.harness import (
-    CeleryProcess,
-    RedisServer,
-    free_port,
-    redis_server,
-    stop_all,
-    wait_until,
-    worker_env,
-)
+from admin.celery_processes import CeleryProcess, stop_all, worker_env
+from admin.harness import free_port, wait_until
 from admin.proxy import DelayProxy
+from admin.redis_servers import RedisServer, redis_server
 from fencing.engines import make_engine
 from reservations import Inventory, schema
 from reservations.models import schema_compatibility

@@ -1,6 +1,7 @@
-"""Clusters of real ``celery worker`` processes for the Celery task tests, built on :mod:`admin.harness`:
-workers sharing one broker, inventory database and lease backend, with one-shot failpoints configured
-and disarmed, the test PostgreSQL's fresh schemas they write to, and RabbitMQ virtual hosts of their own.
+"""Clusters of real ``celery worker`` processes for the Celery task tests, built on
+:mod:`admin.celery_processes`: workers sharing one broker, inventory database and lease backend, with
+one-shot failpoints configured and disarmed, the test PostgreSQL's fresh schemas they write to, and
+RabbitMQ virtual hosts of their own.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 
 from celery import Celery
 
-from admin.harness import CeleryProcess, start_all, stop_all, worker_env
+from admin.celery_processes import CeleryProcess, start_all, stop_all, worker_env
 from tasks import ReservationClient, Settings, create_app
 from tests.conftest import own_pg_schema
 

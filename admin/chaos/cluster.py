@@ -17,6 +17,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from admin.celery_processes import CeleryProcess, start_all, stop_all, worker_env
 from admin.chaos.options import (
     BEAT_EVERY,
     LEASE_TTL,
@@ -25,18 +26,12 @@ from admin.chaos.options import (
     ChaosFailed,
     Options,
 )
-from admin.harness import (
-    CeleryProcess,
-    HarnessError,
-    RedisServer,
-    SentinelTopology,
-    pg_schema,
-    start_all,
-    stop_all,
-    worker_env,
-)
+from admin.harness import HarnessError
 from admin.netns import Host, Hosts, NetnsError
+from admin.pg_schemas import pg_schema
 from admin.proxy import DelayProxy
+from admin.redis_servers import RedisServer
+from admin.redis_topologies import SentinelTopology
 from fencing.engines import make_engine
 from tasks.settings import Settings
 

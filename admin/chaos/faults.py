@@ -35,7 +35,8 @@ from admin.chaos.options import (
 )
 from admin.chaos.report import RunReport
 from admin.chaos.workload import Sent
-from admin.harness import RedisServer, process_state
+from admin.harness import process_state
+from admin.redis_servers import RedisServer
 from fencing import BackendUnavailable, LeaseManager
 from fencing.engines import make_engine
 from reservations.models import pending_reservations, request_outcomes
