@@ -2,7 +2,7 @@
 once it runs: real ``celery worker`` processes.
 
 - A database and a lease backend that do not answer yet are waited for, with a line saying so, and the
-  ready line comes once they answer (misconfigured is refused at start: tests/test_settings.py).
+  ready line comes once they answer (misconfigured is refused at start: tests/test_settings_at_start.py).
 - A schema behind the code is refused with exit 2 naming both revisions; a newer one is taken when its
   migrations declared it compatible with this code (the decision itself: :func:`reservations.schema.judge`).
 - With ``RESERVATIONS_LOG_FORMAT=json`` every line the worker writes is one JSON object.
