@@ -1,10 +1,14 @@
-"""Lease managers: the public sync and async shells over one set of plans.
+"""Lease managers: the public sync and async shells, both made from one set of plans.
 
 ``LeaseManager.from_url`` / ``AsyncLeaseManager.from_url`` pick the backend from the URL: Redis for
 ``redis://``, ``rediss://``, ``unix://``, ``redis+sentinel://`` and ``redis+cluster://``
 (:class:`fencing.redis_topology.RedisTopology` gives their forms), SQL for any SQLAlchemy URL.
-Validation, waiting, backoff and repair decisions live in :mod:`fencing.lease_plans`; the shells only
-drive them and run the background renewal of :meth:`hold`.
+Validation, waiting, backoff and repair decisions live in :mod:`fencing.lease_plans`. Each operation
+(acquire, renew, release, the reads, the purge, the break, the repair) is written once in :class:`_Shell`,
+as the plan it runs (:class:`fencing.shells.operation`): blocking in :class:`LeaseManager`, awaitable in
+:class:`AsyncLeaseManager`. Written per shell are only construction, the schema, :meth:`hold` with its
+background renewal (a thread, :class:`fencing.renewer.Renewer`, or a task; what follows a failed renewal
+is :func:`fencing.lease_plans.renewal_verdict` for both) and closing.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager, suppress
-from typing import Any, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 from fencing.engines import make_async_engine, make_engine
 from fencing.errors import FencingError, InvalidLeaseRequest, StaleToken
@@ -31,10 +35,12 @@ from fencing.lease_plans import (
     default_holder,
     renewal_verdict,
 )
+from fencing.plan import Plan
 from fencing.redis_backend import RedisLeaseCore
 from fencing.redis_executor import AsyncRedisExecutor, SyncRedisExecutor, async_client, sync_client
 from fencing.redis_topology import REDIS_SCHEMES, RedisTopology, redis_topology
 from fencing.renewer import Renewer
+from fencing.shells import operation
 from fencing.sql_backend import SqlLeaseCore, metadata
 from fencing.sql_executor import AsyncSqlExecutor, SyncSqlExecutor
 from fencing.urls import mask_url, normalize_url
@@ -134,7 +140,11 @@ def _renew_interval(lease: Lease, renew_every: float | None) -> float:
 
 
 class _Shell(Generic[E]):
-    """What both lease managers hold: the plans, the executor that runs them, the masked URL."""
+    """What both lease managers hold (the plans, the executor that runs them, the masked URL) and every
+    operation that only runs a plan, written once: each is blocking in :class:`LeaseManager` and a
+    coroutine function in :class:`AsyncLeaseManager` (``awaits``)."""
+
+    awaits: ClassVar[bool] = False
 
     def __init__(self, core: LeaseCore, executor: E, *, clock: Clock = time.monotonic, url: str = "") -> None:
         self.plans = LeasePlans(core, clock)
@@ -144,6 +154,43 @@ class _Shell(Generic[E]):
     @property
     def backend(self) -> str:
         return self.plans.core.backend
+
+    @operation
+    def acquire(self, scope: str, *, ttl: float, holder: str | None = None, wait: float = 0) -> Plan[Lease]:
+        """Take the scope's lease and a new fencing token; :class:`LeaseBusy` if held past ``wait``."""
+        return self.plans.acquire(scope, ttl, holder, wait)
+
+    @operation
+    def renew(self, lease: Lease) -> Plan[Lease]:
+        """Extend the lease, keeping its token; :class:`LeaseLost` (sticky) if it is no longer held."""
+        return self.plans.renew(lease)
+
+    @operation
+    def release(self, lease: Lease) -> Plan[None]:
+        """End the lease by its id; :class:`LeaseLost` if it had already expired or been superseded."""
+        return self.plans.release(lease)
+
+    @operation
+    def current(self, scope: str) -> Plan[LeaseInfo | None]:
+        return self.plans.current(scope)
+
+    @operation
+    def history(self, scope: str, *, limit: int = 100) -> Plan[list[LeaseEvent]]:
+        return self.plans.history(scope, limit)
+
+    @operation
+    def purge_history(self, *, older_than: float = DEFAULT_HISTORY_RETENTION) -> Plan[int]:
+        """Delete SQL lease events older than ``older_than`` seconds; Redis histories expire instead."""
+        return self.plans.purge_history(older_than)
+
+    @operation
+    def break_lease(self, scope: str, *, reason: str) -> Plan[LeaseInfo | None]:
+        """Administrative: end the scope's current lease now. Its holder's next write is rejected."""
+        return self.plans.break_lease(scope, reason)
+
+    @operation
+    def handle_stale(self, lease: Lease, error: StaleToken) -> Plan[bool]:
+        return self.plans.handle_stale(lease, error)
 
 
 class LeaseManager(_Shell[SyncRedisExecutor | SyncSqlExecutor]):
@@ -185,35 +232,6 @@ class LeaseManager(_Shell[SyncRedisExecutor | SyncSqlExecutor]):
         if isinstance(self.executor, SyncSqlExecutor):
             metadata.create_all(self.executor.engine, checkfirst=True)
 
-    def acquire(self, scope: str, *, ttl: float, holder: str | None = None, wait: float = 0) -> Lease:
-        """Take the scope's lease and a new fencing token; :class:`LeaseBusy` if held past ``wait``."""
-        return self.executor.run(self.plans.acquire(scope, ttl, holder, wait))
-
-    def renew(self, lease: Lease) -> Lease:
-        """Extend the lease, keeping its token; :class:`LeaseLost` (sticky) if it is no longer held."""
-        return self.executor.run(self.plans.renew(lease))
-
-    def release(self, lease: Lease) -> None:
-        """End the lease by its id; :class:`LeaseLost` if it had already expired or been superseded."""
-        self.executor.run(self.plans.release(lease))
-
-    def current(self, scope: str) -> LeaseInfo | None:
-        return self.executor.run(self.plans.current(scope))
-
-    def history(self, scope: str, *, limit: int = 100) -> list[LeaseEvent]:
-        return self.executor.run(self.plans.history(scope, limit))
-
-    def purge_history(self, *, older_than: float = DEFAULT_HISTORY_RETENTION) -> int:
-        """Delete SQL lease events older than ``older_than`` seconds; Redis histories expire instead."""
-        return self.executor.run(self.plans.purge_history(older_than))
-
-    def break_lease(self, scope: str, *, reason: str) -> LeaseInfo | None:
-        """Administrative: end the scope's current lease now. Its holder's next write is rejected."""
-        return self.executor.run(self.plans.break_lease(scope, reason))
-
-    def handle_stale(self, lease: Lease, error: StaleToken) -> bool:
-        return self.executor.run(self.plans.handle_stale(lease, error))
-
     @contextmanager
     def hold(
         self,
@@ -237,18 +255,14 @@ class LeaseManager(_Shell[SyncRedisExecutor | SyncSqlExecutor]):
             yield lease
         except StaleToken as exc:
             self._renewer.remove(lease)
-            self._quietly(self.handle_stale, lease, exc)
+            with _logged(lease):
+                self.handle_stale(lease, exc)
             raise
         finally:
             self._renewer.remove(lease)
             if not lease.lost:
-                self._quietly(self.release, lease)
-
-    def _quietly(self, fn: Callable[..., object], lease: Lease, *args: Any) -> None:
-        try:
-            fn(lease, *args)
-        except FencingError as exc:
-            log.info("lease on %r: %s", lease.scope, exc)
+                with _logged(lease):
+                    self.release(lease)
 
     def close(self) -> None:
         self._renewer.close()
@@ -263,6 +277,8 @@ class LeaseManager(_Shell[SyncRedisExecutor | SyncSqlExecutor]):
 
 class AsyncLeaseManager(_Shell[AsyncRedisExecutor | AsyncSqlExecutor]):
     """The asyncio shell: same plans, awaited I/O, renewal in a task instead of a thread."""
+
+    awaits = True
 
     @classmethod
     def from_url(
@@ -289,30 +305,6 @@ class AsyncLeaseManager(_Shell[AsyncRedisExecutor | AsyncSqlExecutor]):
         if isinstance(self.executor, AsyncSqlExecutor):
             async with self.executor.engine.begin() as conn:
                 await conn.run_sync(metadata.create_all, checkfirst=True)
-
-    async def acquire(self, scope: str, *, ttl: float, holder: str | None = None, wait: float = 0) -> Lease:
-        return await self.executor.run(self.plans.acquire(scope, ttl, holder, wait))
-
-    async def renew(self, lease: Lease) -> Lease:
-        return await self.executor.run(self.plans.renew(lease))
-
-    async def release(self, lease: Lease) -> None:
-        await self.executor.run(self.plans.release(lease))
-
-    async def current(self, scope: str) -> LeaseInfo | None:
-        return await self.executor.run(self.plans.current(scope))
-
-    async def history(self, scope: str, *, limit: int = 100) -> list[LeaseEvent]:
-        return await self.executor.run(self.plans.history(scope, limit))
-
-    async def purge_history(self, *, older_than: float = DEFAULT_HISTORY_RETENTION) -> int:
-        return await self.executor.run(self.plans.purge_history(older_than))
-
-    async def break_lease(self, scope: str, *, reason: str) -> LeaseInfo | None:
-        return await self.executor.run(self.plans.break_lease(scope, reason))
-
-    async def handle_stale(self, lease: Lease, error: StaleToken) -> bool:
-        return await self.executor.run(self.plans.handle_stale(lease, error))
 
     @asynccontextmanager
     async def hold(
@@ -348,18 +340,14 @@ class AsyncLeaseManager(_Shell[AsyncRedisExecutor | AsyncSqlExecutor]):
             yield lease
         except StaleToken as exc:
             await _cancel(renewer)
-            await self._quietly(self.handle_stale(lease, exc), lease)
+            with _logged(lease):
+                await self.handle_stale(lease, exc)
             raise
         finally:
             await _cancel(renewer)
             if not lease.lost:
-                await self._quietly(self.release(lease), lease)
-
-    async def _quietly(self, call: Awaitable[object], lease: Lease) -> None:
-        try:
-            await call
-        except FencingError as exc:
-            log.info("lease on %r: %s", lease.scope, exc)
+                with _logged(lease):
+                    await self.release(lease)
 
     async def close(self) -> None:
         await self.executor.close()
@@ -369,6 +357,16 @@ class AsyncLeaseManager(_Shell[AsyncRedisExecutor | AsyncSqlExecutor]):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+@contextmanager
+def _logged(lease: Lease) -> Iterator[None]:
+    """A fencing error of the block (the release or repair on the way out of a hold) is logged, not raised:
+    the block's own outcome is what the holder hears."""
+    try:
+        yield
+    except FencingError as exc:
+        log.info("lease on %r: %s", lease.scope, exc)
 
 
 async def _cancel(task: asyncio.Task[None]) -> None:

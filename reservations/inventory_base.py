@@ -1,23 +1,30 @@
-"""What the two inventory shells share: the construction of the plans, and the checks of the arguments
-that the request and batching plans take unchecked, so :class:`~reservations.Inventory` and
-:class:`~reservations.AsyncInventory` differ only in how they drive a plan.
+"""The inventory's operations, each written once: :class:`InventoryBase` builds the plans and, for every
+operation that only runs a plan, holds that operation as the plan it runs (with the checks of the
+arguments that the request and batching plans take unchecked). :class:`fencing.shells.operation` makes
+each one blocking in :class:`~reservations.Inventory` and a coroutine function in
+:class:`~reservations.AsyncInventory`, with the same name, parameters and docstring. The shells write only
+what differs in kind: construction, the lease timeline and ``hold_many`` (which use a lease manager of
+their own kind), closing and the context managers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Generic, Protocol, TypeVar
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from fencing import Lease
 from fencing.plan import Plan
+from fencing.shells import operation
 from fencing.sql_errors import Translate
 from fencing.urls import mask_url
-from reservations import batching, constraints, pending, requests
+from reservations import audit, batching, constraints, pending, reads, redrives, requests
 from reservations import validation as valid
+from reservations.counting import StockSeen
 from reservations.errors import InvalidRequest
 from reservations.operations import InventoryPlans
 from reservations.requests import Attempt, RequestResult
 from reservations.reserve_statement import Speaker
+from reservations.views import ArchivedHistory, HistoryEntry, Outcome, ReservationView, StockLevel
 
 
 class _Executor(Protocol):
@@ -61,79 +68,17 @@ def _check_who(who: Mapping[str, Any], allowed: frozenset[str]) -> None:
         valid.text(who["detail"], field="detail", max_chars=valid.MAX_DETAIL_CHARS)
 
 
-def record_outcome(
-    key: str, operation: str, status: str, detail: dict[str, Any], who: Mapping[str, Any]
-) -> Plan[requests.RequestResult]:
-    valid.idempotency_key(key)
-    valid.operation(operation)
-    valid.detail(detail)
-    _check_who(who, _OUTCOME_FIELDS)
-    return requests.record_outcome(key, operation, status, detail, **who)
-
-
-def record_attempt(key: str, operation: str, result: str, who: Mapping[str, Any]) -> Plan[None]:
-    valid.idempotency_key(key)
-    valid.operation(operation)
-    _check_who(who, _ATTEMPT_FIELDS)
-    return requests.record_attempt(key, operation, result, **who)
-
-
-def attempts(key: str) -> Plan[list[Attempt]]:
-    return requests.attempts(valid.idempotency_key(key))
-
-
-def purge_requests(older_than: float) -> Plan[int]:
-    return requests.purge(valid.retention(older_than))
-
-
-def skus_with_due_holds(limit: int) -> Plan[list[str]]:
-    return requests.skus_with_due_holds(valid.limit(limit))
-
-
-def hand_off(
-    plans: InventoryPlans,
-    sku: str,
-    quantity: int,
-    key: str,
-    hold_for: float | None,
-    task_id: str | None,
-    epochs: int,
-) -> Plan[pending.HandOff]:
-    valid.task_and_worker(task_id)
-    valid.epochs(epochs)
-    return pending.hand_off(
-        sku, quantity, key, hold_for, task_id=task_id, epochs=epochs, single_statement=plans.single_statement
-    )
-
-
-def reserve_request(
-    plans: InventoryPlans,
-    lease: Lease,
-    sku: str,
-    quantity: int,
-    key: str,
-    hold_for: float | None,
-    task_id: str | None,
-    worker: str | None,
-    epochs: int,
-) -> Plan[requests.RequestReply]:
-    valid.task_and_worker(task_id, worker)
-    valid.epochs(epochs)
-    speaker = Speaker(task_id=task_id, worker=worker, epochs=epochs)
-    return plans.reserve_request(lease, sku, quantity, key, hold_for, speaker)
-
-
-def serve_pending(
-    plans: InventoryPlans, lease: Lease, sku: str, limit: int, task_id: str | None, worker: str | None
-) -> Plan[list[RequestResult]]:
-    valid.lease(lease)
-    valid.task_and_worker(task_id, worker)
-    return batching.serve(plans, lease, sku, limit=limit, task_id=task_id, worker=worker)
+def check_manager(manager: object, kind: type) -> None:
+    """InvalidRequest unless ``manager`` is a lease manager of the shell's own kind (``kind``)."""
+    if not isinstance(manager, kind):
+        article = "an" if kind.__name__[0] in "AEIOU" else "a"
+        raise InvalidRequest(
+            f"expected {article} {kind.__name__}, got {type(manager).__name__}", field="manager"
+        )
 
 
 def timeline_args(manager: object, kind: type, sku: str, limit: int) -> str:
-    if not isinstance(manager, kind):
-        raise InvalidRequest(f"expected a {kind.__name__}, got {type(manager).__name__}", field="manager")
+    check_manager(manager, kind)
     valid.limit(limit)
     return valid.scope_of(valid.sku(sku))
 
@@ -145,7 +90,11 @@ def _single_statement(dialect: str, asked: bool | None) -> bool:
 
 
 class InventoryBase(Generic[E]):
-    """The plans both shells drive, and the executor that runs them on one database."""
+    """The plans both shells drive, the executor that runs them on one database, and every operation that
+    only runs a plan (:class:`~fencing.shells.operation`: blocking where the shell's ``awaits`` is False,
+    awaitable where it is True), each in its own transaction."""
+
+    awaits: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -170,3 +119,267 @@ class InventoryBase(Generic[E]):
             single_statement=_single_statement(dialect, single_statement),
         )
         self.url = mask_url(url) if url else ""
+
+    # writes
+    @operation
+    def add_sku(self, sku: str, *, on_hand: int = 0) -> Plan[StockLevel]:
+        return self.plans.add_sku(sku, on_hand)
+
+    @operation
+    def restock(self, lease: Lease, sku: str, quantity: int, *, key: str) -> Plan[Outcome]:
+        return self.plans.restock(lease, sku, quantity, key)
+
+    @operation
+    def adjust(
+        self, lease: Lease, sku: str, delta: int, *, key: str, reason: str | None = None
+    ) -> Plan[Outcome]:
+        return self.plans.adjust(lease, sku, delta, key, reason)
+
+    @operation
+    def look(self, lease: Lease, sku: str) -> Plan[StockSeen]:
+        """The SKU's stock and version read under ``lease``, to decide a count or a replenishment from. The
+        row's fence rises to the lease's token, so no older epoch can write between this read and the write
+        decided from it."""
+        return self.plans.look(lease, sku)
+
+    @operation
+    def count(
+        self,
+        lease: Lease,
+        sku: str,
+        counted: int,
+        *,
+        key: str,
+        seen: StockSeen | None = None,
+        shrinkage: int | None = None,
+    ) -> Plan[Outcome]:
+        """A cycle count: on hand becomes ``counted``; ``seen`` (:meth:`look`) is what it was decided from,
+        ``shrinkage`` says the figure was decided from ``seen`` rather than sent."""
+        return self.plans.count(lease, sku, counted, key, seen=seen, shrinkage=shrinkage)
+
+    @operation
+    def replenish(self, lease: Lease, sku: str, par: int, *, key: str, seen: StockSeen) -> Plan[Outcome]:
+        """Books ``par`` minus the on-hand figure ``seen`` (none at or above par) as a restock."""
+        return self.plans.replenish(lease, sku, par, key, seen=seen)
+
+    @operation
+    def reserve(
+        self, lease: Lease, sku: str, quantity: int, *, key: str, hold_for: float | None = None
+    ) -> Plan[Outcome]:
+        return self.plans.reserve(lease, sku, quantity, key, hold_for)
+
+    @operation
+    def reserve_many(
+        self,
+        leases: Mapping[str, Lease],
+        lines: list[tuple[str, int]],
+        *,
+        key: str,
+        hold_for: float | None = None,
+    ) -> Plan[Outcome]:
+        return self.plans.reserve_many(leases, lines, key, hold_for)
+
+    @operation
+    def reserve_request(
+        self,
+        lease: Lease,
+        sku: str,
+        quantity: int,
+        *,
+        key: str,
+        hold_for: float | None = None,
+        task_id: str | None = None,
+        worker: str | None = None,
+        epochs: int = 0,
+    ) -> Plan[requests.RequestReply]:
+        """:meth:`reserve` for a queued request: also writes its attempt and final outcome (one statement
+        on PostgreSQL), or answers from the outcome it already has."""
+        valid.task_and_worker(task_id, worker)
+        valid.epochs(epochs)
+        speaker = Speaker(task_id=task_id, worker=worker, epochs=epochs)
+        return self.plans.reserve_request(lease, sku, quantity, key, hold_for, speaker)
+
+    @operation
+    def confirm(self, lease: Lease, reservation_id: str, *, key: str) -> Plan[Outcome]:
+        return self.plans.confirm(lease, reservation_id, key)
+
+    @operation
+    def release(self, lease: Lease, reservation_id: str, *, key: str) -> Plan[Outcome]:
+        return self.plans.release(lease, reservation_id, key)
+
+    cancel = release
+
+    @operation
+    def expire_due(self, lease: Lease, sku: str, *, key: str | None = None) -> Plan[Outcome]:
+        return self.plans.expire_due(lease, sku, key)
+
+    @operation
+    def purge_idempotency(self, *, older_than: float = DEFAULT_IDEMPOTENCY_RETENTION) -> Plan[int]:
+        return self.plans.purge_idempotency(older_than)
+
+    @operation
+    def purge_requests(self, *, older_than: float = DEFAULT_IDEMPOTENCY_RETENTION) -> Plan[int]:
+        """Delete request outcomes and attempts past the same retention as the idempotency records."""
+        return requests.purge(valid.retention(older_than))
+
+    # reads
+    @operation
+    def stock(self, sku: str) -> Plan[StockLevel]:
+        return reads.stock_level(sku)
+
+    @operation
+    def all_stock(self) -> Plan[list[StockLevel]]:
+        return reads.all_stock()
+
+    @operation
+    def reservation(self, id_or_key: str) -> Plan[ReservationView]:
+        return reads.reservation(id_or_key)
+
+    @operation
+    def reservations(
+        self,
+        sku: str | None = None,
+        *,
+        status: str | None = None,
+        order_key: str | None = None,
+        limit: int = 100,
+    ) -> Plan[list[ReservationView]]:
+        return reads.reservation_list(sku, status=status, order_key=order_key, limit=limit)
+
+    @operation
+    def history(self, sku: str, *, limit: int = 1000, since: float | None = None) -> Plan[list[HistoryEntry]]:
+        return reads.history(sku, limit=limit, since=since)
+
+    @operation
+    def archived(self, sku: str) -> Plan[ArchivedHistory | None]:
+        """What of the SKU's history was archived (``reservations archive``), or None."""
+        return reads.archived(sku)
+
+    @operation
+    def rejection_counts(self, *, since: float | None = None) -> Plan[dict[str, int]]:
+        return reads.rejection_counts(since)
+
+    @operation
+    def invariant_violations(self) -> Plan[list[audit.Violation]]:
+        return audit.invariant_violations()
+
+    @operation
+    def request_outcome(self, key: str) -> Plan[RequestResult | None]:
+        return requests.request_outcome(key)
+
+    @operation
+    def own_outcome(self, key: str) -> Plan[RequestResult | None]:
+        """The outcome row written under ``key`` itself: :meth:`request_outcome` without following a
+        dead letter to its re-drive."""
+        return requests.own_outcome(key)
+
+    @operation
+    def request_outcomes(self, keys: Sequence[str]) -> Plan[dict[str, RequestResult]]:
+        """Final outcomes of those of ``keys`` (at most 1,000) that have one, in one read."""
+        return requests.outcomes_of(keys, array=self.dialect == "postgresql")
+
+    @operation
+    def record_outcome(
+        self, /, key: str, operation: str, status: str, detail: dict[str, Any], **who: Any
+    ) -> Plan[RequestResult]:
+        valid.idempotency_key(key)
+        valid.operation(operation)
+        valid.detail(detail)
+        _check_who(who, _OUTCOME_FIELDS)
+        return requests.record_outcome(key, operation, status, detail, **who)
+
+    @operation
+    def record_attempt(self, /, key: str, operation: str, result: str, **who: Any) -> Plan[None]:
+        valid.idempotency_key(key)
+        valid.operation(operation)
+        _check_who(who, _ATTEMPT_FIELDS)
+        return requests.record_attempt(key, operation, result, **who)
+
+    @operation
+    def attempts(self, key: str) -> Plan[list[Attempt]]:
+        return requests.attempts(valid.idempotency_key(key))
+
+    # dead letters and their re-drives
+    @operation
+    def dead_letters(
+        self, *, since: float | None = None, reason: str | None = None, limit: int = 1000
+    ) -> Plan[list[redrives.DeadLetter]]:
+        """Dead-lettered requests, newest first, each with its latest re-drive (reservations.redrives)."""
+        return redrives.dead_letters(since, reason, limit)
+
+    @operation
+    def redrives_of(self, key: str) -> Plan[list[redrives.RedriveLink]]:
+        """Every re-drive of the request under ``key``, oldest first."""
+        return redrives.redrives_of(key)
+
+    @operation
+    def claim_redrive(
+        self, key: str, *, by: str | None = None, dry_run: bool = False
+    ) -> Plan[redrives.Redrive]:
+        """Claim the next re-drive of a dead-lettered request (recorded; ``dry_run``: only checked)."""
+        return redrives.claim(key, by=by, dry_run=dry_run)
+
+    @operation
+    def drop_redrive(self, redrive_key: str) -> Plan[bool]:
+        """Take back a claimed re-drive that was never sent."""
+        return redrives.drop(redrive_key)
+
+    @operation
+    def skus_with_due_holds(self, limit: int = 1000) -> Plan[list[str]]:
+        return requests.skus_with_due_holds(valid.limit(limit))
+
+    # hot-SKU batching
+    @operation
+    def hand_off(
+        self,
+        sku: str,
+        quantity: int,
+        *,
+        key: str,
+        hold_for: float | None = None,
+        task_id: str | None = None,
+        epochs: int = 0,
+    ) -> Plan[pending.HandOff]:
+        """Queue a reservation for the SKU's lease holder (or find the outcome it already has)."""
+        valid.task_and_worker(task_id)
+        valid.epochs(epochs)
+        single_statement = self.plans.single_statement
+        return pending.hand_off(
+            sku, quantity, key, hold_for, task_id=task_id, epochs=epochs, single_statement=single_statement
+        )
+
+    @operation
+    def has_pending(self, sku: str) -> Plan[bool]:
+        return pending.has_pending(sku)
+
+    @operation
+    def pending_count(self, sku: str | None = None) -> Plan[int]:
+        return pending.pending_count(sku)
+
+    @operation
+    def waiting_by_sku(self) -> Plan[dict[str, int]]:
+        return pending.waiting_by_sku()
+
+    @operation
+    def skus_waiting(self, *, older_than: float) -> Plan[list[str]]:
+        """SKUs with a request waiting for its holder longer than ``older_than`` seconds."""
+        return pending.skus_waiting(older_than)
+
+    @operation
+    def purge_ended_waits(self) -> Plan[int]:
+        return pending.drop_ended()
+
+    @operation
+    def serve_pending(
+        self,
+        lease: Lease,
+        sku: str,
+        *,
+        limit: int = 100,
+        task_id: str | None = None,
+        worker: str | None = None,
+    ) -> Plan[list[RequestResult]]:
+        """Serve up to ``limit`` pending reservations of ``sku`` in one fenced transaction."""
+        valid.lease(lease)
+        valid.task_and_worker(task_id, worker)
+        return batching.serve(self.plans, lease, sku, limit=limit, task_id=task_id, worker=worker)

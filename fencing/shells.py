@@ -1,0 +1,116 @@
+"""Shells generated from plans: each operation is written once, both shells are made from it.
+
+A shell operation is a method that only builds a plan; :class:`operation` makes it a method that builds
+the plan and drives it with the shell's executor. On a blocking shell (``awaits = False``: its executor's
+``run(plan)`` returns the result) the method returns the result; on an awaiting shell (``awaits = True``:
+``run(plan)`` returns an awaitable) it is a coroutine function, and the plan is built, and its arguments
+checked, when the call is awaited, as in a hand-written ``async def``. Each keeps the name, parameters,
+defaults and docstring of what it was made from, the result type of its plan as its return annotation,
+and the plan builder itself as ``__wrapped__``.
+
+For the type checker ``__get__`` is overloaded on the instance: a shell whose executor blocks gets a
+``Callable[P, T]`` and one whose executor awaits a ``Callable[P, Coroutine[Any, Any, T]]``, ``P`` being the
+operation's own parameters. The lease managers (:mod:`fencing.manager`) and the inventory shells
+(:mod:`reservations.inventory_base`) are made this way; the methods with logic of their own (``from_url``,
+``hold``, ``close``, the context managers) stay written per shell.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import re
+from collections.abc import Awaitable, Callable, Coroutine, Generator
+from types import MethodType
+from typing import Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar, get_args, get_origin, overload
+
+from fencing.plan import Plan
+
+P = ParamSpec("P")
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+class BlockingExecutor(Protocol):
+    """Drives a plan to its result before it returns (the sync SQL and Redis executors)."""
+
+    def run(self, plan: Plan[R], /) -> R: ...
+
+
+class AwaitingExecutor(Protocol):
+    """Drives a plan when awaited (the async SQL and Redis executors)."""
+
+    def run(self, plan: Plan[R], /) -> Awaitable[R]: ...
+
+
+class BlockingShell(Protocol):
+    @property
+    def executor(self) -> BlockingExecutor: ...
+
+
+class AwaitingShell(Protocol):
+    @property
+    def executor(self) -> AwaitingExecutor: ...
+
+
+class operation(Generic[P, T]):
+    """A shell method written once as the plan it runs: blocking on a shell whose class says
+    ``awaits = False``, a coroutine function on one that says ``awaits = True``."""
+
+    def __init__(self, build: Callable[Concatenate[Any, P], Plan[T]]) -> None:
+        self.build = build
+        self._blocking = _dressed(_blocking(build), build)
+        self._awaiting = _dressed(_awaiting(build), build)
+        self.__doc__ = build.__doc__
+
+    @overload
+    def __get__(self, instance: None, owner: type[Any]) -> Callable[Concatenate[Any, P], Any]: ...
+
+    @overload
+    def __get__(self, instance: BlockingShell, owner: type[Any] | None = None) -> Callable[P, T]: ...
+
+    @overload
+    def __get__(
+        self, instance: AwaitingShell, owner: type[Any] | None = None
+    ) -> Callable[P, Coroutine[Any, Any, T]]: ...
+
+    def __get__(self, instance: object, owner: type[Any] | None = None) -> Callable[..., Any]:
+        shell: Any = type(instance) if owner is None else owner  # a class that says whether it awaits
+        method = self._awaiting if shell.awaits else self._blocking
+        return method if instance is None else MethodType(method, instance)
+
+
+def _blocking(build: Callable[..., Plan[Any]]) -> Callable[..., Any]:
+    def method(self: Any, /, *args: Any, **kwargs: Any) -> Any:
+        return self.executor.run(build(self, *args, **kwargs))
+
+    return method
+
+
+def _awaiting(build: Callable[..., Plan[Any]]) -> Callable[..., Any]:
+    async def method(self: Any, /, *args: Any, **kwargs: Any) -> Any:
+        return await self.executor.run(build(self, *args, **kwargs))
+
+    return method
+
+
+def _dressed(method: Callable[..., Any], build: Callable[..., Plan[Any]]) -> Callable[..., Any]:
+    """``method`` with the name, docstring and parameters of ``build``, returning what its plan does."""
+    functools.update_wrapper(method, build)
+    signature = inspect.signature(build)
+    result = _plan_result(signature.return_annotation)
+    method.__signature__ = signature.replace(return_annotation=result)  # type: ignore[attr-defined]
+    method.__annotations__ = {**build.__annotations__, "return": result}
+    return method
+
+
+_PLAN = re.compile(r"(?:Plan|StatementPlan)\[(?P<result>.*)\]", re.DOTALL)
+
+
+def _plan_result(annotation: Any) -> Any:
+    """``T`` of a ``Plan[T]`` annotation (a string under postponed evaluation); anything else as it is."""
+    if isinstance(annotation, str) and (found := _PLAN.fullmatch(annotation.strip())):
+        return found["result"]
+    if get_origin(annotation) is Generator:
+        return get_args(annotation)[2]
+    return annotation
