@@ -15,11 +15,16 @@ import sqlalchemy as sa
 from fencing import FenceOutcome, Lease, StaleToken
 from fencing.plan import Atomic, Bound, Plan
 from fencing.sql import Rows, db_now_ms
+from reservations import keyed_statement as keyed
+from reservations import keyed_steps, stock_statement
 from reservations import validation as valid
 from reservations.errors import CountBelowHeld, InvalidRequest, SeenInAnotherEpoch, UnknownSku
+from reservations.keyed_steps import Step
 from reservations.ledger import Ledger, fingerprint
 from reservations.models import sku_checkpoints, sku_history, stock
 from reservations.reads import STOCK_COLUMNS, stock_level
+from reservations.statuses import SUCCEEDED
+from reservations.stock_statement import Change
 from reservations.views import Outcome, StockLevel
 
 # The operations whose size or figure is decided from a read; their history rows carry what was seen.
@@ -190,6 +195,12 @@ class StockCounting:
         what the count was decided from (:meth:`look` under ``lease``; see :func:`seen_of`), recorded
         with it; ``shrinkage`` says the figure was decided from ``seen`` (see :func:`short_count`) rather
         than sent."""
+        return keyed_steps.alone(self.ledger, self.counting(lease, sku, counted, key, seen, shrinkage))
+
+    def counting(
+        self, lease: Lease, sku: str, counted: int, key: str, seen: StockSeen | None, shrinkage: int | None
+    ) -> Step:
+        """A cycle count (:meth:`count`), checked, both ways it can be sent."""
         valid.lease(lease)
         valid.sku(sku)
         counted_units(counted)
@@ -200,6 +211,7 @@ class StockCounting:
         detail: dict[str, int] = {"counted": counted, **_seen_detail(checked)}
         if shrinkage is not None:
             detail["shrinkage"] = shrinkage
+        print_ = count_fingerprint(sku, counted, shrinkage)
 
         def apply() -> Plan[Outcome]:
             # The envelope locked the row: the level read here is the one the count replaces.
@@ -214,14 +226,15 @@ class StockCounting:
                 operation="count", key=key, token=lease.token, stock=(level,), quantity=change, detail=detail
             )
 
-        return self.ledger.idempotent(
-            key,
-            "count",
-            count_fingerprint(sku, counted, shrinkage),
-            apply,
-            lambda stale: self.ledger.rejection(stale, lease, sku, "count", key, counted),
-            self.ledger.lock_skus(sku),
-        )
+        def rejection(stale: StaleToken) -> sa.Executable:
+            return self.ledger.rejection(stale, lease, sku, "count", key, counted)
+
+        def several() -> Plan[Outcome]:
+            lock = self.ledger.lock_skus(sku)
+            return self.ledger.idempotent(key, "count", print_, apply, rejection, lock)
+
+        written = keyed.Written(lease, key, "count", print_, SUCCEEDED["count"], detail=detail)
+        return stock_statement.step(self.ledger.fence, written, sku, Change.SET, counted, several, rejection)
 
     def _set_on_hand(self, lease: Lease, sku: str, counted: int) -> Plan[StockLevel]:
         """The fenced absolute write; the held units are checked in its own condition."""
@@ -250,6 +263,10 @@ class StockCounting:
         :func:`seen_of`), none when at or above par, as a restock. The size was decided from the read, so
         the row records par and what was seen; the request is named by its par, so a redelivery that reads
         another level replays the first."""
+        return keyed_steps.alone(self.ledger, self.replenishing(lease, sku, par, key, seen))
+
+    def replenishing(self, lease: Lease, sku: str, par: int, key: str, seen: StockSeen) -> Step:
+        """A replenishment to par (:meth:`replenish`), checked, both ways it can be sent."""
         valid.lease(lease)
         valid.sku(sku)
         par_units(par)
@@ -275,11 +292,14 @@ class StockCounting:
                 detail=detail,
             )
 
-        return self.ledger.idempotent(
-            key,
-            "replenish",
-            replenish_fingerprint(sku, par),
-            apply,
-            lambda stale: self.ledger.rejection(stale, lease, sku, "replenish", key, order),
-            self.ledger.lock_skus(sku),
-        )
+        def rejection(stale: StaleToken) -> sa.Executable:
+            return self.ledger.rejection(stale, lease, sku, "replenish", key, order)
+
+        print_ = replenish_fingerprint(sku, par)
+
+        def several() -> Plan[Outcome]:
+            lock = self.ledger.lock_skus(sku)
+            return self.ledger.idempotent(key, "replenish", print_, apply, rejection, lock)
+
+        written = keyed.Written(lease, key, "replenish", print_, SUCCEEDED["replenish"], detail=detail)
+        return stock_statement.step(self.ledger.fence, written, sku, Change.ADD, order, several, rejection)

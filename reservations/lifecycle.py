@@ -6,15 +6,23 @@ from __future__ import annotations
 
 import sqlalchemy as sa
 
-from fencing import Lease
+from fencing import Lease, StaleToken
 from fencing.plan import Plan
 from fencing.sql import Rows, db_now_ms
+from reservations import finish_statement, keyed_steps
+from reservations import keyed_statement as keyed
 from reservations import validation as valid
 from reservations.errors import InvalidTransition, UnknownReservation
+from reservations.keyed_steps import Step
 from reservations.ledger import HeldLine, Ledger, fingerprint, new_reservation_id
 from reservations.models import CONFIRMED, EXPIRED, HELD, RELEASED, reservations, sku_history, stock
 from reservations.reads import stock_level
+from reservations.reserve_statement import Speaker
+from reservations.statuses import SUCCEEDED, ReservationStatus
 from reservations.views import Outcome, StockLevel
+
+# The operation that ends a hold in each final status.
+_OPERATIONS = {CONFIRMED: "confirm", RELEASED: "release"}
 
 
 class ReservationLifecycle:
@@ -123,12 +131,34 @@ class ReservationLifecycle:
         )
         return Outcome.reserved(key, lease.token, reservation_id, level, quantity)
 
-    def _finish(
-        self, lease: Lease, reservation_id: str, key: str, operation: str, status: str
-    ) -> Plan[Outcome]:
+    def finishing(self, lease: Lease, reservation_id: str, key: str, final: ReservationStatus) -> Step:
+        """The end of a hold (``final``: confirmed or released), checked, both ways it can be sent."""
         valid.lease(lease)
         valid.reservation_id(reservation_id)
         valid.idempotency_key(key)
+        operation = _OPERATIONS[final]
+        written = keyed.Written(
+            lease, key, operation, fingerprint(operation, reservation_id=reservation_id),
+            SUCCEEDED[operation],
+            reservation_ids=(reservation_id,),
+        )  # fmt: skip
+        fence = self.ledger.fence
+
+        def one(speaker: Speaker | None) -> Plan[keyed.Reply]:
+            return finish_statement.finish(written, final, fence=fence, speaker=speaker)
+
+        def rejection(stale: StaleToken) -> sa.Executable:
+            # Refused only once the reservation was found of the lease's SKU.
+            sku = finish_statement.sku_of(stale.scope) or "?"
+            return self.ledger.rejection(stale, lease, sku, operation, key, None, reservation_id)
+
+        return Step(
+            written, None, lambda: self._finish(lease, reservation_id, key, operation, final), one, rejection
+        )
+
+    def _finish(
+        self, lease: Lease, reservation_id: str, key: str, operation: str, status: str
+    ) -> Plan[Outcome]:
         sku_box: list[str] = []
 
         def apply() -> Plan[Outcome]:
@@ -190,11 +220,11 @@ class ReservationLifecycle:
 
     def confirm(self, lease: Lease, reservation_id: str, key: str) -> Plan[Outcome]:
         """The held units become a committed deduction: they leave ``on_hand`` and ``reserved``."""
-        return self._finish(lease, reservation_id, key, "confirm", CONFIRMED)
+        return keyed_steps.alone(self.ledger, self.finishing(lease, reservation_id, key, CONFIRMED))
 
     def release(self, lease: Lease, reservation_id: str, key: str) -> Plan[Outcome]:
         """The held units go back to ``available`` (cancel is the same operation)."""
-        return self._finish(lease, reservation_id, key, "release", RELEASED)
+        return keyed_steps.alone(self.ledger, self.finishing(lease, reservation_id, key, RELEASED))
 
     def expire_due(self, lease: Lease, sku: str, key: str | None = None) -> Plan[Outcome]:
         """Every held reservation of ``sku`` whose hold has passed (database clock) goes back."""

@@ -1,7 +1,8 @@
 """The inventory's operations as plans: the one core behind :class:`Inventory` and
-:class:`AsyncInventory`. Adding a SKU, restocks and adjustments, and reservations (one SKU, one request
-of a queue, or an order of several SKUs, all or nothing); the envelope is :mod:`reservations.ledger`,
-counts and replenishment to par (writes decided from a read) are :mod:`reservations.counting`'s.
+:class:`AsyncInventory`. Adding a SKU and reservations (one SKU, one request of a queue, or an order of
+several SKUs, all or nothing); the envelope is :mod:`reservations.ledger`, restocks and adjustments are
+:mod:`reservations.on_hand`'s, counts and replenishment to par :mod:`reservations.counting`'s; the later
+steps run alone or as queued requests through :mod:`reservations.keyed_steps`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import sqlalchemy as sa
 from fencing import Fence, Lease, StaleToken
 from fencing.plan import Alone, Atomic, Plan
 from fencing.sql import Rows, db_now_ms
-from reservations import reserve_statement
+from reservations import keyed_steps, reserve_statement
 from reservations import validation as valid
 from reservations.collisions import settled
 from reservations.counting import StockCounting, StockSeen
@@ -27,9 +28,11 @@ from reservations.ledger import (
     reservation_conflict,
 )
 from reservations.lifecycle import ReservationLifecycle
-from reservations.models import idempotency_keys, sku_history, stock
-from reservations.requests import RequestReply, RequestResult, record_attempt, record_outcome, request_outcome
-from reservations.statuses import AttemptResult, RequestStatus
+from reservations.models import CONFIRMED, RELEASED, idempotency_keys, sku_history, stock
+from reservations.on_hand import OnHandChanges
+from reservations.requests import RequestReply, RequestResult, request_outcome
+from reservations.reserve_statement import Speaker
+from reservations.statuses import RequestStatus
 from reservations.views import Outcome, StockLevel
 
 __all__ = ["HeldLine", "InventoryPlans", "fingerprint", "hold_ms_of", "new_reservation_id"]
@@ -59,8 +62,8 @@ _RECORD = sa.select(
 
 class InventoryPlans:
     """Decisions and statements for every inventory operation; no I/O. Composed of the ledger (the
-    envelope every fenced write shares), the reservation lifecycle and stock counting; the operations
-    that start a reservation or change on-hand stock are its own."""
+    envelope every fenced write shares), the reservation lifecycle, stock counting and the on-hand
+    changes; the operations that start a reservation are its own."""
 
     def __init__(
         self,
@@ -74,6 +77,7 @@ class InventoryPlans:
         )
         self.lifecycle = ReservationLifecycle(self.ledger)
         self.counting = StockCounting(self.ledger)
+        self.on_hand = OnHandChanges(self.ledger)
 
     @property
     def fence(self) -> Fence:
@@ -111,6 +115,46 @@ class InventoryPlans:
 
     def replenish(self, lease: Lease, sku: str, par: int, key: str, *, seen: StockSeen) -> Plan[Outcome]:
         return self.counting.replenish(lease, sku, par, key, seen=seen)
+
+    # -- the later steps as queued requests (keyed_steps.request) ------------------------------------
+    # Each runs its step to the request's final outcome as reserve_request does a reservation, raising
+    # what the step raises. A worker holding the step's lease (a count or a replenishment having read
+    # ``seen`` under it) calls it in place of the request's outcome check, the step, record_attempt and
+    # record_outcome, e.g. ``executor.run(plans.confirm_request(lease, reservation_id, key,
+    # Speaker(task_id, worker, epochs)))``, and answers with the reply's ``result``.
+
+    def confirm_request(
+        self, lease: Lease, reservation_id: str, key: str, speaker: Speaker
+    ) -> Plan[RequestReply]:
+        return keyed_steps.request(
+            self.ledger, self.lifecycle.finishing(lease, reservation_id, key, CONFIRMED), speaker
+        )
+
+    def release_request(
+        self, lease: Lease, reservation_id: str, key: str, speaker: Speaker
+    ) -> Plan[RequestReply]:
+        return keyed_steps.request(
+            self.ledger, self.lifecycle.finishing(lease, reservation_id, key, RELEASED), speaker
+        )
+
+    def restock_request(
+        self, lease: Lease, sku: str, quantity: int, key: str, speaker: Speaker
+    ) -> Plan[RequestReply]:
+        return keyed_steps.request(self.ledger, self.on_hand.restocking(lease, sku, quantity, key), speaker)
+
+    def count_request(
+        self, lease: Lease, sku: str, counted: int, key: str, speaker: Speaker, *,
+        seen: StockSeen | None = None, shrinkage: int | None = None,
+    ) -> Plan[RequestReply]:  # fmt: skip
+        step = self.counting.counting(lease, sku, counted, key, seen, shrinkage)
+        return keyed_steps.request(self.ledger, step, speaker)
+
+    def replenish_request(
+        self, lease: Lease, sku: str, par: int, key: str, speaker: Speaker, *, seen: StockSeen
+    ) -> Plan[RequestReply]:
+        return keyed_steps.request(
+            self.ledger, self.counting.replenishing(lease, sku, par, key, seen), speaker
+        )
 
     # -- operations --------------------------------------------------------------------------------
 
@@ -154,43 +198,12 @@ class InventoryPlans:
         return len(gone.rows)
 
     def restock(self, lease: Lease, sku: str, quantity: int, key: str) -> Plan[Outcome]:
-        valid.lease(lease)
-        valid.sku(sku)
-        valid.quantity(quantity)
-        valid.idempotency_key(key)
-        return self._change_on_hand(lease, sku, quantity, key, "restock", None)
+        return self.on_hand.restock(lease, sku, quantity, key)
 
     def adjust(
         self, lease: Lease, sku: str, delta: int, key: str, reason: str | None = None
     ) -> Plan[Outcome]:
-        valid.lease(lease)
-        valid.sku(sku)
-        valid.delta(delta)
-        valid.idempotency_key(key)
-        valid.text(reason, field="reason", max_chars=valid.MAX_REASON_CHARS)
-        return self._change_on_hand(lease, sku, delta, key, "adjust", reason)
-
-    def _change_on_hand(
-        self, lease: Lease, sku: str, delta: int, key: str, operation: str, reason: str | None
-    ) -> Plan[Outcome]:
-        def apply() -> Plan[Outcome]:
-            condition = None if delta > 0 else stock.c.available >= -delta
-            level = yield from self.ledger.fenced(
-                lease, sku, operation, on_hand=delta, reserved=0, condition=condition
-            )
-            yield self.ledger.history(
-                lease, sku, operation, key, quantity=delta, on_hand=delta, reserved=0, detail=reason
-            )
-            return Outcome(operation=operation, key=key, token=lease.token, stock=(level,), quantity=delta)
-
-        return self.ledger.idempotent(
-            key,
-            operation,
-            fingerprint(operation, sku=sku, delta=delta, reason=reason),
-            apply,
-            lambda stale: self.ledger.rejection(stale, lease, sku, operation, key, delta),
-            self.ledger.lock_skus(sku),
-        )
+        return self.on_hand.adjust(lease, sku, delta, key, reason)
 
     def reserve(
         self, lease: Lease, sku: str, quantity: int, key: str, hold_for: float | None = None
@@ -301,7 +314,6 @@ class InventoryPlans:
         ended is answered from its outcome. Raises what :meth:`reserve` raises, but never
         :class:`InsufficientStock`: that is an outcome."""
         hold_ms, print_ = _checked_reserve(lease, sku, quantity, key, hold_for)
-        who = {"task_id": speaker.task_id, "worker": speaker.worker}
         replayed: Outcome | InsufficientStock
         if self.ledger.single_statement:
             reply = yield from self._reserve_in_one(lease, sku, quantity, key, hold_ms, print_, speaker)
@@ -327,19 +339,9 @@ class InventoryPlans:
                 replayed = yield from self._reserve(lease, sku, quantity, key, hold_ms, print_)
             except InsufficientStock as short:
                 replayed = short
-        if isinstance(replayed, InsufficientStock):
-            stored = yield from record_outcome(
-                key, "reserve", RequestStatus.INSUFFICIENT_STOCK, replayed.summary(),
-                epochs=speaker.epochs, fingerprint=print_, **who,
-            )  # fmt: skip
-            return RequestReply(stored, None)
-        result = AttemptResult.REPLAYED if replayed.replayed else AttemptResult.APPLIED
-        yield from record_attempt(key, "reserve", result, token=replayed.token, **who)
-        stored = yield from record_outcome(
-            key, "reserve", RequestStatus.RESERVED, replayed.summary(),
-            epochs=speaker.epochs, fingerprint=print_, **who,
-        )  # fmt: skip
-        return RequestReply(stored, replayed)
+        return (
+            yield from keyed_steps.recorded(key, "reserve", print_, RequestStatus.RESERVED, speaker, replayed)
+        )
 
     def reserve_many(
         self,

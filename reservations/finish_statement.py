@@ -1,0 +1,144 @@
+"""The end of a hold on PostgreSQL as ONE statement: a confirm (the held units leave on hand and reserved)
+or a release (they go back to available), with the reservation's final status, the history row, the
+idempotency record and, for a queued request, its outcome and attempt (:mod:`reservations.keyed_statement`).
+
+The multi-statement plan (:meth:`reservations.lifecycle.ReservationLifecycle.confirm` and ``release``)
+stays the reference and the SQLite path; this is the same work and the same decisions, in the same order:
+an unknown reservation, one of another SKU than the lease's, one no longer held, then the fence.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fencing import Fence
+from fencing.plan import Alone, Plan
+from fencing.sql import Rows
+from reservations import keyed_statement as keyed
+from reservations import sql_text
+from reservations import validation as valid
+from reservations.errors import InvalidTransition, UnknownReservation, UnknownSku
+from reservations.models import stock
+from reservations.reserve_statement import Speaker
+from reservations.statuses import ReservationStatus
+
+#   found  the reservation's SKU, read unlocked (a trigger refuses a change of it), to know which stock
+#          row to lock; skipped when the key has a record or the request has ended.
+#   cur    that SKU's stock row, locked FOR UPDATE first, as every path that changes a reservation does.
+#   res    the reservation, locked after the stock row (its join to ``cur`` puts the lock above it): a
+#          concurrent confirm, release or expiry committed meanwhile shows here as the status it left.
+#          ``ours``: the reservation is of the lease's SKU.
+#   fin    the reservation's final status, only when it is held, ours, and the token accepted.
+#   upd    the stock change for the units ``fin`` ended.
+_SQL = """
+WITH {head}, found AS (
+    SELECT sku FROM reservations
+    WHERE id = %(reservation_id)s::text AND NOT EXISTS (SELECT 1 FROM prior)
+      AND NOT EXISTS (SELECT 1 FROM done)
+), cur AS (
+    SELECT sku, fence_token, fence_lease_id, {accepted} AS accepted, {now_ms} AS now_ms
+    FROM stock WHERE sku = (SELECT sku FROM found)
+    FOR UPDATE
+), res AS (
+    SELECT r.id, r.quantity, r.status, r.sku IS NOT DISTINCT FROM %(lease_sku)s::text AS ours
+    FROM reservations AS r JOIN cur ON r.sku = cur.sku
+    WHERE r.id = %(reservation_id)s::text
+    FOR UPDATE OF r
+), fin AS (
+    UPDATE reservations AS r
+    SET status = %(final)s::text, final_ms = cur.now_ms, final_token = %(token)s::bigint,
+        final_key = %(key)s::text
+    FROM res, cur
+    WHERE r.id = res.id AND r.status = '{held}' AND res.status = '{held}' AND res.ours AND cur.accepted
+    RETURNING r.quantity
+), upd AS (
+    UPDATE stock AS s
+    SET on_hand = s.on_hand + {on_hand}, reserved = s.reserved - fin.quantity,
+        available = s.available + {on_hand} + fin.quantity,
+        fence_token = %(token)s::bigint, fence_lease_id = %(lease_id)s::text, updated_ms = cur.now_ms
+    FROM cur, fin
+    WHERE s.sku = cur.sku
+    RETURNING s.sku, s.on_hand, s.reserved, s.available, s.fence_token, cur.now_ms,
+              fin.quantity AS quantity, {on_hand} AS on_hand_delta, -fin.quantity AS reserved_delta
+), {tail}
+SELECT {answer}, f.sku AS reservation_sku, r.status, r.ours, c.sku IS NOT NULL AS known, c.accepted,
+       c.fence_token AS highest, c.fence_lease_id AS writer
+FROM (SELECT 1) AS one
+LEFT JOIN done AS d ON TRUE
+LEFT JOIN prior AS p ON TRUE
+LEFT JOIN found AS f ON TRUE
+LEFT JOIN cur AS c ON TRUE
+LEFT JOIN res AS r ON TRUE
+LEFT JOIN upd AS u ON TRUE
+"""
+
+# What each end of a hold does to on hand, per held unit: a confirm takes the units out of the shelf.
+_ON_HAND = {ReservationStatus.CONFIRMED: "-fin.quantity", ReservationStatus.RELEASED: "0::bigint"}
+
+
+def _statement(final: ReservationStatus, accepted: str) -> keyed.Sent:
+    return keyed.sent(
+        _SQL.format(
+            head=keyed.HEAD,
+            tail=keyed.TAIL,
+            answer=keyed.ANSWER,
+            accepted=accepted,
+            now_ms=sql_text.NOW_MS,
+            held=ReservationStatus.HELD.value,
+            on_hand=_ON_HAND[final],
+        )
+    )
+
+
+# The fence predicate and the database clock come from fencing (reservations.sql_text renders them).
+FENCED = {final: _statement(final, sql_text.fence_admits(Fence(stock))) for final in _ON_HAND}
+# Lease-only: the token is written but not checked (for measuring what the fence prevents).
+UNFENCED = {final: _statement(final, "TRUE") for final in _ON_HAND}
+
+
+def sku_of(scope: str) -> str | None:
+    """The SKU whose stock row a lease of ``scope`` guards (:func:`~reservations.validation.scope_of`
+    read backwards), or None when the scope guards no SKU."""
+    sku = scope.removeprefix(valid.scope_of(""))
+    return sku if valid.scope_of(sku) == scope else None
+
+
+def finish(
+    written: keyed.Written, final: ReservationStatus, *, fence: Fence, speaker: Speaker | None
+) -> Plan[keyed.Reply]:
+    """Send the statement and read its one row.
+
+    Raises :class:`UnknownReservation`, :class:`InvalidTransition` (of another SKU than the lease's, or
+    no longer held) or :class:`~fencing.StaleToken` (``fence`` marks the lease lost), each having written
+    nothing. The caller has run ``fence.prepare`` for the lease.
+    """
+    (reservation_id,) = written.reservation_ids
+    lease, operation = written.lease, written.operation
+    sent = (FENCED if fence.enforce else UNFENCED)[final]
+    values = {**written.values(speaker), "final": final.value, "lease_sku": sku_of(lease.scope)}
+    found: Rows = yield Alone(sent.text, sent.bind(values))
+    row: Any = found.rows[0]
+    head = keyed.read_head(row, written.key)
+    if head is not None:
+        return head
+    if row.applied:
+        return written.applied(row, speaker)
+    again = yield from keyed.looked_again(written.key, speaker)
+    if again is not None:
+        return again
+    if row.reservation_sku is None:
+        raise UnknownReservation(reservation_id)
+    if not row.known:  # pragma: no cover - a reservation's stock row cannot go (a foreign key)
+        raise UnknownSku(row.reservation_sku)
+    if not row.ours:
+        raise InvalidTransition(
+            reservation_id=reservation_id,
+            status=row.status,
+            operation=operation,
+            detail=f"it belongs to SKU {row.reservation_sku}, the lease is for {lease.scope}",
+        )
+    if row.status != ReservationStatus.HELD:
+        raise InvalidTransition(reservation_id=reservation_id, status=row.status, operation=operation)
+    # The statement judged the token by the fence's own predicate; the fence raises the error.
+    fence.refuse_if_stale(lease, lease.scope, int(row.highest), row.writer, operation)
+    raise RuntimeError(f"the {operation} of {reservation_id!r} neither wrote nor refused")  # pragma: no cover

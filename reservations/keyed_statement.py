@@ -1,0 +1,228 @@
+"""A later fenced write under an idempotency key as ONE statement: the parts every such statement shares.
+
+:mod:`reservations.finish_statement` (confirm, release) and :mod:`reservations.stock_statement` (restock,
+replenish, count) fold what the ledger's envelope does in a transaction into one data-modifying CTE sent
+in autocommit, as :mod:`reservations.reserve_statement` does for a reservation. Each is the same shape:
+the :data:`HEAD` (the request's final outcome when the statement speaks for a queued request, then the
+key's idempotency record), the write of its own that ends in a CTE named ``upd``, and the :data:`TAIL`
+written only when ``upd`` wrote (the history row, the idempotency record and, for a queued request, its
+outcome and its applied attempt). A key whose record or outcome a concurrent copy inserted first fails
+the statement on a unique key, writing nothing; the next round answers from what that copy stored.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, TypeAlias
+
+from fencing import Lease
+from fencing.plan import Alone, Plan
+from fencing.sql import Rows
+from reservations.requests import RequestResult, result_from_json
+from reservations.reserve_statement import Ended, Prior, Replay, Speaker
+from reservations.views import Outcome, StockLevel
+
+__all__ = [
+    "ANSWER",
+    "HEAD",
+    "TAIL",
+    "Applied",
+    "Reply",
+    "Sent",
+    "Written",
+    "looked_again",
+    "read_head",
+    "sent",
+]
+
+# done    the request's final outcome, when the statement speaks for a queued request (``record``): a
+#         request that already ended is answered from it and nothing else happens.
+# prior   the key's idempotency record (on the statement's snapshot: one committed while the statement
+#         waits on a row lock is caught by the unique key instead).
+HEAD = """
+done AS (
+    SELECT key, operation, status, detail, task_id, worker, epochs, at_ms, fingerprint
+    FROM request_outcomes WHERE %(record)s::boolean AND key = %(key)s::text
+), prior AS (
+    SELECT fingerprint, operation, outcome FROM idempotency_keys
+    WHERE key = %(key)s::text AND NOT EXISTS (SELECT 1 FROM done)
+)"""
+
+# What ``upd`` returns: the stock row after the write (sku, on_hand, reserved, available, fence_token),
+# the database clock (now_ms), the units the write moved as its history and outcome name them (quantity)
+# and its change to on hand and reserved (on_hand_delta, reserved_delta).
+#   written   the history row.
+#   recorded  the idempotency record: the Outcome as Outcome.to_json names its fields.
+#   told      with ``record``: the request's final outcome, detailed as Outcome.summary.
+#   tried     with ``record``: the request's applied attempt.
+TAIL = """
+written AS (
+    INSERT INTO sku_history (sku, at_ms, kind, operation, token, lease_id, holder, quantity,
+                             idempotency_key, reservation_id, on_hand_delta, reserved_delta, detail)
+    SELECT sku, now_ms, 'write', %(operation)s::text, %(token)s::bigint, %(lease_id)s::text,
+           %(holder)s::text, quantity, %(key)s::text, %(reservation_id)s::text, on_hand_delta,
+           reserved_delta, %(history_detail)s::text
+    FROM upd
+), recorded AS (
+    INSERT INTO idempotency_keys (key, fingerprint, operation, outcome, token, created_ms)
+    SELECT %(key)s::text, %(fingerprint)s::text, %(operation)s::text,
+           json_build_object(
+               'operation', %(operation)s::text, 'key', %(key)s::text, 'token', %(token)s::bigint,
+               'reservation_ids', %(reservation_ids)s::json,
+               'stock', json_build_array(json_build_object(
+                   'sku', sku, 'on_hand', on_hand, 'reserved', reserved, 'available', available,
+                   'fence_token', fence_token)),
+               'quantity', quantity, 'detail', %(detail)s::json)::text,
+           %(token)s::bigint, now_ms
+    FROM upd
+), told AS (
+    INSERT INTO request_outcomes (key, operation, status, detail, task_id, worker, epochs, at_ms,
+                                  fingerprint)
+    SELECT %(key)s::text, %(operation)s::text, %(status)s::text,
+           json_build_object(
+               'reservation_ids', %(reservation_ids)s::json, 'token', %(token)s::bigint,
+               'quantity', quantity,
+               'stock', json_build_array(json_build_object(
+                   'sku', sku, 'on_hand', on_hand, 'reserved', reserved, 'available', available)))::text,
+           %(task_id)s::text, %(worker)s::text, %(epochs)s::int, now_ms, %(fingerprint)s::text
+    FROM upd WHERE %(record)s::boolean
+), tried AS (
+    INSERT INTO task_attempts (key, operation, result, task_id, worker, token, detail, at_ms)
+    SELECT %(key)s::text, %(operation)s::text, 'applied', %(task_id)s::text, %(worker)s::text,
+           %(token)s::bigint, NULL, now_ms
+    FROM upd WHERE %(record)s::boolean
+)"""
+
+# The columns of the final SELECT that every such statement returns, from ``done``, ``prior`` and
+# ``upd`` joined as d, p and u (the rare answers as JSON: every column costs the client time).
+ANSWER = """row_to_json(d)::text AS done, row_to_json(p)::text AS prior,
+       u.sku IS NOT NULL AS applied, u.sku, u.on_hand, u.reserved, u.available, u.fence_token, u.quantity,
+       u.now_ms"""
+
+
+@dataclass(frozen=True, slots=True)
+class Sent:
+    """A statement as sent, and the order of its parameters (named p0, p1, ... in its text)."""
+
+    text: str
+    names: tuple[str, ...]
+
+    def bind(self, values: dict[str, Any]) -> dict[str, Any]:
+        return {f"p{number}": values[name] for number, name in enumerate(self.names)}
+
+
+def sent(sql: str) -> Sent:
+    """``sql`` with whitespace collapsed and its parameters renamed p0, p1, ... psycopg caches its parse
+    of a query only up to 4 KB; a longer one is parsed again on every call."""
+    names = tuple(dict.fromkeys(re.findall(r"%\((\w+)\)s", sql)))
+    for number, name in enumerate(names):
+        sql = sql.replace(f"%({name})s", f"%(p{number})s")
+    # No literal in these statements holds a space, comma, parenthesis or equals sign.
+    text = re.sub(r"\s*([(),=])\s*", r"\1", re.sub(r"\s+", " ", sql)).strip()
+    if len(text.encode()) > 4096:  # pragma: no cover - caught by the tests of each statement
+        raise RuntimeError(f"a statement of {len(text)} characters is parsed again on every call")
+    return Sent(text, names)
+
+
+@dataclass(frozen=True, slots=True)
+class Written:
+    """The write a statement is asked to make and record: what the TAIL's parameters say."""
+
+    lease: Lease
+    key: str
+    operation: str
+    fingerprint: str
+    status: str  # the request's final status when it succeeds
+    reservation_ids: tuple[str, ...] = ()
+    detail: dict[str, Any] | None = None  # the outcome's detail; the history row's, as sorted JSON
+
+    def values(self, speaker: Speaker | None) -> dict[str, Any]:
+        detail = self.detail or {}
+        return {
+            "key": self.key,
+            "operation": self.operation,
+            "fingerprint": self.fingerprint,
+            "status": self.status,
+            "token": self.lease.token,
+            "lease_id": self.lease.lease_id,
+            "holder": self.lease.holder,
+            "reservation_id": self.reservation_ids[0] if self.reservation_ids else None,
+            "reservation_ids": json.dumps(list(self.reservation_ids)),
+            "detail": json.dumps(detail),
+            "history_detail": json.dumps(detail, sort_keys=True) if self.detail else None,
+            "record": speaker is not None,
+            "task_id": None if speaker is None else speaker.task_id,
+            "worker": None if speaker is None else speaker.worker,
+            "epochs": 0 if speaker is None else speaker.epochs,
+        }
+
+    def applied(self, row: Any, speaker: Speaker | None) -> Applied:
+        """What the statement wrote, from the answer row of a statement whose ``upd`` wrote."""
+        level = StockLevel(row.sku, row.on_hand, row.reserved, row.available, row.fence_token)
+        outcome = Outcome(
+            operation=self.operation,
+            key=self.key,
+            token=self.lease.token,
+            reservation_ids=self.reservation_ids,
+            stock=(level,),
+            quantity=row.quantity,
+            detail=self.detail or {},
+        )
+        if speaker is None:
+            return Applied(outcome, None)
+        told = RequestResult(
+            key=self.key,
+            operation=self.operation,
+            status=self.status,
+            detail=outcome.summary(),
+            task_id=speaker.task_id,
+            worker=speaker.worker,
+            epochs=speaker.epochs,
+            at=row.now_ms / 1000,
+            fingerprint=self.fingerprint,
+        )
+        return Applied(outcome, told)
+
+
+@dataclass(frozen=True, slots=True)
+class Applied:
+    """The write was made and recorded; with a speaker, ``told`` is the outcome row written with it."""
+
+    outcome: Outcome
+    told: RequestResult | None
+
+
+# What one of these statements did: exactly one of these (every refusal raises instead).
+Reply: TypeAlias = Ended | Replay | Applied
+
+
+# The key looked at again after the statement refused its write: a copy of the request (or another request
+# under the key) may have committed while the statement waited on the row lock, after the snapshot HEAD
+# read. The multi-statement plan reads the key after taking that lock, so it answers from what the copy
+# stored; so does this, before any refusal is raised or recorded. Rare: one more round trip.
+_AGAIN = sent("""
+SELECT (SELECT row_to_json(o)::text FROM (
+            SELECT key, operation, status, detail, task_id, worker, epochs, at_ms, fingerprint
+            FROM request_outcomes WHERE %(record)s::boolean AND key = %(key)s::text) AS o) AS done,
+       (SELECT row_to_json(p)::text FROM (
+            SELECT fingerprint, operation, outcome FROM idempotency_keys WHERE key = %(key)s::text) AS p)
+       AS prior
+""")
+
+
+def looked_again(key: str, speaker: Speaker | None) -> Plan[Ended | Replay | None]:
+    """What the key says now, asked after a refusal (see ``_AGAIN``): None if it still has nothing."""
+    found: Rows = yield Alone(_AGAIN.text, _AGAIN.bind({"key": key, "record": speaker is not None}))
+    return read_head(found.rows[0], key)
+
+
+def read_head(row: Any, key: str) -> Ended | Replay | None:
+    """The answer of a request that had ended, or of a key that had a record (nothing was written)."""
+    if row.done is not None:
+        return Ended(result_from_json(row.done))
+    if row.prior is not None:
+        prior = json.loads(row.prior)
+        return Replay(Prior(key, prior["fingerprint"], prior["operation"], prior["outcome"]))
+    return None

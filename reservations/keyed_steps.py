@@ -1,0 +1,129 @@
+"""The later writes under an idempotency key (confirm, release, restock, replenish, count), each written
+both ways: as the multi-statement plan in the ledger's envelope (the reference, and SQLite's path) and as
+one statement (PostgreSQL, :attr:`Ledger.single_statement`). A :class:`Step` carries both; :func:`alone`
+runs it as an operation, :func:`request` as a queued request run to its final outcome.
+
+A lease already known lost, or one of another scope than the write's, is refused before any write; which
+refusal, and whether the key's record or the request's outcome answers first, the multi-statement plan
+decides, so those rare steps take it on every database.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import sqlalchemy as sa
+
+from fencing import StaleToken
+from fencing.plan import Atomic, Plan
+from reservations import keyed_statement as keyed
+from reservations.collisions import settled
+from reservations.errors import InsufficientStock
+from reservations.ledger import Ledger
+from reservations.requests import RequestReply, RequestResult, record_attempt, record_outcome, request_outcome
+from reservations.reserve_statement import Ended, Replay, Speaker
+from reservations.statuses import AttemptResult, RequestStatus
+from reservations.views import Outcome
+
+
+@dataclass(frozen=True)
+class Step:
+    """One checked write under its key, both ways it can be sent. ``scope``: the lease scope the write
+    needs, or None when the statement judges it (a reservation's SKU is read by the statement)."""
+
+    written: keyed.Written
+    scope: str | None
+    several: Callable[[], Plan[Outcome]]  # the multi-statement plan
+    one: Callable[[Speaker | None], Plan[keyed.Reply]]  # the one statement
+    rejection: Callable[[StaleToken], sa.Executable]  # the history row of a stale token refused
+
+    def in_one(self, ledger: Ledger) -> bool:
+        """Whether this step goes as one statement on ``ledger``'s database."""
+        lease = self.written.lease
+        return ledger.single_statement and not lease.lost and self.scope in (None, lease.scope)
+
+
+def _sent(ledger: Ledger, step: Step, speaker: Speaker | None) -> Plan[keyed.Reply]:
+    written = step.written
+    ledger.fence.prepare(written.lease, step.scope or written.lease.scope)
+    try:
+        return (
+            yield from settled(lambda: step.one(speaker), f"the {written.operation} under {written.key!r}")
+        )
+    except StaleToken as stale:
+        yield Atomic(ledger.one(step.rejection(stale)))
+        raise
+
+
+def alone(ledger: Ledger, step: Step) -> Plan[Outcome]:
+    """The step as an operation: its outcome, applied now or replayed from the key's record."""
+    if not step.in_one(ledger):
+        return (yield from step.several())
+    written = step.written
+    reply = yield from _sent(ledger, step, None)
+    match reply:
+        case keyed.Applied(outcome):
+            return outcome
+        case Replay(prior):
+            return ledger.replay(prior, written.operation, written.fingerprint)
+        case Ended():  # pragma: no cover - only a statement with a speaker ends
+            raise RuntimeError(f"the {written.operation} statement answered an ended request")
+
+
+def request(ledger: Ledger, step: Step, speaker: Speaker) -> Plan[RequestReply]:
+    """The step as a queued request run to its final outcome: the write, its attempt and its outcome row
+    (one statement on PostgreSQL; elsewhere, or to replay a key whose outcome was never written, the same
+    steps one after another). A request that already ended is answered from its outcome. Raises what the
+    step raises as an operation."""
+    written = step.written
+    replayed: Outcome | InsufficientStock
+    if step.in_one(ledger):
+        reply = yield from _sent(ledger, step, speaker)
+        match reply:
+            case Ended(ended):
+                return RequestReply(ended, None)
+            case keyed.Applied(outcome, told) if told is not None:
+                return RequestReply(told, outcome)
+            case Replay(prior):
+                try:
+                    replayed = ledger.replay(prior, written.operation, written.fingerprint)
+                except InsufficientStock as short:  # a key whose first request was refused
+                    replayed = short
+            case _:  # pragma: no cover - a statement with a speaker tells what it did
+                raise RuntimeError(f"the {written.operation} statement told nothing for {written.key!r}")
+    else:
+        done: RequestResult | None = yield Atomic(request_outcome(written.key))
+        if done is not None:
+            return RequestReply(done, None)
+        try:
+            replayed = yield from step.several()
+        except InsufficientStock as short:
+            replayed = short
+    return (yield from recorded(written.key, written.operation, written.fingerprint, written.status,
+                                speaker, replayed))  # fmt: skip
+
+
+def recorded(
+    key: str,
+    operation: str,
+    print_: str,
+    status: str,
+    speaker: Speaker,
+    replayed: Outcome | InsufficientStock,
+) -> Plan[RequestReply]:
+    """A request's attempt and final outcome written after its write (or its refusal for lack of units),
+    each in a transaction of its own: what the one statement writes with the change."""
+    who = {"task_id": speaker.task_id, "worker": speaker.worker}
+    if isinstance(replayed, InsufficientStock):
+        stored = yield from record_outcome(
+            key, operation, RequestStatus.INSUFFICIENT_STOCK, replayed.summary(),
+            epochs=speaker.epochs, fingerprint=print_, **who,
+        )  # fmt: skip
+        return RequestReply(stored, None)
+    result = AttemptResult.REPLAYED if replayed.replayed else AttemptResult.APPLIED
+    yield from record_attempt(key, operation, result, token=replayed.token, **who)
+    stored = yield from record_outcome(
+        key, operation, status, replayed.summary(), epochs=speaker.epochs, fingerprint=print_, **who
+    )
+    return RequestReply(stored, replayed)

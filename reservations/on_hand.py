@@ -1,0 +1,79 @@
+"""Writes of on-hand stock by a figure sent: a restock (units in) and an adjustment (units in or out, with
+a reason). Each is a fenced write in the ledger's envelope; a restock is also sent as one statement on
+PostgreSQL (:mod:`reservations.stock_statement`).
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+
+from fencing import Lease, StaleToken
+from fencing.plan import Plan
+from reservations import keyed_statement as keyed
+from reservations import keyed_steps, stock_statement
+from reservations import validation as valid
+from reservations.keyed_steps import Step
+from reservations.ledger import Ledger, fingerprint
+from reservations.models import stock
+from reservations.statuses import SUCCEEDED
+from reservations.stock_statement import Change
+from reservations.views import Outcome
+
+
+class OnHandChanges:
+    """Restocks and adjustments. Decisions and statements only; no I/O."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
+
+    def restock(self, lease: Lease, sku: str, quantity: int, key: str) -> Plan[Outcome]:
+        return keyed_steps.alone(self.ledger, self.restocking(lease, sku, quantity, key))
+
+    def restocking(self, lease: Lease, sku: str, quantity: int, key: str) -> Step:
+        """A restock, checked, both ways it can be sent."""
+        valid.lease(lease)
+        valid.sku(sku)
+        valid.quantity(quantity)
+        valid.idempotency_key(key)
+        print_ = fingerprint("restock", sku=sku, delta=quantity, reason=None)
+        written = keyed.Written(lease, key, "restock", print_, SUCCEEDED["restock"])
+
+        def several() -> Plan[Outcome]:
+            return self._change_on_hand(lease, sku, quantity, key, "restock", None)
+
+        def rejection(stale: StaleToken) -> sa.Executable:
+            return self.ledger.rejection(stale, lease, sku, "restock", key, quantity)
+
+        return stock_statement.step(self.ledger.fence, written, sku, Change.ADD, quantity, several, rejection)
+
+    def adjust(
+        self, lease: Lease, sku: str, delta: int, key: str, reason: str | None = None
+    ) -> Plan[Outcome]:
+        valid.lease(lease)
+        valid.sku(sku)
+        valid.delta(delta)
+        valid.idempotency_key(key)
+        valid.text(reason, field="reason", max_chars=valid.MAX_REASON_CHARS)
+        return self._change_on_hand(lease, sku, delta, key, "adjust", reason)
+
+    def _change_on_hand(
+        self, lease: Lease, sku: str, delta: int, key: str, operation: str, reason: str | None
+    ) -> Plan[Outcome]:
+        def apply() -> Plan[Outcome]:
+            condition = None if delta > 0 else stock.c.available >= -delta
+            level = yield from self.ledger.fenced(
+                lease, sku, operation, on_hand=delta, reserved=0, condition=condition
+            )
+            yield self.ledger.history(
+                lease, sku, operation, key, quantity=delta, on_hand=delta, reserved=0, detail=reason
+            )
+            return Outcome(operation=operation, key=key, token=lease.token, stock=(level,), quantity=delta)
+
+        return self.ledger.idempotent(
+            key,
+            operation,
+            fingerprint(operation, sku=sku, delta=delta, reason=reason),
+            apply,
+            lambda stale: self.ledger.rejection(stale, lease, sku, operation, key, delta),
+            self.ledger.lock_skus(sku),
+        )

@@ -1,0 +1,157 @@
+"""A stock-maintenance write on PostgreSQL as ONE statement: a restock or a replenishment (units added to
+on hand) and a cycle count (on hand set to the figure counted), each with its history row, its idempotency
+record and, for a queued request, its outcome and attempt (:mod:`reservations.keyed_statement`).
+
+The multi-statement plans (:meth:`reservations.operations.InventoryPlans.restock`,
+:class:`reservations.counting.StockCounting`) stay the reference and the SQLite path; this is the same
+work and the same decisions: the fence sits in the stock UPDATE's WHERE with the write's own condition
+(room under :data:`~reservations.validation.MAX_ON_HAND` for units added, no fewer than the units held for
+a count), and a refusal writes nothing.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from typing import Any
+
+import sqlalchemy as sa
+
+from fencing import Fence, StaleToken
+from fencing.plan import Alone, Plan
+from fencing.sql import Rows
+from reservations import keyed_statement as keyed
+from reservations import sql_text
+from reservations import validation as valid
+from reservations.errors import CountBelowHeld, StockLimitExceeded, UnknownSku
+from reservations.keyed_steps import Step
+from reservations.models import stock
+from reservations.reserve_statement import Speaker
+from reservations.views import Outcome
+
+#   cur   the SKU's stock row, locked FOR UPDATE (under READ COMMITTED the newest version once a
+#         concurrent writer commits), unless the key already has a record or the request has ended.
+#         ``accepted`` is the fence; ``fits`` the write's own condition.
+#   upd   the write, only when both hold.
+_SQL = """
+WITH {head}, cur AS (
+    SELECT sku, on_hand, reserved, available, fence_token, fence_lease_id,
+           {accepted} AS accepted, {fits} AS fits, {now_ms} AS now_ms
+    FROM stock
+    WHERE sku = %(sku)s::text AND NOT EXISTS (SELECT 1 FROM prior) AND NOT EXISTS (SELECT 1 FROM done)
+    FOR UPDATE
+), upd AS (
+    UPDATE stock AS s
+    SET on_hand = {on_hand}, available = {available},
+        fence_token = %(token)s::bigint, fence_lease_id = %(lease_id)s::text, updated_ms = cur.now_ms
+    FROM cur
+    WHERE s.sku = cur.sku AND cur.accepted AND cur.fits
+    RETURNING s.sku, s.on_hand, s.reserved, s.available, s.fence_token, cur.now_ms,
+              s.on_hand - cur.on_hand AS quantity, s.on_hand - cur.on_hand AS on_hand_delta,
+              0::bigint AS reserved_delta
+), {tail}
+SELECT {answer}, c.sku IS NOT NULL AS known, c.accepted, c.fits, c.on_hand AS seen_on_hand,
+       c.reserved AS seen_reserved, c.fence_token AS highest, c.fence_lease_id AS writer
+FROM (SELECT 1) AS one
+LEFT JOIN done AS d ON TRUE
+LEFT JOIN prior AS p ON TRUE
+LEFT JOIN cur AS c ON TRUE
+LEFT JOIN upd AS u ON TRUE
+"""
+
+
+class Change(enum.Enum):
+    """How the write moves on hand: ``units`` added (restock, replenish), or on hand set to ``units``
+    (count). Each renders its columns and its condition."""
+
+    ADD = "add"
+    SET = "set"
+
+
+# Units added must leave on hand within MAX_ON_HAND: the bound (``ceiling``, computed by the caller so
+# ``on_hand + units`` cannot overflow first) is None when no units come in. A count may not go below the
+# units held.
+_SHAPES = {
+    Change.ADD: {
+        "on_hand": "s.on_hand + %(units)s::bigint",
+        "available": "s.available + %(units)s::bigint",
+        "fits": "(%(ceiling)s::bigint IS NULL OR on_hand <= %(ceiling)s::bigint)",
+    },
+    Change.SET: {
+        "on_hand": "%(units)s::bigint",
+        "available": "%(units)s::bigint - s.reserved",
+        "fits": "reserved <= %(units)s::bigint",
+    },
+}
+
+
+def _statement(change: Change, accepted: str) -> keyed.Sent:
+    return keyed.sent(
+        _SQL.format(
+            head=keyed.HEAD,
+            tail=keyed.TAIL,
+            answer=keyed.ANSWER,
+            accepted=accepted,
+            now_ms=sql_text.NOW_MS,
+            **_SHAPES[change],
+        )
+    )
+
+
+# The fence predicate and the database clock come from fencing (reservations.sql_text renders them).
+FENCED = {change: _statement(change, sql_text.fence_admits(Fence(stock))) for change in Change}
+# Lease-only: the token is written but not checked (for measuring what the fence prevents).
+UNFENCED = {change: _statement(change, "TRUE") for change in Change}
+
+
+def write(
+    written: keyed.Written, sku: str, change: Change, units: int, *, fence: Fence, speaker: Speaker | None
+) -> Plan[keyed.Reply]:
+    """Send the statement and read its one row.
+
+    Raises :class:`UnknownSku`, :class:`StockLimitExceeded` (units added), :class:`CountBelowHeld` (a
+    count) or :class:`~fencing.StaleToken` (``fence`` marks the lease lost): each having written nothing.
+    The caller has run ``fence.prepare`` for the lease.
+    """
+    ceiling = valid.MAX_ON_HAND - units if change is Change.ADD and units > 0 else None
+    sent = (FENCED if fence.enforce else UNFENCED)[change]
+    values = {**written.values(speaker), "sku": sku, "units": units, "ceiling": ceiling}
+    found: Rows = yield Alone(sent.text, sent.bind(values))
+    row: Any = found.rows[0]
+    head = keyed.read_head(row, written.key)
+    if head is not None:
+        return head
+    if row.applied:
+        return written.applied(row, speaker)
+    again = yield from keyed.looked_again(written.key, speaker)
+    if again is not None:
+        return again
+    if not row.known:
+        raise UnknownSku(sku)
+    lease = written.lease
+    # The statement judged the token by the fence's own predicate; the fence raises the error.
+    fence.refuse_if_stale(lease, lease.scope, int(row.highest), row.writer, written.operation)
+    if row.accepted and not row.fits:
+        if change is Change.SET:
+            raise CountBelowHeld(sku=sku, counted=units, held=int(row.seen_reserved))
+        limit = valid.MAX_ON_HAND
+        raise StockLimitExceeded(sku=sku, on_hand=int(row.seen_on_hand), delta=units, limit=limit)
+    raise RuntimeError(f"the {written.operation} statement for {sku!r} neither wrote nor refused")
+
+
+def step(
+    fence: Fence,
+    written: keyed.Written,
+    sku: str,
+    change: Change,
+    units: int,
+    several: Callable[[], Plan[Outcome]],
+    rejection: Callable[[StaleToken], sa.Executable],
+) -> Step:
+    """The stock write of ``written`` as a :class:`~reservations.keyed_steps.Step`: ``several`` is its
+    multi-statement plan, and this module's statement the one."""
+
+    def one(speaker: Speaker | None) -> Plan[keyed.Reply]:
+        return write(written, sku, change, units, fence=fence, speaker=speaker)
+
+    return Step(written, valid.scope_of(sku), several, one, rejection)
