@@ -50,9 +50,9 @@ class Attempt:
         self.epoch = message.counts["epoch"]
         self.transient = policy.counter(sent, "transient")
         self.work = work_of(message)
-        work = self.work
+        # Only a single-SKU reservation can wait for its lease's holder, and only with batching on.
         self.batch: Batchable | None = (
-            work.batch if isinstance(work, Reserve) and res.settings.batching else None
+            self.work.batch if isinstance(self.work, Reserve) and res.settings.batching else None
         )
         self.leases: dict[str, Lease] = {}
         self.lease_token: int | None = None

@@ -103,7 +103,9 @@ def _ended(task: Task, sent: dict[str, Any], attempt: Attempt | None, exc: Excep
         # A copy of this request (or another request under its key) decided it while this one was giving
         # up: look again and report that.
         raise task.retry(kwargs=sent, countdown=0.01) from None
-    if isinstance(exc, Unbuildable) and attempt is not None:
+    if isinstance(exc, Unbuildable):
+        if attempt is None:
+            raise exc
         # The lease client cannot be built in this process although the settings passed at start: no
         # attempt can take a lease, so the request ends with the reason rather than without an outcome.
         return attempt.give_up(f"{exc.backend} client cannot be built", str(exc))
@@ -113,8 +115,6 @@ def _ended(task: Task, sent: dict[str, Any], attempt: Attempt | None, exc: Excep
             # trusted, so none is touched) until the database answers.
             raise task.retry(kwargs=sent, countdown=policy.rng.uniform(1.0, 30.0)) from None
         return attempt.unavailable(exc)
-    if isinstance(exc, Unbuildable):
-        raise exc
     # A bug or an unforeseen input must still end the request, or its caller waits forever.
     key = attempt.message.key if attempt is not None else sent.get("idempotency_key")
     log.exception("request %s failed unexpectedly", key, extra={"event": "unexpected_error", "key": key})
