@@ -26,7 +26,8 @@ from rich.table import Table
 
 from admin.celery_processes import CeleryProcess, stop_all, worker_env
 from admin.harness import HarnessError, wait_until
-from fencing import LeaseManager, mask_url
+from fencing import LeaseManager
+from fencing.urls import mask_url
 from reservations import schema
 from reservations.inventory import Inventory
 from reservations.requests import RequestResult

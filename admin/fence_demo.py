@@ -16,8 +16,9 @@ from rich.console import Console
 from rich.table import Table
 
 from admin.harness import wait_until
-from fencing import Fence, Lease, LeaseManager, StaleToken, fence_columns, mask_url
+from fencing import Fence, Lease, LeaseManager, StaleToken, fence_columns
 from fencing.engines import make_engine
+from fencing.urls import mask_url
 
 SKU = "WIDGET"
 SCOPE = f"sku:{SKU}"

@@ -17,7 +17,8 @@ from celery.result import AsyncResult
 from bench import celery_defaults
 from bench.leases import UnexpectedReply
 from reservations import Inventory
-from tasks import ReservationClient, ReservationHandle, request_id
+from reservations.requests import request_id
+from tasks import ReservationClient, ReservationHandle
 
 
 @dataclass(frozen=True)

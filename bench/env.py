@@ -22,8 +22,9 @@ import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 from sqlalchemy.schema import CreateSchema, DropSchema
 
-from fencing import LeaseManager, mask_url
+from fencing import LeaseManager
 from fencing.engines import make_engine
+from fencing.urls import mask_url
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"

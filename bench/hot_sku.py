@@ -36,10 +36,11 @@ from bench.env import Scratch
 from bench.leases import UnexpectedReply
 from bench.tasks_e2e import _check_stock, _round_robin, _seed
 from bench.timing import CaseStats, Progress, Results
-from fencing import mask_url
 from fencing.engines import make_engine
+from fencing.urls import mask_url
 from reservations import schema
-from tasks import ReservationClient, Settings, create_app, request_id
+from reservations.requests import request_id
+from tasks import ReservationClient, Settings, create_app
 
 SLOTS = (2, 8, 32)
 SPREAD = 32

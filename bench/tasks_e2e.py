@@ -49,7 +49,7 @@ from bench.env import Scratch
 from bench.leases import UnexpectedReply
 from bench.timing import CaseStats, Progress, Results
 from bench.wire import CountingProxy
-from fencing import mask_url
+from fencing.urls import mask_url
 from reservations import Inventory, schema
 from tasks import ReservationClient, Settings, create_app
 

@@ -18,12 +18,10 @@ from fencing.errors import (
     TokenOverflow,
 )
 from fencing.fence import Fence, FenceOutcome, FenceResult, fence_columns
-from fencing.lease import MAX_TOKEN, Lease, LeaseEvent, LeaseInfo
+from fencing.lease import Lease, LeaseEvent, LeaseInfo
 from fencing.manager import AsyncLeaseManager, LeaseManager
-from fencing.urls import mask_url
 
 __all__ = [
-    "MAX_TOKEN",
     "AsyncLeaseManager",
     "BackendUnavailable",
     "Fence",
@@ -43,5 +41,4 @@ __all__ = [
     "StaleToken",
     "TokenOverflow",
     "fence_columns",
-    "mask_url",
 ]

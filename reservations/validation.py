@@ -12,8 +12,8 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from fencing import MAX_TOKEN, Lease
-from fencing.lease import has_control
+from fencing import Lease
+from fencing.lease import MAX_TOKEN, has_control
 from reservations.errors import InvalidRequest
 
 MAX_SKU_CHARS = 64

@@ -25,8 +25,9 @@ from typing import NoReturn, TypeVar
 import redis
 import sqlalchemy as sa
 
-from fencing import BackendUnavailable, LeaseManager, SchemaMissing, mask_url
+from fencing import BackendUnavailable, LeaseManager, SchemaMissing
 from fencing.engines import TransactionBounds, make_engine, transaction_bounds
+from fencing.urls import mask_url
 from reservations import schema
 from tasks.logs import say
 from tasks.settings import Settings

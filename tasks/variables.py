@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 from urllib.parse import quote, urlsplit
 
-from fencing import mask_url
+from fencing.urls import mask_url
 from reservations import numerals
 
 __all__ = [

@@ -25,8 +25,9 @@ from celery.signals import (
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from fencing import LeaseManager, mask_url
+from fencing import LeaseManager
 from fencing.sql_executor import SyncSqlExecutor
+from fencing.urls import mask_url
 from reservations import Inventory
 from tasks.failpoints import failpoint
 from tasks.logs import json_wanted, say

@@ -24,8 +24,9 @@ import sqlalchemy as sa
 from fencing import AsyncLeaseManager, InvalidLeaseRequest, Lease, LeaseManager, StaleToken
 from fencing.engines import make_engine
 from fencing.lease import new_lease_id
-from reservations import AsyncInventory, InvalidRequest, Inventory, lock_order, scope_of
+from reservations import AsyncInventory, InvalidRequest, Inventory, scope_of
 from reservations import schema as inventory_schema
+from reservations.inventory_base import lock_order
 from tests.conftest import POSTGRES_URL, REDIS_URL
 
 W = "WIDGET"

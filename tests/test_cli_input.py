@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from fencing import mask_url
+from fencing.urls import mask_url
 from reservations import Inventory, schema
 from tests.support import run
 

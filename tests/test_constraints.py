@@ -13,7 +13,8 @@ import sqlalchemy as sa
 from fencing import BackendUnavailable, SchemaMissing
 from fencing.plan import Plan
 from fencing.sql import Rows, db_now_ms
-from reservations import Inventory, Rule
+from reservations import Inventory
+from reservations.audit import Rule
 from reservations.errors import ConstraintRefused, KeyTaken
 from reservations.models import idempotency_keys, request_outcomes, sku_history, stock
 

@@ -15,19 +15,11 @@ import sqlalchemy as sa
 
 from fencing import LeaseManager, StaleToken
 from fencing.engines import make_engine
-from reservations import (
-    MAX_ON_HAND,
-    AsyncInventory,
-    CountBelowHeld,
-    IdempotencyConflict,
-    InvalidRequest,
-    Inventory,
-    StockSeen,
-    UnknownSku,
-    scope_of,
-)
-from reservations.errors import ConstraintRefused, SeenInAnotherEpoch
+from reservations import AsyncInventory, IdempotencyConflict, InvalidRequest, Inventory, UnknownSku, scope_of
+from reservations.counting import StockSeen
+from reservations.errors import ConstraintRefused, CountBelowHeld, SeenInAnotherEpoch
 from reservations.models import idempotency_keys, sku_history, stock
+from reservations.validation import MAX_ON_HAND
 from tasks.messages import InvalidMessage, parse, request_fingerprint
 from tests.support import run
 from tests.test_bad_input import TABLES, table_rows

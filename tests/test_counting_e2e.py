@@ -18,7 +18,7 @@ from admin.harness import process_state, wait_until
 from admin.redis_servers import redis_server
 from fencing import LeaseManager
 from reservations import Inventory
-from tasks import request_id
+from reservations.requests import request_id
 from tests.test_tasks_e2e import Stack
 from tests.workers import cluster, pg_schema
 

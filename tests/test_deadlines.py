@@ -31,7 +31,8 @@ from admin.redis_servers import RedisServer, redis_server
 from fencing import LeaseManager
 from reservations import InvalidRequest, Inventory
 from reservations import validation as valid
-from tasks import ReservationClient, Settings, create_app, request_id
+from reservations.requests import request_id
+from tasks import ReservationClient, Settings, create_app
 from tasks.deadlines import DEADLINE, Late, header, late
 from tests.support import run
 from tests.workers import Cluster, cluster, migrated_database

@@ -24,8 +24,8 @@ import redis
 import sqlalchemy as sa
 
 from admin.redis_servers import redis_server
-from fencing import mask_url
 from fencing.engines import make_engine
+from fencing.urls import mask_url
 from reservations import Inventory
 from tasks.failpoints import failpoint
 from tests.conftest import own_pg_schema

@@ -17,7 +17,6 @@ from sqlalchemy.exc import IntegrityError
 from fencing import Lease, LeaseLost, LeaseManager, ScopeMismatch, StaleToken
 from fencing.engines import make_engine
 from reservations import (
-    MAX_ON_HAND,
     AsyncInventory,
     IdempotencyConflict,
     InsufficientStock,
@@ -32,6 +31,7 @@ from reservations import (
     scope_of,
 )
 from reservations.models import reservations, sku_history, stock
+from reservations.validation import MAX_ON_HAND
 from tests.conftest import own_pg_schema
 
 

@@ -390,7 +390,7 @@ def test_a_stale_rejection_on_one_scope_leaves_other_holds_intact(manager: Lease
 
 
 def test_masked_urls_hide_every_password() -> None:
-    from fencing import mask_url
+    from fencing.urls import mask_url
 
     assert mask_url("postgresql://app:s3cret@db/inv") == "postgresql://app:***@db/inv"
     assert "s3cret" not in mask_url("postgresql://app@db/inv?password=s3cret&sslmode=require")

@@ -34,8 +34,8 @@ from admin.harness import free_port, process_state, wait_until
 from admin.redis_servers import RedisServer, redis_server
 from fencing import LeaseManager
 from reservations import Inventory, schema
-from reservations.requests import RequestResult
-from tasks import ReservationClient, ReservationHandle, Settings, create_app, request_id
+from reservations.requests import RequestResult, request_id
+from tasks import ReservationClient, ReservationHandle, Settings, create_app
 from tasks.logs import use_json_on_stderr
 from tests.workers import pg_schema
 

@@ -21,8 +21,7 @@ import pytest
 from admin.harness import free_port, wait_until
 from admin.redis_servers import RedisServer, redis_server
 from reservations import IdempotencyConflict
-from reservations.requests import RequestResult
-from tasks import request_id
+from reservations.requests import RequestResult, request_id
 from tests.test_tasks_e2e import OUTCOME_TIMEOUT, Stack, identity, stack
 
 pytestmark = pytest.mark.slow

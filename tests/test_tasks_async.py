@@ -19,8 +19,8 @@ import pytest
 
 from admin.redis_servers import redis_server
 from reservations import Inventory
-from reservations.requests import RequestResult
-from tasks import ReservationClient, request_id
+from reservations.requests import RequestResult, request_id
+from tasks import ReservationClient
 from tests.workers import Cluster, cluster, pg_schema
 
 pytestmark = pytest.mark.slow

@@ -24,8 +24,8 @@ from admin.harness import process_state, wait_until
 from admin.redis_servers import RedisServer, redis_server
 from fencing import LeaseManager
 from reservations import InvalidRequest, Inventory
-from reservations.requests import RequestResult
-from tasks import OutcomeTimeout, ReservationClient, ReservationHandle, request_id
+from reservations.requests import RequestResult, request_id
+from tasks import OutcomeTimeout, ReservationClient, ReservationHandle
 from tests.workers import BROKERS, FAILPOINTS, Cluster, Worker, cluster, pg_schema, rabbitmq_vhost
 
 pytestmark = pytest.mark.slow

@@ -14,16 +14,9 @@ import pytest
 import redis
 import sqlalchemy as sa
 
-from fencing import (
-    MAX_TOKEN,
-    AsyncLeaseManager,
-    InvalidLeaseRequest,
-    Lease,
-    StaleToken,
-    TokenOverflow,
-)
+from fencing import AsyncLeaseManager, InvalidLeaseRequest, Lease, StaleToken, TokenOverflow
 from fencing.keys import scope_keys
-from fencing.lease import new_lease_id
+from fencing.lease import MAX_TOKEN, new_lease_id
 from fencing.redis_scripts import REPAIR, Reply
 from fencing.sql_backend import lease_events, leases
 from tests.conftest import REDIS_URL, Stack

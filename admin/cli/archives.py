@@ -15,7 +15,7 @@ from admin.cli.context import config
 from admin.cli.failures import errors
 from admin.cli.options import JsonFlag, parse_since
 from admin.cli.render import out
-from fencing import mask_url
+from fencing.urls import mask_url
 from reservations import archive as history_archive
 from reservations.errors import InvalidRequest
 

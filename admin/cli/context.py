@@ -5,7 +5,8 @@ coordinator opened on it.
 
 from __future__ import annotations
 
-from fencing import LeaseManager, mask_url
+from fencing import LeaseManager
+from fencing.urls import mask_url
 from reservations.inventory import Inventory
 from tasks.settings import Settings
 from tasks.variables import DEFAULT

@@ -17,7 +17,7 @@ from prometheus_client.registry import Collector
 
 from admin.cli import context
 from admin.cli.failures import EXIT_UNREACHABLE, fail
-from fencing import mask_url
+from fencing.urls import mask_url
 from reservations.inventory import Inventory
 from reservations.models import request_outcomes
 from reservations.statuses import RequestStatus

@@ -11,7 +11,7 @@ import typer
 from admin.cli.context import config
 from admin.cli.failures import EXIT_FAILED, errors
 from admin.cli.render import out
-from fencing import mask_url
+from fencing.urls import mask_url
 
 
 def upgrade(revision: Annotated[str, typer.Argument()] = "head") -> None:

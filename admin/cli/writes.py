@@ -19,7 +19,8 @@ from admin.cli.context import config
 from admin.cli.failures import EXIT_FAILED, EXIT_UNREACHABLE, EXIT_USAGE, complain, errors, fail
 from admin.cli.options import Key, Quantity, Timeout, Wait, decimal, parse_since, whole
 from admin.cli.render import out
-from fencing import BackendUnavailable, mask_url
+from fencing import BackendUnavailable
+from fencing.urls import mask_url
 from reservations import Inventory, ReservationError, counting
 from reservations import validation as valid
 from reservations.redrives import Redrive
