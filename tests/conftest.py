@@ -358,7 +358,7 @@ SERVICE_NAMES = frozenset(
         "rabbitmq_vhost",
         "pg_schema",
         "cluster",
-        # admin.harness: servers of a test's own
+        # admin.redis_servers, admin.redis_topologies: servers of a test's own
         "RedisServer",
         "RedisNode",
         "redis_server",
