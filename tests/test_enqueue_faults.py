@@ -1,5 +1,6 @@
-"""Async enqueues while the broker is unreachable: every caller hears of it within one publish retry
-round per batch, not one round per message of the batch ahead of it."""
+"""Enqueues while the broker is unreachable: every async caller hears of it within one publish retry
+round per batch, not one round per message of the batch ahead of it; sync and async callers alike hear
+it as the client's own error (BrokerUnavailable, a TasksError) that is still kombu's OperationalError."""
 
 from __future__ import annotations
 
@@ -7,10 +8,12 @@ import asyncio
 from contextlib import suppress
 from pathlib import Path
 
+import pytest
+from celery import Celery
 from kombu.exceptions import OperationalError
 
 from admin.harness import free_port
-from tasks import ReservationClient
+from tasks import BrokerUnavailable, ReservationClient
 from tasks.app import create_app
 from tasks.settings import Settings
 
@@ -19,8 +22,8 @@ CALLERS = 100
 ALL_HEARD_WITHIN = 5.0
 
 
-async def test_concurrent_enqueuers_all_hear_of_an_unreachable_broker_at_once(tmp_path: Path) -> None:
-    app = create_app(
+def unreachable_broker(tmp_path: Path) -> Celery:
+    return create_app(
         Settings.from_env(
             {
                 "RESERVATIONS_BROKER_URL": f"redis://127.0.0.1:{free_port()}/0",  # nothing listens there
@@ -28,6 +31,10 @@ async def test_concurrent_enqueuers_all_hear_of_an_unreachable_broker_at_once(tm
             }
         )
     )
+
+
+async def test_concurrent_enqueuers_all_hear_of_an_unreachable_broker_at_once(tmp_path: Path) -> None:
+    app = unreachable_broker(tmp_path)
     heard: list[OperationalError] = []
 
     async def enqueue(client: ReservationClient, i: int) -> None:
@@ -46,3 +53,15 @@ async def test_concurrent_enqueuers_all_hear_of_an_unreachable_broker_at_once(tm
     assert len(heard) == CALLERS, f"{len(heard)} of {CALLERS} heard within {ALL_HEARD_WITHIN}s"
     assert len({id(exc) for exc in heard}) == CALLERS  # each raise adds to its own traceback
     assert {str(exc) for exc in heard} == {str(heard[0])}  # the broker's one answer, in every caller's words
+    assert all(isinstance(exc, BrokerUnavailable) for exc in heard)
+
+
+def test_a_blocking_enqueue_hears_of_an_unreachable_broker_as_the_clients_error(tmp_path: Path) -> None:
+    app = unreachable_broker(tmp_path)
+    try:
+        with ReservationClient(app) as client, pytest.raises(BrokerUnavailable) as raised:
+            client.enqueue_reservation_sync("SKU", 1, idempotency_key="down-sync")
+    finally:
+        app.close()
+    assert isinstance(raised.value, OperationalError)
+    assert isinstance(raised.value.__cause__, OperationalError)  # kombu's own, with its traceback
