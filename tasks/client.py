@@ -9,10 +9,11 @@ other arguments) raises :class:`IdempotencyConflict` instead of being handed ove
 Every blocking method has an async twin (``enqueue_sync`` / ``enqueue``, ``wait_sync`` / ``wait``,
 ``ReservationHandle.result_sync`` / ``result``...). The decisions are one core both twins call, pure code
 doing no I/O: the request's payload, checked before anything is published (:mod:`tasks.payloads`,
-:meth:`ReservationClient._checked`); the handle that names
-it (:meth:`ReservationClient._handle`); whether a stored outcome is the handle's own
-(``ReservationHandle._own``); when an unanswered request is published again
-(:func:`tasks.outcomes.republish_due`) and how that is reported (:func:`tasks.outbox.republished`).
+:meth:`ReservationClient._checked`); the handle that names it (:meth:`ReservationClient._handle`);
+whether a stored outcome is the handle's own (``ReservationHandle._own``); when an unanswered request is
+published again (:func:`tasks.outcomes.republish_due`) and how that is reported
+(:func:`tasks.outbox.republished`); kombu's error for a broker that did not take a message, mapped to
+:class:`tasks.errors.BrokerUnavailable`.
 Around it, two shells do the I/O. The sync shell publishes from the calling thread through the producer
 and polls the key's outcome row. The async shell never blocks its event loop: it queues messages for one
 publishing thread (:class:`tasks.outbox.Outbox`), and one watcher per event loop reads the outcomes of
