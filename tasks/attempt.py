@@ -98,7 +98,7 @@ class Attempt:
     def attempt(self) -> dict[str, Any]:
         """Take the leases and write; what each error of the attempt leads to (tasks.policy)."""
         try:
-            return self.applied()
+            return self.under_leases()
         except InsufficientStock as exc:
             return self.served(self.final(RequestStatus.INSUFFICIENT_STOCK, exc.summary()))
         except policy.INVALID as exc:
@@ -114,7 +114,7 @@ class Attempt:
         except LostOwnership as lost:
             return self.lost(lost)
 
-    def applied(self) -> dict[str, Any]:
+    def under_leases(self) -> dict[str, Any]:
         """The write made under the request's leases, and the outcome it ends with."""
         res, message = self.res, self.message
         if not isinstance(self.work, Reserve):  # the reservation statement answers an ended request itself
@@ -132,14 +132,14 @@ class Attempt:
             self.lease_token = max((lease.token for lease in leases.values()), default=None)
             metrics.current.lease("acquired", len(leases))
             try:
-                done_now = self.write(leases)
+                written = self.write(leases)
             except BackendUnavailable as exc:
                 lost = policy.lost_with_the_lease(leases, exc)
                 if lost is None:
                     raise
                 raise lost from exc
             failpoint("after_write")
-        return self.served(self.succeeded(done_now))
+        return self.served(self.succeeded(written))
 
     def write(self, leases: dict[str, Lease]) -> RequestReply | Outcome:
         """The fenced write. A count or a replenishment reads under its leases first and decides its write,
