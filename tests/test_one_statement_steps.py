@@ -26,7 +26,7 @@ from fencing import Lease, LeaseManager, StaleToken
 from fencing.engines import make_engine
 from reservations import Inventory, Outcome, scope_of
 from reservations.counting import StockSeen, short_count
-from reservations.errors import InvalidTransition
+from reservations.errors import ConstraintRefused, InvalidTransition
 from reservations.requests import RequestReply
 from reservations.reserve_statement import Speaker
 from reservations.validation import MAX_ON_HAND
@@ -446,3 +446,30 @@ def test_epoch_paused_before_its_statement_is_refused(migrated_pg_url: str) -> N
     assert after["history"][: len(before["history"])] == before["history"] and len(b_wrote) == 1
     assert after["reservations"] == before["reservations"]  # still held
     assert after["stock"][0]["on_hand"] == 15 and after["stock"][0]["reserved"] == 3
+
+
+@pytest.mark.parametrize("single_statement", [True, False], ids=["one statement", "several"])
+def test_lease_only_leaves_the_stale_write_to_the_trigger(
+    migrated_pg_url: str, single_statement: bool
+) -> None:
+    """With the fence's token check dropped from the statement (lease-only, for measuring what the fence
+    prevents) the stale epoch's write reaches the stock row, and only the database's trigger (the fence
+    never goes back) refuses it: no StaleToken, no rejection recorded, on both paths alike."""
+    url = migrated_pg_url
+    with (
+        Inventory.from_url(url, enforce_fence=False, single_statement=single_statement) as inv,
+        LeaseManager.from_url(url) as leases,
+    ):
+        inv.add_sku(WIDGET, on_hand=10)
+        a = lease_for(leases, WIDGET, "w1")
+        rid = inv.reserve(a, WIDGET, 3, key="hold").reservation_id or ""
+        seen = inv.look(a, WIDGET)
+        b = newer_epoch(leases, a, "w2")
+        inv.restock(b, WIDGET, 5, key="b-step")
+        before = rows(url)
+        with pytest.raises(ConstraintRefused, match="would go back"):
+            inv.confirm(a, rid, key="a-confirm")
+        with pytest.raises(ConstraintRefused, match="would go back"):
+            inv.count(a, WIDGET, 4, key="a-count", seen=seen)
+        assert rows(url) == before and not a.lost
+        assert inv.confirm(b, rid, key="b-confirm").stock[0].on_hand == 12
