@@ -25,6 +25,7 @@ from bench.hot_sku import PER_SLOT, SLOTS, hot_vs_many
 from bench.hot_sku import SPREAD as SPREAD_SKUS
 from bench.http import http_front_door
 from bench.leases import redis_vs_raw, sql_vs_redis_leases
+from bench.lifecycle import one_vs_several
 from bench.report import Plan, render_markdown, render_rich
 from bench.reserve import reserve_vs_raw
 from bench.soak import redis_per_request
@@ -50,7 +51,7 @@ MIN_ITERATIONS = 5
 WARMUP_FRACTION = 0.1
 SECTIONS = (
     "redis", "writes", "reserve", "backends", "tasks", "hot", "asyncio", "soak", "capacity", "capacity-check",
-    "http",
+    "http", "lifecycle",
 )  # fmt: skip
 # The asyncio section: messages per enqueue case, and the enqueue-and-await calls kept in flight.
 ASYNC_ENQUEUES = 2000
@@ -87,7 +88,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "capacity = CPU, WAL, Redis and disk per reservation end to end (same needs), capacity-check = the "
         "capacity model fitted on 1,000 uniform SKUs and checked on 100,000 Zipf SKUs (same needs), http = "
         "the HTTP front door (reservations serve) vs the same server stack awaiting a Celery no-op, /healthz "
-        "latency with 1,000 requests open, and the load generator's cost (same needs)",
+        "latency with 1,000 requests open, and the load generator's cost (same needs), lifecycle = confirm, "
+        "release, restock, count and replenish as one statement vs several (PostgreSQL)",
     )
     parser.add_argument(
         "--no-sql-leases", action="store_true",
@@ -153,6 +155,12 @@ def _reserve(run: Run) -> None:
     )
 
 
+def _lifecycle(run: Run) -> None:
+    one_vs_several(
+        run.scratch, run.results, progress=run.progress, **run.sizing(run.plan.reserve_iterations)
+    )
+
+
 def _backends(run: Run) -> None:
     sql_vs_redis_leases(
         run.scratch, run.results, postgres=run.postgres_ok, sqlite=True, progress=run.progress,
@@ -214,6 +222,7 @@ SECTION_RUNS: list[tuple[str, Callable[[Run], bool], str, Callable[[Run], None]]
     ("redis", lambda run: run.redis_ok, "Redis lease vs raw Redis lock", _redis),
     ("writes", lambda run: True, "guarded vs plain writes", _writes),
     ("reserve", lambda run: run.postgres_ok, "fenced reserve vs raw psycopg, PostgreSQL", _reserve),
+    ("lifecycle", lambda run: run.postgres_ok, "later steps: one statement vs several", _lifecycle),
     ("backends", lambda run: run.redis_ok, "SQL vs Redis lease backend", _backends),
     ("tasks", _celery, "Celery end to end: reservation vs no-op tasks, hot vs spread SKUs", _tasks),
     ("hot", _celery, "Celery end to end on a thread pool: one hot SKU vs many, batching on and off", _hot),

@@ -1,0 +1,187 @@
+"""The later steps on PostgreSQL, one statement against the multi-statement plan: a confirm, a release, a
+restock, a count and a replenishment, and a confirm, a restock and a count as queued requests with their
+attempt and outcome (what a worker records today in transactions of their own). Both paths write the
+same rows on one migrated schema; round trips and transactions are read off the wire from a libpq trace.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from typing import Any, cast
+
+import psycopg
+
+from bench.env import Scratch
+from bench.timing import Case, Op, Progress, Results, measure
+from bench.wire import Trips, transactions_in, wire_trace
+from fencing import Lease, LeaseManager
+from reservations import Inventory, schema
+from reservations import validation as valid
+from reservations.counting import StockSeen
+from reservations.reserve_statement import Speaker
+
+SKUS = 64
+ON_HAND = 10**6
+TTL = 3600.0  # outlives the section: a lease that expired mid-run would turn fenced writes into errors
+HOLDER = "bench"
+SPEAKER = Speaker(task_id="bench-task", worker="bench-worker", epochs=0)
+
+ONE, SEVERAL = "one statement", "several statements"
+STEPS = ("confirm", "release", "restock", "count", "replenish", "confirm request", "restock request",
+         "count request")  # fmt: skip
+# The steps that end a hold: each call takes a reservation held beforehand.
+ENDING = ("confirm", "release", "confirm request")
+
+
+def case(step: str, path: str) -> str:
+    return f"{step}, {path}"
+
+
+class Steps:
+    """One inventory's later steps as timed operations, SKUs taken in rotation, every key fresh."""
+
+    def __init__(self, inventory: Inventory, leases: dict[str, Lease], seen: dict[str, StockSeen]) -> None:
+        self.inventory = inventory
+        self.leases = leases
+        self.seen = seen
+        self.held: dict[str, Iterator[tuple[str, str]]] = {}
+        self._skus = itertools.cycle(sorted(leases))
+        self._keys = itertools.count()
+
+    def hold(self, step: str, prefix: str, count: int) -> None:
+        """Reservations for ``count`` calls of ``step``, made before any is timed."""
+        made = []
+        for n in range(count):
+            sku = next(self._skus)
+            key = f"{prefix}hold:{step.replace(' ', '-')}:{n}"
+            outcome = self.inventory.reserve(self.leases[sku], sku, 1, key=key)
+            made.append((sku, outcome.reservation_id or ""))
+        self.held[step] = iter(made)
+
+    def op(self, step: str, prefix: str) -> Op:
+        inv, plans, run = self.inventory, self.inventory.plans, self.inventory.executor.run
+        keys, skus = self._keys, self._skus
+
+        def key() -> str:
+            return f"{prefix}{step.replace(' ', '-')}:{next(keys)}"
+
+        def ends(finish: Callable[[Lease, str, str], Any]) -> Op:
+            def op() -> None:
+                sku, rid = next(self.held[step])
+                finish(self.leases[sku], rid, key())
+
+            return op
+
+        def on_stock(write: Callable[[Lease, str, StockSeen, str], Any]) -> Op:
+            def op() -> None:
+                sku = next(skus)
+                write(self.leases[sku], sku, self.seen[sku], key())
+
+            return op
+
+        ops: dict[str, Op] = {
+            "confirm": ends(lambda lease, rid, k: inv.confirm(lease, rid, key=k)),
+            "release": ends(lambda lease, rid, k: inv.release(lease, rid, key=k)),
+            "confirm request": ends(lambda lease, rid, k: run(plans.confirm_request(lease, rid, k, SPEAKER))),
+            "restock": on_stock(lambda lease, sku, seen, k: inv.restock(lease, sku, 1, key=k)),
+            "count": on_stock(lambda lease, sku, seen, k: inv.count(lease, sku, ON_HAND, key=k, seen=seen)),
+            "replenish": on_stock(
+                lambda lease, sku, seen, k: inv.replenish(lease, sku, 2 * ON_HAND, key=k, seen=seen)
+            ),
+            "restock request": on_stock(
+                lambda lease, sku, seen, k: run(plans.restock_request(lease, sku, 1, k, SPEAKER))
+            ),
+            "count request": on_stock(
+                lambda lease, sku, seen, k: run(
+                    plans.count_request(lease, sku, ON_HAND, k, SPEAKER, seen=seen)
+                )
+            ),
+        }
+        return ops[step]
+
+
+def _traced(url: str, leases: dict[str, Lease], seen: dict[str, StockSeen], single: bool) -> dict[str, str]:
+    """Each step's round trips on the wire, on a pool of one connection: the last of enough calls to get
+    past psycopg preparing its statements."""
+    with Inventory.from_url(url, single_statement=single, pool_size=1, max_overflow=0) as counter:
+        with counter.executor.engine.connect() as first:  # the pool's one connection, now set up
+            raw = cast(psycopg.Connection[Any], first.connection.dbapi_connection)
+        calls = (raw.prepare_threshold or 0) + 2
+        steps = Steps(counter, leases, seen)
+        prefix = f"trace-{'one' if single else 'several'}:"
+        found: dict[str, str] = {}
+        known = Trips()  # one connection: a statement prepared for an earlier step is still named
+        for step in STEPS:
+            if step in ENDING:
+                with wire_trace(raw, known):  # so the statements the holds prepare are named later
+                    steps.hold(step, prefix, calls)
+            op = steps.op(step, prefix)
+            for _ in range(calls):
+                with wire_trace(raw, known) as trips:
+                    op()
+            steady = [trip for trip in trips if not trip.startswith("prepare ")]
+            found[step] = f"{len(steady)} ({transactions_in(steady)} transactions): {', '.join(steady)}"
+    return found
+
+
+def one_vs_several(
+    scratch: Scratch,
+    results: Results,
+    *,
+    iterations: int,
+    warmup: int,
+    repeats: int,
+    progress: Progress | None = None,
+) -> None:
+    """Needs PostgreSQL; the caller checks it. Works in a migrated schema of its own."""
+    section = "Later steps: one statement vs the multi-statement plan, PostgreSQL"
+    url = scratch.postgres_url("lifecycle")
+    if progress:
+        progress(f"  migrating a fresh schema, adding {SKUS} SKUs, taking their leases")
+    schema.upgrade(url)
+    skus = [f"L-{n}" for n in range(SKUS)]
+    per_case = warmup + iterations * repeats
+    with ExitStack() as stack:
+        manager = stack.enter_context(LeaseManager.from_url(url))
+        leases = {sku: manager.acquire(valid.scope_of(sku), ttl=TTL, holder=HOLDER) for sku in skus}
+        paths = {
+            ONE: stack.enter_context(Inventory.from_url(url)),
+            SEVERAL: stack.enter_context(Inventory.from_url(url, single_statement=False)),
+        }
+        for sku in skus:
+            paths[ONE].add_sku(sku, on_hand=ON_HAND)
+        seen = {sku: paths[ONE].look(leases[sku], sku) for sku in skus}
+        trips: dict[str, dict[str, str]] = {}
+        if sys.platform == "linux":
+            if progress:
+                progress("  counting round trips (libpq trace)")
+            trips = {path: _traced(url, leases, seen, path == ONE) for path in paths}
+        if progress:
+            progress(f"  holding {per_case} reservations for each of {len(ENDING) * len(paths)} cases")
+        cases = []
+        for path, inventory in paths.items():
+            steps = Steps(inventory, leases, seen)
+            for step in STEPS:
+                prefix = f"{path.split()[0]}:"
+                if step in ENDING:
+                    steps.hold(step, prefix, per_case)
+                cases.append(Case(case(step, path), steps.op(step, prefix)))
+        stats = measure(cases, iterations=iterations, warmup=warmup, repeats=repeats, progress=progress)
+    for step in STEPS:
+        results.add(section, stats, case(step, ONE), case(step, SEVERAL))
+        for path in paths:
+            name = case(step, path)
+            results.cost(section, name, {
+                "round trips": trips.get(path, {}).get(step, "?"),
+                "p50": f"{stats[name].p50 * 1e3:.2f} ms",
+            })  # fmt: skip
+    results.notes.append(
+        f"Later steps: {SKUS} SKUs taken in rotation, one SQL lease each on the same database, one process "
+        "and a pooled engine per path; a count and a replenishment are decided from one read made before "
+        "the run, every key is fresh, each confirm or release ends a reservation held before the run. A "
+        "request is the step with its attempt and outcome rows (one statement), against the outcome "
+        "check, the step and the two records one after another (several)."
+    )
