@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import sqlalchemy as sa
 
-from fencing import StaleToken
+from fencing import LeaseLost, StaleToken
 from fencing.plan import Atomic, Plan
 from reservations import keyed_statement as keyed
 from reservations.collisions import settled
@@ -44,9 +44,15 @@ class Step:
         return ledger.single_statement and not lease.lost and self.scope in (None, lease.scope)
 
 
-def _sent(ledger: Ledger, step: Step, speaker: Speaker | None) -> Plan[keyed.Reply]:
+def _sent(ledger: Ledger, step: Step, speaker: Speaker | None) -> Plan[keyed.Reply | None]:
+    """The step's statement, or None when it takes the multi-statement plan (see :meth:`Step.in_one`)."""
+    if not step.in_one(ledger):
+        return None
     written = step.written
-    ledger.fence.prepare(written.lease, step.scope or written.lease.scope)
+    try:
+        ledger.fence.prepare(written.lease, step.scope or written.lease.scope)
+    except LeaseLost:
+        return None  # lost since it was looked at (a failed renewal): as for any lost lease
     try:
         return (
             yield from settled(lambda: step.one(speaker), f"the {written.operation} under {written.key!r}")
@@ -58,11 +64,11 @@ def _sent(ledger: Ledger, step: Step, speaker: Speaker | None) -> Plan[keyed.Rep
 
 def alone(ledger: Ledger, step: Step) -> Plan[Outcome]:
     """The step as an operation: its outcome, applied now or replayed from the key's record."""
-    if not step.in_one(ledger):
-        return (yield from step.several())
     written = step.written
     reply = yield from _sent(ledger, step, None)
     match reply:
+        case None:
+            return (yield from step.several())
         case keyed.Applied(outcome):
             return outcome
         case Replay(prior):
@@ -78,28 +84,27 @@ def request(ledger: Ledger, step: Step, speaker: Speaker) -> Plan[RequestReply]:
     step raises as an operation."""
     written = step.written
     replayed: Outcome | InsufficientStock
-    if step.in_one(ledger):
-        reply = yield from _sent(ledger, step, speaker)
-        match reply:
-            case Ended(ended):
-                return RequestReply(ended, None)
-            case keyed.Applied(outcome, told) if told is not None:
-                return RequestReply(told, outcome)
-            case Replay(prior):
-                try:
-                    replayed = ledger.replay(prior, written.operation, written.fingerprint)
-                except InsufficientStock as short:  # a key whose first request was refused
-                    replayed = short
-            case _:  # pragma: no cover - a statement with a speaker tells what it did
-                raise RuntimeError(f"the {written.operation} statement told nothing for {written.key!r}")
-    else:
-        done: RequestResult | None = yield Atomic(request_outcome(written.key))
-        if done is not None:
-            return RequestReply(done, None)
-        try:
-            replayed = yield from step.several()
-        except InsufficientStock as short:
-            replayed = short
+    reply = yield from _sent(ledger, step, speaker)
+    match reply:
+        case None:
+            done: RequestResult | None = yield Atomic(request_outcome(written.key))
+            if done is not None:
+                return RequestReply(done, None)
+            try:
+                replayed = yield from step.several()
+            except InsufficientStock as short:
+                replayed = short
+        case Ended(ended):
+            return RequestReply(ended, None)
+        case keyed.Applied(outcome, told) if told is not None:
+            return RequestReply(told, outcome)
+        case Replay(prior):
+            try:
+                replayed = ledger.replay(prior, written.operation, written.fingerprint)
+            except InsufficientStock as short:  # a key whose first request was refused
+                replayed = short
+        case _:  # pragma: no cover - a statement with a speaker tells what it did
+            raise RuntimeError(f"the {written.operation} statement told nothing for {written.key!r}")
     return (yield from recorded(written.key, written.operation, written.fingerprint, written.status,
                                 speaker, replayed))  # fmt: skip
 

@@ -106,7 +106,8 @@ class Ledger:
         single_statement: bool = False,
     ) -> None:
         self.fence = Fence(stock, enforce=enforce_fence, before_statement=before_statement)
-        # PostgreSQL: a single-SKU reservation is one statement (reservations.reserve_statement).
+        # PostgreSQL: a single-SKU reservation is one statement (reservations.reserve_statement), and so
+        # is each later step (reservations.keyed_steps).
         self.single_statement = single_statement
 
     # -- the idempotent envelope -------------------------------------------------------------------
