@@ -404,20 +404,27 @@ def _follow(obj: Any, seen: set[int], found: set[str]) -> None:
         _reached(code, seen, found, getattr(obj, "__globals__", {}))
 
 
+# Parameter values that name a backend needing no server: a test or fixture given one takes its branch.
+LOCAL_PARAMS = frozenset({"sqlite", "sql"})
+
+
 def services_of(item: pytest.Item) -> set[str]:
-    """Why ``item`` may reach a server: the parameters, fixtures and names that could (empty: none)."""
-    found: set[str] = set()
-    callspec = getattr(item, "callspec", None)
-    if callspec is not None:
-        found |= {v for v in callspec.params.values() if isinstance(v, str) and v in SERVICE_PARAMS}
+    """Why ``item`` may reach a server: the parameters, fixtures and names that could (empty: none).
+
+    A test run with a backend parameter of :data:`LOCAL_PARAMS` (its own or a fixture's, such as
+    ``stack``) is read by its parameters, not its code: a test parametrized over backends names each
+    backend's helpers in its code and takes the branch of the one it is given. So is a fixture of a test
+    module given such a parameter. This file's fixtures ask for a server by their parameter only."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    found = {v for v in params.values() if isinstance(v, str) and v in SERVICE_PARAMS}
     names = set(getattr(item, "fixturenames", ()))
     found |= names & SERVICE_NAMES
     seen: set[int] = set()
-    _follow(getattr(item, "obj", None), seen, found)
+    if not any(isinstance(v, str) and v in LOCAL_PARAMS for v in params.values()):
+        _follow(getattr(item, "obj", None), seen, found)
     fixtureinfo = getattr(item, "_fixtureinfo", None)
-    for name in names:
+    for name in names - {n for n, v in params.items() if isinstance(v, str) and v in LOCAL_PARAMS}:
         for fixturedef in fixtureinfo.name2fixturedefs.get(name, ()) if fixtureinfo else ():
-            # This file's parametrized fixtures ask for a server by their parameter, read above.
             if fixturedef.func.__module__ != __name__:
                 _follow(fixturedef.func, seen, found)
     return found
