@@ -195,9 +195,9 @@ class StockCounting:
         what the count was decided from (:meth:`look` under ``lease``; see :func:`seen_of`), recorded
         with it; ``shrinkage`` says the figure was decided from ``seen`` (see :func:`short_count`) rather
         than sent."""
-        return keyed_steps.alone(self.ledger, self.counting(lease, sku, counted, key, seen, shrinkage))
+        return keyed_steps.alone(self.ledger, self.count_step(lease, sku, counted, key, seen, shrinkage))
 
-    def counting(
+    def count_step(
         self, lease: Lease, sku: str, counted: int, key: str, seen: StockSeen | None, shrinkage: int | None
     ) -> Step:
         """A cycle count (:meth:`count`), checked, both ways it can be sent."""
@@ -263,9 +263,9 @@ class StockCounting:
         :func:`seen_of`), none when at or above par, as a restock. The size was decided from the read, so
         the row records par and what was seen; the request is named by its par, so a redelivery that reads
         another level replays the first."""
-        return keyed_steps.alone(self.ledger, self.replenishing(lease, sku, par, key, seen))
+        return keyed_steps.alone(self.ledger, self.replenish_step(lease, sku, par, key, seen))
 
-    def replenishing(self, lease: Lease, sku: str, par: int, key: str, seen: StockSeen) -> Step:
+    def replenish_step(self, lease: Lease, sku: str, par: int, key: str, seen: StockSeen) -> Step:
         """A replenishment to par (:meth:`replenish`), checked, both ways it can be sent."""
         valid.lease(lease)
         valid.sku(sku)

@@ -131,7 +131,7 @@ class ReservationLifecycle:
         )
         return Outcome.reserved(key, lease.token, reservation_id, level, quantity)
 
-    def finishing(self, lease: Lease, reservation_id: str, key: str, final: ReservationStatus) -> Step:
+    def finish_step(self, lease: Lease, reservation_id: str, key: str, final: ReservationStatus) -> Step:
         """The end of a hold (``final``: confirmed or released), checked, both ways it can be sent."""
         valid.lease(lease)
         valid.reservation_id(reservation_id)
@@ -220,11 +220,11 @@ class ReservationLifecycle:
 
     def confirm(self, lease: Lease, reservation_id: str, key: str) -> Plan[Outcome]:
         """The held units become a committed deduction: they leave ``on_hand`` and ``reserved``."""
-        return keyed_steps.alone(self.ledger, self.finishing(lease, reservation_id, key, CONFIRMED))
+        return keyed_steps.alone(self.ledger, self.finish_step(lease, reservation_id, key, CONFIRMED))
 
     def release(self, lease: Lease, reservation_id: str, key: str) -> Plan[Outcome]:
         """The held units go back to ``available`` (cancel is the same operation)."""
-        return keyed_steps.alone(self.ledger, self.finishing(lease, reservation_id, key, RELEASED))
+        return keyed_steps.alone(self.ledger, self.finish_step(lease, reservation_id, key, RELEASED))
 
     def expire_due(self, lease: Lease, sku: str, key: str | None = None) -> Plan[Outcome]:
         """Every held reservation of ``sku`` whose hold has passed (database clock) goes back."""

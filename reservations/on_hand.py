@@ -27,9 +27,9 @@ class OnHandChanges:
         self.ledger = ledger
 
     def restock(self, lease: Lease, sku: str, quantity: int, key: str) -> Plan[Outcome]:
-        return keyed_steps.alone(self.ledger, self.restocking(lease, sku, quantity, key))
+        return keyed_steps.alone(self.ledger, self.restock_step(lease, sku, quantity, key))
 
-    def restocking(self, lease: Lease, sku: str, quantity: int, key: str) -> Step:
+    def restock_step(self, lease: Lease, sku: str, quantity: int, key: str) -> Step:
         """A restock, checked, both ways it can be sent."""
         valid.lease(lease)
         valid.sku(sku)

@@ -127,33 +127,33 @@ class InventoryPlans:
         self, lease: Lease, reservation_id: str, key: str, speaker: Speaker
     ) -> Plan[RequestReply]:
         return keyed_steps.request(
-            self.ledger, self.lifecycle.finishing(lease, reservation_id, key, CONFIRMED), speaker
+            self.ledger, self.lifecycle.finish_step(lease, reservation_id, key, CONFIRMED), speaker
         )
 
     def release_request(
         self, lease: Lease, reservation_id: str, key: str, speaker: Speaker
     ) -> Plan[RequestReply]:
         return keyed_steps.request(
-            self.ledger, self.lifecycle.finishing(lease, reservation_id, key, RELEASED), speaker
+            self.ledger, self.lifecycle.finish_step(lease, reservation_id, key, RELEASED), speaker
         )
 
     def restock_request(
         self, lease: Lease, sku: str, quantity: int, key: str, speaker: Speaker
     ) -> Plan[RequestReply]:
-        return keyed_steps.request(self.ledger, self.on_hand.restocking(lease, sku, quantity, key), speaker)
+        return keyed_steps.request(self.ledger, self.on_hand.restock_step(lease, sku, quantity, key), speaker)
 
     def count_request(
         self, lease: Lease, sku: str, counted: int, key: str, speaker: Speaker, *,
         seen: StockSeen | None = None, shrinkage: int | None = None,
     ) -> Plan[RequestReply]:  # fmt: skip
-        step = self.counting.counting(lease, sku, counted, key, seen, shrinkage)
+        step = self.counting.count_step(lease, sku, counted, key, seen, shrinkage)
         return keyed_steps.request(self.ledger, step, speaker)
 
     def replenish_request(
         self, lease: Lease, sku: str, par: int, key: str, speaker: Speaker, *, seen: StockSeen
     ) -> Plan[RequestReply]:
         return keyed_steps.request(
-            self.ledger, self.counting.replenishing(lease, sku, par, key, seen), speaker
+            self.ledger, self.counting.replenish_step(lease, sku, par, key, seen), speaker
         )
 
     # -- operations --------------------------------------------------------------------------------
