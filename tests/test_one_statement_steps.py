@@ -342,6 +342,35 @@ def waiting_on_a_lock(url: str, marker: str, finished: threading.Event) -> None:
 FINISH, STOCK = "FOR UPDATE OF r", "AS fits"
 
 
+def raced(
+    url: str, marker: str, a_step: Callable[[], Any], b_step: Callable[[Inventory], Any]
+) -> tuple[Any, Any]:
+    """Run ``b_step`` on the multi-statement plan and, while its transaction holds the SKU's stock row
+    (its fenced write about to be sent), ``a_step`` in a thread until its statement waits on that row;
+    then let B commit. Returns what A got (its answer or its error) and what B did."""
+    answer: dict[str, Any] = {}
+    finished = threading.Event()
+
+    def a_thread() -> None:
+        try:
+            answer["value"] = a_step()
+        except Exception as exc:  # the answer is what the test checks
+            answer["value"] = exc
+        finally:
+            finished.set()
+
+    def while_b_holds_the_row(lease: Lease) -> None:
+        if "thread" not in answer:
+            answer["thread"] = threading.Thread(target=a_thread)
+            answer["thread"].start()
+            waiting_on_a_lock(url, marker, finished)
+
+    with Inventory.from_url(url, single_statement=False, before_statement=while_b_holds_the_row) as multi:
+        b_did = b_step(multi)
+    answer["thread"].join(30)
+    return answer["value"], b_did
+
+
 @pytest.mark.parametrize(
     "race",
     ["newer epoch restocks", "newer epoch releases", "copy confirms", "newer epoch restocks, stale counts"],
@@ -354,8 +383,6 @@ def test_statement_waiting_on_the_row_lock_decides_on_the_row_as_committed(
     stale (StaleToken, recorded; nothing written), a newer epoch's release leaves nothing held to confirm
     (InvalidTransition; nothing written), and a copy of A's own confirm that committed first is replayed."""
     url = migrated_pg_url
-    answer: dict[str, Any] = {}
-    finished = threading.Event()
     with Inventory.from_url(url) as inv, LeaseManager.from_url(url) as leases:
         inv.add_sku(WIDGET, on_hand=10)
         a = lease_for(leases, WIDGET, "w1")
@@ -368,30 +395,14 @@ def test_statement_waiting_on_the_row_lock_decides_on_the_row_as_committed(
                 return inv.count(a, WIDGET, 9, key="a-step", seen=seen)
             return inv.confirm(a, rid, key="a-step")
 
-        def a_thread() -> None:
-            try:
-                answer["value"] = a_step()
-            except Exception as exc:  # the answer is what the test checks
-                answer["value"] = exc
-            finally:
-                finished.set()
-
-        def while_b_holds_the_row(lease: Lease) -> None:
-            if "thread" in answer:
-                return
-            answer["thread"] = threading.Thread(target=a_thread)
-            answer["thread"].start()
-            waiting_on_a_lock(url, STOCK if race.endswith("stale counts") else FINISH, finished)
-
-        with Inventory.from_url(url, single_statement=False, before_statement=while_b_holds_the_row) as multi:
+        def b_step(multi: Inventory) -> Outcome:
             if race.startswith("newer epoch restocks"):
-                b_did = multi.restock(b, WIDGET, 5, key="b-step")
-            elif race == "newer epoch releases":
-                b_did = multi.release(b, rid, key="b-step")
-            else:
-                b_did = multi.confirm(b, rid, key="a-step")
-        answer["thread"].join(30)
-        a_got = answer["value"]
+                return multi.restock(b, WIDGET, 5, key="b-step")
+            if race == "newer epoch releases":
+                return multi.release(b, rid, key="b-step")
+            return multi.confirm(b, rid, key="a-step")
+
+        a_got, b_did = raced(url, STOCK if race.endswith("stale counts") else FINISH, a_step, b_step)
         after = rows(url)
         held = inv.reservation(rid).status
         level = inv.stock(WIDGET)
@@ -414,6 +425,37 @@ def test_statement_waiting_on_the_row_lock_decides_on_the_row_as_committed(
     assert [(row["kind"], row["token"], row["highest_token"]) for row in mine] == [
         ("rejected", a.token, b.token)
     ]
+
+
+def test_copies_of_a_request_racing_end_with_one_outcome(migrated_pg_url: str) -> None:
+    """Two copies of one queued confirm (a redelivery): B runs the steps one after another, A's one
+    statement waits on the row B holds. A finds the reservation confirmed by B, looks at the key again
+    and answers with the request's one outcome; the confirm was written once."""
+    url = migrated_pg_url
+    with Inventory.from_url(url) as inv, LeaseManager.from_url(url) as leases:
+        inv.add_sku(WIDGET, on_hand=10)
+        a = lease_for(leases, WIDGET, "w1")
+        rid = inv.reserve(a, WIDGET, 3, key="hold").reservation_id or ""
+
+        def b_step(multi: Inventory) -> RequestReply:
+            return multi.executor.run(multi.plans.confirm_request(a, rid, "q-confirm", SPEAKER))
+
+        a_got, b_did = raced(
+            url,
+            FINISH,
+            lambda: inv.executor.run(inv.plans.confirm_request(a, rid, "q-confirm", SPEAKER)),
+            b_step,
+        )
+        stored = inv.request_outcome("q-confirm")
+        after = rows(url)
+    assert isinstance(a_got, RequestReply), a_got
+    assert a_got.result == b_did.result == stored and stored.status == "confirmed"
+    writes = [row for row in after["history"] if row["idempotency_key"] == "q-confirm"]
+    assert [row["operation"] for row in writes] == ["confirm"]
+    assert {row["result"] for row in after["attempts"] if row["key"] == "q-confirm"} <= {
+        "applied",
+        "replayed",
+    }
 
 
 def test_epoch_paused_before_its_statement_is_refused(migrated_pg_url: str) -> None:
