@@ -12,92 +12,27 @@ from __future__ import annotations
 
 import random
 from collections.abc import Generator
-from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-import sqlalchemy as sa
-from sqlalchemy.dialects import sqlite
 
 from fencing import Fence, LeaseBusy, LeaseLost, StaleToken
 from fencing.errors import ScopeMismatch, TokenOverflow
 from fencing.fence import FenceOutcome
 from fencing.lease import MAX_TOKEN, Lease, new_lease_id
 from fencing.lease_plans import LeasePlans
-from fencing.plan import Atomic, Op, Sleep, run_sync
+from fencing.plan import Atomic
 from fencing.redis_backend import RedisLeaseCore
 from fencing.redis_scripts import Reply
-from fencing.sql import Rows
 from fencing.sql_backend import SqlLeaseCore
+from tests.scripted import Clock, Script, kinds, rows, sql_params, sql_text
 from tests.support import items
 
 SCOPE = "sku:A-1"
 
 
-@dataclass
-class Clock:
-    """The monotonic clock the plans read; only a scripted pause moves it."""
-
-    now: float = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@dataclass
-class Script:
-    """The replies to a plan's operations, in order (a nested plan's answer may be an error it returns,
-    such as a :class:`LeaseBusy`). A :class:`Sleep` is answered by moving the clock, never from the
-    replies. ``ops`` records every operation the plan asked for."""
-
-    replies: list[Any]
-    clock: Clock = field(default_factory=Clock)
-    ops: list[Op] = field(default_factory=list)
-
-    def answer(self, op: Op) -> Any:
-        self.ops.append(op)
-        if isinstance(op, Sleep):
-            self.clock.now += op.seconds
-            return None
-        assert self.replies, f"the plan asked for more than the script answers: {op!r}"
-        return self.replies.pop(0)
-
-    def run(self, plan: Generator[Any, Any, Any]) -> Any:
-        """The plan's result; every scripted reply must have been asked for."""
-        result = run_sync(plan, self.answer)
-        assert not self.replies, f"replies the plan never asked for: {self.replies!r}"
-        return result
-
-    @property
-    def sleeps(self) -> list[float]:
-        return [op.seconds for op in self.ops if isinstance(op, Sleep)]
-
-
-def rows(*found: tuple[Any, ...]) -> Rows:
-    return Rows(rows=list(found))
-
-
 def lease(token: int = 5, *, scope: str = SCOPE, clock: Clock | None = None) -> Lease:
     return Lease(scope, token, new_lease_id(), "host:1", 10.0, 100.0, clock=clock or Clock())
-
-
-def kinds(ops: list[Op]) -> list[str]:
-    """The operations as their kind: the statement's (``update fenced_items``) or the op's class name."""
-    named = []
-    for op in ops:
-        if isinstance(op, sa.Update | sa.Insert | sa.Delete):
-            named.append(f"{type(op).__name__.lower()} {op.table.name}")  # type: ignore[union-attr]
-        elif isinstance(op, sa.Select):
-            named.append(f"select {op.get_final_froms()[0].name}")  # type: ignore[attr-defined]
-        else:
-            named.append(type(op).__name__)
-    return named
-
-
-def sql_text(op: Op) -> str:
-    """A statement as SQLite is sent it."""
-    assert isinstance(op, sa.ClauseElement), op
-    return str(op.compile(dialect=sqlite.dialect()))
 
 
 def guarded_write(fence: Fence, held: Lease, scope: str = SCOPE) -> Generator[Any, Any, Any]:
@@ -283,7 +218,7 @@ def test_a_sql_acquire_on_a_free_scope_starts_the_next_epoch_and_records_how_the
         "update fencing_leases",
         "insert fencing_lease_events",
     ]
-    event = script.ops[2].compile(dialect=sqlite.dialect()).params  # type: ignore[union-attr]
+    event = sql_params(script.ops[2])
     assert (event["event"], event["token"], event["previous_token"], event["previous_end"]) == (
         "acquired",
         8,
