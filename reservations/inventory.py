@@ -16,8 +16,8 @@ from typing import Any
 from fencing import Lease, LeaseManager
 from fencing.engines import make_engine
 from fencing.sql_executor import SyncSqlExecutor
-from reservations import inventory_base as base
 from reservations import schema
+from reservations import shell_checks as checks
 from reservations import validation as valid
 from reservations.async_inventory import AsyncInventory
 from reservations.inventory_base import DEFAULT_IDEMPOTENCY_RETENTION, InventoryBase, lock_order
@@ -57,7 +57,7 @@ class Inventory(InventoryBase[SyncSqlExecutor]):
 
     def timeline(self, sku: str, manager: LeaseManager, *, limit: int = 1000) -> list[TimelineEntry]:
         """Lease events, accepted writes and rejections of ``sku`` as one ordered timeline."""
-        scope = base.timeline_args(manager, LeaseManager, sku, limit)
+        scope = checks.timeline_args(manager, LeaseManager, sku, limit)
         return merge(manager.history(scope, limit=limit), self.history(sku, limit=limit))
 
     @contextmanager
@@ -72,7 +72,7 @@ class Inventory(InventoryBase[SyncSqlExecutor]):
         renew_every: float | None = None,
     ) -> Iterator[dict[str, Lease]]:
         """Hold the leases of several SKUs, taken in :func:`lock_order`, for :meth:`reserve_many`."""
-        base.check_manager(manager, LeaseManager)
+        checks.check_manager(manager, LeaseManager)
         with ExitStack() as stack:
             yield {
                 sku: stack.enter_context(

@@ -18,9 +18,9 @@ from fencing.shells import operation
 from fencing.sql_errors import Translate
 from fencing.urls import mask_url
 from reservations import audit, batching, constraints, pending, reads, redrives, requests
+from reservations import shell_checks as checks
 from reservations import validation as valid
 from reservations.counting import StockSeen
-from reservations.errors import InvalidRequest
 from reservations.operations import InventoryPlans
 from reservations.requests import Attempt, RequestResult
 from reservations.reserve_statement import Speaker
@@ -46,47 +46,11 @@ def lock_order(skus: Iterable[str]) -> list[str]:
     return sorted(set(valid.skus(skus)))
 
 
-# The checks of the arguments that the plans of reservations.requests and reservations.batching take
-# unchecked, shared by both shells so neither sends a value the database would refuse with a raw error.
-
-_OUTCOME_FIELDS = frozenset({"task_id", "worker", "epochs", "fingerprint"})
-_ATTEMPT_FIELDS = frozenset({"task_id", "worker", "token", "detail"})
-
-
-def _check_who(who: Mapping[str, Any], allowed: frozenset[str]) -> None:
-    unknown = sorted(set(who) - allowed)
-    if unknown:
-        raise InvalidRequest(f"unexpected field(s): {', '.join(unknown)}", field=unknown[0])
-    valid.task_and_worker(who.get("task_id"), who.get("worker"))
-    if "epochs" in who:
-        valid.epochs(who["epochs"])
-    if "fingerprint" in who:
-        valid.fingerprint(who["fingerprint"])
-    if "token" in who:
-        valid.token(who["token"])
-    if "detail" in who:
-        valid.text(who["detail"], field="detail", max_chars=valid.MAX_DETAIL_CHARS)
-
-
-def check_manager(manager: object, kind: type) -> None:
-    """InvalidRequest unless ``manager`` is a lease manager of the shell's own kind (``kind``)."""
-    if not isinstance(manager, kind):
-        article = "an" if kind.__name__[0] in "AEIOU" else "a"
-        raise InvalidRequest(
-            f"expected {article} {kind.__name__}, got {type(manager).__name__}", field="manager"
-        )
-
-
-def timeline_args(manager: object, kind: type, sku: str, limit: int) -> str:
-    check_manager(manager, kind)
-    valid.limit(limit)
-    return valid.scope_of(valid.sku(sku))
-
-
-def _single_statement(dialect: str, asked: bool | None) -> bool:
-    if asked and dialect != "postgresql":
-        raise InvalidRequest("a reservation as one statement needs PostgreSQL", field="single_statement")
-    return dialect == "postgresql" if asked is None else asked
+def _speaker(task_id: str | None, worker: str | None, epochs: int) -> Speaker:
+    """Who a queued request's statement speaks for, checked: the plans take it unchecked."""
+    valid.task_and_worker(task_id, worker)
+    valid.epochs(epochs)
+    return Speaker(task_id=task_id, worker=worker, epochs=epochs)
 
 
 class InventoryBase(Generic[E]):
@@ -116,7 +80,7 @@ class InventoryBase(Generic[E]):
         self.plans = InventoryPlans(
             enforce_fence=enforce_fence,
             before_statement=before_statement,
-            single_statement=_single_statement(dialect, single_statement),
+            single_statement=checks.single_statement(dialect, single_statement),
         )
         self.url = mask_url(url) if url else ""
 
@@ -194,10 +158,51 @@ class InventoryBase(Generic[E]):
     ) -> Plan[requests.RequestReply]:
         """:meth:`reserve` for a queued request: also writes its attempt and final outcome (one statement
         on PostgreSQL), or answers from the outcome it already has."""
-        valid.task_and_worker(task_id, worker)
-        valid.epochs(epochs)
-        speaker = Speaker(task_id=task_id, worker=worker, epochs=epochs)
-        return self.plans.reserve_request(lease, sku, quantity, key, hold_for, speaker)
+        return self.plans.reserve_request(
+            lease, sku, quantity, key, hold_for, _speaker(task_id, worker, epochs)
+        )
+
+    # The later steps as queued requests: each also writes its attempt and final outcome (one statement on
+    # PostgreSQL), or answers from the outcome the request already has, as reserve_request does.
+
+    @operation
+    def confirm_request(
+        self, lease: Lease, reservation_id: str, *, key: str,
+        task_id: str | None = None, worker: str | None = None, epochs: int = 0,
+    ) -> Plan[requests.RequestReply]:  # fmt: skip
+        return self.plans.confirm_request(lease, reservation_id, key, _speaker(task_id, worker, epochs))
+
+    @operation
+    def release_request(
+        self, lease: Lease, reservation_id: str, *, key: str,
+        task_id: str | None = None, worker: str | None = None, epochs: int = 0,
+    ) -> Plan[requests.RequestReply]:  # fmt: skip
+        return self.plans.release_request(lease, reservation_id, key, _speaker(task_id, worker, epochs))
+
+    @operation
+    def restock_request(
+        self, lease: Lease, sku: str, quantity: int, *, key: str,
+        task_id: str | None = None, worker: str | None = None, epochs: int = 0,
+    ) -> Plan[requests.RequestReply]:  # fmt: skip
+        return self.plans.restock_request(lease, sku, quantity, key, _speaker(task_id, worker, epochs))
+
+    @operation
+    def count_request(
+        self, lease: Lease, sku: str, counted: int, *, key: str,
+        seen: StockSeen | None = None, shrinkage: int | None = None,
+        task_id: str | None = None, worker: str | None = None, epochs: int = 0,
+    ) -> Plan[requests.RequestReply]:  # fmt: skip
+        speaker = _speaker(task_id, worker, epochs)
+        return self.plans.count_request(lease, sku, counted, key, speaker, seen=seen, shrinkage=shrinkage)
+
+    @operation
+    def replenish_request(
+        self, lease: Lease, sku: str, par: int, *, key: str, seen: StockSeen,
+        task_id: str | None = None, worker: str | None = None, epochs: int = 0,
+    ) -> Plan[requests.RequestReply]:  # fmt: skip
+        return self.plans.replenish_request(
+            lease, sku, par, key, _speaker(task_id, worker, epochs), seen=seen
+        )
 
     @operation
     def confirm(self, lease: Lease, reservation_id: str, *, key: str) -> Plan[Outcome]:
@@ -285,14 +290,14 @@ class InventoryBase(Generic[E]):
         valid.idempotency_key(key)
         valid.operation(operation)
         valid.detail(detail)
-        _check_who(who, _OUTCOME_FIELDS)
+        checks.who(who, checks.OUTCOME_FIELDS)
         return requests.record_outcome(key, operation, status, detail, **who)
 
     @operation
     def record_attempt(self, /, key: str, operation: str, result: str, **who: Any) -> Plan[None]:
         valid.idempotency_key(key)
         valid.operation(operation)
-        _check_who(who, _ATTEMPT_FIELDS)
+        checks.who(who, checks.ATTEMPT_FIELDS)
         return requests.record_attempt(key, operation, result, **who)
 
     @operation
