@@ -114,10 +114,16 @@ class Attempt:
         except LostOwnership as lost:
             return self.lost(lost)
 
+    @property
+    def answers_ended(self) -> bool:
+        """Whether the write answers a request that already ended itself (a request run to its outcome),
+        so the outcome is not looked for before the leases are taken."""
+        return isinstance(self.work, Reserve) or self.work.answers_ended
+
     def under_leases(self) -> dict[str, Any]:
         """The write made under the request's leases, and the outcome it ends with."""
         res, message = self.res, self.message
-        if not isinstance(self.work, Reserve):  # the reservation statement answers an ended request itself
+        if not self.answers_ended:  # a write run as a request answers an ended request itself
             done = res.inventory.request_outcome(message.key)
             if done is not None:
                 return answer(self.task, message, done)
@@ -148,7 +154,7 @@ class Attempt:
         if isinstance(work, Reserve):
             failpoint("before_write")
             return work.run(inventory, leases, self.who, self.epoch)
-        decided = work.decide(inventory, leases)
+        decided = work.decide(inventory, leases, self.who, self.epoch)
         failpoint("before_write")
         return decided(inventory, leases)
 
@@ -171,9 +177,7 @@ class Attempt:
     def busy(self, busy: LeaseBusy) -> dict[str, Any]:
         """A lease found busy by a request that cannot wait for its holder: retry later, within a budget."""
         message = self.message
-        if isinstance(
-            self.work, Reserve
-        ):  # it did not look before taking the lease: a copy may have ended it
+        if self.answers_ended:  # it did not look before taking the lease: a copy may have ended it
             done = self.res.inventory.request_outcome(message.key)
             if done is not None:
                 return answer(self.task, message, done)

@@ -1,14 +1,16 @@
 """What each request message does: the SKUs whose leases it takes and the fenced write it makes under them.
 
-Two kinds, one type each (:data:`Work`):
+Two kinds (:data:`Work`):
 
 - :class:`Reserve`, a single-SKU reservation: one statement writes its change, its attempt and its
   outcome (on PostgreSQL), and answers a request that already ended too; a busy lease's holder can serve
   it in a batch (:class:`tasks.serving.Batchable`).
-- every other request (:class:`Fenced`): the attempt takes its leases, makes the write it decides, then
-  records the attempt and the outcome. A count or a replenishment reads under its leases first and
-  decides its write from the read (the read comes before the ``before_write`` failpoint, the write
-  after it); the others decide nothing.
+- every other request (:class:`Fenced`): the attempt takes its leases and makes the write it decides. A
+  count or a replenishment reads under its leases first and decides its write from the read (the read
+  comes before the ``before_write`` failpoint, the write after it); the others decide nothing. A
+  confirm, a release, a restock, a count and a replenishment are written as requests (one statement on
+  PostgreSQL with their attempt and outcome, answering a request that already ended, as a reservation
+  is); an order's write is an operation, whose attempt and outcome the task records after it.
 """
 
 from __future__ import annotations
@@ -25,8 +27,11 @@ from tasks.messages import Message
 from tasks.serving import Batchable
 
 Leases = dict[str, Lease]
-# The write a request makes under its leases, decided (for a count, a replenishment) from a read.
-Write = Callable[[Inventory, Leases], Outcome]
+# Who a request's write speaks for: the task id and the worker (tasks.worker.worker_identity).
+Who = dict[str, Any]
+# The write a request makes under its leases, decided (for a count, a replenishment) from a read: the
+# request run to its outcome, or (an order) the operation whose outcome the task then records.
+Write = Callable[[Inventory, Leases], RequestReply | Outcome]
 
 
 @dataclass(frozen=True)
@@ -59,11 +64,15 @@ class Reserve:
 
 
 class Fenced(Protocol):
-    """A request whose attempt and outcome the task records after its write."""
+    """A request other than a single-SKU reservation."""
+
+    # Whether its write answers a request that already ended (as a request run to its outcome does), so
+    # the task need not look for the outcome before taking the leases.
+    answers_ended: bool
 
     def skus(self, inv: Inventory) -> list[str]: ...
 
-    def decide(self, inv: Inventory, leases: Leases) -> Write:
+    def decide(self, inv: Inventory, leases: Leases, who: Who, epochs: int) -> Write:
         """The write to make, read for and decided now (under the leases)."""
         ...
 
@@ -77,7 +86,9 @@ class ReserveOrder:
     def skus(self, inv: Inventory) -> list[str]:
         return [sku for sku, _ in self.lines]
 
-    def decide(self, inv: Inventory, leases: Leases) -> Write:
+    answers_ended = False
+
+    def decide(self, inv: Inventory, leases: Leases, who: Who, epochs: int) -> Write:
         return lambda inv, leases: inv.reserve_many(leases, self.lines, key=self.key, hold_for=self.hold_for)
 
 
@@ -90,8 +101,12 @@ class Restock:
     def skus(self, inv: Inventory) -> list[str]:
         return [self.sku]
 
-    def decide(self, inv: Inventory, leases: Leases) -> Write:
-        return lambda inv, leases: inv.restock(leases[self.sku], self.sku, self.quantity, key=self.key)
+    answers_ended = True
+
+    def decide(self, inv: Inventory, leases: Leases, who: Who, epochs: int) -> Write:
+        return lambda inv, leases: inv.restock_request(
+            leases[self.sku], self.sku, self.quantity, key=self.key, epochs=epochs, **who
+        )
 
 
 @dataclass(frozen=True)
@@ -107,12 +122,14 @@ class Count:
     def skus(self, inv: Inventory) -> list[str]:
         return [self.sku]
 
-    def decide(self, inv: Inventory, leases: Leases) -> Write:
+    answers_ended = True
+
+    def decide(self, inv: Inventory, leases: Leases, who: Who, epochs: int) -> Write:
         sku, shrinkage = self.sku, self.shrinkage
         seen = inv.look(leases[sku], sku)
         figure = counted_units(self.counted) if shrinkage is None else short_count(seen, shrinkage)
-        return lambda inv, leases: inv.count(
-            leases[sku], sku, figure, key=self.key, seen=seen, shrinkage=shrinkage
+        return lambda inv, leases: inv.count_request(
+            leases[sku], sku, figure, key=self.key, seen=seen, shrinkage=shrinkage, epochs=epochs, **who
         )
 
 
@@ -127,10 +144,12 @@ class Replenish:
     def skus(self, inv: Inventory) -> list[str]:
         return [self.sku]
 
-    def decide(self, inv: Inventory, leases: Leases) -> Write:
+    answers_ended = True
+
+    def decide(self, inv: Inventory, leases: Leases, who: Who, epochs: int) -> Write:
         seen = inv.look(leases[self.sku], self.sku)
-        return lambda inv, leases: inv.replenish(
-            leases[self.sku], self.sku, self.par, key=self.key, seen=seen
+        return lambda inv, leases: inv.replenish_request(
+            leases[self.sku], self.sku, self.par, key=self.key, seen=seen, epochs=epochs, **who
         )
 
 
@@ -145,13 +164,15 @@ class Finish:
     def skus(self, inv: Inventory) -> list[str]:
         return [inv.reservation(self.reservation_id).sku]
 
-    def decide(self, inv: Inventory, leases: Leases) -> Write:
-        return self._write
+    answers_ended = True
 
-    def _write(self, inv: Inventory, leases: Leases) -> Outcome:
-        (lease,) = leases.values()
-        finish = inv.confirm if self.operation == "confirm" else inv.release
-        return finish(lease, self.reservation_id, key=self.key)
+    def decide(self, inv: Inventory, leases: Leases, who: Who, epochs: int) -> Write:
+        def write(inv: Inventory, leases: Leases) -> RequestReply:
+            (lease,) = leases.values()
+            finish = inv.confirm_request if self.operation == "confirm" else inv.release_request
+            return finish(lease, self.reservation_id, key=self.key, epochs=epochs, **who)
+
+        return write
 
 
 Work = Reserve | Fenced
