@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import sqlalchemy as sa
 
@@ -84,34 +84,25 @@ def _batch(
     row = locked.first()
     known = row is not None
     while True:
-        found: Rows = yield (
-            sa.select(pending_reservations)
-            .where(pending_reservations.c.sku == sku)
-            .order_by(pending_reservations.c.id)
-            .limit(limit)
-        )
+        found: Rows = yield _waiting(sku, limit)
         waiting = found.rows
         if not waiting:
             return []
         keys = [r.key for r in waiting]
-        ended: Rows = yield sa.select(request_outcomes.c.key).where(request_outcomes.c.key.in_(keys))
-        done = {r.key for r in ended.rows}
+        done = {r.key for r in waiting if r.ended}
         if len(done) < len(waiting):
             break
         # Every request read had ended elsewhere: drop them and read on, so that an empty answer always
         # means an empty queue (a server stops on one).
         yield sa.delete(pending_reservations).where(pending_reservations.c.key.in_(keys))
-    stored_rows: Rows = yield sa.select(idempotency_keys).where(idempotency_keys.c.key.in_(keys))
-    stored = {r.key: r for r in stored_rows.rows}
+    stored = {
+        r.key: _Stored(r.key, r.stored_fingerprint, r.stored_operation, r.stored_outcome)
+        for r in waiting
+        if r.stored_fingerprint is not None
+    }
     # A key whose record was purged while its reservation lives on would collide with that reservation
     # (and fail the whole batch, every time): it is a conflict, as for a single reserve.
-    unrecorded = [k for k in keys if k not in done and k not in stored]
-    clashing: set[str] = set()
-    if unrecorded:
-        held: Rows = yield sa.select(reservations.c.idempotency_key).where(
-            reservations.c.idempotency_key.in_(unrecorded)
-        )
-        clashing = {r[0] for r in held.rows}
+    clashing = {r.key for r in waiting if r.clashing and r.key not in done and r.key not in stored}
 
     hold: Hold
     allotted: list[HeldLine] = []
@@ -169,14 +160,47 @@ def _batch(
         yield from plans.lifecycle.hold_together(lease, sku, allotted)
     if records:
         yield sa.insert(idempotency_keys).values(records)
+    written = Rows([])
     if outcomes:
-        yield sa.insert(request_outcomes).values(outcomes)
+        # The rows as written (their time is the database's): what the batch returns.
+        written = yield sa.insert(request_outcomes).values(outcomes).returning(*request_outcomes.c)
         yield sa.insert(task_attempts).values(attempts)
     yield sa.delete(pending_reservations).where(pending_reservations.c.key.in_(keys))
-    written: Rows = yield sa.select(request_outcomes).where(
-        request_outcomes.c.key.in_([o["key"] for o in outcomes])
-    )
     return [result_of(r) for r in written.rows]
+
+
+class _Stored(NamedTuple):
+    """A waiting request's idempotency record, as :meth:`Ledger.replay` reads it."""
+
+    key: str
+    fingerprint: str
+    operation: str
+    outcome: str
+
+
+def _waiting(sku: str, limit: int) -> sa.Select[Any]:
+    """The SKU's oldest waiting requests, each with whether it ended elsewhere, its idempotency record
+    if it has one, and whether a reservation holds its key: one round trip for what the batch decides
+    on."""
+    waiting, ended, record = pending_reservations.c, request_outcomes.c, idempotency_keys.c
+    return (
+        sa.select(
+            pending_reservations,
+            ended.key.is_not(None).label("ended"),
+            record.fingerprint.label("stored_fingerprint"),
+            record.operation.label("stored_operation"),
+            record.outcome.label("stored_outcome"),
+            sa.exists().where(reservations.c.idempotency_key == waiting.key).label("clashing"),
+        )
+        .select_from(
+            pending_reservations.outerjoin(request_outcomes, ended.key == waiting.key).outerjoin(
+                idempotency_keys, record.key == waiting.key
+            )
+        )
+        .where(waiting.sku == sku)
+        .order_by(waiting.id)
+        .limit(limit)
+    )
 
 
 Hold = Callable[[Any], Plan[Outcome]]
