@@ -6,10 +6,12 @@ and looks again after releasing only when someone was turned away meanwhile.
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Any
 
 from celery import Task, current_task, states
+from celery.backends.redis import RedisBackend
 
 from fencing import Lease, LeaseBusy, LostOwnership
 from reservations import pending
@@ -30,6 +32,54 @@ log = logging.getLogger("tasks")
 # beat sweep look again, so a bound here never strands one.
 BATCHES_PER_LEASE = 50
 SERVE_ROUNDS = 20
+
+
+class LocalServers:
+    """The SKUs whose queue a thread of this process is serving under the SKU's lease right now, and how
+    many requests threads of this process handed to each meanwhile.
+
+    In a thread pool the holder of a hot SKU's lease is often a thread of the same process as the
+    requests that find it busy. Such a request, once queued, leaves it to that thread instead of trying
+    the lease again: the server reads the count before each batch and, having served an empty one, stops
+    only if the count did not move meanwhile (:meth:`leave`). A request queued after the server left
+    finds no entry and tries the lease itself, as a request queued in another process does.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._serving: dict[str, list[int]] = {}  # sku -> [servers, hand-offs]
+
+    def enter(self, sku: str) -> None:
+        with self._lock:
+            self._serving.setdefault(sku, [0, 0])[0] += 1
+
+    def handoffs(self, sku: str) -> int:
+        with self._lock:
+            return self._serving[sku][1]
+
+    def handed_off(self, sku: str) -> bool:
+        """Count a request queued (committed) for ``sku``; False when no thread of this process serves it."""
+        with self._lock:
+            entry = self._serving.get(sku)
+            if entry is None:
+                return False
+            entry[1] += 1
+            return True
+
+    def leave(self, sku: str, seen: int | None = None) -> bool:
+        """Stop serving ``sku``, unless ``seen`` is given and a request was handed off since it was read
+        (then it waits on the queue and the server reads the queue again)."""
+        with self._lock:
+            entry = self._serving[sku]
+            if seen is not None and entry[1] != seen:
+                return False
+            entry[0] -= 1
+            if entry[0] == 0:
+                del self._serving[sku]
+            return True
+
+
+local_servers = LocalServers()
 
 
 @dataclass(frozen=True)
@@ -72,8 +122,10 @@ def wait_for_holder(
                 )
             except Exception as exc:  # the request is queued: the holder or the beat sweep still serve it
                 log.warning("could not schedule the watch of %s: %s", batch.sku, exc)
-    # Served nothing: the lease is busy, and its holder looks at the queue again after releasing.
-    if serve_quietly(res, batch.sku, known_waiting=True, **who):
+    # Served nothing: the lease is busy, and its holder looks at the queue again after releasing. A
+    # thread of this process serving the SKU now serves this request before it stops (LocalServers);
+    # otherwise the lease is tried once more, in case its holder released before the request was queued.
+    if not local_servers.handed_off(batch.sku) and serve_quietly(res, batch.sku, known_waiting=True, **who):
         done = res.inventory.request_outcome(key)
         if done is not None:
             return answer(task, message, done)
@@ -121,17 +173,58 @@ def publish(outcomes: list[RequestResult]) -> None:
     died in between) leaves only ``AsyncResult`` of that request waiting. Stored only where request tasks
     store theirs (``RESERVATIONS_RESULT_EXPIRES``).
     """
-    stored = stores_request_results(app)
-    for outcome in outcomes:
-        if stored and outcome.task_id:
-            try:
-                app.backend.store_result(outcome.task_id, as_result(outcome), states.SUCCESS)
-            except Exception as exc:  # the result backend is a convenience here, never the record
-                log.warning("could not store the Celery result of %s: %s", outcome.key, exc)
+    if stores_request_results(app):
+        store_results([outcome for outcome in outcomes if outcome.task_id])
     try:
         announce(app, outcomes, getattr(current_task.request, "hostname", None) if current_task else None)
     except Exception as exc:  # monitoring events are a convenience too
         log.warning("could not send the events of %d served requests: %s", len(outcomes), exc)
+
+
+def store_results(outcomes: list[RequestResult]) -> None:
+    """Store a batch's Celery results in two round trips on a Redis result backend instead of two per
+    request: a batch server stores them between two batches, so each round trip here delays the next.
+
+    Celery's own rule is kept: a task id whose stored state is already SUCCESS is not overwritten (a
+    copy of the request may have stored its answer). Each result is published on its key as Celery does,
+    for ``AsyncResult.get`` waiting on it. Other backends, and a pipeline that failed, store one result
+    at a time through Celery, with its retries.
+    """
+    if not outcomes:
+        return
+    backend = app.backend
+    if isinstance(backend, RedisBackend):
+        try:
+            _store_pipelined(backend, outcomes)
+            return
+        except Exception as exc:  # one at a time below, each with Celery's retries
+            log.warning("could not store %d Celery results at once: %s", len(outcomes), exc)
+    for outcome in outcomes:
+        try:
+            backend.store_result(outcome.task_id, as_result(outcome), states.SUCCESS)
+        except Exception as exc:  # the result backend is a convenience here, never the record
+            log.warning("could not store the Celery result of %s: %s", outcome.key, exc)
+
+
+def _store_pipelined(backend: RedisBackend, outcomes: list[RequestResult]) -> None:
+    keys = [backend.get_key_for_task(outcome.task_id) for outcome in outcomes]
+    stored = backend.client.mget(keys)
+    with backend.client.pipeline(transaction=False) as pipe:
+        for key, raw, outcome in zip(keys, stored, outcomes, strict=True):
+            if raw is not None and backend.decode_result(raw).get("status") == states.SUCCESS:
+                continue
+            # The same meta Celery's store_result writes for a result stored outside its task.
+            meta = backend._get_result_meta(
+                result=as_result(outcome), state=states.SUCCESS, traceback=None, request=None
+            )
+            meta["task_id"] = outcome.task_id
+            value = backend.encode(meta)
+            if backend.expires:
+                pipe.setex(key, backend.expires, value)
+            else:
+                pipe.set(key, value)
+            pipe.publish(key, value)
+        pipe.execute()
 
 
 def serve_pending(
@@ -157,19 +250,26 @@ def serve_pending(
                 renew_every=failpoints.renew_every(settings.lease_renew_every),
             ) as lease:
                 metrics.current.lease("acquired")
-                drained = False
-                for _ in range(BATCHES_PER_LEASE):
-                    failpoint("before_write")
-                    outcomes = res.inventory.serve_pending(
-                        lease, sku, limit=settings.batch_size, task_id=task_id, worker=worker
-                    )
-                    failpoint("after_write")
-                    observe.served(outcomes)
-                    publish(outcomes)
-                    served += len(outcomes)
-                    if not outcomes:
-                        drained = True
-                        break
+                drained, serving = False, True
+                local_servers.enter(sku)
+                try:
+                    for _ in range(BATCHES_PER_LEASE):
+                        seen = local_servers.handoffs(sku)
+                        failpoint("before_write")
+                        outcomes = res.inventory.serve_pending(
+                            lease, sku, limit=settings.batch_size, task_id=task_id, worker=worker
+                        )
+                        failpoint("after_write")
+                        observe.served(outcomes)
+                        publish(outcomes)
+                        served += len(outcomes)
+                        # Empty, and nobody of this process queued a request since the read: done.
+                        if not outcomes and local_servers.leave(sku, seen):
+                            drained, serving = True, False
+                            break
+                finally:
+                    if serving:
+                        local_servers.leave(sku)
             if drained and lease.contended is False:
                 break  # emptied under the lease, and nobody was turned away from it since
         except LeaseBusy:
