@@ -118,10 +118,10 @@ def direct_pair(client: redis.Redis, prefix: str, scope: str) -> Op:
             keys=keys,
             args=[lease_id, HOLDER, TTL_MS, DEFAULT_HISTORY_CAP, MAX_TOKEN, RETENTION_MS],
         )
-        if int(reply[0]) != 0:
+        if not isinstance(reply, int):  # a bare token when acquired, a list otherwise
             raise UnexpectedReply(f"ACQUIRE replied {reply!r}")
         reply = release(keys=keys[:2], args=[lease_id])
-        if int(reply[0]) != 0:
+        if not isinstance(reply, int):  # a bare contended flag when released, a list otherwise
             raise UnexpectedReply(f"RELEASE replied {reply!r}")
 
     return op
@@ -163,7 +163,10 @@ def redis_vs_raw(
                 Case(RAW_1, raw_pair(client, cad, same(f"{prefix}:raw:one"))),
                 Case(DIRECT, direct_pair(client, prefix, "direct")),
             ],
-            iterations=iterations, warmup=warmup, repeats=repeats, progress=progress,
+            iterations=iterations,
+            warmup=warmup,
+            repeats=repeats,
+            progress=progress,
         )
         results.add(section, one, LEASE_1, RAW_1)
 
@@ -172,7 +175,10 @@ def redis_vs_raw(
                 Case(LEASE_N, lease_pair(manager, fresh("many"))),
                 Case(RAW_N, raw_pair(client, cad, fresh(f"{prefix}:raw:many"))),
             ],
-            iterations=iterations, warmup=warmup, repeats=repeats, progress=progress,
+            iterations=iterations,
+            warmup=warmup,
+            repeats=repeats,
+            progress=progress,
         )
         results.add(section, many, LEASE_N, RAW_N)
         results.add(section, one, LEASE_1, DIRECT)
@@ -190,7 +196,10 @@ def redis_vs_raw(
                 Case(ASYNC_LEASE, async_lease_pair(loop, async_manager, same("async-one"))),
                 Case(ASYNC_RAW, async_raw_pair(loop, async_client, async_cad, same(f"{prefix}:raw:async"))),
             ],
-            iterations=iterations, warmup=warmup, repeats=repeats, progress=progress,
+            iterations=iterations,
+            warmup=warmup,
+            repeats=repeats,
+            progress=progress,
         )
         results.add(section, asynchronous, ASYNC_LEASE, ASYNC_RAW)
 
@@ -237,9 +246,7 @@ def sql_vs_redis_leases(
             cases.append(Case(name, lease_pair(manager, same(SQL_SCOPE))))
         if not sql_managers:
             return
-        stats = measure(
-            cases, iterations=iterations, warmup=warmup, repeats=repeats, progress=progress
-        )
+        stats = measure(cases, iterations=iterations, warmup=warmup, repeats=repeats, progress=progress)
         pairs = warmup + iterations * repeats
         for name, manager in sql_managers.items():
             results.add(section, stats, name, REDIS_LEASE)

@@ -51,16 +51,16 @@ class RedisLeaseCore:
             self._keys(scope).all,
             (lease_id, holder, _ms(ttl), self.history_cap, MAX_TOKEN, self.history_retention_ms),
         )
+        if isinstance(reply, int):
+            return Lease(scope, reply, lease_id, holder, ttl, sent_at, clock=self.clock)
         if int(reply[0]) == Reply.OUT_OF_RANGE:
             raise _exhausted(scope, reply[1])
-        if int(reply[0]) == Reply.BUSY:
-            return LeaseBusy(
-                scope=scope,
-                holder=reply[1] or None,
-                token=int(reply[2]) or None,
-                retry_after=max(int(reply[3]), 0) / 1000,
-            )
-        return Lease(scope, int(reply[1]), lease_id, holder, ttl, sent_at, clock=self.clock)
+        return LeaseBusy(
+            scope=scope,
+            holder=reply[1] or None,
+            token=int(reply[2]) or None,
+            retry_after=max(int(reply[3]), 0) / 1000,
+        )
 
     def renew(self, lease: Lease) -> Plan[Lease]:
         sent_at = self.clock()
@@ -74,9 +74,9 @@ class RedisLeaseCore:
     def release(self, lease: Lease) -> Plan[bool]:
         keys = self._keys(lease.scope)
         reply = yield ScriptCall(RELEASE, (keys.lease, keys.state), (lease.lease_id,))
-        if int(reply[0]) != Reply.OK:
-            raise _not_held(lease, int(reply[1]))
-        return bool(int(reply[2]))
+        if isinstance(reply, int):
+            return bool(reply)
+        raise _not_held(lease, int(reply[1]))
 
     def break_lease(self, scope: str, reason: str) -> Plan[LeaseInfo | None]:
         reply = yield ScriptCall(

@@ -1,8 +1,19 @@
 """The clients a lease URL's topology is reached through, and the sync and async shells that run Redis
-plans on them."""
+plans on them.
+
+A lease pair is two script calls, so what redis-py does around each call counts as much as the call: on
+one server or a Sentinel-managed primary the sync shell sends a script's EVALSHA itself, packed here, on a
+connection it keeps between calls (:class:`_Wire`). redis-py's own client layer (taking the connection
+from the pool and giving it back, its command metrics, the script object) costs more than the round trip
+to a local Redis; what it does for a connection's health is kept: the same connections and their retry
+policy, the check for a connection the server closed, Sentinel's READONLY handling. A Cluster client
+routes by slot, so a Cluster keeps redis-py's path.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import os
 import threading
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeAlias
@@ -13,6 +24,7 @@ import redis.asyncio.cluster
 import redis.asyncio.sentinel
 import redis.cluster
 import redis.sentinel
+from redis.exceptions import NoScriptError
 
 from fencing.plan import Atomic, Command, Op, Plan, ScriptCall, Sleep, T, foreign, run_async, run_sync
 from fencing.redis_outage import outage, unavailable
@@ -72,6 +84,94 @@ def _sentinels(client: object) -> Any:
     return getattr(getattr(client, "connection_pool", None), "sentinel_manager", None)
 
 
+def _bulk(value: bytes) -> bytes:
+    return b"$%d\r\n%b\r\n" % (len(value), value)
+
+
+class _Script:
+    """A script as EVALSHA names it: its SHA1, computed here rather than asked of a server."""
+
+    __slots__ = ("load", "sha")
+
+    def __init__(self, source: str) -> None:
+        self.sha = hashlib.sha1(source.encode()).hexdigest().encode()
+        self.load = b"*3\r\n$6\r\nSCRIPT\r\n$4\r\nLOAD\r\n" + _bulk(source.encode())
+
+    def call(self, keys: tuple[str, ...], args: tuple[str | int, ...]) -> bytes:
+        """The EVALSHA command, in the protocol: keys and text as UTF-8 (what the client encodes them to),
+        numbers as their decimal text."""
+        parts = [
+            b"*%d\r\n$7\r\nEVALSHA\r\n" % (3 + len(keys) + len(args)),
+            _bulk(self.sha),
+            _bulk(b"%d" % len(keys)),
+        ]
+        parts.extend(_bulk(key.encode()) for key in keys)
+        parts.extend(_bulk(b"%d" % arg if isinstance(arg, int) else arg.encode()) for arg in args)
+        return b"".join(parts)
+
+
+class _Wire:
+    """Script calls sent straight on connections of a :class:`redis.Redis` client's pool.
+
+    A connection is taken from the pool once and kept here between calls, one per caller at a time (the
+    renewer thread and the caller's); a kept connection is checked, as the pool checks the ones it hands
+    out, for a server that closed it or an answer left unread, and reconnected then. A failed call is
+    retried by the connection's retry policy, each failure closing the connection, as redis-py does."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self._pool = client.connection_pool
+        self._idle: list[Any] = []
+        self._pid = os.getpid()
+
+    def _take(self) -> Any:
+        if self._pid != os.getpid():
+            # A forked child: the sockets kept are its parent's. The pool resets itself likewise.
+            self._idle, self._pid = [], os.getpid()
+        try:
+            conn = self._idle.pop()
+        except IndexError:
+            return self._pool.get_connection()
+        try:
+            stale = conn.can_read()  # data no call asked for; or the server closed it, seen as an error
+        except (redis.ConnectionError, redis.TimeoutError, OSError):
+            stale = True
+        if stale:
+            conn.disconnect()  # the send connects again, under the retry policy
+        return conn
+
+    def _give(self, conn: Any) -> None:
+        if conn.should_reconnect():
+            conn.disconnect()
+        self._idle.append(conn)
+
+    def run(self, script: _Script, keys: tuple[str, ...], args: tuple[str | int, ...]) -> Any:
+        command = script.call(keys, args)
+        conn = self._take()
+        try:
+            return conn.retry.call_with_retry(
+                lambda: _ask(conn, script, command), lambda _: conn.disconnect()
+            )
+        finally:
+            self._give(conn)
+
+    def close(self) -> None:
+        idle, self._idle = self._idle, []
+        for conn in idle:
+            self._pool.release(conn)
+
+
+def _ask(conn: Any, script: _Script, command: bytes) -> Any:
+    conn.send_packed_command((command,))
+    try:
+        return conn.read_response()
+    except NoScriptError:
+        # A server that has not seen the script (restarted, a new primary): load it, ask again.
+        conn.send_packed_command((script.load,))
+        conn.read_response()
+        conn.send_packed_command((command,))
+        return conn.read_response()
+
+
 class SyncRedisExecutor:
     """Runs plans on a blocking Redis client (one server, a Sentinel-managed primary, a Cluster); scripts
     registered once per client. ``client`` may be a function building it, called on first use
@@ -87,6 +187,8 @@ class SyncRedisExecutor:
         self._lock = threading.Lock()  # the renewer thread and the caller's may both be first
         self._sleep = sleep
         self._scripts: dict[str, Any] = {}
+        # Script calls on one server or a Sentinel-managed primary go straight to a connection.
+        self._wire = _Wire(client) if isinstance(client, redis.Redis) else None
 
     @property
     def client(self) -> SyncClient:
@@ -110,6 +212,10 @@ class SyncRedisExecutor:
         try:
             if isinstance(op, ScriptCall):
                 script = self._scripts.get(op.source)
+                if self._wire is not None:
+                    if script is None:
+                        script = self._scripts[op.source] = _Script(op.source)
+                    return self._wire.run(script, op.keys, op.args)
                 if script is None:
                     script = self._scripts[op.source] = self.client.register_script(op.source)
                 return script(keys=op.keys, args=op.args)
@@ -120,6 +226,8 @@ class SyncRedisExecutor:
             raise
 
     def close(self) -> None:
+        if self._wire is not None:
+            self._wire.close()
         if self._client is not None:
             self._client.close()
             sentinels = _sentinels(self._client)

@@ -11,7 +11,9 @@ import enum
 
 
 class Reply(enum.IntEnum):
-    """First element of every script's reply."""
+    """First element of every script's reply that is a list. The replies of the calls a lease pair is
+    made of, an acquisition and a release, are a bare integer instead (the token, whether the lease was
+    contended): one less list to build, send and parse on the hot path."""
 
     OK = 0
     BUSY = 1
@@ -35,8 +37,11 @@ class Reply(enum.IntEnum):
 # KEYS[1] lease, KEYS[2] state, KEYS[3] log
 # ARGV[1] lease id, ARGV[2] holder, ARGV[3] ttl in ms, ARGV[4] history cap, ARGV[5] largest token,
 # ARGV[6] history retention in ms
-# returns {OK, token} | {BUSY, holder, token, pttl_ms} | {OUT_OF_RANGE, counter as stored}
-# A busy reply also marks the live lease contended, which its release reports.
+# returns token (a bare integer: acquired) | {BUSY, holder, token, pttl_ms} | {OUT_OF_RANGE, counter as
+# stored}
+# A busy reply also marks the live lease contended, which its release reports. The counter is read,
+# checked and written back one higher by this script alone (scripts run one at a time), so one HSET
+# writes the token with the rest of the epoch's state.
 ACQUIRE = """
 if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[3]) then
   local s = redis.call('HMGET', KEYS[2], 'holder', 'token')
@@ -56,14 +61,16 @@ end
 local prev_end, prev_at = prev[2] or '', prev[3] or ''
 if prev_end == 'held' then prev_end, prev_at = 'expired', '' end
 local now = redis.call('TIME')
-local token = redis.call('HINCRBY', KEYS[2], 'token', 1)
-redis.call('HSET', KEYS[2], 'lease_id', ARGV[1], 'holder', ARGV[2], 'end', 'held', 'contended', '0')
-local length = redis.call('LPUSH', KEYS[3], table.concat({'acquired', string.format('%d', token),
+local token = tonumber(counter) + 1
+local text = string.format('%d', token)
+redis.call('HSET', KEYS[2], 'token', text, 'lease_id', ARGV[1], 'holder', ARGV[2], 'end', 'held',
+  'contended', '0')
+local length = redis.call('LPUSH', KEYS[3], table.concat({'acquired', text,
   string.format('%d', now[1] * 1000 + math.floor(now[2] / 1000)), ARGV[1], ARGV[2], prev[1] or '',
   prev_end, prev_at, 'ttl_ms=' .. ARGV[3]}, '\t'))
 if length > tonumber(ARGV[4]) then redis.call('LTRIM', KEYS[3], 0, tonumber(ARGV[4]) - 1) end
 redis.call('PEXPIRE', KEYS[3], ARGV[6])
-return {0, token}
+return token
 """
 
 # KEYS[1] lease, KEYS[2] state
@@ -79,17 +86,17 @@ return {2, tonumber(redis.call('HGET', KEYS[2], 'token')) or 0}
 
 # KEYS[1] lease, KEYS[2] state
 # ARGV[1] lease id
-# returns {OK, token, contended (1 or 0)} | {NOT_HELD, current token or 0}
+# returns contended (a bare integer, 1 or 0: released) | {NOT_HELD, current token or 0}
 RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('DEL', KEYS[1])
   local now = redis.call('TIME')
+  local contended = redis.call('HGET', KEYS[2], 'contended')
   redis.call('HSET', KEYS[2], 'end', 'released',
     'ended_ms', string.format('%d', now[1] * 1000 + math.floor(now[2] / 1000)))
   -- Who held it is in the log; only a live lease needs it here (busy replies, breaks, repairs).
   redis.call('HDEL', KEYS[2], 'lease_id', 'holder')
-  local s = redis.call('HMGET', KEYS[2], 'token', 'contended')
-  return {0, tonumber(s[1]), s[2] == '0' and 0 or 1}
+  return contended == '0' and 0 or 1
 end
 return {2, tonumber(redis.call('HGET', KEYS[2], 'token')) or 0}
 """
