@@ -24,7 +24,7 @@ from fencing.plan import (
     run_async,
     run_sync,
 )
-from fencing.sql import Rows, execute, execute_async
+from fencing.sql import Rows, execute, execute_alone, execute_async, watched
 from fencing.sql_errors import Translate, mapped
 
 
@@ -86,6 +86,13 @@ class SyncSqlExecutor:
     def _alone(self, op: Alone) -> Rows:
         if self.engine.dialect.name != "postgresql":
             return self.run(_just(op))
+        if isinstance(op.statement, str) and not watched(self.engine):
+            # Driver-level SQL on the driver's cursor: the one-statement writes pay no SQLAlchemy
+            # execution around them. An engine whose statements are watched runs them below instead.
+            try:
+                return execute_alone(self.engine, op.statement, op.params)
+            except DBAPIError as exc:
+                raise mapped(exc, "statement", self.translate) from exc
         try:
             with self.engine.connect() as conn:
                 auto = conn.execution_options(isolation_level="AUTOCOMMIT")
