@@ -5,7 +5,7 @@ long ago.
 The deadline travels as a message header (:data:`DEADLINE`), not as an argument: the arguments make the
 request's fingerprint, and the same request sent again with another deadline is still the same request;
 a worker that does not know the header ignores it, so workers can be upgraded one by one. A retry keeps
-its request's deadline (tasks.app). Deciding is kept apart from recording (tasks.jobs), with the clock a
+its request's deadline (tasks.app). Deciding is kept apart from recording (tasks.attempt), with the clock a
 parameter, so the decision is tested without services.
 """
 

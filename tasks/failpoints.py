@@ -30,6 +30,7 @@ from celery import current_task
 from celery.signals import after_task_publish
 
 from fencing.lease import MAX_TTL
+from tasks.errors import TasksError
 from tasks.settings import variable
 
 log = logging.getLogger("tasks.failpoints")
@@ -51,7 +52,7 @@ POINTS = (
 ACTIONS = ("stop", "kill", "raise", "skip")
 
 
-class FailpointFired(RuntimeError):
+class FailpointFired(TasksError, RuntimeError):
     """The ``raise`` action: the fault a failpoint stands for."""
 
 

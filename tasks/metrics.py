@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 from reservations.statuses import RequestStatus
+from tasks.errors import TasksError
 from tasks.messages import SHAPES
 
 log = logging.getLogger("tasks.metrics")
@@ -151,7 +152,7 @@ class _Repairs(logging.Handler):
             current.regression_repaired()
 
 
-class MetricsUnusable(Exception):
+class MetricsUnusable(TasksError):
     """Metrics were asked for (RESERVATIONS_METRICS_PORT) and cannot work here; the message says why in one
     line. A worker refuses to start on it, as on a bad setting: one serving no metrics looks like one
     that sees no stale writes."""

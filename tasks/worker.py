@@ -29,6 +29,7 @@ from fencing import LeaseManager
 from fencing.sql_executor import SyncSqlExecutor
 from fencing.urls import mask_url
 from reservations import Inventory
+from tasks.errors import TasksError
 from tasks.failpoints import failpoint
 from tasks.logs import json_wanted, say
 from tasks.readiness import wait_until_usable
@@ -38,7 +39,7 @@ from tasks.states import note_task_events
 log = logging.getLogger("tasks.worker")
 
 
-class Unbuildable(Exception):
+class Unbuildable(TasksError):
     """A client this process could not build from settings that passed the checks at start: a failed
     import, no file descriptors left, an injected fault. ``backend`` names which."""
 

@@ -85,7 +85,7 @@ class HotWatch:
             return None
         if info is None:
             return None
-        # A task's holder is "<host>:<pid>:<task id>" (tasks.jobs).
+        # A task's holder is "<host>:<pid>:<task id>" (tasks.worker, tasks.attempt).
         host_pid, _, task_id = info.holder.rpartition(":")
         pid = host_pid.rpartition(":")[2]
         return (int(pid), task_id) if pid.isdigit() and task_id else None
