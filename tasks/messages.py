@@ -31,7 +31,7 @@ from reservations.operations import fingerprint, hold_ms_of
 from reservations.redrives import carried_request
 from reservations.statuses import RequestStatus
 
-# Retry counters travel with the message (see tasks.jobs); a producer never sets them.
+# Retry counters travel with the message (see Attempt.again in tasks.attempt); a producer never sets them.
 COUNTERS = ("epoch", "busy", "transient")
 MAX_COUNTER = 1_000_000
 
