@@ -12,8 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from fencing import Fence
-from fencing.plan import Alone, Plan
-from fencing.sql import Rows
+from fencing.plan import Plan
 from reservations import keyed_statement as keyed
 from reservations import sql_text
 from reservations import validation as valid
@@ -115,17 +114,11 @@ def finish(
     (reservation_id,) = written.reservation_ids
     lease, operation = written.lease, written.operation
     sent = (FENCED if fence.enforce else UNFENCED)[final]
-    values = {**written.values(speaker), "final": final.value, "lease_sku": sku_of(lease.scope)}
-    found: Rows = yield Alone(sent.text, sent.bind(values))
-    row: Any = found.rows[0]
-    head = keyed.read_head(row, written.key)
-    if head is not None:
-        return head
-    if row.applied:
-        return written.applied(row, speaker)
-    again = yield from keyed.looked_again(written.key, speaker)
-    if again is not None:
-        return again
+    values = {"final": final.value, "lease_sku": sku_of(lease.scope)}
+    answer = yield from keyed.exchange(written, sent, values, speaker)
+    if not isinstance(answer, keyed.Refused):
+        return answer
+    row: Any = answer.row
     if row.reservation_sku is None:
         raise UnknownReservation(reservation_id)
     if not row.known:  # pragma: no cover - a reservation's stock row cannot go (a foreign key)

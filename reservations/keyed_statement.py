@@ -29,9 +29,11 @@ __all__ = [
     "HEAD",
     "TAIL",
     "Applied",
+    "Refused",
     "Reply",
     "Sent",
     "Written",
+    "exchange",
     "looked_again",
     "read_head",
     "sent",
@@ -196,6 +198,30 @@ class Applied:
 
 # What one of these statements did: exactly one of these (every refusal raises instead).
 Reply: TypeAlias = Ended | Replay | Applied
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """The statement wrote nothing and the key still holds nothing: ``row`` says why, for the step to
+    raise as its own refusal."""
+
+    row: Any
+
+
+def exchange(
+    written: Written, statement: Sent, values: dict[str, Any], speaker: Speaker | None
+) -> Plan[Reply | Refused]:
+    """Send a step's statement with the TAIL's parameters and the step's own ``values``, and read its one
+    row: the request had ended, the key had a record, the write was made, or it was refused."""
+    found: Rows = yield Alone(statement.text, statement.bind({**written.values(speaker), **values}))
+    row: Any = found.rows[0]
+    head = read_head(row, written.key)
+    if head is not None:
+        return head
+    if row.applied:
+        return written.applied(row, speaker)
+    again = yield from looked_again(written.key, speaker)
+    return Refused(row) if again is None else again
 
 
 # The key looked at again after the statement refused its write: a copy of the request (or another request

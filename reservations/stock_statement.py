@@ -18,8 +18,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from fencing import Fence, StaleToken
-from fencing.plan import Alone, Plan
-from fencing.sql import Rows
+from fencing.plan import Plan
 from reservations import keyed_statement as keyed
 from reservations import sql_text
 from reservations import validation as valid
@@ -115,17 +114,11 @@ def write(
     """
     ceiling = valid.MAX_ON_HAND - units if change is Change.ADD and units > 0 else None
     sent = (FENCED if fence.enforce else UNFENCED)[change]
-    values = {**written.values(speaker), "sku": sku, "units": units, "ceiling": ceiling}
-    found: Rows = yield Alone(sent.text, sent.bind(values))
-    row: Any = found.rows[0]
-    head = keyed.read_head(row, written.key)
-    if head is not None:
-        return head
-    if row.applied:
-        return written.applied(row, speaker)
-    again = yield from keyed.looked_again(written.key, speaker)
-    if again is not None:
-        return again
+    values = {"sku": sku, "units": units, "ceiling": ceiling}
+    answer = yield from keyed.exchange(written, sent, values, speaker)
+    if not isinstance(answer, keyed.Refused):
+        return answer
+    row: Any = answer.row
     if not row.known:
         raise UnknownSku(sku)
     lease = written.lease
