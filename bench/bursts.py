@@ -1,5 +1,7 @@
 """One timed burst of Celery tasks: N tasks enqueued at once, timed from the first enqueue to the last
-outcome (by AsyncResult, or by the outcome rows), for no-op tasks and for reservations.
+outcome (by AsyncResult, or by the outcome rows), for no-op tasks and for reservations; or N requests of
+two tasks each, the second enqueued once the first's outcome is in (a reserve then its confirm, two
+no-ops).
 """
 
 from __future__ import annotations
@@ -7,7 +9,7 @@ from __future__ import annotations
 import datetime as dt
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +21,48 @@ from bench.leases import UnexpectedReply
 from reservations import Inventory
 from reservations.requests import request_id
 from tasks import ReservationClient, ReservationHandle
+
+ON_HAND = 10**6  # each SKU's stock when seeded: no burst runs out of it
+
+
+def round_robin(skus: list[str], bursts: list[int]) -> dict[str, int]:
+    """Units reserved per SKU by bursts that each hand out their tasks round-robin over ``skus``."""
+    counts = dict.fromkeys(skus, 0)
+    for count in bursts:
+        for i in range(count):
+            counts[skus[i % len(skus)]] += 1
+    return counts
+
+
+def seed(url: str, skus: list[str]) -> None:
+    with Inventory.from_url(url) as inventory:
+        for sku in skus:
+            inventory.add_sku(sku, on_hand=ON_HAND)
+
+
+def check_stock(url: str, expected: dict[str, int], confirmed: dict[str, int] | None = None) -> str:
+    """Every SKU of ``expected`` holds exactly the reservations its requests asked for (those confirmed
+    left it), every SKU of ``confirmed`` has on hand less the units its confirms took, and the inventory is
+    consistent: a burst that applied a request twice (or lost one) would have timed different work."""
+    confirmed = confirmed or {}
+    with Inventory.from_url(url) as inventory:
+        problems = inventory.invariant_violations()
+        levels = {level.sku: level for level in inventory.all_stock()}
+    held = {sku: level.reserved for sku, level in levels.items()}
+    shelf = {sku: level.on_hand for sku, level in levels.items()}
+    wrong = [
+        (sku, "reserved", held.get(sku), want) for sku, want in expected.items() if held.get(sku) != want
+    ]
+    wrong += [
+        (sku, "on hand", shelf.get(sku), ON_HAND - units)
+        for sku, units in confirmed.items()
+        if shelf.get(sku) != ON_HAND - units
+    ]
+    if problems or wrong:
+        raise UnexpectedReply(f"stock check failed: {problems[:3]}; (sku, what, found, wanted): {wrong[:3]}")
+    done = f"{sum(expected.values())} reservations on {len(expected)} SKUs"
+    confirms = f", and {sum(confirmed.values())} more reserved then confirmed on {len(confirmed)} SKUs"
+    return done + (confirms if confirmed else "")
 
 
 @dataclass(frozen=True)
@@ -92,13 +136,19 @@ class InFlight:
         self.results.clear()
 
 
+Sent = tuple[float, AsyncResult]  # when a task was enqueued (Unix time), and its result
+
+
+def _noops(app: Celery, in_flight: InFlight, task: str, count: int) -> Iterator[Sent]:
+    for i in range(count):
+        yield time.time(), in_flight.track(app.send_task(task, args=[i]))
+
+
 def noop_burst(app: Celery, in_flight: InFlight, task: str) -> BurstFn:
     def run(tag: str, count: int) -> Burst:
         deadline = _deadline(count)
-        sent: list[tuple[float, AsyncResult]] = []
         start = time.perf_counter()
-        for i in range(count):
-            sent.append((time.time(), in_flight.track(app.send_task(task, args=[i]))))
+        sent = list(_noops(app, in_flight, task, count))
         values = [result.get(timeout=_left(deadline)) for _, result in sent]
         seconds = time.perf_counter() - start
         in_flight.done()
@@ -139,10 +189,18 @@ def _enqueue(
         yield at, client.enqueue_reservation_sync(skus[i % len(skus)], 1, idempotency_key=f"{tag}-{i}")
 
 
-def _not_reserved(tag: str, count: int, statuses: list[Any]) -> None:
-    wrong = [status for status in statuses if status != "reserved"]
+def _reserves(
+    app: Celery, client: ReservationClient, skus: list[str], in_flight: InFlight, tag: str, count: int
+) -> Iterator[Sent]:
+    """Reservations enqueued as :func:`_enqueue` does, each with its request's Celery result."""
+    for at, handle in _enqueue(client, skus, tag, count):
+        yield at, in_flight.track(app.AsyncResult(request_id(handle.key)))
+
+
+def _all_ended(want: str, tag: str, statuses: list[Any]) -> None:
+    wrong = [status for status in statuses if status != want]
     if wrong:
-        raise UnexpectedReply(f"{len(wrong)} of {count} reservations in {tag} not reserved: {wrong[:3]}")
+        raise UnexpectedReply(f"{len(wrong)} of {len(statuses)} requests in {tag} not {want}: {wrong[:3]}")
 
 
 def reserve_burst_result(
@@ -153,14 +211,11 @@ def reserve_burst_result(
     def run(tag: str, count: int) -> Burst:
         deadline = _deadline(count)
         start = time.perf_counter()
-        sent = [
-            (at, in_flight.track(app.AsyncResult(request_id(handle.key))))
-            for at, handle in _enqueue(client, skus, tag, count)
-        ]
+        sent = list(_reserves(app, client, skus, in_flight, tag, count))
         outcomes = [result.get(timeout=_left(deadline)) for _, result in sent]
         seconds = time.perf_counter() - start
         in_flight.done()
-        _not_reserved(tag, count, [outcome.get("status") for outcome in outcomes])
+        _all_ended("reserved", tag, [outcome.get("status") for outcome in outcomes])
         return Burst(
             seconds,
             [_done_at(result) - at for at, result in sent],
@@ -179,9 +234,80 @@ def reserve_burst_poll(client: ReservationClient, skus: list[str]) -> BurstFn:
         sent = list(_enqueue(client, skus, tag, count))
         outcomes = [handle.result_sync(timeout=_left(deadline)) for _, handle in sent]
         seconds = time.perf_counter() - start
-        _not_reserved(tag, count, [outcome.status for outcome in outcomes])
+        _all_ended("reserved", tag, [outcome.status for outcome in outcomes])
         # The outcome row's time is the database's clock, on this same host.
         latencies = [outcome.at - at for (at, _), outcome in zip(sent, outcomes, strict=True)]
         return Burst(seconds, latencies, retries=None)
+
+    return run
+
+
+Then = Callable[[int, Any], AsyncResult]  # (a request's index, its first task's result) -> its second task
+
+
+def _two_steps(
+    first: Iterable[Sent], then: Then, in_flight: InFlight, deadline: float
+) -> tuple[Burst, list[Any]]:
+    """Requests of two tasks: every first task enqueued at once (``first`` enqueues as it is read), their
+    results waited in enqueue order, and each request's second task enqueued as soon as its first one's
+    result is in; done when every second task has its result, whose values are returned. Latency: a
+    request's first enqueue to its second task's result stored."""
+    start = time.perf_counter()
+    sent = list(first)
+    second = [
+        (at, in_flight.track(then(i, result.get(timeout=_left(deadline)))))
+        for i, (at, result) in enumerate(sent)
+    ]
+    values = [result.get(timeout=_left(deadline)) for _, result in second]
+    seconds = time.perf_counter() - start
+    in_flight.done()
+    return Burst(
+        seconds,
+        [_done_at(result) - at for at, result in second],
+        retries=sum(result.retries or 0 for _, result in sent + second),
+    ), values
+
+
+def _reservation_of(tag: str, index: int, outcome: dict[str, Any]) -> str:
+    """The id of the one reservation a reserve's outcome made; a reserve that made none ends the burst."""
+    ids = outcome.get("detail", {}).get("reservation_ids") or []
+    if outcome.get("status") != "reserved" or len(ids) != 1:
+        raise UnexpectedReply(f"reservation {index} of {tag} has nothing to confirm: {outcome!r}")
+    return str(ids[0])
+
+
+def life_burst(app: Celery, client: ReservationClient, skus: list[str], in_flight: InFlight) -> BurstFn:
+    """A reservation's life as requests: its reserve, waited on as :func:`reserve_burst_result` waits, then
+    a confirm of the reservation it made, enqueued through the client and waited on the same way."""
+
+    def run(tag: str, count: int) -> Burst:
+        def confirm(index: int, outcome: dict[str, Any]) -> AsyncResult:
+            reservation = _reservation_of(tag, index, outcome)
+            handle = client.enqueue_sync(
+                "confirm", idempotency_key=f"{tag}-{index}-confirm", reservation_id=reservation
+            )
+            return app.AsyncResult(request_id(handle.key))
+
+        reserves = _reserves(app, client, skus, in_flight, tag, count)
+        burst, outcomes = _two_steps(reserves, confirm, in_flight, _deadline(2 * count))
+        _all_ended("confirmed", tag, [outcome.get("status") for outcome in outcomes])
+        return burst
+
+    return run
+
+
+def noop_pair_burst(app: Celery, in_flight: InFlight, task: str) -> BurstFn:
+    """Two no-ops a request, as :func:`life_burst` has a reserve and a confirm: the second no-op enqueued
+    with the first one's result once it is in."""
+
+    def run(tag: str, count: int) -> Burst:
+        def again(index: int, value: Any) -> AsyncResult:
+            return app.send_task(task, args=[value])
+
+        noops = _noops(app, in_flight, task, count)
+        burst, values = _two_steps(noops, again, in_flight, _deadline(2 * count))
+        if values != list(range(count)):
+            raise UnexpectedReply(f"no-op pair burst {tag} returned {values[:5]}...")
+        return burst
 
     return run

@@ -29,11 +29,16 @@ from bench import celery_defaults, old_results
 from bench.bursts import (
     BurstFn,
     InFlight,
+    life_burst,
     noop_burst,
     noop_no_result_burst,
+    noop_pair_burst,
     reserve_burst_poll,
     reserve_burst_result,
 )
+from bench.bursts import check_stock as _check_stock  # bench.hot_sku takes these three from here
+from bench.bursts import round_robin as _round_robin
+from bench.bursts import seed as _seed
 from bench.costs import (
     COUNT_WARMUP,
     COUNTED,
@@ -46,11 +51,10 @@ from bench.costs import (
     proxied,
 )
 from bench.env import Scratch
-from bench.leases import UnexpectedReply
 from bench.timing import CaseStats, Progress, Results
 from bench.wire import CountingProxy
 from fencing.urls import mask_url
-from reservations import Inventory, schema
+from reservations import schema
 from tasks import ReservationClient, Settings, create_app
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,7 +68,6 @@ MAX_WARMUP = 20  # enough for each pool child to open its connections and fill i
 
 SPREAD = 32
 RESULT_EXPIRES = 600
-ON_HAND = 10**6
 
 # Redis commands of the server's own idle traffic (idle workers' blocking pops) are measured over this
 # long with nothing running and taken off each burst's count.
@@ -78,6 +81,8 @@ SPREAD_RESULT = f"reserve, {SPREAD} SKUs, AsyncResult.get"
 SPREAD_POLL = f"reserve, {SPREAD} SKUs, DB outcome poll"
 SQL_SPREAD_RESULT = f"reserve, {SPREAD} SKUs, SQL leases, AsyncResult.get"
 METRICS_SPREAD_RESULT = f"reserve, {SPREAD} SKUs, metrics on, AsyncResult.get"
+LIFE = "a reservation's life as tasks: reserve then confirm"
+NOOP_PAIR = "two Celery no-ops with results"
 
 
 @dataclass(frozen=True)
@@ -171,33 +176,6 @@ def _run_cases(
     return CaseRuns(stats, retries, seen, idle, sizing)
 
 
-def _round_robin(skus: list[str], bursts: list[int]) -> dict[str, int]:
-    """Units reserved per SKU by bursts that each hand out their tasks round-robin over ``skus``."""
-    counts = dict.fromkeys(skus, 0)
-    for count in bursts:
-        for i in range(count):
-            counts[skus[i % len(skus)]] += 1
-    return counts
-
-
-def _seed(url: str, skus: list[str]) -> None:
-    with Inventory.from_url(url) as inventory:
-        for sku in skus:
-            inventory.add_sku(sku, on_hand=ON_HAND)
-
-
-def _check_stock(url: str, expected: dict[str, int]) -> str:
-    """Every SKU holds exactly the reservations its requests asked for and the inventory is consistent:
-    a burst that applied a request twice (or lost one) would have timed different work."""
-    with Inventory.from_url(url) as inventory:
-        problems = inventory.invariant_violations()
-        reserved = {level.sku: level.reserved for level in inventory.all_stock()}
-    wrong = [(sku, reserved.get(sku), want) for sku, want in expected.items() if reserved.get(sku) != want]
-    if problems or wrong:
-        raise UnexpectedReply(f"stock check failed: {problems[:3]}; (sku, reserved, wanted): {wrong[:3]}")
-    return f"{sum(expected.values())} reservations on {len(expected)} SKUs"
-
-
 def tasks_vs_noop(
     scratch: Scratch,
     results: Results,
@@ -235,7 +213,8 @@ def tasks_vs_noop(
         sql_spread = [f"Q-{n}" for n in range(SPREAD)]
         counted_skus = [f"C-{n}" for n in range(SPREAD)]
         metered = [f"M-{n}" for n in range(SPREAD)]
-        _seed(database_url, spread + counted_skus + metered + (sql_spread if sql_leases else []))
+        lives = [f"L-{n}" for n in range(SPREAD)]  # reserved, then confirmed: on hand goes down
+        _seed(database_url, spread + counted_skus + metered + lives + (sql_spread if sql_leases else []))
 
         # One redis-server, one database number per role; every worker has a broker database of its
         # own so that no worker takes another's tasks. Requests keep their Celery result (none by
@@ -278,7 +257,7 @@ def tasks_vs_noop(
                 concurrency=CONCURRENCY, cwd=ROOT,
             )
             for name, (app_name, env) in envs.items()
-        }
+        }  # fmt: skip
         stack.callback(stop_all, workers.values())  # warm shutdown: each finishes its task, in parallel
         started = time.monotonic()
         start_all(workers.values())
@@ -304,11 +283,14 @@ def tasks_vs_noop(
             TaskCase(SPREAD_RESULT, reserve_burst_result(app, client, spread, in_flight),
                      workers["bench-redis"]),
             TaskCase(SPREAD_POLL, reserve_burst_poll(client, spread), workers["bench-redis"]),
-        ]
+            TaskCase(NOOP_PAIR, noop_pair_burst(defaults_app, in_flight, celery_defaults.NOOP),
+                     workers["bench-defaults"]),
+            TaskCase(LIFE, life_burst(app, client, lives, in_flight), workers["bench-redis"]),
+        ]  # fmt: skip
         metrics_app, metrics_client = producer(metrics_settings)
         cases.append(TaskCase(METRICS_SPREAD_RESULT,
                               reserve_burst_result(metrics_app, metrics_client, metered, in_flight),
-                              workers["bench-metrics"]))
+                              workers["bench-metrics"]))  # fmt: skip
         if sql_leases:
             sql_app, sql_client = producer(sql_settings)
             sql_case = reserve_burst_result(sql_app, sql_client, sql_spread, in_flight)
@@ -318,11 +300,11 @@ def tasks_vs_noop(
             database = count_database(
                 reserve_burst_result(count_app, count_client, counted_skus, in_flight), proxy,
                 f"{run_id}-count", progress=progress,
-            )
+            )  # fmt: skip
             runs = _run_cases(
                 cases, run_id=run_id, iterations=iterations, warmup=warmup, repeats=repeats,
                 budget=TIMED_BUDGET if fit_budget else None, commands=commands, progress=progress,
-            )
+            )  # fmt: skip
         except Exception as exc:  # a failed burst is usually explained by the workers' logs
             tails = "\n".join(worker.tail() for worker in workers.values())
             raise RuntimeError(f"{type(exc).__name__}: {exc}\n{tails}") from exc
@@ -335,7 +317,8 @@ def tasks_vs_noop(
         expected |= _round_robin(metered, bursts)
         if sql_leases:
             expected |= _round_robin(sql_spread, bursts)
-        checked = _check_stock(database_url, expected)
+        expected |= dict.fromkeys(lives, 0)  # every life's reservation confirmed: none held
+        checked = _check_stock(database_url, expected, confirmed=_round_robin(lives, bursts))
 
     stats = runs.stats
     section = f"Celery end to end: reservation task vs no-op tasks (bursts of {count})"
@@ -351,9 +334,11 @@ def tasks_vs_noop(
     results.add(settings_section, stats, NOOP_DEFAULTS, NOOP_IGNORED)
     if sql_leases:
         results.add(f"Celery end to end: SQL lease backend vs Redis lease backend (bursts of {count})",
-                    stats, SQL_SPREAD_RESULT, SPREAD_RESULT)
+                    stats, SQL_SPREAD_RESULT, SPREAD_RESULT)  # fmt: skip
     results.add(f"Celery end to end: reservation task with metrics on vs off (bursts of {count})",
-                stats, METRICS_SPREAD_RESULT, SPREAD_RESULT)
+                stats, METRICS_SPREAD_RESULT, SPREAD_RESULT)  # fmt: skip
+    results.add(f"Celery end to end: a reservation's life vs two no-ops (bursts of {count} lives)",
+                stats, LIFE, NOOP_PAIR)  # fmt: skip
 
     per_task = {name: seen.per_task(runs.idle) for name, seen in runs.commands.items()}
     reserving = {SPREAD_RESULT, SPREAD_POLL}  # the counted worker runs with metrics off
@@ -374,7 +359,7 @@ def tasks_vs_noop(
             "Celery retries / task": (
                 "-" if seen_retries is None else f"{seen_retries / (count * repeats):.2f}"
             ),
-        })
+        })  # fmt: skip
 
     leases = f"redis at {mask_url(redis_settings.lease_url)} (as compose.yaml deploys it)"
     if sql_leases:
@@ -403,13 +388,21 @@ def tasks_vs_noop(
         "broker, result backend and JSON serializers set. p50 / p99: enqueue to outcome stored (worker or "
         "database clock) per task; in a burst that is mostly queueing."
     )
+    results.notes.append(
+        f"'{LIFE}': a burst of {count} reserve requests on {SPREAD} SKUs of their own, each waited on by "
+        "AsyncResult.get in enqueue order; as each reservation is in, a confirm of it is enqueued through "
+        "ReservationClient.enqueue_sync and waited on the same way, the burst done when every confirm is. "
+        "ops/s = lives (reserve + confirm) per second; p50 / p99 from a life's reserve enqueued to its "
+        f"confirm stored; its costs are per life. '{NOOP_PAIR}': the same with two no-ops a life on the "
+        "Celery-defaults worker, the second enqueued with the first's result."
+    )
     idle_total = sum(runs.idle.values())
     results.notes.append(
         "Redis commands / task: INFO commandstats deltas of the private redis-server over each case's timed "
         "bursts (producer, broker, results and leases alike), less the server's idle traffic "
         f"({idle_total:.1f} commands/s with nothing running, sampled for {IDLE_SAMPLE:.0f} s), per task: "
         + "; ".join(f"{case.name}: {per_task_text(per_task[case.name])}" for case in cases) + "."
-    )
+    )  # fmt: skip
     results.notes.append(
         "CPU / task: user + system time over each case's timed bursts, from /proc: the worker running the "
         "case (main process and pool children), this process (the producer: enqueue and wait) and the "
