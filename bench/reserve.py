@@ -54,7 +54,7 @@ NOW_MS = sql.SQL(db_now_ms().compile(dialect=postgresql.dialect()).string)  # ty
 # row, one idempotency record whose outcome is the same JSON object. What they leave out is the fence
 # predicate, the stock row lock and the idempotency lookup (the key's primary key still refuses a
 # duplicate). Casts: an untyped parameter inside json_build_object has no type PostgreSQL can infer.
-_PARTS = {
+PARTS = {
     "now": NOW_MS,
     "stock_update": sql.SQL(
         "UPDATE stock SET reserved = reserved + %(quantity)s, available = available - %(quantity)s, "
@@ -77,7 +77,7 @@ _PARTS = {
 
 def _statement(template: LiteralString) -> bytes:
     """Rendered once: the timed loop sends ready bytes, as a hand-written path with constants would."""
-    return sql.SQL(template).format(**_PARTS).as_bytes()
+    return sql.SQL(template).format(**PARTS).as_bytes()
 
 
 RAW_UPDATE = _statement("{stock_update}")
@@ -231,7 +231,7 @@ class Traced:
 # -- the section -----------------------------------------------------------------------------------
 
 
-def _conninfo(url: str) -> str:
+def conninfo(url: str) -> str:
     parsed = make_url(url)
     args = parsed.translate_connect_args(username="user", database="dbname")
     options = parsed.query.get("options")
@@ -287,8 +287,8 @@ def count_round_trips(
         counter = stack.enter_context(Inventory.from_url(url, pool_size=1, max_overflow=0))
         with counter.executor.engine.connect() as first:  # the pool's one connection, now set up
             raw = cast(psycopg.Connection[Any], first.connection.dbapi_connection)
-        tx_conn = stack.enter_context(psycopg.connect(_conninfo(url)))
-        cte_conn = stack.enter_context(psycopg.connect(_conninfo(url), autocommit=True))
+        tx_conn = stack.enter_context(psycopg.connect(conninfo(url)))
+        cte_conn = stack.enter_context(psycopg.connect(conninfo(url), autocommit=True))
         calls = max(raw.prepare_threshold or 0, tx_conn.prepare_threshold or 0) + 2
         ops = {
             FENCED: (raw, fenced_reserve(counter, leases, rotate(skus), fresh("count-fenced:"))),
@@ -356,8 +356,8 @@ def reserve_vs_raw(
         inventory = stack.enter_context(Inventory.from_url(url))
         for sku in skus:
             inventory.add_sku(sku, on_hand=ON_HAND)
-        tx_conn = stack.enter_context(psycopg.connect(_conninfo(url)))
-        cte_conn = stack.enter_context(psycopg.connect(_conninfo(url), autocommit=True))
+        tx_conn = stack.enter_context(psycopg.connect(conninfo(url)))
+        cte_conn = stack.enter_context(psycopg.connect(conninfo(url), autocommit=True))
 
         traced: dict[str, Traced] = {}
         counted = 0
