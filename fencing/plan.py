@@ -44,9 +44,11 @@ class Atomic:
 
 @dataclass(frozen=True, slots=True)
 class Bound:
-    """A statement built once with bind parameters, and this execution's values for them."""
+    """A statement built once with bind parameters, and this execution's values for them. A ``str`` is
+    driver-level SQL in the driver's parameter style, sent as it is: nothing to compile, whatever the
+    number of rows its parameters carry."""
 
-    statement: Executable
+    statement: Executable | str
     params: dict[str, Any]
 
 

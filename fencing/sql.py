@@ -62,6 +62,8 @@ def execute(conn: Connection, stmt: Statement) -> Rows:
     """Run one statement of a plan on a sync connection."""
     try:
         if isinstance(stmt, Bound):
+            if isinstance(stmt.statement, str):
+                return Rows.of(conn.exec_driver_sql(stmt.statement, stmt.params))
             return Rows.of(conn.execute(stmt.statement, stmt.params))
         return Rows.of(conn.execute(stmt))
     except DBAPIError as exc:
@@ -71,6 +73,8 @@ def execute(conn: Connection, stmt: Statement) -> Rows:
 async def execute_async(conn: AsyncConnection, stmt: Statement) -> Rows:
     try:
         if isinstance(stmt, Bound):
+            if isinstance(stmt.statement, str):
+                return Rows.of(await conn.exec_driver_sql(stmt.statement, stmt.params))
             return Rows.of(await conn.execute(stmt.statement, stmt.params))
         return Rows.of(await conn.execute(stmt))
     except DBAPIError as exc:
