@@ -6,7 +6,7 @@ writes every served request's final outcome and removes it from the list.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import sqlalchemy as sa
@@ -14,7 +14,9 @@ import sqlalchemy as sa
 from fencing import Lease, StaleToken
 from fencing.plan import Atomic, Plan
 from fencing.sql import Rows, db_now_ms
+from reservations import batch_statement
 from reservations import validation as valid
+from reservations.batch_statement import InHand
 from reservations.collisions import settled
 from reservations.errors import (
     IdempotencyConflict,
@@ -48,21 +50,34 @@ def serve(
     limit: int,
     task_id: str | None = None,
     worker: str | None = None,
+    in_hand: Sequence[InHand] = (),
 ) -> Plan[list[RequestResult]]:
-    """Serve up to ``limit`` of the SKU's pending reservations in one fenced transaction.
+    """Serve up to ``limit`` of the SKU's pending reservations, then the requests ``in_hand``, in one fenced
+    transaction.
 
-    Returns the final outcomes written (empty: nothing was pending). A stale token rolls the whole batch
-    back, is recorded in the SKU's history, and raises: the requests stay pending for the next holder.
+    Returns the final outcomes written (empty: nothing was pending or in hand). A request in hand whose
+    key had already ended gets none (its sender reads the key). A stale token rolls the whole batch back,
+    is recorded in the SKU's history, and raises: the requests stay pending for the next holder.
     """
     valid.sku(sku)
     if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_BATCH:
         raise InvalidRequest(f"batch limit must be between 1 and {MAX_BATCH}", field="limit")
     if valid.scope_of(sku) != lease.scope:
         raise InvalidRequest(f"the lease is for {lease.scope}, not SKU {sku!r}", field="lease")
+    if len(in_hand) > MAX_BATCH:
+        raise InvalidRequest(f"at most {MAX_BATCH} requests in hand", field="in_hand")
+    for request in in_hand:
+        if request.sku != sku:
+            raise InvalidRequest(f"a request in hand is for {request.sku!r}, not {sku!r}", field="in_hand")
+        valid.quantity(request.quantity)
     lease.raise_if_lost()
+    # The list's requests are older than those in hand: read first, with room left for the hand's.
+    listed = max(1, limit - len(in_hand))
 
     def attempt() -> Plan[list[RequestResult]]:
-        served: list[RequestResult] = yield Atomic(_batch(plans, lease, sku, limit, task_id, worker))
+        served: list[RequestResult] = yield Atomic(
+            _batch(plans, lease, sku, listed, task_id, worker, tuple(in_hand))
+        )
         return served
 
     try:
@@ -75,7 +90,13 @@ def serve(
 
 
 def _batch(
-    plans: InventoryPlans, lease: Lease, sku: str, limit: int, task_id: str | None, worker: str | None
+    plans: InventoryPlans,
+    lease: Lease,
+    sku: str,
+    limit: int,
+    task_id: str | None,
+    worker: str | None,
+    in_hand: tuple[InHand, ...],
 ) -> Plan[list[RequestResult]]:
     # The stock row first, as every operation on the SKU does: batches and single requests queue here.
     locked: Rows = yield (
@@ -84,8 +105,13 @@ def _batch(
     row = locked.first()
     known = row is not None
     while True:
-        found: Rows = yield _waiting(sku, limit)
-        waiting = found.rows
+        if plans.single_statement:  # PostgreSQL: one text for any number in hand (batch_statement)
+            read = yield from batch_statement.waiting(sku, limit, in_hand)
+        else:
+            found: Rows = yield _waiting(sku, limit, in_hand)
+            read = found.rows
+        # A key read twice (a copy of a listed request in hand too) is served once, where it came first.
+        waiting = _first_of_each_key(read)
         if not waiting:
             return []
         keys = [r.key for r in waiting]
@@ -93,8 +119,9 @@ def _batch(
         if len(done) < len(waiting):
             break
         # Every request read had ended elsewhere: drop them and read on, so that an empty answer always
-        # means an empty queue (a server stops on one).
+        # means an empty queue (a server stops on one). Those in hand are read once.
         yield sa.delete(pending_reservations).where(pending_reservations.c.key.in_(keys))
+        in_hand = ()
     stored = {
         r.key: _Stored(r.key, r.stored_fingerprint, r.stored_operation, r.stored_outcome)
         for r in waiting
@@ -118,7 +145,6 @@ def _batch(
                 lease, request.sku, request.quantity, request.key, request.hold_ms
             )
 
-    now = db_now_ms()
     records: list[dict[str, Any]] = []
     outcomes: list[dict[str, Any]] = []
     attempts: list[dict[str, Any]] = []
@@ -128,7 +154,7 @@ def _batch(
             continue
         print_ = fingerprint("reserve", sku=request.sku, quantity=request.quantity, hold_ms=request.hold_ms)
         status, detail, attempt = yield from _serve_one(
-            plans, lease, hold, request, print_, known, stored, clashing, records, now
+            plans, lease, hold, request, print_, known, stored, clashing, records
         )
         detail["served_by"] = task_id
         outcomes.append(
@@ -140,7 +166,6 @@ def _batch(
                 "task_id": request.task_id,
                 "worker": worker,
                 "epochs": request.epochs,
-                "at_ms": now,
                 "fingerprint": print_,
             }
         )
@@ -153,18 +178,29 @@ def _batch(
                 "worker": worker,
                 "token": lease.token,
                 "detail": f"served in a batch of {serving} for task {request.task_id}",
-                "at_ms": now,
             }
         )
-    if allotted:
-        yield from plans.lifecycle.hold_together(lease, sku, allotted)
+    if plans.single_statement and row is not None:
+        # PostgreSQL: every write of the batch in one statement, sent as it is (batch_statement).
+        if allotted:
+            plans.fence.prepare(lease, lease.scope)
+        return (
+            yield from batch_statement.write(
+                plans.fence, lease, sku, allotted, records, outcomes, attempts, keys
+            )
+        )
+    now = db_now_ms()
     if records:
-        yield sa.insert(idempotency_keys).values(records)
+        yield sa.insert(idempotency_keys).values([{**r, "created_ms": now} for r in records])
     written = Rows([])
     if outcomes:
         # The rows as written (their time is the database's): what the batch returns.
-        written = yield sa.insert(request_outcomes).values(outcomes).returning(*request_outcomes.c)
-        yield sa.insert(task_attempts).values(attempts)
+        written = yield (
+            sa.insert(request_outcomes)
+            .values([{**o, "at_ms": now} for o in outcomes])
+            .returning(*request_outcomes.c)
+        )
+        yield sa.insert(task_attempts).values([{**a, "at_ms": now} for a in attempts])
     yield sa.delete(pending_reservations).where(pending_reservations.c.key.in_(keys))
     return [result_of(r) for r in written.rows]
 
@@ -178,28 +214,57 @@ class _Stored(NamedTuple):
     outcome: str
 
 
-def _waiting(sku: str, limit: int) -> sa.Select[Any]:
-    """The SKU's oldest waiting requests, each with whether it ended elsewhere, its idempotency record
-    if it has one, and whether a reservation holds its key: one round trip for what the batch decides
-    on."""
-    waiting, ended, record = pending_reservations.c, request_outcomes.c, idempotency_keys.c
+def _first_of_each_key(rows: list[Any]) -> list[Any]:
+    keys: set[str] = set()
+    first = []
+    for row in rows:
+        if row.key not in keys:
+            keys.add(row.key)
+            first.append(row)
+    return first
+
+
+_REQUEST = ("key", "sku", "quantity", "hold_ms", "task_id", "epochs")
+
+
+def _waiting(sku: str, limit: int, in_hand: tuple[InHand, ...]) -> sa.Select[Any]:
+    """The SKU's oldest waiting requests, then those in hand, each with whether it ended elsewhere, its
+    idempotency record if it has one, and whether a reservation holds its key: one round trip for what
+    the batch decides on."""
+    listed = pending_reservations.c
+    queue: Any = (
+        sa.select(*(listed[name] for name in _REQUEST), listed.id.label("place"))
+        .where(listed.sku == sku)
+        .order_by(listed.id)
+        .limit(limit)
+    )
+    if in_hand:
+        # After every listed request (ids are positive: in hand, -1, -2, ... in the order handed).
+        handed = [
+            sa.select(
+                *(sa.literal(getattr(request, name), listed[name].type).label(name) for name in _REQUEST),
+                sa.literal(-(n + 1), sa.BigInteger).label("place"),
+            )
+            for n, request in enumerate(in_hand)
+        ]
+        queue = sa.union_all(queue.subquery().select(), *handed)
+    waiting = queue.subquery("waiting")
+    ended, record = request_outcomes.c, idempotency_keys.c
     return (
         sa.select(
-            pending_reservations,
+            *(waiting.c[name] for name in _REQUEST),
             ended.key.is_not(None).label("ended"),
             record.fingerprint.label("stored_fingerprint"),
             record.operation.label("stored_operation"),
             record.outcome.label("stored_outcome"),
-            sa.exists().where(reservations.c.idempotency_key == waiting.key).label("clashing"),
+            sa.exists().where(reservations.c.idempotency_key == waiting.c.key).label("clashing"),
         )
         .select_from(
-            pending_reservations.outerjoin(request_outcomes, ended.key == waiting.key).outerjoin(
-                idempotency_keys, record.key == waiting.key
+            waiting.outerjoin(request_outcomes, ended.key == waiting.c.key).outerjoin(
+                idempotency_keys, record.key == waiting.c.key
             )
         )
-        .where(waiting.sku == sku)
-        .order_by(waiting.id)
-        .limit(limit)
+        .order_by(waiting.c.place < 0, sa.func.abs(waiting.c.place))
     )
 
 
@@ -208,7 +273,7 @@ Hold = Callable[[Any], Plan[Outcome]]
 
 class _Allotment:
     """Holds a batch's requests in arrival order against the level of the stock row its transaction
-    locked, without a statement each: the units go to :meth:`InventoryPlans.hold_together` afterwards.
+    locked, without a statement each: the units go to :func:`reservations.batch_statement.write` afterwards.
     Each request sees the level the ones before it left, so stock runs out in arrival order exactly as
     with one fenced write per request, and its outcome reports the level after it."""
 
@@ -244,7 +309,6 @@ def _serve_one(
     stored: dict[str, Any],
     clashing: set[str],
     records: list[dict[str, Any]],
-    now: Any,
 ) -> Plan[tuple[str, dict[str, Any], str]]:
     """One request of a batch: (final status, detail, attempt result). Records it adds go to ``records``."""
     sku, key = request.sku, request.key
@@ -266,7 +330,6 @@ def _serve_one(
                 "operation": "reserve",
                 "outcome": outcome.to_json(),
                 "token": lease.token,
-                "created_ms": now,
             }
         )
         return RequestStatus.RESERVED, outcome.summary(), AttemptResult.APPLIED
@@ -279,7 +342,6 @@ def _serve_one(
                     "operation": "reserve",
                     "outcome": json.dumps({"error": RequestStatus.INSUFFICIENT_STOCK, **refused.summary()}),
                     "token": None,
-                    "created_ms": now,
                 }
             )
         return RequestStatus.INSUFFICIENT_STOCK, refused.summary(), AttemptResult.INSUFFICIENT_STOCK
@@ -292,7 +354,6 @@ def _serve_one(
                     "operation": "reserve",
                     "outcome": json.dumps({"error": "closed", "status": RequestStatus.INVALID}),
                     "token": None,
-                    "created_ms": now,
                 }
             )
         return (

@@ -17,7 +17,7 @@ from fencing.plan import Plan
 from fencing.shells import operation
 from fencing.sql_errors import Translate
 from fencing.urls import mask_url
-from reservations import audit, batching, constraints, pending, reads, redrives, requests
+from reservations import audit, batch_statement, batching, constraints, pending, reads, redrives, requests
 from reservations import shell_checks as checks
 from reservations import validation as valid
 from reservations.counting import StockSeen
@@ -383,8 +383,12 @@ class InventoryBase(Generic[E]):
         limit: int = 100,
         task_id: str | None = None,
         worker: str | None = None,
+        in_hand: Sequence[batch_statement.InHand] = (),
     ) -> Plan[list[RequestResult]]:
-        """Serve up to ``limit`` pending reservations of ``sku`` in one fenced transaction."""
+        """Serve up to ``limit`` pending reservations of ``sku``, then the requests ``in_hand`` (handed over
+        by threads of the caller's process, never listed), in one fenced transaction."""
         valid.lease(lease)
         valid.task_and_worker(task_id, worker)
-        return batching.serve(self.plans, lease, sku, limit=limit, task_id=task_id, worker=worker)
+        return batching.serve(
+            self.plans, lease, sku, limit=limit, task_id=task_id, worker=worker, in_hand=in_hand
+        )

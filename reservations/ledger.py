@@ -55,7 +55,7 @@ def new_reservation_id() -> str:
 
 @dataclass(frozen=True, slots=True)
 class HeldLine:
-    """One reservation of a batch held together (:meth:`InventoryPlans.hold_together`)."""
+    """One reservation of a batch held together (:func:`reservations.batch_statement.write`)."""
 
     key: str
     quantity: int

@@ -14,8 +14,8 @@ from reservations import keyed_statement as keyed
 from reservations import validation as valid
 from reservations.errors import InvalidTransition, UnknownReservation
 from reservations.keyed_steps import Step
-from reservations.ledger import HeldLine, Ledger, fingerprint, new_reservation_id
-from reservations.models import CONFIRMED, EXPIRED, HELD, RELEASED, reservations, sku_history, stock
+from reservations.ledger import Ledger, fingerprint, new_reservation_id
+from reservations.models import CONFIRMED, EXPIRED, HELD, RELEASED, reservations, stock
 from reservations.reads import stock_level
 from reservations.reserve_statement import Speaker
 from reservations.statuses import SUCCEEDED, ReservationStatus
@@ -71,51 +71,6 @@ class ReservationLifecycle:
             reservation_id=reservation_id,
         )
         return reservation_id, level
-
-    def hold_together(self, lease: Lease, sku: str, held: list[HeldLine]) -> Plan[StockLevel]:
-        """Hold every line of ``held`` (one SKU, decided by the caller against the stock row it locked)
-        with one fenced stock change for their total and one insert each for their reservations and
-        history rows: three statements for a batch of any size. PostgreSQL only, where the held-units
-        check counts a statement's reservations together (migration 0007); returns the level after."""
-        total = sum(line.quantity for line in held)
-        level = yield from self.ledger.fenced(
-            lease, sku, "reserve", on_hand=0, reserved=total, condition=stock.c.available >= total
-        )
-        now = db_now_ms()
-        yield sa.insert(reservations).values(
-            [
-                {
-                    "id": line.reservation_id,
-                    "sku": sku,
-                    "quantity": line.quantity,
-                    "status": HELD,
-                    "hold_expires_ms": None if line.hold_ms is None else now + line.hold_ms,
-                    "idempotency_key": line.key,
-                    "order_key": None,
-                    "token": lease.token,
-                    "lease_id": lease.lease_id,
-                    "created_ms": now,
-                }
-                for line in held
-            ]
-        )
-        yield sa.insert(sku_history).values(
-            [
-                self.ledger.history_values(
-                    lease,
-                    sku,
-                    "reserve",
-                    line.key,
-                    kind="write",
-                    token=lease.token,
-                    quantity=line.quantity,
-                    reserved=line.quantity,
-                    reservation_id=line.reservation_id,
-                )
-                for line in held
-            ]
-        )
-        return level
 
     def hold_one(self, lease: Lease, sku: str, quantity: int, key: str, hold_ms: int | None) -> Plan[Outcome]:
         """The body of a single-SKU reservation (alone, or as one request of a batch)."""

@@ -12,7 +12,7 @@ request's fingerprint.
 from __future__ import annotations
 
 import logging
-from contextlib import suppress
+from contextlib import AbstractContextManager, nullcontext, suppress
 from typing import Any
 
 from celery import Task
@@ -26,7 +26,7 @@ from tasks import deadlines, failpoints, metrics, observe, policy
 from tasks.answers import answer
 from tasks.failpoints import failpoint
 from tasks.messages import Message
-from tasks.serving import Batchable, then_serve, wait_for_holder
+from tasks.serving import Batchable, Server, beside_local_server, then_serve, wait_for_holder
 from tasks.states import Redriven, announce_lost
 from tasks.work import Reserve, work_of
 from tasks.worker import Resources, worker_identity
@@ -96,8 +96,13 @@ class Attempt:
         return answer(self.task, message, stored)
 
     def attempt(self) -> dict[str, Any]:
-        """Take the leases and write; what each error of the attempt leads to (tasks.policy)."""
+        """Take the leases and write; what each error of the attempt leads to (tasks.policy). A
+        reservation whose SKU a thread of this process serves is handed to it instead (tasks.serving)."""
         try:
+            if self.batch is not None:
+                handed = beside_local_server(self.task, self.res, self.message, self.batch, self.who)
+                if handed is not None:
+                    return handed
             return self.under_leases()
         except InsufficientStock as exc:
             return self.served(self.final(RequestStatus.INSUFFICIENT_STOCK, exc.summary()))
@@ -127,13 +132,16 @@ class Attempt:
             done = res.inventory.request_outcome(message.key)
             if done is not None:
                 return answer(self.task, message, done)
-        with res.inventory.hold_many(
-            res.leases,
-            self.work.skus(res.inventory),
-            ttl=res.settings.lease_ttl,
-            holder=f"{self.who['worker']}:{self.who['task_id']}",
-            renew_every=failpoints.renew_every(res.settings.lease_renew_every),
-        ) as leases:
+        with (
+            res.inventory.hold_many(
+                res.leases,
+                self.work.skus(res.inventory),
+                ttl=res.settings.lease_ttl,
+                holder=f"{self.who['worker']}:{self.who['task_id']}",
+                renew_every=failpoints.renew_every(res.settings.lease_renew_every),
+            ) as leases,
+            self.server() as server,
+        ):
             self.leases = leases
             self.lease_token = max((lease.token for lease in leases.values()), default=None)
             metrics.current.lease("acquired", len(leases))
@@ -145,7 +153,16 @@ class Attempt:
                     raise
                 raise lost from exc
             failpoint("after_write")
+            if server is not None:  # requests of this process that found the lease held meanwhile
+                server.drain_joined(*leases.values())
         return self.served(self.succeeded(written))
+
+    def server(self) -> AbstractContextManager[Server | None]:
+        """For a reservation that may wait for its lease's holder: this thread serving its SKU while it
+        holds the lease, so that requests of this process join it in memory (tasks.serving.Server)."""
+        if self.batch is None:
+            return nullcontext()
+        return Server(self.res, self.batch.sku, self.who["task_id"], self.who["worker"])
 
     def write(self, leases: dict[str, Lease]) -> RequestReply | Outcome:
         """The fenced write. A count or a replenishment reads under its leases first and decides its write,

@@ -6,7 +6,6 @@ and looks again after releasing only when someone was turned away meanwhile.
 from __future__ import annotations
 
 import logging
-import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,11 +15,14 @@ from celery.backends.redis import RedisBackend
 from fencing import Lease, LeaseBusy, LostOwnership
 from reservations import pending
 from reservations import validation as valid
+from reservations.batch_statement import InHand
+from reservations.operations import hold_ms_of
 from reservations.requests import RequestResult
 from tasks import failpoints, metrics, observe
 from tasks.answers import answer, as_result, conflict, reply
 from tasks.app import app, stores_request_results
 from tasks.failpoints import failpoint
+from tasks.local_servers import Joined, local_servers
 from tasks.messages import Message, task_name
 from tasks.states import QUEUED, announce
 from tasks.worker import Resources
@@ -34,54 +36,6 @@ BATCHES_PER_LEASE = 50
 SERVE_ROUNDS = 20
 
 
-class LocalServers:
-    """The SKUs whose queue a thread of this process is serving under the SKU's lease right now, and how
-    many requests threads of this process handed to each meanwhile.
-
-    In a thread pool the holder of a hot SKU's lease is often a thread of the same process as the
-    requests that find it busy. Such a request, once queued, leaves it to that thread instead of trying
-    the lease again: the server reads the count before each batch and, having served an empty one, stops
-    only if the count did not move meanwhile (:meth:`leave`). A request queued after the server left
-    finds no entry and tries the lease itself, as a request queued in another process does.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._serving: dict[str, list[int]] = {}  # sku -> [servers, hand-offs]
-
-    def enter(self, sku: str) -> None:
-        with self._lock:
-            self._serving.setdefault(sku, [0, 0])[0] += 1
-
-    def handoffs(self, sku: str) -> int:
-        with self._lock:
-            return self._serving[sku][1]
-
-    def handed_off(self, sku: str) -> bool:
-        """Count a request queued (committed) for ``sku``; False when no thread of this process serves it."""
-        with self._lock:
-            entry = self._serving.get(sku)
-            if entry is None:
-                return False
-            entry[1] += 1
-            return True
-
-    def leave(self, sku: str, seen: int | None = None) -> bool:
-        """Stop serving ``sku``, unless ``seen`` is given and a request was handed off since it was read
-        (then it waits on the queue and the server reads the queue again)."""
-        with self._lock:
-            entry = self._serving[sku]
-            if seen is not None and entry[1] != seen:
-                return False
-            entry[0] -= 1
-            if entry[0] == 0:
-                del self._serving[sku]
-            return True
-
-
-local_servers = LocalServers()
-
-
 @dataclass(frozen=True)
 class Batchable:
     """A single-SKU reservation: what the holder of a busy lease can serve in a batch for its sender."""
@@ -89,6 +43,33 @@ class Batchable:
     sku: str
     quantity: int
     hold_for: float | None
+
+
+def beside_local_server(
+    task: Task, res: Resources, message: Message, batch: Batchable, who: dict[str, Any]
+) -> dict[str, Any] | None:
+    """A thread of this process serves the SKU: hand the request to it in memory (tasks.local_servers)
+    and answer what its batch wrote. None: no thread serves the SKU, or the request came back unserved
+    (its key had ended elsewhere, or the batch failed); it takes the usual way then."""
+    request = InHand(
+        message.key,
+        batch.sku,
+        batch.quantity,
+        hold_ms_of(batch.hold_for),
+        who["task_id"],
+        message.counts["epoch"],
+    )
+    joined = local_servers.join(request)
+    if joined is None:
+        return None
+    # A batch answers within a round of statements; the bound is for a server that stopped taking its
+    # queue, whose requests then take the usual way (a batch that has one answers it either way).
+    wait = res.settings.lease_ttl
+    if not joined.wait(wait) and (local_servers.withdraw(joined) or not joined.wait(wait)):
+        return None
+    if joined.result is None:
+        return None
+    return answer(task, message, joined.result)
 
 
 def wait_for_holder(
@@ -227,6 +208,87 @@ def _store_pipelined(backend: RedisBackend, outcomes: list[RequestResult]) -> No
         pipe.execute()
 
 
+def _batch(
+    res: Resources, lease: Lease, sku: str, joined: list[Joined], task_id: str | None, worker: str
+) -> list[RequestResult]:
+    """One batch: the listed requests and those ``joined`` in memory. Each joined request is answered
+    with its outcome, or given back unserved (no outcome for it, or the batch failed); the listed
+    requests' results are published here, while a joined request's own task returns its answer."""
+    outcomes: list[RequestResult] = []
+    try:
+        failpoint("before_write")
+        outcomes = res.inventory.serve_pending(
+            lease,
+            sku,
+            limit=res.settings.batch_size,
+            task_id=task_id,
+            worker=worker,
+            in_hand=[request.request for request in joined],
+        )
+        failpoint("after_write")
+    finally:
+        by_key = {outcome.key: outcome for outcome in outcomes}
+        for request in joined:
+            request.answered(by_key.get(request.request.key))
+    handed = {(request.request.key, request.request.task_id) for request in joined}
+    listed = [outcome for outcome in outcomes if (outcome.key, outcome.task_id) not in handed]
+    observe.served(listed)
+    publish(listed)
+    return outcomes
+
+
+class Server:
+    """This thread serving ``sku`` under a lease it holds: from construction until :meth:`stop`, requests
+    of this process for the SKU join it in memory (tasks.local_servers) instead of taking the lease's
+    way; :meth:`drain` serves them and the listed ones in batches."""
+
+    def __init__(self, res: Resources, sku: str, task_id: str | None, worker: str) -> None:
+        self.res, self.sku, self.task_id, self.worker = res, sku, task_id, worker
+        local_servers.enter(sku)
+        self.stopped = False
+
+    def __enter__(self) -> Server:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        """Stop serving; the requests still joined are given back unserved (they take the usual way)."""
+        if not self.stopped:
+            self.stopped = True
+            local_servers.leave(self.sku)
+
+    def drain(self, lease: Lease) -> tuple[int, bool]:
+        """Serve batches until one is empty and nobody of this process queued or joined since its read
+        (then stop serving: True), or until :data:`BATCHES_PER_LEASE`. Returns how many were served."""
+        served = 0
+        for _ in range(BATCHES_PER_LEASE):
+            seen = local_servers.handoffs(self.sku)
+            joined = local_servers.take(self.sku, self.res.settings.batch_size)
+            outcomes = _batch(self.res, lease, self.sku, joined, self.task_id, self.worker)
+            served += len(outcomes)
+            if not outcomes and local_servers.leave(self.sku, seen):
+                self.stopped = True
+                return served, True
+        return served, False
+
+    def drain_joined(self, lease: Lease) -> None:
+        """After the holder's own write, under its lease: serve whoever joined meanwhile, if anyone did.
+        A failure here is the batch's, not the holder's request's (whose write is made): it is logged,
+        and the requests it held take the usual way or stay listed."""
+        if not local_servers.joined(self.sku):
+            return
+        try:
+            self.drain(lease)
+        except LostOwnership as lost:
+            observe.lost_ownership(
+                lost, None, None, "serving joined reservations", task_id=self.task_id, worker=self.worker
+            )
+        except Exception:
+            log.exception("could not serve the requests joined for %s", self.sku)
+
+
 def serve_pending(
     res: Resources, sku: str, *, task_id: str | None, worker: str, known_waiting: bool = False
 ) -> int:
@@ -250,26 +312,9 @@ def serve_pending(
                 renew_every=failpoints.renew_every(settings.lease_renew_every),
             ) as lease:
                 metrics.current.lease("acquired")
-                drained, serving = False, True
-                local_servers.enter(sku)
-                try:
-                    for _ in range(BATCHES_PER_LEASE):
-                        seen = local_servers.handoffs(sku)
-                        failpoint("before_write")
-                        outcomes = res.inventory.serve_pending(
-                            lease, sku, limit=settings.batch_size, task_id=task_id, worker=worker
-                        )
-                        failpoint("after_write")
-                        observe.served(outcomes)
-                        publish(outcomes)
-                        served += len(outcomes)
-                        # Empty, and nobody of this process queued a request since the read: done.
-                        if not outcomes and local_servers.leave(sku, seen):
-                            drained, serving = True, False
-                            break
-                finally:
-                    if serving:
-                        local_servers.leave(sku)
+                with Server(res, sku, task_id, worker) as server:
+                    count, drained = server.drain(lease)
+                served += count
             if drained and lease.contended is False:
                 break  # emptied under the lease, and nobody was turned away from it since
         except LeaseBusy:
