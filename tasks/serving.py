@@ -69,6 +69,8 @@ def beside_local_server(
         return None
     if joined.result is None:
         return None
+    if joined.stored:  # its batch stored its Celery result with the others'
+        task.request.ignore_result = True
     return answer(task, message, joined.result)
 
 
@@ -147,22 +149,25 @@ def serve_quietly(res: Resources, sku: str, **kwargs: Any) -> int:
         return 0
 
 
-def publish(outcomes: list[RequestResult]) -> None:
+def publish(outcomes: list[RequestResult], joined: frozenset[tuple[str, str | None]] = frozenset()) -> bool:
     """Give each served request's own Celery task its result, as if it had run the request itself.
 
     The outcome rows are already committed and are what callers wait on; a result lost here (the server
     died in between) leaves only ``AsyncResult`` of that request waiting. Stored only where request tasks
-    store theirs (``RESERVATIONS_RESULT_EXPIRES``).
+    store theirs (``RESERVATIONS_RESULT_EXPIRES``). The requests ``joined`` in memory (key, task id) are
+    not announced: their own tasks end with their answers, and Celery announces those. Returns whether
+    every result was stored.
     """
-    if stores_request_results(app):
-        store_results([outcome for outcome in outcomes if outcome.task_id])
+    stored = stores_request_results(app) and store_results([o for o in outcomes if o.task_id])
+    listed = [outcome for outcome in outcomes if (outcome.key, outcome.task_id) not in joined]
     try:
-        announce(app, outcomes, getattr(current_task.request, "hostname", None) if current_task else None)
+        announce(app, listed, getattr(current_task.request, "hostname", None) if current_task else None)
     except Exception as exc:  # monitoring events are a convenience too
-        log.warning("could not send the events of %d served requests: %s", len(outcomes), exc)
+        log.warning("could not send the events of %d served requests: %s", len(listed), exc)
+    return stored
 
 
-def store_results(outcomes: list[RequestResult]) -> None:
+def store_results(outcomes: list[RequestResult]) -> bool:
     """Store a batch's Celery results in two round trips on a Redis result backend instead of two per
     request: a batch server stores them between two batches, so each round trip here delays the next.
 
@@ -172,19 +177,22 @@ def store_results(outcomes: list[RequestResult]) -> None:
     at a time through Celery, with its retries.
     """
     if not outcomes:
-        return
+        return True
     backend = app.backend
     if isinstance(backend, RedisBackend):
         try:
             _store_pipelined(backend, outcomes)
-            return
+            return True
         except Exception as exc:  # one at a time below, each with Celery's retries
             log.warning("could not store %d Celery results at once: %s", len(outcomes), exc)
+    stored = True
     for outcome in outcomes:
         try:
             backend.store_result(outcome.task_id, as_result(outcome), states.SUCCESS)
         except Exception as exc:  # the result backend is a convenience here, never the record
             log.warning("could not store the Celery result of %s: %s", outcome.key, exc)
+            stored = False
+    return stored
 
 
 def _store_pipelined(backend: RedisBackend, outcomes: list[RequestResult]) -> None:
@@ -211,10 +219,11 @@ def _store_pipelined(backend: RedisBackend, outcomes: list[RequestResult]) -> No
 def _batch(
     res: Resources, lease: Lease, sku: str, joined: list[Joined], task_id: str | None, worker: str
 ) -> list[RequestResult]:
-    """One batch: the listed requests and those ``joined`` in memory. Each joined request is answered
-    with its outcome, or given back unserved (no outcome for it, or the batch failed); the listed
-    requests' results are published here, while a joined request's own task returns its answer."""
+    """One batch: the listed requests and those ``joined`` in memory. Every result is published here (in
+    one pipeline); each joined request is then answered with its outcome, or given back unserved (no
+    outcome for it, or the batch failed), and its own task returns the answer."""
     outcomes: list[RequestResult] = []
+    stored = False
     try:
         failpoint("before_write")
         outcomes = res.inventory.serve_pending(
@@ -226,14 +235,17 @@ def _batch(
             in_hand=[request.request for request in joined],
         )
         failpoint("after_write")
+        handed = frozenset((request.request.key, request.request.task_id) for request in joined)
+        observe.served([outcome for outcome in outcomes if (outcome.key, outcome.task_id) not in handed])
+        stored = publish(outcomes, handed)
     finally:
         by_key = {outcome.key: outcome for outcome in outcomes}
         for request in joined:
-            request.answered(by_key.get(request.request.key))
-    handed = {(request.request.key, request.request.task_id) for request in joined}
-    listed = [outcome for outcome in outcomes if (outcome.key, outcome.task_id) not in handed]
-    observe.served(listed)
-    publish(listed)
+            result = by_key.get(request.request.key)
+            # Stored as this task's result only if written for this task (not for a listed copy of it).
+            request.answered(
+                result, stored=stored and result is not None and result.task_id == request.request.task_id
+            )
     return outcomes
 
 
