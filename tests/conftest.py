@@ -317,6 +317,7 @@ MODULE_SECONDS = {
     "test_deadlines.py": 13,
     "test_settings_at_start.py": 13,
     "test_fence.py": 13,
+    "test_batch_in_hand.py": 13,
     "test_cli_input.py": 11,
     "test_counting.py": 11,
     "test_constraints.py": 11,
