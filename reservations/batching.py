@@ -69,7 +69,13 @@ def serve(
     for request in in_hand:
         if request.sku != sku:
             raise InvalidRequest(f"a request in hand is for {request.sku!r}, not {sku!r}", field="in_hand")
+        # As the pending list checks them (pending.hand_off): what a request in hand writes must be a
+        # request's, whoever handed it.
+        valid.idempotency_key(request.key)
         valid.quantity(request.quantity)
+        valid.hold_ms(request.hold_ms)
+        valid.epochs(request.epochs)
+        valid.task_and_worker(request.task_id)
     lease.raise_if_lost()
     # The list's requests are older than those in hand: read first, with room left for the hand's.
     listed = max(1, limit - len(in_hand))

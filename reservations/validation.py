@@ -116,6 +116,17 @@ def hold_seconds(value: object) -> float | None:
     return float(value)
 
 
+def hold_ms(value: object) -> int | None:
+    """A hold in whole milliseconds, as a reservation stores it (None: no expiry)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_HOLD_SECONDS * 1000:
+        raise InvalidRequest(
+            f"hold must be between 1 and {MAX_HOLD_SECONDS * 1000} milliseconds", field="hold_ms"
+        )
+    return value
+
+
 def deadline(value: object) -> float | None:
     """When a request stops being worth doing, in seconds since the epoch (None: never). A figure past
     :data:`MAX_TIMESTAMP` is refused: milliseconds given for seconds would make a deadline that never

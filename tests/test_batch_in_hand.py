@@ -206,14 +206,6 @@ def test_invalid_requests_in_hand_are_refused_and_nothing_written(
     assert sorted((r.key, r.status) for r in served) == [("listed", "reserved"), ("valid", "reserved")]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "batching.serve validates a request in hand for its SKU and quantity only; its key, hold and "
-        "epochs go unchecked (hand_off refuses them): SQLite writes the reservation, record and outcome, "
-        "PostgreSQL does too except for a key over 200 characters, which raises DataError"
-    ),
-)
 @pytest.mark.parametrize(
     "bad",
     [
