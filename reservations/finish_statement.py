@@ -14,10 +14,8 @@ from typing import Any
 from fencing import Fence
 from fencing.plan import Plan
 from reservations import keyed_statement as keyed
-from reservations import sql_text
 from reservations import validation as valid
 from reservations.errors import InvalidTransition, UnknownReservation, UnknownSku
-from reservations.models import stock
 from reservations.reserve_statement import Speaker
 from reservations.statuses import ReservationStatus
 
@@ -75,24 +73,14 @@ LEFT JOIN upd AS u ON TRUE
 _ON_HAND = {ReservationStatus.CONFIRMED: "-fin.quantity", ReservationStatus.RELEASED: "0::bigint"}
 
 
-def _statement(final: ReservationStatus, accepted: str) -> keyed.Sent:
-    return keyed.sent(
-        _SQL.format(
-            head=keyed.HEAD,
-            tail=keyed.TAIL,
-            answer=keyed.ANSWER,
-            accepted=accepted,
-            now_ms=sql_text.NOW_MS,
-            held=ReservationStatus.HELD.value,
-            on_hand=_ON_HAND[final],
-        )
+def _variants(final: ReservationStatus) -> keyed.Variants:
+    return keyed.variants(
+        lambda parts: _SQL.format(**parts, held=ReservationStatus.HELD.value, on_hand=_ON_HAND[final])
     )
 
 
-# The fence predicate and the database clock come from fencing (reservations.sql_text renders them).
-FENCED = {final: _statement(final, sql_text.fence_admits(Fence(stock))) for final in _ON_HAND}
-# Lease-only: the token is written but not checked (for measuring what the fence prevents).
-UNFENCED = {final: _statement(final, "TRUE") for final in _ON_HAND}
+# The fence predicate and the database clock come from fencing (keyed.variants renders them).
+STATEMENTS = {final: _variants(final) for final in _ON_HAND}
 
 
 def sku_of(scope: str) -> str | None:
@@ -113,7 +101,7 @@ def finish(
     """
     (reservation_id,) = written.reservation_ids
     lease, operation = written.lease, written.operation
-    sent = (FENCED if fence.enforce else UNFENCED)[final]
+    sent = STATEMENTS[final].pick(fence, speaker)
     values = {"final": final.value, "lease_sku": sku_of(lease.scope)}
     answer = yield from keyed.exchange(written, sent, values, speaker)
     if not isinstance(answer, keyed.Refused):

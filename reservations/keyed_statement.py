@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
-from fencing import Lease
+from fencing import Fence, Lease
 from fencing.plan import Alone, Plan
 from fencing.sql import Rows
+from reservations import sql_text
+from reservations.models import stock
 from reservations.requests import RequestResult, result_from_json
 from reservations.reserve_statement import Ended, Prior, Replay, Speaker
 from reservations.views import Outcome, StockLevel
@@ -32,11 +35,13 @@ __all__ = [
     "Refused",
     "Reply",
     "Sent",
+    "Variants",
     "Written",
     "exchange",
     "looked_again",
     "read_head",
     "sent",
+    "variants",
 ]
 
 # done    the request's final outcome, when the statement speaks for a queued request (``record``): a
@@ -59,7 +64,7 @@ done AS (
 #   recorded  the idempotency record: the Outcome as Outcome.to_json names its fields.
 #   told      with ``record``: the request's final outcome, detailed as Outcome.summary.
 #   tried     with ``record``: the request's applied attempt.
-TAIL = """
+_WRITES = """
 written AS (
     INSERT INTO sku_history (sku, at_ms, kind, operation, token, lease_id, holder, quantity,
                              idempotency_key, reservation_id, on_hand_delta, reserved_delta, detail)
@@ -79,7 +84,8 @@ written AS (
                'quantity', quantity, 'detail', %(detail)s::json)::text,
            %(token)s::bigint, now_ms
     FROM upd
-), told AS (
+)"""
+_SPOKEN = """, told AS (
     INSERT INTO request_outcomes (key, operation, status, detail, task_id, worker, epochs, at_ms,
                                   fingerprint)
     SELECT %(key)s::text, %(operation)s::text, %(status)s::text,
@@ -96,6 +102,18 @@ written AS (
            %(token)s::bigint, NULL, now_ms
     FROM upd WHERE %(record)s::boolean
 )"""
+TAIL = _WRITES + _SPOKEN
+
+# For a step no queued request speaks through (the shells' confirm, restock, ...): no outcome to read
+# first and none to write, so two tables fewer for the database to open and four parameters fewer to send;
+# the statement reads the same way (``done`` is empty).
+HEAD_PLAIN = """
+done AS (
+    SELECT * FROM request_outcomes WHERE FALSE
+), prior AS (
+    SELECT fingerprint, operation, outcome FROM idempotency_keys WHERE key = %(key)s::text
+)"""
+TAIL_PLAIN = _WRITES
 
 # The columns of the final SELECT that every such statement returns, from ``done``, ``prior`` and
 # ``upd`` joined as d, p and u (the rare answers as JSON: every column costs the client time).
@@ -113,6 +131,38 @@ class Sent:
 
     def bind(self, values: dict[str, Any]) -> dict[str, Any]:
         return {f"p{number}": values[name] for number, name in enumerate(self.names)}
+
+
+@dataclass(frozen=True, slots=True)
+class Variants:
+    """A step's statement four ways: fenced or lease-only, speaking for a queued request or not."""
+
+    by: dict[tuple[bool, bool], Sent]
+
+    def pick(self, fence: Fence, speaker: Speaker | None) -> Sent:
+        return self.by[(fence.enforce, speaker is not None)]
+
+
+def variants(render: Callable[[dict[str, str]], str]) -> Variants:
+    """The four variants of the statement ``render`` makes of its parts: ``head``, ``tail``, ``answer``,
+    ``accepted`` (the fence predicate, from fencing, or TRUE for lease-only) and ``now_ms``."""
+
+    def one(enforce: bool, spoken: bool) -> Sent:
+        return sent(
+            render(
+                {
+                    "head": HEAD if spoken else HEAD_PLAIN,
+                    "tail": TAIL if spoken else TAIL_PLAIN,
+                    "answer": ANSWER,
+                    "accepted": sql_text.fence_admits(Fence(stock)) if enforce else "TRUE",
+                    "now_ms": sql_text.NOW_MS,
+                }
+            )
+        )
+
+    return Variants(
+        {(enforce, spoken): one(enforce, spoken) for enforce in (True, False) for spoken in (True, False)}
+    )
 
 
 def sent(sql: str) -> Sent:

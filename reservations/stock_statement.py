@@ -20,11 +20,9 @@ import sqlalchemy as sa
 from fencing import Fence, StaleToken
 from fencing.plan import Plan
 from reservations import keyed_statement as keyed
-from reservations import sql_text
 from reservations import validation as valid
 from reservations.errors import CountBelowHeld, StockLimitExceeded, UnknownSku
 from reservations.keyed_steps import Step
-from reservations.models import stock
 from reservations.reserve_statement import Speaker
 from reservations.views import Outcome
 
@@ -84,23 +82,12 @@ _SHAPES = {
 }
 
 
-def _statement(change: Change, accepted: str) -> keyed.Sent:
-    return keyed.sent(
-        _SQL.format(
-            head=keyed.HEAD,
-            tail=keyed.TAIL,
-            answer=keyed.ANSWER,
-            accepted=accepted,
-            now_ms=sql_text.NOW_MS,
-            **_SHAPES[change],
-        )
-    )
+def _variants(change: Change) -> keyed.Variants:
+    return keyed.variants(lambda parts: _SQL.format(**parts, **_SHAPES[change]))
 
 
-# The fence predicate and the database clock come from fencing (reservations.sql_text renders them).
-FENCED = {change: _statement(change, sql_text.fence_admits(Fence(stock))) for change in Change}
-# Lease-only: the token is written but not checked (for measuring what the fence prevents).
-UNFENCED = {change: _statement(change, "TRUE") for change in Change}
+# The fence predicate and the database clock come from fencing (keyed.variants renders them).
+STATEMENTS = {change: _variants(change) for change in Change}
 
 
 def write(
@@ -113,7 +100,7 @@ def write(
     The caller has run ``fence.prepare`` for the lease.
     """
     ceiling = valid.MAX_ON_HAND - units if change is Change.ADD and units > 0 else None
-    sent = (FENCED if fence.enforce else UNFENCED)[change]
+    sent = STATEMENTS[change].pick(fence, speaker)
     values = {"sku": sku, "units": units, "ceiling": ceiling}
     answer = yield from keyed.exchange(written, sent, values, speaker)
     if not isinstance(answer, keyed.Refused):
