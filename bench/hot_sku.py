@@ -389,12 +389,10 @@ def hot_vs_many(
         "ops/s = requests per second; hot and spread alternate run by run after a warm-up burst each "
         f"({MIN_WARMUP} requests a slot at least), and each burst is drained (every Celery result final) "
         "before the next starts. Batching on: a request whose SKU a thread of its own worker serves joins "
-        "that thread's next batch in memory and its task waits for the answer; one that finds the lease "
-        "busy otherwise is queued for the holder in the database; the holder serves both in batches (one "
-        "statement to read, one to write) and stores their Celery results in one pipeline; off: it "
-        "retries through the broker until it gets the lease. p50 / p99: enqueue to outcome row per request. "
-        "Below, per mode: worker CPU = the worker process's CPU time (all threads) from a burst's first "
-        "enqueue until it is drained, per request."
+        "that batch in memory, one that finds the lease busy otherwise queues in the database, and the "
+        "holder serves both in batches; off: it retries through the broker until it gets the lease. p50 "
+        "/ p99: enqueue to outcome row per request. Below, per mode: worker CPU = the worker process's "
+        "CPU time (all threads) from a burst's first enqueue until it is drained, per request."
     )
     results.notes += described
     results.notes.append(f"Hot-SKU stock after the run: {checked}, as requested, no invariant violations.")
