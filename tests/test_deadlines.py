@@ -35,7 +35,7 @@ from reservations.requests import request_id
 from tasks import ReservationClient, Settings, create_app
 from tasks.deadlines import DEADLINE, Late, header, late
 from tests.support import run
-from tests.workers import Cluster, cluster, migrated_database
+from tests.workers import Cluster, one_worker
 
 OUTCOME_TIMEOUT = 20.0
 NOW = 1_800_000_000.0
@@ -251,24 +251,17 @@ def running(
     """One worker on the inventory database (its SQL leases there too), on the private Redis."""
     kind: str = request.param
     workdir = tmp_path_factory.mktemp(f"deadlines_{kind}")
-    db = 0 if kind == "sqlite" else 2
-    with migrated_database(kind, workdir, migrated_sqlite) as url:
-        env = {
-            "RESERVATIONS_BROKER_URL": server.url(db),
-            "RESERVATIONS_RESULT_BACKEND": server.url(db + 1),
-            "RESERVATIONS_DATABASE_URL": url,
-        }
-        with cluster(workdir, env, count=1, prefix=f"late{kind[:2]}") as started:
-            client = started.client()
-            inventory = Inventory.from_url(url)
-            leases = LeaseManager.from_url(started.lease_url)
-            try:
-                yield Running(started, client, inventory, leases)
-            finally:
-                leases.close()
-                inventory.close()
-                client.close()
-                client.app.close()
+    with one_worker(kind, workdir, server.url, migrated_sqlite, prefix="late") as (started, url):
+        client = started.client()
+        inventory = Inventory.from_url(url)
+        leases = LeaseManager.from_url(started.lease_url)
+        try:
+            yield Running(started, client, inventory, leases)
+        finally:
+            leases.close()
+            inventory.close()
+            client.close()
+            client.app.close()
 
 
 @pytest.mark.slow

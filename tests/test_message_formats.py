@@ -51,7 +51,7 @@ from tasks.messages import (
     request_fingerprint,
 )
 from tasks.producer import Producer
-from tests.workers import Cluster, cluster, migrated_database
+from tests.workers import Cluster, one_worker
 
 pytestmark = pytest.mark.slow
 
@@ -272,24 +272,17 @@ def running(
     """One worker of this code on the inventory database (its SQL leases there too), on a private Redis."""
     kind: str = request.param
     workdir = tmp_path_factory.mktemp(f"formats_{kind}")
-    db = 0 if kind == "sqlite" else 2
-    with migrated_database(kind, workdir, migrated_sqlite) as url:
-        env = {
-            "RESERVATIONS_BROKER_URL": server.url(db),
-            "RESERVATIONS_RESULT_BACKEND": server.url(db + 1),
-            "RESERVATIONS_DATABASE_URL": url,
-        }
-        with cluster(workdir, env, count=1, prefix=f"fmt{kind[:2]}") as started:
-            client = started.client()
-            inventory = Inventory.from_url(url)
-            broker = redis.Redis.from_url(server.url(db))
-            try:
-                yield Running(started, broker, client, inventory)
-            finally:
-                broker.close()
-                inventory.close()
-                client.close()
-                client.app.close()
+    with one_worker(kind, workdir, server.url, migrated_sqlite, prefix="fmt") as (started, url):
+        client = started.client()
+        inventory = Inventory.from_url(url)
+        broker = redis.Redis.from_url(started.settings["RESERVATIONS_BROKER_URL"])
+        try:
+            yield Running(started, broker, client, inventory)
+        finally:
+            broker.close()
+            inventory.close()
+            client.close()
+            client.app.close()
 
 
 def fresh_for(running: Running, fixture: dict[str, Any]) -> Fresh:

@@ -10,7 +10,7 @@ import os
 import shutil
 import subprocess
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -140,3 +140,21 @@ def cluster(
         yield Cluster(settings=full, workers=workers, failpoint_dir=failpoints)
     finally:
         stop_all(workers)
+
+
+@contextmanager
+def one_worker(
+    kind: str, workdir: Path, redis_url: Callable[[int], str], migrated_sqlite: Path, *, prefix: str
+) -> Iterator[tuple[Cluster, str]]:
+    """One worker of this code on a migrated inventory database of ``kind`` (its SQL leases there too),
+    broker and results on databases of a private Redis (``redis_url(n)``), kept apart per kind; yields
+    the cluster and the database's URL."""
+    db = 0 if kind == "sqlite" else 2
+    with migrated_database(kind, workdir, migrated_sqlite) as url:
+        env = {
+            "RESERVATIONS_BROKER_URL": redis_url(db),
+            "RESERVATIONS_RESULT_BACKEND": redis_url(db + 1),
+            "RESERVATIONS_DATABASE_URL": url,
+        }
+        with cluster(workdir, env, count=1, prefix=f"{prefix}{kind[:2]}") as started:
+            yield started, url
