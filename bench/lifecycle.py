@@ -22,12 +22,11 @@ from bench import lifecycle_raw
 from bench.env import Scratch
 from bench.leases import UnexpectedReply
 from bench.lifecycle_raw import RAW
-from bench.reserve import conninfo
+from bench.reserve import conninfo, leased_skus
 from bench.timing import Case, Op, Progress, Results, measure
 from bench.wire import Trips, transactions_in, wire_trace
-from fencing import Lease, LeaseManager
-from reservations import Inventory, schema
-from reservations import validation as valid
+from fencing import Lease
+from reservations import Inventory
 from reservations.audit import Rule
 from reservations.counting import StockSeen
 from reservations.models import idempotency_keys
@@ -36,8 +35,6 @@ from reservations.views import Outcome
 
 SKUS = 64
 ON_HAND = 10**6
-TTL = 3600.0  # outlives the section: a lease that expired mid-run would turn fenced writes into errors
-HOLDER = "bench"
 SPEAKER = Speaker(task_id="bench-task", worker="bench-worker", epochs=0)
 
 ONE, SEVERAL = "one statement", "several statements"
@@ -195,12 +192,9 @@ def one_vs_several(
     url = scratch.postgres_url("lifecycle")
     if progress:
         progress(f"  migrating a fresh schema, adding {SKUS} SKUs, taking their leases")
-    schema.upgrade(url)
-    skus = [f"L-{n}" for n in range(SKUS)]
     per_case = warmup + iterations * repeats
     with ExitStack() as stack:
-        manager = stack.enter_context(LeaseManager.from_url(url))
-        leases = {sku: manager.acquire(valid.scope_of(sku), ttl=TTL, holder=HOLDER) for sku in skus}
+        skus, leases = leased_skus(stack, url, "L", SKUS)
         paths = {
             ONE: stack.enter_context(Inventory.from_url(url)),
             SEVERAL: stack.enter_context(Inventory.from_url(url, single_statement=False)),

@@ -332,6 +332,16 @@ def cpu_metered(op: Op, spent: list[float]) -> Op:
     return run
 
 
+def leased_skus(stack: ExitStack, url: str, prefix: str, count: int) -> tuple[list[str], dict[str, Lease]]:
+    """``count`` SKU names and a lease on each, migrating the schema at ``url`` first. The SQL lease
+    backend on the same database: the section needs no other service. The leases are never released:
+    the schema they live in is dropped with the run."""
+    schema.upgrade(url)
+    skus = [f"{prefix}-{n}" for n in range(count)]
+    manager = stack.enter_context(LeaseManager.from_url(url))
+    return skus, {sku: manager.acquire(valid.scope_of(sku), ttl=TTL, holder=HOLDER) for sku in skus}
+
+
 def reserve_vs_raw(
     scratch: Scratch,
     results: Results,
@@ -346,13 +356,8 @@ def reserve_vs_raw(
     url = scratch.postgres_url("reserve")
     if progress:
         progress(f"  migrating a fresh schema, adding {SKUS} SKUs, taking their leases")
-    schema.upgrade(url)
-    skus = [f"R-{n}" for n in range(SKUS)]
     with ExitStack() as stack:
-        # The SQL lease backend on the same database: the section needs no other service. The leases
-        # are never released: the schema they live in is dropped with the run.
-        manager = stack.enter_context(LeaseManager.from_url(url))
-        leases = {sku: manager.acquire(valid.scope_of(sku), ttl=TTL, holder=HOLDER) for sku in skus}
+        skus, leases = leased_skus(stack, url, "R", SKUS)
         inventory = stack.enter_context(Inventory.from_url(url))
         for sku in skus:
             inventory.add_sku(sku, on_hand=ON_HAND)
