@@ -149,17 +149,16 @@ def serve_quietly(res: Resources, sku: str, **kwargs: Any) -> int:
         return 0
 
 
-def publish(outcomes: list[RequestResult], joined: frozenset[tuple[str, str | None]] = frozenset()) -> bool:
+def publish(outcomes: list[RequestResult], listed: list[RequestResult]) -> bool:
     """Give each served request's own Celery task its result, as if it had run the request itself.
 
     The outcome rows are already committed and are what callers wait on; a result lost here (the server
     died in between) leaves only ``AsyncResult`` of that request waiting. Stored only where request tasks
-    store theirs (``RESERVATIONS_RESULT_EXPIRES``). The requests ``joined`` in memory (key, task id) are
-    not announced: their own tasks end with their answers, and Celery announces those. Returns whether
-    every result was stored.
+    store theirs (``RESERVATIONS_RESULT_EXPIRES``). Only the ``listed`` ones are announced: a request
+    joined in memory ends in its own task, and Celery announces that. Returns whether every result was
+    stored.
     """
     stored = stores_request_results(app) and store_results([o for o in outcomes if o.task_id])
-    listed = [outcome for outcome in outcomes if (outcome.key, outcome.task_id) not in joined]
     try:
         announce(app, listed, getattr(current_task.request, "hostname", None) if current_task else None)
     except Exception as exc:  # monitoring events are a convenience too
@@ -235,9 +234,10 @@ def _batch(
             in_hand=[request.request for request in joined],
         )
         failpoint("after_write")
-        handed = frozenset((request.request.key, request.request.task_id) for request in joined)
-        observe.served([outcome for outcome in outcomes if (outcome.key, outcome.task_id) not in handed])
-        stored = publish(outcomes, handed)
+        handed = {(request.request.key, request.request.task_id) for request in joined}
+        listed = [outcome for outcome in outcomes if (outcome.key, outcome.task_id) not in handed]
+        observe.served(listed)
+        stored = publish(outcomes, listed)
     finally:
         by_key = {outcome.key: outcome for outcome in outcomes}
         for request in joined:
