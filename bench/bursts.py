@@ -159,6 +159,27 @@ def noop_burst(app: Celery, in_flight: InFlight, task: str) -> BurstFn:
     return run
 
 
+def raw_reserve_burst(app: Celery, skus: list[str], in_flight: InFlight, task: str) -> BurstFn:
+    """The physical reference's reservations (bench.raw_tasks), round-robin over ``skus``, each waited on
+    by AsyncResult.get in enqueue order as the reservation bursts are. Its app stores no retry counts, so
+    its retries are not seen."""
+
+    def run(tag: str, count: int) -> Burst:
+        deadline = _deadline(count)
+        start = time.perf_counter()
+        sent = []
+        for i in range(count):
+            kwargs = {"sku": skus[i % len(skus)], "quantity": 1, "idempotency_key": f"{tag}-{i}"}
+            sent.append((time.time(), in_flight.track(app.send_task(task, kwargs=kwargs))))
+        outcomes = [result.get(timeout=_left(deadline)) for _, result in sent]
+        seconds = time.perf_counter() - start
+        in_flight.done()
+        _all_ended("reserved", tag, [outcome.get("status") for outcome in outcomes])
+        return Burst(seconds, [_done_at(result) - at for at, result in sent], retries=None)
+
+    return run
+
+
 def noop_no_result_burst(app: Celery, in_flight: InFlight) -> BurstFn:
     """No-ops that store no result, the last one excepted: with nothing to wait on, the burst ends when
     that last one's result is stored. Tasks run in queue order, so at most the other pool slots' last

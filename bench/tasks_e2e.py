@@ -25,7 +25,7 @@ from sqlalchemy.engine import make_url
 from admin.celery_processes import CeleryProcess, start_all, stop_all, worker_env
 from admin.harness import free_port
 from admin.redis_servers import redis_server
-from bench import celery_defaults, old_results
+from bench import celery_defaults, old_results, raw_tasks
 from bench.bursts import (
     BurstFn,
     InFlight,
@@ -33,6 +33,7 @@ from bench.bursts import (
     noop_burst,
     noop_no_result_burst,
     noop_pair_burst,
+    raw_reserve_burst,
     reserve_burst_poll,
     reserve_burst_result,
 )
@@ -51,6 +52,7 @@ from bench.costs import (
     proxied,
 )
 from bench.env import Scratch
+from bench.reserve import conninfo
 from bench.timing import CaseStats, Progress, Results
 from bench.wire import CountingProxy
 from fencing.urls import mask_url
@@ -81,6 +83,7 @@ SPREAD_RESULT = f"reserve, {SPREAD} SKUs, AsyncResult.get"
 SPREAD_POLL = f"reserve, {SPREAD} SKUs, DB outcome poll"
 SQL_SPREAD_RESULT = f"reserve, {SPREAD} SKUs, SQL leases, AsyncResult.get"
 METRICS_SPREAD_RESULT = f"reserve, {SPREAD} SKUs, metrics on, AsyncResult.get"
+RAW_RESERVE = f"raw reservation task (lock, one statement), Celery defaults, {SPREAD} SKUs, AsyncResult.get"
 LIFE = "a reservation's life as tasks: reserve then confirm"
 NOOP_PAIR = "two Celery no-ops with results"
 
@@ -214,7 +217,9 @@ def tasks_vs_noop(
         counted_skus = [f"C-{n}" for n in range(SPREAD)]
         metered = [f"M-{n}" for n in range(SPREAD)]
         lives = [f"L-{n}" for n in range(SPREAD)]  # reserved, then confirmed: on hand goes down
-        _seed(database_url, spread + counted_skus + metered + lives + (sql_spread if sql_leases else []))
+        raw_skus = [f"R-{n}" for n in range(SPREAD)]  # the physical reference's, locked by name only
+        seeded = spread + counted_skus + metered + lives + raw_skus
+        _seed(database_url, seeded + (sql_spread if sql_leases else []))
 
         # One redis-server, one database number per role; every worker has a broker database of its
         # own so that no worker takes another's tasks. Requests keep their Celery result (none by
@@ -233,6 +238,13 @@ def tasks_vs_noop(
             celery_defaults.BROKER_ENV: f"{base}/5",
             celery_defaults.BACKEND_ENV: f"{base}/6",
         }
+        # The physical reference (bench.raw_tasks): Celery's defaults, a plain lock, one raw statement.
+        raw_env = {
+            celery_defaults.BROKER_ENV: f"{base}/11",
+            celery_defaults.BACKEND_ENV: f"{base}/12",
+            raw_tasks.DATABASE_ENV: conninfo(database_url),
+            raw_tasks.LOCK_ENV: f"{base}/13",
+        }
         # The project's worker again, reaching PostgreSQL through the counting proxy; never timed.
         count_settings = redis_settings.with_(
             broker_url=f"{base}/7", result_backend=f"{base}/8", database_url=proxied(database_url, proxy)
@@ -248,6 +260,7 @@ def tasks_vs_noop(
             "bench-redis": (project, redis_settings),
             "bench-metrics": (project, metrics_settings),
             "bench-defaults": ("bench.celery_defaults", defaults_env),
+            "bench-raw": (raw_tasks.__name__, raw_env),
             "bench-count": (project, count_settings),
             **({"bench-sql": (project, sql_settings)} if sql_leases else {}),
         }
@@ -273,6 +286,8 @@ def tasks_vs_noop(
         app, client = producer(redis_settings)
         defaults_app = celery_defaults.create_app(f"{base}/5", f"{base}/6")
         stack.callback(defaults_app.close)
+        raw_app = celery_defaults.create_app(f"{base}/11", f"{base}/12")
+        stack.callback(raw_app.close)
         commands = RedisCommands(f"{base}/0")
         stack.callback(commands.close)
         cases = [
@@ -283,6 +298,8 @@ def tasks_vs_noop(
             TaskCase(SPREAD_RESULT, reserve_burst_result(app, client, spread, in_flight),
                      workers["bench-redis"]),
             TaskCase(SPREAD_POLL, reserve_burst_poll(client, spread), workers["bench-redis"]),
+            TaskCase(RAW_RESERVE, raw_reserve_burst(raw_app, raw_skus, in_flight, raw_tasks.RAW_RESERVE),
+                     workers["bench-raw"]),
             TaskCase(NOOP_PAIR, noop_pair_burst(defaults_app, in_flight, celery_defaults.NOOP),
                      workers["bench-defaults"]),
             TaskCase(LIFE, life_burst(app, client, lives, in_flight), workers["bench-redis"]),
@@ -317,13 +334,15 @@ def tasks_vs_noop(
         expected |= _round_robin(metered, bursts)
         if sql_leases:
             expected |= _round_robin(sql_spread, bursts)
+        expected |= _round_robin(raw_skus, bursts)
         expected |= dict.fromkeys(lives, 0)  # every life's reservation confirmed: none held
         checked = _check_stock(database_url, expected, confirmed=_round_robin(lives, bursts))
 
     stats = runs.stats
     section = f"Celery end to end: reservation task vs no-op tasks (bursts of {count})"
-    for baseline in (NOOP_DEFAULTS, NOOP_IGNORED, NOOP_PROJECT):
+    for baseline in (NOOP_DEFAULTS, NOOP_IGNORED, NOOP_PROJECT, RAW_RESERVE):
         results.add(section, stats, SPREAD_RESULT, baseline)
+    results.add(section, stats, RAW_RESERVE, NOOP_DEFAULTS)
     # Waiting on the outcome row needs no Celery result: its like-for-like no-op stores none either.
     results.add(section, stats, SPREAD_POLL, NOOP_IGNORED)
     results.add(section, stats, SPREAD_POLL, SPREAD_RESULT)
@@ -370,7 +389,8 @@ def tasks_vs_noop(
         "--without-gossip --without-mingle --without-heartbeat --loglevel INFO: the project's app (acks "
         f"late, prefetch 1, request results kept {RESULT_EXPIRES} s with Celery's extended metadata as "
         "bench.old_results stores them, for the retries column), the same app counting through a proxy, an "
-        "app at Celery's defaults (early acks, prefetch 4)"
+        "app at Celery's defaults (early acks, prefetch 4), the same defaults running the physical reference "
+        "(bench.raw_tasks)"
         + (", the project's app on SQL leases" if sql_leases else "")
         + f"; one busy at a time, the others idling; ready {startup:.1f} s after start",
         f"Celery broker / results: private redis-server {server.version}, {broker} / {backend} "
@@ -387,6 +407,15 @@ def tasks_vs_noop(
         "stores a result) is done, and their latency is not seen ('-'). Celery defaults = an app with only "
         "broker, result backend and JSON serializers set. p50 / p99: enqueue to outcome stored (worker or "
         "database clock) per task; in a burst that is mostly queueing."
+    )
+    results.notes.append(
+        f"'{RAW_RESERVE}': the physical reference for a reservation task (bench.raw_tasks), on a worker at "
+        "Celery's defaults: a plain Redis lock (SET NX PX, released by a compare-and-delete script, taken "
+        "again after 5 ms when found taken) and ONE raw psycopg statement writing the rows a reservation "
+        "task writes (stock counts, reservation, history row, idempotency record, the request's outcome "
+        "and attempt). No fencing token, idempotency lookup, stock row lock, message checks, late acks or "
+        "lease renewal: its gap to the no-op is what a lock and the rows cost, and the reservation task's "
+        "gap to it is the project's own work."
     )
     results.notes.append(
         f"'{LIFE}': a burst of {count} reserve requests on {SPREAD} SKUs of their own, each waited on by "

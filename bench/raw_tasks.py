@@ -1,0 +1,119 @@
+"""The physical reference for a reservation task: a Celery task at Celery's defaults (the no-op baseline's
+app, :mod:`bench.celery_defaults`) that takes a plain Redis lock (``SET NX PX``), writes the rows a
+reservation task writes in one raw psycopg statement, and releases the lock with a compare-and-delete
+script. Run as ``celery -A bench.raw_tasks worker``; the database and the lock's Redis come from
+:data:`DATABASE_ENV` and :data:`LOCK_ENV`.
+
+What it leaves out is what the project adds for safety: no fencing token (none is issued or checked),
+no idempotency lookup or replay, no stock row lock, no message checks, no lease renewal, and a lock that
+is found taken is simply tried again. What it keeps: the same Celery round (JSON, a result stored and
+awaited), the same two Redis round trips for the lock, and one statement writing the same seven rows
+(the stock counts, the reservation, its history row, the idempotency record, the request's outcome and
+its attempt), so the gap between it and the project's reservation task is the project's own work.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+import redis
+from psycopg import sql
+
+from bench import celery_defaults
+from bench.leases import COMPARE_AND_DELETE
+from bench.reserve import PARTS
+from reservations.operations import fingerprint, new_reservation_id
+
+DATABASE_ENV = "BENCH_RAW_DATABASE_URL"  # a libpq conninfo or postgresql:// URL
+LOCK_ENV = "BENCH_RAW_LOCK_URL"
+RAW_RESERVE = "bench.raw_reserve"
+LOCK_TTL_MS = 30_000
+BUSY_COUNTDOWN = 0.005
+
+app = celery_defaults.app
+
+# bench.reserve's one-CTE statement (stock, reservation, history, idempotency record) with the request's
+# outcome and attempt added (o, a), as the reservation task's statement writes them.
+STATEMENT = (
+    sql.SQL(
+        "WITH s AS ({stock_update}), "
+        "r AS ({reservation_row} SELECT %(id)s, s.sku, %(quantity)s, 'held', NULL, %(key)s, NULL, "
+        "%(token)s, %(lease_id)s, {now} FROM s), "
+        "h AS ({history_row} SELECT s.sku, {now}, 'write', 'reserve', %(token)s, %(lease_id)s, "
+        "%(holder)s, %(quantity)s, %(key)s, %(id)s, 0, %(quantity)s, NULL FROM s), "
+        "k AS ({key_row} SELECT %(key)s, %(fingerprint)s, 'reserve', json_build_object("
+        "'detail', json_build_object(), 'key', %(key)s::text, 'operation', 'reserve', "
+        "'quantity', %(quantity)s::bigint, 'reservation_ids', json_build_array(%(id)s::text), "
+        "'stock', json_build_array(json_build_object('available', s.available, 'fence_token', s.fence_token, "
+        "'on_hand', s.on_hand, 'reserved', s.reserved, 'sku', s.sku)), 'token', %(token)s::bigint)::text, "
+        "%(token)s, {now} FROM s), "
+        "o AS (INSERT INTO request_outcomes (key, operation, status, detail, task_id, worker, epochs, at_ms, "
+        "fingerprint) SELECT %(key)s, 'reserve', 'reserved', json_build_object("
+        "'reservation_ids', json_build_array(%(id)s::text), 'token', %(token)s::bigint, "
+        "'quantity', %(quantity)s::bigint, 'stock', json_build_array(json_build_object('sku', s.sku, "
+        "'on_hand', s.on_hand, 'reserved', s.reserved, 'available', s.available)))::text, "
+        "%(task_id)s, %(worker)s, 0, {now}, %(fingerprint)s FROM s), "
+        "a AS (INSERT INTO task_attempts (key, operation, result, task_id, worker, token, detail, at_ms) "
+        "SELECT %(key)s, 'reserve', 'applied', %(task_id)s, %(worker)s, %(token)s, NULL, {now} FROM s) "
+        "SELECT sku, on_hand, reserved, available FROM s"
+    )
+    .format(**PARTS)
+    .as_bytes()
+)
+
+
+@dataclass
+class _Clients:
+    pid: int
+    lock: redis.Redis
+    release: Any
+    database: psycopg.Connection[Any]
+
+
+_clients: _Clients | None = None
+
+
+def clients() -> _Clients:
+    """This process's connections, made on first use (again in a forked pool child)."""
+    global _clients
+    if _clients is None or _clients.pid != os.getpid():
+        lock = redis.Redis.from_url(os.environ[LOCK_ENV])
+        database = psycopg.connect(os.environ[DATABASE_ENV], autocommit=True)
+        _clients = _Clients(os.getpid(), lock, lock.register_script(COMPARE_AND_DELETE), database)
+    return _clients
+
+
+class LockTaken(Exception):
+    pass
+
+
+@app.task(name=RAW_RESERVE, bind=True, max_retries=None)  # type: ignore[untyped-decorator]
+def raw_reserve(self: Any, sku: str, quantity: int, idempotency_key: str) -> dict[str, Any]:
+    c = clients()
+    name, holder = f"raw-lock:{sku}", uuid.uuid4().hex
+    if not c.lock.set(name, holder, nx=True, px=LOCK_TTL_MS):
+        raise self.retry(countdown=BUSY_COUNTDOWN, exc=LockTaken(sku))
+    reservation = new_reservation_id()
+    try:
+        with c.database.cursor() as cur:
+            cur.execute(STATEMENT, {
+                "sku": sku, "quantity": quantity, "key": idempotency_key, "id": reservation,
+                "token": 0, "lease_id": holder, "holder": holder, "task_id": self.request.id,
+                "worker": self.request.hostname,
+                "fingerprint": fingerprint("reserve", sku=sku, quantity=quantity, hold_ms=None),
+            })  # fmt: skip
+            row = cur.fetchone()
+    finally:
+        c.release(keys=[name], args=[holder])
+    if row is None:
+        return {"status": "insufficient_stock", "key": idempotency_key, "operation": "reserve"}
+    _, on_hand, reserved, available = row
+    return {
+        "status": "reserved", "epochs": 0, "key": idempotency_key, "operation": "reserve",
+        "detail": {"reservation_ids": [reservation], "token": 0, "quantity": quantity,
+                   "stock": [{"sku": sku, "on_hand": on_hand, "reserved": reserved, "available": available}]},
+    }  # fmt: skip
