@@ -98,8 +98,17 @@ def client_options(url: str, lease_ttl: float, pooling: str = "session") -> dict
     return {} if in_memory else {**SQL_POOL, "pooling": pooling}
 
 
+_identity: tuple[int, str] | None = None
+
+
 def worker_identity() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}"
+    """``host:pid`` of this process, as every record of its attempts names it. Kept per process: asking
+    the kernel for the host name is a system call, and a request task names its worker several times."""
+    global _identity
+    pid = os.getpid()
+    if _identity is None or _identity[0] != pid:
+        _identity = (pid, f"{socket.gethostname()}:{pid}")
+    return _identity[1]
 
 
 def _build_inventory(settings: Settings) -> Inventory:
