@@ -103,6 +103,13 @@ def _done_at(result: AsyncResult) -> float:
     return done.timestamp()
 
 
+def retries_of(results: Iterable[AsyncResult]) -> int | None:
+    """The Celery retries of ``results``; None when a result does not carry its count (a result stored
+    without Celery's extended metadata)."""
+    counts = [result.retries for result in results]
+    return None if any(count is None for count in counts) else sum(counts)
+
+
 def _deadline(count: int) -> float:
     return time.monotonic() + max(MIN_BURST_TIMEOUT, count * BURST_TIMEOUT_PER_TASK)
 
@@ -240,7 +247,7 @@ def reserve_burst_result(
         return Burst(
             seconds,
             [_done_at(result) - at for at, result in sent],
-            retries=sum(result.retries or 0 for _, result in sent),
+            retries=retries_of(result for _, result in sent),
         )
 
     return run
@@ -285,7 +292,7 @@ def _two_steps(
     return Burst(
         seconds,
         [_done_at(result) - at for at, result in second],
-        retries=sum(result.retries or 0 for _, result in sent + second),
+        retries=retries_of(result for _, result in sent + second),
     ), values
 
 

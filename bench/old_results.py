@@ -3,9 +3,9 @@ with Celery's extended metadata (task name, arguments, worker, queue, retries) b
 was then kept 24 hours (:data:`EXPIRES`). Workers run it with ``celery -A bench.old_results worker``; how
 long results are kept is the settings' ``RESERVATIONS_RESULT_EXPIRES``, as for the project's app.
 
-The soak's baseline runs on it with results kept :data:`EXPIRES`. The tasks and hot-SKU sections run their
-workers on it too, as they did before: they count each task's Celery retries from that metadata
-(``AsyncResult.retries``), which results without it do not carry.
+The soak's baseline runs on it with results kept :data:`EXPIRES`. The hot-SKU section runs its workers on it
+too: it counts each task's Celery retries from that metadata (``AsyncResult.retries``), which results
+without it do not carry. The tasks section times the project's own app instead.
 """
 
 from __future__ import annotations
