@@ -25,7 +25,7 @@ from psycopg import sql
 
 from bench import celery_defaults
 from bench.leases import COMPARE_AND_DELETE
-from bench.reserve import PARTS
+from bench.reserve import NOW_MS, RESERVATION_CTES
 from reservations.operations import fingerprint, new_reservation_id
 
 DATABASE_ENV = "BENCH_RAW_DATABASE_URL"  # a libpq conninfo or postgresql:// URL
@@ -36,21 +36,11 @@ BUSY_COUNTDOWN = 0.005
 
 app = celery_defaults.app
 
-# bench.reserve's one-CTE statement (stock, reservation, history, idempotency record) with the request's
-# outcome and attempt added (o, a), as the reservation task's statement writes them.
+# bench.reserve's four rows (stock, reservation, history, idempotency record) with the request's outcome
+# and attempt added (o, a), as the reservation task's statement writes them.
 STATEMENT = (
     sql.SQL(
-        "WITH s AS ({stock_update}), "
-        "r AS ({reservation_row} SELECT %(id)s, s.sku, %(quantity)s, 'held', NULL, %(key)s, NULL, "
-        "%(token)s, %(lease_id)s, {now} FROM s), "
-        "h AS ({history_row} SELECT s.sku, {now}, 'write', 'reserve', %(token)s, %(lease_id)s, "
-        "%(holder)s, %(quantity)s, %(key)s, %(id)s, 0, %(quantity)s, NULL FROM s), "
-        "k AS ({key_row} SELECT %(key)s, %(fingerprint)s, 'reserve', json_build_object("
-        "'detail', json_build_object(), 'key', %(key)s::text, 'operation', 'reserve', "
-        "'quantity', %(quantity)s::bigint, 'reservation_ids', json_build_array(%(id)s::text), "
-        "'stock', json_build_array(json_build_object('available', s.available, 'fence_token', s.fence_token, "
-        "'on_hand', s.on_hand, 'reserved', s.reserved, 'sku', s.sku)), 'token', %(token)s::bigint)::text, "
-        "%(token)s, {now} FROM s), "
+        "{ctes}, "
         "o AS (INSERT INTO request_outcomes (key, operation, status, detail, task_id, worker, epochs, at_ms, "
         "fingerprint) SELECT %(key)s, 'reserve', 'reserved', json_build_object("
         "'reservation_ids', json_build_array(%(id)s::text), 'token', %(token)s::bigint, "
@@ -61,7 +51,7 @@ STATEMENT = (
         "SELECT %(key)s, 'reserve', 'applied', %(task_id)s, %(worker)s, %(token)s, NULL, {now} FROM s) "
         "SELECT sku, on_hand, reserved, available FROM s"
     )
-    .format(**PARTS)
+    .format(ctes=RESERVATION_CTES, now=NOW_MS)
     .as_bytes()
 )
 

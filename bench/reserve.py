@@ -90,8 +90,9 @@ RAW_INSERTS = _statement(
     "{key_row} VALUES (%(key)s, %(fingerprint)s, 'reserve', %(outcome)s, %(token)s, {now})"
 )
 # Everything in one statement: the inserts read the UPDATE's RETURNING, so no stock row means no rows at
-# all, and the outcome JSON is built from it in the statement (the object Outcome.to_json writes).
-RAW_CTE_STATEMENT = _statement(
+# all, and the outcome JSON is built from it in the statement (the object Outcome.to_json writes). The
+# four rows as CTEs (s, r, h, k) serve bench.raw_tasks too, which adds the request's own rows.
+RESERVATION_CTES = sql.SQL(
     "WITH s AS ({stock_update}), "
     "r AS ({reservation_row} SELECT %(id)s, s.sku, %(quantity)s, 'held', NULL, %(key)s, NULL, "
     "%(token)s, %(lease_id)s, {now} FROM s), "
@@ -102,8 +103,12 @@ RAW_CTE_STATEMENT = _statement(
     "'quantity', %(quantity)s::bigint, 'reservation_ids', json_build_array(%(id)s::text), "
     "'stock', json_build_array(json_build_object('available', s.available, 'fence_token', s.fence_token, "
     "'on_hand', s.on_hand, 'reserved', s.reserved, 'sku', s.sku)), 'token', %(token)s::bigint)::text, "
-    "%(token)s, {now} FROM s) "
-    "SELECT on_hand, reserved, available, fence_token FROM s"
+    "%(token)s, {now} FROM s)"
+).format(**PARTS)
+RAW_CTE_STATEMENT = (
+    sql.SQL("{ctes} SELECT on_hand, reserved, available, fence_token FROM s")
+    .format(ctes=RESERVATION_CTES)
+    .as_bytes()
 )
 
 Names = Callable[[], str]
