@@ -166,27 +166,6 @@ def noop_burst(app: Celery, in_flight: InFlight, task: str) -> BurstFn:
     return run
 
 
-def raw_reserve_burst(app: Celery, skus: list[str], in_flight: InFlight, task: str) -> BurstFn:
-    """The physical reference's reservations (bench.raw_tasks), round-robin over ``skus``, each waited on
-    by AsyncResult.get in enqueue order as the reservation bursts are. Its app stores no retry counts, so
-    its retries are not seen."""
-
-    def run(tag: str, count: int) -> Burst:
-        deadline = _deadline(count)
-        start = time.perf_counter()
-        sent = []
-        for i in range(count):
-            kwargs = {"sku": skus[i % len(skus)], "quantity": 1, "idempotency_key": f"{tag}-{i}"}
-            sent.append((time.time(), in_flight.track(app.send_task(task, kwargs=kwargs))))
-        outcomes = [result.get(timeout=_left(deadline)) for _, result in sent]
-        seconds = time.perf_counter() - start
-        in_flight.done()
-        _all_ended("reserved", tag, [outcome.get("status") for outcome in outcomes])
-        return Burst(seconds, [_done_at(result) - at for at, result in sent], retries=None)
-
-    return run
-
-
 def noop_no_result_burst(app: Celery, in_flight: InFlight) -> BurstFn:
     """No-ops that store no result, the last one excepted: with nothing to wait on, the burst ends when
     that last one's result is stored. Tasks run in queue order, so at most the other pool slots' last
@@ -231,15 +210,17 @@ def _all_ended(want: str, tag: str, statuses: list[Any]) -> None:
         raise UnexpectedReply(f"{len(wrong)} of {len(statuses)} requests in {tag} not {want}: {wrong[:3]}")
 
 
-def reserve_burst_result(
-    app: Celery, client: ReservationClient, skus: list[str], in_flight: InFlight
-) -> BurstFn:
-    """Waits through the Celery result backend, exactly as the no-op baseline does."""
+Sends = Callable[[str, int], Iterable[Sent]]  # (tag, count) -> the burst's reservations as enqueued
+
+
+def _reserved_burst(send: Sends, in_flight: InFlight) -> BurstFn:
+    """Reservations enqueued by ``send`` all at once, each waited on by AsyncResult.get in enqueue order,
+    every one of them ``reserved``."""
 
     def run(tag: str, count: int) -> Burst:
         deadline = _deadline(count)
         start = time.perf_counter()
-        sent = list(_reserves(app, client, skus, in_flight, tag, count))
+        sent = list(send(tag, count))
         outcomes = [result.get(timeout=_left(deadline)) for _, result in sent]
         seconds = time.perf_counter() - start
         in_flight.done()
@@ -251,6 +232,25 @@ def reserve_burst_result(
         )
 
     return run
+
+
+def reserve_burst_result(
+    app: Celery, client: ReservationClient, skus: list[str], in_flight: InFlight
+) -> BurstFn:
+    """Waits through the Celery result backend, exactly as the no-op baseline does."""
+    return _reserved_burst(lambda tag, count: _reserves(app, client, skus, in_flight, tag, count), in_flight)
+
+
+def raw_reserve_burst(app: Celery, skus: list[str], in_flight: InFlight, task: str) -> BurstFn:
+    """The physical reference's reservations (bench.raw_tasks), round-robin over ``skus``, waited on as
+    :func:`reserve_burst_result` waits. Its app stores no retry counts, so its retries are not seen."""
+
+    def send(tag: str, count: int) -> Iterator[Sent]:
+        for i in range(count):
+            kwargs = {"sku": skus[i % len(skus)], "quantity": 1, "idempotency_key": f"{tag}-{i}"}
+            yield time.time(), in_flight.track(app.send_task(task, kwargs=kwargs))
+
+    return _reserved_burst(send, in_flight)
 
 
 def reserve_burst_poll(client: ReservationClient, skus: list[str]) -> BurstFn:
