@@ -1,37 +1,102 @@
-"""Requests a front door accepted, by idempotency key: the difference between "in flight" and "never seen".
+"""The record of every request handed to the broker: the database holds the request, the broker only
+carries it.
 
-An HTTP caller that retries must hear the truth about its key: the outcome once there is one; "still in
-flight" while a request published under it has none; "never seen" otherwise; and "used for a different
-request" as soon as that is known, before anything is published. The outcome rows answer the first
-(reservations.requests); this module records the rest, once per key, before the request is published.
-The record names the request by the fingerprint its outcome will carry, so a reuse with other arguments
-is refused at the door rather than after a worker ran.
+Every producer (the HTTP front door, the library client, the command line, a re-drive) records the whole
+request here before it publishes it: its key, its caller's space, what it is (request type, operation,
+arguments, fingerprint), its task id and message format, and its deadline. A message lost anywhere (a
+worker killed after it fetched it, a broker failover or a broker restarted empty, a retry the broker
+refused, an undecodable copy) then costs time, never the request: the relay (tasks.relay) looks at each
+record whose ``next_look_ms`` has come, and publishes it again, or ends it, until it has its outcome.
+
+The record also tells an HTTP caller the truth about its key: the outcome once there is one; "still in
+flight" while a request recorded under it has none; "never seen" otherwise; and "used for a different
+request" as soon as that is known, before anything is published (the record names the request by the
+fingerprint its outcome will carry).
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from fencing.plan import Alone, Plan
 from fencing.sql import Rows, db_now_ms
 from reservations import validation as valid
-from reservations.errors import KeyTaken
-from reservations.models import accepted_requests
+from reservations.errors import InvalidRequest, KeyTaken
+from reservations.models import accepted_requests, pending_reservations, request_outcomes
 from reservations.requests import RequestResult, request_outcome
+
+_T = accepted_requests
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """A request as its producer records it before publishing: ``request_type`` and ``arguments`` are
+    what a message of ``message_format`` carries (the idempotency key apart), ``operation`` and
+    ``fingerprint`` what its outcome will name; ``caller`` is the caller's space (None: the operator's);
+    ``deadline`` in seconds since the epoch."""
+
+    key: str
+    request_type: str
+    operation: str
+    arguments: Mapping[str, Any]
+    fingerprint: str
+    task_id: str
+    message_format: int
+    deadline: float | None = None
+    caller: str | None = None
+
+    def values(self, look_after: float) -> dict[str, Any]:
+        """The record's columns; the relay first looks at it ``look_after`` seconds from now."""
+        try:
+            arguments = json.dumps(dict(self.arguments), sort_keys=True, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequest(f"the request's arguments are not JSON: {exc}", field="arguments") from None
+        if len(arguments) > valid.MAX_DETAIL_JSON_CHARS:
+            raise InvalidRequest(
+                f"the request's arguments are over {valid.MAX_DETAIL_JSON_CHARS} characters as JSON",
+                field="arguments",
+            )
+        return {
+            "key": valid.idempotency_key(self.key),
+            "operation": valid.operation(self.operation),
+            "fingerprint": self.fingerprint,
+            "at_ms": db_now_ms(),
+            "deadline_ms": None if self.deadline is None else round(self.deadline * 1000),
+            "caller": self.caller,
+            "request_type": valid.operation(self.request_type),
+            "arguments": arguments,
+            "task_id": self.task_id,
+            "message_format": self.message_format,
+            "publishes": 1,
+            "next_look_ms": db_now_ms() + round(look_after * 1000),
+        }
 
 
 @dataclass(frozen=True, slots=True)
 class Accepted:
-    """A request recorded as accepted under ``key``: its operation and fingerprint, when it was accepted
-    and its deadline (seconds since the epoch, database clock for ``at``)."""
+    """A request recorded under ``key``: what it is, when it was accepted and its deadline (seconds since
+    the epoch, database clock for ``at``), and how the relay stands with it: ``publishes`` (the first
+    publication counts) and ``next_look`` (None: the relay looks at it no more). ``arguments`` is None
+    on records older than arguments."""
 
     key: str
     operation: str
     fingerprint: str
     at: float
     deadline: float | None
+    caller: str | None = None
+    request_type: str | None = None
+    arguments: dict[str, Any] | None = None
+    task_id: str | None = None
+    message_format: int | None = None
+    publishes: int = 0
+    next_look: float | None = None
 
     def names(self, operation: str, fingerprint: str) -> bool:
         """Whether this record is of the request with this operation and fingerprint."""
@@ -48,64 +113,153 @@ class Admission:
     first: bool
 
 
-_ACCEPTED = sa.select(accepted_requests).where(accepted_requests.c.key == sa.bindparam("key"))
+_ACCEPTED = sa.select(_T).where(_T.c.key == sa.bindparam("key"))
 
 
-def _accepted_of(row: sa.Row[tuple[object, ...]]) -> Accepted:
+def _ms(value: int | None) -> float | None:
+    return None if value is None else value / 1000
+
+
+def _accepted_of(row: Any) -> Accepted:
     return Accepted(
         key=row.key,
         operation=row.operation,
         fingerprint=row.fingerprint,
         at=row.at_ms / 1000,
-        deadline=None if row.deadline_ms is None else row.deadline_ms / 1000,
+        deadline=_ms(row.deadline_ms),
+        caller=row.caller,
+        request_type=row.request_type,
+        arguments=None if row.arguments is None else json.loads(row.arguments),
+        task_id=row.task_id,
+        message_format=row.message_format,
+        publishes=row.publishes,
+        next_look=_ms(row.next_look_ms),
     )
 
 
-def admit(key: str, operation: str, fingerprint: str, deadline: float | None) -> Plan[Admission]:
-    """The key's outcome if it has one; else record this request as accepted under it, or read the
-    request recorded first (two round trips either way on PostgreSQL: each step is a statement alone)."""
-    valid.idempotency_key(key)
-    outcome = yield from request_outcome(key)
+def admit(request: Request, look_after: float) -> Plan[Admission]:
+    """The key's outcome if it has one; else record ``request`` under it, or read the request recorded
+    first (two round trips either way on PostgreSQL: each step is a statement alone)."""
+    outcome = yield from request_outcome(request.key)
     if outcome is not None:
         return Admission(outcome=outcome, accepted=None, first=False)
-    deadline_ms = None if deadline is None else round(deadline * 1000)
     try:
-        made: Rows = yield Alone(
-            sa.insert(accepted_requests)
-            .values(
-                key=key,
-                operation=operation,
-                fingerprint=fingerprint,
-                at_ms=db_now_ms(),
-                deadline_ms=deadline_ms,
-            )
-            .returning(*accepted_requests.c)
-        )
+        made: Rows = yield Alone(sa.insert(_T).values(request.values(look_after)).returning(*_T.c))
         return Admission(outcome=None, accepted=_accepted_of(made.rows[0]), first=True)
     except KeyTaken as taken:
         if taken.where != "acceptance":
             raise
-    found: Rows = yield Alone(_ACCEPTED, {"key": key})
+    found: Rows = yield Alone(_ACCEPTED, {"key": request.key})
     row = found.first()
-    if row is None:  # withdrawn between the two statements: this request may take the key after all
-        return (yield from admit(key, operation, fingerprint, deadline))
+    if row is None:  # purged between the two statements: this request may take the key after all
+        return (yield from admit(request, look_after))
     return Admission(outcome=None, accepted=_accepted_of(row), first=False)
 
 
+def record(requests: Sequence[Request], look_after: float) -> Plan[None]:
+    """Record ``requests`` in one statement; a key recorded already keeps its first record (a second
+    request under it is the same request, or a conflict its worker reports). ``ON CONFLICT DO NOTHING``
+    is the same text on PostgreSQL and SQLite."""
+    if not requests:
+        return
+    rows = [request.values(look_after) for request in requests]
+    yield Alone(pg_insert(_T).values(rows).on_conflict_do_nothing(index_elements=[_T.c.key]))
+
+
 def accepted(key: str) -> Plan[Accepted | None]:
-    """The request accepted under ``key``, or None."""
+    """The request recorded under ``key``, or None."""
     found: Rows = yield Alone(_ACCEPTED, {"key": valid.idempotency_key(key)})
     row = found.first()
     return None if row is None else _accepted_of(row)
 
 
-def withdraw(key: str, fingerprint: str) -> Plan[bool]:
-    """Take back the acceptance of a request that could not be published (its broker was unreachable),
-    so a retry under the key is accepted afresh; only that request's record goes. True when it went."""
-    gone: Rows = yield Alone(
-        sa.delete(accepted_requests)
-        .where(accepted_requests.c.key == valid.idempotency_key(key))
-        .where(accepted_requests.c.fingerprint == fingerprint)
-        .returning(accepted_requests.c.key)
+# -- the relay's side ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Due:
+    """A record whose look has come: whether its request has an outcome already (``ended``), and
+    whether it waits in its hot SKU's queue for the lease holder (``queued``: the database carries it,
+    not the broker)."""
+
+    accepted: Accepted
+    ended: bool
+    queued: bool
+
+
+def due(limit: int, hold: float) -> Plan[list[Due]]:
+    """Claim up to ``limit`` records whose look has come, oldest look first, moving their next look
+    ``hold`` seconds on (so a relay that dies meanwhile leaves them to the next): two relays claim
+    disjoint records (``SKIP LOCKED`` on PostgreSQL; SQLite runs one writer at a time)."""
+    now = db_now_ms()
+    claimable = (
+        sa.select(_T.c.key)
+        .where(_T.c.next_look_ms <= now)
+        .order_by(_T.c.next_look_ms)
+        .limit(limit)
+        .with_for_update(skip_locked=True)
     )
-    return bool(gone.rows)
+    claimed: Rows = yield Alone(
+        sa.update(_T)
+        .where(_T.c.key.in_(claimable.scalar_subquery()))
+        .values(next_look_ms=now + round(hold * 1000))
+        .returning(*_T.c)
+    )
+    if not claimed.rows:
+        return []
+    keys = [row.key for row in claimed.rows]
+    states: Rows = yield Alone(
+        sa.union_all(
+            sa.select(request_outcomes.c.key, sa.literal("ended").label("state")).where(
+                request_outcomes.c.key.in_(keys)
+            ),
+            sa.select(pending_reservations.c.key, sa.literal("queued").label("state")).where(
+                pending_reservations.c.key.in_(keys)
+            ),
+        )
+    )
+    ended = {row.key for row in states.rows if row.state == "ended"}
+    queued = {row.key for row in states.rows if row.state == "queued"}
+    return [Due(_accepted_of(row), ended=row.key in ended, queued=row.key in queued) for row in claimed.rows]
+
+
+def republished(keys: Sequence[str], spacing: Sequence[float]) -> Plan[None]:
+    """Count one more publication of each of ``keys``, each next looked at after ``spacing[n]`` seconds,
+    ``n`` its publications before this one (the last spacing for any more)."""
+    if not keys:
+        return
+    looks = {n: round(seconds * 1000) for n, seconds in enumerate(spacing)}
+    after = sa.case(looks, value=_T.c.publishes, else_=looks[len(spacing) - 1])
+    yield Alone(
+        sa.update(_T)
+        .where(_T.c.key.in_(list(keys)))
+        .values(publishes=_T.c.publishes + 1, next_look_ms=db_now_ms() + after)
+    )
+
+
+def closed(keys: Sequence[str]) -> Plan[None]:
+    """The relay looks at ``keys`` no more: each has its outcome."""
+    if keys:
+        yield Alone(sa.update(_T).where(_T.c.key.in_(list(keys))).values(next_look_ms=None))
+
+
+def keep(request: Request, look_after: float) -> Plan[None]:
+    """Make sure the relay carries ``request`` on: record it if it is not (a message of a producer that
+    recorded nothing), and have its record looked at within ``look_after`` seconds. For a worker that
+    cannot hand the request back to the broker (a retry the broker refused) before it lets the message go:
+    nothing is acked without a record the relay acts on."""
+    values = request.values(look_after)
+    insert = pg_insert(_T).values(values)
+    yield Alone(
+        insert.on_conflict_do_update(
+            index_elements=[_T.c.key],
+            set_={
+                "next_look_ms": insert.excluded.next_look_ms,
+                # A record older than its arguments learns them from the message.
+                "request_type": sa.func.coalesce(_T.c.request_type, insert.excluded.request_type),
+                "arguments": sa.func.coalesce(_T.c.arguments, insert.excluded.arguments),
+                "task_id": sa.func.coalesce(_T.c.task_id, insert.excluded.task_id),
+                "message_format": sa.func.coalesce(_T.c.message_format, insert.excluded.message_format),
+            },
+        )
+    )

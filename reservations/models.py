@@ -280,19 +280,34 @@ request_redrives = _table(RequestRedrive)
 
 
 class AcceptedRequest(SQLModel, table=True):
-    """A request the HTTP front door accepted and published under its idempotency key: what it was (its
-    operation and fingerprint), when, and until when it is wanted (``deadline_ms``). Written once per key,
-    before publishing, so a key in flight reads "pending" rather than "never seen", and a key reused for
-    another request is refused before anything is published (reservations.acceptance)."""
+    """A request as a producer recorded it before publishing (reservations.acceptance): its key, the
+    caller's space it was sent in, what it was (request type, operation, arguments, fingerprint), its task
+    id and message format, when it was accepted and until when it is wanted (``deadline_ms``). The broker
+    only carries it: the relay publishes again, under the same task id, a request that has no outcome
+    when ``next_look_ms`` comes (NULL: nothing to look at, it has its outcome or no arguments), and ends
+    one that never gets one. Written once per key; a key in flight reads "pending" rather than "never
+    seen", and a key reused for another request is refused before anything is published."""
 
     __tablename__ = "accepted_requests"
-    __table_args__ = (sa.Index("ix_accepted_requests_at_ms", "at_ms"),)
+    __table_args__ = (
+        sa.Index("ix_accepted_requests_at_ms", "at_ms"),
+        sa.Index("ix_accepted_requests_next_look_ms", "next_look_ms"),
+    )
 
     key: str = Field(primary_key=True, max_length=200)
     operation: str = Field(max_length=32)
     fingerprint: str = Field(max_length=64)
     at_ms: int = Field(sa_column=_bigint())
     deadline_ms: int | None = Field(default=None, sa_column=_bigint(nullable=True))
+    # The caller's space: an HTTP caller's name ("*" for an anonymous one); NULL for the operator's
+    # space (the library client, the command line, re-drives).
+    caller: str | None = Field(default=None, max_length=64)
+    request_type: str | None = Field(default=None, max_length=32)
+    arguments: str | None = None  # JSON, as published
+    task_id: str | None = Field(default=None, max_length=64)
+    message_format: int | None = None
+    publishes: int = Field(default=0, sa_column=sa.Column(sa.Integer, nullable=False, server_default="0"))
+    next_look_ms: int | None = Field(default=None, sa_column=_bigint(nullable=True))
 
 
 accepted_requests = _table(AcceptedRequest)

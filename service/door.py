@@ -1,14 +1,13 @@
-"""The front door's one way in for every request that changes stock: admit it under its key, publish it
-once, wait for its outcome as long as the caller asked, and say what is known.
+"""The front door's one way in for every request that changes stock: admit it under its key, record and
+publish it once, wait for its outcome as long as the caller asked, and say what is known.
 
 - A key with a final outcome gets that outcome's answer again (nothing is published).
-- A key first seen is recorded as accepted (reservations.acceptance) and its request published; if the
-  broker does not take it, the record is withdrawn and the caller hears 503: nothing is stored, so the same
-  key tries again.
+- A key first seen is recorded, whole, in the caller's space (reservations.acceptance), then published.
+  If the broker does not take it, the record stays and the caller hears 202 with the Location: the
+  request is accepted, and the relay (tasks.relay) publishes it once the broker answers, or ends it
+  ``expired`` at its deadline. A database that does not answer is 503: nothing was recorded.
 - A key already accepted for the same request is waited on, not published again: a duplicate in flight
-  is not a second message. Its wait can still publish a copy when the outcome is long overdue (the
-  first publisher may have died between recording and publishing, or a broker failover lost it), exactly
-  as the client does for its own requests (tasks.outcomes).
+  is not a second message, and a message lost in flight is the relay's to publish again.
 - A key accepted or decided for another request is 422, before anything is published.
 - No outcome within the wait: 202 with the request's Location.
 """
@@ -16,16 +15,15 @@ once, wait for its outcome as long as the caller asked, and say what is known.
 from __future__ import annotations
 
 import asyncio
-import time
+import logging
 from collections.abc import Callable
-from contextlib import suppress
 from typing import Any
 
 from kombu.exceptions import OperationalError
 
 from fencing import BackendUnavailable
 from reservations import AsyncInventory, IdempotencyConflict, InvalidRequest
-from reservations.acceptance import Admission, admit, withdraw
+from reservations.acceptance import Admission, admit
 from reservations.acceptance import accepted as accepted_under
 from reservations.requests import RequestResult, request_outcome
 from reservations.statuses import RequestStatus
@@ -33,7 +31,9 @@ from service.answers import Answer, answer_of, pending, problem_answer
 from service.backlog import Backlog, retry_after
 from service.problems import problem
 from tasks import OutcomeTimeout, ReservationClient, messages
-from tasks.outcomes import Published
+from tasks.sending import request_of
+
+log = logging.getLogger("service.door")
 
 # Retry-After when the broker or the database did not answer: a failover takes seconds.
 UNAVAILABLE_RETRY_AFTER = 5
@@ -82,13 +82,17 @@ class Door:
         deadline: float | None,
         wait: float,
         location: str,
+        caller: str | None = None,
     ) -> Answer:
-        """Carry the request of task type ``name`` under the stored ``key`` (``shown_key`` is the caller's)
-        to its answer."""
+        """Carry the request of task type ``name`` under the stored ``key`` (``shown_key`` is the caller's,
+        ``caller`` its space) to its answer."""
         try:
             message = messages.parse(name, [], {**args, "idempotency_key": key})
         except InvalidRequest as exc:
             raise problem("invalid-request", str(exc), field=exc.field) from None
+        request = request_of(
+            name, key, message.args, deadline=deadline, caller=caller, fingerprint=message.fingerprint
+        )
         run = self.inventory.executor.run
         try:
             if self.backlog.over(self.queue_bound):
@@ -98,7 +102,7 @@ class Door:
                     return self._overloaded()
                 admission = Admission(outcome=done, accepted=None, first=False)
             else:
-                admission = await run(admit(key, message.operation, message.fingerprint, deadline))
+                admission = await run(admit(request, self.client.settings.republish_after))
         except UNANSWERED as exc:
             return unavailable("database", exc)
         if admission.outcome is not None:
@@ -109,43 +113,25 @@ class Door:
             return self._reused(shown_key, accepted.operation, location)
         if admission.first:
             try:
-                handle = await self.client.enqueue(
-                    name, idempotency_key=key, deadline=deadline, **message.args
-                )
+                await self.client.publish_recorded(request)
             except UNANSWERED as exc:
-                # If even that fails the record stays: a retry under the key waits on it and publishes a copy.
-                with suppress(*UNANSWERED):
-                    await run(withdraw(key, message.fingerprint))
-                return unavailable("broker", exc)
-            published = handle.published
-        else:
-            # Someone accepted it first: wait as its publisher would, with the times it was accepted at.
-            since = max(0.0, time.time() - accepted.at)
-            published = Published(
-                name, dict(message.args), time.monotonic() - since, accepted.at, accepted.deadline
-            )
-        return await self._await(shown_key, key, message, published, wait, location)
+                # Recorded: the request is accepted, and the relay publishes it once the broker answers.
+                log.warning("request %s recorded but not published (the relay will): %s", key, exc)
+                return pending(shown_key, location)
+        return await self._await(shown_key, key, message, wait, location)
 
     async def _await(
-        self,
-        shown_key: str,
-        key: str,
-        message: messages.Message,
-        published: Published | None,
-        wait: float,
-        location: str,
+        self, shown_key: str, key: str, message: messages.Message, wait: float, location: str
     ) -> Answer:
-        waiting = asyncio.ensure_future(
-            self.client.wait(key, timeout=0.0 if self.draining else wait, published=published)
-        )
+        waiting = asyncio.ensure_future(self.client.wait(key, timeout=0.0 if self.draining else wait))
         self._waits.add(waiting)
         try:
             result = await waiting
         except OutcomeTimeout:
             return pending(shown_key, location)
         except UNANSWERED as exc:
-            # The request went out: it goes on, and the same key sent again waits on it.
-            return unavailable("database", exc, then=" while the request, sent, waited for its outcome")
+            # The request is recorded: it goes on, and the same key sent again waits on it.
+            return unavailable("database", exc, then=" while the request, recorded, waited for its outcome")
         except asyncio.CancelledError:
             current = asyncio.current_task()
             if not self.draining or (current is not None and current.cancelling()):

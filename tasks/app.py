@@ -23,9 +23,11 @@ from celery.signals import (
     worker_ready,
 )
 
-from tasks import deadlines, failpoints, messages, metrics
+from tasks import deadlines, failpoints, messages, metrics, transport
+from tasks.brokers import REDIS, scheme_of, transport_options
 from tasks.heartbeat import HeartbeatFile
 from tasks.logs import json_wanted, use_json, warnings_as_json
+from tasks.relay import RelayStep
 from tasks.settings import Settings
 from tasks.variables import SettingsError
 
@@ -41,36 +43,10 @@ _SHORT_RETRIES = {
 # request tasks store none: bounded by the schedule, not by the traffic.
 SCHEDULED_RESULT_EXPIRES = 3600
 
-_REDIS = ("redis", "rediss", "sentinel")
-_REDELIVERING = (*_REDIS, "sqs")
-_AMQP = ("amqp", "amqps", "pyamqp")
-
-
-def _scheme(url: str) -> str:
-    return url.partition("://")[0].partition("+")[0].lower()
-
-
-def transport_options(url: str, settings: Settings, *, broker: bool) -> dict[str, Any]:
-    """The kombu transport options a broker or result backend URL takes, and only those.
-
-    visibility_timeout is how Redis (and SQS) redeliver unacknowledged messages; other transports must
-    not receive it (py-amqp and the SQLAlchemy transport pass their options on as connection arguments).
-    RabbitMQ redelivers when the consumer's channel closes instead, and bounds how long a delivery may
-    stay unacknowledged by the server's consumer_timeout (docs/operations.md, "Brokers"). Publisher
-    confirms make a publish to RabbitMQ return once the broker has the message, as a Redis LPUSH does.
-    A sentinel:// URL names the sentinels only: kombu and Celery ask them for the master of the service
-    master_name, and again after a failover.
-    """
-    scheme = _scheme(url)
-    if scheme in _REDELIVERING:
-        master = {"master_name": settings.sentinel_master} if scheme == "sentinel" else {}
-        return {"visibility_timeout": settings.visibility_timeout, **master}
-    if broker and scheme in _AMQP:
-        return {"confirm_publish": True}
-    return {}
-
-
 def configure(app: Celery, settings: Settings) -> None:
+    # Redis brokers (redis://, rediss://, sentinel://) through tasks.transport: kombu's transports, except
+    # that neither a message no task can be made of nor a broker at maxmemory stops a worker's consumer.
+    transport.install()
     app.conf.update(
         broker_url=settings.broker_url,
         result_backend=settings.result_backend,
@@ -89,7 +65,7 @@ def configure(app: Celery, settings: Settings) -> None:
         # down costs a worker a few hundred milliseconds per task, not Celery's default twenty retries.
         result_backend_transport_options={
             **transport_options(settings.result_backend, settings, broker=False),
-            **(_SHORT_RETRIES if _scheme(settings.result_backend) in _REDIS else {}),
+            **(_SHORT_RETRIES if scheme_of(settings.result_backend) in REDIS else {}),
         },
         # Request tasks store a result only for RESERVATIONS_RESULT_EXPIRES seconds, none by default
         # (RequestTask.ignore_result): their outcome is the database row. The schedule's own tasks and
@@ -196,6 +172,7 @@ def _stamp_enqueue_time(headers: dict[str, Any] | None = None, **_: Any) -> None
 
 def _with_steps(app: Celery) -> Celery:
     app.steps["consumer"].add(HeartbeatFile)
+    app.steps["consumer"].add(RelayStep)
     return app
 
 

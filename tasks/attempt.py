@@ -80,7 +80,7 @@ class Attempt:
                 message.key,
                 message.operation,
                 RequestStatus.EXPIRED,
-                late.detail(),
+                late.detail(sum(message.counts.values())),
                 epochs=self.epoch,
                 fingerprint=message.fingerprint,
                 **self.who,
@@ -268,6 +268,14 @@ class Attempt:
                 self.sent["transient"] = most + 1
                 raise self.task.retry(kwargs=self.sent, countdown=policy.rng.uniform(15.0, 30.0)) from None
         metrics.current.transient(exc.backend)
+        if exc.backend != "database":
+            # The attempt is recorded where the database still answers (a lease Redis that is down), so
+            # `reservations show KEY` counts the retries of an outage, not just its end.
+            with suppress(BackendUnavailable):
+                self.res.inventory.record_attempt(
+                    self.message.key, self.message.operation, AttemptResult.TRANSIENT,
+                    detail=policy.printable(exc), **self.who,
+                )  # fmt: skip
         # Its own backoff, growing to half a minute: a database restart or a Redis failover takes that long.
         ceiling = min(30.0, 0.2 * 2**transient)
         raise self.again("transient", policy.rng.uniform(ceiling / 2, ceiling)) from None

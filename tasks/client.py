@@ -8,19 +8,18 @@ other arguments) raises :class:`IdempotencyConflict` instead of being handed ove
 
 Every blocking method has an async twin (``enqueue_sync`` / ``enqueue``, ``wait_sync`` / ``wait``,
 ``ReservationHandle.result_sync`` / ``result``...). The decisions are one core both twins call, pure code
-doing no I/O: the request's payload, checked before anything is published (:mod:`tasks.payloads`,
-:meth:`ReservationClient._checked`); the handle that names it (:meth:`ReservationClient._handle`);
-whether a stored outcome is the handle's own (``ReservationHandle._own``); when an unanswered request is
-published again (:func:`tasks.outcomes.republish_due`) and how that is reported
-(:func:`tasks.outbox.republished`); kombu's error for a broker that did not take a message, mapped to
+doing no I/O: the request's payload, checked before anything is recorded (:mod:`tasks.payloads`,
+:meth:`ReservationClient._checked`); its record (:func:`tasks.sending.request_of`); the handle that names
+it (:meth:`ReservationClient._handle`); whether a stored outcome is the handle's own
+(``ReservationHandle._own``); kombu's error for a broker that did not take a message, mapped to
 :class:`tasks.errors.BrokerUnavailable`.
-Around it, two shells do the I/O. The sync shell publishes from the calling thread through the producer
-and polls the key's outcome row. The async shell never blocks its event loop: it queues messages for one
-publishing thread (:class:`tasks.outbox.Outbox`), and one watcher per event loop reads the outcomes of
-every awaited key at once (:class:`tasks.outcomes.OutcomeWatcher`). A handle awaited past
-``RESERVATIONS_REPUBLISH_AFTER`` without an outcome has its request published again under the same key
-(a broker failover may have lost it): by the watcher through the publishing thread, or by ``wait_sync``
-itself.
+Around it, two shells do the I/O. The sync shell records and publishes from the calling thread
+(:class:`tasks.sending.Sender`) and polls the key's outcome row. The async shell never blocks its event
+loop: it queues requests for one thread that records and publishes them in batches
+(:class:`tasks.outbox.Outbox`), and one watcher per event loop reads the outcomes of every awaited key at
+once (:class:`tasks.outcomes.OutcomeWatcher`). Every request is recorded in the database before it is
+published; the relay (tasks.relay, in every worker) publishes again one whose message was lost, so
+nothing here publishes twice.
 """
 
 from __future__ import annotations
@@ -36,16 +35,17 @@ from kombu.exceptions import OperationalError
 
 from reservations import AsyncInventory, Inventory
 from reservations import validation as valid
-from reservations.requests import RequestResult, request_id
+from reservations.acceptance import Request
+from reservations.requests import RequestResult
 from tasks import payloads, redrives
 from tasks.app import app as default_app
 from tasks.app import settings_of
 from tasks.errors import BrokerUnavailable, ClientClosed, OutcomeTimeout
 from tasks.handle import ReservationHandle
-from tasks.messages import SHAPES, request_fingerprint
-from tasks.outbox import Outbox, republished
-from tasks.outcomes import OutcomeWatcher, Published, republish_due
+from tasks.outbox import Outbox
+from tasks.outcomes import OutcomeWatcher
 from tasks.producer import Producer
+from tasks.sending import Sender, request_of
 
 __all__ = ["ReservationClient", "ReservationHandle", "enqueue_reservation"]
 
@@ -71,7 +71,8 @@ class ReservationClient:
         self._producer = Producer(
             self.settings.broker_url, transport_options=self.app.conf.broker_transport_options
         )
-        self._outbox = Outbox(self._producer)
+        self._sender = Sender(self._producer, self._sync_inventory, self.settings.republish_after)
+        self._outbox = Outbox(self._sender)
         self._closed = False
         # Per event loop: its watcher and the connection pool it reads through (both belong to the loop).
         self._watchers: weakref.WeakKeyDictionary[
@@ -91,59 +92,41 @@ class ReservationClient:
         valid.idempotency_key(key)
         valid.deadline(deadline)
 
-    def _handle(
-        self, name: str, key: str, kwargs: dict[str, Any], task_id: str, deadline: float | None = None
-    ) -> ReservationHandle:
+    def _handle(self, request: Request, task_id: str) -> ReservationHandle:
         return ReservationHandle(
-            key=key,
+            key=request.key,
             task_id=task_id,
             client=self,
-            operation=SHAPES[name].operation,
-            fingerprint=request_fingerprint(name, kwargs),
-            published=Published(name, kwargs, time.monotonic(), time.time(), deadline),
+            operation=request.operation,
+            fingerprint=request.fingerprint,
         )
 
-    # -- publishing: the two shells -------------------------------------------------------------------
+    # -- recording and publishing: the two shells ---------------------------------------------------
 
     def _send(
         self, name: str, key: str, kwargs: dict[str, Any], deadline: float | None = None
     ) -> ReservationHandle:
         self._checked(key, deadline)
+        request = request_of(name, key, kwargs, deadline=deadline)
         try:
-            task_id = self._producer.send(name, key, kwargs, deadline=deadline)
-        except OperationalError as exc:
+            task_id = self._sender.send(request)
+        except OperationalError as exc:  # recorded: the relay publishes it once the broker answers
             raise BrokerUnavailable.of(exc) from exc
-        return self._handle(name, key, kwargs, task_id, deadline)
+        return self._handle(request, task_id)
 
     async def _send_async(
         self, name: str, key: str, kwargs: dict[str, Any], deadline: float | None = None
     ) -> ReservationHandle:
-        """Queue the message for the publishing thread and await its publication (tasks.outbox)."""
+        """Queue the request for the publishing thread and await its record and publication
+        (tasks.outbox)."""
         self._checked(key, deadline)
-        task_id = await self._outbox.publish(name, key, kwargs, deadline)
-        return self._handle(name, key, kwargs, task_id, deadline)
+        request = request_of(name, key, kwargs, deadline=deadline)
+        return self._handle(request, await self._outbox.publish(request))
 
-    def _republish(self, key: str, published: Published) -> None:
-        """The outcome watcher found ``key`` due (tasks.outcomes.republish_due): queue its request again
-        for the publishing thread. Called in the watcher's event loop."""
-        if self._closed:
-            return
-        self._outbox.republish(key, published, time.monotonic() - published.at)
-
-    def _republish_sync(self, key: str, published: Published) -> None:
-        since = time.monotonic() - published.at
-        error = None
-        try:
-            self._producer.send(
-                published.name,
-                key,
-                dict(published.kwargs),
-                enqueued_at=published.enqueued_at,
-                deadline=published.deadline,
-            )
-        except Exception as exc:
-            error = exc
-        republished(key, since, error)
+    async def publish_recorded(self, request: Request) -> ReservationHandle:
+        """Publish a request its caller recorded already (the front door records it as it admits it)."""
+        self._check_open()
+        return self._handle(request, await self._outbox.publish(request, recorded=True))
 
     # Every enqueue takes ``deadline``: seconds since the epoch after which a worker that takes the
     # request up ends it ``expired``, touching no stock (tasks.deadlines). It is no part of the request:
@@ -231,57 +214,46 @@ class ReservationClient:
         handle is the new request's; ``key`` itself reports its outcome once it has one."""
         self._check_open()
         try:
-            claimed = redrives.redrive(self._sync_inventory(), self._producer, key, by=by)
+            claimed, task_id = redrives.redrive(self._sync_inventory(), self._sender, key, by=by)
         except OperationalError as exc:
             raise BrokerUnavailable.of(exc) from exc
-        return self._handle(
-            claimed.request_type, claimed.key, dict(claimed.arguments), request_id(claimed.key)
-        )
+        return self._handle(request_of(claimed.request_type, claimed.key, claimed.arguments), task_id)
 
     async def redrive(self, key: str, *, by: str | None = None) -> ReservationHandle:
-        # The same claim, publish, and drop of a claim left unpublished as tasks.redrives.redrive.
+        # The same claim and record as tasks.redrives.redrive, the record written by the publishing thread.
         self._check_open()
         inventory = self._async_inventory()
         claimed = await inventory.claim_redrive(key, by=by)
+        request = request_of(claimed.request_type, claimed.key, claimed.arguments)
         try:
-            return await self._send_async(claimed.request_type, claimed.key, dict(claimed.arguments))
+            return self._handle(request, await self._outbox.publish(request))
+        except BrokerUnavailable:
+            raise  # recorded: the relay publishes it once the broker answers
         except BaseException:
             await inventory.drop_redrive(claimed.key)
             raise
 
     # -- waiting ------------------------------------------------------------------------------------
 
-    async def wait(
-        self, key: str, *, timeout: float = 30.0, published: Published | None = None
-    ) -> RequestResult:
+    async def wait(self, key: str, *, timeout: float = 30.0) -> RequestResult:
         """The key's final outcome, awaited with every other key this client awaits in its event loop:
-        one watcher reads them all in one query per look (see tasks.outcomes). ``published``: what this
-        client published for the key (a handle's), published again while it has no outcome."""
+        one watcher reads them all in one query per look (see tasks.outcomes)."""
         valid.idempotency_key(key)
-        return await self._outcome_watcher().wait(key, timeout, published=published)
+        return await self._outcome_watcher().wait(key, timeout)
 
-    def wait_sync(
-        self, key: str, *, timeout: float = 30.0, published: Published | None = None
-    ) -> RequestResult:
-        """As :meth:`wait`, polling from this thread, which also publishes the request again when due."""
+    def wait_sync(self, key: str, *, timeout: float = 30.0) -> RequestResult:
+        """As :meth:`wait`, polling from this thread."""
         self._check_open()
         valid.idempotency_key(key)
         inventory = self._sync_inventory()
         deadline = time.monotonic() + timeout
         pause = _poll_intervals()
-        last: float | None = None
         while True:
             found = inventory.request_outcome(key)
             if found is not None:
                 return found
-            now = time.monotonic()
-            if now >= deadline:
+            if time.monotonic() >= deadline:
                 raise OutcomeTimeout(key, timeout)
-            if published is not None and republish_due(
-                published.at, last, now, False, self.settings.republish_after
-            ):
-                last = now
-                self._republish_sync(key, published)
             time.sleep(min(pause(), max(0.0, deadline - time.monotonic())))
 
     def _sync_inventory(self) -> Inventory:
@@ -306,11 +278,7 @@ class ReservationClient:
             inventory = AsyncInventory.from_url(
                 self.settings.database_url, pooling=self.settings.database_pooling
             )
-            watcher = OutcomeWatcher(
-                inventory.request_outcomes,
-                republish=self._republish,
-                republish_after=self.settings.republish_after,
-            )
+            watcher = OutcomeWatcher(inventory.request_outcomes)
             found = self._watchers[loop] = (watcher, inventory)
         return found
 

@@ -33,9 +33,11 @@ class Late:
     deadline: float
     late_by: float
 
-    def detail(self) -> dict[str, Any]:
-        """The ``expired`` outcome's detail: the deadline, and how late the request was taken up (ms)."""
-        return {"deadline": self.deadline, "late_by": round(self.late_by, 3)}
+    def detail(self, attempts: int = 0) -> dict[str, Any]:
+        """The ``expired`` outcome's detail: the deadline, how late the request was taken up (seconds), and
+        how many attempts workers made at it before (retries of every kind: 0 when it was first taken up
+        past its deadline)."""
+        return {"deadline": self.deadline, "late_by": round(self.late_by, 3), "attempts": attempts}
 
     def describe(self) -> str:
         return f"taken up {self.late_by:.3f}s after its deadline {self.deadline:.3f}"
@@ -50,8 +52,17 @@ def header(deadline: float | None) -> dict[str, float]:
 def late(value: object, *, clock: Callable[[], float] = time.time, key: object = None) -> Late | None:
     """Whether a request whose message carried ``value`` in its deadline header is taken up too late at
     ``clock()``: None without a deadline (``value`` None: the header is absent), before it, and for a
-    malformed one, which is logged (naming ``key``) and ignored: a sender's bad header must not cost the
-    request its outcome."""
+    malformed one (:func:`carried`)."""
+    deadline = carried(value, key=key)
+    if deadline is None:
+        return None
+    now = clock()
+    return Late(deadline, now - deadline) if now > deadline else None
+
+
+def carried(value: object, *, key: object = None) -> float | None:
+    """The deadline a message's header ``value`` names; None without one, and for a malformed one, which
+    is logged (naming ``key``) and ignored: a sender's bad header must not cost the request its outcome."""
     try:
         deadline = valid.deadline(value)
     except InvalidRequest as exc:
@@ -64,7 +75,4 @@ def late(value: object, *, clock: Callable[[], float] = time.time, key: object =
             extra={"event": "malformed_deadline", "key": key},
         )
         return None
-    if deadline is None:
-        return None
-    now = clock()
-    return Late(deadline, now - deadline) if now > deadline else None
+    return deadline

@@ -38,8 +38,9 @@ class OutcomeTimeout(TasksError, TimeoutError):
 
 
 class BrokerUnavailable(TasksError, OperationalError):
-    """The broker did not take the message: no connection after the publish retries. Nothing was
-    enqueued; enqueueing the same key again later names the same request."""
+    """The broker did not take the message: no connection after the publish retries. The request was
+    recorded before it was published, so it is not lost: the relay (tasks.relay, in every worker)
+    publishes it once the broker answers, and enqueueing the same key again names the same request."""
 
     @classmethod
     def of(cls, error: OperationalError) -> BrokerUnavailable:

@@ -1,13 +1,12 @@
-"""A handle on one enqueued request: its key and task id, and what its client published for it."""
+"""A handle on one enqueued request: its key and task id, and the request it names."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from reservations import IdempotencyConflict
 from reservations.requests import RequestResult
-from tasks.outcomes import Published
 
 if TYPE_CHECKING:
     from tasks.client import ReservationClient
@@ -23,14 +22,12 @@ class ReservationHandle:
     client: ReservationClient
     operation: str | None = None
     fingerprint: str | None = None
-    # What was published, to publish it again while it has no outcome (None: never).
-    published: Published | None = field(default=None, compare=False, repr=False)
 
     async def result(self, timeout: float = 30.0) -> RequestResult:
-        return self._own(await self.client.wait(self.key, timeout=timeout, published=self.published))
+        return self._own(await self.client.wait(self.key, timeout=timeout))
 
     def result_sync(self, timeout: float = 30.0) -> RequestResult:
-        return self._own(self.client.wait_sync(self.key, timeout=timeout, published=self.published))
+        return self._own(self.client.wait_sync(self.key, timeout=timeout))
 
     def _own(self, stored: RequestResult) -> RequestResult:
         """The outcome, when it is this request's: the one decision both shells share."""

@@ -9,10 +9,10 @@ the attempt's steps and, for what ends a request task whatever the attempt was d
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, NoReturn
 
 from celery import Task
-from celery.exceptions import Retry
+from celery.exceptions import Ignore, Reject, Retry
 
 from fencing import (
     BackendUnavailable,
@@ -21,14 +21,16 @@ from fencing import (
 )
 from reservations import InvalidRequest
 from reservations import validation as valid
+from reservations.acceptance import keep
 from reservations.partitions import prepare_partitions
 from reservations.requests import AlreadyApplied
 from reservations.statuses import RequestStatus
-from tasks import logs, messages, observe, policy
+from tasks import deadlines, logs, messages, observe, policy
 from tasks.answers import as_result, reply
 from tasks.app import app, settings_of
 from tasks.attempt import Attempt
 from tasks.messages import Message, task_name
+from tasks.sending import request_of
 from tasks.serving import serve_pending, serve_quietly
 from tasks.states import RequestTask
 from tasks.worker import Resources, Unbuildable, resources, worker_identity
@@ -39,9 +41,42 @@ log = logging.getLogger("tasks")
 def run_request(task: Task, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
     # Every line logged while it runs (in fencing too) names the task, its worker, the key and epoch.
     with logs.bound(task_id=task.request.id, worker=worker_identity()):
-        result = _run_request(task, name, args, kwargs)
+        try:
+            result = _run_request(task, name, args, kwargs)
+        except Reject as refused:
+            if refused.requeue:
+                raise
+            _kept(task, name, refused)
     observe.finished(task.request, result)
     return result
+
+
+def _kept(task: Task, name: str, refused: Reject) -> NoReturn:
+    """Celery could not publish this request's retry (the broker refused it: an ACL, ``maxmemory``, no
+    connection) and raised ``Reject(requeue=False)``, which acks the message with no outcome. Instead the
+    request's record is kept for the relay, which publishes it again once the broker takes it (or ends
+    it at its deadline or its publication cap), and only then is the message let go. Where even that
+    cannot be written, the message is handed back to the broker (requeued), or left unacknowledged for
+    the visibility timeout where the broker refuses that too."""
+    sent = dict(task.request.kwargs or {})
+    try:
+        claimed = {k: v for k, v in sent.items() if k != "idempotency_key" and k not in messages.COUNTERS}
+        key = sent.get("idempotency_key")
+        deadline = deadlines.carried(getattr(task.request, deadlines.DEADLINE, None), key=key)
+        request = request_of(name, valid.idempotency_key(key), claimed, deadline=deadline)
+        res = resources(settings_of(app))
+        res.inventory.executor.run(keep(request, res.settings.republish_after))
+    except Exception as exc:
+        log.error(
+            "the retry of %s was refused (%s) and its record could not be kept: %s; handing it back",
+            sent.get("idempotency_key"), refused.reason, exc, extra={"event": "retry_refused"},
+        )
+        raise Reject(exc, requeue=True) from exc
+    log.warning(
+        "the retry of %s was refused (%s): its record is kept, the relay publishes it again",
+        request.key, refused.reason, extra={"event": "retry_refused", "key": request.key},
+    )
+    raise Ignore()
 
 
 def _run_request(task: Task, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:

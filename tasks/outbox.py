@@ -1,89 +1,58 @@
-"""The async client's publishing thread: event loops queue messages, one thread publishes them in batches.
+"""The async client's publishing thread: event loops queue requests, one thread records and publishes them in
+batches.
 
-Publishing is blocking kombu I/O. An event loop only appends a message to the outbox and awaits a future;
-one thread sends what is queued, batch after batch, each batch on one pooled producer (one broker
-connection), and settles each sender's future in its own loop. Requests enqueued while a batch is going
-out wait for the next one.
+Recording and publishing are blocking I/O. An event loop only appends a request to the outbox and awaits
+a future; one thread takes what is queued, batch after batch, records the batch's requests in one
+statement (tasks.sending: the database holds every request before the broker carries it), then publishes
+each on one pooled producer (one broker connection), and settles each sender's future in its own loop.
+Requests enqueued while a batch is going out wait for the next one.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from dataclasses import dataclass
-from typing import Any
 
 from kombu.exceptions import OperationalError
 
+from reservations.acceptance import Request
 from tasks.errors import BrokerUnavailable, ClientClosed
-from tasks.outcomes import Published
-from tasks.producer import Producer
-
-log = logging.getLogger("tasks.client")
+from tasks.outcomes import copied
+from tasks.sending import Sender, publish
 
 
 @dataclass(frozen=True, slots=True)
 class Outgoing:
-    """A message queued for the publishing thread, and where to tell its sender the task id."""
+    """A request queued for the publishing thread, whether it is recorded already (the front door records
+    it as it admits it), and where to tell its sender the task id."""
 
-    name: str
-    key: str
-    kwargs: dict[str, Any]
+    request: Request
+    recorded: bool
     future: asyncio.Future[str]
     loop: asyncio.AbstractEventLoop
-    enqueued_at: float | None = None  # a copy's: when its request was first enqueued
-    deadline: float | None = None
-
-
-def republished(key: str, since: float, error: BaseException | None) -> None:
-    """Say how publishing a request again went; its error is nobody's to raise (the wait goes on, and
-    the next due time tries again)."""
-    if error is not None:
-        log.warning("could not publish %s again after %.1fs without an outcome: %s", key, since, error)
-    else:
-        log.warning("published %s again: no outcome %.1fs after it was published", key, since)
 
 
 class Outbox:
-    """The messages queued by event loops for ``producer``, and the one thread that publishes them."""
+    """The requests queued by event loops for ``sender``, and the one thread that records and publishes
+    them."""
 
-    def __init__(self, producer: Producer) -> None:
-        self._producer = producer
+    def __init__(self, sender: Sender) -> None:
+        self._sender = sender
         self._publisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="enqueue")
         self._queued: list[Outgoing] = []
         self._lock = threading.Lock()
         self._draining = False
         self._closed = False
 
-    async def publish(self, name: str, key: str, kwargs: dict[str, Any], deadline: float | None) -> str:
-        """Queue the message and await its publication; returns its task id."""
+    async def publish(self, request: Request, *, recorded: bool = False) -> str:
+        """Queue ``request`` and await its record and publication; returns its task id."""
         loop = asyncio.get_running_loop()
         sent: asyncio.Future[str] = loop.create_future()
-        self._queue(Outgoing(name, key, kwargs, sent, loop, deadline=deadline))
+        self._queue(Outgoing(request, recorded, sent, loop))
         return await sent
-
-    def republish(self, key: str, published: Published, since: float) -> None:
-        """Queue ``published`` again, same key, task id and arguments, without awaiting it: how it went is
-        logged (:func:`republished`). Called in an event loop."""
-        loop = asyncio.get_running_loop()
-        sent: asyncio.Future[str] = loop.create_future()
-        sent.add_done_callback(
-            lambda done: republished(key, since, None if done.cancelled() else done.exception())
-        )
-        self._queue(
-            Outgoing(
-                published.name,
-                key,
-                dict(published.kwargs),
-                sent,
-                loop,
-                published.enqueued_at,
-                published.deadline,
-            )
-        )
 
     def _queue(self, item: Outgoing) -> None:
         """Append ``item`` to the outbox, starting the publishing thread if it is idle."""
@@ -106,18 +75,16 @@ class Outbox:
                     return
             answers: list[tuple[Outgoing, str | None, BaseException | None]] = []
             try:
-                with self._producer.batch() as producer:
+                self._sender.record([item.request for item in batch if not item.recorded])
+            except Exception as exc:  # nothing of the batch is published unrecorded
+                answers.extend((item, None, copied(exc)) for item in batch)
+                batch = []
+            try:
+                with self._sender.producer.batch() as producer:
                     for item in batch:
                         try:
-                            task_id = self._producer.send(
-                                item.name,
-                                item.key,
-                                item.kwargs,
-                                producer=producer,
-                                enqueued_at=item.enqueued_at,
-                                deadline=item.deadline,
-                            )
-                            answers.append((item, task_id, None))
+                            sent = publish(self._sender.producer, item.request, batch=producer)
+                            answers.append((item, sent, None))
                         except OperationalError:
                             raise
                         except Exception as exc:  # this message only (it could not be encoded)
@@ -125,7 +92,8 @@ class Outbox:
             except Exception as exc:
                 # No broker connection, after the publish retries of one message (about 0.6 s): the rest
                 # of the batch would wait as long each, so its senders hear of it now, each with an
-                # error of its own (a sender's raise adds to the error's traceback).
+                # error of its own (a sender's raise adds to the error's traceback). Their requests are
+                # recorded: the relay publishes them once the broker answers.
                 answers.extend((item, None, _unsent(exc)) for item in batch[len(answers) :])
             for item, answer, error in answers:
                 with suppress(RuntimeError):  # its loop closed meanwhile: nobody awaits it any more

@@ -7,23 +7,16 @@ alike. A new key brings the next look within ``FIRST`` seconds; while looks find
 slows to ``SLOWEST``. Timeouts and cancellation remove a waiter at once; the watcher stops when nobody
 waits.
 
-A broker failover can lose the messages of requests (queued, or held by a worker, and not yet copied to
-the replica that takes over): those would never get an outcome. So a waiter whose client published the
-request passes what it published, and after each look the watcher hands the requests still without an
-outcome that :func:`republish_due` finds due to ``republish``, which publishes each again under the same
-key (same task id, same arguments). A copy of a request that was not lost after all is harmless: the
-idempotency key makes its second delivery return the stored outcome.
+Nothing here publishes: a request whose message was lost (a broker failover, a worker killed after it
+fetched it) is published again by the relay from its record (tasks.relay), whether or not anyone waits.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import suppress
-from dataclasses import dataclass
-from typing import Any
 
 from reservations.requests import MAX_KEYS_PER_READ, RequestResult
 from tasks.errors import OutcomeTimeout, WatcherClosed
@@ -33,46 +26,8 @@ log = logging.getLogger("tasks.outcomes")
 Read = Callable[[Sequence[str]], Awaitable[dict[str, RequestResult]]]
 
 
-@dataclass(frozen=True, slots=True)
-class Published:
-    """What a client published for a key, enough to publish it again: the task's operation and
-    arguments, when (``at`` on the monotonic clock) and ``enqueued_at`` (seconds since the epoch, which a
-    copy carries on, so the workers' enqueue-to-outcome latency counts the time lost), and its
-    ``deadline`` (seconds since the epoch, or None), which a copy carries too: a copy is the same request.
-    """
-
-    name: str
-    kwargs: Mapping[str, Any]
-    at: float
-    enqueued_at: float
-    deadline: float | None = None
-
-
-def republish_due(
-    published_at: float, last_republished: float | None, now: float, outcome_seen: bool, after: float
-) -> bool:
-    """Whether a request published at ``published_at`` and published again last at ``last_republished``
-    (None: never) is to be published again at ``now``: never once its outcome is seen, nor with ``after``
-    0; first ``after`` seconds after its publication, then each time after twice the wait before (at
-    ``after``, 2x, 4x, 8x... from the publication). A lost request is sent again within one bound of the
-    failover that lost it, while a request that is only slow (a long queue) gets a copy only now and then,
-    however long it is awaited, instead of a copy every ``after`` that would lengthen the queue further."""
-    if outcome_seen or after <= 0:
-        return False
-    if last_republished is None:
-        return now - published_at >= after
-    return now - last_republished >= max(after, last_republished - published_at)
-
-
-@dataclass(slots=True)
-class _Sent:
-    published: Published
-    last: float | None = None
-
-
 class OutcomeWatcher:
-    """``republish(key, published)``: publish a request again, called from the event loop (it must not
-    block) for each awaited request :func:`republish_due` finds due with ``republish_after``."""
+    """Reads the outcomes of every key awaited in one event loop (module docstring)."""
 
     FIRST = 0.005
     SLOWEST = 0.1
@@ -85,18 +40,10 @@ class OutcomeWatcher:
     def __init__(
         self,
         read: Read,
-        *,
-        republish: Callable[[str, Published], None] | None = None,
-        republish_after: float = 0.0,
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._read = read
-        self._republish = republish
-        self._republish_after = republish_after
-        self._clock = clock
         self._waiting: dict[str, list[asyncio.Future[RequestResult]]] = {}
         self._fresh: set[str] = set()  # keys that arrived since the last look
-        self._sent: dict[str, _Sent] = {}
         self._task: asyncio.Task[None] | None = None
         self._news: asyncio.Event | None = None
         self._closed = False
@@ -106,16 +53,13 @@ class OutcomeWatcher:
         """Keys with at least one waiter."""
         return len(self._waiting)
 
-    async def wait(self, key: str, timeout: float, *, published: Published | None = None) -> RequestResult:
-        """The key's outcome; ``published``: what this waiter's client published for it, to be published
-        again while it has no outcome (None: the watcher never publishes it)."""
+    async def wait(self, key: str, timeout: float) -> RequestResult:
+        """The key's outcome, within ``timeout`` seconds (:class:`OutcomeTimeout` past it)."""
         if self._closed:
             raise WatcherClosed("the client is closed")
         future: asyncio.Future[RequestResult] = asyncio.get_running_loop().create_future()
         self._waiting.setdefault(key, []).append(future)
         self._fresh.add(key)
-        if published is not None:
-            self._sent.setdefault(key, _Sent(published))
         self._start()
         try:
             return await asyncio.wait_for(future, timeout)
@@ -132,7 +76,6 @@ class OutcomeWatcher:
             waiters.remove(future)
         if not waiters:
             del self._waiting[key]
-            self._sent.pop(key, None)  # nobody waits for it any more: nobody republishes it either
 
     def _start(self) -> None:
         if self._news is None:
@@ -144,7 +87,7 @@ class OutcomeWatcher:
     async def _watch(self) -> None:
         assert self._news is not None
         pause = self.FIRST  # FIRST after a look that found outcomes or after new keys, growing otherwise
-        # Paced on the event loop's clock, as its sleeps are (the injected clock times republishing).
+        # Paced on the event loop's clock, as its sleeps are.
         ticks = asyncio.get_running_loop().time
         spaced_until = ticks()  # no look at every key before this: SPACING times the last one's length
         while self._waiting:
@@ -167,10 +110,8 @@ class OutcomeWatcher:
                 await asyncio.wait_for(self._news.wait(), max(pause, spaced_until - ticks()))
 
     async def _look(self, keys: list[str]) -> int:
-        """Read the keys' outcomes and hand each to its waiters, then publish again those due; returns
-        how many were resolved."""
+        """Read the keys' outcomes and hand each to its waiters; returns how many were resolved."""
         resolved = 0
-        seen: set[str] = set()
         for start in range(0, len(keys), MAX_KEYS_PER_READ):
             chunk = keys[start : start + MAX_KEYS_PER_READ]
             try:
@@ -182,39 +123,20 @@ class OutcomeWatcher:
                 for key in chunk:
                     self._settle(key, error=exc)
                 continue
-            seen.update(found)
             for key, result in found.items():
                 resolved += self._settle(key, result=result)
-        self._publish_again(keys, seen)
         return resolved
-
-    def _publish_again(self, looked: list[str], seen: set[str]) -> None:
-        """Hand each request of this look that is due to ``republish``, then count its wait from now."""
-        if self._republish is None:
-            return
-        now = self._clock()
-        for key in looked:
-            sent = self._sent.get(key)
-            if sent is None:
-                continue
-            if republish_due(sent.published.at, sent.last, now, key in seen, self._republish_after):
-                sent.last = now
-                try:
-                    self._republish(key, sent.published)
-                except Exception as exc:  # the watcher goes on; the next due time tries again
-                    log.warning("could not publish %s again: %s", key, exc)
 
     def _settle(
         self, key: str, *, result: RequestResult | None = None, error: BaseException | None = None
     ) -> int:
         settled = 0
-        self._sent.pop(key, None)
         for future in self._waiting.pop(key, []):
             if future.done():
                 continue
             if error is not None:
                 # A copy each: one instance raised in many tasks would collect all their tracebacks.
-                future.set_exception(_copied(error))
+                future.set_exception(copied(error))
             elif result is not None:
                 future.set_result(result)
             settled += 1
@@ -232,7 +154,7 @@ class OutcomeWatcher:
             self._task = None
 
 
-def _copied(error: BaseException) -> BaseException:
+def copied(error: BaseException) -> BaseException:
     """The same error as a new instance (same type, arguments and attributes), caused by the original."""
     kind = type(error)
     copied = kind.__new__(kind)

@@ -15,7 +15,7 @@ from celery import Celery
 from reservations import validation as valid
 from reservations.requests import request_id
 from tasks import deadlines, messages
-from tasks.app import transport_options as transport_options_of
+from tasks.brokers import transport_options as transport_options_of
 from tasks.messages import task_name
 from tasks.metrics import ENQUEUED_AT
 from tasks.settings import Settings
@@ -56,6 +56,7 @@ class Producer:
         producer: Any = None,
         enqueued_at: float | None = None,
         deadline: float | None = None,
+        message_format: int = messages.CURRENT_FORMAT,
     ) -> str:
         """Publish ``operation`` for ``key``; returns the request's task id (the same for the same key).
         ``producer``: a kombu producer of this app held across many sends (see :meth:`batch`).
@@ -63,11 +64,12 @@ class Producer:
         stamps the time of publishing otherwise). ``deadline``: seconds since the epoch after which a
         worker ends the request ``expired`` instead of carrying it out (tasks.deadlines); a header, not
         an argument, so it is no part of the request's fingerprint. Every message names its format
-        (:data:`messages.FORMAT`: :data:`messages.CURRENT_FORMAT`), which a worker checks before anything
-        else (a worker of a release before formats ignores the header)."""
+        (:data:`messages.FORMAT`: ``message_format``, :data:`messages.CURRENT_FORMAT` unless a recorded
+        request is published again as it was recorded), which a worker checks before anything else (a
+        worker of a release before formats ignores the header)."""
         task_id = request_id(valid.idempotency_key(key))
         headers = {
-            messages.FORMAT: messages.CURRENT_FORMAT,
+            messages.FORMAT: message_format,
             **deadlines.header(deadline),
             **({} if enqueued_at is None else {ENQUEUED_AT: enqueued_at}),
         }

@@ -117,10 +117,25 @@ class Settings:
     )
     republish_after: float = setting(
         10.0,
-        "seconds a client waits for a request's outcome before it publishes the request again (same key "
-        "and task id), then twice as long each time: a broker failover can lose messages; 0: never",
+        "seconds after a request is recorded and published before the relay first looks at it: one "
+        "without an outcome whose message the broker no longer carries is published again (same key and "
+        "task id); then again at this spacing (doubling where the broker cannot be looked into)",
+        0.05,
+        3600,
+    )
+    relay_every: float = setting(
+        5.0,
+        "seconds between the relay's passes in each worker (jittered down to half); 0: this worker runs "
+        "no relay",
         0,
         3600,
+    )
+    max_publishes: int = setting(
+        6,
+        "publications of one request (the first included) after which a request the broker keeps losing "
+        "ends dead_lettered (past its deadline it ends expired first)",
+        1,
+        1000,
     )
     http_wait: float = setting(
         5.0,
@@ -143,6 +158,14 @@ class Settings:
         10_000,
         "requests waiting in the broker's queue above which the HTTP service answers 503 with Retry-After "
         "instead of enqueueing; 0: no bound",
+        0,
+        10_000_000,
+    )
+    http_caller_bound: int = setting(
+        1_000,
+        "write requests one caller may have in flight in one HTTP service process (being admitted, "
+        "published or waited on; the anonymous callers count as one) above which it answers that caller "
+        "429 with Retry-After, so no caller takes every other's room; 0: no bound",
         0,
         10_000_000,
     )

@@ -35,11 +35,13 @@ import traceback
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from billiard.exceptions import WorkerLostError
 from celery import Celery, Task
 from celery.app.task import get_actual_ignore_result
 from celery.exceptions import Retry
 from celery.utils.saferepr import saferepr
 from celery.worker.request import Request
+from celery.worker.state import task_ready
 
 from reservations.requests import RequestResult
 from tasks.answers import as_result
@@ -143,6 +145,26 @@ class OutcomeRequest(Request):  # type: ignore[misc]
             stored = meta.get("result")
             self._stored = Answered.of(stored, saferepr(stored, self.task.resultrepr_maxsize))
         return meta
+
+    def on_failure(self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False) -> None:
+        """A pool child lost while running a message that was delivered before (requeued when an earlier
+        child was lost on it, or given back by the visibility timeout) is not requeued again: a message
+        that kills every worker that takes it would otherwise come back forever. It is acknowledged, and
+        its request is the relay's (tasks.relay), which publishes it again from its record up to the
+        publication cap and then ends it ``dead_lettered``. A first loss is still requeued at once."""
+        exc = getattr(exc_info.exception, "exc", exc_info.exception)
+        if isinstance(exc, WorkerLostError) and self.task.acks_late and self.delivery_info.get("redelivered"):
+            task_ready(self)
+            log.error(
+                "request %s lost its worker again on a redelivered message: not requeued, the relay "
+                "carries it (%s)",
+                self.id,
+                exc,
+                extra={"event": "worker_lost_again", "task_id": self.id},
+            )
+            self.acknowledge()
+            return
+        super().on_failure(exc_info, send_failed_event, return_ok)
 
     def on_retry(self, exc_info: Any) -> None:
         if not isinstance(getattr(exc_info.exception, "exc", None), Redriven):

@@ -3,22 +3,20 @@
 A primary, a replica and three sentinels (``redis-server <conf> --sentinel``) serve Celery's Sentinel
 transport and result backend; real workers and a client reach them by ``sentinel://`` URLs. Requests
 flow end to end through them; then the primary is killed with requests queued that its replica never
-received (asynchronous replication), the sentinels promote the replica, and the client publishes each
-request still without an outcome again after ``RESERVATIONS_REPUBLISH_AFTER``: every request ends with
-exactly one outcome, each applied once. The republish decision itself is checked without services.
+received (asynchronous replication), the sentinels promote the replica, and the workers' relay publishes
+each recorded request the broker no longer carries again after ``RESERVATIONS_REPUBLISH_AFTER``: every
+request ends with exactly one outcome, each applied once. The relay's decision is checked without
+services in tests/test_relay.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
-import json
 import socket
 import subprocess
 import threading
-import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import AsyncExitStack, contextmanager, suppress
 from pathlib import Path
 from typing import Any
@@ -27,12 +25,8 @@ import pytest
 import redis
 
 from admin.harness import HarnessError, free_port, wait_until
-from admin.redis_servers import redis_server
-from reservations import Inventory, schema
-from reservations.requests import RequestResult, request_id
+from reservations import Inventory
 from tasks import ReservationClient, Settings, create_app
-from tasks.metrics import ENQUEUED_AT
-from tasks.outcomes import OutcomeWatcher, Published, republish_due
 from tasks.producer import Producer
 from tests.workers import cluster, pg_schema
 
@@ -230,78 +224,6 @@ def sentinel_topology(folder: Path) -> Iterator[SentinelTopology]:
         topology.stop()
 
 
-# -- the republish decision, without services ------------------------------------------------------------
-
-
-def test_a_request_is_due_again_after_the_bound_then_after_twice_the_wait_before() -> None:
-    due = [
-        t / 10
-        for t in range(0, 400)
-        if republish_due(0.0, None, t / 10, False, 2.0)  # never published again yet
-    ]
-    assert due[0] == 2.0
-    # Published again at 2 s: next at 4 s, then 8 s and 16 s from the publication.
-    assert not republish_due(0.0, 2.0, 3.9, False, 2.0) and republish_due(0.0, 2.0, 4.0, False, 2.0)
-    assert not republish_due(0.0, 4.0, 7.9, False, 2.0) and republish_due(0.0, 4.0, 8.0, False, 2.0)
-    assert not republish_due(0.0, 8.0, 15.9, False, 2.0) and republish_due(0.0, 8.0, 16.0, False, 2.0)
-    # A wait that began late (the first look at 5 s) counts the next from there.
-    assert republish_due(0.0, None, 5.0, False, 2.0)
-    assert not republish_due(0.0, 5.0, 9.9, False, 2.0) and republish_due(0.0, 5.0, 10.0, False, 2.0)
-
-
-def test_a_request_with_its_outcome_or_with_republishing_off_is_never_due() -> None:
-    assert not republish_due(0.0, None, 1000.0, True, 2.0)
-    assert not republish_due(0.0, 8.0, 1000.0, True, 2.0)
-    assert not republish_due(0.0, None, 1000.0, False, 0.0)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-async def test_the_watcher_publishes_an_awaited_request_again_until_its_outcome_is_read() -> None:
-    """The watcher's part, with an outcome table in memory and a clock of the test's."""
-    outcomes: dict[str, RequestResult] = {}
-    looks: list[float] = []
-    clock = Clock()
-
-    async def read(keys: Sequence[str]) -> dict[str, RequestResult]:
-        looks.append(clock.now)
-        return {key: outcomes[key] for key in keys if key in outcomes}
-
-    again: list[tuple[str, float]] = []
-    watcher = OutcomeWatcher(
-        read, republish=lambda key, _: again.append((key, clock.now)), republish_after=2.0, clock=clock
-    )
-    published = Published("reserve", {"sku": "W", "quantity": 1, "hold_for": None}, 0.0, time.time())
-    mine = asyncio.ensure_future(watcher.wait("mine", 30, published=published))
-    # Another client's request (nothing published by this one) is only read, never published.
-    theirs = asyncio.ensure_future(watcher.wait("theirs", 30))
-
-    async def looked_at(now: float) -> None:
-        clock.now = now
-        seen = len(looks)
-        deadline = time.monotonic() + 10
-        while len(looks) < seen + 2:  # a whole look after the clock moved
-            assert time.monotonic() < deadline, "the watcher stopped looking"
-            await asyncio.sleep(0.01)
-
-    for now in (1.9, 2.0, 3.0, 4.0, 7.9, 8.0):
-        await looked_at(now)
-    assert again == [("mine", 2.0), ("mine", 4.0), ("mine", 8.0)]
-    outcomes["mine"] = outcomes["theirs"] = RequestResult(
-        "mine", "reserve", "reserved", {}, None, None, 1, 0.0
-    )
-    assert (await mine).status == "reserved" and (await theirs).status == "reserved"
-    clock.now = 100.0
-    assert again == [("mine", 2.0), ("mine", 4.0), ("mine", 8.0)] and watcher.waiting == 0
-    await watcher.aclose()
-
-
 def test_workers_and_producers_get_the_service_name_with_the_visibility_timeout() -> None:
     settings = Settings(
         broker_url="sentinel://s1:26379/0;sentinel://s2:26380/0",
@@ -318,83 +240,14 @@ def test_workers_and_producers_get_the_service_name_with_the_visibility_timeout(
     app.close()
 
 
-# -- the copy is the same request --------------------------------------------------------------------------
-
-
-def queued(client: redis.Redis, queue: str = "celery") -> list[dict[str, Any]]:
-    """The task messages in a Redis queue, oldest first: their headers and keyword arguments."""
-    messages = []
-    for raw in reversed(client.lrange(queue, 0, -1)):
-        message = json.loads(raw)
-        _, kwargs, _ = json.loads(base64.b64decode(message["body"]))
-        messages.append({"headers": message["headers"], "kwargs": kwargs})
-    return messages
-
-
-@pytest.mark.parametrize("shell", ["async", "sync"])
-async def test_a_request_without_an_outcome_is_published_again_under_its_task_id(
-    tmp_path: Path, shell: str
-) -> None:
-    """No worker runs: the client's wait publishes the request again after the bound (0.5 s; the next
-    would be due at 1 s, after the wait gave up), as the same task with the same arguments and its first
-    enqueue time; with the bound at 0 it never does."""
-    database = f"sqlite:///{tmp_path / 'inventory.sqlite3'}"
-    schema.upgrade(database)
-    with redis_server(tmp_path / "redis") as server, server_client(server.port) as broker:
-        for after, copies in ((0.5, 2), (0.0, 1)):
-            broker.delete("celery")
-            settings = Settings(
-                broker_url=server.url(0),
-                result_backend=server.url(1),
-                database_url=database,
-                republish_after=after,
-            )
-            client = ReservationClient(create_app(settings))
-            key = f"again-{shell}-{after}"
-            try:
-                if shell == "async":
-                    handle = await client.enqueue_reservation("W", 2, idempotency_key=key)
-                    with pytest.raises(TimeoutError):
-                        await handle.result(timeout=0.9)
-                else:
-                    handle = client.enqueue_reservation_sync("W", 2, idempotency_key=key)
-                    with pytest.raises(TimeoutError):
-                        handle.result_sync(timeout=0.9)
-            finally:
-                await client.aclose()
-                client.app.close()
-            messages = queued(broker)
-            assert len(messages) == copies
-            assert {m["headers"]["id"] for m in messages} == {request_id(key)}
-            assert {m["headers"]["task"] for m in messages} == {"reservations.reserve"}
-            assert all(m["kwargs"] == messages[0]["kwargs"] for m in messages)
-            assert messages[0]["kwargs"] == {
-                "sku": "W",
-                "quantity": 2,
-                "hold_for": None,
-                "idempotency_key": key,
-            }
-            # The copy carries when the request was first enqueued: its latency counts the time lost.
-            enqueued = [m["headers"][ENQUEUED_AT] for m in messages]
-            assert max(enqueued) - min(enqueued) < 0.1
-
-
-@contextmanager
-def server_client(port: int) -> Iterator[redis.Redis]:
-    client = redis.Redis(port=port, socket_timeout=5)
-    try:
-        yield client
-    finally:
-        client.close()
-
-
 # -- through Sentinel, end to end ------------------------------------------------------------------------
 
 SKU = "SENTINEL-1"
 OUTCOME_TIMEOUT = 30.0
 GATE_TIMEOUT = 20.0  # a wait of the test's own, shorter than the handles' so that it is what fails
-# Short here; the default is 30 s (RESERVATIONS_REPUBLISH_AFTER, docs/operations.md).
+# Short here; the default is 10 s (RESERVATIONS_REPUBLISH_AFTER, docs/architecture.md).
 REPUBLISH_AFTER = 2.0
+RELAY_EVERY = 0.5
 
 
 def sentinel_env(topology: SentinelTopology, database_url: str) -> dict[str, str]:
@@ -458,15 +311,20 @@ async def forget(waits: list[asyncio.Future[Any]]) -> None:
 @pytest.mark.slow
 async def test_requests_lost_in_a_failover_are_published_again_and_each_ends_once(tmp_path: Path) -> None:
     """The replica misses the last requests published (its link holds them when the primary is killed),
-    the sentinels promote it, and the client publishes every request still without an outcome again after
-    the bound: the lost ones are back, the others are queued twice, and each is applied once."""
+    the sentinels promote it, and the workers' relay publishes again every recorded request without an
+    outcome that the promoted broker does not carry: the lost ones are back, the kept ones are not copied,
+    and each is applied once. Nobody awaits the requests while this happens."""
     async with AsyncExitStack() as stack:
         topology = stack.enter_context(sentinel_topology(tmp_path / "redis"))
         database = stack.enter_context(pg_schema())
         inventory = stack.enter_context(Inventory.from_url(database))
         inventory.add_sku(SKU, on_hand=100)
-        env = sentinel_env(topology, database)
-        settings = Settings.from_env({**env, "RESERVATIONS_REPUBLISH_AFTER": f"{REPUBLISH_AFTER:g}"})
+        env = {
+            **sentinel_env(topology, database),
+            "RESERVATIONS_REPUBLISH_AFTER": f"{REPUBLISH_AFTER:g}",
+            "RESERVATIONS_RELAY_EVERY": f"{RELAY_EVERY:g}",
+        }
+        settings = Settings.from_env(env)
         client = ReservationClient(create_app(settings))
         stack.callback(client.app.close)
         stack.push_async_callback(client.aclose)
@@ -482,8 +340,6 @@ async def test_requests_lost_in_a_failover_are_published_again_and_each_ends_onc
         topology.relay.hold()
         lost = [await client.enqueue_reservation(SKU, 1, idempotency_key=f"lost-{n}") for n in range(5)]
         assert (primary.llen("celery"), replica.llen("celery")) == (len(kept) + len(lost), len(kept))
-        waits = [asyncio.ensure_future(h.result(timeout=OUTCOME_TIMEOUT)) for h in [*kept, *lost]]
-        stack.push_async_callback(forget, waits)
 
         topology.primary.kill()
         topology.relay.sever()
@@ -493,17 +349,11 @@ async def test_requests_lost_in_a_failover_are_published_again_and_each_ends_onc
             timeout=30,
             what="the sentinels to promote the replica",
         )
-        # Nobody consumes yet: every request still without an outcome is published again, the lost ones
-        # and the kept ones alike (their second copy).
-        queue = len(kept) * 2 + len(lost)
-        await asyncio.to_thread(
-            wait_until,
-            lambda: replica.llen("celery") >= queue,
-            timeout=GATE_TIMEOUT,
-            what=f"{queue} messages on the promoted replica (the requests published again)",
-        )
+        assert replica.llen("celery") == len(kept)  # the lost ones are gone from the broker
 
         running = await asyncio.to_thread(stack.enter_context, cluster(tmp_path / "workers", env, prefix="f"))
+        waits = [asyncio.ensure_future(h.result(timeout=OUTCOME_TIMEOUT)) for h in [*kept, *lost]]
+        stack.push_async_callback(forget, waits)
         outcomes = await asyncio.gather(*waits)
 
         assert [o.status for o in outcomes] == ["reserved"] * len(waits), running.tails()
@@ -511,10 +361,10 @@ async def test_requests_lost_in_a_failover_are_published_again_and_each_ends_onc
         assert writes_by_key(inventory) == {h.key: 1 for h in [*kept, *lost]}
         level = inventory.stock(SKU)
         assert (level.on_hand, level.available) == (100, 100 - len(kept) - len(lost))
-        # The workers ran every copy: a kept request at least twice (once more for each time it was due
-        # again before the workers were up), a lost one at least once; each was applied once (above).
+        # A kept request was still queued: the relay sent no copy of it; a lost one was published again.
         logs = "".join(worker.log() for worker in running.workers)
         received = {
             h.key: logs.count(f"Task reservations.reserve[{h.task_id}] received") for h in [*kept, *lost]
         }
-        assert all(received[h.key] >= 2 for h in kept) and all(received[h.key] >= 1 for h in lost), received
+        assert all(received[h.key] == 1 for h in kept) and all(received[h.key] >= 1 for h in lost), received
+        assert "relay: published lost-0 again" in logs, running.tails()

@@ -15,7 +15,15 @@ import sqlalchemy as sa
 
 from fencing import LeaseManager, StaleToken
 from fencing.engines import make_engine
-from reservations import AsyncInventory, IdempotencyConflict, InvalidRequest, Inventory, UnknownSku, scope_of
+from reservations import (
+    AsyncInventory,
+    IdempotencyConflict,
+    InvalidRequest,
+    Inventory,
+    UnknownSku,
+    schema,
+    scope_of,
+)
 from reservations.counting import StockSeen
 from reservations.errors import ConstraintRefused, CountBelowHeld, SeenInAnotherEpoch
 from reservations.models import idempotency_keys, sku_history, stock
@@ -403,6 +411,7 @@ def test_the_count_and_replenish_commands_check_their_input_and_go_through_the_w
         "RESERVATIONS_DATABASE_URL": f"sqlite:///{tmp_path / 'inventory.sqlite3'}",
         "RESERVATIONS_BROKER_URL": "redis://127.0.0.1:1/0",
     }
+    schema.upgrade(env["RESERVATIONS_DATABASE_URL"])  # a request is recorded before it is published
     done = run(*args, env=env, columns=200)
     assert done.returncode == code, done.stdout + done.stderr
     assert said in done.stderr

@@ -23,6 +23,7 @@ from admin.harness import free_port, wait_until
 from admin.redis_servers import RedisServer, redis_server
 from fencing.engines import make_engine
 from reservations import Inventory, schema
+from reservations.acceptance import accepted
 from reservations.errors import RedriveRefused, UnknownRequest
 from reservations.models import schema_compatibility
 from reservations.redrives import carried_request, redrive_key
@@ -198,7 +199,9 @@ def test_0009_runs_on_an_existing_database_and_lets_0008_workers_on(tmp_path: Pa
         assert (listed.key, listed.arguments, listed.redrivable) == ("before-0009", None, False)
 
 
-async def test_a_client_takes_back_a_redrive_it_could_not_publish(inventory_url: str) -> None:
+async def test_a_redrive_the_broker_did_not_take_stays_recorded_for_the_relay(inventory_url: str) -> None:
+    """The re-drive is claimed and recorded before it is published: a broker that does not take it costs
+    the caller an error, not the re-drive, which the relay publishes once the broker answers."""
     settings = Settings.from_env(
         {
             "RESERVATIONS_DATABASE_URL": inventory_url,
@@ -209,14 +212,17 @@ async def test_a_client_takes_back_a_redrive_it_could_not_publish(inventory_url:
     try:
         with Inventory.from_url(inventory_url) as inv:
             dead_letter(inv, "client-1")
+            dead_letter(inv, "client-2")
             async with ReservationClient(app) as client:
                 with pytest.raises(OperationalError):
                     await client.redrive("client-1", by="test")
-                assert await asyncio.to_thread(inv.redrives_of, "client-1") == []
                 with pytest.raises(OperationalError):
-                    await asyncio.to_thread(client.redrive_sync, "client-1")
-            assert inv.redrives_of("client-1") == []
-            assert inv.claim_redrive("client-1", dry_run=True).number == 1
+                    await asyncio.to_thread(client.redrive_sync, "client-2")
+            for origin in ("client-1", "client-2"):
+                assert [link.number for link in inv.redrives_of(origin)] == [1]
+                recorded = inv.executor.run(accepted(redrive_key(origin, 1)))
+                assert recorded is not None and recorded.next_look is not None
+                assert recorded.request_type == "reserve" and recorded.arguments == RESERVE
     finally:
         app.close()
 
@@ -260,10 +266,12 @@ def test_the_command_line_lists_dry_runs_and_refuses(inventory: Inventory, inven
         done = run(*args, env=env)
         assert (done.returncode, done.stdout) == (code, ""), (args, done)
         assert says in done.stderr and len(done.stderr.strip().splitlines()) == 1, (args, done.stderr)
-    # Nothing sent or recorded; with the broker unreachable, the claim is taken back.
+    # With the broker unreachable the re-drive is claimed and recorded all the same: the relay publishes
+    # it once the broker answers.
     unsent = run("redrive", "cli-1", env=env)
     assert unsent.returncode == 4 and "broker unreachable" in unsent.stderr, unsent
-    assert inventory.redrives_of("cli-1") == []
+    assert [link.number for link in inventory.redrives_of("cli-1")] == [1]
+    assert inventory.executor.run(accepted("cli-1~redrive-1")) is not None
 
 
 # -- real workers on PostgreSQL --------------------------------------------------------------------------

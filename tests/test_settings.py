@@ -308,12 +308,14 @@ def test_a_password_file_puts_the_password_in_every_sentinel_part(secret: Path) 
         )
 
 
-def test_republishing_waits_30_seconds_by_default_and_0_turns_it_off() -> None:
-    assert Settings().republish_after == 10.0
-    assert Settings.from_env({"RESERVATIONS_REPUBLISH_AFTER": "0"}).republish_after == 0.0
+def test_the_relay_looks_after_10_seconds_every_5_and_caps_at_6_publications_by_default() -> None:
+    assert (Settings().republish_after, Settings().relay_every, Settings().max_publishes) == (10.0, 5.0, 6)
     assert Settings.from_env({"RESERVATIONS_REPUBLISH_AFTER": "2.5"}).republish_after == 2.5
-    with pytest.raises(SettingsError, match="RESERVATIONS_REPUBLISH_AFTER must be between 0 and 3600"):
-        Settings.from_env({"RESERVATIONS_REPUBLISH_AFTER": "7200"})
+    assert Settings.from_env({"RESERVATIONS_RELAY_EVERY": "0"}).relay_every == 0.0  # no relay here
+    with pytest.raises(SettingsError, match="RESERVATIONS_REPUBLISH_AFTER must be between 0.05 and 3600"):
+        Settings.from_env({"RESERVATIONS_REPUBLISH_AFTER": "0"})
+    with pytest.raises(SettingsError, match="RESERVATIONS_MAX_PUBLISHES must be between 1 and 1000"):
+        Settings.from_env({"RESERVATIONS_MAX_PUBLISHES": "0"})
 
 
 def test_requests_keep_no_celery_result_by_default_and_whole_seconds_when_asked() -> None:

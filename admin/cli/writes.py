@@ -24,7 +24,6 @@ from fencing.urls import mask_url
 from reservations import Inventory, ReservationError, counting
 from reservations import validation as valid
 from reservations.redrives import Redrive
-from reservations.requests import request_id
 
 # The final statuses of a request that did what it asked; any other (insufficient_stock, invalid,
 # dead_lettered, expired) ends the command with exit 1.
@@ -51,16 +50,27 @@ def _enqueue(
 ) -> None:
     """Hand the request to the workers by task name, with a deadline ``within`` seconds from now if
     given; with --wait, poll its final outcome."""
+    from reservations.acceptance import record
     from tasks.producer import Producer
+    from tasks.sending import publish, request_of
 
     valid.idempotency_key(key)
     deadline = None if within is None else valid.deadline(time.time() + within)
+    request = request_of(operation, key, kwargs, deadline=deadline)
+    # Recorded first, in the operator's space: the relay publishes it again if its message is lost.
+    with context.inventory() as inventory:
+        inventory.executor.run(record([request], config.settings.republish_after))
     try:
         with Producer(config.broker_url) as producer:
-            producer.send(operation, key, kwargs, deadline=deadline)
+            publish(producer, request)
     except Exception as exc:  # kombu raises its own and socket errors; all mean the broker is unusable
-        fail(EXIT_UNREACHABLE, f"broker unreachable at {mask_url(config.broker_url)}: {exc}")
-    out.print(f"enqueued {operation} {key} (request {request_id(key)}) on {mask_url(config.broker_url)}")
+        fail(
+            EXIT_UNREACHABLE,
+            f"broker unreachable at {mask_url(config.broker_url)}: {exc} (the request is recorded in "
+            f"{mask_url(config.database_url)}: a worker's relay publishes it once the broker answers)",
+        )
+    broker = mask_url(config.broker_url)
+    out.print(f"recorded and enqueued {operation} {key} (request {request.task_id}) on {broker}")
     if wait:
         _await_outcome(operation, key, kwargs, timeout)
 
@@ -351,16 +361,18 @@ def _send_redrives(inventory: Inventory, chosen: list[Redrive], who: str | None)
     from reservations.errors import RedriveRefused
     from tasks.producer import Producer
     from tasks.redrives import redrive as send_redrive
+    from tasks.sending import Sender
 
     sent, refused = 0, 0
     try:
         producer = Producer.configured(config.settings)
     except Exception as exc:
         fail(EXIT_UNREACHABLE, f"broker unusable at {mask_url(config.broker_url)}: {exc}")
+    sender = Sender(producer, lambda: inventory, config.settings.republish_after)
     with producer:
         for claim in chosen:
             try:
-                done = send_redrive(inventory, producer, claim.origin, by=who)
+                done, task_id = send_redrive(inventory, sender, claim.origin, by=who)
             except RedriveRefused as exc:
                 complain(logging.WARNING, str(exc))
                 refused += 1
@@ -374,8 +386,7 @@ def _send_redrives(inventory: Inventory, chosen: list[Redrive], who: str | None)
                     f"{claim.origin} not re-driven)",
                 )
             sent += 1
-            request = request_id(done.key)
-            out.print(f"re-driving {done.origin} as {done.key} (re-drive #{done.number}, request {request})")
+            out.print(f"re-driving {done.origin} as {done.key} (re-drive #{done.number}, request {task_id})")
     out.print(
         f"wrote {sent} re-drive(s) to {mask_url(config.database_url)} and enqueued them on "
         f"{mask_url(config.broker_url)}"

@@ -1,0 +1,323 @@
+"""The relay: every recorded request ends in one outcome, whatever happened to its messages.
+
+Producers record a request before they publish it (tasks.sending), with the time the relay first looks
+at it (``RESERVATIONS_REPUBLISH_AFTER`` later). Each pass claims the records whose look has come
+(reservations.acceptance.due: disjoint between relays) and decides for each, in :func:`decide`, without
+I/O:
+
+=====================================  ===================================================================
+the record                             action
+=====================================  ===================================================================
+has an outcome                         close: looked at no more
+waits in its hot SKU's queue           wait: the database carries it to the lease holder
+past its deadline                      end it ``expired`` (a worker that takes a copy up later replays it)
+still carried by the broker            wait: queued, or held by a worker for less than ``held_for``
+published ``max_publishes`` times      end it ``dead_lettered``: its messages keep vanishing, or kill
+                                       every worker that takes them
+otherwise                              publish it again, same task id, arguments, format and deadline
+=====================================  ===================================================================
+
+A copy is harmless by construction: its task id and key are the request's, so a worker that takes a copy
+of a request that has ended replays the stored outcome, and the key's fingerprint refuses anything else.
+Where the broker cannot be looked into (RabbitMQ: ``carried`` is None) the relay cannot tell a lost
+message from a slow one, so copies are spaced out: ``after``, then twice as long each time
+(:func:`spacing`). A publish that fails is not counted: the record is looked at again after ``after``.
+
+Where it runs: in every worker's main process, in a thread of its own (:class:`RelayStep`). Workers are
+wherever requests can be carried at all, so a deployment cannot forget the relay, and it needs no message
+of its own on the broker it repairs (a beat task would wait behind the very backlog it looks after, and
+beat is one process). Claims keep relays from publishing the same request twice in a pass.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable
+from contextlib import suppress
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from celery import bootsteps
+
+from fencing import BackendUnavailable
+from reservations import Inventory
+from reservations import acceptance as records
+from reservations.acceptance import Due, Request
+from reservations.requests import AlreadyApplied
+from reservations.statuses import RequestStatus
+from tasks.brokers import REDIS, scheme_of
+from tasks.presence import redis_presence
+from tasks.producer import Producer
+from tasks.sending import publish
+from tasks.settings import Settings
+
+log = logging.getLogger("tasks.relay")
+
+# Records claimed per pass, and how long a claim keeps other relays off a record (a relay that dies
+# mid-pass leaves its claims to the next pass after this).
+BATCH = 500
+CLAIM = 60.0
+# Copies spaced out to at most this many times ``after`` where the broker cannot be looked into.
+MOST_SPACING = 2**5
+# The longest a message may sit held by a live worker before it runs: a retry's countdown (backoff to 30
+# s, tasks.policy) on top of a lease ttl of waiting. Held longer, its worker is taken to be dead.
+RETRY_COUNTDOWN = 30.0
+WORKER_NAME = "relay"
+
+
+class Action(StrEnum):
+    CLOSE = "close"
+    WAIT = "wait"
+    EXPIRE = "expire"
+    DEAD_LETTER = "dead_letter"
+    REPUBLISH = "republish"
+
+
+def decide(due: Due, now: float, carried: set[str] | None, max_publishes: int) -> Action:
+    """What the relay does with a record whose look has come (module docstring's table); ``now`` in
+    seconds since the epoch, ``carried`` the task ids the broker carries (None: unknown)."""
+    record = due.accepted
+    if due.ended:
+        return Action.CLOSE
+    if due.queued:
+        return Action.WAIT
+    if record.deadline is not None and now >= record.deadline:
+        return Action.EXPIRE
+    if carried is not None and record.task_id in carried:
+        return Action.WAIT
+    if record.publishes >= max_publishes or record.arguments is None:
+        return Action.DEAD_LETTER
+    return Action.REPUBLISH
+
+
+def spacing(after: float, spaced: bool) -> list[float]:
+    """Seconds until the next look after the n-th publication (the last for any more): ``after`` each
+    time where the broker can be looked into, else doubling up to :data:`MOST_SPACING` times it."""
+    if not spaced:
+        return [after]
+    steps = MOST_SPACING.bit_length()
+    return [after * 2**n for n in range(steps)]
+
+
+def ending(action: Action, due: Due, now: float) -> tuple[str, dict[str, Any]]:
+    """The final status and detail the relay records for a request it ends."""
+    record = due.accepted
+    if action == Action.EXPIRE:
+        assert record.deadline is not None
+        return RequestStatus.EXPIRED, {
+            "deadline": record.deadline,
+            "late_by": round(now - record.deadline, 3),
+            "reason": f"no outcome by its deadline; published {record.publishes} time(s)",
+        }
+    carried = (
+        {}
+        if record.arguments is None
+        else {"request": {"type": record.request_type, "arguments": record.arguments}}
+    )
+    reason = (
+        "recorded without its arguments"
+        if record.arguments is None
+        else f"no outcome after {record.publishes} publications: its messages were lost or killed "
+        "the workers that took them"
+    )
+    return RequestStatus.DEAD_LETTERED, {"reason": "lost", "error": reason, **carried}
+
+
+@dataclass
+class Pass:
+    """What one pass did, by action."""
+
+    counts: dict[str, int] = field(default_factory=lambda: {action.value: 0 for action in Action})
+    unpublished: int = 0
+
+    def __bool__(self) -> bool:
+        return any(self.counts.values())
+
+
+class Relay:
+    """One relay: ``inventory`` to read and claim records, ``producer`` to publish, ``carried`` to look
+    into the broker (None where it cannot)."""
+
+    def __init__(
+        self,
+        inventory: Inventory,
+        producer: Producer,
+        *,
+        after: float,
+        max_publishes: int,
+        carried: Callable[[], set[str]] | None,
+        clock: Callable[[], float] = time.time,
+        worker: str = WORKER_NAME,
+        closing: Callable[[], None] = lambda: None,
+    ) -> None:
+        self._closing = closing
+        self.inventory = inventory
+        self.producer = producer
+        self.after = after
+        self.max_publishes = max_publishes
+        self.carried = carried
+        self.clock = clock
+        self.worker = worker
+
+    def close(self) -> None:
+        """Close the relay's database pool, producer and broker connection."""
+        self._closing()
+        self.inventory.close()
+        self.producer.close()
+
+    def run_once(self) -> Pass:
+        """Claim the records due now and act on each; returns what was done."""
+        run = self.inventory.executor.run
+        done = Pass()
+        dues = run(records.due(BATCH, CLAIM))
+        if not dues:
+            return done
+        carried = self._carried(dues)
+        now = self.clock()
+        closed, republished = [], []
+        for due in dues:
+            action = decide(due, now, carried, self.max_publishes)
+            done.counts[action.value] += 1
+            key = due.accepted.key
+            if action == Action.CLOSE:
+                closed.append(key)
+            elif action == Action.WAIT:
+                pass  # claimed: looked at again after CLAIM
+            elif action in (Action.EXPIRE, Action.DEAD_LETTER):
+                self._end(action, due, now)
+                closed.append(key)
+            elif self._republish(due):
+                republished.append(key)
+            else:
+                done.unpublished += 1
+        run(records.closed(closed))
+        run(records.republished(republished, spacing(self.after, carried is None)))
+        if done.counts[Action.REPUBLISH] or done.counts[Action.EXPIRE] or done.counts[Action.DEAD_LETTER]:
+            log.warning(
+                "relay: %s",
+                ", ".join(f"{n} {a}" for a, n in done.counts.items() if n),
+                extra={"event": "relayed", **done.counts},
+            )
+        return done
+
+    def _carried(self, dues: list[Due]) -> set[str] | None:
+        if self.carried is None or all(due.ended or due.queued for due in dues):
+            return None if self.carried is None else set()
+        try:
+            return self.carried()
+        except Exception as exc:  # the broker does not answer: nothing can be published either
+            log.warning("relay: could not look into the broker: %s", exc)
+            return None
+
+    def _republish(self, due: Due) -> bool:
+        record = due.accepted
+        assert record.request_type is not None and record.arguments is not None
+        assert record.task_id is not None and record.message_format is not None
+        request = Request(
+            key=record.key,
+            request_type=record.request_type,
+            operation=record.operation,
+            arguments=record.arguments,
+            fingerprint=record.fingerprint,
+            task_id=record.task_id,
+            message_format=record.message_format,
+            deadline=record.deadline,
+            caller=record.caller,
+        )
+        try:
+            publish(self.producer, request, enqueued_at=record.at)
+        except Exception as exc:
+            log.warning("relay: could not publish %s again: %s", record.key, exc)
+            return False
+        log.info("relay: published %s again (publication %d)", record.key, record.publishes + 1)
+        return True
+
+    def _end(self, action: Action, due: Due, now: float) -> None:
+        status, detail = ending(action, due, now)
+        record = due.accepted
+        try:
+            self.inventory.record_outcome(
+                record.key,
+                record.operation,
+                status,
+                detail,
+                task_id=record.task_id,
+                worker=self.worker,
+                fingerprint=record.fingerprint,
+            )
+        except AlreadyApplied:
+            return  # a worker decided it meanwhile: that outcome stands
+        log.warning(
+            "relay: request %s ended %s: %s",
+            record.key,
+            status,
+            detail.get("reason") or detail.get("error"),
+            extra={"event": f"relay_{status}", "key": record.key},
+        )
+
+
+class RelayStep(bootsteps.StartStopStep):  # type: ignore[misc]
+    """The relay of a worker's main process, in a thread of its own (blocking I/O must stay off the
+    consumer's event loop): a pass every ``RESERVATIONS_RELAY_EVERY`` seconds, with jitter so that the
+    workers of a fleet do not all look at once."""
+
+    def __init__(self, consumer: Any, **kwargs: Any) -> None:
+        self.settings: Settings = consumer.app.conf.reservations_settings
+        self.enabled = self.settings.relay_every > 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        super().__init__(consumer, **kwargs)
+
+    def start(self, consumer: Any) -> None:
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, args=(consumer.app,), name="relay", daemon=True)
+        self._thread.start()
+
+    def _loop(self, app: Any) -> None:
+        settings = self.settings
+        relay: Relay | None = None  # built in this thread, on first use: a database down at start waits
+        every = settings.relay_every
+        while not self._stop.wait(every * random.uniform(0.5, 1.0)):
+            try:
+                if relay is None:
+                    relay = relay_of(settings, app.conf.task_default_queue)
+                relay.run_once()
+            except BackendUnavailable as exc:
+                log.warning("relay: the database did not answer: %s", exc)
+            except Exception:
+                log.exception("relay pass failed")
+        if relay is not None:
+            with suppress(Exception):
+                relay.close()
+
+    def stop(self, consumer: Any) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+
+    shutdown = stop
+
+
+def relay_of(settings: Settings, queue: str = "celery") -> Relay:
+    """A relay on ``settings``: its own producer and database pool, and a look into the broker's ``queue``
+    where the broker is Redis."""
+    producer = Producer.configured(settings)
+    carried, closing = None, (lambda: None)
+    if scheme_of(settings.broker_url) in REDIS:
+        connection = producer.app.connection_for_read()
+        carried = redis_presence(connection, [queue], RETRY_COUNTDOWN + settings.lease_ttl)
+        closing = connection.release
+    inventory = Inventory.from_url(settings.database_url, pooling=settings.database_pooling)
+    return Relay(
+        inventory,
+        producer,
+        after=settings.republish_after,
+        max_publishes=settings.max_publishes,
+        carried=carried,
+        closing=closing,
+    )
