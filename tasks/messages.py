@@ -20,6 +20,7 @@ once a worker that knows its format runs (docs/operations.md, "Message formats")
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,16 @@ from reservations.statuses import RequestStatus
 # Retry counters travel with the message (see Attempt.again in tasks.attempt); a producer never sets them.
 COUNTERS = ("epoch", "busy", "transient")
 MAX_COUNTER = 1_000_000
+
+# What a refusal carries of its message stays well under what an outcome's detail may hold
+# (valid.MAX_DETAIL_JSON_CHARS, as JSON) whatever the message held: a refusal that cannot be recorded would
+# leave its request without an outcome.
+MAX_CARRIED_CHARS = 20_000  # a dead letter's request arguments, as JSON; larger ones are described instead
+CARRIED_PREFIX_CHARS = 500  # how much of the JSON of arguments too large to carry is kept
+MAX_MESSAGE_CHARS = 2_000  # a refusal's message text
+MAX_QUOTED_CHARS = 100  # a value of the message that the refusal names (an unknown format)
+# Whole numbers beyond this are not exact as a double, which is all many JSON readers have: kept as text.
+MAX_EXACT_INT = 2**53
 
 # The message header naming a request message's format, a whole number (tasks.producer sets it; a retry
 # keeps its message's, tasks.app). Bump CURRENT_FORMAT whenever a worker of the previous release would
@@ -99,7 +110,9 @@ class InvalidMessage(InvalidRequest):
     ) -> None:
         self.key = key
         self.fingerprint = fingerprint
-        super().__init__(message, field=field)
+        # The text may quote whatever the message held (an argument's name, a value): bounded, so that
+        # the refusal's detail and its log line stay small.
+        super().__init__(clipped(message, MAX_MESSAGE_CHARS), field=field)
 
     def detail(self) -> dict[str, Any]:
         """The refused request's outcome detail."""
@@ -111,7 +124,13 @@ class UnknownFormat(InvalidMessage):
     worker (or not a format at all). Nothing of it is read but its idempotency key; it ends dead-lettered,
     with no stock touched and no lease taken, its detail naming its format and the ones this worker serves
     and carrying its arguments as sent, so that an operator can drive it again once every worker knows
-    its format."""
+    its format.
+
+    Whatever the message held, that detail can be recorded: the format is quoted in a bounded form (a
+    number that is not finite, which JSON cannot hold, as its JSON text: ``NaN``, ``Infinity``); the
+    arguments are carried only when their JSON fits :data:`MAX_CARRIED_CHARS` (numbers that are not
+    finite as text), else the detail gives their size and the start of their JSON instead
+    (``request_too_large``), and the request cannot be driven again from it."""
 
     status = RequestStatus.DEAD_LETTERED
 
@@ -125,11 +144,15 @@ class UnknownFormat(InvalidMessage):
         # Its arguments as sent, for a re-drive; the retry counters are no part of the request. A message
         # with positional arguments cannot be read without its format: it carries none.
         claimed = {k: v for k, v in sent.items() if k != "idempotency_key" and k not in COUNTERS}
-        self.request = None if args else carried_request(name, claimed)
+        self.request: dict[str, Any] | None = None
+        self.too_large: dict[str, Any] | None = None
+        if not args:
+            self.request, self.too_large = _carried(name, claimed)
         known = " and ".join(map(str, FORMATS))
         super().__init__(
-            f"{name} message of format {value!r}: this worker serves formats {known} (a message without "
-            f"{FORMAT} is format {UNMARKED_FORMAT}); drive it again once every worker serves its format",
+            f"{name} message of format {clipped(repr(value), MAX_QUOTED_CHARS)}: this worker serves formats "
+            f"{known} (a message without {FORMAT} is format {UNMARKED_FORMAT}); drive it again once every "
+            "worker serves its format",
             key=key,
             fingerprint=_raw_fingerprint(f"{name} of format {value!r}", claimed),
             field=FORMAT,
@@ -137,13 +160,63 @@ class UnknownFormat(InvalidMessage):
 
     def detail(self) -> dict[str, Any]:
         carried = {} if self.request is None else {"request": self.request}
+        if self.too_large is not None:
+            carried["request_too_large"] = self.too_large
         return {
             "reason": "unknown message format",
             "error": str(self),
-            "format": self.format if isinstance(self.format, int | float | str) else repr(self.format),
+            "format": quoted(self.format),
             "formats": list(FORMATS),
             **carried,
         }
+
+
+def clipped(text: str, limit: int) -> str:
+    """``text`` cut to ``limit`` characters, saying how long it was."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def quoted(value: object) -> Any:
+    """A value of a message as a refusal's detail names it: a finite number or a short string as it is,
+    anything else as bounded text (a number that is not finite as its JSON text, ``NaN``)."""
+    if isinstance(value, bool) or (isinstance(value, int) and -MAX_EXACT_INT <= value <= MAX_EXACT_INT):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else json.dumps(value)
+    if isinstance(value, int):
+        return clipped(str(value), MAX_QUOTED_CHARS)
+    return clipped(value if isinstance(value, str) else repr(value), MAX_QUOTED_CHARS)
+
+
+def storable(value: Any) -> tuple[Any, str] | None:
+    """``value`` as an outcome's detail can store it, and its JSON: numbers that are not finite (which the
+    JSON of a message may hold, and a database refuses) as their JSON text, ``"NaN"``. None when it
+    cannot be written as JSON at all (nested deeper than the encoder goes)."""
+    try:
+        # The tokens NaN, Infinity and -Infinity are read back as strings.
+        stored = json.loads(json.dumps(value, default=repr), parse_constant=str)
+        return stored, json.dumps(stored, sort_keys=True, allow_nan=False)
+    except (RecursionError, ValueError):
+        return None
+
+
+def _carried(name: str, claimed: Mapping[str, Any]) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """The request a dead letter carries to be driven again, when it fits :data:`MAX_CARRIED_CHARS`;
+    else None and what it says instead: the arguments' size and the start of their JSON."""
+    written = storable(carried_request(name, dict(claimed)))
+    if written is not None and len(written[1]) <= MAX_CARRIED_CHARS:
+        request: dict[str, Any] = written[0]
+        return request, None
+    if written is None:
+        return None, {"type": name, "arguments_chars": None, "why": "nested too deeply to write as JSON"}
+    arguments = storable(written[0]["arguments"])
+    text = written[1] if arguments is None else arguments[1]
+    return None, {
+        "type": name,
+        "arguments_chars": len(text),
+        "arguments_start": text[:CARRIED_PREFIX_CHARS],
+        "why": f"its arguments are over {MAX_CARRIED_CHARS} characters as JSON",
+    }
 
 
 def format_of(request: object) -> object:

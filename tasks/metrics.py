@@ -44,6 +44,10 @@ SERVE_PENDING = "serve_pending"
 OPERATIONS = (*sorted({shape.operation for shape in SHAPES.values()}), SERVE_PENDING)
 # The backends fencing's BackendUnavailable names (fencing.sql_errors for any database, fencing.redis_outage).
 BACKENDS = ("database", "redis")
+# Why the consumer dropped a message it took from the broker (tasks.transport): its payload is no JSON, or
+# it is JSON that makes no message kombu or Celery can take (a body that does not decode, no properties).
+DropReason = Literal["undecodable", "malformed"]
+DROP_REASONS: tuple[DropReason, ...] = get_args(DropReason)
 
 
 class Off:
@@ -58,6 +62,7 @@ class Off:
     def queued(self) -> None: ...
     def batch(self, size: int) -> None: ...
     def transient(self, backend: str) -> None: ...
+    def dropped(self, reason: DropReason) -> None: ...
 
 
 class On(Off):
@@ -106,12 +111,19 @@ class On(Off):
             "attempts retried because a backend was unreachable, by backend",
             ["backend"],
         )
+        self.drops = Counter(
+            "reservations_messages_dropped",
+            "messages taken from the broker that no task could be made of, dropped by the worker's consumer: "
+            "undecodable (no JSON), malformed (a body that does not decode, no properties, no task's body)",
+            ["reason"],
+        )
         # In multiprocess mode these zeros live in the main process's file, summed with the children's.
         for counter, values in (
             (self.stale, OPERATIONS),
             (self.leases, LEASE_RESULTS),
             (self.outcomes, tuple(RequestStatus)),
             (self.transients, BACKENDS),
+            (self.drops, DROP_REASONS),
         ):
             for value in values:
                 counter.labels(value)
@@ -139,6 +151,9 @@ class On(Off):
 
     def transient(self, backend: str) -> None:
         self.transients.labels(backend).inc()
+
+    def dropped(self, reason: DropReason) -> None:
+        self.drops.labels(reason).inc()
 
 
 current: Off = Off()

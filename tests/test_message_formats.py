@@ -361,3 +361,46 @@ def test_a_message_of_an_unknown_format_is_dead_lettered_untouched_and_driven_ag
     served = redriven.result_sync(timeout=OUTCOME_TIMEOUT)
     assert served.status == "reserved", served
     assert [running.inventory.stock(sku).reserved for sku in skus] == [1, 2]
+
+
+# -- a dead letter whatever its message held -------------------------------------------------------------
+
+HUGE = 5_000_000
+UNWRITABLE = [
+    pytest.param(float("nan"), "NaN", False, id="NaN format"),
+    pytest.param(float("inf"), "Infinity", False, id="Infinity format"),
+    pytest.param("9" * HUGE, None, False, id="huge format"),
+    pytest.param(3, 3, True, id="huge argument"),
+]
+
+
+@pytest.mark.parametrize(("message_format", "shown", "huge_argument"), UNWRITABLE)
+def test_a_message_of_an_unknown_format_is_dead_lettered_whatever_it_holds(
+    running: Running, message_format: object, shown: object, huge_argument: bool
+) -> None:
+    """A format JSON cannot store (NaN, Infinity) or one of 5 MB, or an argument of 5 MB: the dead letter
+    is recorded all the same, within the limit of an outcome's detail (tests/test_refusal_details.py)."""
+    fixture = load(FIXTURES / "v1/client.reserve.json")
+    fresh = fresh_for(running, fixture)
+    message, _ = fresh_message(fixture, fresh)
+    message["headers"][FORMAT] = message_format
+    if huge_argument:
+        message["body"][1]["note"] = "x" * HUGE
+    body = base64.b64encode(json.dumps(message["body"]).encode()).decode()
+    running.publish(json.dumps({**message, "body": body}).encode())
+
+    ended = running.outcome(fresh.key)
+    assert (ended.status, ended.operation) == ("dead_lettered", "reserve")
+    assert ended.detail["reason"] == "unknown message format" and ended.detail["formats"] == [1, 2]
+    if shown is None:
+        assert ended.detail["format"].startswith("999") and f"({HUGE} characters)" in ended.detail["format"]
+    else:
+        assert ended.detail["format"] == shown
+    if huge_argument:
+        assert "request" not in ended.detail
+        assert ended.detail["request_too_large"]["arguments_chars"] > HUGE
+    else:
+        assert ended.detail["request"]["arguments"]["sku"] == fresh.skus["FIXSKU-A"]
+    level = running.inventory.stock(fresh.skus["FIXSKU-A"])
+    assert (level.on_hand, level.reserved) == (ON_HAND, 0)
+    assert running.inventory.attempts(fresh.key) == []
