@@ -178,7 +178,7 @@ class Relay:
             return done
         carried = self._carried(dues)
         now = self.clock()
-        closed, republished = [], []
+        closed, waiting, republished = [], [], []
         for due in dues:
             action = decide(due, now, carried, self.max_publishes)
             done.counts[action.value] += 1
@@ -186,15 +186,17 @@ class Relay:
             if action == Action.CLOSE:
                 closed.append(key)
             elif action == Action.WAIT:
-                pass  # claimed: looked at again after CLAIM
+                waiting.append(key)
             elif action in (Action.EXPIRE, Action.DEAD_LETTER):
                 self._end(action, due, now)
                 closed.append(key)
             elif self._republish(due):
                 republished.append(key)
-            else:
+            else:  # not counted: looked at again after ``after``, as one still carried
                 done.unpublished += 1
+                waiting.append(key)
         run(records.closed(closed))
+        run(records.later(waiting, self.after))
         run(records.republished(republished, spacing(self.after, carried is None)))
         if done.counts[Action.REPUBLISH] or done.counts[Action.EXPIRE] or done.counts[Action.DEAD_LETTER]:
             log.warning(
