@@ -17,6 +17,7 @@ did is listed, but refused for re-drive.
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,11 +41,13 @@ __all__ = [
     "claim",
     "dead_letters",
     "drop",
+    "is_redrive_key",
     "redrive_key",
     "redrives_of",
 ]
 
 REDRIVE_MARK = "~redrive-"
+_REDRIVE_END = re.compile(re.escape(REDRIVE_MARK) + r"[0-9]+\Z")  # how every re-drive key ends
 # A request driven again this often is not coming back by itself: look at it instead.
 MAX_REDRIVE_NUMBER = 1000
 DEAD = RequestStatus.DEAD_LETTERED
@@ -67,6 +70,13 @@ def redrive_key(origin: str, number: int) -> str:
     digest = hashlib.sha256(origin.encode()).hexdigest()[:16]
     keep = valid.MAX_KEY_CHARS - len(suffix) - len(digest) - 1
     return valid.idempotency_key(f"{origin[:keep]}~{digest}{suffix}")
+
+
+def is_redrive_key(key: str) -> bool:
+    """Whether ``key`` is a name :func:`redrive_key` makes (it ends in ``~redrive-<n>``): such a name
+    belongs to the re-drives of the key before it, and a request sent under it by anyone else would be
+    taken for that key's re-drive."""
+    return _REDRIVE_END.search(key) is not None
 
 
 @dataclass(frozen=True, slots=True)

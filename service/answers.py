@@ -1,5 +1,11 @@
-"""What the front door answers, decided without I/O: the key a caller's header names, how long to wait,
-the request's deadline, and the HTTP answer each final outcome is.
+"""What the front door answers, decided without I/O: the caller's key space, the key a caller's header
+names, how long to wait, the request's deadline, and the HTTP answer each final outcome is.
+
+Every key an HTTP caller sends is stored in its caller's space: ``<name>:<key>`` for a caller the
+deployment's dependency names, ``*:<key>`` for an anonymous one (:data:`ANONYMOUS`, outside the rule of
+names, so no name can be it). No caller can name a key of another's, nor one the library client or the
+command line sent (stored as sent, in no caller's space), nor take the name a re-drive of one of its own
+keys will run under.
 
 Each outcome status has one answer everywhere: a reservation is 201 where a POST made it and 200 where it
 is read; a refusal is a problem document (service.problems) whose type is the same on every route.
@@ -13,6 +19,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from reservations.redrives import REDRIVE_MARK, is_redrive_key
 from reservations.requests import RequestResult
 from reservations.statuses import RequestStatus
 from reservations.validation import MAX_KEY_CHARS
@@ -20,8 +27,12 @@ from service.problems import PROBLEM_MEDIA_TYPE, Problem, problem
 
 KEY_HEADER = "Idempotency-Key"
 DEADLINE_HEADER = "Request-Deadline"
-# A caller's scope comes first in the stored key, before the first colon, so it can hold none.
-_SCOPE = re.compile(r"[A-Za-z0-9._-]{1,64}")
+# A caller's name comes first in the stored key, before the first colon, so it can hold none.
+_NAME_CHAR = "[A-Za-z0-9._-]"
+CALLER_NAME = re.compile(_NAME_CHAR + "{1,64}")
+# The key space of every caller the deployment's dependency leaves unnamed (None), or of every caller
+# when the deployment has no dependency: not a name, so no named caller's keys can meet its keys.
+ANONYMOUS = "*"
 _KEY = re.compile(r"[!-~]+")  # printable ASCII, no spaces (reservations.validation's rule, length apart)
 # RFC 7240: ``Prefer: wait=10``, ``Prefer: respond-async``, several preferences comma separated.
 _PREFERENCE = re.compile(r"\s*([A-Za-z0-9!#$%&'*+.^_`|~-]+)\s*(?:=\s*(\"[^\"]*\"|[^;,\s]*))?[^,]*")
@@ -38,26 +49,67 @@ class Answer:
     media_type: str = "application/json"
 
 
-def scoped_key(scope: str | None, key: str | None) -> str:
-    """The key stored for a caller's ``Idempotency-Key``: the key itself, or ``<scope>:<key>`` when the
-    deployment names callers, so two callers' keys never meet."""
-    if scope is not None and not _SCOPE.fullmatch(scope):
-        raise ValueError(f"a caller's scope must match {_SCOPE.pattern}, got {scope!r}")
+def caller_space(name: object) -> str:
+    """The key space of the caller the deployment's dependency returned: its name, or :data:`ANONYMOUS`
+    for None. Any other name is the ``invalid-caller`` problem: it would let its keys leak into another
+    space (a colon) or fail the stored key's rules, and the caller can do nothing about it."""
+    if name is None:
+        return ANONYMOUS
+    if isinstance(name, str) and CALLER_NAME.fullmatch(name):
+        return name
+    raise problem(
+        "invalid-caller",
+        f"this service names its callers with {CALLER_NAME.pattern} only, and cannot keep keys for the "
+        "name the deployment gave this caller",
+    )
+
+
+def unfit_name(name: object) -> str:
+    """What a name :func:`caller_space` refused is, for the log: its type, length and the characters
+    outside the rule, never the name itself (an e-mail address, say)."""
+    if not isinstance(name, str):
+        return f"a {type(name).__name__}"
+    odd = "".join(sorted(set(re.sub(_NAME_CHAR, "", name))))
+    return f"a name of {len(name)} characters" + (f", with {odd!r} outside the rule" if odd else "")
+
+
+def scoped_key(space: str, key: str | None) -> str:
+    """The key stored for a caller's ``Idempotency-Key`` (or the key of a path): ``<space>:<key>``, the
+    space being the caller's (:func:`caller_space`), so two callers' keys never meet."""
+    if space != ANONYMOUS and not CALLER_NAME.fullmatch(space):
+        raise ValueError(
+            f"a caller's space is {ANONYMOUS!r} or a name matching {CALLER_NAME.pattern}, got {space!r}"
+        )
     if key is None or key == "":
         raise problem("idempotency-key-missing", f"send an {KEY_HEADER} header with this request")
-    room = MAX_KEY_CHARS - (0 if scope is None else len(scope) + 1)
+    room = MAX_KEY_CHARS - len(space) - 1
     if len(key) > room or not _KEY.fullmatch(key):
         raise problem(
             "invalid-request",
             f"{KEY_HEADER} must be 1-{room} printable ASCII characters without spaces",
-            field="Idempotency-Key",
+            field=KEY_HEADER,
         )
-    return key if scope is None else f"{scope}:{key}"
+    return f"{space}:{key}"
 
 
-def caller_key(scope: str | None, stored: str) -> str:
-    """The caller's own key for a stored one (the scope taken off)."""
-    return stored if scope is None else stored[len(scope) + 1 :]
+def new_key(space: str, key: str | None) -> str:
+    """The stored key of a request a caller sends (:func:`scoped_key`), which must not take a name an
+    operator's re-drive of the caller's key before it will run under (``K~redrive-1`` for ``K``): the
+    re-drive would find the caller's request there and report it as K's outcome."""
+    stored = scoped_key(space, key)
+    if is_redrive_key(stored):
+        raise problem(
+            "invalid-request",
+            f"{KEY_HEADER} must not end in {REDRIVE_MARK}<n>: such keys are kept for re-drives of the key "
+            "before it",
+            field=KEY_HEADER,
+        )
+    return stored
+
+
+def caller_key(space: str, stored: str) -> str:
+    """The caller's own key for a stored one (its space taken off)."""
+    return stored[len(space) + 1 :]
 
 
 def wait_of(prefer: str | None, default: float, maximum: float) -> float:
@@ -138,10 +190,21 @@ def answer_of(key: str, result: RequestResult, *, instance: str, created: bool) 
         reason = str(result.detail.get("reason", "it could not be carried out"))
         found = problem("dead-lettered", f"dead-lettered: {reason}", key=key)
     elif status == RequestStatus.EXPIRED:
-        found = problem("expired", "the deadline passed before a worker took the request up", key=key)
+        found = problem("expired", _expired(result.detail), key=key)
     else:
         return Answer(201 if created and status == RequestStatus.RESERVED else 200, outcome_body(key, result))
     return problem_answer(found, instance)
+
+
+def _expired(detail: dict[str, Any]) -> str:
+    """What an expired outcome says happened: never taken up, taken up after retries, or ended by the
+    relay with no outcome (its messages lost, or never taken up in time)."""
+    if detail.get("reason"):
+        return f"the deadline passed before the request was carried out: {detail['reason']}"
+    attempts = detail.get("attempts")
+    if isinstance(attempts, int) and not isinstance(attempts, bool) and attempts > 0:
+        return f"the deadline passed after {attempts} attempt(s) at the request, before it was carried out"
+    return "the deadline passed before a worker took the request up"
 
 
 def _message(result: RequestResult, fallback: str) -> str:

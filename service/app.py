@@ -3,8 +3,10 @@
 ``reservations serve`` runs it under uvicorn (``service:create_app``, a factory, one app per worker
 process). A deployment that knows its callers passes ``caller``: a FastAPI dependency (it may take the
 ``Request``, headers, other dependencies, and raise ``HTTPException(401)``) that returns the caller's name
-or None. Each caller's idempotency keys are then its own: the same key from two callers names two
-requests. Without it, every caller shares one scope. See docs/architecture.md, "The HTTP front door".
+(``[A-Za-z0-9._-]{1,64}``; another is answered 403 invalid-caller) or None for an anonymous caller. Each
+caller's idempotency keys are then its own: the same key from two callers names two requests. The
+anonymous callers share one space of their own, which no name reaches; without a dependency every caller
+is anonymous. See docs/architecture.md, "The HTTP front door".
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from tasks.settings import Settings
 
 log = logging.getLogger("service")
 
-Caller = Callable[..., Any]  # a FastAPI dependency returning the caller's name (str) or None
+Caller = Callable[..., Any]  # a FastAPI dependency returning the caller's name (str) or None (anonymous)
 # Readiness: the broker answered a queue sample within this many of the sampler's intervals.
 BROKER_SILENT_AFTER = 4
 READINESS_KEY = "readiness:probe"

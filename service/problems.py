@@ -49,8 +49,9 @@ TYPES = _types(
     ),
     ProblemType(
         "idempotency-key-missing", 400, "Idempotency-Key header required",
-        "Every request that changes stock needs an Idempotency-Key header: 1 to 200 printable ASCII "
-        "characters without spaces, fewer when the deployment scopes keys per caller.",
+        "Every request that changes stock needs an Idempotency-Key header: printable ASCII characters "
+        "without spaces, at most 200 less the caller's name and a colon (198 for an anonymous caller), "
+        "not ending in ~redrive-<n>, which names an operator's re-drive of the key before it.",
     ),
     ProblemType(
         "idempotency-key-reused", 422, "Idempotency-Key used for a different request",
@@ -73,6 +74,15 @@ TYPES = _types(
         "forbidden", 403, "Forbidden",
         "The deployment's caller dependency refused the caller.",
     ),
+    # 403, not 400: the request is well formed, and sending it again in any other form does not help; the
+    # refusal is of who the caller is, as the deployment's dependency named it from its credentials.
+    # (Nor 500: the service itself is well, and every other caller is served.)
+    ProblemType(
+        "invalid-caller", 403, "The caller's name cannot hold keys",
+        "The deployment's caller dependency named this caller with a name outside [A-Za-z0-9._-]{1,64} "
+        "(an e-mail address, say), which cannot scope idempotency keys; nothing was read or written. Every "
+        "request of this caller is refused alike until the deployment maps it to such a name.",
+    ),
     ProblemType(
         "not-reserved", 409, "No reservation under this key",
         "The key's request did not reserve (its outcome is another), or has no outcome yet "
@@ -90,13 +100,19 @@ TYPES = _types(
         "Retry the same request with the same key after Retry-After.",
     ),
     ProblemType(
+        "too-many-requests", 429, "Too many requests of this caller in flight",
+        "This caller (without a name: the anonymous callers together) has as many requests in flight in "
+        "this process as the deployment allows one caller, so that no caller takes every other's room; "
+        "nothing was read or written. Retry the same request with the same key after Retry-After.",
+    ),
+    ProblemType(
         "dead-lettered", 503, "The request was dead-lettered",
         "Workers could not carry the request out (a backend stayed unreachable, or it lost its lease "
         "too often); nothing was reserved by it. Final until an operator drives it again "
         "(reservations redrive), after which the key reports that outcome.", stored=True,
     ),
     ProblemType(
-        "expired", 504, "The request's deadline passed before a worker took it up",
+        "expired", 504, "The request's deadline passed before it was carried out",
         "A worker reached the request after its deadline (Request-Deadline) and ended it without "
         "touching stock. Final for the key; send a new key if it is still wanted.", stored=True,
     ),

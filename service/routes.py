@@ -2,10 +2,13 @@
 metrics create each route's series for them at 0.
 
 Stock changes (``POST``) carry an ``Idempotency-Key`` of their own; reads carry none. A confirm or
-release names the reservation by the key that made it.
+release names the reservation by the key that made it. Every key is the caller's own
+(service.answers.caller_space), and each caller has at most ``RESERVATIONS_HTTP_CALLER_BOUND`` writes in
+flight in the process (service.inflight).
 """
 
 import json
+import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Annotated, Any
@@ -22,17 +25,30 @@ from service.answers import (
     KEY_HEADER,
     Answer,
     caller_key,
+    caller_space,
     deadline_of,
+    new_key,
     scoped_key,
+    unfit_name,
     wait_of,
 )
 from service.door import Door
-from service.problems import PROBLEM_MEDIA_TYPE, TYPES, problem
+from service.inflight import InFlight
+from service.problems import PROBLEM_MEDIA_TYPE, TYPES, Problem, problem
 from tasks.settings import Settings
+
+log = logging.getLogger("service")
+
+# Retry-After of a caller at its bound of requests in flight: a slot is free as soon as any of its requests
+# is answered, which the caller cannot see; a second is how often it looks at a pending request too.
+TOO_MANY_RETRY_AFTER = 1
+# Strict: JSON's true is no quantity (lax pydantic reads it as 1, false as 0), nor are "2" or 2.0; a
+# number of seconds takes an integer still. A wrong type is the 400 of every malformed request.
+_BODY = ConfigDict(extra="forbid", strict=True)
 
 
 class ReservationBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = _BODY
     sku: str = Field(description="the SKU to reserve from", examples=["SKU-1"])
     quantity: int = Field(description="units to reserve", gt=0, le=MAX_QUANTITY, examples=[2])
     hold_for: float | None = Field(
@@ -41,7 +57,7 @@ class ReservationBody(BaseModel):
 
 
 class CountBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = _BODY
     counted: int = Field(description="units found on hand by the count", ge=0, examples=[40])
 
 
@@ -95,7 +111,15 @@ def _problems(*names: str) -> dict[int | str, dict[str, Any]]:
 _PENDING: dict[int | str, dict[str, Any]] = {
     202: {"model": PendingModel, "description": "no outcome yet: look at Location, or send again"}
 }
-_WRITE = ("invalid-request", "idempotency-key-missing", "idempotency-key-reused", "unavailable", "overloaded")
+_WRITE = (
+    "invalid-request",
+    "idempotency-key-missing",
+    "idempotency-key-reused",
+    "invalid-caller",
+    "too-many-requests",
+    "unavailable",
+    "overloaded",
+)
 _FINAL = ("invalid-request", "dead-lettered", "expired")
 RESPONSES: dict[tuple[str, str], dict[int | str, dict[str, Any]]] = {
     ("/reservations", "POST"): {
@@ -106,7 +130,7 @@ RESPONSES: dict[tuple[str, str], dict[int | str, dict[str, Any]]] = {
     ("/reservations/{key}", "GET"): {
         200: {"model": OutcomeModel, "description": "the key's final outcome"},
         **_PENDING,
-        **_problems("not-found", "unavailable", *_FINAL, "insufficient-stock"),
+        **_problems("not-found", "invalid-caller", "unavailable", *_FINAL, "insufficient-stock"),
     },
     **{
         (f"/reservations/{{key}}/{step}", "POST"): {
@@ -119,7 +143,9 @@ RESPONSES: dict[tuple[str, str], dict[int | str, dict[str, Any]]] = {
     ("/requests/{key}", "GET"): {
         200: {"model": OutcomeModel, "description": "the key's final outcome"},
         **_PENDING,
-        **_problems("not-found", "unavailable", *_FINAL, "insufficient-stock", "invalid-transition"),
+        **_problems(
+            "not-found", "invalid-caller", "unavailable", *_FINAL, "insufficient-stock", "invalid-transition"
+        ),
     },
     ("/skus/{sku}/count", "POST"): {
         200: {"model": OutcomeModel, "description": "counted"},
@@ -212,7 +238,11 @@ def _request_location(key: str) -> str:
 
 def _segment(key: str) -> str:
     """A key as one path segment: a key may hold ``?``, ``#`` or ``%``, which would otherwise lead a caller
-    following the Location to another key or to none."""
+    following the Location to another key or to none. The keys ``.`` and ``..`` are dot segments, which a
+    client resolves away (RFC 3986, 5.2.4: ``/reservations/.`` is ``/reservations/``): their dots are
+    sent as ``%2E``, which the server decodes back to the key like any other escape."""
+    if key in (".", ".."):
+        return "%2E" * len(key)
     return quote(key, safe="")
 
 
@@ -223,27 +253,49 @@ def router(
     settings: Settings,
     caller: Callable[..., Any] | None,
 ) -> APIRouter:
-    async def anyone() -> str | None:
+    async def anyone() -> None:
         return None
 
-    Scope = Annotated[str | None, Depends(caller or anyone)]
+    async def space_of(name: Annotated[object, Depends(caller or anyone)]) -> str:
+        try:
+            return caller_space(name)
+        except Problem:
+            # The deployment's to fix, and its caller cannot: say what was wrong without the name itself.
+            log.warning("403 invalid-caller: the caller dependency returned %s", unfit_name(name))
+            raise
+
+    Space = Annotated[str, Depends(space_of)]
+    in_flight = InFlight(settings.http_caller_bound)
     api = APIRouter()
 
     async def write(
-        name: str, scope: str | None, key: str | None, args: dict[str, Any], prefer: str | None,
+        name: str, space: str, key: str | None, args: dict[str, Any], prefer: str | None,
         deadline: str | None, location_of: Callable[[str], str],
     ) -> Response:  # fmt: skip
-        stored = scoped_key(scope, key)
-        shown = caller_key(scope, stored)
-        answer = await door().submit(
-            name,
-            stored,
-            args,
-            shown_key=shown,
-            deadline=deadline_of(deadline, settings.request_deadline, time.time()),
-            wait=wait_of(prefer, settings.http_wait, settings.http_max_wait),
-            location=location_of(shown),
-        )
+        stored = new_key(space, key)
+        shown = caller_key(space, stored)
+        until = deadline_of(deadline, settings.request_deadline, time.time())
+        wait = wait_of(prefer, settings.http_wait, settings.http_max_wait)
+        if not in_flight.take(space):
+            raise problem(
+                "too-many-requests",
+                "this caller has as many requests in flight here as this service takes from one caller "
+                f"({in_flight.bound})",
+                headers={"Retry-After": str(TOO_MANY_RETRY_AFTER)},
+            )
+        try:
+            answer = await door().submit(
+                name,
+                stored,
+                args,
+                shown_key=shown,
+                caller=space,
+                deadline=until,
+                wait=wait,
+                location=location_of(shown),
+            )
+        finally:
+            in_flight.give_back(space)
         return respond(answer)
 
     @api.post(
@@ -254,21 +306,21 @@ def router(
     )
     async def reserve(
         body: ReservationBody,
-        scope: Scope,
+        space: Space,
         key: KeyHeader = None,
         prefer: PreferHeader = None,
         deadline: DeadlineHeader = None,
     ) -> Response:
         args = body.model_dump(exclude_none=True)
-        return await write("reserve", scope, key, args, prefer, deadline, _reservation_location)
+        return await write("reserve", space, key, args, prefer, deadline, _reservation_location)
 
     @api.get(
         "/reservations/{key:path}",
         responses=_responses("/reservations/{key}", "GET"),
         summary="The outcome of the reservation requested under a key",
     )
-    async def outcome(key: KeyPath, scope: Scope) -> Response:
-        stored = scoped_key(scope, key)
+    async def outcome(key: KeyPath, space: Space) -> Response:
+        stored = scoped_key(space, key)
         return respond(await door().look(stored, shown_key=key, location=_reservation_location(key)))
 
     def lifecycle(step: str) -> None:
@@ -280,15 +332,15 @@ def router(
         )
         async def change(
             key: KeyPath,
-            scope: Scope,
+            space: Space,
             own_key: KeyHeader = None,
             prefer: PreferHeader = None,
             deadline: DeadlineHeader = None,
         ) -> Response:
-            scoped_key(scope, own_key)  # its own key first: a request without one looks nothing up
-            reservation = await door().reservation_under(scoped_key(scope, key), shown_key=key)
+            new_key(space, own_key)  # its own key first: a request without one looks nothing up
+            reservation = await door().reservation_under(scoped_key(space, key), shown_key=key)
             args = {"reservation_id": reservation}
-            return await write(step, scope, own_key, args, prefer, deadline, _request_location)
+            return await write(step, space, own_key, args, prefer, deadline, _request_location)
 
     lifecycle("confirm")
     lifecycle("release")
@@ -298,8 +350,8 @@ def router(
         responses=_responses("/requests/{key}", "GET"),
         summary="The outcome of any request (a confirm, release or count) by its key",
     )
-    async def request(key: KeyPath, scope: Scope) -> Response:
-        stored = scoped_key(scope, key)
+    async def request(key: KeyPath, space: Space) -> Response:
+        stored = scoped_key(space, key)
         return respond(await door().look(stored, shown_key=key, location=_request_location(key)))
 
     @api.post(
@@ -310,13 +362,13 @@ def router(
     async def count(
         sku: SkuPath,
         body: CountBody,
-        scope: Scope,
+        space: Space,
         key: KeyHeader = None,
         prefer: PreferHeader = None,
         deadline: DeadlineHeader = None,
     ) -> Response:
         args = {"sku": sku, "counted": body.counted}
-        return await write("count", scope, key, args, prefer, deadline, _request_location)
+        return await write("count", space, key, args, prefer, deadline, _request_location)
 
     _reads(api, door, ready, exposition)
     return api

@@ -1,6 +1,7 @@
-"""What the front door decides without I/O: the key a caller's header names (service.answers.scoped_key),
-how long to wait (RFC 7240 ``Prefer``), the request's deadline, the answer of each final outcome, the
-problem documents (service.problems), and the queue's backpressure (service.backlog) on a clock of our own.
+"""What the front door decides without I/O: the caller's key space and the key its header names
+(service.answers), how long to wait (RFC 7240 ``Prefer``), the request's deadline, the answer of each final
+outcome, the problem documents (service.problems), each caller's requests in flight (service.inflight),
+and the queue's backpressure (service.backlog) on a clock of our own.
 """
 
 from __future__ import annotations
@@ -15,20 +16,27 @@ import pytest
 from kombu.exceptions import ChannelError
 
 from reservations import validation as valid
+from reservations.redrives import is_redrive_key, redrive_key
 from reservations.requests import Redriven, RequestResult
 from reservations.statuses import RequestStatus
 from reservations.validation import MAX_KEY_CHARS
 from service.answers import (
+    ANONYMOUS,
+    CALLER_NAME,
     MAX_DEADLINE,
     answer_of,
     caller_key,
+    caller_space,
     deadline_of,
+    new_key,
     outcome_body,
     pending,
     scoped_key,
+    unfit_name,
     wait_of,
 )
 from service.backlog import DEFAULT_RETRY_AFTER, MAX_RETRY_AFTER, Backlog, retry_after
+from service.inflight import InFlight
 from service.problems import PROBLEM_MEDIA_TYPE, TYPES, Problem, problem
 from service.routes import RESPONSES
 
@@ -44,55 +52,111 @@ def refused(call: Callable[[], object], name: str) -> Problem:
     return raised.value
 
 
-# -- the key --------------------------------------------------------------------------------------------
+# -- the caller and the key -----------------------------------------------------------------------------
 
 
-def test_without_a_scope_the_key_is_stored_as_sent() -> None:
-    assert scoped_key(None, "order-1") == "order-1"
-    assert caller_key(None, "order-1") == "order-1"
+def test_a_named_caller_s_space_is_its_name_and_an_anonymous_caller_s_is_its_own() -> None:
+    assert caller_space("shop.eu_1-a") == "shop.eu_1-a"
+    assert caller_space("s" * 64) == "s" * 64
+    assert caller_space(None) == ANONYMOUS == "*"
 
 
-def test_a_scope_comes_first_and_is_taken_off_again() -> None:
+@pytest.mark.parametrize("name", ["", "alice@example.com", "has:colon", "has space", "ünï", "x" * 65, "*", 7])
+def test_a_caller_named_outside_the_rule_is_refused_403(name: object) -> None:
+    """Whatever the deployment's dependency returns that is not a name of the rule (nor None) is the
+    caller's problem document, not a server error; ``*`` above all, which would be the anonymous space."""
+    found = refused(lambda: caller_space(name), "invalid-caller")
+    assert found.type.status == 403
+    assert "[A-Za-z0-9._-]{1,64}" in found.detail
+    assert str(name) not in found.detail or name == ""  # the name stays with the deployment
+
+
+def test_the_problem_types_say_the_rules_the_door_keeps() -> None:
+    assert CALLER_NAME.pattern in TYPES["invalid-caller"].about
+    assert f"{MAX_KEY_CHARS} less" in TYPES["idempotency-key-missing"].about
+    assert (
+        f"({MAX_KEY_CHARS - len(ANONYMOUS) - 1} for an anonymous caller)"
+        in TYPES["idempotency-key-missing"].about
+    )
+
+
+def test_a_refused_name_is_described_for_the_log_without_itself() -> None:
+    assert unfit_name("alice@example.com") == "a name of 17 characters, with '@' outside the rule"
+    assert unfit_name("b: c") == "a name of 4 characters, with ' :' outside the rule"
+    assert unfit_name("x" * 65) == "a name of 65 characters"
+    assert unfit_name(7) == "a int"
+
+
+def test_the_space_comes_first_and_is_taken_off_again() -> None:
     stored = scoped_key("shop.eu_1-a", "order-1")
     assert stored == "shop.eu_1-a:order-1"
     assert caller_key("shop.eu_1-a", stored) == "order-1"
-    # Two callers' keys never meet; a scope holds no colon, so a key may.
+    assert scoped_key(ANONYMOUS, "order-1") == "*:order-1"
+    assert caller_key(ANONYMOUS, "*:order-1") == "order-1"
+    # Two callers' keys never meet; a name holds no colon, so a key may.
     assert scoped_key("a", "k") != scoped_key("b", "k")
     assert caller_key("a", scoped_key("a", "b:c")) == "b:c"
 
 
-@pytest.mark.parametrize("scope", ["", "has:colon", "has space", "ünï", "x" * 65])
-def test_a_scope_outside_its_rule_is_a_deployment_error(scope: str) -> None:
-    with pytest.raises(ValueError, match="caller's scope"):
-        scoped_key(scope, "order-1")
+@pytest.mark.parametrize("key", ["alice:order-1", "*:order-1", "order-1", "a:b:c", ":", "*"])
+def test_no_anonymous_key_is_a_named_caller_s_or_a_raw_one(key: str) -> None:
+    """An anonymous caller that sends ``alice:K`` names its own ``*:alice:K``, never alice's ``alice:K``
+    nor a key stored as sent (the library client's, the command line's)."""
+    stored = scoped_key(ANONYMOUS, key)
+    assert stored.startswith("*:") and stored != key
+    assert stored.split(":", 1)[0] == ANONYMOUS  # not a name of the rule: no named caller's key
+    assert scoped_key("alice", key) != stored
 
 
-def test_a_scope_of_64_characters_is_the_longest() -> None:
-    assert scoped_key("s" * 64, "k") == "s" * 64 + ":k"
+@pytest.mark.parametrize("space", ["", "has:colon", "x" * 65, "**"])
+def test_a_space_that_is_neither_a_name_nor_anonymous_is_a_programming_error(space: str) -> None:
+    with pytest.raises(ValueError, match="caller's space"):
+        scoped_key(space, "order-1")
 
 
 @pytest.mark.parametrize("key", [None, ""])
 def test_a_missing_key_is_its_own_problem(key: str | None) -> None:
-    found = refused(lambda: scoped_key(None, key), "idempotency-key-missing")
+    found = refused(lambda: scoped_key(ANONYMOUS, key), "idempotency-key-missing")
     assert found.type.status == 400
     refused(lambda: scoped_key("shop", key), "idempotency-key-missing")
 
 
-@pytest.mark.parametrize("scope", [None, "s", "s" * 64])
-def test_the_key_and_its_scope_fit_the_stored_key_s_length_together(scope: str | None) -> None:
-    room = MAX_KEY_CHARS - (0 if scope is None else len(scope) + 1)
+@pytest.mark.parametrize("space", [ANONYMOUS, "s", "s" * 64])
+def test_the_key_and_its_space_fit_the_stored_key_s_length_together(space: str) -> None:
+    room = MAX_KEY_CHARS - len(space) - 1
     longest = "k" * room
-    stored = scoped_key(scope, longest)
+    stored = scoped_key(space, longest)
     assert len(stored) <= MAX_KEY_CHARS and valid.idempotency_key(stored) == stored
-    assert caller_key(scope, stored) == longest
-    found = refused(lambda: scoped_key(scope, longest + "k"), "invalid-request")
+    assert caller_key(space, stored) == longest
+    found = refused(lambda: scoped_key(space, longest + "k"), "invalid-request")
     assert found.extra == {"field": "Idempotency-Key"}
     assert f"1-{room} printable ASCII" in found.detail
 
 
 @pytest.mark.parametrize("key", ["has space", "tab\there", "ünicode", "new\nline", "\x7f"])
 def test_a_key_of_other_characters_is_invalid(key: str) -> None:
-    refused(lambda: scoped_key(None, key), "invalid-request")
+    refused(lambda: scoped_key(ANONYMOUS, key), "invalid-request")
+
+
+@pytest.mark.parametrize("space", [ANONYMOUS, "alice"])
+@pytest.mark.parametrize("key", ["k~redrive-1", "k~redrive-12", "~redrive-0", "a:b~redrive-3"])
+def test_a_new_request_cannot_take_a_re_drive_s_name(space: str, key: str) -> None:
+    found = refused(lambda: new_key(space, key), "invalid-request")
+    assert found.extra == {"field": "Idempotency-Key"} and "~redrive-<n>" in found.detail
+    assert scoped_key(space, key) == f"{space}:{key}"  # read, it names the re-drive as ever
+
+
+@pytest.mark.parametrize("key", ["k~redrive-", "k~redrive-1x", "k~redrive", "k-redrive-1", "redrive-1", "k"])
+def test_other_keys_are_new_requests_names(key: str) -> None:
+    assert new_key("alice", key) == f"alice:{key}"
+
+
+def test_the_re_drive_rule_is_what_re_drive_keys_are_made_of() -> None:
+    long_key = "a" * MAX_KEY_CHARS
+    made = [redrive_key("k", 1), redrive_key("k", 1000), redrive_key("*:k", 2), redrive_key(long_key, 7)]
+    assert all(is_redrive_key(k) for k in made), made
+    others = ("k", "k~redrive-", "k~redrive-x", "k~redrive-1 ", "k~REDRIVE-1", "k~redrive-1~x")
+    assert not any(is_redrive_key(k) for k in others)
 
 
 # -- the wait (RFC 7240) ----------------------------------------------------------------------------------
@@ -258,6 +322,15 @@ def test_a_dead_letter_is_a_stored_503_and_an_expiry_504() -> None:
     problem_body("expired", {"deadline": NOW, "late_by": 1.5}, "expired", 504)
 
 
+def test_an_expiry_says_whether_the_request_was_ever_taken_up() -> None:
+    never = problem_body("expired", {"deadline": NOW, "late_by": 1.5, "attempts": 0}, "expired", 504)
+    assert never["detail"] == "the deadline passed before a worker took the request up"
+    retried = problem_body("expired", {"deadline": NOW, "late_by": 1.5, "attempts": 12}, "expired", 504)
+    assert retried["detail"].startswith("the deadline passed after 12 attempt(s) at the request")
+    relayed = {"deadline": NOW, "late_by": 0.2, "reason": "no outcome by its deadline; published 3 time(s)"}
+    assert "published 3 time(s)" in problem_body("expired", relayed, "expired", 504)["detail"]
+
+
 def test_every_outcome_s_answer_is_declared_on_the_routes_that_read_it() -> None:
     """Each final status's answer, read back, is one GET /requests/{key} declares (so the OpenAPI
     document and the metrics' zero series hold it)."""
@@ -292,7 +365,9 @@ def test_each_problem_type_is_named_once_with_its_status() -> None:
         "method-not-allowed": 405,
         "unauthorized": 401,
         "forbidden": 403,
+        "invalid-caller": 403,
         "not-reserved": 409,
+        "too-many-requests": 429,
         "unavailable": 503,
         "overloaded": 503,
         "dead-lettered": 503,
@@ -328,6 +403,44 @@ def test_a_problem_document_carries_its_type_its_instance_and_its_own_members() 
 def test_an_unknown_problem_name_is_a_programming_error() -> None:
     with pytest.raises(KeyError):
         problem("no-such-problem", "x")
+
+
+# -- each caller's requests in flight ------------------------------------------------------------------------
+
+
+def test_a_caller_at_its_bound_is_refused_and_others_are_not() -> None:
+    flight = InFlight(2)
+    assert flight.take("alice") and flight.take("alice")
+    assert not flight.take("alice")  # a refusal is not counted
+    assert flight.of("alice") == 2
+    assert flight.take("bob") and flight.take(ANONYMOUS) and flight.take(ANONYMOUS)
+    assert not flight.take(ANONYMOUS)  # the anonymous callers count together
+    flight.give_back("alice")
+    assert flight.take("alice") and not flight.take("alice")
+
+
+def test_a_caller_with_nothing_in_flight_is_forgotten() -> None:
+    flight = InFlight(3)
+    for space in ("a", "b", "a"):
+        assert flight.take(space)
+    assert len(flight) == 2
+    for space in ("a", "b", "a"):
+        flight.give_back(space)
+    assert (len(flight), flight.of("a")) == (0, 0)
+
+
+def test_a_bound_of_0_lets_every_request_in() -> None:
+    flight = InFlight(0)
+    assert all(flight.take("alice") for _ in range(10_000))
+    assert flight.of("alice") == 10_000
+
+
+def test_giving_back_what_was_not_taken_is_a_programming_error() -> None:
+    flight = InFlight(1)
+    with pytest.raises(ValueError, match="in flight"):
+        flight.give_back("alice")
+    with pytest.raises(ValueError, match="0 \\(none\\) or more"):
+        InFlight(-1)
 
 
 # -- the queue's backpressure ------------------------------------------------------------------------------

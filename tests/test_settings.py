@@ -312,7 +312,7 @@ def test_the_relay_looks_after_10_seconds_every_5_and_caps_at_6_publications_by_
     assert (Settings().republish_after, Settings().relay_every, Settings().max_publishes) == (10.0, 5.0, 6)
     assert Settings.from_env({"RESERVATIONS_REPUBLISH_AFTER": "2.5"}).republish_after == 2.5
     assert Settings.from_env({"RESERVATIONS_RELAY_EVERY": "0"}).relay_every == 0.0  # no relay here
-    with pytest.raises(SettingsError, match="RESERVATIONS_REPUBLISH_AFTER must be between 0.05 and 3600"):
+    with pytest.raises(SettingsError, match=r"RESERVATIONS_REPUBLISH_AFTER must be between 0\.05 and 3600"):
         Settings.from_env({"RESERVATIONS_REPUBLISH_AFTER": "0"})
     with pytest.raises(SettingsError, match="RESERVATIONS_MAX_PUBLISHES must be between 1 and 1000"):
         Settings.from_env({"RESERVATIONS_MAX_PUBLISHES": "0"})

@@ -115,7 +115,7 @@ def reserve(
     """WRITES (through the workers): reserve QUANTITY units of SKU.
 
     With --wait, exit 1 unless it ends reserved (insufficient_stock, invalid, dead_lettered, or expired
-    when --deadline passed before a worker took it up).
+    when --deadline passed before it was carried out).
 
     Example: reservations reserve WIDGET 2 --key order-1042 --deadline 900 --wait
     """

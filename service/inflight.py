@@ -1,0 +1,52 @@
+"""How many write requests each caller has in flight in this process, bounded per caller.
+
+The door's backpressure (service.backlog) bounds the broker's queue for everyone at once: one caller
+sending without pause fills it, and every other caller hears 503. Counting each caller's own requests
+while they are admitted, published and waited on lets the door refuse that caller alone (429) before it
+takes the room of the others. A caller is its key space (service.answers.caller_space): a named caller
+counts apart, the anonymous callers count together.
+
+Pure: no I/O and no waiting. The routes take a slot before a request goes to the door and give it back
+once it is answered, all on the event loop's one thread.
+"""
+
+from __future__ import annotations
+
+__all__ = ["InFlight"]
+
+
+class InFlight:
+    """Requests in flight per caller space, at most ``bound`` each (0: no bound)."""
+
+    def __init__(self, bound: int) -> None:
+        if bound < 0:
+            raise ValueError(f"a bound of requests in flight is 0 (none) or more, got {bound}")
+        self.bound = bound
+        self._held: dict[str, int] = {}  # only spaces with a request in flight: it never grows with callers
+
+    def take(self, space: str) -> bool:
+        """Count one more request of ``space`` in flight; False (nothing counted) when it has ``bound``
+        already."""
+        held = self._held.get(space, 0)
+        if self.bound and held >= self.bound:
+            return False
+        self._held[space] = held + 1
+        return True
+
+    def give_back(self, space: str) -> None:
+        """One request of ``space`` was answered (or its caller went away)."""
+        held = self._held.get(space, 0)
+        if held <= 0:
+            raise ValueError(f"no request of {space!r} is in flight")
+        if held == 1:
+            del self._held[space]
+        else:
+            self._held[space] = held - 1
+
+    def of(self, space: str) -> int:
+        """Requests of ``space`` in flight now."""
+        return self._held.get(space, 0)
+
+    def __len__(self) -> int:
+        """Caller spaces with a request in flight."""
+        return len(self._held)
