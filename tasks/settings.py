@@ -106,7 +106,11 @@ class Settings:
     )
     max_retries: int = setting(200, "lease-busy retries before dead-letter", 0, 100_000)
     max_transient_retries: int = setting(
-        20, "retries while Redis or the database is down (backing off to 30 s), then dead-letter", 0, 1000
+        30,
+        "retries while Redis or the database is down (backing off to 30 s: 6 to 12 minutes in all, past the "
+        "HTTP service's default deadline, so such a request ends expired there), then dead-letter",
+        0,
+        1000,
     )
     visibility_timeout: float = setting(
         300.0,
