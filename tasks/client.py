@@ -36,6 +36,8 @@ from kombu.exceptions import OperationalError
 from reservations import AsyncInventory, Inventory
 from reservations import validation as valid
 from reservations.acceptance import Request
+from reservations.errors import InvalidRequest
+from reservations.redrives import is_redrive_key
 from reservations.requests import RequestResult
 from tasks import payloads, redrives
 from tasks.app import app as default_app
@@ -90,6 +92,8 @@ class ReservationClient:
         """Refuse, before anything is published, a closed client, a bad key or a bad deadline."""
         self._check_open()
         valid.idempotency_key(key)
+        if is_redrive_key(key):  # the name of a re-drive, which only `redrive` may take
+            raise InvalidRequest(f"{key!r} is a re-drive's key (<key>~redrive-<n>)", field="idempotency_key")
         valid.deadline(deadline)
 
     def _handle(self, request: Request, task_id: str) -> ReservationHandle:

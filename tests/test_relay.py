@@ -371,3 +371,38 @@ def test_a_retry_the_broker_refuses_keeps_the_request_which_then_ends(
     assert [a.result for a in attempts][:1] == ["transient"]
     assert left == (0, 0)
     assert (level.on_hand, level.reserved) == (10, 0)
+
+
+# -- what an operator and a library caller see, without services ------------------------------------
+
+
+def test_show_knows_a_request_accepted_without_an_outcome(tmp_path: Path, migrated_sqlite: Path) -> None:
+    """The broker is unreachable: the command line records the request, says the broker did not take it,
+    and `show` reports the request pending with its arguments, rather than "unknown"."""
+    import shutil
+
+    from tests.support import run as cli
+
+    database = tmp_path / "inventory.sqlite3"
+    shutil.copyfile(migrated_sqlite, database)
+    env = {
+        "RESERVATIONS_DATABASE_URL": f"sqlite:///{database}",
+        "RESERVATIONS_BROKER_URL": "redis://127.0.0.1:9/0",
+    }
+    sent = cli("reserve", "W", "2", "--key", "shown-1", env=env, columns=200)
+    assert sent.returncode == 4 and "the request is recorded" in sent.stderr, sent
+    shown = cli("show", "shown-1", env=env, columns=300)
+    assert shown.returncode == 0, shown
+    assert "request shown-1: pending, reserve" in shown.stdout and "published 1 time(s)" in shown.stdout
+    as_json = json.loads(cli("show", "shown-1", "--json", env=env).stdout)
+    assert as_json["request"]["state"] == "pending" and as_json["outcome"] is None
+    assert as_json["request"]["arguments"] == {"quantity": 2, "sku": "W"}
+    assert cli("show", "never-sent", env=env).returncode == 3
+
+
+def test_a_library_caller_cannot_take_a_redrive_s_key(tmp_path: Path, migrated_sqlite: Path) -> None:
+    from reservations import InvalidRequest
+
+    settings = Settings(broker_url="redis://127.0.0.1:9/0", database_url=f"sqlite:///{migrated_sqlite}")
+    with ReservationClient(create_app(settings)) as client, pytest.raises(InvalidRequest, match="re-drive"):
+        client.enqueue_reservation_sync("W", 1, idempotency_key="order-7~redrive-1")

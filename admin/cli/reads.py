@@ -15,6 +15,7 @@ from admin.cli.failures import EXIT_FAILED, errors
 from admin.cli.options import JsonFlag, Limit, OneSku, Since, SkuOption, one_sku, parse_since, the_sku
 from admin.cli.render import out
 from reservations import validation as valid
+from reservations.acceptance import accepted
 from reservations.errors import InvalidRequest, UnknownReservation
 from reservations.redrives import REDRIVE_MARK
 from reservations.timeline import epochs
@@ -147,8 +148,13 @@ def show(key_or_id: str, as_json: JsonFlag = False) -> None:
     that was driven again reports its latest re-drive's outcome (its "redrive" names it) and shows its
     dead letter and every re-drive.
 
-    JSON: {"reservation": {...} | null, "outcome": {..., "redrive": {"key", "number", "at", "by",
-    "final"} | null} | null, "attempts": [...], "dead_letter": {...} | null, "redrives": [{"origin",
+    A request accepted without an outcome yet is shown as pending (or retrying, once a worker made an
+    attempt), with its arguments and how often it was published.
+
+    JSON: {"request": {"state", "caller", "type", "arguments", "task_id", "publishes", "accepted_at",
+    "deadline", "next_look"} | null (only without an outcome), "reservation": {...} | null,
+    "outcome": {..., "redrive": {"key", "number", "at", "by", "final"} | null} | null,
+    "attempts": [...], "dead_letter": {...} | null, "redrives": [{"origin",
     "key", "number", "at", "by", "status"}]}
 
     Example: reservations show order-1042
@@ -162,7 +168,9 @@ def show(key_or_id: str, as_json: JsonFlag = False) -> None:
         is_key = _is_key(key)
         outcome = inventory.request_outcome(key) if is_key else None
         attempts = inventory.attempts(key)
-        if found is None and outcome is None and not attempts:
+        # Accepted and recorded, with no outcome yet: pending, or retrying once a worker made an attempt.
+        recorded = inventory.executor.run(accepted(key)) if is_key and outcome is None else None
+        if found is None and outcome is None and not attempts and recorded is None:
             raise UnknownReservation(key_or_id)
         # A dead letter driven again: its own row, and every re-drive (of it, or of the request that
         # this re-drive drove again).
@@ -170,8 +178,11 @@ def show(key_or_id: str, as_json: JsonFlag = False) -> None:
         redriven = is_key and outcome is not None and (outcome.redrive is not None or REDRIVE_MARK in key)
         links = inventory.redrives_of(key) if redriven else []
     if as_json:
-        render.emit_json(render.request_json(found, outcome, attempts, dead, links))
+        shown = render.request_json(found, outcome, attempts, dead, links)
+        render.emit_json({**shown, "request": render.recorded_json(recorded, attempts)})
         return
+    if recorded is not None:
+        out.print(render.recorded_line(recorded, attempts))
     for line in render.request_lines(found, outcome, attempts, dead, links):
         out.print(line)
 

@@ -14,6 +14,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from reservations.acceptance import Accepted
 from reservations.audit import Violation
 from reservations.redrives import DeadLetter, RedriveLink
 from reservations.requests import Attempt, RequestResult
@@ -215,6 +216,39 @@ def _outcome_json(outcome: RequestResult | None) -> dict[str, Any] | None:
     if outcome.redrive is not None:
         shown["redrive"] = _iso_times(asdict(outcome.redrive))
     return shown
+
+
+def pending_state(recorded: Accepted, attempts: Sequence[Attempt]) -> str:
+    """A recorded request without an outcome: "retrying" once a worker has made an attempt at it, else
+    "pending" (queued, or lost and about to be published again by the relay)."""
+    return "retrying" if attempts else "pending"
+
+
+def recorded_json(recorded: Accepted | None, attempts: Sequence[Attempt]) -> dict[str, Any] | None:
+    if recorded is None:
+        return None
+    return {
+        "state": pending_state(recorded, attempts),
+        "caller": recorded.caller,
+        "type": recorded.request_type,
+        "arguments": recorded.arguments,
+        "task_id": recorded.task_id,
+        "publishes": recorded.publishes,
+        "accepted_at": iso(recorded.at),
+        "deadline": iso(recorded.deadline),
+        "next_look": iso(recorded.next_look),
+    }
+
+
+def recorded_line(recorded: Accepted, attempts: Sequence[Attempt]) -> str:
+    """The line of a request accepted and recorded that has no outcome yet."""
+    deadline = "" if recorded.deadline is None else f", deadline {when(recorded.deadline)}"
+    kind = recorded.request_type or recorded.operation
+    return (
+        f"request {recorded.key}: {pending_state(recorded, attempts)}, {kind} "
+        f"{json.dumps(recorded.arguments, sort_keys=True)} accepted {when(recorded.at)}{deadline}, "
+        f"published {recorded.publishes} time(s), {len(attempts)} attempt(s) so far"
+    )
 
 
 def request_json(
