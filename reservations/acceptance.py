@@ -102,6 +102,25 @@ class Accepted:
         """Whether this record is of the request with this operation and fingerprint."""
         return self.operation == operation and self.fingerprint == fingerprint
 
+    def request(self) -> Request:
+        """The request as it was recorded, to publish it again; a record older than its arguments has
+        none to publish (ValueError)."""
+        if None in (self.request_type, self.arguments, self.task_id, self.message_format):
+            raise ValueError(f"the record of {self.key!r} holds no arguments to publish")
+        assert self.request_type is not None and self.arguments is not None  # for the type checker
+        assert self.task_id is not None and self.message_format is not None
+        return Request(
+            key=self.key,
+            request_type=self.request_type,
+            operation=self.operation,
+            arguments=self.arguments,
+            fingerprint=self.fingerprint,
+            task_id=self.task_id,
+            message_format=self.message_format,
+            deadline=self.deadline,
+            caller=self.caller,
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class Admission:

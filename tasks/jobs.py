@@ -60,10 +60,11 @@ def _kept(task: Task, name: str, refused: Reject) -> NoReturn:
     the visibility timeout where the broker refuses that too."""
     sent = dict(task.request.kwargs or {})
     try:
-        claimed = {k: v for k, v in sent.items() if k != "idempotency_key" and k not in messages.COUNTERS}
         key = sent.get("idempotency_key")
         deadline = deadlines.carried(getattr(task.request, deadlines.DEADLINE, None), key=key)
-        request = request_of(name, valid.idempotency_key(key), claimed, deadline=deadline)
+        request = request_of(
+            name, valid.idempotency_key(key), messages.request_arguments(sent), deadline=deadline
+        )
         res = resources(settings_of(app))
         res.inventory.executor.run(keep(request, res.settings.republish_after))
     except Exception as exc:

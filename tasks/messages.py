@@ -55,6 +55,12 @@ UNMARKED_FORMAT = 1  # a message without the header
 FORMATS = (1, 2)
 
 
+def request_arguments(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """A message's arguments as its request has them: without the idempotency key and the retry counters,
+    which no producer sends."""
+    return {k: v for k, v in kwargs.items() if k != "idempotency_key" and k not in COUNTERS}
+
+
 @dataclass(frozen=True, slots=True)
 class Shape:
     """One request type: its domain operation and its message parameters in positional order."""
@@ -143,7 +149,7 @@ class UnknownFormat(InvalidMessage):
             key = None
         # Its arguments as sent, for a re-drive; the retry counters are no part of the request. A message
         # with positional arguments cannot be read without its format: it carries none.
-        claimed = {k: v for k, v in sent.items() if k != "idempotency_key" and k not in COUNTERS}
+        claimed = request_arguments(sent)
         self.request: dict[str, Any] | None = None
         self.too_large: dict[str, Any] | None = None
         if not args:

@@ -38,6 +38,10 @@ def _task_id(payload: bytes | str) -> str | None:
     return task_id if isinstance(task_id, str) else None
 
 
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
 def _queued(client: Any, keys: Iterable[str]) -> Iterator[str]:
     for key in keys:
         start = 0
@@ -53,15 +57,11 @@ def _queued(client: Any, keys: Iterable[str]) -> Iterator[str]:
 
 
 def _held(client: Any, hash_key: str, index_key: str, since: float) -> Iterator[str]:
-    fresh = {
-        tag.decode() if isinstance(tag, bytes) else tag
-        for tag in client.zrangebyscore(index_key, since, "+inf")
-    }
+    fresh = {_text(tag) for tag in client.zrangebyscore(index_key, since, "+inf")}
     if not fresh:
         return
     for tag, payload in client.hscan_iter(hash_key, count=CHUNK):
-        tag = tag.decode() if isinstance(tag, bytes) else tag
-        task_id = _task_id(payload) if tag in fresh else None
+        task_id = _task_id(payload) if _text(tag) in fresh else None
         if task_id is not None:
             yield task_id
 

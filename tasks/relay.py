@@ -46,7 +46,7 @@ from celery import bootsteps
 from fencing import BackendUnavailable
 from reservations import Inventory
 from reservations import acceptance as records
-from reservations.acceptance import Due, Request
+from reservations.acceptance import Due
 from reservations.requests import AlreadyApplied
 from reservations.statuses import RequestStatus
 from tasks.brokers import REDIS, scheme_of
@@ -207,8 +207,10 @@ class Relay:
         return done
 
     def _carried(self, dues: list[Due]) -> set[str] | None:
-        if self.carried is None or all(due.ended or due.queued for due in dues):
-            return None if self.carried is None else set()
+        if self.carried is None:
+            return None
+        if all(due.ended or due.queued for due in dues):
+            return set()  # nothing to look for: no scan of the broker
         try:
             return self.carried()
         except Exception as exc:  # the broker does not answer: nothing can be published either
@@ -217,19 +219,7 @@ class Relay:
 
     def _republish(self, due: Due) -> bool:
         record = due.accepted
-        assert record.request_type is not None and record.arguments is not None
-        assert record.task_id is not None and record.message_format is not None
-        request = Request(
-            key=record.key,
-            request_type=record.request_type,
-            operation=record.operation,
-            arguments=record.arguments,
-            fingerprint=record.fingerprint,
-            task_id=record.task_id,
-            message_format=record.message_format,
-            deadline=record.deadline,
-            caller=record.caller,
-        )
+        request = record.request()  # decide() ended a record without arguments instead
         try:
             publish(self.producer, request, enqueued_at=record.at)
         except Exception as exc:
