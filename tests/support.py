@@ -9,6 +9,8 @@ the record of what it did commit in one transaction, so the log shows exactly th
 
 from __future__ import annotations
 
+import base64
+import json
 import logging
 import os
 import selectors
@@ -21,7 +23,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple, TextIO
+from typing import Any, NamedTuple, TextIO
 
 import sqlalchemy as sa
 
@@ -270,3 +272,13 @@ def refused_worker(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
         timeout=120,
         check=False,
     )
+
+
+def queued_messages(client: Any, queue: str = "celery") -> list[dict[str, Any]]:
+    """The task messages in a Redis broker's queue, oldest first: their headers and keyword arguments."""
+    messages = []
+    for raw in reversed(client.lrange(queue, 0, -1)):
+        message = json.loads(raw)
+        _, kwargs, _ = json.loads(base64.b64decode(message["body"]))
+        messages.append({"headers": message["headers"], "kwargs": kwargs})
+    return messages

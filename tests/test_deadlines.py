@@ -12,8 +12,6 @@ written, or only its effect) still answers that decision; a retry keeps its requ
 
 from __future__ import annotations
 
-import base64
-import json
 import logging
 import math
 import re
@@ -35,7 +33,7 @@ from reservations.requests import request_id
 from tasks import ReservationClient, Settings, create_app
 from tasks.deadlines import DEADLINE, Late, header, late
 from tasks.relay import relay_of
-from tests.support import run
+from tests.support import queued_messages, run
 from tests.workers import Cluster, one_worker
 
 OUTCOME_TIMEOUT = 20.0
@@ -141,16 +139,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
         yield running
 
 
-def queued(client: redis.Redis) -> list[dict[str, Any]]:
-    """The task messages in the default queue, oldest first: their headers and keyword arguments."""
-    messages = []
-    for raw in reversed(client.lrange("celery", 0, -1)):
-        message = json.loads(raw)
-        _, kwargs, _ = json.loads(base64.b64decode(message["body"]))
-        messages.append({"headers": message["headers"], "kwargs": kwargs})
-    return messages
-
-
 @pytest.mark.parametrize("shell", ["async", "sync"])
 async def test_the_deadline_is_a_header_a_copy_published_again_keeps(
     server: RedisServer, tmp_path: Path, shell: str
@@ -178,14 +166,14 @@ async def test_the_deadline_is_a_header_a_copy_published_again_keeps(
         await client.aclose()
         client.app.close()
     with redis.Redis.from_url(server.url(db)) as broker:
-        messages = queued(broker)
+        messages = queued_messages(broker)
         broker.delete("celery")
         relay = relay_of(settings)
         try:
             wait_until(lambda: relay.run_once().counts["republish"] == 1, timeout=10, what="the copy")
         finally:
             relay.close()
-        messages += queued(broker)
+        messages += queued_messages(broker)
     assert len(messages) == 2  # the first and the copy
     assert {m["headers"]["id"] for m in messages} == {request_id(key)}
     # The record keeps the deadline to the millisecond.
@@ -206,7 +194,7 @@ def test_the_command_line_sends_its_deadline_as_seconds_from_now(server: RedisSe
     without = run("restock", "W", "2", "--key", "cli-none", env=env)
     assert without.returncode == 0, without.stderr
     with redis.Redis.from_url(server.url(10)) as broker:
-        sent, unbounded = queued(broker)
+        sent, unbounded = queued_messages(broker)
     assert before + 90 <= sent["headers"][DEADLINE] <= time.time() + 90
     assert DEADLINE not in unbounded["headers"]
     refused = run("reserve", "W", "2", "--key", "cli-bad", "--deadline", "0", env=env)

@@ -11,8 +11,8 @@ restarted empty with requests queued, each still end in one outcome, and copies 
 
 from __future__ import annotations
 
-import base64
 import json
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,6 +31,8 @@ from tasks.messages import CURRENT_FORMAT
 from tasks.metrics import ENQUEUED_AT
 from tasks.producer import Producer
 from tasks.relay import MOST_SPACING, Action, Relay, decide, ending, relay_of, spacing
+from tests.support import queued_messages
+from tests.support import run as cli
 from tests.workers import cluster, migrated_database
 
 NOW = 1_800_000_000.0
@@ -114,16 +116,6 @@ def broker(tmp_path: Path) -> Iterator[RedisServer]:
         yield server
 
 
-def queued(client: redis.Redis) -> list[dict[str, Any]]:
-    """The task messages in the default queue, oldest first: their headers and keyword arguments."""
-    found = []
-    for raw in reversed(client.lrange("celery", 0, -1)):
-        message = json.loads(raw)
-        _, kwargs, _ = json.loads(base64.b64decode(message["body"]))
-        found.append({"headers": message["headers"], "kwargs": kwargs})
-    return found
-
-
 def settings_of(broker: RedisServer, database: str, **more: Any) -> Settings:
     return Settings(
         broker_url=broker.url(0), result_backend=broker.url(1), database_url=database, **more
@@ -153,16 +145,16 @@ def test_a_queued_message_is_left_alone_and_a_lost_one_is_published_again_as_it_
         Inventory.from_url(inventory_url) as inventory,
     ):
         client.enqueue_reservation_sync("W", 2, idempotency_key="lost-1", deadline=NOW)
-        first = queued(queue)
+        first = queued_messages(queue)
         relay = relay_of(settings)
         try:
             assert passes(relay, Action.WAIT)[Action.REPUBLISH] == 0
-            assert queued(queue) == first  # still queued: no copy
+            assert queued_messages(queue) == first  # still queued: no copy
             queue.delete("celery")  # the broker loses it
             passes(relay, Action.REPUBLISH)
         finally:
             relay.close()
-        copy = queued(queue)
+        copy = queued_messages(queue)
         record = inventory.executor.run(accepted("lost-1"))
     assert len(copy) == 1
     assert copy[0]["kwargs"] == first[0]["kwargs"] == {
@@ -379,9 +371,6 @@ def test_a_retry_the_broker_refuses_keeps_the_request_which_then_ends(
 def test_show_knows_a_request_accepted_without_an_outcome(tmp_path: Path, migrated_sqlite: Path) -> None:
     """The broker is unreachable: the command line records the request, says the broker did not take it,
     and `show` reports the request pending with its arguments, rather than "unknown"."""
-    import shutil
-
-    from tests.support import run as cli
 
     database = tmp_path / "inventory.sqlite3"
     shutil.copyfile(migrated_sqlite, database)

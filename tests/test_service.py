@@ -23,7 +23,7 @@ import subprocess
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack, suppress
+from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, TypeVar
@@ -262,21 +262,26 @@ def http(served: Served) -> Iterator[httpx.Client]:
         yield client
 
 
-@pytest.fixture(scope="module")
-def open_door(served: Served) -> Iterator[Service]:
-    """A deployment's service in front of the worker whose callers name themselves in ``X-Caller`` or are
-    anonymous (tests.service_callers:open_app); a name is passed on as sent. Its tests run on SQLite: the
-    scoping is the service's, whatever the database."""
-    service = Service(
-        "open-door", served.settings, served.main.log_path.with_name("open-door.log"),
-        factory="tests.service_callers:open_app",
-    )  # fmt: skip
+@contextmanager
+def beside(served: Served, name: str, factory: str) -> Iterator[Service]:
+    """A service of the deployment factory ``factory`` beside the module's, on its settings and worker,
+    ready; stopped cleanly afterwards."""
+    service = Service(name, served.settings, served.main.log_path.with_name(f"{name}.log"), factory=factory)
     service.start()
     try:
         service.wait_ready()
         yield service
     finally:
         stopped_cleanly(service)
+
+
+@pytest.fixture(scope="module")
+def open_door(served: Served) -> Iterator[Service]:
+    """A deployment's service in front of the worker whose callers name themselves in ``X-Caller`` or are
+    anonymous (tests.service_callers:open_app); a name is passed on as sent. Its tests run on SQLite: the
+    scoping is the service's, whatever the database."""
+    with beside(served, "open-door", "tests.service_callers:open_app") as service:
+        yield service
 
 
 ON_SQLITE = pytest.mark.parametrize("served", ["sqlite"], indirect=True)
@@ -736,13 +741,7 @@ def test_a_caller_dependency_gives_each_caller_keys_of_its_own(served: Served) -
     caller reads only its own, and a request naming no caller is refused as a problem document."""
     if served.kind != "sqlite":
         pytest.skip("the scoping is the service's, whatever the database: shown once")
-    scoped = Service(
-        "callers", served.settings, served.main.log_path.with_name("callers.log"),
-        factory="tests.service_callers:app",
-    )  # fmt: skip
-    scoped.start()
-    try:
-        scoped.wait_ready()
+    with beside(served, "callers", "tests.service_callers:app") as scoped:
         item, k = sku("SC", served.inventory, 10), key("shared")
         with scoped.client() as http:
             alice = reserve(http, item, 1, k, {"X-Caller": "alice"})
@@ -759,8 +758,6 @@ def test_a_caller_dependency_gives_each_caller_keys_of_its_own(served: Served) -
             )
         stored = {r.idempotency_key for r in served.inventory.reservations(item)}
         assert stored == {f"alice:{k}", f"bob:{k}"}
-    finally:
-        stopped_cleanly(scoped)
 
 
 @ON_SQLITE
