@@ -16,6 +16,8 @@ exit 1), its pool children and every request they hold:
   redis-py raises ``OutOfMemoryError``, which Celery does not count among the errors it recovers from. Here
   it is a connection error: the consumer backs off and connects again, as after a broker restart. Where a
   message is delivered it is caught instead (:class:`QoS`), so that a full broker can still be drained.
+* A broker restarted under a consumer holding messages: kombu's close restores them through a connection
+  it has already let go, and fails on it (AttributeError). :class:`QoS` leaves them to the broker then.
 
 :func:`install` makes kombu resolve those three schemes to these transports. It edits kombu's alias table
 rather than naming a transport in Celery's ``broker_transport``: kombu gives a ``rediss://`` broker its TLS
@@ -182,6 +184,22 @@ class QoS(kombu_redis.QoS):
             client.zrem(self.unacked_index_key, delivery_tag)
             client.hdel(self.unacked_key, delivery_tag)
         virtual.QoS.ack(self, delivery_tag)  # type: ignore[no-untyped-call]
+
+    def restore_unacked(self, client: Any = None) -> Any:
+        channel = self.channel
+        if client is None and channel._pool is None and channel.connection.client is None:
+            # The consumer lost the broker (a restart) and an earlier close already detached kombu's
+            # transport from its connection: kombu would look for the broker's address on a connection
+            # that is gone and raise AttributeError, which ends the worker's main process. There is no
+            # broker to restore through anyway. The messages stay on the broker's unacked record, where
+            # the visibility timeout brings them back; one the broker lost is published again by the
+            # relay from its record in the database.
+            log.warning(
+                "broker connection closed: %d unacknowledged message(s) left to the broker",
+                len(self._delivered),
+            )
+            return None
+        return super().restore_unacked(client)  # type: ignore[no-untyped-call]
 
     def restore_visible(self, *args: Any, **kwargs: Any) -> None:
         try:
