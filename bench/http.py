@@ -23,9 +23,7 @@ import asyncio
 import os
 import re
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -44,6 +42,8 @@ import uvloop
 from admin.celery_processes import CeleryProcess, stop_all, worker_env
 from admin.harness import free_port
 from admin.redis_servers import redis_server
+from admin.service_process import ServiceProcess as Server
+from admin.service_process import front_door
 from bench import http_baseline
 from bench.costs import group_cpu
 from bench.env import Scratch
@@ -70,8 +70,6 @@ POLL_EVERY = 0.020
 METRICS_EVERY = 2.0
 CLIENT_CONNECTIONS = 300
 WAIT = "wait=30"
-START_TIMEOUT = 60.0
-STOP_TIMEOUT = 20.0
 REQUEST_TIMEOUT = 90.0
 # uvicorn closes a connection idle for 5 s (--timeout-keep-alive): a client that reuses one as old races
 # that close and sees the server hang up. Idle connections are dropped before.
@@ -105,70 +103,8 @@ def sizing(quick: bool, repeats: int) -> Sizing:
 # -- the processes -----------------------------------------------------------------------------------
 
 
-@dataclass
-class Server:
-    """A uvicorn process in its own session (its group is its CPU), logging to ``log_path``."""
-
-    name: str
-    command: list[str]
-    env: Mapping[str, str]
-    log_path: Path
-    port: int
-    process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def pid(self) -> int:
-        assert self.process is not None
-        return self.process.pid
-
-    def start(self) -> None:
-        with self.log_path.open("ab") as log:
-            self.process = subprocess.Popen(
-                self.command, env={**self.env, "PYTHONUNBUFFERED": "1"}, cwd=ROOT, stdout=log,
-                stderr=subprocess.STDOUT, start_new_session=True,
-            )  # fmt: skip
-
-    def tail(self, lines: int = 30) -> str:
-        text = self.log_path.read_text(errors="replace").splitlines()[-lines:]
-        return f"--- last lines of {self.name}'s log ---\n" + "\n".join(text)
-
-    def wait_ready(self, path: str, timeout: float = START_TIMEOUT) -> None:
-        deadline = time.monotonic() + timeout
-        with httpx.Client(timeout=2.0) as client:
-            while True:
-                if self.process is None or self.process.poll() is not None:
-                    raise UnexpectedReply(f"{self.name} exited\n{self.tail()}")
-                with suppress(httpx.HTTPError):
-                    if client.get(self.url + path).status_code == 200:
-                        return
-                if time.monotonic() > deadline:
-                    raise UnexpectedReply(f"{self.name} not ready after {timeout:.0f} s\n{self.tail()}")
-                time.sleep(0.1)
-
-    def stop(self) -> None:
-        """SIGTERM to the group (the service answers its waiting requests at once and exits), SIGKILL
-        after :data:`STOP_TIMEOUT`."""
-        if self.process is None:
-            return
-        with suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.process.pid, signal.SIGTERM)
-        with suppress(subprocess.TimeoutExpired):
-            self.process.wait(timeout=STOP_TIMEOUT)
-        with suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.process.pid, signal.SIGKILL)
-        self.process.wait()
-
-
 def _service(settings: Settings, workdir: Path) -> Server:
-    port = free_port()
-    reservations = Path(sys.executable).parent / "reservations"
-    command = [str(reservations), "serve", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-               "--no-access-log"]  # fmt: skip
-    return Server("service", command, worker_env(settings), workdir / "service.log", port)
+    return front_door(worker_env(settings), workdir / "service.log")
 
 
 def _baseline(broker_url: str, backend_url: str, workdir: Path) -> Server:
@@ -179,7 +115,7 @@ def _baseline(broker_url: str, backend_url: str, workdir: Path) -> Server:
         "--http", "httptools", "--no-access-log",
     ]  # fmt: skip
     env = {**worker_env({}), http_baseline.BROKER_ENV: broker_url, http_baseline.BACKEND_ENV: backend_url}
-    return Server("baseline", command, env, workdir / "baseline.log", port)
+    return Server("baseline", command, env, workdir / "baseline.log", port, cwd=ROOT)
 
 
 def _run(coroutine: Awaitable[Any]) -> Any:
