@@ -4,7 +4,8 @@ workload must show what the fence prevents; nothing the run created may be left 
 
 The run includes the flash sale (half the requests reserve one hot SKU, in bursts) with batching on, so
 the same run also shows that requests served in batches under faults keep every rule: one final outcome
-each, that the database agrees with, no key applied twice, nothing written behind a newer token.
+each, that the database agrees with, no key applied twice, nothing written behind a newer token. The
+HTTP run (``--http``) is here too, short: its long run's figures are in docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import sqlalchemy as sa
 from rich.console import Console
 
 from admin.chaos import (
+    KILLED,
     LEASE_FAILED_OVER,
     LEASE_FAILOVER,
     REDIS_RESTARTED,
@@ -35,6 +37,7 @@ from admin.chaos import (
     check,
     run_once,
 )
+from admin.chaos.options import BROKER_RESTARTED
 from admin.proxy import DelayProxy
 from fencing import LeaseManager, StaleToken
 from fencing.engines import make_engine
@@ -176,6 +179,47 @@ def test_lease_failover_nemesis_fails_the_sentinel_primary_over_under_a_clean_fe
     assert "redis+sentinel://:***@127.0.0.1:" in log, log[:2000]
     assert _chaos_schemas() <= schemas_before
     assert _processes_mentioning(str(tmp_path)) == []  # redis-servers and sentinels stopped with the run
+
+
+def test_every_key_answered_202_reaches_its_outcome_by_get_alone_through_kills_and_wipes(
+    tmp_path: Path,
+) -> None:
+    """--http, kept short: real callers POST through a real front door while workers are SIGKILLed every
+    2-3 s and freeze past their lease, the lease Redis is wiped twice and the broker Redis restarted
+    empty. Nobody sends a request again: every key answered 202 is followed by GET alone, and each reaches
+    its outcome (with the relay off, a key the broker restart lost stays 202); the history stays clean
+    and nothing of the run is left behind."""
+    schemas_before = _chaos_schemas()
+    options = Options(
+        workers=4,
+        skus=2,
+        requests=120,
+        duration=10,
+        drain=60,
+        hot=0.4,
+        postgres_url=POSTGRES_URL,
+        pictures=tmp_path / "pictures",
+        http=True,
+        clients=12,
+        respond_async=0.5,
+    )
+    report = run_once(options, fenced=True, folder=tmp_path / "fenced", console=Console(file=io.StringIO()))
+    http = report.http
+    assert http is not None
+
+    # The faults happened: kills every 2-3 s over 10 s, two lease wipes, the broker restarted empty.
+    assert report.faults[KILLED] >= 3, report.faults
+    assert report.faults[REDIS_RESTARTED] == 2 and report.faults[BROKER_RESTARTED] == 1, report.faults
+    # Callers were answered 202 (half asked for it), and every such key reached its outcome by GET alone.
+    assert http.answered_later >= 20, http
+    assert http.unresolved == {}, http
+    assert http.followed_to_outcome == http.answered_later
+    # Every request the door recorded ended in exactly one outcome, consistent with the stock.
+    assert report.enqueued == http.recorded >= 100, http
+    assert sum(report.statuses.values()) == report.enqueued, report.statuses
+    assert report.violations == 0, report.checks
+    assert _chaos_schemas() <= schemas_before
+    assert _processes_mentioning(str(tmp_path)) == []
 
 
 def test_lease_failover_does_not_go_with_the_network_nemeses() -> None:

@@ -32,6 +32,7 @@ from admin.pg_schemas import pg_schema
 from admin.proxy import DelayProxy
 from admin.redis_servers import RedisServer
 from admin.redis_topologies import SentinelTopology
+from admin.service_process import ServiceProcess, front_door
 from fencing.engines import make_engine
 from tasks.settings import Settings
 
@@ -61,6 +62,8 @@ class Cluster:
     ports: dict[str, int] = field(default_factory=dict)
     folder: Path | None = None  # the run's folder (worker logs, the slow link's log)
     sentinel: SentinelTopology | None = None  # with the lease-failover nemesis: the lease coordinator
+    broker: RedisServer | None = None
+    service: ServiceProcess | None = None  # the HTTP run's front door
 
     def database_port(self, worker: ChaosWorker) -> int:
         """The port a worker's host reaches PostgreSQL on."""
@@ -118,6 +121,7 @@ def cluster(options: Options, *, fenced: bool, folder: Path) -> Iterator[Cluster
         sentinel = leases if isinstance(leases, SentinelTopology) else None
         workers: list[ChaosWorker] = []
         proxies: list[DelayProxy] = []
+        service: ServiceProcess | None = None
         try:
             proxy = _proxy(options, database_url, listen) if "delay" in roles(options) else None
             proxies += [proxy] if proxy is not None else []
@@ -125,7 +129,14 @@ def cluster(options: Options, *, fenced: bool, folder: Path) -> Iterator[Cluster
             leases.start()
             settings = _settings(options, fenced, database_url, broker, leases.url(0))
             up = Cluster(
-                database_url, settings, lease_redis, workers, proxy, folder=folder, sentinel=sentinel
+                database_url,
+                settings,
+                lease_redis,
+                workers,
+                proxy,
+                folder=folder,
+                sentinel=sentinel,
+                broker=broker,
             )
             if hosts is not None and lease_redis is not None:
                 proxies.append(_forwarder(database_url, hosts.service))
@@ -133,9 +144,18 @@ def cluster(options: Options, *, fenced: bool, folder: Path) -> Iterator[Cluster
                 up.ports = {"lease": lease_redis.port, "broker": broker.port, "database": proxies[-1].port}
                 up.ports.update({"delayed": proxy.port} if proxy is not None else {})
             workers += _workers(options, fenced, folder, settings, up)
+            if options.http:
+                # The front door is started with the workers, and stopped first: what it still waits
+                # for is answered (202) before the workers go.
+                service = up.service = front_door(worker_env(settings), folder / "service.log")
+                service.start()
             start_all(workers)
+            if service is not None:
+                service.wait_ready()
             yield up
         finally:
+            if service is not None:
+                service.stop()
             stop_all(workers)
             broker.kill()
             if lease_redis is not None:
@@ -185,7 +205,7 @@ def _via(url: str, host: str, port: int) -> str:
 def _settings(
     options: Options, fenced: bool, database_url: str, broker: RedisServer, lease_url: str
 ) -> Settings:
-    return Settings(
+    settings = Settings(
         database_url=database_url,
         broker_url=broker.url(0),
         result_backend=broker.url(1),
@@ -197,6 +217,7 @@ def _settings(
         batching=options.batching,
         expiry_interval=BEAT_EVERY,
     )
+    return settings if options.relay else settings.with_(relay_every=0.0)
 
 
 def _workers(

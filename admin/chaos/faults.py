@@ -6,6 +6,7 @@ Redis losing its data; and the hot-SKU watch that finds the holder those faults 
 from __future__ import annotations
 
 import os
+import random
 import signal
 import time
 from contextlib import suppress
@@ -15,6 +16,8 @@ import sqlalchemy as sa
 
 from admin.chaos.cluster import ChaosWorker
 from admin.chaos.options import (
+    BROKER_RESTART_AT,
+    BROKER_RESTARTED,
     FROZEN,
     HOLDER_FROZEN,
     HOLDER_KILLED,
@@ -22,9 +25,11 @@ from admin.chaos.options import (
     HOT_SKU,
     KILL_ANY_HOLDER,
     KILL_BY,
+    KILL_EVERY,
     KILL_FROM,
     KILLED,
     LEASE_TTL,
+    LEASE_WIPES_AT,
     REDIS_RESTART_AT,
     REDIS_RESTARTED,
     SERVER_FROZEN,
@@ -253,26 +258,77 @@ class HolderPauses:
         return self.left > 0
 
 
-class LeaseRedisRestart:
-    """The lease coordinator loses its data (token counters included) once, partway through the stream;
-    the broker is a separate server and keeps the queued requests. Not on a Sentinel topology
-    (``lease_redis`` None): there the lease-failover nemesis's kill -9 is the data loss."""
+class WorkerKills:
+    """The HTTP run's kills: every KILL_EVERY seconds (drawn from the range), SIGKILL the normal worker
+    that has run longest since its last start, whatever it was doing (a message just taken from the queue,
+    a write under its lease), and start it again at once."""
 
-    def __init__(
-        self, options: Options, lease_redis: RedisServer | None, report: RunReport, start: float
-    ) -> None:
-        self.lease_redis, self.report = lease_redis, report
-        wanted = options.restart_lease_redis and lease_redis is not None
-        self.at = start + REDIS_RESTART_AT * options.duration if wanted else None
+    def __init__(self, options: Options, workers: list[ChaosWorker], report: RunReport, start: float) -> None:
+        self.report = report
+        self.random = random.Random(options.seed)
+        self.killable = [w for w in workers if w.role == "normal"]
+        self.started = dict.fromkeys((w.name for w in self.killable), start)
+        self.end = start + options.duration
+        self.next = start + self.random.uniform(*KILL_EVERY)
 
     def step(self, now: float) -> None:
-        if self.at is None or now < self.at or self.lease_redis is None:
+        if not self.killable or now < self.next or now >= self.end:
             return
-        self.lease_redis.kill()
-        time.sleep(REDIS_DOWN_FOR)  # down for a moment, as after a crash, not a sync point
-        self.lease_redis.start()
-        self.report.faults[REDIS_RESTARTED] += 1
-        self.at = None
+        victim = min(self.killable, key=lambda worker: self.started[worker.name])
+        victim.kill()
+        victim.start()
+        self.report.faults[KILLED] += 1
+        self.started[victim.name] = self.next = time.monotonic()
+        self.next += self.random.uniform(*KILL_EVERY)
 
     def watching(self, now: float) -> bool:
         return False
+
+    def wait_restarted(self) -> None:
+        for worker in self.killable:
+            worker.wait_ready()
+
+
+class ServerRestarts:
+    """A redis-server loses its data (killed, and started again empty after a moment) at fractions of the
+    stream: the lease coordinator (token counters included; the broker, a separate server, keeps the
+    queued requests), or in the HTTP run the broker too (every queued and unacknowledged message gone:
+    the relay publishes again what was recorded). Not on a Sentinel topology (``server`` None): there
+    the lease-failover nemesis's kill -9 is the data loss."""
+
+    def __init__(
+        self,
+        server: RedisServer | None,
+        fault: str,
+        report: RunReport,
+        at: list[float],
+    ) -> None:
+        self.server, self.fault, self.report = server, fault, report
+        self.at = sorted(at) if server is not None else []
+
+    def step(self, now: float) -> None:
+        if not self.at or now < self.at[0] or self.server is None:
+            return
+        self.server.kill()
+        time.sleep(REDIS_DOWN_FOR)  # down for a moment, as after a crash, not a sync point
+        self.server.start()
+        self.report.faults[self.fault] += 1
+        self.at.pop(0)
+
+    def watching(self, now: float) -> bool:
+        return False
+
+
+def lease_wipes(options: Options, lease_redis: RedisServer | None, report: RunReport, start: float) -> Step:
+    """The lease Redis losing its data: once mid-stream, or at each of LEASE_WIPES_AT in the HTTP run."""
+    fractions = LEASE_WIPES_AT if options.http else (REDIS_RESTART_AT,)
+    at = (
+        [start + fraction * options.duration for fraction in fractions] if options.restart_lease_redis else []
+    )
+    return ServerRestarts(lease_redis, REDIS_RESTARTED, report, at)
+
+
+def broker_restart(options: Options, broker: RedisServer | None, report: RunReport, start: float) -> Step:
+    """The broker Redis restarted empty once, in the HTTP run only."""
+    at = [start + BROKER_RESTART_AT * options.duration] if options.http else []
+    return ServerRestarts(broker, BROKER_RESTARTED, report, at)

@@ -52,6 +52,20 @@ HOLDER_KILLED = "hot-SKU holder SIGKILLed, requests waiting"
 SERVER_KILLED = "hot-SKU holder SIGKILLed serving a batch"
 REDIS_RESTARTED = "lease Redis restart (data lost)"
 DELAYED = "client->postgres chunks delayed"
+# Faults that workers give themselves (a child stopping before a write); the run injects the others.
+SELF_INFLICTED = (FROZEN, HOLDER_FROZEN, SERVER_FROZEN)
+
+# The HTTP run (``--http``): callers POST to a real front door (``reservations serve``) and, after the
+# stream, follow each 202 with GET alone (no second POST), while a normal worker is SIGKILLed and restarted
+# every KILL_EVERY seconds (drawn from the range), the lease Redis loses its data at each of
+# LEASE_WIPES_AT and the broker Redis is restarted empty at BROKER_RESTART_AT of the stream. The relay
+# runs at the deployment's defaults: the bounds it is held to are the documented ones.
+KILL_EVERY = (2.0, 3.0)
+LEASE_WIPES_AT = (0.3, 0.7)
+BROKER_RESTART_AT = 0.5
+BROKER_RESTARTED = "broker Redis restarted empty"
+# How often a caller follows a 202's Location during the convergence.
+FOLLOW_EVERY = 0.5
 
 # The network nemeses (``--nemesis NAME``, or ``--partitions`` for all): each worker then runs on a host of
 # its own (a network namespace, admin/netns.py), and one nemesis at a time hits one worker's host, in the
@@ -96,9 +110,12 @@ class ChaosFailed(RuntimeError):
     """The run could not be carried out (a process did not start); not a failed check."""
 
 
-def nemeses_problem(names: tuple[str, ...]) -> str | None:
+def nemeses_problem(names: tuple[str, ...], *, http: bool = False) -> str | None:
     """Why these nemeses cannot run together, or None. The sentinels name the lease primary by its
-    loopback address, which a worker on a host of its own cannot reach."""
+    loopback address, which a worker on a host of its own cannot reach; the HTTP run's front door and its
+    callers are on loopback too."""
+    if http and names:
+        return "the HTTP run takes no nemeses: its faults are kills, pauses and wipes (see --http)"
     if LEASE_FAILOVER in names and any(name in NEMESES for name in names):
         return f"{LEASE_FAILOVER} runs on loopback, not together with the network nemeses"
     return None
@@ -121,6 +138,14 @@ class Options:
     pictures: Path = Path("var/chaos")  # one SVG timeline per run is saved here
     # Network nemeses (NEMESES), in order, each worker then on a host of its own; or LEASE_FAILOVER.
     nemeses: tuple[str, ...] = ()
+    # The HTTP run: ``clients`` callers through a real front door, GET alone after a 202 (see KILL_EVERY).
+    http: bool = False
+    clients: int = 40
+    # The share of the HTTP run's POSTs sent with ``Prefer: respond-async`` (202 at once, then followed by
+    # GET); the others wait for their outcome up to the door's default HTTP wait.
+    respond_async: float = 0.25
+    # The workers' relay (off: a message the broker loses stays lost, to see what the relay does).
+    relay: bool = True
 
     @property
     def network_nemeses(self) -> tuple[str, ...]:

@@ -15,10 +15,12 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from admin.chaos.callers import HttpFigures
 from admin.chaos.checker import business_harm
 from admin.chaos.figures import Batching
 from admin.chaos.nemesis_figures import NemesisFigures
 from admin.chaos.options import (
+    BROKER_RESTARTED,
     DELAYED,
     FROZEN,
     HOLDER_FROZEN,
@@ -44,6 +46,7 @@ FAULTS = (
     HOLDER_KILLED,
     SERVER_KILLED,
     REDIS_RESTARTED,
+    BROKER_RESTARTED,
     LEASE_FAILED_OVER,
     LEASE_PRIMARY_KILLED,
     DELAYED,
@@ -83,6 +86,7 @@ class RunReport:
     sent: dict[str, Sent] = field(default_factory=dict)
     picture: Path | None = None
     nemeses: list[NemesisFigures] = field(default_factory=list)  # the nemeses, in order
+    http: HttpFigures | None = None  # the HTTP run's callers
 
     @property
     def violations(self) -> int:
@@ -117,6 +121,7 @@ class RunReport:
             "checks": self.checks,
             "picture": str(self.picture) if self.picture else None,
             "nemeses": [nemesis.as_json() for nemesis in self.nemeses],
+            "http": self.http.as_json() if self.http is not None else None,
         }
 
 
@@ -160,6 +165,31 @@ def _requests(fenced: RunReport, _: RunReport) -> list[Row]:
         Row("re-sent after no outcome", lambda r: r.resent),
         _when_batching("still waiting then, left to the batching", lambda r: len(r.waiting_at_resend)),
     ]
+
+
+def _http(fenced: RunReport, lease_only: RunReport) -> list[Row]:
+    """The HTTP run's callers: what their POSTs were answered, and whether each 202 reached its outcome
+    by GET alone."""
+    if fenced.http is None:
+        return []
+    statuses = sorted({s for r in (fenced, lease_only) if r.http is not None for s in r.http.posts})
+
+    def http(value: Callable[[HttpFigures], object]) -> Callable[[RunReport], object]:
+        return lambda r: value(r.http) if r.http is not None else "-"
+
+    return [
+        Row("HTTP callers", http(lambda h: h.clients)),
+        *(Row(f"  POSTs answered {status or 'nothing (connection)'}", _posts(status)) for status in statuses),
+        Row("  keys recorded (accepted)", http(lambda h: h.recorded)),
+        Row("  keys answered 202", http(lambda h: h.answered_later)),
+        Row("    outcome reached by GET alone", http(lambda h: h.followed_to_outcome)),
+        Row("    STILL WITHOUT AN OUTCOME", http(lambda h: len(h.unresolved))),
+        Row("  last outcome after the last fault (s)", http(lambda h: f"{h.after_last_fault:.1f}")),
+    ]
+
+
+def _posts(status: int) -> Callable[[RunReport], object]:
+    return lambda r: r.http.posts[status] if r.http is not None else "-"
 
 
 def _count(name: str, counts: Callable[[RunReport], Counter[str]], key: str) -> Row:
@@ -228,7 +258,7 @@ def _found(rule: str) -> Callable[[RunReport], object]:
     return lambda r: len(r.checks.get(rule, []))
 
 
-SECTIONS: tuple[Section, ...] = (_requests, _faults, _outcomes, _batching, _stale_writes, _checks)
+SECTIONS: tuple[Section, ...] = (_requests, _http, _faults, _outcomes, _batching, _stale_writes, _checks)
 
 
 def rows(fenced: RunReport, lease_only: RunReport) -> list[Row]:

@@ -10,17 +10,29 @@ import shutil
 import signal
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from types import FrameType
 
 from rich.console import Console
 
 from admin import links, netns
+from admin.chaos.callers import SPACE, Callers, recorded
 from admin.chaos.checker import check
 from admin.chaos.cluster import Cluster, cluster, harness_failures, roles
 from admin.chaos.failover import LeaseFailovers
-from admin.chaos.faults import HolderPauses, HotWatch, LeaseRedisRestart, ResumeFrozen, Step, WorkerKill
+from admin.chaos.faults import (
+    HolderPauses,
+    HotWatch,
+    ResumeFrozen,
+    Step,
+    WorkerKill,
+    WorkerKills,
+    broker_restart,
+    lease_wipes,
+)
 from admin.chaos.figures import batching_figures, flash_statuses, read_log, statuses, waiting_keys
 from admin.chaos.nemeses import Nemeses
 from admin.chaos.nemesis_figures import NemesisRun, nemesis_figures
@@ -29,8 +41,8 @@ from admin.chaos.options import (
     DELAYED,
     FLASH_BURST,
     HOT_SKU,
-    INITIAL_STOCK,
     RESEND_AFTER,
+    SELF_INFLICTED,
     SLOW_LINK,
     SWEEP_EVERY,
     TICK,
@@ -42,7 +54,7 @@ from admin.chaos.options import (
 )
 from admin.chaos.progress import Progress
 from admin.chaos.report import RunReport, print_nemeses, print_table, write_json
-from admin.chaos.workload import Workload, flash_stock
+from admin.chaos.workload import Sent, Workload, flash_stock, regular_stock
 from admin.picture import save_timeline
 from reservations.inventory import Inventory
 from tasks.producer import Producer
@@ -57,7 +69,7 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
 def run(options: Options, console: Console | None = None, *, as_json: bool = False) -> bool:
     """Both runs, the side-by-side table (or JSON); True when the fenced run has no violation."""
     console = console or Console(stderr=as_json)
-    problem = nemeses_problem(options.nemeses)
+    problem = nemeses_problem(options.nemeses, http=options.http)
     if problem is not None:
         raise ChaosFailed(problem)
     options = _network(options, console)
@@ -76,7 +88,7 @@ def run(options: Options, console: Console | None = None, *, as_json: bool = Fal
     else:
         print_table(console, fenced, lease_only)
         print_nemeses(console, fenced, lease_only)
-    return fenced.violations == 0
+    return fenced.violations == 0 and (fenced.http is None or not fenced.http.unresolved)
 
 
 def _network(options: Options, console: Console) -> Options:
@@ -102,13 +114,14 @@ def run_once(options: Options, *, fenced: bool, folder: Path, console: Console) 
     report = RunReport(mode, batching_on=options.batching)
     started = time.monotonic()
     skus = [f"SKU{n}" for n in range(1, options.skus + 1)]
-    initial = dict.fromkeys(skus, INITIAL_STOCK)
+    initial = dict.fromkeys(skus, regular_stock(options))
     if options.hot > 0:
         report.hot_sku, report.hot_stock = HOT_SKU, flash_stock(options)
         initial[HOT_SKU] = report.hot_stock
     console.print(_describe(options, report), highlight=False)
     with Progress(console, mode) as progress, harness_failures():
-        progress.phase("starting PostgreSQL schema, redis-servers, workers and beat")
+        door = ", the front door" if options.http else ""
+        progress.phase(f"starting PostgreSQL schema, redis-servers, workers and beat{door}")
         with cluster(options, fenced=fenced, folder=folder) as up:
             _one_run(options, up, report, initial, skus, progress)
             progress.phase("stopping workers and servers")
@@ -196,9 +209,14 @@ class Stream:
     """Sends the workload's requests evenly over the run's duration (a flash-sale burst at once)."""
 
     def __init__(
-        self, options: Options, client: Producer, workload: Workload, report: RunReport, start: float
+        self,
+        options: Options,
+        send: Callable[[Sent], None],
+        workload: Workload,
+        report: RunReport,
+        start: float,
     ) -> None:
-        self.client, self.workload, self.report = client, workload, report
+        self.send, self.workload, self.report = send, workload, report
         self.requests, self.start = options.requests, start
         self.gap = options.duration / max(1, options.requests)
         self.count = 0
@@ -211,7 +229,7 @@ class Stream:
         if now < self.start + self.count * self.gap:
             return
         for request, replay in self.workload.next(room=self.requests - self.count):
-            self.client.send(request.operation, request.key, request.kwargs)
+            self.send(request)
             self.report.sent_at.setdefault(request.key, time.time())
             self.count += 1
             self.report.replayed += replay
@@ -248,6 +266,9 @@ def drive(
 ) -> list[NemesisRun]:
     """Send the stream while injecting faults, then wait (still resuming frozen children, and healing a
     nemesis still in place) for outcomes; the nemeses as they happened (network ones, then failovers)."""
+    if options.http:
+        _drive_http(options, inventory, skus, up, report, progress)
+        return []
     client = Producer(up.settings.broker_url, up.settings.result_backend)
     # The sweep restores what was unacknowledged longer than the workers' visibility timeout; it reads
     # that timeout from its own connection's options, which must therefore be the workers'.
@@ -256,7 +277,7 @@ def drive(
     report.sent = workload.sent
     watch = HotWatch(up.settings.lease_url, up.database_url, workload.sent) if report.hot_sku else None
     start = time.monotonic()
-    stream = Stream(options, client, workload, report, start)
+    stream = Stream(options, partial(_publish, client), workload, report, start)
     kill = WorkerKill(options, up.workers, report, watch, start)
     resume, sweep = ResumeFrozen(up.workers, report, watch), Sweeper(client)
     folder = up.folder or Path(tempfile.gettempdir())
@@ -269,25 +290,21 @@ def drive(
         stream,
         kill,
         HolderPauses(up.workers, report, watch, start),
-        LeaseRedisRestart(options, up.lease_redis, report, start),
+        lease_wipes(options, up.lease_redis, report, start),
         *([nemeses] if nemeses is not None else []),
         *([failovers] if failovers is not None else []),
         resume,
         sweep,
     ]
-    progress.phase(f"sending {options.requests} requests over {options.duration:g}s, with faults")
     try:
-        while not stream.done:
-            now = time.monotonic()
-            for step in steps:
-                step.step(now)
-            faults = sum(report.faults.values())
-            progress.tick(f"{len(workload.sent)}/{options.requests} requests sent, {faults} faults so far")
-            time.sleep(WATCH_EVERY if any(step.watching(now) for step in steps) else TICK)
+        _send(options, stream, steps, workload, report, progress)
         kill.wait_restarted()
         housekeeping: list[Step] = [resume, sweep, *([nemeses] if nemeses is not None else [])]
         progress.phase("waiting for every request's outcome")
-        _drain(options, inventory, client, workload, report, up.database_url, housekeeping, progress)
+        resend = partial(_resend, client, workload, report)
+        _drain(
+            options, inventory, set(workload.sent), report, up.database_url, housekeeping, progress, resend
+        )
     finally:
         runs = nemeses.close() if nemeses is not None else []
         runs += failovers.close() if failovers is not None else []
@@ -298,28 +315,106 @@ def drive(
     return runs
 
 
+def _publish(client: Producer, request: Sent) -> None:
+    client.send(request.operation, request.key, request.kwargs)
+
+
+def _send(
+    options: Options,
+    stream: Stream,
+    steps: list[Step],
+    workload: Workload,
+    report: RunReport,
+    progress: Progress,
+) -> float:
+    """The driver loop: one tick sends what is due, then takes each step in turn; when the last fault the
+    run injected came (monotonic: a kill, a wipe, a restart; not a child freezing itself)."""
+    progress.phase(f"sending {options.requests} requests over {options.duration:g}s, with faults")
+    last_fault = time.monotonic()
+    injected = 0
+    while not stream.done:
+        now = time.monotonic()
+        for step in steps:
+            step.step(now)
+        now_injected = sum(n for fault, n in report.faults.items() if fault not in SELF_INFLICTED)
+        if now_injected != injected:
+            injected, last_fault = now_injected, time.monotonic()
+        faults = sum(report.faults.values())
+        progress.tick(f"{len(workload.sent)}/{options.requests} requests sent, {faults} faults so far")
+        time.sleep(WATCH_EVERY if any(step.watching(now) for step in steps) else TICK)
+    return last_fault
+
+
+def _drive_http(
+    options: Options,
+    inventory: Inventory,
+    skus: list[str],
+    up: Cluster,
+    report: RunReport,
+    progress: Progress,
+) -> None:
+    """The HTTP run: the stream through ``options.clients`` callers of the front door, workers killed every
+    few seconds, the lease Redis wiped and the broker restarted empty; then every key answered 202 followed
+    by GET alone, up to ``options.drain`` after the last fault. Nothing sends a request again."""
+    assert up.service is not None
+    callers = Callers(up.service.url, options.clients, options.respond_async)
+    report.http = callers.figures
+    workload = Workload(options, skus, inventory, space=SPACE)
+    watch = HotWatch(up.settings.lease_url, up.database_url, workload.sent) if report.hot_sku else None
+    start = time.monotonic()
+    stream = Stream(options, callers.send, workload, report, start)
+    kills, resume = WorkerKills(options, up.workers, report, start), ResumeFrozen(up.workers, report, watch)
+    steps: list[Step] = [
+        stream,
+        kills,
+        HolderPauses(up.workers, report, watch, start),
+        lease_wipes(options, up.lease_redis, report, start),
+        broker_restart(options, up.broker, report, start),
+        resume,
+    ]
+    try:
+        last_fault = _send(options, stream, steps, workload, report, progress)
+        progress.phase(f"waiting for the answers of {callers.queued} POSTs still queued at the callers")
+        callers.close()
+        kills.wait_restarted()
+        progress.phase("following every 202 by GET alone")
+        deadline = last_fault + options.drain
+        found = callers.follow(workload.sent, deadline, lambda: resume.step(time.monotonic()), progress.tick)
+        report.http.after_last_fault = max((at - last_fault for at in found.values()), default=0.0)
+        sent = {key: workload.sent[key] for key in recorded(up.database_url, workload.sent)}
+        report.http.recorded = len(sent)
+        progress.phase("waiting for every recorded request's outcome")
+        _drain(options, inventory, set(sent), report, up.database_url, [resume], progress, None, deadline)
+    finally:
+        if watch is not None:
+            watch.close()
+    report.sent = sent
+    report.enqueued = len(sent)
+
+
 def _drain(
     options: Options,
     inventory: Inventory,
-    client: Producer,
-    workload: Workload,
+    pending: set[str],
     report: RunReport,
     database_url: str,
     steps: list[Step],
     progress: Progress,
+    resend: Callable[[set[str], str], None] | None,
+    deadline: float | None = None,
 ) -> None:
-    """Wait for every request's outcome (up to ``options.drain``), still taking ``steps``; once, after
-    RESEND_AFTER, send again what has no outcome and is not waiting to be served in a batch."""
-    drain_start = time.monotonic()
-    resend_at: float | None = drain_start + RESEND_AFTER
-    pending = set(workload.sent)
-    while pending and time.monotonic() < drain_start + options.drain:
+    """Wait for the outcome of every key in ``pending`` (up to ``options.drain``, or ``deadline``), still
+    taking ``steps``; once, after RESEND_AFTER, ``resend`` what has no outcome yet (if given)."""
+    total = len(pending)
+    deadline = deadline if deadline is not None else time.monotonic() + options.drain
+    resend_at: float | None = time.monotonic() + RESEND_AFTER if resend is not None else None
+    while pending and time.monotonic() < deadline:
         for step in steps:
             step.step(time.monotonic())
         pending = {key for key in pending if inventory.request_outcome(key) is None}
-        progress.tick(f"waiting for {len(pending)} of {len(workload.sent)} outcomes")
-        if pending and resend_at is not None and time.monotonic() >= resend_at:
-            _resend(client, workload, report, pending, database_url)
+        progress.tick(f"waiting for {len(pending)} of {total} outcomes")
+        if pending and resend is not None and resend_at is not None and time.monotonic() >= resend_at:
+            resend(pending, database_url)
             resend_at = None
         time.sleep(DRAIN_EVERY)
 
@@ -327,6 +422,8 @@ def _drain(
 def _resend(
     client: Producer, workload: Workload, report: RunReport, pending: set[str], database_url: str
 ) -> None:
+    """The Celery run's client: what has no outcome yet is sent again under its key (harmless by
+    design)."""
     # A request still waiting on a pending list is not lost: serving it is the batching's job (its SKU's
     # holder, its watch or beat's sweep), so only the others are sent again.
     report.waiting_at_resend = sorted(pending & waiting_keys(database_url))

@@ -2,7 +2,9 @@
 a flash sale (bursts of reservations of the hot SKU), and stocktakes (after the sale's bursts, if there is
 one): every regular SKU counted, then each replenished to par and a delivery of each put away. Counts and
 replenishments are writes their worker decides from what it reads under the lease.
-Both runs of a seed send the same stream.
+Both runs of a seed send the same stream. The HTTP run's stream is what the front door takes: reservations,
+and confirms and releases of the reservations made (no restocks, no stocktakes), under the keys of the
+caller space the door stores them in.
 """
 
 from __future__ import annotations
@@ -33,15 +35,25 @@ QUIET_STOCKTAKE_CHANCE = 0.1
 
 @dataclass
 class Sent:
-    key: str
+    key: str  # as stored: in the HTTP run, in the anonymous caller's space
     operation: str
     kwargs: dict[str, Any]
+    on: str = ""  # a confirm's or release's: the key of the reservation it acts on (the HTTP path names it)
 
 
 def flash_stock(options: Options) -> int:
     """The hot SKU's stock: about two thirds of a unit per flash-sale request expected, each asking for 1
     or 2, so it sells out partway through the sale (released reservations put some units back)."""
     return max(10, round(0.6 * options.requests * options.hot))
+
+
+def regular_stock(options: Options) -> int:
+    """A regular SKU's stock: INITIAL_STOCK, or in the HTTP run (where nothing restocks) about a third of
+    a unit per regular request expected, so that the SKUs sell out late in the stream, if at all."""
+    if not options.http:
+        return INITIAL_STOCK
+    share = 1 - min(max(options.hot, 0.0), 0.95)
+    return max(INITIAL_STOCK, round(0.35 * options.requests * share / max(1, options.skus)))
 
 
 class Workload:
@@ -51,14 +63,16 @@ class Workload:
     new requests; with 0, the seed draws the plain mixed stream over the other SKUs.
     """
 
-    def __init__(self, options: Options, skus: list[str], inventory: Inventory) -> None:
+    def __init__(self, options: Options, skus: list[str], inventory: Inventory, space: str = "") -> None:
         self.random = random.Random(options.seed)
+        self.space = space  # what the keys are stored under: "*:" for the front door's anonymous callers
+        self.http = options.http
         self.skus = skus
         self.inventory = inventory
         self.sent: dict[str, Sent] = {}
         self.replays = 0
         self.pending_reserves: list[str] = []
-        self.open_reservations: list[str] = []
+        self.open_reservations: list[tuple[str, str]] = []  # (reservation id, the key that made it)
         self.counter = 0
         hot = min(max(options.hot, 0.0), 0.95)
         # A draw is a burst with this chance, so that bursts of FLASH_BURST are ``hot`` of the requests.
@@ -72,7 +86,7 @@ class Workload:
 
     def _key(self, operation: str) -> str:
         self.counter += 1
-        return f"chaos-{self.counter:05d}-{operation}"
+        return f"{self.space}chaos-{self.counter:05d}-{operation}"
 
     def _harvest(self) -> None:
         still = []
@@ -81,7 +95,8 @@ class Workload:
             if outcome is None:
                 still.append(key)
             elif outcome.status == "reserved":
-                self.open_reservations.extend(outcome.detail.get("reservation_ids") or [])
+                ids = outcome.detail.get("reservation_ids") or []
+                self.open_reservations.extend((made, key) for made in ids)
         self.pending_reserves = still
 
     def next(self, room: int = FLASH_BURST) -> list[tuple[Sent, bool]]:
@@ -94,7 +109,7 @@ class Workload:
     def _next(self, room: int) -> list[tuple[Sent, bool]]:
         if self.later and self.later[0][0] <= self.emitted:
             return self._burst(self.later.pop(0)[1], room)
-        if self.after_sale or not self.burst_chance:
+        if (self.after_sale or not self.burst_chance) and not self.http:
             self.after_sale = False
             if self.random.random() < (STOCKTAKE_CHANCE if self.burst_chance else QUIET_STOCKTAKE_CHANCE):
                 return self._burst(self._stocktake(), room)
@@ -122,10 +137,12 @@ class Workload:
         roll = self.random.random()
         sku = self.random.choice(self.skus)
         if self.open_reservations and roll < 0.35:
-            reservation = self.open_reservations.pop(self.random.randrange(len(self.open_reservations)))
+            reservation, made_by = self.open_reservations.pop(
+                self.random.randrange(len(self.open_reservations))
+            )
             operation = "confirm" if self.random.random() < 0.6 else "release"
-            sent = Sent(self._key(operation), operation, {"reservation_id": reservation})
-        elif 0.35 <= roll < 0.5:
+            sent = Sent(self._key(operation), operation, {"reservation_id": reservation}, on=made_by)
+        elif 0.35 <= roll < 0.5 and not self.http:
             sent = Sent(self._key("restock"), "restock", {"sku": sku, "quantity": self.random.randint(1, 4)})
         else:
             sent = Sent(self._key("reserve"), "reserve", {"sku": sku, "quantity": self.random.randint(1, 3)})

@@ -129,6 +129,26 @@ def chaos_command(
             "nemeses; once however often given): leases on Redis Sentinel, the primary failed over twice.",
         ),
     ] = None,
+    http: Annotated[
+        bool,
+        typer.Option(
+            "--http",
+            help="Send the stream through a real front door (reservations serve), follow each 202 by GET "
+            "alone; workers SIGKILLed every 2-3 s, lease Redis wiped twice, broker restarted empty.",
+        ),
+    ] = False,
+    clients: Annotated[int, count("--clients", 1, 200, "HTTP callers, with --http.")] = 40,
+    respond_async: Annotated[
+        float,
+        typer.Option(
+            parser=decimal("--respond-async", 0, 1),
+            help="With --http: share of the POSTs sent with Prefer: respond-async (202 at once) [0-1]",
+        ),
+    ] = 0.25,
+    relay: Annotated[
+        bool,
+        typer.Option(help="The workers' relay (--no-relay: what the broker loses stays lost, to compare)."),
+    ] = True,
 ) -> None:
     """WRITES (own schemas, dropped afterwards): the fault-injection run, twice, fenced and lease-only.
 
@@ -154,19 +174,32 @@ def chaos_command(
     refused, token regressions repaired, violations and business harm). It needs neither root nor ip
     netns, and runs on loopback, so not together with the network nemeses.
 
+    With --http the stream goes through a real front door (reservations serve, at its default HTTP wait)
+    from CLIENTS concurrent callers (a share of them, --respond-async, asking for 202 at once), and it
+    is what the door takes: reservations, and confirms and
+    releases of the reservations made. A normal worker is SIGKILLed and restarted every 2-3 s, the lease
+    Redis loses its data at 30% and 70% of the stream and the broker Redis is restarted empty at 50%, on
+    top of the workers that freeze past their lease. Nobody sends a request again: after the stream,
+    every key answered 202 is followed by GET on its Location alone, for up to --drain seconds after the
+    last fault. The relay runs at its defaults. Exit 1 also when a key answered 202 is still without an
+    outcome then.
+
     JSON fields per run (fenced, lease_only): enqueued, replayed, resent, faults, statuses,
     rejected_stale_writes, lost_ownership_by_worker_role, lost_ownership_serving_batches_by_worker_role,
     batching_on, hot_sku, hot_stock, flash_sale {requests, statuses}, batching {batches, requests,
     for_others, largest, stale_refused, writes_behind_newer_token, left_pending, watches, swept,
     longest_wait}, violations, checks (rule -> sentences), picture, nemeses [{name, fault, target, caught,
     cuts, seconds, link, skipped, requests, outcomes, stale_refused, repairs, attempts, longest_wait,
-    violations, business_harm}].
+    violations, business_harm}], http {clients, posts (status -> count), recorded, answered_202,
+    reached_outcome_by_get, unresolved (key -> last status), last_outcome_after_last_fault_s} or null.
 
     Example: reservations chaos --workers 3 --skus 3 --requests 120 --duration 20
 
     Example: reservations chaos --workers 4 --duration 30 --partitions
 
     Example: reservations chaos --duration 30 --nemesis lease-failover
+
+    Example: reservations chaos --http --workers 4 --requests 2400 --duration 60 --drain 60
     """
     from admin import chaos
     from admin.chaos.options import LEASE_FAILOVER, NEMESES, nemeses_problem
@@ -176,7 +209,7 @@ def chaos_command(
     if unknown:
         fail(EXIT_USAGE, f"--nemesis {unknown[0]!r}: one of {', '.join(known)}")
     chosen = NEMESES if partitions else tuple(nemesis or ())  # a name given twice runs twice
-    problem = nemeses_problem((*chosen, *(nemesis or ())))
+    problem = nemeses_problem((*chosen, *(nemesis or ())), http=http)
     if problem is not None:
         fail(EXIT_USAGE, f"--nemesis {problem}")
     options = chaos.Options(
@@ -194,6 +227,10 @@ def chaos_command(
         folder=folder,
         pictures=pictures,
         nemeses=chosen,
+        http=http,
+        clients=clients,
+        respond_async=respond_async,
+        relay=relay,
     )
     try:
         ok = chaos.run(options, None if as_json else narrative(), as_json=as_json)
