@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import sqlalchemy as sa
 
 from fencing.engines import Pooling, make_engine
+from reservations.models import schema_compatibility
 
 if TYPE_CHECKING:
     from alembic.config import Config
@@ -131,8 +132,6 @@ def judge(found: str | None, oldest_code: str | None, known: Sequence[str]) -> F
 def fit(url: str) -> Fit:
     """Whether this code may run on the database at ``url`` (one connection; errors as SQLAlchemy's)."""
     from alembic.runtime.migration import MigrationContext
-
-    from reservations.models import schema_compatibility
 
     engine = make_engine(url, pooling=ONE_SHOT)
     try:

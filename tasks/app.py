@@ -27,8 +27,9 @@ from tasks import deadlines, failpoints, messages, metrics, transport
 from tasks.brokers import REDIS, scheme_of, transport_options
 from tasks.heartbeat import HeartbeatFile
 from tasks.logs import json_wanted, use_json, warnings_as_json
+from tasks.readiness import refuse
 from tasks.relay import RelayStep
-from tasks.settings import Settings
+from tasks.settings import Settings, settings_of
 from tasks.variables import SettingsError
 
 log = logging.getLogger("tasks.app")
@@ -128,8 +129,6 @@ def _metrics_on(**_: Any) -> None:
     try:
         metrics.switch_on()
     except metrics.MetricsUnusable as exc:
-        from tasks.readiness import refuse
-
         # SystemExit passes through Celery's signal dispatch, which logs and swallows only Exception: the
         # worker exits here, before its pool forks or its consumer connects.
         refuse(str(exc))
@@ -182,16 +181,6 @@ def create_app(settings: Settings | None = None) -> Celery:
     return _with_steps(app)
 
 
-def settings_of(app: Celery) -> Settings:
-    settings: Settings = app.conf.reservations_settings
-    return settings
-
-
-def stores_request_results(app: Celery) -> bool:
-    """Whether request tasks store their Celery result (``RESERVATIONS_RESULT_EXPIRES`` above 0)."""
-    return settings_of(app).result_expires > 0
-
-
 def _loaded_by_celery_command() -> bool:
     """Whether the ``celery`` command line is importing this module (``celery -A tasks worker``)."""
     context = click.get_current_context(silent=True)
@@ -201,8 +190,6 @@ def _loaded_by_celery_command() -> bool:
 def _refuse_bad_settings() -> None:
     """A worker or beat with a bad setting says so in one line and exits at start, instead of a
     traceback from wherever Celery first reads its configuration."""
-    from tasks.readiness import refuse
-
     if json_wanted():  # from the first line on, before Celery sets up its logging
         warnings_as_json()
     try:

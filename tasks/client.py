@@ -41,13 +41,13 @@ from reservations.redrives import is_redrive_key
 from reservations.requests import RequestResult
 from tasks import payloads, redrives
 from tasks.app import app as default_app
-from tasks.app import settings_of
 from tasks.errors import BrokerUnavailable, ClientClosed, OutcomeTimeout
 from tasks.handle import ReservationHandle
 from tasks.outbox import Outbox
 from tasks.outcomes import OutcomeWatcher
 from tasks.producer import Producer
 from tasks.sending import Sender, request_of
+from tasks.settings import settings_of
 
 __all__ = ["ReservationClient", "ReservationHandle", "enqueue_reservation"]
 

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from reservations import IdempotencyConflict
 from reservations.requests import RequestResult
 
-if TYPE_CHECKING:
-    from tasks.client import ReservationClient
+
+class Outcomes(Protocol):
+    """Where a handle waits for its outcome: the client that enqueued it (tasks.client)."""
+
+    async def wait(self, key: str, *, timeout: float) -> RequestResult: ...
+
+    def wait_sync(self, key: str, *, timeout: float) -> RequestResult: ...
 
 
 @dataclass(frozen=True)
@@ -19,7 +24,7 @@ class ReservationHandle:
 
     key: str
     task_id: str
-    client: ReservationClient
+    client: Outcomes
     operation: str | None = None
     fingerprint: str | None = None
 

@@ -10,6 +10,8 @@ from typing import Any
 
 from celery import bootsteps
 
+from tasks.settings import settings_of
+
 # A check may call the worker dead once the file is several intervals old (compose.yaml allows 60 s).
 INTERVAL = 5.0
 
@@ -19,8 +21,6 @@ class HeartbeatFile(bootsteps.StartStopStep):  # type: ignore[misc]
     losing its broker, stops the touches."""
 
     def __init__(self, consumer: Any, **kwargs: Any) -> None:
-        from tasks.app import settings_of
-
         path = settings_of(consumer.app).heartbeat_file
         self.path = Path(path or ".")
         self.enabled = bool(path)  # unset: the step is left out of the worker

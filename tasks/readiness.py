@@ -29,6 +29,7 @@ from fencing import BackendUnavailable, LeaseManager, SchemaMissing
 from fencing.engines import TransactionBounds, make_engine, transaction_bounds
 from fencing.urls import mask_url
 from reservations import schema
+from tasks.connections import client_options
 from tasks.logs import say
 from tasks.settings import Settings
 
@@ -94,8 +95,6 @@ def _bounds(url: str) -> TransactionBounds:
 def wait_until_usable(settings: Settings, *, sleep: Callable[[float], None] = time.sleep) -> None:
     """Return once the database and the lease backend answer and the schema fits this code; exit 2
     when the schema does not fit."""
-    from tasks.worker import client_options
-
     fit = wait_for(
         "database", mask_url(settings.database_url), lambda: schema.fit(settings.database_url), sleep=sleep
     )

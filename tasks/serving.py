@@ -20,10 +20,11 @@ from reservations.operations import hold_ms_of
 from reservations.requests import RequestResult
 from tasks import failpoints, metrics, observe
 from tasks.answers import answer, as_result, conflict, reply
-from tasks.app import app, stores_request_results
+from tasks.app import app
 from tasks.failpoints import failpoint
 from tasks.local_servers import Joined, local_servers
 from tasks.messages import Message, task_name
+from tasks.settings import stores_request_results
 from tasks.states import QUEUED, announce
 from tasks.worker import Resources
 

@@ -20,6 +20,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from celery import Celery
+
 from fencing import InvalidLeaseRequest
 from fencing.engines import POOLING_MODES
 from fencing.keys import validate_prefix
@@ -392,3 +394,14 @@ def url_with_password_file(env: Mapping[str, str], name: str, url: str) -> str:
     if found is None:
         raise SettingsError(f"{wanted} is not a setting")
     return with_password(env, found, url) if env.get(wanted) else url
+
+
+def settings_of(app: Celery) -> Settings:
+    """The settings a Celery app was configured with (tasks.app.configure keeps them in its conf)."""
+    settings: Settings = app.conf.reservations_settings
+    return settings
+
+
+def stores_request_results(app: Celery) -> bool:
+    """Whether request tasks store their Celery result (``RESERVATIONS_RESULT_EXPIRES`` above 0)."""
+    return settings_of(app).result_expires > 0

@@ -45,8 +45,8 @@ from celery.worker.state import task_ready
 
 from reservations.requests import RequestResult
 from tasks.answers import as_result
-from tasks.app import stores_request_results
 from tasks.errors import TasksError
+from tasks.settings import stores_request_results
 
 log = logging.getLogger("tasks")
 

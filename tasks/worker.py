@@ -13,7 +13,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-import redis
+from celery import current_app
 from celery.signals import (
     celeryd_after_setup,
     celeryd_init,
@@ -22,18 +22,17 @@ from celery.signals import (
     worker_ready,
     worker_shutdown,
 )
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from fencing import LeaseManager
 from fencing.sql_executor import SyncSqlExecutor
 from fencing.urls import mask_url
 from reservations import Inventory
+from tasks.connections import client_options
 from tasks.errors import TasksError
 from tasks.failpoints import failpoint
 from tasks.logs import json_wanted, say
 from tasks.readiness import wait_until_usable
-from tasks.settings import Settings, unknown_name_warnings
+from tasks.settings import Settings, settings_of, unknown_name_warnings
 from tasks.states import note_task_events
 
 log = logging.getLogger("tasks.worker")
@@ -75,28 +74,6 @@ class Resources:
 
 _lock = threading.Lock()
 _resources: Resources | None = None
-
-# A thread pool runs many tasks in one process on these clients: let the connection pool grow with it
-# (connections open only when needed) instead of queueing tasks on five connections.
-SQL_POOL: dict[str, Any] = {"pool_size": 5, "max_overflow": 64}
-
-
-def client_options(url: str, lease_ttl: float, pooling: str = "session") -> dict[str, Any]:
-    """The options a worker builds its client for ``url`` with (Redis or SQL); ``pooling``: the SQL
-    engine's (``RESERVATIONS_DATABASE_POOLING``)."""
-    if url.startswith(("redis", "rediss", "unix")):
-        # A lease call that has not answered within a third of the ttl is of no use (a renewal would come
-        # too late): give up then, as unavailable, instead of waiting on TCP for minutes when the worker is
-        # cut off from Redis.
-        wait = max(0.5, min(5.0, lease_ttl / 3))
-        # One reconnect for a pooled connection the server closed, none with backoff: redis-py's default
-        # retries a refused connection ten times with growing pauses, which a sentinel client pays per
-        # sentinel, seconds in all, before the call says the primary is unreachable.
-        retry = Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,))
-        return {"socket_timeout": wait, "socket_connect_timeout": wait, "retry": retry}
-    in_memory = url.startswith("sqlite") and (":memory:" in url or url.rstrip("/") == "sqlite:")
-    return {} if in_memory else {**SQL_POOL, "pooling": pooling}
-
 
 _identity: tuple[int, str] | None = None
 
@@ -172,10 +149,9 @@ def close_resources(**_: Any) -> None:
 
 @worker_process_init.connect
 def _init_process(**_: Any) -> None:
-    from tasks.app import app, settings_of
-
+    # A pool child is sent no app: the worker made its own the current one before forking it.
     try:
-        resources(settings_of(app))
+        resources(settings_of(current_app))
     except Unbuildable as exc:  # each task tries again, and keeps its request until one can record it
         log.error("%s", exc, extra={"event": "client_unbuildable", "backend": exc.backend})
 
@@ -184,11 +160,9 @@ def _init_process(**_: Any) -> None:
 def _make_sure_it_can_work(instance: Any = None, **_: Any) -> None:
     """Before the pool forks and the worker consumes: the backends answer (waited for) and the schema
     fits this code (exit 2 otherwise). With JSON logs, Celery's banner is left out of the stream."""
-    from tasks.app import app, settings_of
-
     if json_wanted() and instance is not None:
         instance.quiet = True
-    wait_until_usable(settings_of(app))
+    wait_until_usable(settings_of(instance.app if instance is not None else current_app))
 
 
 worker_process_shutdown.connect(close_resources)
@@ -213,9 +187,7 @@ def _note_task_events(instance: Any = None, **_: Any) -> None:
 def _say_ready(sender: Any = None, **_: Any) -> None:
     """One line when the worker takes tasks, whatever the log level (Celery's own is INFO): where it
     reads and writes, passwords masked. Written to the real stderr, past Celery's stdout redirection."""
-    from tasks.app import app, settings_of
-
-    settings = settings_of(app)
+    settings = settings_of(sender.app if sender is not None else current_app)
     name = getattr(sender, "hostname", None) or worker_identity()
     say(
         f"reservations worker {name} ready: database {mask_url(settings.database_url)}, "

@@ -1,7 +1,8 @@
 """The house's floors: each package imports only the packages below it (admin and service -> tasks ->
-reservations -> fencing; admin and service share the top floor and neither imports the other), and
-nothing below the operator's floor starts processes. Read from the source, so a new module that reaches
-up fails here.
+reservations -> fencing; admin and service share the top floor and neither imports the other), no module
+imports itself back through others (no import circles), the library imports the project only at the top
+of a module (an import inside a function hides a circle), and nothing below the operator's floor starts
+processes. Read from the source, so a new module that reaches up or around fails here.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 FLOORS = ["fencing", "reservations", "tasks"]  # bottom first
 TOP = ["admin", "service"]  # the top floor: the operator's command line and the HTTP front door
+LIBRARY = [*FLOORS, "service"]
+PROJECT = [*LIBRARY, "admin", "bench"]
 
 
 def _imports(path: Path) -> set[str]:
@@ -51,3 +54,103 @@ def test_only_the_operators_floor_starts_processes(package: str) -> None:
         if "subprocess" in _imports(path)
     }
     assert starting == set()
+
+
+def _modules(packages: list[str]) -> dict[str, Path]:
+    found = {}
+    for package in packages:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def _project_imports(path: Path, modules: dict[str, Path]) -> tuple[set[str], list[int]]:
+    """The project's modules ``path`` imports at its top level (``from pkg import mod`` is ``pkg.mod``),
+    and the lines where it imports the project anywhere else (in a function, a class, or a block such as
+    ``if TYPE_CHECKING:``)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    top = {id(node) for node in tree.body}
+    found: set[str] = set()
+    elsewhere: list[int] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [
+                f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules else node.module
+                for alias in node.names
+            ]
+        else:
+            continue
+        names = [name for name in names if name.split(".")[0] in PROJECT]
+        if names and id(node) not in top:
+            elsewhere.append(node.lineno)
+        for name in names if id(node) in top else []:
+            while name not in modules and "." in name:
+                name = name.rsplit(".", 1)[0]
+            found.add(name)
+    return found, elsewhere
+
+
+@pytest.mark.parametrize("package", LIBRARY)
+def test_the_library_imports_the_project_only_at_the_top_of_a_module(package: str) -> None:
+    # The tools' floors (admin, bench) may import a large module inside the command that needs it, so
+    # that other commands start fast; the library has no such reason.
+    modules = _modules(PROJECT)
+    inside = {
+        str(path.relative_to(ROOT)): lines
+        for name, path in modules.items()
+        if name.split(".")[0] == package and (lines := _project_imports(path, modules)[1])
+    }
+    assert inside == {}
+
+
+def test_no_import_circles() -> None:
+    modules = _modules(PROJECT)
+    graph = {name: _project_imports(path, modules)[0] - {name} for name, path in modules.items()}
+    circles = [sorted(group) for group in _strongly_connected(graph) if len(group) > 1]
+    assert circles == []
+
+
+def _strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's algorithm, iterative: the groups of modules that import each other round a circle."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    groups: list[list[str]] = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, edges = work[-1]
+            for target in edges:
+                if target not in graph:
+                    continue
+                if target not in index:
+                    index[target] = low[target] = len(index)
+                    stack.append(target)
+                    on_stack.add(target)
+                    work.append((target, iter(sorted(graph[target]))))
+                    break
+                if target in on_stack:
+                    low[node] = min(low[node], index[target])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    group = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        group.append(member)
+                        if member == node:
+                            break
+                    groups.append(group)
+    return groups

@@ -49,7 +49,7 @@ from fencing.redis_scripts import ACQUIRE
 from fencing.redis_topology import redis_topology
 from reservations import Inventory, scope_of
 from reservations.models import sku_history
-from tasks.worker import client_options
+from tasks.connections import client_options
 
 TTL = 3.0  # the workers' client options give each Redis call a third of it: 1 s
 

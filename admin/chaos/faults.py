@@ -47,7 +47,7 @@ from fencing.engines import make_engine
 from reservations.models import pending_reservations, request_outcomes
 from reservations.requests import request_id
 from reservations.validation import scope_of
-from tasks.worker import client_options
+from tasks.connections import client_options
 
 # How long the lease Redis stays down when it "crashes".
 REDIS_DOWN_FOR = 0.3
