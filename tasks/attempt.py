@@ -49,6 +49,7 @@ class Attempt:
         self.who: dict[str, Any] = {"task_id": task.request.id, "worker": worker_identity()}
         self.epoch = message.counts["epoch"]
         self.transient = policy.counter(sent, "transient")
+        self.limits = policy.Limits.of(res.settings)
         self.work = work_of(message)
         # Only a single-SKU reservation can wait for its lease's holder, and only with batching on.
         self.batch: Batchable | None = (
@@ -61,7 +62,7 @@ class Attempt:
 
     def carry_out(self) -> dict[str, Any]:
         """The request's final outcome, or "queued" for its SKU's lease holder; raises Celery's Retry."""
-        if self.transient > self.res.settings.max_transient_retries:
+        if self.transient > self.limits.transient:
             return self.give_up("backend unavailable", "the backend stayed unreachable")
         # Past its deadline it ends expired, unattempted (a reservation queued for its SKU's lease holder
         # is later served without this check).
@@ -104,20 +105,39 @@ class Attempt:
                 if handed is not None:
                     return handed
             return self.under_leases()
-        except InsufficientStock as exc:
-            return self.served(self.final(RequestStatus.INSUFFICIENT_STOCK, exc.summary()))
-        except policy.INVALID as exc:
-            # A conflict is recorded only where the key has no outcome yet (its record was purged);
-            # otherwise the stored outcome, which belongs to the other request, comes back and the answer
-            # says so.
-            return self.final(RequestStatus.INVALID, {"error": type(exc).__name__, "message": str(exc)})
-        except LeaseBusy as busy:
+        except (InsufficientStock, LeaseBusy, LostOwnership, *policy.INVALID) as exc:
+            return self.after(exc)
+
+    def after(self, error: Exception) -> dict[str, Any]:
+        """What an error of the attempt leads to, as :func:`tasks.policy.decide` says, with the I/O it
+        needs: a busy lease's outcome looked for, a lost lease's attempt recorded, a dead letter logged."""
+        message, facts = self.message, {}
+        if isinstance(error, LeaseBusy):
             metrics.current.lease("busy")
-            if self.batch is not None:
-                return wait_for_holder(self.task, self.res, self.message, self.batch, self.who)
-            return self.busy(busy)
-        except LostOwnership as lost:
-            return self.lost(lost)
+            facts = observe.busy_facts(error)
+            if self.batch is None and self.answers_ended:
+                # It did not look before taking the lease: a copy may have ended it.
+                done = self.res.inventory.request_outcome(message.key)
+                if done is not None:
+                    return answer(self.task, message, done)
+        redriven = self.lost(error) if isinstance(error, LostOwnership) else None
+        if redriven is not None:
+            facts = _facts(redriven.fields)
+        decision = policy.decide(error, message.counts, self.limits, can_wait=self.batch is not None)
+        if isinstance(decision, policy.HandOff) and self.batch is not None:
+            return wait_for_holder(self.task, self.res, message, self.batch, self.who)
+        if isinstance(decision, policy.Again):
+            if redriven is not None:
+                announce_lost(self.task, redriven)
+            raise self.again(decision.counter, decision.delay, redriven) from None
+        assert isinstance(decision, policy.Final)  # a hand-off comes only with a batch
+        if decision.status == RequestStatus.DEAD_LETTERED:
+            observe.dead_lettered(message, decision.detail["reason"], self.who, **facts)
+            ended = self.final(decision.status, self.dead_letter(decision.detail))
+        else:
+            ended = self.final(decision.status, decision.detail)
+        # Stock found short under the leases: what queued up for them meanwhile is served still.
+        return self.served(ended) if isinstance(error, InsufficientStock) else ended
 
     @property
     def answers_ended(self) -> bool:
@@ -191,39 +211,17 @@ class Attempt:
         """``result``, after serving whatever queued up for the lease meanwhile (tasks.serving)."""
         return then_serve(self.res, self.batch, self.leases, self.who, result)
 
-    def busy(self, busy: LeaseBusy) -> dict[str, Any]:
-        """A lease found busy by a request that cannot wait for its holder: retry later, within a budget."""
-        message = self.message
-        if self.answers_ended:  # it did not look before taking the lease: a copy may have ended it
-            done = self.res.inventory.request_outcome(message.key)
-            if done is not None:
-                return answer(self.task, message, done)
-        if message.counts["busy"] >= self.res.settings.max_retries:
-            observe.dead_lettered(message, "lease busy", self.who, **observe.busy_facts(busy))
-            return self.final(
-                RequestStatus.DEAD_LETTERED, self.dead_letter({"reason": "lease busy", "holder": busy.holder})
-            )
-        raise self.again("busy", policy.jitter(busy.retry_after, message.counts["busy"])) from None
-
-    def lost(self, lost: LostOwnership) -> dict[str, Any]:
+    def lost(self, lost: LostOwnership) -> Redriven:
         """Terminal for this attempt and its lease: nothing more happens under it. The request itself goes
-        back to coordination: a new task run takes a new lease, and the idempotency key keeps an effect
-        that already landed from being applied twice."""
+        back to coordination (a new task run takes a new lease, and the idempotency key keeps an effect
+        that already landed from being applied twice), unless its epochs are spent."""
         message, epoch = self.message, self.epoch
         fields = observe.lost_ownership(lost, self.lease_token, message, **self.who)
         self.res.inventory.record_attempt(
             message.key, message.operation, AttemptResult.LOST_OWNERSHIP,
             token=lost.token or self.lease_token, detail=policy.printable(lost), **self.who,
         )  # fmt: skip
-        if epoch + 1 >= self.res.settings.max_epochs:
-            reason = f"lost ownership {epoch + 1} times"
-            observe.dead_lettered(message, reason, self.who, **_facts(fields))
-            return self.final(
-                RequestStatus.DEAD_LETTERED, self.dead_letter({"reason": reason, "last": str(lost)})
-            )
-        redriven = Redriven(f"{policy.printable(lost)}; driven again in epoch {epoch + 1}", fields)
-        announce_lost(self.task, redriven)
-        raise self.again("epoch", policy.jitter(0.01, epoch), redriven) from None
+        return Redriven(f"{policy.printable(lost)}; driven again in epoch {epoch + 1}", fields)
 
     # -- the ways out ---------------------------------------------------------------------------------
 
@@ -257,28 +255,26 @@ class Attempt:
     def unavailable(self, exc: BackendUnavailable) -> dict[str, Any]:
         """A backend did not answer (an outcome or attempt that could not be recorded too: nothing is final
         until it is): retry with a backoff of its own, or give up once the transient budget is spent."""
-        transient, most = self.transient, self.res.settings.max_transient_retries
-        if transient >= most:
-            log.error("giving up on %s after %d transient failures: %s", self.message.key, transient, exc)
-            try:
-                return self.give_up("backend unavailable", str(exc))
-            except BackendUnavailable:
-                # Not even the dead letter can be written: keep coming back at the slowest pace until it
-                # can, so the request still ends with an outcome once the database answers.
-                self.sent["transient"] = most + 1
-                raise self.task.retry(kwargs=self.sent, countdown=policy.rng.uniform(15.0, 30.0)) from None
-        metrics.current.transient(exc.backend)
-        if exc.backend != "database":
-            # The attempt is recorded where the database still answers (a lease Redis that is down), so
-            # `reservations show KEY` counts the retries of an outage, not just its end.
-            with suppress(BackendUnavailable):
-                self.res.inventory.record_attempt(
-                    self.message.key, self.message.operation, AttemptResult.TRANSIENT,
-                    detail=policy.printable(exc), **self.who,
-                )  # fmt: skip
-        # Its own backoff, growing to half a minute: a database restart or a Redis failover takes that long.
-        ceiling = min(30.0, 0.2 * 2**transient)
-        raise self.again("transient", policy.rng.uniform(ceiling / 2, ceiling)) from None
+        decision = policy.decide(exc, {"transient": self.transient}, self.limits)
+        if isinstance(decision, policy.Again):
+            metrics.current.transient(exc.backend)
+            if exc.backend != "database":
+                # The attempt is recorded where the database still answers (a lease Redis that is down),
+                # so `reservations show KEY` counts the retries of an outage, not just its end.
+                with suppress(BackendUnavailable):
+                    self.res.inventory.record_attempt(
+                        self.message.key, self.message.operation, AttemptResult.TRANSIENT,
+                        detail=policy.printable(exc), **self.who,
+                    )  # fmt: skip
+            raise self.again(decision.counter, decision.delay) from None
+        log.error("giving up on %s after %d transient failures: %s", self.message.key, self.transient, exc)
+        try:
+            return self.give_up("backend unavailable", str(exc))
+        except BackendUnavailable:
+            # Not even the dead letter can be written: keep coming back at the slowest pace until it can,
+            # so the request still ends with an outcome once the database answers.
+            self.sent["transient"] = self.limits.transient + 1
+            raise self.task.retry(kwargs=self.sent, countdown=policy.rng.uniform(15.0, 30.0)) from None
 
     def failed(self, exc: Exception) -> None:
         """A bug or an unforeseen input: the request still ends, dead-lettered, or its caller waits

@@ -1,9 +1,12 @@
-"""The retry and terminal policy of a request task, in one table: which error leads to which action.
+"""The retry and terminal policy of a request task: which error leads to which action, decided by
+:func:`decide` without I/O (the table below is its specification, row by row in tests/test_policy.py);
+:class:`tasks.attempt.Attempt` does the I/O each decision needs.
 
 ==============================  =======================================================================
 error in an attempt             action
 ==============================  =======================================================================
-malformed message               final ``invalid`` (recorded under its key when it has one)
+malformed message               final ``invalid`` (recorded under its key when it has one; tasks.jobs,
+                                before any attempt)
 taken up past its deadline      final ``expired``, before any lease or stock is touched (tasks.deadlines)
 InvalidRequest, UnknownSku,     final ``invalid``: it can never succeed
 UnknownReservation,
@@ -29,18 +32,23 @@ Each counter travels with the message, so one kind of retry never uses up anothe
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from fencing import BackendUnavailable, InvalidLeaseRequest, Lease, LeaseLost
+from fencing import BackendUnavailable, InvalidLeaseRequest, Lease, LeaseBusy, LeaseLost, LostOwnership
 from fencing.manager import backoff
 from reservations import (
     IdempotencyConflict,
+    InsufficientStock,
     InvalidRequest,
     InvalidTransition,
     RequestClosed,
     UnknownReservation,
     UnknownSku,
 )
+from reservations.statuses import RequestStatus
+from tasks.settings import Settings
 
 # Errors that end a request ``invalid``: no retry can make it succeed.
 INVALID = (
@@ -54,6 +62,85 @@ INVALID = (
 )
 
 rng = random.Random()
+# What the attempt can meet that decide() has a row for (anything else is a bug: the last row).
+DECIDED = (InsufficientStock, LeaseBusy, LostOwnership, BackendUnavailable, *INVALID)
+# The longest pause between transient retries: a database restart or a Redis failover takes that long.
+TRANSIENT_CEILING = 30.0
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The budgets of the three counters (RESERVATIONS_MAX_RETRIES, _MAX_EPOCHS, _MAX_TRANSIENT_RETRIES)."""
+
+    busy: int
+    epochs: int
+    transient: int
+
+    @classmethod
+    def of(cls, settings: Settings) -> Limits:
+        return cls(settings.max_retries, settings.max_epochs, settings.max_transient_retries)
+
+
+@dataclass(frozen=True)
+class Final:
+    """The request ends with this outcome; a dead letter's ``detail`` starts with its ``reason``."""
+
+    status: str
+    detail: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Again:
+    """The request is retried after ``delay`` seconds with ``counter`` raised by one."""
+
+    counter: str
+    delay: float
+
+
+@dataclass(frozen=True)
+class HandOff:
+    """The request waits in its SKU's queue for the lease holder to serve it (tasks.serving)."""
+
+
+Decision = Final | Again | HandOff
+
+
+def decide(
+    error: BaseException,
+    counts: Mapping[str, int],
+    limits: Limits,
+    *,
+    can_wait: bool = False,
+    draw: random.Random = rng,
+) -> Decision:
+    """What ``error``, met by an attempt whose message carries ``counts``, leads to. ``can_wait``: a
+    single-SKU reservation with batching on, which queues for a busy lease's holder."""
+    if isinstance(error, InsufficientStock):
+        return Final(RequestStatus.INSUFFICIENT_STOCK, error.summary())
+    if isinstance(error, INVALID):
+        return Final(RequestStatus.INVALID, {"error": type(error).__name__, "message": str(error)})
+    if isinstance(error, LeaseBusy):
+        busy = counts.get("busy", 0)
+        if can_wait:
+            return HandOff()
+        if busy >= limits.busy:
+            return Final(RequestStatus.DEAD_LETTERED, {"reason": "lease busy", "holder": error.holder})
+        return Again("busy", jitter(error.retry_after, busy, draw))
+    if isinstance(error, LostOwnership):
+        epoch = counts.get("epoch", 0)
+        if epoch + 1 >= limits.epochs:
+            reason = f"lost ownership {epoch + 1} times"
+            return Final(RequestStatus.DEAD_LETTERED, {"reason": reason, "last": str(error)})
+        return Again("epoch", jitter(0.01, epoch, draw))
+    if isinstance(error, BackendUnavailable):
+        transient = counts.get("transient", 0)
+        if transient >= limits.transient:
+            return Final(
+                RequestStatus.DEAD_LETTERED, {"reason": "backend unavailable", "error": str(error)[:500]}
+            )
+        ceiling = min(TRANSIENT_CEILING, 0.2 * 2**transient)
+        return Again("transient", draw.uniform(ceiling / 2, ceiling))
+    return Final(RequestStatus.DEAD_LETTERED, {"reason": "unexpected error", "error": repr(error)[:500]})
 
 
 def counter(kwargs: dict[str, Any], name: str) -> int:
@@ -61,9 +148,9 @@ def counter(kwargs: dict[str, Any], name: str) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
 
 
-def jitter(retry_after: float, attempt: int) -> float:
+def jitter(retry_after: float, attempt: int, draw: random.Random = rng) -> float:
     """Backoff between task retries: the lease backoff with a broker round trip's larger steps."""
-    return backoff(attempt, retry_after, rng, first=0.01, cap=1.0, floor=0.005)
+    return backoff(attempt, retry_after, draw, first=0.01, cap=1.0, floor=0.005)
 
 
 def lost_with_the_lease(leases: dict[str, Lease], exc: BackendUnavailable) -> LeaseLost | None:
