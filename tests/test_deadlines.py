@@ -24,8 +24,6 @@ from typing import Any
 import pytest
 import redis
 
-from admin.harness import wait_until
-from admin.redis_servers import RedisServer, redis_server
 from fencing import LeaseManager
 from reservations import InvalidRequest, Inventory, schema
 from reservations import validation as valid
@@ -33,8 +31,10 @@ from reservations.requests import request_id
 from tasks import ReservationClient, Settings, create_app
 from tasks.deadlines import DEADLINE, Late, header, late
 from tasks.relay import relay_of
-from tests.support import queued_messages, run
-from tests.workers import Cluster, one_worker
+from testing.harness import wait_until
+from testing.redis_servers import RedisServer, redis_server
+from testing.support import queued_messages, run
+from testing.workers import Cluster, one_worker
 
 OUTCOME_TIMEOUT = 20.0
 NOW = 1_800_000_000.0
@@ -272,8 +272,9 @@ def test_a_request_past_its_deadline_ends_expired_touching_nothing(running: Runn
     assert ended.detail["deadline"] == deadline and ended.detail["late_by"] >= 60
     assert ended.epochs == 0
     running.untouched(sku, 10, key)
-    assert [a.result for a in inv.attempts(key)] == ["expired"]
+    # The outcome is visible before the worker records its attempt: wait for its answer first.
     assert running.answered(key, 1) == ["expired"]
+    assert [a.result for a in inv.attempts(key)] == ["expired"]
 
     # The same request again, past its deadline, then without one: still expired, still nothing done.
     running.client.enqueue_reservation_sync(sku, 2, idempotency_key=key, deadline=time.time() - 1)
