@@ -13,6 +13,8 @@ COPY fencing fencing
 COPY reservations reservations
 COPY tasks tasks
 COPY admin admin
+COPY service service
+COPY testing testing
 # The build backend (pyproject's [build-system]) is fetched into an isolated build environment of this
 # stage only; the wheel it makes is pure Python, and nothing else of this stage reaches the image.
 RUN python -m pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .

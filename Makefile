@@ -18,7 +18,7 @@ demo: $(STAMP)
 	$(BIN)/reservations demo
 
 lint: $(STAMP)
-	$(BIN)/ruff check fencing reservations tasks admin service tests bench
+	$(BIN)/ruff check fencing reservations tasks admin service testing tests bench
 	$(BIN)/mypy
 
 # pytest keeps the test modules it has rewritten (for its assertions) in tests/__pycache__, and Python the

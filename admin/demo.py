@@ -24,8 +24,6 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from admin.celery_processes import CeleryProcess, stop_all, worker_env
-from admin.harness import HarnessError, wait_until
 from fencing import LeaseManager
 from fencing.urls import mask_url
 from reservations import schema
@@ -35,6 +33,8 @@ from reservations.timeline import TimelineEntry, epochs
 from reservations.validation import scope_of
 from tasks.producer import Producer
 from tasks.settings import Settings
+from testing.celery_processes import CeleryProcess, stop_all, worker_env
+from testing.harness import HarnessError, wait_until
 
 LEASE_TTL = 2.0
 MARKER = ".reservations-demo"

@@ -15,10 +15,10 @@ import sqlalchemy as sa
 from rich.console import Console
 from rich.table import Table
 
-from admin.harness import wait_until
 from fencing import Fence, Lease, LeaseManager, StaleToken, fence_columns
 from fencing.engines import make_engine
 from fencing.urls import mask_url
+from testing.harness import wait_until
 
 SKU = "WIDGET"
 SCOPE = f"sku:{SKU}"

@@ -21,14 +21,14 @@ from pathlib import Path
 
 import redis
 
-from admin.celery_processes import CeleryProcess, stop_all, worker_env
-from admin.redis_servers import redis_server
 from bench.env import Scratch
 from bench.tasks_e2e import CONCURRENCY, POOL
 from bench.timing import CaseStats, Progress, Results
 from reservations import Inventory, schema
 from tasks import ReservationClient, create_app
 from tasks.settings import Settings
+from testing.celery_processes import CeleryProcess, stop_all, worker_env
+from testing.redis_servers import redis_server
 
 SECTION_ENQUEUE = "asyncio producer: enqueue rate, one process, same broker"
 SECTION_LAG = "asyncio producer: event loop lag and awaited completions with real workers"

@@ -33,9 +33,6 @@ import redis
 import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 
-from admin.celery_processes import CeleryProcess, start_all, stop_all, worker_env
-from admin.harness import wait_until
-from admin.redis_servers import redis_server
 from bench.bursts import outcomes_in
 from bench.capacity_wal import schema_wal
 from bench.costs import RedisCommands, group_cpu, per_task_text
@@ -44,6 +41,9 @@ from bench.timing import Progress, Results
 from fencing.engines import make_engine
 from reservations import Inventory, schema
 from tasks import ReservationClient, Settings, create_app
+from testing.celery_processes import CeleryProcess, start_all, stop_all, worker_env
+from testing.harness import wait_until
+from testing.redis_servers import redis_server
 
 ROOT = Path(__file__).resolve().parent.parent
 SKUS = 400

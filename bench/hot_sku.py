@@ -29,8 +29,6 @@ import redis
 import sqlalchemy as sa
 from celery import Celery
 
-from admin.celery_processes import CeleryProcess, stop_all, worker_env
-from admin.redis_servers import redis_server
 from bench import old_results
 from bench.env import Scratch
 from bench.leases import UnexpectedReply
@@ -41,6 +39,8 @@ from fencing.urls import mask_url
 from reservations import schema
 from reservations.requests import request_id
 from tasks import ReservationClient, Settings, create_app
+from testing.celery_processes import CeleryProcess, stop_all, worker_env
+from testing.redis_servers import redis_server
 
 SLOTS = (2, 8, 32)
 SPREAD = 32

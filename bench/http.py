@@ -39,11 +39,6 @@ import aiohttp
 import httpx
 import uvloop
 
-from admin.celery_processes import CeleryProcess, stop_all, worker_env
-from admin.harness import free_port
-from admin.redis_servers import redis_server
-from admin.service_process import ServiceProcess as Server
-from admin.service_process import front_door
 from bench import http_baseline
 from bench.costs import group_cpu
 from bench.env import Scratch
@@ -52,6 +47,11 @@ from bench.tasks_e2e import CONCURRENCY, POOL
 from bench.timing import CaseStats, Progress, Results
 from reservations import Inventory, schema
 from tasks import Settings
+from testing.celery_processes import CeleryProcess, stop_all, worker_env
+from testing.harness import free_port
+from testing.redis_servers import redis_server
+from testing.service_process import ServiceProcess as Server
+from testing.service_process import front_door
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTION_POST = "http: POST /reservations through the service vs FastAPI + Celery no-op round trip"

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import redis
 
-from admin.redis_servers import redis_server
 from reservations import schema
 from tasks import ReservationClient, Settings, create_app
 from tasks.presence import CHUNK
 from tasks.relay import Action, relay_of
+from testing.redis_servers import redis_server
 
 
 def _raw_scan(client: redis.Redis) -> int:

@@ -30,9 +30,6 @@ import redis
 import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 
-from admin.celery_processes import CeleryProcess, start_all, stop_all, worker_env
-from admin.harness import children, wait_until
-from admin.redis_servers import redis_server
 from bench import old_results
 from bench.bursts import outcomes_in
 from bench.env import Scratch
@@ -40,6 +37,9 @@ from bench.timing import Progress, Results
 from fencing.engines import make_engine
 from reservations import Inventory, schema
 from tasks import ReservationClient, Settings, create_app
+from testing.celery_processes import CeleryProcess, start_all, stop_all, worker_env
+from testing.harness import children, wait_until
+from testing.redis_servers import redis_server
 
 ROOT = Path(__file__).resolve().parent.parent
 WAVES = 8

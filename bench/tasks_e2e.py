@@ -22,9 +22,6 @@ from pathlib import Path
 from celery import Celery
 from sqlalchemy.engine import make_url
 
-from admin.celery_processes import CeleryProcess, start_all, stop_all, worker_env
-from admin.harness import free_port
-from admin.redis_servers import redis_server
 from bench import celery_defaults, raw_tasks
 from bench.bursts import (
     BurstFn,
@@ -58,6 +55,9 @@ from bench.wire import CountingProxy
 from fencing.urls import mask_url
 from reservations import schema
 from tasks import ReservationClient, Settings, create_app
+from testing.celery_processes import CeleryProcess, start_all, stop_all, worker_env
+from testing.harness import free_port
+from testing.redis_servers import redis_server
 
 ROOT = Path(__file__).resolve().parent.parent
 CONCURRENCY = 2

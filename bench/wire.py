@@ -16,7 +16,7 @@ from typing import Any
 import psycopg
 from psycopg import pq
 
-from admin.proxy import DelayProxy
+from testing.proxy import DelayProxy
 
 # A libpq trace line starts a message with direction, length and type; anything else continues the
 # previous message (statement text keeps its newlines).

@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
-from admin.harness import (
+from tasks.settings import Settings
+from tasks.variables import PREFIX
+from testing.harness import (
     START_TIMEOUT,
     STOP_TIMEOUT,
     HarnessError,
@@ -25,11 +27,9 @@ from admin.harness import (
     process_state,
     wait_until,
 )
-from tasks.settings import Settings
-from tasks.variables import PREFIX
 
 if TYPE_CHECKING:
-    from admin.netns import Host
+    from testing.netns import Host
 
 
 @dataclass
@@ -37,7 +37,7 @@ class CeleryProcess:
     """One ``celery worker`` (or ``celery beat`` with ``kind="beat"``) in its own session, logging to
     ``log_path``; readiness is read from the log, after where it stood when the process was started.
     ``cwd`` matters only for an ``app`` that is not installed (``python -m celery`` imports it from there).
-    With a ``host`` (:mod:`admin.netns`) it runs on that host: same process, its own network namespace."""
+    With a ``host`` (:mod:`testing.netns`) it runs on that host: same process, its own network namespace."""
 
     name: str
     env: Mapping[str, str]

@@ -1,8 +1,8 @@
 """The process harness: the polling every wait goes through, free ports, and what /proc says of a process.
 
 The demo, the fault-injection run, the benchmarks and the tests all start their processes through the
-harness (private redis-servers: :mod:`admin.redis_servers`, Sentinel and Cluster topologies:
-:mod:`admin.redis_topologies`, ``celery worker`` and ``celery beat``: :mod:`admin.celery_processes`), so a
+harness (private redis-servers: :mod:`testing.redis_servers`, Sentinel and Cluster topologies:
+:mod:`testing.redis_topologies`, ``celery worker`` and ``celery beat``: :mod:`testing.celery_processes`), so a
 fix (ports, signals, readiness) is made once.
 
 Every process runs in its own session: a Ctrl-C in the terminal reaches only us, and a signal to the

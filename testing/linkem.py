@@ -2,7 +2,7 @@
 (NFQUEUE) are held and let go later, out of order, or dropped, as netem would delay, jitter, reorder and
 lose them. Spoken to over netlink directly (nfnetlink_queue), with the packets' metadata only.
 
-Run inside the host's namespace: ``python -m admin.linkem --queue 0 --delay 0.3 --jitter 0.2 --loss 0.2
+Run inside the host's namespace: ``python -m testing.linkem --queue 0 --delay 0.3 --jitter 0.2 --loss 0.2
 --reorder 0.25 --seconds 10``. It prints ``ready`` once bound to the queue and one JSON line of counts
 when it ends: after ``--seconds`` at the latest, or on SIGTERM; either way it lets every held packet go.
 """
@@ -167,7 +167,7 @@ def serve(queue: Queue, impairment: Impairment, *, seconds: float, seed: int) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m admin.linkem")
+    parser = argparse.ArgumentParser(prog="python -m testing.linkem")
     parser.add_argument("--queue", type=int, default=0)
     parser.add_argument("--delay", type=float, default=0.0)
     parser.add_argument("--jitter", type=float, default=0.0)

@@ -1,9 +1,9 @@
-"""Cutting and slowing the link of one host (:mod:`admin.netns`), then healing it.
+"""Cutting and slowing the link of one host (:mod:`testing.netns`), then healing it.
 
 A cut drops, on the veth end the packets leave by, those of one direction (or both) to or from one port
 of the service address, or all of them: a tc htb class whose queue holds nothing, chosen by a u32 filter,
 so the sender is told nothing, as on a real network. A slow link sends every packet of the host, both
-ways, through an NFQUEUE rule in the host's namespace to :mod:`admin.linkem`, which delays, jitters,
+ways, through an NFQUEUE rule in the host's namespace to :mod:`testing.linkem`, which delays, jitters,
 reorders and loses them (the legacy iptables: this kernel has xtables' NFQUEUE target but not nftables'
 queue). Only the run's own veths and namespaces are touched; both go with the host.
 """
@@ -20,8 +20,8 @@ import time
 from contextlib import suppress
 from pathlib import Path
 
-from admin.linkem import Impairment
-from admin.netns import Host, NetnsError, run, run_all
+from testing.linkem import Impairment
+from testing.netns import Host, NetnsError, run, run_all
 
 __all__ = ["Impairment", "Link", "LinkError", "slow_link_unavailable"]
 
@@ -99,7 +99,7 @@ class Link:
     def slow(self, impairment: Impairment, *, seconds: float, seed: int = 1) -> None:
         """Queue every packet between the host and the service address through linkem for at most
         ``seconds`` (plus a grace), or until :meth:`heal`."""
-        command = [sys.executable, "-m", "admin.linkem", "--queue", "0", *impairment.args()]
+        command = [sys.executable, "-m", "testing.linkem", "--queue", "0", *impairment.args()]
         command += ["--seconds", f"{seconds + GRACE:g}", "--seed", str(seed)]
         log = self.log.open("a") if self.log is not None else subprocess.DEVNULL
         try:

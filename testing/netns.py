@@ -1,6 +1,6 @@
 """Hosts on one machine: each a network namespace with its own address on a veth pair to the root
 namespace, so that a process of the harness runs on a host of its own and can be cut off from one server
-while it still reaches the others (:mod:`admin.links` cuts and slows the links).
+while it still reaches the others (:mod:`testing.links` cuts and slows the links).
 
 Addresses come from the documentation range 192.0.2.0/24 only. The servers of the root namespace listen
 for the hosts on one service address, which every root-side veth end carries; a host has a route to that

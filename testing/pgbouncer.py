@@ -25,9 +25,9 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
-from admin.harness import free_port, wait_until
 from fencing.engines import make_engine
-from tests.conftest import POSTGRES_URL
+from testing.harness import free_port, wait_until
+from testing.stores import POSTGRES_URL
 
 PGBOUNCER = "/usr/sbin/pgbouncer"
 

@@ -19,7 +19,7 @@ CHUNK = 65536
 class DelayProxy:
     """Listen on ``listen``:``port`` (127.0.0.1 and a free port unless told); delay client chunks by
     ``delay`` s when ``delaying()`` says so. With ``fraction=0`` it only forwards (to PostgreSQL from a
-    host of :mod:`admin.netns`, which reaches nothing but the service address it listens on).
+    host of :mod:`testing.netns`, which reaches nothing but the service address it listens on).
 
     A chunk is delayed with probability ``fraction``, within the first ``active`` of every ``period``
     seconds (1.0: always), on the connections chosen with probability ``connections`` when accepted; with

@@ -1,5 +1,5 @@
 """Private redis-servers without persistence: one standalone server, or the nodes and sentinels the
-topologies of :mod:`admin.redis_topologies` are made of."""
+topologies of :mod:`testing.redis_topologies` are made of."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from admin.harness import STOP_TIMEOUT, HarnessError, end_process, free_port, wait_until
+from testing.harness import STOP_TIMEOUT, HarnessError, end_process, free_port, wait_until
 
 
 class _RedisProcess:
@@ -39,7 +39,7 @@ class _RedisProcess:
 class RedisServer(_RedisProcess):
     """A private redis-server without persistence: a restart loses everything, as a crash would. The
     shared Redis is never touched by a run's broker, results or leases. It listens on 127.0.0.1 and on
-    ``binds`` (the service address of :class:`admin.netns.Hosts`, for processes on hosts of their own)."""
+    ``binds`` (the service address of :class:`testing.netns.Hosts`, for processes on hosts of their own)."""
 
     def __init__(self, folder: Path, *, databases: int = 16, binds: tuple[str, ...] = ()) -> None:
         self.folder = folder

@@ -10,8 +10,8 @@ from typing import Any
 
 import redis
 
-from admin.harness import HarnessError, free_port, wait_until
-from admin.redis_servers import RedisNode
+from testing.harness import HarnessError, free_port, wait_until
+from testing.redis_servers import RedisNode
 
 # Settings every data node of a topology runs with: no persistence (a kill loses the data, as with
 # RedisServer), and a full resync (a replica joining, a demoted primary) started at once instead of after

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 
-from admin.harness import HarnessError, free_port
+from testing.harness import HarnessError, free_port
 
 START_TIMEOUT = 60.0
 STOP_TIMEOUT = 20.0

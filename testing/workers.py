@@ -1,5 +1,5 @@
 """Clusters of real ``celery worker`` processes for the Celery task tests, built on
-:mod:`admin.celery_processes`: workers sharing one broker, inventory database and lease backend, with
+:mod:`testing.celery_processes`: workers sharing one broker, inventory database and lease backend, with
 one-shot failpoints configured and disarmed, the test PostgreSQL's fresh schemas they write to, and
 RabbitMQ virtual hosts of their own.
 """
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import uuid
 from collections.abc import Callable, Iterator, Mapping
@@ -17,9 +18,13 @@ from pathlib import Path
 
 from celery import Celery
 
-from admin.celery_processes import CeleryProcess, start_all, stop_all, worker_env
-from tasks import ReservationClient, Settings, create_app
-from tests.conftest import own_pg_schema
+from fencing import LeaseManager
+from reservations import Inventory
+from reservations.requests import RequestResult
+from tasks import OutcomeTimeout, ReservationClient, ReservationHandle, Settings, create_app
+from testing.celery_processes import CeleryProcess, start_all, stop_all, worker_env
+from testing.redis_servers import RedisServer
+from testing.stores import own_pg_schema
 
 # A cluster's worker is the harness's default one: ``celery -A tasks worker``, prefork, one pool child.
 Worker = CeleryProcess
@@ -58,7 +63,7 @@ def rabbitmq_vhost(prefix: str = "tasks") -> Iterator[str]:
 
 def pg_schema() -> AbstractContextManager[str]:
     """A migrated inventory database in a fresh schema of the test PostgreSQL, dropped afterwards (migrated
-    by replaying the run's one real migration, tests.conftest.migrate_pg_schema)."""
+    by replaying the run's one real migration, testing.stores.migrate_pg_schema)."""
     return own_pg_schema(migrated=True, prefix="tasks_")
 
 
@@ -158,3 +163,93 @@ def one_worker(
         }
         with cluster(workdir, env, count=1, prefix=f"{prefix}{kind[:2]}") as started:
             yield started, url
+
+
+OUTCOME_TIMEOUT = 30.0  # far below the broker's visibility timeout (3600 s): no redelivery comes from it
+
+
+FAULT_TIMEOUT = 15.0
+
+
+@dataclass(frozen=True)
+class Stack:
+    """A running cluster and this test process's own clients for it."""
+
+    cluster: Cluster
+    client: ReservationClient
+    inventory: Inventory
+    leases: LeaseManager
+
+    def result(self, handle: ReservationHandle) -> RequestResult:
+        try:
+            return handle.result_sync(timeout=OUTCOME_TIMEOUT)
+        except OutcomeTimeout as exc:
+            raise AssertionError(f"{exc}\n{self.cluster.tails()}") from None
+
+    def results(self, handles: list[ReservationHandle]) -> list[RequestResult]:
+        return [self.result(handle) for handle in handles]
+
+    def reservations_of(self, sku: str, key: str) -> list[str]:
+        return [r.id for r in self.inventory.reservations(sku, limit=1000) if r.idempotency_key == key]
+
+    def writes_of(self, sku: str, key: str) -> list[str]:
+        history = self.inventory.history(sku)
+        return [h.operation for h in history if h.kind == "write" and h.idempotency_key == key]
+
+
+@contextmanager
+def stack(
+    name: str,
+    workdir: Path,
+    server: RedisServer,
+    broker_db: int,
+    *,
+    broker: str | None = None,
+    failpoint_spec: str = FAILPOINTS,
+    **settings: str,
+) -> Iterator[Stack]:
+    """Workers ``<name>1`` and ``<name>2`` on their own schema and broker/result databases of ``server``;
+    ``broker``: another broker's URL instead (the results stay on ``server``)."""
+    with pg_schema() as db:
+        env = {
+            "RESERVATIONS_BROKER_URL": broker or server.url(broker_db),
+            "RESERVATIONS_RESULT_BACKEND": server.url(broker_db + 1),
+            "RESERVATIONS_DATABASE_URL": db,
+            **settings,
+        }
+        with cluster(workdir, env, prefix=name, failpoint_spec=failpoint_spec) as running:
+            for worker in running.workers:  # the banner names the transport a worker consumes from
+                scheme = env["RESERVATIONS_BROKER_URL"].partition("://")[0]
+                assert f"transport:   {scheme}://" in worker.log(), worker.tail()
+            client = running.client()
+            inventory = Inventory.from_url(db)
+            leases = LeaseManager.from_url(running.lease_url)
+            try:
+                yield Stack(running, client, inventory, leases)
+            finally:
+                leases.close()
+                inventory.close()
+                client.close()
+                client.app.close()
+
+
+# The SQL-lease clusters keep each request's Celery result: their tests compare it with the outcome row.
+# The Redis-lease cluster runs at the default, which stores none.
+KEEP_RESULTS = {"RESERVATIONS_RESULT_EXPIRES": "600"}
+
+
+def identity(pid: int) -> str:
+    """How a worker process names itself in attempts, outcomes and lease holders."""
+    return f"{socket.gethostname()}:{pid}"
+
+
+def logged(stack: Stack, task_id: str, event: str) -> int:
+    """How often any worker logged ``event`` (received, succeeded) for a reserve task."""
+    marker = f"Task reservations.reserve[{task_id}] {event}"
+    return sum(worker.log().count(marker) for worker in stack.cluster.workers)
+
+
+def client_result(stack: Stack, task_id: str) -> dict[str, object]:
+    """What the task returned to Celery's result backend."""
+    result: dict[str, object] = stack.client.app.AsyncResult(task_id).get(timeout=OUTCOME_TIMEOUT)
+    return result

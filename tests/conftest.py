@@ -12,50 +12,30 @@ of the migrations themselves (tests/test_alembic.py, the worker start tests) sti
 
 from __future__ import annotations
 
-import functools
 import os
 import shutil
-import uuid
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass
-from datetime import UTC, date, datetime
+from collections.abc import AsyncIterator, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
-import sqlalchemy as sa
 
 from fencing import AsyncLeaseManager, LeaseManager
-from fencing.engines import make_engine
 from reservations import Inventory
-from tests.support import Resource
-
-REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
-POSTGRES_URL = os.environ.get("TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+from testing.stores import (
+    REDIS_URL,
+    Stack,
+    migrate_pg_schema,
+    own_pg_schema,
+    own_redis_prefix,
+    schema_of,
+    unique,
+)
+from testing.support import Resource
 
 # The command line's Rich consoles keep the width COLUMNS gives when they are built (on importing
-# admin.cli) for good; without it they follow the COLUMNS each in-process run gives (tests.support.run).
+# admin.cli) for good; without it they follow the COLUMNS each in-process run gives (testing.support.run).
 os.environ.pop("COLUMNS", None)
-
-
-def unique(prefix: str) -> str:
-    return f"{prefix}{uuid.uuid4().hex[:12]}"
-
-
-@contextmanager
-def own_redis_prefix() -> Iterator[str]:
-    """A fresh Redis key prefix, its keys deleted on exit."""
-    prefix = unique("t")
-    try:
-        yield prefix
-    finally:
-        client = redis.Redis.from_url(REDIS_URL)
-        keys = list(client.scan_iter(match=f"{prefix}:*", count=1000))
-        if keys:
-            client.delete(*keys)
-        client.close()
 
 
 @pytest.fixture
@@ -64,134 +44,11 @@ def redis_prefix() -> Iterator[str]:
         yield prefix
 
 
-def schema_url(schema: str) -> str:
-    """The test PostgreSQL's URL with ``schema`` as its search_path."""
-    return f"{POSTGRES_URL}?options=-csearch_path%3D{schema}"
-
-
-def schema_of(url: str) -> str:
-    """The schema a URL of :func:`schema_url` names."""
-    options = sa.engine.make_url(url).query.get("options", "")
-    assert isinstance(options, str) and options.startswith("-csearch_path="), url
-    return options.removeprefix("-csearch_path=")
-
-
-@functools.cache
-def _admin() -> sa.Engine:
-    """One engine for the run's schema management, rather than a connection made and closed per test. It
-    pings before each use: a connection the server dropped meanwhile is replaced, not failed on."""
-    return make_engine(POSTGRES_URL, pool_pre_ping=True)
-
-
-@contextmanager
-def own_pg_schema(*, migrated: bool = False, prefix: str = "t_") -> Iterator[str]:
-    """A PostgreSQL URL whose search_path is a fresh schema, dropped on exit; ``migrated``: holding the
-    newest inventory schema (:func:`migrate_pg_schema`)."""
-    schema = unique(prefix)
-    with _admin().begin() as conn:
-        conn.execute(sa.text(f'CREATE SCHEMA "{schema}"'))
-    try:
-        if migrated:
-            migrate_pg_schema(schema)
-        yield schema_url(schema)
-    finally:
-        with _admin().begin() as conn:
-            conn.execute(sa.text(f'DROP SCHEMA "{schema}" CASCADE'))
-
-
-@functools.cache
-def _migration_script(day: date) -> str:
-    """Every statement ``schema.upgrade`` sent to an empty schema of the test PostgreSQL, in order, with its
-    parameters bound as the driver bound them: one script that, run in another empty schema, makes it what
-    the migrations make it (tables, indexes, sequences, functions and triggers, the alembic_version and
-    schema_compatibility rows). Recorded once per run, from a real migration, so it follows every new
-    migration by itself; tests/test_migrated_copies.py compares a replayed schema with a migrated one.
-
-    The statements carry no schema name: the migrations create everything in the connection's search_path,
-    and the catalog queries they make find the schema through it too. They do carry the day they ran on
-    (revision 0010 makes the partitions from that day on), so the script is recorded again for a run that
-    goes past midnight UTC: ``day`` is today's."""
-    import psycopg
-
-    from reservations import schema
-
-    name = unique("migrated_")
-    recorded: list[tuple[str, Any, bool]] = []
-
-    def record(
-        conn: sa.Connection, cursor: Any, statement: str, parameters: Any, context: Any, executemany: bool
-    ) -> None:
-        if conn.engine.url.query.get("options") == f"-csearch_path={name}":  # the migration's engine only
-            recorded.append((statement, parameters, executemany))
-
-    with _admin().begin() as conn:
-        conn.execute(sa.text(f'CREATE SCHEMA "{name}"'))
-    sa.event.listen(sa.Engine, "before_cursor_execute", record)
-    try:
-        schema.upgrade(schema_url(name))
-    finally:
-        sa.event.remove(sa.Engine, "before_cursor_execute", record)
-        with _admin().begin() as conn:
-            conn.execute(sa.text(f'DROP SCHEMA "{name}" CASCADE'))
-
-    raw = _admin().raw_connection()
-    try:
-        cursor = psycopg.ClientCursor(raw.driver_connection)
-        statements = [
-            cursor.mogrify(statement, _driver_params(params))
-            for statement, parameters, executemany in recorded
-            for params in (parameters if executemany else [parameters])
-        ]
-    finally:
-        raw.close()
-    return ";\n".join(statements)
-
-
-def _driver_params(params: Any) -> Any:
-    """The parameters as psycopg takes them: an empty mapping still formats the statement (its ``%%``)."""
-    if isinstance(params, Mapping):
-        return dict(params)
-    if isinstance(params, Sequence) and not isinstance(params, str):
-        return list(params)
-    return params
-
-
-def migrate_pg_schema(schema: str) -> None:
-    """Bring an empty schema of the test PostgreSQL to the newest revision, as ``schema.upgrade`` does, by
-    replaying what it did once this run (:func:`_migration_script`): a tenth of its time, in one
-    transaction."""
-    script = _migration_script(datetime.now(UTC).date())
-    with _admin().begin() as conn:
-        conn.execute(sa.text(f'SET LOCAL search_path TO "{schema}"'))
-        # No parameters: the script's own '%' (in the functions' messages) reaches the server as written.
-        conn.execution_options(no_parameters=True).exec_driver_sql(script)
-
-
 @pytest.fixture
 def pg_url() -> Iterator[str]:
     """A PostgreSQL URL whose search_path is a fresh schema, dropped afterwards."""
     with own_pg_schema() as url:
         yield url
-
-
-@dataclass
-class Stack:
-    """A lease backend and the database that holds the protected rows."""
-
-    name: str
-    lease_url: str
-    db_url: str
-    prefix: str
-
-    def manager(self, **kwargs: Any) -> LeaseManager:
-        manager = LeaseManager.from_url(self.lease_url, prefix=self.prefix, **kwargs)
-        manager.create_schema()
-        return manager
-
-    async def async_manager(self, **kwargs: Any) -> AsyncLeaseManager:
-        manager = AsyncLeaseManager.from_url(self.lease_url, prefix=self.prefix, **kwargs)
-        await manager.create_schema()
-        return manager
 
 
 STACKS = ["redis+postgresql", "redis+sqlite", "sqlite", "postgresql"]
@@ -355,7 +212,7 @@ SERVICE_PARAMS = frozenset(
 # The fixtures, helpers and constants through which a test reaches a server or starts one.
 SERVICE_NAMES = frozenset(
     {
-        # tests/conftest.py
+        # tests/conftest.py, testing/stores.py
         "pg_url",
         "redis_prefix",
         "own_pg_schema",
@@ -364,12 +221,12 @@ SERVICE_NAMES = frozenset(
         "schema_url",
         "REDIS_URL",
         "POSTGRES_URL",
-        # tests/workers.py, tests/pgbouncer.py
+        # testing/workers.py, testing/pgbouncer.py
         "RABBITMQ_URL",
         "rabbitmq_vhost",
         "pg_schema",
         "cluster",
-        # admin.redis_servers, admin.redis_topologies: servers of a test's own
+        # testing.redis_servers, testing.redis_topologies: servers of a test's own
         "RedisServer",
         "RedisNode",
         "redis_server",

@@ -14,7 +14,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from fencing import LeaseBusy, LeaseLost, LeaseManager, StaleToken
-from tests.support import Resource, start_gate
+from testing.support import Resource, start_gate
 
 ACQUIRE_WAIT = 10.0
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from fencing import Lease, LeaseBusy, LeaseLost, LeaseManager, StaleToken
 from reservations import InsufficientStock, InvalidTransition, Inventory, Outcome, scope_of
-from tests.support import start_gate
+from testing.support import start_gate
 
 ACQUIRE_WAIT = 10.0
 ORDER_TTL = 0.3  # hold_many renews in the background, so this only bounds a crashed holder

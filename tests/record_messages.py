@@ -49,11 +49,11 @@ from typing import Any
 import httpx
 import redis
 
-from admin.celery_processes import worker_env
-from admin.harness import free_port, wait_until
-from admin.redis_servers import RedisServer, redis_server
 from reservations import Inventory, schema
 from reservations.requests import request_id
+from testing.celery_processes import worker_env
+from testing.harness import free_port, wait_until
+from testing.redis_servers import RedisServer, redis_server
 
 ROOT = Path(__file__).resolve().parent
 FIXTURES = ROOT / "fixtures" / "messages"
@@ -219,7 +219,7 @@ def record_client(folder: Path, server: RedisServer, database_url: str) -> None:
 
 
 def record_cli(folder: Path, server: RedisServer, database_url: str) -> None:
-    from tests.support import run
+    from testing.support import run
 
     env = settings_env(server, 2, database_url)
     broker = redis.Redis.from_url(env["RESERVATIONS_BROKER_URL"])
@@ -246,7 +246,7 @@ def record_cli(folder: Path, server: RedisServer, database_url: str) -> None:
 
 @contextmanager
 def service(env: dict[str, str], log: Path) -> Iterator[str]:
-    from tests.support import SCRIPT
+    from testing.support import SCRIPT
 
     port = free_port()
     with log.open("ab") as out:
@@ -307,7 +307,7 @@ def record_service(folder: Path, server: RedisServer, database_url: str, workdir
 def record_retry(folder: Path, server: RedisServer, database_url: str, workdir: Path) -> None:
     from fencing import LeaseManager
     from reservations import validation as valid
-    from tests.workers import cluster
+    from testing.workers import cluster
 
     env = settings_env(server, 6, database_url)
     broker = redis.Redis.from_url(env["RESERVATIONS_BROKER_URL"])

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from admin.celery_processes import worker_env
 from fencing.engines import make_engine
 from reservations import schema
+from testing.celery_processes import worker_env
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -22,7 +22,12 @@ def alembic(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
     """The real CLI, from the repository root, with no RESERVATIONS_* setting but those in ``env``."""
     return subprocess.run(
         [sys.executable, "-m", "alembic", "-c", str(ROOT / "alembic.ini"), *args],
-        cwd=ROOT, env=worker_env(env or {}), capture_output=True, text=True, timeout=120, check=False,
+        cwd=ROOT,
+        env=worker_env(env or {}),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
 
 

@@ -23,13 +23,13 @@ from typing import Any
 
 import pytest
 
-from admin.celery_processes import CeleryProcess, worker_env
-from admin.harness import free_port, wait_until
-from admin.redis_servers import redis_server
 from reservations import schema
 from reservations.statuses import RequestStatus
 from tasks.messages import SHAPES
-from tests.test_observability import Cluster, cluster, stale_write
+from testing.celery_processes import CeleryProcess, worker_env
+from testing.harness import free_port, wait_until
+from testing.observed import Cluster, cluster, stale_write
+from testing.redis_servers import redis_server
 
 pytestmark = pytest.mark.slow
 

@@ -26,8 +26,8 @@ from fencing import LeaseManager
 from fencing.engines import make_engine
 from reservations import Inventory, archive, partitions, schema, scope_of
 from reservations.models import sku_history, task_attempts
-from tests.conftest import migrate_pg_schema, schema_of
-from tests.support import run
+from testing.stores import migrate_pg_schema, schema_of
+from testing.support import run
 
 ROOT = Path(__file__).resolve().parent.parent
 # The commit that added revision 0009: the code that ran on it, to run on 0010.

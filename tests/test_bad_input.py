@@ -27,22 +27,12 @@ from fencing.lease import new_lease_id
 from reservations import AsyncInventory, InvalidRequest, Inventory, scope_of
 from reservations import schema as inventory_schema
 from reservations.inventory_base import lock_order
-from tests.conftest import POSTGRES_URL, REDIS_URL
+from testing.stock import TABLES, table_rows
+from testing.stores import POSTGRES_URL, REDIS_URL
 
 W = "WIDGET"
 NUL, NEWLINE, SURROGATE = "a\x00b", "a\nb", "a\ud800b"
 NAN, INF = math.nan, math.inf
-TABLES = (
-    "stock",
-    "reservations",
-    "sku_history",
-    "idempotency_keys",
-    "request_outcomes",
-    "task_attempts",
-    "pending_reservations",
-    "fencing_leases",
-    "fencing_lease_events",
-)
 
 
 @contextmanager
@@ -72,14 +62,6 @@ class StatementCounter:
 
     def _seen(self, *args: Any) -> None:
         self.count += 1
-
-
-def table_rows(url: str, tables: tuple[str, ...]) -> dict[str, list[Any]]:
-    engine = make_engine(url)
-    with engine.connect() as conn:
-        rows = {t: list(conn.execute(sa.text(f"SELECT * FROM {t} ORDER BY 1")).all()) for t in tables}  # noqa: S608
-    engine.dispose()
-    return rows
 
 
 # -- the inventory ---------------------------------------------------------------------------------

@@ -12,8 +12,7 @@ from fencing import LeaseLost, LeaseManager, StaleToken
 from reservations import InvalidRequest, Inventory, scope_of
 from reservations.batch_statement import InHand
 from reservations.requests import RequestResult
-from tests.test_batching import lease_for, statuses
-from tests.test_inventory import level, snapshot
+from testing.stock import lease_for, level, snapshot, statuses
 
 SKU = "HOT"
 

@@ -10,27 +10,18 @@ import json
 import pytest
 import sqlalchemy as sa
 
-from fencing import Lease, LeaseLost, LeaseManager, StaleToken
+from fencing import LeaseLost, LeaseManager, StaleToken
 from fencing.engines import make_engine
 from reservations import AsyncInventory, InvalidRequest, Inventory, pending, scope_of
 from reservations.audit import Rule
 from reservations.models import pending_reservations, reservations
-from tests.test_inventory import level, snapshot
+from testing.stock import lease_for, level, snapshot, statuses
 
 
 @pytest.fixture
 def hot(inventory: Inventory) -> str:
     inventory.add_sku("HOT", on_hand=10)
     return "HOT"
-
-
-def lease_for(leases: LeaseManager, sku: str, holder: str = "holder") -> Lease:
-    return leases.acquire(scope_of(sku), ttl=30, holder=holder)
-
-
-def statuses(inventory: Inventory, keys: list[str]) -> dict[str, str | None]:
-    found = {key: inventory.request_outcome(key) for key in keys}
-    return {key: None if r is None else r.status for key, r in found.items()}
 
 
 def test_holder_serves_queued_requests_in_one_batch(

@@ -17,13 +17,22 @@ from pathlib import Path
 import pytest
 import redis
 
-from admin.harness import process_state, wait_until
-from admin.redis_servers import redis_server
 from reservations import scope_of
 from reservations.requests import RequestResult, request_id
 from tasks import ReservationClient
-from tests.test_tasks_e2e import FAULT_TIMEOUT, KEEP_RESULTS, Stack, client_result, identity, logged, stack
-from tests.workers import BROKERS, rabbitmq_vhost
+from testing.harness import process_state, wait_until
+from testing.redis_servers import redis_server
+from testing.workers import (
+    BROKERS,
+    FAULT_TIMEOUT,
+    KEEP_RESULTS,
+    Stack,
+    client_result,
+    identity,
+    logged,
+    rabbitmq_vhost,
+    stack,
+)
 
 pytestmark = pytest.mark.slow
 

@@ -24,11 +24,11 @@ from typing import Any
 import pytest
 import redis
 
-from admin.harness import HarnessError, free_port, wait_until
 from reservations import Inventory
 from tasks import ReservationClient, Settings, create_app
 from tasks.producer import Producer
-from tests.workers import cluster, pg_schema
+from testing.harness import HarnessError, free_port, wait_until
+from testing.workers import cluster, pg_schema
 
 SERVICE = "broker"
 # How long a sentinel waits for an unanswered primary before it calls it down: short, so the failover

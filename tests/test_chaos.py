@@ -38,12 +38,12 @@ from admin.chaos import (
     run_once,
 )
 from admin.chaos.options import BROKER_RESTARTED
-from admin.proxy import DelayProxy
 from fencing import LeaseManager, StaleToken
 from fencing.engines import make_engine
 from reservations import Inventory, scope_of
-from tests import support
-from tests.conftest import POSTGRES_URL
+from testing import support
+from testing.proxy import DelayProxy
+from testing.stores import POSTGRES_URL
 
 pytestmark = pytest.mark.slow
 

@@ -2,7 +2,7 @@
 history shows both owners, the accepted write and the refused stale one; bad input and unreachable
 backends get one line and a documented exit code, and write nothing. The installed console script runs
 as a subprocess once, end to end; every other case runs the command line in this process
-(``tests.support.run``), on one race per module unless the test adds to it.
+(``testing.support.run``), on one race per module unless the test adds to it.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import redis
 
 from fencing import LeaseManager, StaleToken
 from reservations import Inventory, schema, scope_of
-from tests.conftest import REDIS_URL, own_pg_schema, own_redis_prefix
-from tests.support import cli, run
+from testing.stores import REDIS_URL, own_pg_schema, own_redis_prefix
+from testing.support import cli, run
 
 
 def _stage_race(pg_url: str, redis_prefix: str) -> dict[str, Any]:

@@ -15,7 +15,7 @@ import sqlalchemy as sa
 from fencing import LeaseManager
 from fencing.engines import make_engine
 from reservations import Inventory, scope_of
-from tests.support import cli, run
+from testing.support import cli, run
 
 
 @pytest.fixture

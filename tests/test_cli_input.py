@@ -1,7 +1,7 @@
 """What the ``reservations`` command line refuses before it reads or writes anything: a revision the
 migrations do not know, an empty SKU, a number not written as plain digits; and the one line it prints
 for a database that answers but was never migrated. The command line runs in this process
-(``tests.support.run``): its parsing is the thing under test, and a console script costs a second to
+(``testing.support.run``): its parsing is the thing under test, and a console script costs a second to
 start (``tests/test_cli.py`` and ``tests/test_cli_audit.py`` run the installed script). Databases are
 SQLite files and PostgreSQL schemas; every refused command leaves the stock as it was.
 """
@@ -15,7 +15,7 @@ import pytest
 
 from fencing.urls import mask_url
 from reservations import Inventory, schema
-from tests.support import run
+from testing.support import run
 
 UNREACHABLE_BROKER = "redis://127.0.0.1:1/0"  # a command that got past its input checks would fail here
 

@@ -24,15 +24,15 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from admin.celery_processes import CeleryProcess, start_all, stop_all, worker_env
-from admin.harness import free_port, wait_until
-from admin.redis_servers import redis_server
 from reservations import schema
 from tasks.settings import Settings, url_with_password_file
 from tasks.variables import SettingsError
+from testing.celery_processes import CeleryProcess, start_all, stop_all, worker_env
+from testing.compose import COMPOSE, compose, resolved
+from testing.harness import free_port, wait_until
+from testing.redis_servers import redis_server
 
 ROOT = Path(__file__).resolve().parent.parent
-COMPOSE = ROOT / "compose.yaml"
 LONG_RUNNING = ("redis", "postgres", "rabbitmq", "worker", "beat")
 ONE_SHOT = ("migrate", "demo")
 APP = ("migrate", "worker", "beat", "demo")
@@ -41,35 +41,6 @@ SECRETS = ("postgres_password", "rabbitmq_password", "redis_password", "grafana_
 REDIS_SECRET = "/run/secrets/redis_password"
 
 needs_compose = pytest.mark.skipif(shutil.which("docker-compose") is None, reason="docker-compose is missing")
-
-
-def compose(*args: str, file: Path = COMPOSE, **variables: str) -> str:
-    """``docker-compose -f compose.yaml ARGS`` with these variables set (and no profile from outside)."""
-    done = subprocess.run(
-        ["docker-compose", "-f", str(file), *args],
-        env={**os.environ, "COMPOSE_PROFILES": "", **variables},
-        capture_output=True, text=True, timeout=60, check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    return done.stdout
-
-
-def resolved(*args: str, file: Path = COMPOSE, **variables: str) -> dict[str, Any]:
-    """``docker-compose config`` as data. docker-compose 1.x is a Python program whose own interpreter
-    has PyYAML (this project does not depend on it); 2.x prints JSON when asked."""
-    first_line = Path(shutil.which("docker-compose") or "").read_bytes()[:200].partition(b"\n")[0]
-    if not first_line.startswith(b"#!"):
-        text = compose(*args, "config", "--format", "json", file=file, **variables)
-        data: dict[str, Any] = json.loads(text)
-        return data
-    to_json = "import json, sys, yaml; json.dump(yaml.safe_load(sys.stdin), sys.stdout)"
-    done = subprocess.run(
-        [*first_line[2:].decode().split(), "-c", to_json],
-        input=compose(*args, "config", file=file, **variables), capture_output=True, text=True, timeout=60,
-        check=True,
-    )
-    data = json.loads(done.stdout)
-    return data
 
 
 @pytest.fixture(scope="module")
@@ -190,12 +161,14 @@ def test_the_image_installs_the_project_not_an_editable_checkout() -> None:
 def test_settings_take_passwords_from_files(tmp_path: Path) -> None:
     secret = tmp_path / "password"
     secret.write_text("p@ss:w/rd%\n")  # a trailing newline, as `echo` or an editor leave it
-    settings = Settings.from_env({
-        "RESERVATIONS_DATABASE_URL": "postgresql://app@db:5432/inv",
-        "RESERVATIONS_DATABASE_PASSWORD_FILE": str(secret),
-        "RESERVATIONS_BROKER_URL": "amqp://app@mq:5672/",
-        "RESERVATIONS_BROKER_PASSWORD_FILE": str(secret),
-    })
+    settings = Settings.from_env(
+        {
+            "RESERVATIONS_DATABASE_URL": "postgresql://app@db:5432/inv",
+            "RESERVATIONS_DATABASE_PASSWORD_FILE": str(secret),
+            "RESERVATIONS_BROKER_URL": "amqp://app@mq:5672/",
+            "RESERVATIONS_BROKER_PASSWORD_FILE": str(secret),
+        }
+    )
     assert settings.database_url == "postgresql://app:p%40ss%3Aw%2Frd%25@db:5432/inv"
     assert settings.lease_url == settings.database_url
     assert settings.broker_url == "amqp://app:p%40ss%3Aw%2Frd%25@mq:5672/"
@@ -210,7 +183,9 @@ def test_settings_take_passwords_from_files(tmp_path: Path) -> None:
         )
     with pytest.raises(SettingsError, match="cannot read"):
         url_with_password_file(
-            {"RESERVATIONS_DATABASE_PASSWORD_FILE": str(tmp_path / "missing")}, "DATABASE", "postgresql://db/i"
+            {"RESERVATIONS_DATABASE_PASSWORD_FILE": str(tmp_path / "missing")},
+            "DATABASE",
+            "postgresql://db/i",
         )
 
 
@@ -467,7 +442,7 @@ def test_flower_asks_for_a_password_and_watches_the_apps_broker(
     for key in ("RESERVATIONS_BROKER_URL", "RESERVATIONS_BROKER_PASSWORD_FILE"):
         assert flower["environment"][key] == worker[key], key
     helper = next(v.split(":")[1] for v in flower["volumes"] if v.split(":")[0].endswith("broker_url.py"))
-    assert f"CELERY_BROKER_URL=\"$$(python {helper})\"" in script
+    assert f'CELERY_BROKER_URL="$$(python {helper})"' in script
 
     # With RabbitMQ chosen, Flower follows.
     chosen = resolved(
@@ -549,7 +524,7 @@ def test_pgbouncer_starts_from_the_secret_and_asks_for_the_password(
 
     import psycopg
 
-    from tests.pgbouncer import pooled_role
+    from testing.pgbouncer import pooled_role
 
     # A folder the postgres user can reach (pytest's own are its owner's only), as the container's /tmp.
     owner = pwd.getpwnam("postgres")

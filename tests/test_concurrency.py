@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from fencing import LeaseManager
-from tests.conftest import REDIS_URL
-from tests.support import Gated, Resource
+from testing.stores import REDIS_URL
+from testing.support import Gated, Resource
 
 pytestmark = pytest.mark.slow
 
@@ -65,8 +65,7 @@ def contend(lease_url: str, db_url: str, prefix: str, logs: Path, *, enforce: bo
     gate = Gated(logs)
     try:
         for seed in range(WORKERS):
-            role, iterations = ("sleeper", SLEEPER_ITERATIONS) if seed == 0 else (
-                "mixed", MIXED_ITERATIONS)
+            role, iterations = ("sleeper", SLEEPER_ITERATIONS) if seed == 0 else ("mixed", MIXED_ITERATIONS)
             gate.start([
                 sys.executable, "-m", "tests.contender",
                 "--lease-url", lease_url, "--db-url", db_url, "--prefix", prefix,

@@ -57,8 +57,10 @@ def test_a_taken_outcome_key_is_key_taken_naming_the_outcome(inventory: Inventor
 
 def test_a_refused_check_names_its_constraint_and_rule(inventory: Inventory) -> None:
     inventory.add_sku("A", on_hand=2)
-    below_zero = sa.update(stock).where(stock.c.sku == "A").values(
-        on_hand=stock.c.on_hand - 3, available=stock.c.available - 3
+    below_zero = (
+        sa.update(stock)
+        .where(stock.c.sku == "A")
+        .values(on_hand=stock.c.on_hand - 3, available=stock.c.available - 3)
     )
     with pytest.raises(ConstraintRefused) as caught:
         inventory.executor.run(_one(below_zero))

@@ -29,14 +29,14 @@ import redis
 from kombu.transport import pyamqp
 from prometheus_client.parser import text_string_to_metric_families
 
-from admin.celery_processes import CeleryProcess, stop_all, worker_env
-from admin.harness import free_port, wait_until
-from admin.redis_servers import RedisServer, redis_server
 from reservations import Inventory
 from reservations.requests import RequestResult, request_id
 from tasks import ReservationClient, Settings, create_app
 from tasks import transport as screening
-from tests.workers import Cluster, cluster, migrated_database
+from testing.celery_processes import CeleryProcess, stop_all, worker_env
+from testing.harness import free_port, wait_until
+from testing.redis_servers import RedisServer, redis_server
+from testing.workers import Cluster, cluster, migrated_database
 
 TIMEOUT = 20.0
 DROPPED = "reservations_messages_dropped_total"

@@ -29,9 +29,8 @@ from reservations.errors import ConstraintRefused, CountBelowHeld, SeenInAnother
 from reservations.models import idempotency_keys, sku_history, stock
 from reservations.validation import MAX_ON_HAND
 from tasks.messages import InvalidMessage, parse, request_fingerprint
-from tests.support import run
-from tests.test_bad_input import TABLES, table_rows
-from tests.test_inventory import lease_for, level
+from testing.stock import TABLES, lease_for, level, table_rows
+from testing.support import run
 
 
 def snapshot(inventory_url: str) -> dict[str, Any]:

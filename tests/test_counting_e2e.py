@@ -14,13 +14,12 @@ from collections.abc import Iterator
 
 import pytest
 
-from admin.harness import process_state, wait_until
-from admin.redis_servers import redis_server
 from fencing import LeaseManager
 from reservations import Inventory
 from reservations.requests import request_id
-from tests.test_tasks_e2e import Stack
-from tests.workers import cluster, pg_schema
+from testing.harness import process_state, wait_until
+from testing.redis_servers import redis_server
+from testing.workers import Stack, cluster, pg_schema
 
 pytestmark = pytest.mark.slow
 

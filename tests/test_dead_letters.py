@@ -19,8 +19,6 @@ import pytest
 import sqlalchemy as sa
 from kombu.exceptions import OperationalError
 
-from admin.harness import free_port, wait_until
-from admin.redis_servers import RedisServer, redis_server
 from fencing.engines import make_engine
 from reservations import Inventory, schema
 from reservations.acceptance import accepted
@@ -31,8 +29,10 @@ from reservations.requests import RequestResult
 from reservations.validation import MAX_KEY_CHARS, idempotency_key
 from tasks import ReservationClient, Settings, create_app
 from tasks.messages import request_fingerprint
-from tests.support import run
-from tests.workers import cluster, pg_schema
+from testing.harness import free_port, wait_until
+from testing.redis_servers import RedisServer, redis_server
+from testing.support import run
+from testing.workers import cluster, pg_schema
 
 RESERVE = {"sku": "WIDGET", "quantity": 2}
 

@@ -23,13 +23,13 @@ import pytest
 import redis
 import sqlalchemy as sa
 
-from admin.redis_servers import redis_server
 from fencing.engines import make_engine
 from fencing.urls import mask_url
 from reservations import Inventory
 from tasks.failpoints import failpoint
-from tests.conftest import own_pg_schema
-from tests.support import run
+from testing.redis_servers import redis_server
+from testing.stores import own_pg_schema
+from testing.support import run
 
 SCRIPT = shutil.which("reservations", path=str(Path(sys.executable).parent)) or "reservations"
 

@@ -14,13 +14,13 @@ import pytest
 from celery import Celery
 from kombu.exceptions import OperationalError
 
-from admin.harness import free_port
 from fencing import BackendUnavailable
 from reservations import Inventory, schema
 from reservations.acceptance import accepted
 from tasks import BrokerUnavailable, ReservationClient
 from tasks.app import create_app
 from tasks.settings import Settings
+from testing.harness import free_port
 
 CALLERS = 100
 # One publish retry round is about 0.6 s and the callers span two batches; a round per message took 61 s.

@@ -23,8 +23,8 @@ from fencing import (
 from fencing.engines import make_async_engine
 from fencing.keys import scope_keys
 from fencing.sql_backend import leases
-from tests.conftest import REDIS_URL, Stack
-from tests.support import Resource, items
+from testing.stores import REDIS_URL, Stack
+from testing.support import Resource, items
 
 
 def test_current_lease_writes_and_sets_the_fence(stack: Stack, resource: Resource) -> None:

@@ -32,38 +32,14 @@ from reservations import (
 )
 from reservations.models import reservations, sku_history, stock
 from reservations.validation import MAX_ON_HAND
-from tests.conftest import own_pg_schema
-
-
-def lease_for(leases: LeaseManager, sku: str, holder: str = "w1") -> Lease:
-    return leases.acquire(scope_of(sku), ttl=30, holder=holder)
-
-
-def snapshot(inventory_url: str) -> dict[str, Any]:
-    """Everything an operation could change, to prove a refused one changed nothing."""
-    engine = make_engine(inventory_url)
-    with engine.connect() as conn:
-        state = {
-            "stock": conn.execute(sa.select(stock).order_by(stock.c.sku)).all(),
-            "reservations": conn.execute(sa.select(reservations).order_by(reservations.c.id)).all(),
-            "writes": conn.execute(
-                sa.select(sku_history).where(sku_history.c.kind == "write").order_by(sku_history.c.id)
-            ).all(),
-            "keys": conn.execute(sa.text("SELECT key, outcome FROM idempotency_keys ORDER BY key")).all(),
-        }
-    engine.dispose()
-    return state
+from testing.stock import lease_for, level, snapshot
+from testing.stores import own_pg_schema
 
 
 @pytest.fixture
 def widget(inventory: Inventory) -> str:
     inventory.add_sku("WIDGET", on_hand=10)
     return "WIDGET"
-
-
-def level(inventory: Inventory, sku: str) -> tuple[int, int, int]:
-    s = inventory.stock(sku)
-    return s.on_hand, s.reserved, s.available
 
 
 # -- effects --------------------------------------------------------------------------------------

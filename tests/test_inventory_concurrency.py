@@ -20,9 +20,9 @@ import sqlalchemy as sa
 from fencing.engines import make_engine
 from reservations import Inventory
 from reservations.audit import Rule
-from tests.conftest import REDIS_URL
+from testing.stores import REDIS_URL
+from testing.support import Gated
 from tests.inventory_worker import WORKLOADS
-from tests.support import Gated
 
 pytestmark = pytest.mark.slow
 

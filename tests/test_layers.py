@@ -1,5 +1,7 @@
 """The house's floors: each package imports only the packages below it (admin and service -> tasks ->
-reservations -> fencing; admin and service share the top floor and neither imports the other), no module
+reservations -> fencing; admin and service share the top floor and neither imports the other; testing,
+the process harness, sits between the library and the operator's floor, and the service never imports
+it), no module
 imports itself back through others (no import circles), the library imports the project only at the top
 of a module (an import inside a function hides a circle), and nothing below the operator's floor starts
 processes. Read from the source, so a new module that reaches up or around fails here.
@@ -14,9 +16,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 FLOORS = ["fencing", "reservations", "tasks"]  # bottom first
+TOOLS = "testing"  # the process harness the operator's tools, the tests and the bench share
 TOP = ["admin", "service"]  # the top floor: the operator's command line and the HTTP front door
 LIBRARY = [*FLOORS, "service"]
-PROJECT = [*LIBRARY, "admin", "bench"]
+PROJECT = [*LIBRARY, TOOLS, "admin", "bench"]
 
 
 def _imports(path: Path) -> set[str]:
@@ -30,12 +33,16 @@ def _imports(path: Path) -> set[str]:
 
 
 def _above(package: str) -> set[str]:
+    if package == "service":
+        return {"admin", TOOLS}
     if package in TOP:
         return set(TOP) - {package}
-    return set(FLOORS[FLOORS.index(package) + 1 :]) | set(TOP)
+    if package == TOOLS:
+        return set(TOP)
+    return set(FLOORS[FLOORS.index(package) + 1 :]) | set(TOP) | {TOOLS}
 
 
-@pytest.mark.parametrize("package", [*FLOORS, *TOP])
+@pytest.mark.parametrize("package", [*FLOORS, TOOLS, *TOP])
 def test_a_package_imports_only_the_floors_below_it(package: str) -> None:
     above = _above(package)
     wrong = {
@@ -154,3 +161,28 @@ def _strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
                             break
                     groups.append(group)
     return groups
+
+
+def test_no_test_module_imports_another_or_the_conftest() -> None:
+    # What tests share lives in testing/ (stores, harness, clusters, checks); a test module reaching into
+    # another would make one file's helpers another's fixtures. The programs tests start (a worker app,
+    # a contender) stay beside them in tests/, and the harness imports none of tests/.
+    reaching = {}
+    for path in sorted([*(ROOT / "tests").glob("*.py"), *(ROOT / TOOLS).rglob("*.py")]):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            names = (
+                [alias.name for alias in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module]
+                if isinstance(node, ast.ImportFrom) and node.module and node.level == 0
+                else []
+            )
+            for name in names:
+                top, _, rest = name.partition(".")
+                wrong = top == "tests" and (
+                    path.parent.name == TOOLS or rest == "conftest" or rest.startswith("test_")
+                )
+                if wrong:
+                    reaching.setdefault(str(path.relative_to(ROOT)), []).append(name)
+    assert reaching == {}

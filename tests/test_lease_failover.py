@@ -2,7 +2,7 @@
 
 The Sentinel and Cluster lease URLs, read without connecting; the Redis answers that mean "not now"
 (a demoted primary, a slot on the move) reaching callers as BackendUnavailable while other errors do
-not; and, against private topologies (admin.redis_topologies.SentinelTopology and ClusterTopology, started
+not; and, against private topologies (testing.redis_topologies.SentinelTopology and ClusterTopology, started
 once per module, left healthy by every test), the fence and the counter repair keeping stock safe when a
 failover loses the newest tokens.
 """
@@ -30,8 +30,6 @@ from redis._parsers.base import BaseParser
 from redis.crc import key_slot
 from redis.exceptions import ClusterError, RedisClusterException, SlotNotCoveredError
 
-from admin.harness import free_port, wait_until
-from admin.redis_topologies import ClusterTopology, SentinelTopology
 from fencing import (
     AsyncLeaseManager,
     BackendUnavailable,
@@ -50,6 +48,8 @@ from fencing.redis_topology import redis_topology
 from reservations import Inventory, scope_of
 from reservations.models import sku_history
 from tasks.connections import client_options
+from testing.harness import free_port, wait_until
+from testing.redis_topologies import ClusterTopology, SentinelTopology
 
 TTL = 3.0  # the workers' client options give each Redis call a third of it: 1 s
 
@@ -710,7 +710,9 @@ def test_calls_follow_a_slot_moving_under_a_held_lease(cluster: ClusterTopology)
     assert after.token == lease.token + 1
 
 
-@pytest.mark.parametrize("form", ["redis://127.0.0.1:{0}/0", "redis+sentinel://127.0.0.1:{0},127.0.0.1:{1}/m"])
+@pytest.mark.parametrize(
+    "form", ["redis://127.0.0.1:{0}/0", "redis+sentinel://127.0.0.1:{0},127.0.0.1:{1}/m"]
+)
 def test_a_workers_lease_client_says_unreachable_within_a_third_of_the_ttl(form: str) -> None:
     """Nothing listens on the ports: the call fails as unavailable within the worker's socket bound (a
     third of the ttl), not after redis-py's default ten retries with growing pauses per sentinel."""

@@ -15,7 +15,6 @@ import redis
 import redis.asyncio
 import sqlalchemy as sa
 
-from admin.harness import wait_until
 from fencing import (
     AsyncLeaseManager,
     InvalidLeaseRequest,
@@ -34,7 +33,8 @@ from fencing.redis_executor import AsyncRedisExecutor, SyncRedisExecutor
 from fencing.redis_outage import outage
 from fencing.sql import execute
 from fencing.sql_executor import SyncSqlExecutor
-from tests.conftest import REDIS_URL, Stack
+from testing.harness import wait_until
+from testing.stores import REDIS_URL, Stack
 
 # The deadline of every poll here: each waits only for a lease's short ttl to pass, on the coordinator's
 # clock or on ours.
@@ -400,16 +400,21 @@ def test_masked_urls_hide_every_password() -> None:
     assert mask_url("amqp://app:a@b@c@mq:5672//") == "amqp://app:***@mq:5672//"
     assert mask_url("postgresql://a:s@c@db/inv?ssl=1") == "postgresql://a:***@db/inv?ssl=1"
     # Several hosts, and several URLs: the forms of Sentinel and Cluster leases and of kombu's Sentinel.
-    assert mask_url("redis+sentinel://:pw@s1:26379,s2:26379/inv/0") == "redis+sentinel://:***@s1:26379,s2:26379/inv/0"
+    assert (
+        mask_url("redis+sentinel://:pw@s1:26379,s2:26379/inv/0")
+        == "redis+sentinel://:***@s1:26379,s2:26379/inv/0"
+    )
     assert mask_url("redis+cluster://u:p@w@h1:7000,h2:7001") == "redis+cluster://u:***@h1:7000,h2:7001"
     assert mask_url("sentinel://:pw@s1:26379/0;sentinel://:pw@s2:26380/0") == (
         "sentinel://:***@s1:26379/0;sentinel://:***@s2:26380/0"
     )
-    assert mask_url("redis+cluster://h1:7000,h2:7001?token=t0k") == "redis+cluster://h1:7000,h2:7001?token=***"
+    assert (
+        mask_url("redis+cluster://h1:7000,h2:7001?token=t0k") == "redis+cluster://h1:7000,h2:7001?token=***"
+    )
 
 
 def test_the_config_command_masks_a_password_holding_an_at_sign() -> None:
-    from tests.support import run
+    from testing.support import run
 
     code, stdout, _ = run("--broker-url", "redis://:my@secret@mq:6379/0", "config", "--json", env={})
     assert code == 0 and "secret" not in stdout

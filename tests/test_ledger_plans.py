@@ -22,7 +22,7 @@ from fencing.plan import Atomic, Plan
 from reservations.errors import IdempotencyConflict, InsufficientStock, KeyTaken
 from reservations.ledger import Ledger
 from reservations.views import Outcome
-from tests.scripted import Raises, Script, kinds, rows, sql_params
+from testing.scripted import Raises, Script, kinds, rows, sql_params
 
 KEY, OPERATION, PRINT = "order-7", "restock", "fingerprint-of-restock-3"
 APPLIED = Outcome(operation=OPERATION, key=KEY, token=5, quantity=3)

@@ -30,8 +30,6 @@ from typing import Any
 import pytest
 import redis
 
-from admin.harness import wait_until
-from admin.redis_servers import RedisServer, redis_server
 from fencing import LeaseManager
 from reservations import Inventory
 from reservations import validation as valid
@@ -51,7 +49,9 @@ from tasks.messages import (
     request_fingerprint,
 )
 from tasks.producer import Producer
-from tests.workers import Cluster, one_worker
+from testing.harness import wait_until
+from testing.redis_servers import RedisServer, redis_server
+from testing.workers import Cluster, one_worker
 
 pytestmark = pytest.mark.slow
 

@@ -1,5 +1,5 @@
 """The migrated PostgreSQL schemas the fixtures hand out are replays of one real migration
-(tests.conftest.migrate_pg_schema): a replayed schema must be what ``schema.upgrade`` makes of an empty one,
+(testing.stores.migrate_pg_schema): a replayed schema must be what ``schema.upgrade`` makes of an empty one,
 object for object, down to the functions' bodies and the rows the migrations write.
 """
 
@@ -11,7 +11,7 @@ import sqlalchemy as sa
 
 from fencing.engines import make_engine
 from reservations import schema
-from tests.conftest import own_pg_schema, schema_of
+from testing.stores import own_pg_schema, schema_of
 
 # What the catalog says about a schema's objects; the schema's own name is replaced by a placeholder, so
 # that two schemas compare by content.

@@ -20,8 +20,8 @@ from fencing.engines import make_engine
 from reservations import Inventory, Outcome
 from reservations.errors import ConstraintRefused, InvalidTransition
 from reservations.requests import RequestReply
-from tests.conftest import own_pg_schema
-from tests.one_statement import SPEAKER, WIDGET, lease_for, newer_epoch, rows
+from testing.one_statement import SPEAKER, WIDGET, lease_for, newer_epoch, rows
+from testing.stores import own_pg_schema
 
 
 @pytest.fixture

@@ -23,8 +23,8 @@ from reservations import Inventory, Outcome
 from reservations.counting import StockSeen, short_count
 from reservations.requests import RequestReply
 from reservations.validation import MAX_ON_HAND
-from tests.conftest import own_pg_schema
-from tests.one_statement import BIG, GADGET, NOPE, SPEAKER, UNKNOWN, WIDGET, lease_for, newer_epoch, rows
+from testing.one_statement import BIG, GADGET, NOPE, SPEAKER, UNKNOWN, WIDGET, lease_for, newer_epoch, rows
+from testing.stores import own_pg_schema
 
 
 def described(value: Any) -> Any:

@@ -18,18 +18,18 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from admin import netns
-from admin.celery_processes import CeleryProcess, start_all, stop_all, worker_env
-from admin.harness import wait_until
-from admin.links import Link
-from admin.netns import Hosts
-from admin.pg_schemas import pg_schema
-from admin.proxy import DelayProxy
-from admin.redis_servers import RedisServer
 from fencing import LeaseManager
 from reservations import Inventory, scope_of
 from tasks.producer import Producer
-from tests.conftest import POSTGRES_URL
+from testing import netns
+from testing.celery_processes import CeleryProcess, start_all, stop_all, worker_env
+from testing.harness import wait_until
+from testing.links import Link
+from testing.netns import Hosts
+from testing.pg_schemas import pg_schema
+from testing.proxy import DelayProxy
+from testing.redis_servers import RedisServer
+from testing.stores import POSTGRES_URL
 
 UNAVAILABLE = netns.unavailable()
 pytestmark = [

@@ -20,16 +20,16 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from admin.celery_processes import worker_env
-from admin.harness import wait_until
-from admin.redis_servers import RedisServer, redis_server
 from fencing import BackendUnavailable, LeaseBusy, LeaseManager
 from fencing.engines import make_engine, transaction_bounds
 from reservations import AsyncInventory, Inventory, schema, scope_of
 from tasks.outcomes import OutcomeWatcher
-from tests import pgbouncer as bouncer
-from tests.support import refused_worker, run
-from tests.workers import cluster
+from testing import pgbouncer as bouncer
+from testing.celery_processes import worker_env
+from testing.harness import wait_until
+from testing.redis_servers import RedisServer, redis_server
+from testing.support import refused_worker, run
+from testing.workers import cluster
 
 pytestmark = pytest.mark.skipif(not bouncer.available(), reason=f"no {bouncer.PGBOUNCER}")
 

@@ -25,8 +25,8 @@ from fencing.plan import Atomic
 from fencing.redis_backend import RedisLeaseCore
 from fencing.redis_scripts import Reply
 from fencing.sql_backend import SqlLeaseCore
-from tests.scripted import Clock, Script, kinds, rows, sql_params, sql_text
-from tests.support import items
+from testing.scripted import Clock, Script, kinds, rows, sql_params, sql_text
+from testing.support import items
 
 SCOPE = "sku:A-1"
 
@@ -36,7 +36,7 @@ def lease(token: int = 5, *, scope: str = SCOPE, clock: Clock | None = None) -> 
 
 
 def guarded_write(fence: Fence, held: Lease, scope: str = SCOPE) -> Generator[Any, Any, Any]:
-    """The fence's plan for the write tests/support.py's Resource makes: take 3 units if 3 are left."""
+    """The fence's plan for the write testing/support.py's Resource makes: take 3 units if 3 are left."""
     return fence.plan(
         held,
         scope=scope,

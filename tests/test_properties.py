@@ -33,8 +33,8 @@ from fencing import (
     ScopeMismatch,
     StaleToken,
 )
-from tests.conftest import Stack
-from tests.support import Resource
+from testing.stores import Stack
+from testing.support import Resource
 
 HOLDERS = ("h0", "h1", "h2")
 SCOPES = (0, 1)

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import redis
 
-from admin.harness import wait_until
-from admin.redis_servers import RedisServer, redis_server
 from fencing import AsyncLeaseManager, BackendUnavailable, Lease, LeaseLost, LeaseManager, StaleToken
-from tests.support import Resource
+from testing.harness import wait_until
+from testing.redis_servers import RedisServer, redis_server
+from testing.support import Resource
 
 SCOPE = "sku-A"
 PREFIX = "faults"

@@ -21,8 +21,6 @@ from typing import Any
 import pytest
 import redis
 
-from admin.harness import wait_until
-from admin.redis_servers import RedisServer, redis_server
 from reservations import Inventory
 from reservations.acceptance import Accepted, Due, accepted
 from reservations.requests import RequestResult, request_id
@@ -31,9 +29,11 @@ from tasks.messages import CURRENT_FORMAT
 from tasks.metrics import ENQUEUED_AT
 from tasks.producer import Producer
 from tasks.relay import MOST_SPACING, Action, Relay, decide, ending, relay_of, spacing
-from tests.support import queued_messages
-from tests.support import run as cli
-from tests.workers import cluster, migrated_database
+from testing.harness import wait_until
+from testing.redis_servers import RedisServer, redis_server
+from testing.support import queued_messages
+from testing.support import run as cli
+from testing.workers import cluster, migrated_database
 
 NOW = 1_800_000_000.0
 
@@ -117,9 +117,7 @@ def broker(tmp_path: Path) -> Iterator[RedisServer]:
 
 
 def settings_of(broker: RedisServer, database: str, **more: Any) -> Settings:
-    return Settings(
-        broker_url=broker.url(0), result_backend=broker.url(1), database_url=database, **more
-    )
+    return Settings(broker_url=broker.url(0), result_backend=broker.url(1), database_url=database, **more)
 
 
 def passes(relay: Relay, until: Action, count: int = 1) -> dict[str, int]:

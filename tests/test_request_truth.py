@@ -18,11 +18,11 @@ from typing import Any
 
 import pytest
 
-from admin.harness import free_port, wait_until
-from admin.redis_servers import RedisServer, redis_server
 from reservations import IdempotencyConflict
 from reservations.requests import RequestResult, request_id
-from tests.test_tasks_e2e import OUTCOME_TIMEOUT, Stack, identity, stack
+from testing.harness import free_port, wait_until
+from testing.redis_servers import RedisServer, redis_server
+from testing.workers import OUTCOME_TIMEOUT, Stack, identity, stack
 
 pytestmark = pytest.mark.slow
 

@@ -34,15 +34,15 @@ import httpx
 import pytest
 import redis
 
-from admin.celery_processes import worker_env
-from admin.harness import free_port, wait_until
-from admin.redis_servers import RedisServer, redis_server
 from fencing import LeaseManager
 from reservations import Inventory
 from reservations import validation as valid
 from service.routes import RESPONSES
-from tests.support import SCRIPT, run
-from tests.workers import Cluster, cluster, migrated_database
+from testing.celery_processes import worker_env
+from testing.harness import free_port, wait_until
+from testing.redis_servers import RedisServer, redis_server
+from testing.support import SCRIPT, run
+from testing.workers import Cluster, cluster, migrated_database
 
 pytestmark = pytest.mark.slow
 

@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 
 import tasks.jobs  # noqa: F401  (declares the tasks each app binds)
-from admin.celery_processes import worker_env
 from tasks import create_app
 from tasks.app import SCHEDULED_RESULT_EXPIRES
 from tasks.settings import VARIABLES, Settings, variable
 from tasks.variables import PREFIX, SettingsError, describe
-from tests.support import run
+from testing.celery_processes import worker_env
+from testing.support import run
 
 
 @pytest.fixture

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from admin.celery_processes import CeleryProcess, stop_all, worker_env
 from reservations import schema
 from tasks.settings import VARIABLES, Settings, unknown_name_warnings, unknown_names
-from tests.support import cli, refused_worker, run
+from testing.celery_processes import CeleryProcess, stop_all, worker_env
+from testing.support import cli, refused_worker, run
 
 TYPO = "RESERVATIONS_LEASE_TLL"
 TYPO_WARNING = f"{TYPO} is not a setting; did you mean RESERVATIONS_LEASE_TTL?"

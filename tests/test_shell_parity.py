@@ -62,7 +62,7 @@ from reservations import (
 from reservations.errors import RedriveRefused
 from reservations.views import HistoryEntry
 from tasks.client import ReservationClient, ReservationHandle
-from tests.conftest import REDIS_URL, own_pg_schema, own_redis_prefix
+from testing.stores import REDIS_URL, own_pg_schema, own_redis_prefix
 
 # -- a transcript: what each step of a scenario answered -------------------------------------------------
 

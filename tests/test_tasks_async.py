@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from admin.redis_servers import redis_server
 from reservations import Inventory
 from reservations.requests import RequestResult, request_id
 from tasks import ReservationClient
-from tests.workers import Cluster, cluster, pg_schema
+from testing.redis_servers import redis_server
+from testing.workers import Cluster, cluster, pg_schema
 
 pytestmark = pytest.mark.slow
 

@@ -10,23 +10,32 @@ import json
 import os
 import re
 import signal
-import socket
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import redis
 
-from admin.harness import process_state, wait_until
-from admin.redis_servers import RedisServer, redis_server
-from fencing import LeaseManager
-from reservations import InvalidRequest, Inventory
-from reservations.requests import RequestResult, request_id
-from tasks import OutcomeTimeout, ReservationClient, ReservationHandle
-from tests.workers import BROKERS, FAILPOINTS, Cluster, Worker, cluster, pg_schema, rabbitmq_vhost
+from reservations import InvalidRequest
+from reservations.requests import request_id
+from tasks import ReservationHandle
+from testing.harness import process_state, wait_until
+from testing.redis_servers import RedisServer, redis_server
+from testing.workers import (
+    BROKERS,
+    FAULT_TIMEOUT,
+    KEEP_RESULTS,
+    OUTCOME_TIMEOUT,
+    Stack,
+    Worker,
+    client_result,
+    identity,
+    logged,
+    rabbitmq_vhost,
+    stack,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -36,76 +45,7 @@ SQL_TTL = 1.0
 # The dead-letter cluster allows a single epoch: a healthy task that lost its lease to a scheduling
 # hiccup would be dead-lettered too, so it gets more slack.
 REDIS_TTL = 2.0
-OUTCOME_TIMEOUT = 30.0  # far below the broker's visibility timeout (3600 s): no redelivery comes from it
-FAULT_TIMEOUT = 15.0
 PAUSE_ROUNDS = 3
-
-
-@dataclass(frozen=True)
-class Stack:
-    """A running cluster and this test process's own clients for it."""
-
-    cluster: Cluster
-    client: ReservationClient
-    inventory: Inventory
-    leases: LeaseManager
-
-    def result(self, handle: ReservationHandle) -> RequestResult:
-        try:
-            return handle.result_sync(timeout=OUTCOME_TIMEOUT)
-        except OutcomeTimeout as exc:
-            raise AssertionError(f"{exc}\n{self.cluster.tails()}") from None
-
-    def results(self, handles: list[ReservationHandle]) -> list[RequestResult]:
-        return [self.result(handle) for handle in handles]
-
-    def reservations_of(self, sku: str, key: str) -> list[str]:
-        return [r.id for r in self.inventory.reservations(sku, limit=1000) if r.idempotency_key == key]
-
-    def writes_of(self, sku: str, key: str) -> list[str]:
-        history = self.inventory.history(sku)
-        return [h.operation for h in history if h.kind == "write" and h.idempotency_key == key]
-
-
-@contextmanager
-def stack(
-    name: str,
-    workdir: Path,
-    server: RedisServer,
-    broker_db: int,
-    *,
-    broker: str | None = None,
-    failpoint_spec: str = FAILPOINTS,
-    **settings: str,
-) -> Iterator[Stack]:
-    """Workers ``<name>1`` and ``<name>2`` on their own schema and broker/result databases of ``server``;
-    ``broker``: another broker's URL instead (the results stay on ``server``)."""
-    with pg_schema() as db:
-        env = {
-            "RESERVATIONS_BROKER_URL": broker or server.url(broker_db),
-            "RESERVATIONS_RESULT_BACKEND": server.url(broker_db + 1),
-            "RESERVATIONS_DATABASE_URL": db,
-            **settings,
-        }
-        with cluster(workdir, env, prefix=name, failpoint_spec=failpoint_spec) as running:
-            for worker in running.workers:  # the banner names the transport a worker consumes from
-                scheme = env["RESERVATIONS_BROKER_URL"].partition("://")[0]
-                assert f"transport:   {scheme}://" in worker.log(), worker.tail()
-            client = running.client()
-            inventory = Inventory.from_url(db)
-            leases = LeaseManager.from_url(running.lease_url)
-            try:
-                yield Stack(running, client, inventory, leases)
-            finally:
-                leases.close()
-                inventory.close()
-                client.close()
-                client.app.close()
-
-
-# The SQL-lease clusters keep each request's Celery result: their tests compare it with the outcome row.
-# The Redis-lease cluster runs at the default, which stores none.
-KEEP_RESULTS = {"RESERVATIONS_RESULT_EXPIRES": "600"}
 
 
 @pytest.fixture(scope="module")
@@ -155,23 +95,6 @@ def redis_leases(server: RedisServer, tmp_path_factory: pytest.TempPathFactory) 
         RESERVATIONS_MAX_EPOCHS="1",
     ) as running:
         yield running
-
-
-def identity(pid: int) -> str:
-    """How a worker process names itself in attempts, outcomes and lease holders."""
-    return f"{socket.gethostname()}:{pid}"
-
-
-def logged(stack: Stack, task_id: str, event: str) -> int:
-    """How often any worker logged ``event`` (received, succeeded) for a reserve task."""
-    marker = f"Task reservations.reserve[{task_id}] {event}"
-    return sum(worker.log().count(marker) for worker in stack.cluster.workers)
-
-
-def client_result(stack: Stack, task_id: str) -> dict[str, object]:
-    """What the task returned to Celery's result backend."""
-    result: dict[str, object] = stack.client.app.AsyncResult(task_id).get(timeout=OUTCOME_TIMEOUT)
-    return result
 
 
 # -- the happy path --------------------------------------------------------------------------------------

@@ -19,8 +19,8 @@ from fencing.keys import scope_keys
 from fencing.lease import MAX_TOKEN, new_lease_id
 from fencing.redis_scripts import REPAIR, Reply
 from fencing.sql_backend import lease_events, leases
-from tests.conftest import REDIS_URL, Stack
-from tests.support import Resource, items
+from testing.stores import REDIS_URL, Stack
+from testing.support import Resource, items
 
 
 def forged(scope: str, token: int) -> Lease:
@@ -227,4 +227,3 @@ async def test_the_async_manager_refuses_the_same_tokens(lease_stack: Stack) -> 
         assert await manager.current("sku:A") is None
     finally:
         await manager.close()
-

@@ -20,17 +20,17 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 
-from admin.celery_processes import CeleryProcess, stop_all, worker_env
-from admin.harness import free_port, wait_until
-from admin.proxy import DelayProxy
-from admin.redis_servers import RedisServer, redis_server
 from fencing.engines import make_engine
 from reservations import Inventory, schema
 from reservations.models import schema_compatibility
 from reservations.statuses import RequestStatus
 from tasks import ReservationClient, Settings, create_app, failpoints
-from tests.support import refused_worker, run
-from tests.workers import pg_schema
+from testing.celery_processes import CeleryProcess, stop_all, worker_env
+from testing.harness import free_port, wait_until
+from testing.proxy import DelayProxy
+from testing.redis_servers import RedisServer, redis_server
+from testing.support import refused_worker, run
+from testing.workers import pg_schema
 
 pytestmark = pytest.mark.slow
 

@@ -2,7 +2,7 @@
 two private redis-servers (broker; leases), workers in their roles, celery beat, and the delaying proxy.
 With the lease-failover nemesis, the leases are on a Redis Sentinel topology instead (a primary, a
 replica, three sentinels).
-With network nemeses, each worker runs on a host of its own (admin/netns.py) and reaches the servers on
+With network nemeses, each worker runs on a host of its own (testing/netns.py) and reaches the servers on
 the hosts' service address: the redis-servers listen there too, PostgreSQL through a forwarder.
 """
 
@@ -17,7 +17,6 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from admin.celery_processes import CeleryProcess, start_all, stop_all, worker_env
 from admin.chaos.options import (
     BEAT_EVERY,
     LEASE_TTL,
@@ -26,15 +25,16 @@ from admin.chaos.options import (
     ChaosFailed,
     Options,
 )
-from admin.harness import HarnessError
-from admin.netns import Host, Hosts, NetnsError
-from admin.pg_schemas import pg_schema
-from admin.proxy import DelayProxy
-from admin.redis_servers import RedisServer
-from admin.redis_topologies import SentinelTopology
-from admin.service_process import ServiceProcess, front_door
 from fencing.engines import make_engine
 from tasks.settings import Settings
+from testing.celery_processes import CeleryProcess, start_all, stop_all, worker_env
+from testing.harness import HarnessError
+from testing.netns import Host, Hosts, NetnsError
+from testing.pg_schemas import pg_schema
+from testing.proxy import DelayProxy
+from testing.redis_servers import RedisServer
+from testing.redis_topologies import SentinelTopology
+from testing.service_process import ServiceProcess, front_door
 
 
 @dataclass

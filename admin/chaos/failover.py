@@ -1,5 +1,5 @@
 """The lease-failover nemesis, as a step of the driver loop: the run's lease coordinator is a Redis Sentinel
-topology (admin.redis_topologies.SentinelTopology: a primary, a replica, three sentinels) and its primary
+topology (testing.redis_topologies.SentinelTopology: a primary, a replica, three sentinels) and its primary
 is failed over twice during the stream, first with ``SENTINEL FAILOVER`` (the old primary keeps serving the
 connections it has until the sentinels demote it, and forgets what it handed out meanwhile), then with a
 kill -9 (what it had not replicated yet is gone; it comes back as a replica of the new primary).
@@ -20,8 +20,8 @@ from admin.chaos.cluster import ChaosWorker
 from admin.chaos.nemesis_figures import NemesisRun
 from admin.chaos.options import FAILOVERS, LEASE_FAILED_OVER, LEASE_FAILOVER, SETTLE, Options
 from admin.chaos.report import RunReport
-from admin.harness import HarnessError
-from admin.redis_topologies import SentinelTopology
+from testing.harness import HarnessError
+from testing.redis_topologies import SentinelTopology
 
 # Longest wait for each stage of a failover: the sentinels agreeing on the new primary, then the topology
 # healthy again. A forced failover's old primary is demoted only when the sentinels next look at it

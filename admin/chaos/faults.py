@@ -40,14 +40,14 @@ from admin.chaos.options import (
 )
 from admin.chaos.report import RunReport
 from admin.chaos.workload import Sent
-from admin.harness import process_state
-from admin.redis_servers import RedisServer
 from fencing import BackendUnavailable, LeaseManager
 from fencing.engines import make_engine
 from reservations.models import pending_reservations, request_outcomes
 from reservations.requests import request_id
 from reservations.validation import scope_of
 from tasks.connections import client_options
+from testing.harness import process_state
+from testing.redis_servers import RedisServer
 
 # How long the lease Redis stays down when it "crashes".
 REDIS_DOWN_FOR = 0.3

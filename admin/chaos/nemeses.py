@@ -29,7 +29,7 @@ from admin.chaos.options import (
     Options,
 )
 from admin.chaos.report import RunReport
-from admin.links import Impairment, Link, LinkError
+from testing.links import Impairment, Link, LinkError
 
 # The slow link, each way: 250 ms +- 200 ms, a fifth of the packets lost, a quarter let through at once
 # (overtaking the held ones). A renewal's round trip alone takes half a second; one lost packet adds

@@ -68,7 +68,7 @@ BROKER_RESTARTED = "broker Redis restarted empty"
 FOLLOW_EVERY = 0.5
 
 # The network nemeses (``--nemesis NAME``, or ``--partitions`` for all): each worker then runs on a host of
-# its own (a network namespace, admin/netns.py), and one nemesis at a time hits one worker's host, in the
+# its own (a network namespace, testing/netns.py), and one nemesis at a time hits one worker's host, in the
 # order asked for, each in its own slice of the stream, on top of the faults above.
 LEASE_PARTITION = "lease-partition"
 DB_PARTITION = "db-partition"

@@ -18,7 +18,6 @@ from types import FrameType
 
 from rich.console import Console
 
-from admin import links, netns
 from admin.chaos.callers import SPACE, Callers, recorded
 from admin.chaos.checker import check
 from admin.chaos.cluster import Cluster, cluster, harness_failures, roles
@@ -58,6 +57,7 @@ from admin.chaos.workload import Sent, Workload, flash_stock, regular_stock
 from admin.picture import save_timeline
 from reservations.inventory import Inventory
 from tasks.producer import Producer
+from testing import links, netns
 
 DRAIN_EVERY = 0.2  # how often the drain looks for the last outcomes
 
