@@ -132,11 +132,12 @@ class RedisNode(_RedisProcess):
     def log_path(self) -> Path:
         return self.folder / "redis.log"
 
-    def client(self, timeout: float = 1.0) -> redis.Redis:
+    def client(self, timeout: float = 1.0, db: int = 0) -> redis.Redis:
         """A client of this node alone. It never retries by itself: every wait here polls with a deadline
         of its own, and a test that asks a node something wants that node's answer, not a later one."""
         return redis.Redis(
             port=self.port,
+            db=db,
             password=self.password,
             socket_timeout=timeout,
             socket_connect_timeout=timeout,

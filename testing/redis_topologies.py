@@ -1,10 +1,14 @@
-"""Private Redis Sentinel and Redis Cluster deployments, for the lease failover tests and the chaos
-run's lease-failover nemesis."""
+"""Private Redis Sentinel and Redis Cluster deployments, for the lease and broker failover tests and the
+chaos run's lease-failover nemesis; and the relay a Sentinel replica can replicate through, to lose what
+asynchronous replication loses."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -19,14 +23,75 @@ from testing.redis_servers import RedisNode
 _DATA_NODE = ('save ""', "appendonly no", "repl-diskless-sync yes", "repl-diskless-sync-delay 0")
 
 
+class Relay:
+    """A TCP relay a replica replicates through. ``hold`` keeps what the primary sends from reaching the
+    replica (it waits in the relay, as a lagging link's bytes do); ``sever`` closes every connection and
+    drops what was held, so the replica never receives it: asynchronous replication's loss."""
+
+    def __init__(self, target: int) -> None:
+        self.target = target
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port: int = self._listener.getsockname()[1]
+        self._flowing = threading.Event()
+        self._flowing.set()
+        self._severed = threading.Event()
+        self._lock = threading.Lock()
+        self._sockets: list[socket.socket] = []
+        threading.Thread(target=self._accept, name="relay", daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._severed.is_set():
+            try:
+                downstream, _ = self._listener.accept()
+                upstream = socket.create_connection(("127.0.0.1", self.target), timeout=5)
+            except OSError:
+                continue
+            upstream.settimeout(None)
+            with self._lock:
+                self._sockets += [downstream, upstream]
+            threading.Thread(target=self._pump, args=(upstream, downstream, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(downstream, upstream, False), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket, from_primary: bool) -> None:
+        while True:
+            try:
+                data = source.recv(65536)
+            except OSError:
+                return
+            if from_primary:
+                self._flowing.wait()
+            if not data or self._severed.is_set():
+                return
+            try:
+                sink.sendall(data)
+            except OSError:
+                return
+
+    def hold(self) -> None:
+        self._flowing.clear()
+
+    def sever(self) -> None:
+        self._severed.set()
+        self._flowing.set()  # the held pumps wake up, see the relay severed and drop what they hold
+        with suppress(OSError):
+            self._listener.close()
+        with self._lock:
+            for sock in self._sockets:
+                with suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+                sock.close()
+
+
 class SentinelTopology:
     """A private Redis Sentinel deployment: a primary, a replica and three sentinels (quorum 2) that
     declare the primary down after ``down_after_ms`` of silence and then promote the replica.
 
-    The data nodes and the sentinels share one password, as the lease URL's password is sent to both.
-    The primary accepts writes without a replica confirming them (``min-replicas-to-write 0``, Redis's
-    default, written out): replication is asynchronous, so a failover can lose the newest writes, which
-    is what the fence and the counter repair are for. Which node is primary is whatever the sentinels
+    The data nodes and the sentinels share one password (``None``: no password), as the lease URL's
+    password is sent to both. The primary accepts writes without a replica confirming them
+    (``min-replicas-to-write 0``, Redis's default, written out): replication is asynchronous, so a
+    failover can lose the newest writes, which is what the fence and the counter repair are for, and what
+    the relay republishes for a broker. With ``relayed`` the replica replicates through a :class:`Relay`
+    (``relay``), so that a test decides what it misses. Which node is primary is whatever the sentinels
     say; a failover never changes the URL.
     """
 
@@ -35,31 +100,40 @@ class SentinelTopology:
         folder: Path,
         *,
         service: str = "leases",
-        password: str = "sentinel-secret",
+        password: str | None = "sentinel-secret",
         down_after_ms: int = 1000,
         failover_timeout_ms: int = 2000,
+        relayed: bool = False,
     ) -> None:
         self.service = service
         self.password = password
-        data = [*_DATA_NODE, f"masterauth {password}", "min-replicas-to-write 0"]
+        auth = [f"masterauth {password}"] if password else []
+        data = [*_DATA_NODE, *auth, "min-replicas-to-write 0"]
         primary = RedisNode(folder / "data-0", data, password=password)
-        replica = RedisNode(
-            folder / "data-1", [*data, f"replicaof 127.0.0.1 {primary.port}"], password=password
-        )
+        self.relay = Relay(primary.port) if relayed else None
+        upstream = self.relay.port if self.relay is not None else primary.port
+        replica = RedisNode(folder / "data-1", [*data, f"replicaof 127.0.0.1 {upstream}"], password=password)
         self.data = [primary, replica]
         watch = [
             f"sentinel monitor {service} 127.0.0.1 {primary.port} 2",
             f"sentinel down-after-milliseconds {service} {down_after_ms}",
             f"sentinel failover-timeout {service} {failover_timeout_ms}",
-            f"sentinel auth-pass {service} {password}",
+            *([f"sentinel auth-pass {service} {password}"] if password else []),
         ]
         self.sentinels = [
             RedisNode(folder / f"sentinel-{i}", watch, sentinel=True, password=password) for i in range(3)
         ]
 
     def url(self, db: int = 0) -> str:
+        """The lease URL (``redis+sentinel://``) naming every sentinel."""
         hosts = ",".join(s.name for s in self.sentinels)
-        return f"redis+sentinel://:{self.password}@{hosts}/{self.service}/{db}"
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis+sentinel://{auth}{hosts}/{self.service}/{db}"
+
+    def broker_url(self, db: int = 0) -> str:
+        """The broker or result backend URL (kombu's ``sentinel://``, one per sentinel)."""
+        auth = f":{self.password}@" if self.password else ""
+        return ";".join(f"sentinel://{auth}{s.name}/{db}" for s in self.sentinels)
 
     def start(self, timeout: float = 30) -> None:
         for node in [*self.data, *self.sentinels]:
@@ -67,6 +141,8 @@ class SentinelTopology:
         self.wait_healthy(timeout)
 
     def stop(self) -> None:
+        if self.relay is not None:
+            self.relay.sever()
         for node in [*self.sentinels, *self.data]:
             node.stop()
 
@@ -106,7 +182,9 @@ class SentinelTopology:
             if self.node(port).info("replication")["role"] != "master":
                 return False
             link = replica.info("replication")
-            if link.get("master_port") != port or link.get("master_link_status") != "up":
+            # A replica of the first primary may reach it through the relay.
+            upstream = {port} | ({self.relay.port} if self.relay is not None else set())
+            if link.get("master_port") not in upstream or link.get("master_link_status") != "up":
                 return False
             for sentinel in self.sentinels:
                 master = _pairs(sentinel.ask("SENTINEL", "MASTER", self.service))
@@ -154,6 +232,17 @@ class SentinelTopology:
             if not node.alive():
                 node.start("--replicaof", "127.0.0.1", str(primary.port))
         self.wait_healthy(timeout)
+
+
+@contextmanager
+def sentinel_topology(folder: Path, **options: Any) -> Iterator[SentinelTopology]:
+    """A :class:`SentinelTopology` started, and stopped on exit."""
+    topology = SentinelTopology(folder, **options)
+    try:
+        topology.start()
+        yield topology
+    finally:
+        topology.stop()
 
 
 def _pairs(flat: Any) -> dict[str, Any]:

@@ -12,22 +12,19 @@ services in tests/test_relay.py.
 from __future__ import annotations
 
 import asyncio
-import socket
-import subprocess
-import threading
 from collections import Counter
 from collections.abc import Iterator
-from contextlib import AsyncExitStack, contextmanager, suppress
+from contextlib import AsyncExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
 
 from reservations import Inventory
 from tasks import ReservationClient, Settings, create_app
 from tasks.producer import Producer
-from testing.harness import HarnessError, free_port, wait_until
+from testing.harness import wait_until
+from testing.redis_topologies import SentinelTopology, sentinel_topology
 from testing.workers import cluster, pg_schema
 
 SERVICE = "broker"
@@ -37,191 +34,19 @@ DOWN_AFTER_MS = 500
 FAILOVER_TIMEOUT_MS = 3000
 
 
-class Relay:
-    """A TCP relay the replica replicates through. ``hold`` keeps what the primary sends from reaching
-    the replica (it waits in the relay, as a lagging link's bytes do); ``sever`` closes every connection
-    and drops what was held, so the replica never receives it: asynchronous replication's loss."""
-
-    def __init__(self, target: int) -> None:
-        self.target = target
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.port: int = self._listener.getsockname()[1]
-        self._flowing = threading.Event()
-        self._flowing.set()
-        self._severed = threading.Event()
-        self._lock = threading.Lock()
-        self._sockets: list[socket.socket] = []
-        threading.Thread(target=self._accept, name="relay", daemon=True).start()
-
-    def _accept(self) -> None:
-        while not self._severed.is_set():
-            try:
-                downstream, _ = self._listener.accept()
-                upstream = socket.create_connection(("127.0.0.1", self.target), timeout=5)
-            except OSError:
-                continue
-            upstream.settimeout(None)
-            with self._lock:
-                self._sockets += [downstream, upstream]
-            threading.Thread(target=self._pump, args=(upstream, downstream, True), daemon=True).start()
-            threading.Thread(target=self._pump, args=(downstream, upstream, False), daemon=True).start()
-
-    def _pump(self, source: socket.socket, sink: socket.socket, from_primary: bool) -> None:
-        while True:
-            try:
-                data = source.recv(65536)
-            except OSError:
-                return
-            if from_primary:
-                self._flowing.wait()
-            if not data or self._severed.is_set():
-                return
-            try:
-                sink.sendall(data)
-            except OSError:
-                return
-
-    def hold(self) -> None:
-        self._flowing.clear()
-
-    def sever(self) -> None:
-        self._severed.set()
-        self._flowing.set()  # the held pumps wake up, see the relay severed and drop what they hold
-        with suppress(OSError):
-            self._listener.close()
-        with self._lock:
-            for sock in self._sockets:
-                with suppress(OSError):
-                    sock.shutdown(socket.SHUT_RDWR)
-                sock.close()
-
-
-class Node:
-    """One redis-server process (a data node or, with ``--sentinel``, a sentinel), logging to its folder."""
-
-    def __init__(self, folder: Path, name: str, port: int, args: list[str]) -> None:
-        self.folder, self.name, self.port, self.args = folder, name, port, args
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        self.folder.mkdir(parents=True, exist_ok=True)
-        with (self.folder / f"{self.name}.log").open("ab") as log:
-            self.process = subprocess.Popen(
-                ["redis-server", *self.args],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                cwd=self.folder,
-                start_new_session=True,
-            )
-        wait_until(self._answers, timeout=10, what=f"{self.name} on port {self.port} to answer PING")
-
-    def _answers(self) -> bool:
-        if self.process is not None and self.process.poll() is not None:
-            raise HarnessError(f"{self.name} exited: see {self.folder / f'{self.name}.log'}")
-        try:
-            with self.client() as client:
-                return bool(client.ping())
-        except redis.RedisError:
-            return False
-
-    def client(self, db: int = 0) -> redis.Redis:
-        return redis.Redis(port=self.port, db=db, socket_timeout=2, socket_connect_timeout=2)
-
-    def kill(self) -> None:
-        """SIGKILL: what the primary had not passed on is gone."""
-        if self.process is not None:
-            self.process.kill()
-            self.process.wait()
-
-    def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.kill()
-
-
-class SentinelTopology:
-    """A primary, a replica replicating through a :class:`Relay`, and three sentinels watching the
-    primary as service ``SERVICE`` (quorum two). Without persistence: a killed node's data is gone."""
-
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
-        plain = ["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-        port = free_port()
-        # Its replica's first sync starts at once, rather than after Redis's five seconds of waiting for
-        # more replicas to serve in the same transfer.
-        primary = ["--port", str(port), "--repl-diskless-sync-delay", "0", *plain]
-        self.primary = Node(folder, "primary", port, primary)
-        self.relay: Relay | None = None
-        replica_port = free_port()
-        self.replica = Node(folder, "replica", replica_port, ["--port", str(replica_port), *plain])
-        self.sentinels: list[Node] = []
-
-    def url(self, db: int) -> str:
-        """The ``sentinel://`` URL naming every sentinel, for the broker (db 0) or the results (db 1)."""
-        return ";".join(f"sentinel://127.0.0.1:{node.port}/{db}" for node in self.sentinels)
-
-    def start(self) -> None:
-        self.primary.start()
-        self.relay = Relay(self.primary.port)
-        self.replica.args += ["--replicaof", "127.0.0.1", str(self.relay.port)]
-        self.replica.start()
-        wait_until(self._replica_in_sync, timeout=10, what="the replica to finish its first sync")
-        for n in range(3):
-            port = free_port()
-            conf = self.folder / f"sentinel{n}.conf"  # a sentinel rewrites its file with what it learns
-            conf.write_text(
-                f"port {port}\nbind 127.0.0.1\ndir {self.folder}\n"
-                f"sentinel monitor {SERVICE} 127.0.0.1 {self.primary.port} 2\n"
-                f"sentinel down-after-milliseconds {SERVICE} {DOWN_AFTER_MS}\n"
-                f"sentinel failover-timeout {SERVICE} {FAILOVER_TIMEOUT_MS}\n"
-            )
-            self.sentinels.append(Node(self.folder, f"sentinel{n}", port, [str(conf), "--sentinel"]))
-        for sentinel in self.sentinels:
-            sentinel.start()
-        # A failover needs a quorum of sentinels that know each other, and a replica they know of.
-        wait_until(self._sentinels_ready, timeout=20, what="the sentinels to know the replica and each other")
-
-    def _replica_in_sync(self) -> bool:
-        with self.replica.client() as client:
-            return client.info("replication").get("master_link_status") == "up"
-
-    def _sentinels_ready(self) -> bool:
-        for sentinel in self.sentinels:
-            with sentinel.client() as client:
-                replicas = client.execute_command("SENTINEL", "REPLICAS", SERVICE)
-                others = client.execute_command("SENTINEL", "SENTINELS", SERVICE)
-            if len(others) != len(self.sentinels) - 1 or not replicas:
-                return False
-        return True
-
-    def master_port(self) -> int | None:
-        """The primary's port as every sentinel reports it, or None while they disagree."""
-        ports = set()
-        for sentinel in self.sentinels:
-            with sentinel.client() as client:
-                _, port = client.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", SERVICE)
-            ports.add(int(port))
-        return ports.pop() if len(ports) == 1 else None
-
-    def stop(self) -> None:
-        if self.relay is not None:
-            self.relay.sever()
-        for node in [*self.sentinels, self.replica, self.primary]:
-            node.stop()
-
-
 @contextmanager
-def sentinel_topology(folder: Path) -> Iterator[SentinelTopology]:
-    topology = SentinelTopology(folder)
-    try:
-        topology.start()
+def broker_topology(folder: Path) -> Iterator[SentinelTopology]:
+    """A primary, a replica replicating through a relay, and three sentinels watching the primary as
+    service ``SERVICE``, without a password. Without persistence: a killed node's data is gone."""
+    with sentinel_topology(
+        folder,
+        service=SERVICE,
+        password=None,
+        relayed=True,
+        down_after_ms=DOWN_AFTER_MS,
+        failover_timeout_ms=FAILOVER_TIMEOUT_MS,
+    ) as topology:
         yield topology
-    finally:
-        topology.stop()
 
 
 def test_workers_and_producers_get_the_service_name_with_the_visibility_timeout() -> None:
@@ -253,8 +78,8 @@ RELAY_EVERY = 0.5
 def sentinel_env(topology: SentinelTopology, database_url: str) -> dict[str, str]:
     """The workers' settings: broker and results through the sentinels, leases on the database."""
     return {
-        "RESERVATIONS_BROKER_URL": topology.url(0),
-        "RESERVATIONS_RESULT_BACKEND": topology.url(1),
+        "RESERVATIONS_BROKER_URL": topology.broker_url(0),
+        "RESERVATIONS_RESULT_BACKEND": topology.broker_url(1),
         "RESERVATIONS_SENTINEL_MASTER": SERVICE,
         "RESERVATIONS_DATABASE_URL": database_url,
     }
@@ -269,7 +94,7 @@ def writes_by_key(inventory: Inventory) -> Counter[str]:
 @pytest.mark.slow
 def test_requests_flow_through_the_sentinel_broker_and_result_backend(tmp_path: Path) -> None:
     with (
-        sentinel_topology(tmp_path / "redis") as topology,
+        broker_topology(tmp_path / "redis") as topology,
         pg_schema() as database,
         Inventory.from_url(database) as inventory,
     ):
@@ -297,7 +122,7 @@ def test_requests_flow_through_the_sentinel_broker_and_result_backend(tmp_path: 
         assert [o.status for o in outcomes] == ["reserved"] * 5, running.tails()
         assert stored["status"] == "reserved"
         assert writes_by_key(inventory) == {f"flow-{n}": 1 for n in range(4)} | {"flow-cli": 1}
-        with topology.primary.client(1) as results:
+        with topology.data[0].client(db=1) as results:
             assert results.exists(f"celery-task-meta-{handles[0].task_id}")
 
 
@@ -315,7 +140,7 @@ async def test_requests_lost_in_a_failover_are_published_again_and_each_ends_onc
     outcome that the promoted broker does not carry: the lost ones are back, the kept ones are not copied,
     and each is applied once. Nobody awaits the requests while this happens."""
     async with AsyncExitStack() as stack:
-        topology = stack.enter_context(sentinel_topology(tmp_path / "redis"))
+        topology = stack.enter_context(broker_topology(tmp_path / "redis"))
         database = stack.enter_context(pg_schema())
         inventory = stack.enter_context(Inventory.from_url(database))
         inventory.add_sku(SKU, on_hand=100)
@@ -328,8 +153,8 @@ async def test_requests_lost_in_a_failover_are_published_again_and_each_ends_onc
         client = ReservationClient(create_app(settings))
         stack.callback(client.app.close)
         stack.push_async_callback(client.aclose)
-        primary = stack.enter_context(topology.primary.client(0))
-        replica = stack.enter_context(topology.replica.client(0))
+        primary = stack.enter_context(topology.data[0].client())
+        replica = stack.enter_context(topology.data[1].client())
 
         # Replicated before the primary is lost: these survive the failover.
         kept = [await client.enqueue_reservation(SKU, 1, idempotency_key=f"kept-{n}") for n in range(3)]
@@ -341,11 +166,11 @@ async def test_requests_lost_in_a_failover_are_published_again_and_each_ends_onc
         lost = [await client.enqueue_reservation(SKU, 1, idempotency_key=f"lost-{n}") for n in range(5)]
         assert (primary.llen("celery"), replica.llen("celery")) == (len(kept) + len(lost), len(kept))
 
-        topology.primary.kill()
+        topology.data[0].kill()
         topology.relay.sever()
         await asyncio.to_thread(
             wait_until,
-            lambda: topology.master_port() == topology.replica.port,
+            lambda: topology.named_primary() == topology.data[1].port,
             timeout=30,
             what="the sentinels to promote the replica",
         )
