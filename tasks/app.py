@@ -9,31 +9,14 @@ it understands.
 
 from __future__ import annotations
 
-import logging
-import time
-from typing import Any
+from celery import Celery
 
-import click
-from celery import Celery, current_task
-from celery.signals import (
-    after_setup_logger,
-    after_setup_task_logger,
-    before_task_publish,
-    celeryd_after_setup,
-    worker_ready,
-)
-
-from tasks import deadlines, failpoints, messages, metrics, transport
+from tasks import transport
 from tasks.brokers import REDIS, scheme_of, transport_options
 from tasks.heartbeat import HeartbeatFile
-from tasks.logs import json_wanted, use_json, warnings_as_json
-from tasks.readiness import refuse
+from tasks.readiness import loaded_by_celery_command, refuse_bad_settings
 from tasks.relay import RelayStep
-from tasks.settings import Settings, settings_of
-from tasks.variables import SettingsError
-
-log = logging.getLogger("tasks.app")
-ENQUEUED_AT = metrics.ENQUEUED_AT
+from tasks.settings import Settings
 
 _SHORT_RETRIES = {
     "retry_policy": {"max_retries": 2, "interval_start": 0, "interval_step": 0.2, "interval_max": 0.5}
@@ -43,6 +26,7 @@ _SHORT_RETRIES = {
 # How long the results of tasks that are no requests (beat's sweeps and purge, the no-op) are kept when
 # request tasks store none: bounded by the schedule, not by the traffic.
 SCHEDULED_RESULT_EXPIRES = 3600
+
 
 def configure(app: Celery, settings: Settings) -> None:
     # Redis brokers (redis://, rediss://, sentinel://) through tasks.transport: kombu's transports, except
@@ -111,64 +95,6 @@ class _FromEnvironment(Celery):  # type: ignore[misc]
         configure(self, Settings.from_env())
 
 
-@after_setup_logger.connect
-@after_setup_task_logger.connect
-def _log_format(logger: logging.Logger | None = None, **_: Any) -> None:
-    """Celery has set up a worker's or beat's log handlers: with RESERVATIONS_LOG_FORMAT=json they write
-    one JSON object per line, with each record's fields (:mod:`tasks.logs`)."""
-    if logger is not None and settings_of(app).log_format == "json":
-        use_json(logger.handlers)
-
-
-@celeryd_after_setup.connect
-def _metrics_on(**_: Any) -> None:
-    """With RESERVATIONS_METRICS_PORT set, a worker's metrics are switched on before its pool forks; metrics
-    that cannot work stop it at start with one line, as a bad setting does."""
-    if not settings_of(app).metrics_port:
-        return
-    try:
-        metrics.switch_on()
-    except metrics.MetricsUnusable as exc:
-        # SystemExit passes through Celery's signal dispatch, which logs and swallows only Exception: the
-        # worker exits here, before its pool forks or its consumer connects.
-        refuse(str(exc))
-
-
-@worker_ready.connect
-def _serve_metrics(**_: Any) -> None:
-    settings = settings_of(app)
-    port, host = settings.metrics_port, settings.metrics_host
-    if not port:
-        return
-    try:
-        metrics.serve(port, host)
-    except OSError as exc:  # the worker still works; its metrics are missing, and the log says why
-        log.error("cannot serve metrics on %s port %d: %s", host, port, exc)
-    else:
-        log.info("metrics on %s port %d", host, port)
-
-
-@before_task_publish.connect
-def _stamp_enqueue_time(headers: dict[str, Any] | None = None, **_: Any) -> None:
-    """Every task message carries when its request was first enqueued (a retry keeps its request's), so
-    a worker can measure enqueue to final outcome. Clocks of different hosts differ by their skew. A retry
-    keeps its request's deadline too (tasks.deadlines): retried past it, the request ends expired; and its
-    message's format (tasks.messages): the retry is laid out as the message it retries."""
-    if headers is None:
-        return
-    retried = None
-    if current_task and current_task.request.id == headers.get("id"):  # the proxy is false outside a task
-        retried = current_task.request
-    for kept in (deadlines.DEADLINE, messages.FORMAT):
-        value = getattr(retried, kept, None)
-        if value is not None:
-            headers.setdefault(kept, value)
-    if ENQUEUED_AT in headers:
-        return
-    inherited = getattr(retried, ENQUEUED_AT, None)
-    headers[ENQUEUED_AT] = inherited if isinstance(inherited, int | float) else time.time()
-
-
 def _with_steps(app: Celery) -> Celery:
     app.steps["consumer"].add(HeartbeatFile)
     app.steps["consumer"].add(RelayStep)
@@ -181,26 +107,6 @@ def create_app(settings: Settings | None = None) -> Celery:
     return _with_steps(app)
 
 
-def _loaded_by_celery_command() -> bool:
-    """Whether the ``celery`` command line is importing this module (``celery -A tasks worker``)."""
-    context = click.get_current_context(silent=True)
-    return context is not None and context.find_root().command.name == "celery"
-
-
-def _refuse_bad_settings() -> None:
-    """A worker or beat with a bad setting says so in one line and exits at start, instead of a
-    traceback from wherever Celery first reads its configuration."""
-    if json_wanted():  # from the first line on, before Celery sets up its logging
-        warnings_as_json()
-    try:
-        settings = Settings.from_env()
-    except SettingsError as exc:
-        refuse(str(exc))
-    problem = failpoints.check(settings.failpoints, settings.failpoint_dir)
-    if problem:
-        refuse(problem)
-
-
 app = _with_steps(_FromEnvironment("reservations", include=["tasks.jobs"]))
-if _loaded_by_celery_command():
-    _refuse_bad_settings()
+if loaded_by_celery_command():
+    refuse_bad_settings()

@@ -8,9 +8,11 @@ read from the database, so a result backend that is down does not stop requests 
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
-from celery import Celery
+from celery import Celery, current_task
+from celery.signals import before_task_publish
 
 from reservations import validation as valid
 from reservations.requests import request_id
@@ -94,3 +96,24 @@ class Producer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@before_task_publish.connect
+def _stamp_enqueue_time(headers: dict[str, Any] | None = None, **_: Any) -> None:
+    """Every task message carries when its request was first enqueued (a retry keeps its request's), so
+    a worker can measure enqueue to final outcome. Clocks of different hosts differ by their skew. A retry
+    keeps its request's deadline too (tasks.deadlines): retried past it, the request ends expired; and its
+    message's format (tasks.messages): the retry is laid out as the message it retries."""
+    if headers is None:
+        return
+    retried = None
+    if current_task and current_task.request.id == headers.get("id"):  # the proxy is false outside a task
+        retried = current_task.request
+    for kept in (deadlines.DEADLINE, messages.FORMAT):
+        value = getattr(retried, kept, None)
+        if value is not None:
+            headers.setdefault(kept, value)
+    if ENQUEUED_AT in headers:
+        return
+    inherited = getattr(retried, ENQUEUED_AT, None)
+    headers[ENQUEUED_AT] = inherited if isinstance(inherited, int | float) else time.time()

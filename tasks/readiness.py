@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from typing import NoReturn, TypeVar
 
+import click
 import redis
 import sqlalchemy as sa
 
@@ -29,9 +30,11 @@ from fencing import BackendUnavailable, LeaseManager, SchemaMissing
 from fencing.engines import TransactionBounds, make_engine, transaction_bounds
 from fencing.urls import mask_url
 from reservations import schema
+from tasks import failpoints
 from tasks.connections import client_options
-from tasks.logs import say
+from tasks.logs import json_wanted, say, warnings_as_json
 from tasks.settings import Settings
+from tasks.variables import SettingsError
 
 __all__ = ["SAY_EVERY", "refuse", "wait_for", "wait_until_usable"]
 
@@ -126,3 +129,23 @@ def wait_until_usable(settings: Settings, *, sleep: Callable[[float], None] = ti
         refuse(f"the lease backend at {leases.url} has no schema ({exc.reason}): {upgrade}")
     finally:
         leases.close()
+
+
+def loaded_by_celery_command() -> bool:
+    """Whether the ``celery`` command line is importing the app (``celery -A tasks worker``)."""
+    context = click.get_current_context(silent=True)
+    return context is not None and context.find_root().command.name == "celery"
+
+
+def refuse_bad_settings() -> None:
+    """A worker or beat with a bad setting says so in one line and exits at start, instead of a
+    traceback from wherever Celery first reads its configuration."""
+    if json_wanted():  # from the first line on, before Celery sets up its logging
+        warnings_as_json()
+    try:
+        settings = Settings.from_env()
+    except SettingsError as exc:
+        refuse(str(exc))
+    problem = failpoints.check(settings.failpoints, settings.failpoint_dir)
+    if problem:
+        refuse(problem)

@@ -15,6 +15,8 @@ from typing import Any
 
 from celery import current_app
 from celery.signals import (
+    after_setup_logger,
+    after_setup_task_logger,
     celeryd_after_setup,
     celeryd_init,
     worker_process_init,
@@ -27,11 +29,12 @@ from fencing import LeaseManager
 from fencing.sql_executor import SyncSqlExecutor
 from fencing.urls import mask_url
 from reservations import Inventory
+from tasks import metrics
 from tasks.connections import client_options
 from tasks.errors import TasksError
 from tasks.failpoints import failpoint
-from tasks.logs import json_wanted, say
-from tasks.readiness import wait_until_usable
+from tasks.logs import json_wanted, say, use_json
+from tasks.readiness import refuse, wait_until_usable
 from tasks.settings import Settings, settings_of, unknown_name_warnings
 from tasks.states import note_task_events
 
@@ -195,3 +198,43 @@ def _say_ready(sender: Any = None, **_: Any) -> None:
         f"broker {mask_url(settings.broker_url)}, lease ttl {settings.lease_ttl:g}s",
         event="worker_ready",
     )
+
+
+# -- logs and metrics of a worker (and beat) --------------------------------------------------------------
+
+
+@after_setup_logger.connect
+@after_setup_task_logger.connect
+def _log_format(logger: logging.Logger | None = None, **_: Any) -> None:
+    """Celery has set up a worker's or beat's log handlers: with RESERVATIONS_LOG_FORMAT=json they write
+    one JSON object per line, with each record's fields (:mod:`tasks.logs`)."""
+    if logger is not None and settings_of(current_app).log_format == "json":
+        use_json(logger.handlers)
+
+
+@celeryd_after_setup.connect
+def _metrics_on(instance: Any = None, **_: Any) -> None:
+    """With RESERVATIONS_METRICS_PORT set, a worker's metrics are switched on before its pool forks; metrics
+    that cannot work stop it at start with one line, as a bad setting does."""
+    if not settings_of(instance.app if instance is not None else current_app).metrics_port:
+        return
+    try:
+        metrics.switch_on()
+    except metrics.MetricsUnusable as exc:
+        # SystemExit passes through Celery's signal dispatch, which logs and swallows only Exception: the
+        # worker exits here, before its pool forks or its consumer connects.
+        refuse(str(exc))
+
+
+@worker_ready.connect
+def _serve_metrics(sender: Any = None, **_: Any) -> None:
+    settings = settings_of(sender.app if sender is not None else current_app)
+    port, host = settings.metrics_port, settings.metrics_host
+    if not port:
+        return
+    try:
+        metrics.serve(port, host)
+    except OSError as exc:  # the worker still works; its metrics are missing, and the log says why
+        log.error("cannot serve metrics on %s port %d: %s", host, port, exc)
+    else:
+        log.info("metrics on %s port %d", host, port)
