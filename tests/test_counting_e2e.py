@@ -9,21 +9,19 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 from collections.abc import Iterator
 
 import pytest
 
-from fencing import LeaseManager
-from reservations import Inventory
 from reservations.requests import request_id
 from testing.harness import process_state, wait_until
 from testing.redis_servers import redis_server
-from testing.workers import Stack, cluster, pg_schema
+from testing.workers import Stack, identity, stack
 
 pytestmark = pytest.mark.slow
 
 TTL = 1.0
+LEASES = {"RESERVATIONS_LEASE_TTL": str(TTL)}
 FAULT_TIMEOUT = 15.0
 
 
@@ -31,29 +29,8 @@ FAULT_TIMEOUT = 15.0
 def sql(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """Two workers, SQL leases on the inventory database, the one-shot failpoints disarmed."""
     workdir = tmp_path_factory.mktemp("counting_cluster")
-    with redis_server(workdir / "redis") as server, pg_schema() as db:
-        env = {
-            "RESERVATIONS_BROKER_URL": server.url(0),
-            "RESERVATIONS_RESULT_BACKEND": server.url(1),
-            "RESERVATIONS_DATABASE_URL": db,
-            "RESERVATIONS_LEASE_TTL": str(TTL),
-        }
-        with cluster(workdir, env, prefix="count") as running:
-            client = running.client()
-            inventory = Inventory.from_url(db)
-            leases = LeaseManager.from_url(running.lease_url)
-            try:
-                yield Stack(running, client, inventory, leases)
-            finally:
-                leases.close()
-                inventory.close()
-                client.close()
-                client.app.close()
-
-
-def identity(pid: int) -> str:
-    """How a worker process names itself in attempts and lease holders."""
-    return f"{socket.gethostname()}:{pid}"
+    with redis_server(workdir / "redis") as server, stack("count", workdir, server, 0, **LEASES) as running:
+        yield running
 
 
 def test_count_and_replenish_requests_end_with_their_outcomes(sql: Stack) -> None:
