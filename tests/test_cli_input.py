@@ -9,6 +9,7 @@ SQLite files and PostgreSQL schemas; every refused command leaves the stock as i
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 
 import pytest
@@ -237,3 +238,11 @@ def test_a_database_that_does_not_answer_is_still_unreachable() -> None:
     done = run("stock", env={"RESERVATIONS_DATABASE_URL": "postgresql://app@127.0.0.1:1/inv"})
     assert done.returncode == 4, done.stdout + done.stderr
     assert "schema" not in _one_line(done.stderr)
+
+
+def test_metrics_on_a_taken_port_is_one_line_and_exit_1(stocked: dict[str, str]) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        done = run("metrics", "--port", str(port), env=stocked)
+    assert done.returncode == 1
+    assert f"cannot serve metrics on 127.0.0.1 port {port}" in _one_line(done.stderr)

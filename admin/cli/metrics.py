@@ -16,7 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from admin.cli import context
-from admin.cli.failures import EXIT_UNREACHABLE, fail
+from admin.cli.failures import EXIT_FAILED, EXIT_UNREACHABLE, fail
 from fencing.urls import mask_url
 from reservations.inventory import Inventory
 from reservations.models import request_outcomes
@@ -97,7 +97,8 @@ def metrics_command(
 ) -> None:
     """Export what the database holds as Prometheus metrics: refused stale writes per SKU, outcomes by
     status, queued requests. The workers' own metrics are served by each worker
-    (RESERVATIONS_METRICS_PORT)."""
+    (RESERVATIONS_METRICS_PORT). Exit 1 when it cannot listen there (the port is taken), 4 when the
+    database does not answer (--once)."""
     inventory = context.inventory()
     registry = CollectorRegistry(auto_describe=False)
     registry.register(DatabaseCollector(inventory))
@@ -108,7 +109,10 @@ def metrics_command(
                 fail(EXIT_UNREACHABLE, f"cannot read the database {mask_url(context.config.database_url)}")
             typer.echo(exposition, nl=False)
             return
-        server, _thread = start_http_server(port, addr=host, registry=registry)
+        try:
+            server, _thread = start_http_server(port, addr=host, registry=registry)
+        except OSError as exc:  # the port is taken, or the address is not this host's
+            fail(EXIT_FAILED, f"cannot serve metrics on {host} port {port}: {exc.strerror or exc}")
         typer.echo(f"serving database metrics on {host} port {port}", err=True)
         try:
             signal.pause()  # until Ctrl-C; SIGTERM ends the process as usual
