@@ -24,21 +24,24 @@ trigger lets a row go only once a checkpoint of its SKU covers its time and id).
 from __future__ import annotations
 
 import csv
+import fcntl
 import gzip
 import hashlib
 import io
 import json
 import os
-from collections.abc import Iterator
+import tempfile
+from collections.abc import Generator, Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
-from datetime import date, timedelta
+from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
 
 from fencing.sql import db_now_ms
-from reservations.errors import ArchiveInterrupted, InvalidRequest
+from reservations.errors import ArchiveBusy, ArchiveInterrupted, InvalidRequest
 from reservations.models import sku_checkpoints, sku_history
 from reservations.partitions import (
     DAY_MS,
@@ -52,7 +55,7 @@ from reservations.partitions import (
     prepare_partitions,
 )
 
-__all__ = ["ArchiveReport", "ArchivedSpan", "archive", "detach"]
+__all__ = ["ArchiveReport", "ArchivedSpan", "archive", "detach", "iso"]
 
 @dataclass(frozen=True, slots=True)
 class ArchivedSpan:
@@ -159,16 +162,21 @@ def _fsync_dir(folder: Path) -> None:
 def _write_durably(path: Path, chunks: Iterator[bytes], *, compress: bool) -> None:
     """``chunks`` to ``path`` through a temporary name, fsynced before and after the rename."""
     partial = path.with_name(path.name + ".partial")
-    with open(partial, "wb") as raw:
-        sink: Any = gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) if compress else raw
-        for chunk in chunks:
-            sink.write(chunk)
-        if compress:
-            sink.close()
-        raw.flush()
-        os.fsync(raw.fileno())
-    os.replace(partial, path)
-    _fsync_dir(path.parent)
+    try:
+        with open(partial, "wb") as raw:
+            sink: Any = gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) if compress else raw
+            for chunk in chunks:
+                sink.write(chunk)
+            if compress:
+                sink.close()
+            raw.flush()
+            os.fsync(raw.fileno())
+        os.replace(partial, path)
+        _fsync_dir(path.parent)
+    except BaseException:
+        with suppress(OSError):  # what a full disk let through goes: the next run writes it again
+            partial.unlink()
+        raise
 
 
 def _read_back(path: Path) -> tuple[int, str]:
@@ -195,7 +203,10 @@ def _finish_file(
             yield chunk
 
     path = folder / f"{name}.csv.gz"
-    _write_durably(path, hashed(), compress=True)
+    try:
+        _write_durably(path, hashed(), compress=True)
+    except OSError as exc:  # a full disk, a read-only or vanished folder: the table keeps the rows
+        raise ArchiveInterrupted(name, f"cannot write {path}: {exc.strerror or exc}") from exc
     rows, checksum = _read_back(path)
     if rows != expected or checksum != digest.hexdigest():
         raise ArchiveInterrupted(name, f"the file holds {rows} rows, the table {expected}: kept the table")
@@ -219,7 +230,10 @@ def _finish_file(
         "sha256": checksum,  # of the uncompressed CSV
     }
     manifest_path = folder / f"{name}.json"
-    _write_durably(manifest_path, iter([json.dumps(manifest, indent=2).encode() + b"\n"]), compress=False)
+    try:
+        _write_durably(manifest_path, iter([json.dumps(manifest, indent=2).encode() + b"\n"]), compress=False)
+    except OSError as exc:
+        raise ArchiveInterrupted(name, f"cannot write {manifest_path}: {exc.strerror or exc}") from exc
     return path, checksum
 
 
@@ -235,19 +249,94 @@ def _check_args(before_ms: int, to: Path) -> None:
         raise InvalidRequest(f"{to} is not a directory", field="to")
 
 
-def archive(engine: sa.Engine, *, before_ms: int, to: Path, dry_run: bool = False) -> ArchiveReport:
-    """Archive every whole UTC day of history that ends at or before ``before_ms`` into ``to``."""
+def archive(
+    engine: sa.Engine, *, before_ms: int, to: Path, dry_run: bool = False, now_ms: int | None = None
+) -> ArchiveReport:
+    """Archive every whole UTC day of history that ends at or before ``before_ms`` into ``to``.
+
+    The current day and the future are refused: their rows are still written, and on PostgreSQL a day
+    whose partition left would take its later rows into the default partition, which no run archives.
+    ``now_ms`` is when "now" is (the database's clock by default; a test's own, to archive what it wrote
+    today). Two runs of one database exclude each other (ArchiveBusy); ``to`` is made and written to
+    before anything of the database changes."""
     _check_args(before_ms, to)
+    today = day_ms(day_of(now_ms if now_ms is not None else _database_now(engine)))
+    if before_ms > today:
+        raise InvalidRequest(
+            f"the cutoff {iso(before_ms)} is in the current UTC day or later, whose rows are still being "
+            f"written: archive up to {iso(today)} at the latest",
+            field="before",
+        )
     report = ArchiveReport(before_ms=before_ms, dry_run=dry_run)
-    if not dry_run:
-        to.mkdir(parents=True, exist_ok=True)
+    if dry_run:
+        _archive(engine, report, to)
+        return report
+    with _exclusive(engine):
+        _writable(to)
+        _archive(engine, report, to)
+        if engine.dialect.name == "postgresql":
+            report.created.extend(prepare_partitions(engine))
+    return report
+
+
+def _archive(engine: sa.Engine, report: ArchiveReport, to: Path) -> None:
     if engine.dialect.name == "postgresql":
         _archive_pg(engine, report, to)
-        if not dry_run:
-            report.created.extend(prepare_partitions(engine))
     else:
         _archive_sqlite(engine, report, to)
-    return report
+
+
+def iso(ms: int) -> str:
+    """Milliseconds since the epoch as an ISO time in UTC (``2026-12-05T00:00:00Z``)."""
+    return datetime.fromtimestamp(ms / 1000, UTC).isoformat().replace("+00:00", "Z")
+
+
+def _database_now(engine: sa.Engine) -> int:
+    with engine.connect() as conn:
+        return int(conn.execute(sa.select(db_now_ms())).scalar_one())
+
+
+def _writable(to: Path) -> None:
+    """Make ``to`` and write a file there, before anything of the database changes: a folder under a
+    file, on a read-only mount or refused otherwise is bad input, said in one line."""
+    try:
+        to.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=to, prefix=".writable-"):
+            pass
+    except OSError as exc:
+        raise InvalidRequest(f"--to {to} cannot be written: {exc.strerror or exc}", field="to") from None
+
+
+@contextmanager
+def _exclusive(engine: sa.Engine) -> Iterator[None]:
+    """Hold the database's archive lock for the run, or raise ArchiveBusy: PostgreSQL's advisory lock of
+    the schema's archive (a session lock, gone with the session of a run that died); on SQLite a lock on
+    a file beside the database's. An in-memory database has no other run."""
+    if engine.dialect.name == "postgresql":
+        with engine.connect() as conn:
+            key = conn.execute(sa.text("SELECT hashtext(current_schema() || '.reservations.archive')"))
+            lock = key.scalar_one()
+            if not conn.execute(sa.text("SELECT pg_try_advisory_lock(:key)"), {"key": lock}).scalar_one():
+                raise ArchiveBusy(engine.url.render_as_string(hide_password=True))
+            try:
+                yield
+            finally:
+                conn.execute(sa.text("SELECT pg_advisory_unlock(:key)"), {"key": lock})
+                conn.commit()
+        return
+    database = engine.url.database
+    if not database or database == ":memory:":
+        yield
+        return
+    with open(f"{database}.archive-lock", "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ArchiveBusy(database) from None
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def detach(engine: sa.Engine, name: str) -> int:
@@ -266,7 +355,7 @@ def detach(engine: sa.Engine, name: str) -> int:
         return _write_checkpoints(conn, leaving, day_ms(day + timedelta(days=1)), f"{name}.csv.gz")
 
 
-def _copy_out(engine: sa.Engine, name: str) -> tuple[int, Iterator[bytes], Any]:
+def _copy_out(engine: sa.Engine, name: str) -> tuple[int, Generator[bytes, None, None], Any]:
     """(rows, CSV chunks, the connection to close) of a detached table, in one snapshot."""
     from psycopg import sql
 
@@ -278,7 +367,7 @@ def _copy_out(engine: sa.Engine, name: str) -> tuple[int, Iterator[bytes], Any]:
     # writes to it any more, so the two see the same rows.
     rows = cursor.execute(sql.SQL("SELECT count(*) FROM {}").format(table)).fetchone()[0]
 
-    def chunks() -> Iterator[bytes]:
+    def chunks() -> Generator[bytes, None, None]:
         statement = sql.SQL("COPY (SELECT * FROM {} ORDER BY id) TO STDOUT WITH (FORMAT csv, HEADER true)")
         with cursor.copy(statement.format(table)) as copy:
             for chunk in copy:
@@ -316,6 +405,15 @@ def _archive_pg(engine: sa.Engine, report: ArchiveReport, to: Path) -> None:
         rows, chunks, raw = _copy_out(engine, name)
         try:
             path, checksum = _finish_file(to, table, name, low, high, chunks, rows)
+        except BaseException:
+            # The COPY may still be streaming on this connection (the file could not take it all), and
+            # the rollback the pool makes when the connection comes back would wait for that stream for
+            # ever. The connection is closed outright instead: the server ends the COPY and its
+            # transaction, and the detached table stays for the next run.
+            raw.invalidate()
+            with suppress(Exception):
+                chunks.close()
+            raise
         finally:
             raw.close()
         with engine.begin() as conn:
@@ -352,11 +450,11 @@ def _archive_sqlite(engine: sa.Engine, report: ArchiveReport, to: Path) -> None:
                 int(d)
                 for table in TABLES
                 for (d,) in conn.execute(
-                    sa.select(sa.distinct(table.c.at_ms / DAY_MS)).where(table.c.at_ms < cutoff)
+                    sa.select(table.c.at_ms / DAY_MS).where(table.c.at_ms < cutoff).distinct()
                 ).all()
             }
         )
-        archived = {r[0] for r in conn.execute(sa.select(sa.distinct(sku_checkpoints.c.through_ms))).all()}
+        archived = {r[0] for r in conn.execute(sa.select(sku_checkpoints.c.through_ms).distinct()).all()}
     for number in days:
         low, high = number * DAY_MS, (number + 1) * DAY_MS
         day = day_of(low)

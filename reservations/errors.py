@@ -21,8 +21,9 @@
     │                           request committed first (where: reservation, record, outcome, pending)
     ├── ConstraintRefused       the database refused a write that would break a rule (constraint, rule):
     │                           a bug or a foreign writer, never retried
-    └── ArchiveInterrupted      an archive run stopped at a span (partition, why) with nothing of it lost:
-                                its rows stay in the database (or its detached table); run it again
+    ├── ArchiveInterrupted      an archive run stopped at a span (partition, why) with nothing of it lost:
+    │                           its rows stay in the database (or its detached table); run it again
+    └── ArchiveBusy             another archive run of the same database holds its lock
 
 Database integrity errors become the last two in one place, :mod:`reservations.constraints`, by constraint
 name.
@@ -185,3 +186,12 @@ class ArchiveInterrupted(ReservationError):
         self.partition = partition
         self.why = why
         super().__init__(f"archiving {partition} stopped: {why}")
+
+
+class ArchiveBusy(ReservationError):
+    """Another archive run of this database is under way (it holds the archive lock): two runs would
+    copy and drop the same days (reservations.archive)."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        super().__init__(f"another archive run of {where} is under way (it holds the archive lock)")

@@ -9,12 +9,15 @@ to archived spans only.
 from __future__ import annotations
 
 import csv
+import fcntl
 import gzip
 import hashlib
 import json
 import subprocess
 import sys
 from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import asdict
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -27,7 +30,7 @@ from fencing.engines import make_engine
 from reservations import Inventory, archive, partitions, schema, scope_of
 from reservations.models import sku_history, task_attempts
 from testing.stores import migrate_pg_schema, schema_of
-from testing.support import run
+from testing.support import cli, run
 
 ROOT = Path(__file__).resolve().parent.parent
 # The commit that added revision 0009: the code that ran on it, to run on 0010.
@@ -88,6 +91,20 @@ def refused_write(at_ms: int, highest: int | None = 2) -> sa.Insert:
         sku="WIDGET", at_ms=at_ms, kind="rejected", operation="reserve", token=1,
         on_hand_delta=0, reserved_delta=0, highest_token=highest,
     )  # fmt: skip
+
+
+def archived(url: str, before: datetime, folder: Path, *, dry_run: bool = False) -> list[dict[str, Any]]:
+    """The spans an archive run up to ``before`` made, run as of tomorrow (``now_ms``): what the test
+    wrote through the real code today is a past day's then. The command line refuses the current day
+    (test_the_current_day_and_the_future_are_refused_with_nothing_written)."""
+    engine = make_engine(url)
+    try:
+        report = archive.archive(
+            engine, before_ms=ms(before), to=folder, dry_run=dry_run, now_ms=ms(day_start(1))
+        )
+    finally:
+        engine.dispose()
+    return [asdict(span) for span in report.spans]
 
 
 def archive_file(path: str) -> tuple[list[dict[str, str]], str]:
@@ -219,17 +236,13 @@ def test_archive_round_trip_on_postgresql(pg_inventory: str, engine_of: Any, tmp
         )
         conn.execute(refused_write(ms(two_days_ago) + 1))
     history, attempts = rows(engine, sku_history), rows(engine, task_attempts)
-    before = day_start(1).isoformat()  # the end of today: today's partitions go too
+    end_of_today = day_start(1)  # today's partitions go too
 
-    dry = run("archive", "--before", before, "--to", str(folder), "--dry-run", "--json", env=env)
-    assert dry.returncode == 0, dry.stderr
-    assert [s["rows"] for s in json.loads(dry.stdout)["archived"]] == [1, len(history) - 1, len(attempts)]
+    dry = archived(url, end_of_today, folder, dry_run=True)
+    assert [s["rows"] for s in dry] == [1, len(history) - 1, len(attempts)]
     assert not folder.exists() and rows(engine, sku_history) == history
 
-    done = run("archive", "--before", before, "--to", str(folder), "--json", env=env)
-    assert done.returncode == 0, done.stderr
-    report = json.loads(done.stdout)
-    spans = {s["partition"]: s for s in report["archived"]}
+    spans = {s["partition"]: s for s in archived(url, end_of_today, folder)}
     today = partitions.partition_name("sku_history", day_start(0).date())
     assert list(spans) == [old_day, today, partitions.partition_name("task_attempts", day_start(0).date())]
     assert_archive_holds(spans[old_day], history[:0] + [r for r in history if r[2] < ms(day_start(-1))])
@@ -251,8 +264,7 @@ def test_archive_round_trip_on_postgresql(pg_inventory: str, engine_of: Any, tmp
         lease = leases.acquire(scope_of("GADGET"), ttl=30, holder="host-a:1:task-d")
         inventory.restock(lease, "GADGET", 3, key="restock-2")
     assert run("audit", env=env).returncode == 0
-    again = run("archive", "--before", before, "--to", str(folder), env=env)
-    assert again.returncode == 0 and "nothing to archive" in again.stdout, again.stdout
+    assert archived(url, end_of_today, folder) == []  # nothing more
     assert sorted(p.name for p in folder.iterdir()) == sorted(
         f"{name}{ext}" for name in spans for ext in (".csv.gz", ".json")
     )
@@ -306,12 +318,9 @@ def test_on_sqlite_rows_are_copied_out_then_deleted(sqlite_url: str, engine_of: 
     with pytest.raises(sa.exc.IntegrityError, match="append-only"), engine.begin() as conn:
         conn.execute(sa.delete(sku_history))
 
-    dry = run("archive", "--before", day_start(1).isoformat(), "--to", str(folder), "--dry-run", env=env)
-    assert dry.returncode == 0 and "wrote nothing" in dry.stdout and not folder.exists()
+    assert archived(url, day_start(1), folder, dry_run=True) != [] and not folder.exists()
 
-    done = run("archive", "--before", day_start(1).isoformat(), "--to", str(folder), "--json", env=env)
-    assert done.returncode == 0, done.stderr
-    spans = json.loads(done.stdout)["archived"]
+    spans = archived(url, day_start(1), folder)
     assert [s["table"] for s in spans] == ["sku_history", "task_attempts"]
     assert_archive_holds(spans[0], history)
     assert_archive_holds(spans[1], attempts)
@@ -367,3 +376,131 @@ def test_partitions_are_made_ahead_except_for_a_day_already_in_default(
     assert partitions.prepare_partitions(engine) == []
     with engine.connect() as conn:
         assert sa.inspect(conn).has_table(ahead[3]) and not sa.inspect(conn).has_table(ahead[4])
+
+
+# -- faults: each ends in one line and its exit code, and loses nothing ----------------------------------
+
+
+@contextmanager
+def mounted(where: Path, *options: str) -> Iterator[Path]:
+    """A tmpfs of the test's own at ``where`` (``size=256k``, ``ro``...), unmounted afterwards."""
+    where.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", ",".join(options), "tmpfs", str(where)], capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        pytest.skip(f"no tmpfs of our own here: {done.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", str(where)], check=False)
+
+
+def one_line(stderr: str) -> str:
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr
+    return lines[0]
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def any_url(request: pytest.FixtureRequest) -> str:
+    """A migrated database holding WIDGET, written today through the real code."""
+    url = str(request.getfixturevalue("sqlite_url" if request.param == "sqlite" else "pg_inventory"))
+    with Inventory.from_url(url) as inventory:
+        inventory.add_sku("WIDGET", on_hand=5)
+    return url
+
+
+def test_the_current_day_and_the_future_are_refused_with_nothing_written(
+    any_url: str, engine_of: Any, tmp_path: Path
+) -> None:
+    # Archived, today's partition would leave while rows are still written to the day: they would go to
+    # the default partition, which no run archives; days to come would leave as empty files.
+    folder, env = tmp_path / "archive", {"RESERVATIONS_DATABASE_URL": any_url}
+    history = rows(engine_of(any_url), sku_history)
+    for before in (day_start(0) + timedelta(hours=1), day_start(1), datetime(2099, 1, 1, tzinfo=UTC)):
+        done = run("archive", "--before", before.isoformat(), "--to", str(folder), env=env)
+        assert done.returncode == 2, done.stdout + done.stderr
+        assert "in the current UTC day or later" in one_line(done.stderr)
+    assert not folder.exists() and rows(engine_of(any_url), sku_history) == history
+
+
+def test_a_to_that_cannot_be_written_is_one_line_with_nothing_changed(
+    sqlite_url: str, engine_of: Any, tmp_path: Path
+) -> None:
+    engine, env = engine_of(sqlite_url), {"RESERVATIONS_DATABASE_URL": sqlite_url}
+    with engine.begin() as conn:
+        conn.execute(refused_write(ms(day_start(-2)) + 1))
+    history = rows(engine, sku_history)
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    with mounted(tmp_path / "read-only", "ro", "size=64k") as read_only:
+        for to, says in ((a_file / "archive", "Not a directory"), (read_only, "Read-only file system")):
+            done = run("archive", "--before", "1d", "--to", str(to), env=env)
+            assert done.returncode == 2, done.stdout + done.stderr
+            line = one_line(done.stderr)
+            assert f"--to {to} cannot be written: {says}" in line, line
+    assert rows(engine, sku_history) == history
+    with engine.connect() as conn:
+        assert conn.execute(sa.select(sa.func.count()).select_from(sa.table("sku_checkpoints"))).scalar() == 0
+
+
+def test_a_full_disk_stops_the_run_in_one_line_and_the_next_run_takes_the_day_up(
+    pg_inventory: str, engine_of: Any, tmp_path: Path
+) -> None:
+    # Many rows in a day two days ago: its copy streams far past what the disk holds. The run used to
+    # hang for ever there (the pool's rollback waited on the copy still streaming).
+    engine, env = engine_of(pg_inventory), {"RESERVATIONS_DATABASE_URL": pg_inventory}
+    low = day_start(-2)
+    day = partitions.partition_name("sku_history", low.date())
+    many = 60_000
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                f'CREATE TABLE "{day}" PARTITION OF sku_history'
+                f" FOR VALUES FROM ({ms(low)}) TO ({ms(day_start(-1))})"
+            )
+        )
+        conn.execute(
+            sa.text(
+                "INSERT INTO sku_history (sku, at_ms, kind, operation, token, on_hand_delta, reserved_delta,"
+                " highest_token, holder) SELECT 'WIDGET', :low + i, 'rejected', 'reserve', 1, 0, 0, 2,"
+                " md5(i::text) || md5((i + 1)::text) FROM generate_series(1, :many) i"
+            ),
+            {"low": ms(low), "many": many},
+        )
+    before = day_start(-1).date().isoformat()
+    with mounted(tmp_path / "small", "size=256k") as small:
+        done = cli("archive", "--before", before, "--to", str(small), env=env)  # a subprocess, with a timeout
+        assert done.returncode == 1, done.stdout + done.stderr
+        assert f"archiving {day} stopped: cannot write" in one_line(done.stderr)
+        assert "No space left on device" in done.stderr
+        assert list(small.iterdir()) == []  # the partial file went
+    # The day left the table it was in (detached, its checkpoints written); the next run copies it.
+    again = run("archive", "--before", before, "--to", str(tmp_path / "roomy"), "--json", env=env)
+    assert again.returncode == 0, again.stderr
+    (span,) = json.loads(again.stdout)["archived"]
+    assert (span["partition"], span["rows"], span["resumed"]) == (day, many, True)
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_two_runs_of_one_database_exclude_each_other(
+    backend: str, request: pytest.FixtureRequest, engine_of: Any, tmp_path: Path
+) -> None:
+    url = str(request.getfixturevalue("sqlite_url" if backend == "sqlite" else "pg_inventory"))
+    env, folder = {"RESERVATIONS_DATABASE_URL": url}, tmp_path / "archive"
+    with ExitStack() as held:  # another run's lock, taken as that run takes it
+        if backend == "postgresql":
+            conn = held.enter_context(engine_of(url).connect())
+            key = "hashtext(current_schema() || '.reservations.archive')"
+            conn.execute(sa.text(f"SELECT pg_advisory_lock({key})"))
+            held.callback(conn.execute, sa.text(f"SELECT pg_advisory_unlock({key})"))
+        else:
+            lock = held.enter_context(open(f"{sa.engine.make_url(url).database}.archive-lock", "a"))
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        done = run("archive", "--before", "1d", "--to", str(folder), env=env)
+        assert done.returncode == 1, done.stdout + done.stderr
+        assert "another archive run of" in one_line(done.stderr)
+        assert not folder.exists()
+    done = run("archive", "--before", "1d", "--to", str(folder), env=env)
+    assert done.returncode == 0, done.stderr

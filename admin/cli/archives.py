@@ -4,7 +4,6 @@ sums kept as a checkpoint (reservations.archive). It writes, and says so.
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -18,10 +17,6 @@ from admin.cli.render import out
 from fencing.urls import mask_url
 from reservations import archive as history_archive
 from reservations.errors import InvalidRequest
-
-
-def _iso(ms: int) -> str:
-    return datetime.fromtimestamp(ms / 1000, UTC).isoformat().replace("+00:00", "Z")
 
 
 def _cutoff(text: str) -> int:
@@ -38,8 +33,8 @@ def _span_json(span: history_archive.ArchivedSpan) -> dict[str, Any]:
     return {
         "table": span.table,
         "partition": span.partition,
-        "from": _iso(span.from_ms),
-        "to": _iso(span.to_ms),
+        "from": history_archive.iso(span.from_ms),
+        "to": history_archive.iso(span.to_ms),
         "rows": span.rows,
         "checkpoints": span.checkpoints,
         "file": span.file,
@@ -76,6 +71,14 @@ def archive_command(
     that stopped halfway is taken up by the next. The audit and `reservations tokens` start from the
     checkpoints. On PostgreSQL it also makes the day partitions of the coming week that are missing.
 
+    --before must end by the start of the current UTC day (the database's clock): today's rows are still
+    being written. Two runs of one database exclude each other.
+
+    Exit codes: 0 done (or nothing to do); 1 stopped at a day, whose rows stay in the database or its
+    detached table for the next run (a file could not be written: a full disk), or another run holds the
+    archive lock; 2 bad input (a cutoff today or later, a --to that cannot be made or written); 4 the
+    database does not answer.
+
     JSON: {"before", "dry_run", "archived": [{"table", "partition", "from", "to", "rows", "checkpoints",
     "file", "sha256", "resumed"}], "created_partitions": [...]}
 
@@ -90,7 +93,7 @@ def archive_command(
     if as_json:
         render.emit_json(
             {
-                "before": _iso(report.before_ms),
+                "before": history_archive.iso(report.before_ms),
                 "dry_run": report.dry_run,
                 "archived": [_span_json(s) for s in report.spans],
                 "created_partitions": report.created,
@@ -99,7 +102,7 @@ def archive_command(
         return
     verb = "would archive" if dry_run else "archived"
     for span in report.spans:
-        line = f"{verb} {span.partition}: {span.rows} rows of {_iso(span.from_ms)}"
+        line = f"{verb} {span.partition}: {span.rows} rows of {history_archive.iso(span.from_ms)}"
         if span.table == "sku_history" and not dry_run:
             line += f", {span.checkpoints} SKU checkpoints"
         if span.file is not None:
@@ -109,10 +112,10 @@ def archive_command(
         out.print(line, soft_wrap=True)
     if report.created:
         out.print(f"made partitions ahead: {', '.join(report.created)}", soft_wrap=True)
-    where = mask_url(config.database_url)
+    where, until = mask_url(config.database_url), history_archive.iso(report.before_ms)
     if not report.spans:
-        out.print(f"nothing to archive before {_iso(report.before_ms)} in {where}")
+        out.print(f"nothing to archive before {until} in {where}")
     elif dry_run:
-        out.print(f"dry run: wrote nothing ({len(report.spans)} spans before {_iso(report.before_ms)})")
+        out.print(f"dry run: wrote nothing ({len(report.spans)} spans before {until})")
     else:
         out.print(f"archived {len(report.spans)} spans from {where} to {to}")
