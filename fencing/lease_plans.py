@@ -10,6 +10,7 @@ import logging
 import os
 import random
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -41,6 +42,9 @@ DEFAULT_HISTORY_CAP = 4
 MAX_HISTORY_CAP = 100_000
 DEFAULT_HISTORY_RETENTION = 30 * 24 * 3600.0
 MAX_HISTORY_LIMIT = 10_000
+# Scopes read in one current_many: one pipeline or one statement each (a list of keys that size stays a
+# few hundred kilobytes).
+MAX_SCOPES_READ = 1_000
 
 
 class LeaseCore(Protocol):
@@ -62,6 +66,7 @@ class LeaseCore(Protocol):
     def break_lease(self, scope: str, reason: str) -> Plan[LeaseInfo | None]: ...
     def repair(self, lease: Lease, highest: int) -> Plan[tuple[int, int] | None]: ...
     def current(self, scope: str) -> Plan[LeaseInfo | None]: ...
+    def current_many(self, scopes: list[str]) -> Plan[list[LeaseInfo | None]]: ...
     def history(self, scope: str, limit: int) -> Plan[list[LeaseEvent]]: ...
     def purge_history(self, older_than_ms: int) -> Plan[int]: ...
 
@@ -151,6 +156,13 @@ class LeasePlans:
     def current(self, scope: str) -> Plan[LeaseInfo | None]:
         info: LeaseInfo | None = yield Atomic(self.core.current(validate_scope(scope)))
         return info
+
+    def current_many(self, scopes: Sequence[str]) -> Plan[dict[str, LeaseInfo]]:
+        checked = [validate_scope(scope) for scope in scopes]
+        if not 1 <= len(checked) <= MAX_SCOPES_READ:
+            raise InvalidLeaseRequest(f"read the leases of 1 to {MAX_SCOPES_READ} scopes at a time")
+        found: list[LeaseInfo | None] = yield Atomic(self.core.current_many(checked))
+        return {info.scope: info for info in found if info is not None}
 
     def history(self, scope: str, limit: int) -> Plan[list[LeaseEvent]]:
         if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_HISTORY_LIMIT:

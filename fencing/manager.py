@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager, suppress
 from typing import Any, ClassVar, Generic, TypeVar
 
@@ -173,6 +173,12 @@ class _Shell(Generic[E]):
     @operation
     def current(self, scope: str) -> Plan[LeaseInfo | None]:
         return self.plans.current(scope)
+
+    @operation
+    def current_many(self, scopes: Sequence[str]) -> Plan[dict[str, LeaseInfo]]:
+        """The live leases of up to MAX_SCOPES_READ scopes, by scope, in one round trip (one pipeline, one
+        statement; a Cluster is asked scope by scope); a scope without one is left out."""
+        return self.plans.current_many(scopes)
 
     @operation
     def history(self, scope: str, *, limit: int = 100) -> Plan[list[LeaseEvent]]:

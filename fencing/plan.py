@@ -62,6 +62,16 @@ class ScriptCall:
 
 
 @dataclass(frozen=True, slots=True)
+class ScriptCalls:
+    """One Lua script run over many key sets (``calls``: the keys and args of each), in one round trip
+    where the client pipelines them (one server, a Sentinel-managed primary) and one call after another
+    on a Cluster; the shell answers with the replies, in order. For reads of many scopes at once."""
+
+    source: str
+    calls: tuple[tuple[tuple[str, ...], tuple[str | int, ...]], ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Command:
     """One plain Redis command; the shell answers with its reply."""
 
@@ -73,7 +83,7 @@ Statement: TypeAlias = Executable | Bound
 
 # Everything a plan may yield. A SQL executor refuses the Redis operations and a Redis executor the SQL
 # ones, with a TypeError: a plan is written for one backend's core.
-Op: TypeAlias = Sleep | Alone | Atomic | ScriptCall | Command | Statement
+Op: TypeAlias = Sleep | Alone | Atomic | ScriptCall | ScriptCalls | Command | Statement
 
 # What a plan receives back is the answer to the operation it yielded (rows, a script's reply, a nested
 # plan's result), so it is typed by the plan where it lands rather than here.

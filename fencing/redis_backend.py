@@ -17,7 +17,7 @@ from typing import Any
 from fencing.errors import LeaseBusy, LeaseLost, TokenOverflow
 from fencing.keys import ScopeKeys, scope_keys
 from fencing.lease import MAX_TOKEN, Clock, Lease, LeaseEvent, LeaseInfo, parse_token, validate_token
-from fencing.plan import Command, Plan, ScriptCall
+from fencing.plan import Command, Plan, ScriptCall, ScriptCalls
 from fencing.redis_scripts import ACQUIRE, BREAK, CURRENT, HISTORY, RELEASE, RENEW, REPAIR, Reply
 
 log = logging.getLogger("fencing")
@@ -106,6 +106,15 @@ class RedisLeaseCore:
         return LeaseInfo(
             scope=scope, token=int(reply[0]), holder=reply[1], time_left=max(int(reply[2]), 0) / 1000
         )
+
+    def current_many(self, scopes: list[str]) -> Plan[list[LeaseInfo | None]]:
+        replies = yield ScriptCalls(CURRENT, tuple((self._keys(scope).all, ()) for scope in scopes))
+        return [
+            LeaseInfo(scope=scope, token=int(r[0]), holder=r[1], time_left=max(int(r[2]), 0) / 1000)
+            if r
+            else None
+            for scope, r in zip(scopes, replies, strict=True)
+        ]
 
     def purge_history(self, older_than_ms: int) -> Plan[int]:
         """Each scope's history expires by itself; this only removes the per-scope event streams that

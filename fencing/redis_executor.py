@@ -26,7 +26,19 @@ import redis.cluster
 import redis.sentinel
 from redis.exceptions import NoScriptError
 
-from fencing.plan import Atomic, Command, Op, Plan, ScriptCall, Sleep, T, foreign, run_async, run_sync
+from fencing.plan import (
+    Atomic,
+    Command,
+    Op,
+    Plan,
+    ScriptCall,
+    ScriptCalls,
+    Sleep,
+    T,
+    foreign,
+    run_async,
+    run_sync,
+)
 from fencing.redis_outage import outage, unavailable
 from fencing.redis_topology import RedisTopology
 
@@ -187,6 +199,7 @@ class SyncRedisExecutor:
         self._lock = threading.Lock()  # the renewer thread and the caller's may both be first
         self._sleep = sleep
         self._scripts: dict[str, Any] = {}
+        self._registered: dict[str, Any] = {}  # redis-py's script objects, for pipelines
         # Script calls on one server or a Sentinel-managed primary go straight to a connection.
         self._wire = _Wire(client) if isinstance(client, redis.Redis) else None
 
@@ -207,9 +220,11 @@ class SyncRedisExecutor:
             return self._sleep(op.seconds)
         if isinstance(op, Atomic):
             return self.run(op.plan)
-        if not isinstance(op, ScriptCall | Command):
+        if not isinstance(op, ScriptCall | ScriptCalls | Command):
             raise foreign("Redis", op)
         try:
+            if isinstance(op, ScriptCalls):
+                return self._calls(op)
             if isinstance(op, ScriptCall):
                 script = self._scripts.get(op.source)
                 if self._wire is not None:
@@ -224,6 +239,18 @@ class SyncRedisExecutor:
             if outage(exc):
                 raise unavailable(op, exc) from exc
             raise
+
+    def _calls(self, op: ScriptCalls) -> list[Any]:
+        script = self._registered.get(op.source)
+        if script is None:
+            script = self._registered[op.source] = self.client.register_script(op.source)
+        client = self.client
+        if isinstance(client, redis.cluster.RedisCluster):
+            return [script(keys=keys, args=args) for keys, args in op.calls]
+        pipe = client.pipeline(transaction=False)
+        for keys, args in op.calls:
+            script(keys=keys, args=args, client=pipe)
+        return pipe.execute()
 
     def close(self) -> None:
         if self._wire is not None:
@@ -256,19 +283,30 @@ class AsyncRedisExecutor:
             return await self._sleep(op.seconds)
         if isinstance(op, Atomic):
             return await self.run(op.plan)
-        if not isinstance(op, ScriptCall | Command):
+        if not isinstance(op, ScriptCall | ScriptCalls | Command):
             raise foreign("Redis", op)
         try:
-            if isinstance(op, ScriptCall):
+            if isinstance(op, ScriptCall | ScriptCalls):
                 script = self._scripts.get(op.source)
                 if script is None:
                     script = self._scripts[op.source] = self.client.register_script(op.source)
+                if isinstance(op, ScriptCalls):
+                    return await self._calls(script, op)
                 return await script(keys=op.keys, args=op.args)
             return await self.client.execute_command(*op.args)
         except Exception as exc:
             if outage(exc):
                 raise unavailable(op, exc) from exc
             raise
+
+    async def _calls(self, script: Any, op: ScriptCalls) -> list[Any]:
+        client = self.client
+        if isinstance(client, redis.asyncio.cluster.RedisCluster):
+            return [await script(keys=keys, args=args) for keys, args in op.calls]
+        async with client.pipeline(transaction=False) as pipe:
+            for keys, args in op.calls:
+                await script(keys=keys, args=args, client=pipe)
+            return await pipe.execute()
 
     async def close(self) -> None:
         await self.client.aclose()

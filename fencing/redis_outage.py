@@ -17,7 +17,7 @@ from redis.exceptions import (
 )
 
 from fencing.errors import BackendUnavailable
-from fencing.plan import Command, ScriptCall
+from fencing.plan import Command, ScriptCall, ScriptCalls
 
 # What Redis says "not now" with: the call did not run, and the same call can succeed once a failover, a
 # resharding or a restart is over. redis-py raises a class of its own for the answers it knows, and the
@@ -61,7 +61,7 @@ def outage(exc: BaseException) -> bool:
     return False
 
 
-def unavailable(op: ScriptCall | Command, exc: Exception) -> BackendUnavailable:
+def unavailable(op: ScriptCall | ScriptCalls | Command, exc: Exception) -> BackendUnavailable:
     """What callers hear of ``op`` meeting an outage: the error names the call's kind and the cause."""
     name = "command" if isinstance(op, Command) else "script"
     return BackendUnavailable(backend="redis", operation=name, detail=f"{type(exc).__name__}: {exc}")

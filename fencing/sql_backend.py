@@ -258,6 +258,18 @@ class SqlLeaseCore:
             return None
         return LeaseInfo(scope=scope, token=int(row[0]), holder=row[1], time_left=row[2] / 1000)
 
+    def current_many(self, scopes: list[str]) -> Plan[list[LeaseInfo | None]]:
+        found: Rows = yield sa.select(
+            leases.c.scope, leases.c.token, leases.c.holder, leases.c.expires_ms - db_now_ms()
+        ).where(leases.c.scope.in_(scopes), _live)
+        live = {row[0]: row for row in found.rows}
+        return [
+            LeaseInfo(scope=scope, token=int(row[1]), holder=row[2], time_left=row[3] / 1000)
+            if (row := live.get(scope)) is not None
+            else None
+            for scope in scopes
+        ]
+
     def purge_history(self, older_than_ms: int) -> Plan[int]:
         gone: Rows = yield (
             sa.delete(lease_events)

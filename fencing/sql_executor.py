@@ -18,6 +18,7 @@ from fencing.plan import (
     Op,
     Plan,
     ScriptCall,
+    ScriptCalls,
     Sleep,
     T,
     foreign,
@@ -59,7 +60,7 @@ class SyncSqlExecutor:
                 return self.run(op.plan)
             if isinstance(op, Alone):
                 return self._alone(op)
-            if isinstance(op, ScriptCall | Command):
+            if isinstance(op, ScriptCall | ScriptCalls | Command):
                 raise foreign("SQL", op)
             if conn is None:
                 try:
@@ -132,7 +133,7 @@ class AsyncSqlExecutor:
                 return await self.run(op.plan)
             if isinstance(op, Alone):
                 return await self._alone(op)
-            if isinstance(op, ScriptCall | Command):
+            if isinstance(op, ScriptCall | ScriptCalls | Command):
                 raise foreign("SQL", op)
             if conn is None:
                 try:

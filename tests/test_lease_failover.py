@@ -566,6 +566,11 @@ def test_leases_on_every_master(cluster: ClusterTopology) -> None:
             assert [e.event for e in leases.history(scope)][-3:] == ["repaired", "acquired", "broken"]
             node = next(n for n in cluster.nodes if n.port == port)
             assert node.ask("HGET", scope_keys(prefix, scope).state, "token") == str(third.token)
+        # Many scopes at once, whichever master serves each: the live ones, by scope.
+        spread = list(scopes_on_every_master(cluster, prefix).values())
+        held = {scope: leases.acquire(scope, ttl=TTL, holder="many") for scope in spread[1:]}
+        found = leases.current_many([*spread, "sku:never"])
+        assert {s: i.token for s, i in found.items()} == {s: lease.token for s, lease in held.items()}
         assert leases.purge_history() == 0
 
 
@@ -577,6 +582,8 @@ async def test_async_leases_on_every_master(cluster: ClusterTopology) -> None:
             await leases.renew(lease)
             await leases.release(lease)
             assert (await leases.acquire(scope, ttl=TTL, holder="w1")).token == lease.token + 1
+        found = await leases.current_many(list(scopes_on_every_master(cluster, prefix).values()))
+        assert len(found) == len(cluster.nodes)
 
 
 @dataclass

@@ -26,7 +26,7 @@ from fencing import (
 from fencing.engines import make_engine
 from fencing.keys import scope_keys
 from fencing.lease import new_lease_id
-from fencing.lease_plans import renewal_verdict
+from fencing.lease_plans import MAX_SCOPES_READ, renewal_verdict
 from fencing.manager import DEFAULT_HISTORY_CAP, DEFAULT_HISTORY_RETENTION
 from fencing.plan import Bound, Command, Op, Plan, ScriptCall, run_sync
 from fencing.redis_executor import AsyncRedisExecutor, SyncRedisExecutor
@@ -104,6 +104,33 @@ def test_release_is_by_lease_id_only(manager: LeaseManager) -> None:
     assert info is not None and info.token == lease.token
     manager.release(lease)
     assert manager.current("sku:A") is None
+
+
+def test_the_live_leases_of_many_scopes_are_read_at_once(manager: LeaseManager) -> None:
+    held = {scope: manager.acquire(scope, ttl=5, holder=f"w-{scope}") for scope in ("sku:A", "sku:C")}
+    released = manager.acquire("sku:B", ttl=5, holder="w-B")
+    manager.release(released)
+    broken = manager.acquire("sku:D", ttl=5, holder="w-D")
+    manager.break_lease("sku:D", reason="operator")
+    scopes = ["sku:A", "sku:B", "sku:C", "sku:D", *(f"sku:idle-{n}" for n in range(300))]
+    found = manager.current_many(scopes)
+    assert {scope: (info.token, info.holder) for scope, info in found.items()} == {
+        scope: (lease.token, lease.holder) for scope, lease in held.items()
+    }
+    assert all(0 < info.time_left <= 5 for info in found.values())
+    assert broken.scope not in found
+    with pytest.raises(InvalidLeaseRequest):
+        manager.current_many(["sku:A", "bad\nscope"])
+    with pytest.raises(InvalidLeaseRequest):
+        manager.current_many([])
+    with pytest.raises(InvalidLeaseRequest):
+        manager.current_many([f"sku:{n}" for n in range(MAX_SCOPES_READ + 1)])
+
+
+async def test_the_async_shell_reads_many_scopes_at_once_too(async_manager: AsyncLeaseManager) -> None:
+    lease = await async_manager.acquire("sku:A", ttl=5, holder="w1")
+    found = await async_manager.current_many(["sku:A", "sku:B"])
+    assert list(found) == ["sku:A"] and found["sku:A"].token == lease.token
 
 
 def test_lost_lease_is_sticky(manager: LeaseManager) -> None:

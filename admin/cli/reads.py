@@ -14,6 +14,7 @@ from admin.cli.context import lease_url_shown
 from admin.cli.failures import EXIT_FAILED, errors
 from admin.cli.options import JsonFlag, Limit, OneSku, Since, SkuOption, one_sku, parse_since, the_sku
 from admin.cli.render import out
+from fencing.lease_plans import MAX_SCOPES_READ
 from reservations import validation as valid
 from reservations.acceptance import accepted
 from reservations.errors import InvalidRequest, UnknownReservation
@@ -73,17 +74,21 @@ def leases(sku_argument: OneSku = None, sku_option: SkuOption = None, as_json: J
     with errors(), context.inventory() as inventory, context.leases() as coordinator:
         skus = [valid.sku(sku)] if sku is not None else [s.sku for s in inventory.all_stock()]
         rows: list[dict[str, Any]] = []
-        for name in skus:
-            info = coordinator.current(valid.scope_of(name))
-            if info is not None:
-                rows.append(
-                    {
-                        "sku": name,
-                        "token": info.token,
-                        "holder": info.holder,
-                        "time_left": round(info.time_left, 3),
-                    }
-                )
+        # A round trip per MAX_SCOPES_READ SKUs (one pipeline, or one statement), not one per SKU.
+        for start in range(0, len(skus), MAX_SCOPES_READ):
+            names = skus[start : start + MAX_SCOPES_READ]
+            found = coordinator.current_many([valid.scope_of(name) for name in names])
+            for name in names:
+                info = found.get(valid.scope_of(name))
+                if info is not None:
+                    rows.append(
+                        {
+                            "sku": name,
+                            "token": info.token,
+                            "holder": info.holder,
+                            "time_left": round(info.time_left, 3),
+                        }
+                    )
     if as_json:
         render.emit_json(rows)
         return
