@@ -289,3 +289,17 @@ def keep(request: Request, look_after: float) -> Plan[None]:
             },
         )
     )
+
+
+def unfinished() -> Plan[tuple[int, float | None]]:
+    """How many recorded requests have no outcome yet, and the age in seconds of the oldest of them (the
+    database's clock): what an operator's alert on stuck requests reads. A record the relay has not closed
+    yet but whose outcome exists is finished."""
+    open_records = (
+        sa.select(sa.func.count(), sa.func.min(_T.c.at_ms), db_now_ms())
+        .select_from(_T.outerjoin(request_outcomes, request_outcomes.c.key == _T.c.key))
+        .where(_T.c.next_look_ms.is_not(None), request_outcomes.c.key.is_(None))
+    )
+    found: Rows = yield Alone(open_records)
+    count, oldest, now = found.rows[0]
+    return int(count), None if oldest is None else max(0.0, (now - oldest) / 1000)

@@ -119,3 +119,19 @@ def prepare_partitions(engine: sa.Engine, *, days_ahead: int = DAYS_AHEAD) -> li
                 )
                 created.append(name)
     return created
+
+
+def default_rows(engine: sa.Engine) -> dict[str, int]:
+    """Rows in each table's DEFAULT partition (PostgreSQL; none on SQLite): rows dated where no day
+    partition was (a clock set far off, a day archived before), readable and counted but never archived."""
+    if engine.dialect.name != "postgresql":
+        return {table.name: 0 for table in TABLES}
+    with engine.connect() as conn:
+        return {
+            table.name: int(
+                conn.execute(
+                    sa.select(sa.func.count()).select_from(sa.table(f"{table.name}_default"))
+                ).scalar_one()
+            )
+            for table in TABLES
+        }

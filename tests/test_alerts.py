@@ -235,9 +235,10 @@ def measure(expr: str) -> str:
 def test_alerts_see_the_first_stale_write_and_dead_letter_after_a_start(observed: Observed) -> None:
     server, run = observed.prometheus, observed.run
     rules = {rule["name"]: rule["query"] for rule in server.rules()}
-    assert {"StaleWritesRising", "DeadLetters", "LeasesLostOften", "HotSkuBacklog", "ApiOverloaded"} <= set(
-        rules
-    )
+    expected = {"StaleWriteSeen", "StaleWritesRising", "DeadLetters", "LeasesLostOften", "HotSkuBacklog"}
+    expected |= {"ApiOverloaded", "LeaseBackendDown", "BrokerDown", "RequestsStuck"}
+    expected |= {"HistoryInDefaultPartition"}
+    assert expected <= set(rules)
 
     # Before any request: every alert's measure is a series already (NaN where it divides 0 by 0), read
     # from label values each worker created at 0 when it started.
@@ -279,13 +280,14 @@ def test_alerts_see_the_first_stale_write_and_dead_letter_after_a_start(observed
 
     def raised() -> dict[str, str] | None:
         active = server.alerts()
-        return active if {"DeadLetters", "LeasesLostOften"} <= set(active) else None
+        return active if {"DeadLetters", "LeasesLostOften", "StaleWriteSeen"} <= set(active) else None
 
     try:
         active = wait_until(raised, timeout=TIMEOUT, what="the alerts on the first events")
     except TimeoutError:
         raise AssertionError(f"active alerts: {server.alerts()}") from None
     assert active["DeadLetters"] == "firing"  # for: 0m
+    assert active["StaleWriteSeen"] == "firing"  # the first stale write shows, at info severity
     assert active["LeasesLostOften"] in ("pending", "firing")  # 1 lost of 3 acquired, held for 15m
     # One refused write is below the stale-write threshold, but its rate is not 0.
     ((_, rate),) = server.query(measure(rules["StaleWritesRising"]))

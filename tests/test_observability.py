@@ -21,13 +21,17 @@ from typing import Any
 
 import pytest
 import redis
+import sqlalchemy as sa
 from celery.events.state import State
 from prometheus_client.parser import text_string_to_metric_families
 
 from fencing import LeaseManager
-from reservations import schema
+from reservations import Inventory, schema
+from reservations.acceptance import record
+from reservations.models import sku_history
 from reservations.requests import request_id
 from tasks.logs import use_json_on_stderr
+from tasks.sending import request_of
 from testing.compose import resolved
 from testing.harness import free_port, wait_until
 from testing.observed import (
@@ -40,6 +44,8 @@ from testing.observed import (
     stale_write,
 )
 from testing.redis_servers import RedisServer, redis_server
+from testing.stores import migrate_pg_schema, schema_of
+from testing.support import run
 
 pytestmark = pytest.mark.slow
 
@@ -402,6 +408,47 @@ def test_the_exporter_reads_refusals_outcomes_and_queues_from_the_database(runni
     finally:
         server.terminate()
         server.wait(timeout=10)
+
+
+def test_the_exporter_counts_requests_without_an_outcome_default_rows_and_asks_the_backends(
+    pg_url: str,
+) -> None:
+    """What an operator's alerts on stuck requests, stray history and the backends read: a request
+    recorded and never published, a history row dated where no day partition is (DEFAULT), the lease
+    backend (the database's SQL leases) answering and a broker that does not."""
+    migrate_pg_schema(schema_of(pg_url))
+    with Inventory.from_url(pg_url) as inventory:
+        inventory.add_sku("OBS-U", on_hand=3)
+        inventory.executor.run(
+            record([request_of("reserve", "obs-unfinished", {"sku": "OBS-U", "quantity": 1})], 10)
+        )
+        with inventory.executor.engine.begin() as conn:  # 2100-01-01: no day partition, so DEFAULT
+            conn.execute(
+                sa.insert(sku_history).values(
+                    sku="OBS-U", at_ms=4_102_444_800_000, kind="rejected", operation="reserve", token=1,
+                    on_hand_delta=0, reserved_delta=0, highest_token=2,
+                )
+            )  # fmt: skip
+    env = {"RESERVATIONS_DATABASE_URL": pg_url, "RESERVATIONS_BROKER_URL": "redis://127.0.0.1:9/0"}
+    done = run("metrics", "--once", env=env)
+    assert done.returncode == 0, done.stderr
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(done.stdout)
+        for s in family.samples
+    }
+    assert sample(samples, "reservations_db_up") == 1
+    assert sample(samples, "reservations_db_unfinished_requests") == 1
+    assert sample(samples, "reservations_db_oldest_unfinished_request_age_seconds") > 0
+    assert sample(samples, "reservations_db_default_partition_rows", table="sku_history") == 1
+    assert sample(samples, "reservations_db_default_partition_rows", table="task_attempts") == 0
+    assert sample(samples, "reservations_db_lease_backend_up") == 1
+    assert sample(samples, "reservations_db_broker_up") == 0
+    # Its outcome recorded, the request is finished, whether or not the relay closed its record yet.
+    with Inventory.from_url(pg_url) as inventory:
+        inventory.record_outcome("obs-unfinished", "reserve", "invalid", {"error": "test"}, epochs=0)
+    again = run("metrics", "--once", env=env)
+    assert "reservations_db_unfinished_requests 0.0" in again.stdout, again.stdout
 
 
 # -- compose ---------------------------------------------------------------------------------------------
