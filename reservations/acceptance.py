@@ -28,8 +28,9 @@ from fencing.plan import Alone, Plan
 from fencing.sql import Rows, db_now_ms
 from reservations import validation as valid
 from reservations.errors import InvalidRequest, KeyTaken
-from reservations.models import accepted_requests, pending_reservations, request_outcomes
+from reservations.models import accepted_requests, pending_reservations, request_outcomes, task_attempts
 from reservations.requests import RequestResult, request_outcome
+from reservations.statuses import RequestStatus
 
 _T = accepted_requests
 
@@ -303,3 +304,102 @@ def unfinished() -> Plan[tuple[int, float | None]]:
     found: Rows = yield Alone(open_records)
     count, oldest, now = found.rows[0]
     return int(count), None if oldest is None else max(0.0, (now - oldest) / 1000)
+
+
+# -- browsing the recorded requests ----------------------------------------------------------------------
+
+# The states of a recorded request without an outcome: nobody made an attempt at it yet (queued, or lost
+# and about to be published again), or a worker did and it retries. With an outcome, its status.
+PENDING, RETRYING = "pending", "retrying"
+# Views over those: every request without an outcome, and those of them older than a bound.
+IN_FLIGHT, STUCK = "in-flight", "stuck"
+VIEWS = (PENDING, RETRYING, IN_FLIGHT, STUCK)
+MAX_LISTED = 10_000
+
+
+@dataclass(frozen=True)
+class Listed:
+    """One recorded request as a list shows it: its state (an outcome's status, else pending or
+    retrying), when it was accepted and ended (seconds since the epoch), its attempts and publications."""
+
+    key: str
+    operation: str
+    caller: str | None
+    state: str
+    accepted_at: float
+    ended_at: float | None
+    attempts: int
+    publishes: int
+    deadline: float | None
+
+
+def listed(
+    *,
+    state: str | None = None,
+    operation: str | None = None,
+    since_ms: int | None = None,
+    stuck_after: float = 600.0,
+    after: str | None = None,
+    limit: int = 100,
+) -> Plan[list[Listed]]:
+    """Recorded requests, newest accepted first, at most ``limit``: those in ``state`` (an outcome's
+    status, or one of VIEWS; STUCK is without an outcome ``stuck_after`` seconds after its acceptance,
+    by the database's clock), of ``operation``, accepted since ``since_ms``; after the key ``after`` (the
+    last of the previous page). Each row's attempts are counted by key through the attempts' index."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LISTED:
+        raise InvalidRequest(f"the limit must be a whole number from 1 to {MAX_LISTED}", field="limit")
+    outcome = request_outcomes
+    tried = sa.select(task_attempts.c.key).where(task_attempts.c.key == _T.c.key).exists()
+    attempts = sa.select(sa.func.count()).where(task_attempts.c.key == _T.c.key).scalar_subquery()
+    open_ = outcome.c.key.is_(None)
+    query = (
+        sa.select(
+            _T.c.key,
+            _T.c.operation,
+            _T.c.caller,
+            outcome.c.status,
+            _T.c.at_ms,
+            outcome.c.at_ms,
+            attempts,
+            _T.c.publishes,
+            _T.c.deadline_ms,
+        )
+        .select_from(_T.outerjoin(outcome, outcome.c.key == _T.c.key))
+        .order_by(_T.c.at_ms.desc(), _T.c.key.desc())
+        .limit(limit)
+    )
+    if state == PENDING:
+        query = query.where(open_, ~tried)
+    elif state == RETRYING:
+        query = query.where(open_, tried)
+    elif state == IN_FLIGHT:
+        query = query.where(open_)
+    elif state == STUCK:
+        query = query.where(open_, _T.c.at_ms < db_now_ms() - round(stuck_after * 1000))
+    elif state is not None:
+        if state not in set(RequestStatus):
+            known = ", ".join([*VIEWS, *sorted(RequestStatus)])
+            raise InvalidRequest(f"unknown state {state!r}: one of {known}", field="state")
+        query = query.where(outcome.c.status == state)
+    if operation is not None:
+        query = query.where(_T.c.operation == operation)
+    if since_ms is not None:
+        query = query.where(_T.c.at_ms >= since_ms)
+    if after is not None:
+        mark = sa.select(_T.c.at_ms).where(_T.c.key == valid.idempotency_key(after)).scalar_subquery()
+        query = query.where(sa.tuple_(_T.c.at_ms, _T.c.key) < sa.tuple_(mark, after))
+    found: Rows = yield Alone(query)
+    return [
+        Listed(
+            key=key,
+            operation=op,
+            caller=caller,
+            state=status if status is not None else (RETRYING if tries else PENDING),
+            accepted_at=at / 1000,
+            ended_at=None if ended is None else ended / 1000,
+            attempts=int(tries),
+            publishes=int(publishes),
+            deadline=_ms(deadline),
+        )
+        for key, op, caller, status, at, ended, tries, publishes, deadline in found.rows
+    ]

@@ -20,15 +20,18 @@ from typing import Any
 
 import pytest
 import redis
+import sqlalchemy as sa
 
 from reservations import Inventory
-from reservations.acceptance import Accepted, Due, accepted
+from reservations.acceptance import Accepted, Due, accepted, record
+from reservations.models import accepted_requests
 from reservations.requests import RequestResult, request_id
 from tasks import ReservationClient, Settings, create_app
 from tasks.messages import CURRENT_FORMAT
 from tasks.metrics import ENQUEUED_AT
 from tasks.producer import Producer
 from tasks.relay import MOST_SPACING, Action, Relay, decide, ending, relay_of, spacing
+from tasks.sending import request_of
 from testing.harness import wait_until
 from testing.redis_servers import RedisServer, redis_server
 from testing.support import queued_messages
@@ -393,3 +396,58 @@ def test_a_library_caller_cannot_take_a_redrive_s_key(tmp_path: Path, migrated_s
     settings = Settings(broker_url="redis://127.0.0.1:9/0", database_url=f"sqlite:///{migrated_sqlite}")
     with ReservationClient(create_app(settings)) as client, pytest.raises(InvalidRequest, match="re-drive"):
         client.enqueue_reservation_sync("W", 1, idempotency_key="order-7~redrive-1")
+
+
+def test_requests_lists_each_recorded_request_in_its_state_a_page_at_a_time(inventory_url: str) -> None:
+    """Recorded requests in every state an operator asks about: pending (no attempt yet), retrying, an
+    old one stuck without an outcome, and ended ones; each view and each page lists exactly its own."""
+    made = {
+        "r-pending": ("reserve", None, False),
+        "r-retrying": ("reserve", None, True),
+        "r-reserved": ("reserve", "reserved", True),
+        "r-dead": ("restock", "dead_lettered", True),
+        "r-stuck": ("reserve", None, False),
+    }
+    with Inventory.from_url(inventory_url) as inventory:
+        requests = [request_of(op, key, {"sku": "W", "quantity": 1}) for key, (op, _, _) in made.items()]
+        inventory.executor.run(record(requests, 10))
+        for key, (op, status, tried) in made.items():
+            if tried:
+                inventory.record_attempt(key, op, "transient", task_id=f"t-{key}", worker="w1")
+            if status is not None:
+                inventory.record_outcome(key, op, status, {"reason": "test"}, epochs=0)
+        # Accepted a second apart, newest first in the order above; the last an hour before the others.
+        with inventory.executor.engine.begin() as conn:
+            base = conn.execute(sa.select(sa.func.max(accepted_requests.c.at_ms))).scalar_one()
+            for n, key in enumerate(made):
+                back = 3_600_000 if key == "r-stuck" else n * 1000
+                conn.execute(
+                    sa.update(accepted_requests)
+                    .where(accepted_requests.c.key == key)
+                    .values(at_ms=base - back)
+                )
+    env = {"RESERVATIONS_DATABASE_URL": inventory_url}
+
+    def keys(*args: str) -> list[str]:
+        done = cli("requests", *args, "--json", env=env)
+        assert done.returncode == 0, done.stderr
+        return [row["key"] for row in json.loads(done.stdout)]
+
+    assert keys() == list(made)
+    everything = json.loads(cli("requests", "--json", env=env).stdout)
+    assert [(r["state"], r["attempts"]) for r in everything] == [
+        ("pending", 0), ("retrying", 1), ("reserved", 1), ("dead_lettered", 1), ("pending", 0)
+    ]  # fmt: skip
+    assert keys("--state", "pending") == ["r-pending", "r-stuck"]
+    assert keys("--state", "retrying") == ["r-retrying"]
+    assert keys("--state", "in-flight") == ["r-pending", "r-retrying", "r-stuck"]
+    assert keys("--state", "stuck") == ["r-stuck"]  # no outcome for more than 600 s
+    assert keys("--state", "dead_lettered") == ["r-dead"]
+    assert keys("--operation", "restock") == ["r-dead"]
+    assert keys("--limit", "2") == ["r-pending", "r-retrying"]
+    assert keys("--limit", "2", "--after", "r-retrying") == ["r-reserved", "r-dead"]
+    assert keys("--after", "r-dead") == ["r-stuck"]
+    refused = cli("requests", "--state", "lost", env=env)
+    assert refused.returncode == 2 and "unknown state 'lost'" in refused.stderr, refused.stderr
+    shown = cli("requests", "--limit", "2", env=env, columns=200)
+    assert "next page: --after r-retrying" in shown.stdout, shown.stdout

@@ -89,6 +89,7 @@ def _root(
 # The commands in the order the help lists them: reads, then writes, then the scenario runs.
 app.command("tokens")(reads.tokens)
 app.command("leases")(reads.leases)
+app.command("requests")(reads.requests)
 app.command("stock")(reads.stock)
 app.command("rejections")(reads.rejections)
 app.command("show")(reads.show)

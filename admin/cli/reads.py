@@ -12,11 +12,21 @@ from rich.table import Table
 from admin.cli import context, render
 from admin.cli.context import lease_url_shown
 from admin.cli.failures import EXIT_FAILED, errors
-from admin.cli.options import JsonFlag, Limit, OneSku, Since, SkuOption, one_sku, parse_since, the_sku
+from admin.cli.options import (
+    JsonFlag,
+    Limit,
+    OneSku,
+    Since,
+    SkuOption,
+    one_sku,
+    parse_since,
+    seconds,
+    the_sku,
+)
 from admin.cli.render import out
 from fencing.lease_plans import MAX_SCOPES_READ
 from reservations import validation as valid
-from reservations.acceptance import accepted
+from reservations.acceptance import accepted, listed
 from reservations.errors import InvalidRequest, UnknownReservation
 from reservations.redrives import REDRIVE_MARK
 from reservations.timeline import epochs
@@ -227,6 +237,61 @@ def dead_letters(
     out.print(render.dead_letters_table(found))
     ready = sum(d.redrivable for d in found)
     out.print(f"{len(found)} dead-lettered request(s), {ready} can be re-driven (reservations redrive)")
+
+
+def requests(
+    state: Annotated[
+        str | None,
+        typer.Option(
+            "--state",
+            help="pending, retrying, in-flight (no outcome yet), stuck (no outcome past --stuck-after), or "
+            "an outcome's status (reserved, dead_lettered, expired...).",
+        ),
+    ] = None,
+    operation: Annotated[str | None, typer.Option(help="Only this operation (reserve, confirm...).")] = None,
+    since: Since = None,
+    stuck_after: Annotated[
+        float, seconds("--stuck-after", 1, 30 * 24 * 3600, "With --state stuck: seconds without an outcome.")
+    ] = 600.0,
+    after: Annotated[
+        str | None, typer.Option(help="The next page: the key of the previous page's last row.")
+    ] = None,
+    limit: Limit = 100,
+    as_json: JsonFlag = False,
+) -> None:
+    """The recorded requests, newest accepted first: key, operation, state (an outcome's status, or
+    pending / retrying while none), when accepted and ended, attempts and publications. --state stuck
+    lists those without an outcome for longer than --stuck-after; --after KEY gives the next page.
+
+    JSON: [{"key", "operation", "caller", "state", "accepted_at", "ended_at", "attempts", "publishes",
+    "deadline"}] (times in ISO 8601, UTC)
+
+    Example: reservations requests --state stuck
+
+    Example: reservations requests --state dead_lettered --since 1d --limit 50
+    """
+    with errors():
+        starting = parse_since(since)
+        with context.inventory() as inventory:
+            found = inventory.executor.run(
+                listed(
+                    state=state,
+                    operation=operation,
+                    since_ms=None if starting is None else round(starting * 1000),
+                    stuck_after=stuck_after,
+                    after=after,
+                    limit=limit,
+                )
+            )
+    if as_json:
+        render.emit_json(render.requests_json(found))
+        return
+    if not found:
+        out.print("no request" + (f" {state}" if state else "") + (f" since {since}" if since else ""))
+        return
+    out.print(render.requests_table(found))
+    more = f"; next page: --after {found[-1].key}" if len(found) == limit else ""
+    out.print(f"{len(found)} request(s){more}", soft_wrap=True)
 
 
 def _is_key(text: str) -> bool:

@@ -14,7 +14,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from reservations.acceptance import Accepted
+from reservations.acceptance import Accepted, Listed
 from reservations.audit import Violation
 from reservations.redrives import DeadLetter, RedriveLink
 from reservations.requests import Attempt, RequestResult
@@ -356,6 +356,40 @@ def dead_letters_table(found: Iterable[DeadLetter]) -> Table:
         )
         table.add_row(
             d.key, d.operation, arguments, d.reason, when(d.at), holder_shown(d.worker), _redriven_cell(d)
+        )
+    return table
+
+
+def requests_json(found: Iterable[Listed]) -> list[dict[str, Any]]:
+    return [
+        {
+            "key": r.key,
+            "operation": r.operation,
+            "caller": r.caller,
+            "state": r.state,
+            "accepted_at": iso(r.accepted_at),
+            "ended_at": iso(r.ended_at),
+            "attempts": r.attempts,
+            "publishes": r.publishes,
+            "deadline": iso(r.deadline),
+        }
+        for r in found
+    ]
+
+
+def requests_table(found: Iterable[Listed]) -> Table:
+    table = Table(title="Requests, newest accepted first", title_justify="left")
+    table.add_column("key", overflow="fold", max_width=32)
+    table.add_column("operation")
+    table.add_column("state", overflow="fold")
+    table.add_column("accepted (UTC)")
+    table.add_column("ended (UTC)")
+    table.add_column("attempts", justify="right")
+    table.add_column("published", justify="right")
+    for r in found:
+        ended = when(r.ended_at) if r.ended_at is not None else "-"
+        table.add_row(
+            r.key, r.operation, r.state, when(r.accepted_at), ended, str(r.attempts), str(r.publishes)
         )
     return table
 
