@@ -70,7 +70,12 @@ def lost_ownership(
 def dead_lettered(message: Message, reason: str, who: dict[str, Any], **facts: Any) -> None:
     """Log a request dead-lettered for ``reason``; ``facts``: the fencing fields known (the lost lease's,
     the busy lease's holder and token)."""
-    fields = fencing_fields(task_id=who.get("task_id"), epoch=message.counts["epoch"], **facts)
+    # The SKU a single-SKU request names, where no lease's scope says it (the backend stayed down, the
+    # lease client could not be built); an order's SKUs are its lines'.
+    sku = message.args.get("sku") if "sku" not in facts and "scope" not in facts else None
+    fields = fencing_fields(
+        task_id=who.get("task_id"), epoch=message.counts["epoch"], **({"sku": sku} if sku else {}), **facts
+    )
     log.warning(
         "request %s (%s) dead-lettered in task %s: %s",
         message.key,

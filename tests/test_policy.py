@@ -6,6 +6,7 @@ attempt acts on it.
 
 from __future__ import annotations
 
+import logging
 import random
 
 import pytest
@@ -21,6 +22,8 @@ from reservations import (
     UnknownSku,
 )
 from reservations.statuses import RequestStatus
+from tasks import observe
+from tasks.messages import parse
 from tasks.policy import TRANSIENT_CEILING, Again, Final, HandOff, Limits, decide
 
 LIMITS = Limits(busy=3, epochs=5, transient=4)
@@ -119,3 +122,13 @@ def test_anything_else_is_a_bug_and_still_ends_the_request_dead_lettered() -> No
     assert decide(bug, counts(), LIMITS) == Final(
         RequestStatus.DEAD_LETTERED, {"reason": "unexpected error", "error": repr(bug)}
     )
+
+
+def test_a_dead_letter_without_a_lease_still_names_its_sku(caplog: pytest.LogCaptureFixture) -> None:
+    """A request dead-lettered before any lease was taken (its backend stayed down) logs the SKU its
+    message names, so that a log query by SKU finds it; one that met a lease logs the lease's."""
+    restock = parse("restock", (), {"sku": "W-1", "quantity": 1, "idempotency_key": "k"})
+    with caplog.at_level(logging.WARNING, logger="tasks"):
+        observe.dead_lettered(restock, "backend unavailable: refused", {"task_id": "t", "worker": "w"})
+        observe.dead_lettered(restock, "lease busy", {"task_id": "t"}, scope="sku:W-2", token=3)
+    assert [record.sku for record in caplog.records] == ["W-1", "W-2"]  # type: ignore[attr-defined]
