@@ -12,9 +12,10 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
+import os
 import sys
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from contextvars import ContextVar
 from typing import IO, Any
 
@@ -26,6 +27,8 @@ __all__ = [
     "JsonFormatter",
     "RequestFields",
     "bound",
+    "celery_says_json",
+    "dict_config",
     "fencing_fields",
     "json_wanted",
     "note",
@@ -146,6 +149,40 @@ def say(
         record.__dict__.update(fields)
         message = JsonFormatter().format(record)
     print(message, file=stream or sys.__stderr__ or sys.stderr, flush=True)
+
+
+def dict_config(level: str = "INFO") -> dict[str, Any]:
+    """A ``logging.config.dictConfig`` that writes every record as JSON on stderr, for processes that
+    configure logging from a dict (uvicorn's ``log_config``): its loggers and the root, which the service
+    logs through."""
+    handler = {"class": "logging.StreamHandler", "formatter": "json", "filters": ["request"]}
+    own = {"handlers": ["stderr"], "level": level, "propagate": False}
+    return {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "formatters": {"json": {"()": JsonFormatter}},
+        "filters": {"request": {"()": RequestFields}},
+        "handlers": {"stderr": {**handler, "stream": "ext://sys.stderr"}},
+        "loggers": {"uvicorn": own, "uvicorn.access": own},
+        "root": {"handlers": ["stderr"], "level": level},
+    }
+
+
+def celery_says_json() -> None:
+    """Celery's worker writes a few lines past logging, from its signal handlers ("worker: Warm shutdown
+    (MainProcess)"): with JSON logs, each is a JSON object too. Written as Celery writes them, with one
+    ``os.write`` and no lock (a signal may arrive while a logging lock is held)."""
+    import celery.apps.worker
+
+    def safe_say(message: str, f: IO[str] | None = sys.__stderr__) -> None:
+        stream = f or sys.__stderr__
+        record = logging.LogRecord("celery.worker", logging.WARNING, "", 0, message, None, None)
+        line = JsonFormatter().format(record) + "\n"
+        if stream is not None and stream.fileno() is not None:
+            with suppress(OSError):
+                os.write(stream.fileno(), line.encode())
+
+    celery.apps.worker.safe_say = safe_say
 
 
 def warnings_as_json() -> None:

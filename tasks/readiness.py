@@ -32,7 +32,7 @@ from fencing.urls import mask_url
 from reservations import schema
 from tasks import failpoints
 from tasks.connections import client_options
-from tasks.logs import json_wanted, say, warnings_as_json
+from tasks.logs import celery_says_json, json_wanted, say, warnings_as_json
 from tasks.settings import Settings
 from tasks.variables import SettingsError
 
@@ -142,6 +142,7 @@ def refuse_bad_settings() -> None:
     traceback from wherever Celery first reads its configuration."""
     if json_wanted():  # from the first line on, before Celery sets up its logging
         warnings_as_json()
+        celery_says_json()
     try:
         settings = Settings.from_env()
     except SettingsError as exc:

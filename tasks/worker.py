@@ -24,6 +24,7 @@ from celery.signals import (
     worker_ready,
     worker_shutdown,
 )
+from celery.utils.log import get_multiprocessing_logger
 
 from fencing import LeaseManager
 from fencing.sql_executor import SyncSqlExecutor
@@ -209,7 +210,8 @@ def _log_format(logger: logging.Logger | None = None, **_: Any) -> None:
     """Celery has set up a worker's or beat's log handlers: with RESERVATIONS_LOG_FORMAT=json they write
     one JSON object per line, with each record's fields (:mod:`tasks.logs`)."""
     if logger is not None and settings_of(current_app).log_format == "json":
-        use_json(logger.handlers)
+        # The pool's logger (billiard's: a child that exited, was lost) has handlers of its own.
+        use_json([*logger.handlers, *get_multiprocessing_logger().handlers])
 
 
 @celeryd_after_setup.connect

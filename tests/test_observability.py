@@ -32,6 +32,7 @@ from reservations.models import sku_history
 from reservations.requests import request_id
 from tasks.logs import use_json_on_stderr
 from tasks.sending import request_of
+from testing.celery_processes import worker_env
 from testing.compose import resolved
 from testing.harness import free_port, wait_until
 from testing.observed import (
@@ -44,6 +45,7 @@ from testing.observed import (
     stale_write,
 )
 from testing.redis_servers import RedisServer, redis_server
+from testing.service_process import front_door
 from testing.stores import migrate_pg_schema, schema_of
 from testing.support import run
 
@@ -449,6 +451,51 @@ def test_the_exporter_counts_requests_without_an_outcome_default_rows_and_asks_t
         inventory.record_outcome("obs-unfinished", "reserve", "invalid", {"error": "test"}, epochs=0)
     again = run("metrics", "--once", env=env)
     assert "reservations_db_unfinished_requests 0.0" in again.stdout, again.stdout
+
+
+def test_the_front_door_and_the_exporter_write_only_json_lines_when_asked(
+    tmp_path: Path, migrated_sqlite: Path
+) -> None:
+    """With RESERVATIONS_LOG_FORMAT=json, ``serve`` (uvicorn's lines and the command's own) and
+    ``metrics`` write one JSON object per line, from start to stop, as the workers do."""
+    database = tmp_path / "inventory.sqlite3"
+    shutil.copyfile(migrated_sqlite, database)
+    env = worker_env(
+        {
+            "RESERVATIONS_DATABASE_URL": f"sqlite:///{database}",
+            "RESERVATIONS_BROKER_URL": "redis://127.0.0.1:9/0",
+            "RESERVATIONS_LOG_FORMAT": "json",
+        }
+    )
+    door = front_door(env, tmp_path / "service.log")
+    door.start()
+    try:
+        door.wait_ready()
+    finally:
+        door.stop()
+    port = free_port()
+    exporter = subprocess.Popen(
+        [sys.executable, "-m", "admin", "metrics", "--port", str(port)],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        def answers() -> bool:
+            try:
+                return bool(scraped(port))
+            except OSError:
+                return False
+
+        wait_until(answers, timeout=TIMEOUT, what="the exporter to answer")
+    finally:
+        exporter.terminate()
+        _, exporter_err = exporter.communicate(timeout=10)
+    for name, text in (("serve", (tmp_path / "service.log").read_text()), ("metrics", exporter_err)):
+        lines = [line for line in text.splitlines() if line.strip()]
+        entries = [json.loads(line) for line in lines]  # a line that is not JSON fails here
+        assert entries and all({"time", "level", "logger", "message"} <= set(e) for e in entries), name
+    served = [e["message"] for e in map(json.loads, (tmp_path / "service.log").read_text().splitlines())]
+    assert any("Application startup complete" in message for message in served), served
+    assert any("serving database metrics" in line for line in exporter_err.splitlines())
 
 
 # -- compose ---------------------------------------------------------------------------------------------

@@ -168,6 +168,9 @@ def test_a_worker_waits_for_backends_that_do_not_answer_yet_and_logs_only_json(t
             assert events.index("schema_ahead") < events.index("worker_ready")
             ahead = next(e for e in entries if e.get("event") == "schema_ahead")["message"]
             assert f"at revision {NEWER}, newer than this code's {HEAD}" in ahead
+            stop_all([worker])  # a warm shutdown: Celery's own lines, written past logging, are JSON too
+            stopped = [json.loads(line) for line in worker.log().splitlines() if line.strip()]
+            assert any("Warm shutdown" in entry["message"] for entry in stopped), stopped[-3:]
         finally:
             stop_all([worker])
             lease_redis.stop()

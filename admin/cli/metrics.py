@@ -26,6 +26,7 @@ from reservations.inventory import Inventory
 from reservations.models import request_outcomes
 from reservations.partitions import default_rows
 from reservations.statuses import RequestStatus
+from tasks.logs import say
 from tasks.producer import Producer
 from tasks.settings import Settings
 
@@ -180,7 +181,7 @@ def metrics_command(
             server, _thread = start_http_server(port, addr=host, registry=registry)
         except OSError as exc:  # the port is taken, or the address is not this host's
             fail(EXIT_FAILED, f"cannot serve metrics on {host} port {port}: {exc.strerror or exc}")
-        typer.echo(f"serving database metrics on {host} port {port}", err=True)
+        say(f"serving database metrics on {host} port {port}", logger="reservations.metrics")
         try:
             signal.pause()  # until Ctrl-C; SIGTERM ends the process as usual
         except KeyboardInterrupt:

@@ -18,6 +18,8 @@ import typer
 from admin.cli.context import config
 from admin.cli.options import count
 from admin.cli.render import err
+from tasks.logs import dict_config, say
+from tasks.settings import json_logs
 
 DEFAULT_FACTORY = "service:create_app"
 # After a stop signal uvicorn waits this long past the longest wait a request may be given (its answer
@@ -54,7 +56,10 @@ def serve_command(
     # (uvicorn's worker processes inherit the path).
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
-    err.print(f"serving {factory} on http://{host}:{port} ({workers} process(es))", highlight=False)
+    if json_logs():
+        say(f"serving {factory} on http://{host}:{port} ({workers} process(es))", logger="reservations.cli")
+    else:
+        err.print(f"serving {factory} on http://{host}:{port} ({workers} process(es))", highlight=False)
     uvicorn.run(
         factory,
         factory=True,
@@ -65,4 +70,6 @@ def serve_command(
         http="httptools",
         access_log=access_log,
         timeout_graceful_shutdown=math.ceil(settings.http_max_wait + SHUTDOWN_MARGIN),
+        # With RESERVATIONS_LOG_FORMAT=json uvicorn's lines and the service's are JSON objects too.
+        log_config=dict_config() if json_logs() else uvicorn.config.LOGGING_CONFIG,
     )
