@@ -233,8 +233,12 @@ class InventoryBase(Generic[E]):
         return reads.stock_level(sku)
 
     @operation
-    def all_stock(self) -> Plan[list[StockLevel]]:
-        return reads.all_stock()
+    def all_stock(
+        self, *, after: str | None = None, limit: int | None = None, prefix: str | None = None
+    ) -> Plan[list[StockLevel]]:
+        """Every SKU's stock in SKU order, or a page: after the SKU ``after``, at most ``limit``, whose
+        SKU starts with ``prefix``."""
+        return reads.all_stock(after=after, limit=limit, prefix=prefix)
 
     @operation
     def reservation(self, id_or_key: str) -> Plan[ReservationView]:

@@ -57,8 +57,21 @@ def stock_level(sku: str) -> Plan[StockLevel]:
     return _level(row)
 
 
-def all_stock() -> Plan[list[StockLevel]]:
-    found: Rows = yield sa.select(*STOCK_COLUMNS).order_by(stock.c.sku)
+def all_stock(
+    *, after: str | None = None, limit: int | None = None, prefix: str | None = None
+) -> Plan[list[StockLevel]]:
+    """Every SKU's stock in SKU order, or a page of it: those after the SKU ``after``, at most ``limit``,
+    whose SKU starts with ``prefix``."""
+    query = sa.select(*STOCK_COLUMNS).order_by(stock.c.sku)
+    if after is not None:
+        query = query.where(stock.c.sku > valid.sku(after))
+    if prefix is not None:
+        query = query.where(stock.c.sku.startswith(valid.sku(prefix), autoescape=True))
+    if limit is not None:
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise InvalidRequest("the limit must be a whole number from 1", field="limit")
+        query = query.limit(limit)
+    found: Rows = yield query
     return [_level(r) for r in found.rows]
 
 

@@ -451,3 +451,26 @@ def test_requests_lists_each_recorded_request_in_its_state_a_page_at_a_time(inve
     assert refused.returncode == 2 and "unknown state 'lost'" in refused.stderr, refused.stderr
     shown = cli("requests", "--limit", "2", env=env, columns=200)
     assert "next page: --after r-retrying" in shown.stdout, shown.stdout
+
+
+def test_stock_lists_a_page_of_skus_at_a_time(inventory_url: str) -> None:
+    """The command line at scale: --limit, --after the previous page's last SKU, --prefix (whose "_" is
+    a character of SKUs, not a wildcard)."""
+    with Inventory.from_url(inventory_url) as inventory:
+        for sku in ("A_1", "A-1", "AB1", "B1", "B2"):
+            inventory.add_sku(sku, on_hand=1)
+    env = {"RESERVATIONS_DATABASE_URL": inventory_url}
+
+    def skus(*args: str) -> list[str]:
+        done = cli("stock", *args, "--json", env=env)
+        assert done.returncode == 0, done.stderr
+        return [row["sku"] for row in json.loads(done.stdout)]
+
+    assert skus() == ["A-1", "AB1", "A_1", "B1", "B2"]
+    assert skus("--limit", "2") == ["A-1", "AB1"]
+    assert skus("--limit", "2", "--after", "AB1") == ["A_1", "B1"]
+    assert skus("--prefix", "A_") == ["A_1"]
+    assert skus("--prefix", "B", "--after", "B1") == ["B2"]
+    table = cli("stock", "--limit", "2", env=env, columns=200)
+    assert "next page: --after AB1" in table.stdout, table.stdout
+    assert cli("stock", "--after", "no way", env=env).returncode == 2

@@ -105,22 +105,37 @@ def leases(sku_argument: OneSku = None, sku_option: SkuOption = None, as_json: J
     out.print(render.leases_table(rows, lease_url_shown()) if rows else "no SKU is leased right now")
 
 
-def stock(sku_argument: OneSku = None, sku_option: SkuOption = None, as_json: JsonFlag = False) -> None:
+def stock(
+    sku_argument: OneSku = None,
+    sku_option: SkuOption = None,
+    prefix: Annotated[str | None, typer.Option(help="Only SKUs starting with this.")] = None,
+    after: Annotated[
+        str | None, typer.Option(help="The next page: the SKU of the previous page's last row.")
+    ] = None,
+    limit: Limit = 1000,
+    as_json: JsonFlag = False,
+) -> None:
     """On hand, reserved, available, the highest accepted token and the requests waiting for the SKU's
-    lease holder to serve them in a batch, of one SKU or all.
+    lease holder to serve them in a batch, of one SKU or all: at most --limit SKUs in SKU order (1000 by
+    default), --after the previous page's last SKU for the next, --prefix to narrow them.
 
     JSON: [{"sku", "on_hand", "reserved", "available", "fence_token", "waiting"}]
 
-    Example: reservations stock --json
+    Example: reservations stock --prefix WID --limit 100
     """
     sku = one_sku(sku_argument, sku_option)
     with errors(), context.inventory() as inventory:
-        levels = [inventory.stock(valid.sku(sku))] if sku is not None else inventory.all_stock()
+        if sku is not None:
+            levels = [inventory.stock(valid.sku(sku))]
+        else:
+            levels = inventory.all_stock(after=after, limit=limit, prefix=prefix)
         waiting = inventory.waiting_by_sku()
     if as_json:
         render.emit_json(render.stock_json(levels, waiting))
         return
     out.print(render.stock_table(levels, waiting))
+    if sku is None and len(levels) == limit:
+        out.print(f"{limit} SKUs shown; next page: --after {levels[-1].sku}", soft_wrap=True)
 
 
 def rejections(
