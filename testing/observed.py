@@ -105,12 +105,22 @@ Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 def scraped(port: int) -> list[tuple[str, tuple[tuple[str, str], ...], float]]:
     """Every sample ``/metrics`` on ``port`` serves: name, labels (sorted), value."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        text = response.read().decode()
+        return exposed(response.read().decode())
+
+
+def exposed(text: str) -> list[tuple[str, tuple[tuple[str, str], ...], float]]:
+    """Every sample of an exposition (``/metrics``, ``reservations metrics --once``): name, labels
+    (sorted), value."""
     return [
         (sample.name, tuple(sorted(sample.labels.items())), sample.value)
         for family in text_string_to_metric_families(text)
         for sample in family.samples
     ]
+
+
+def samples_of(text: str) -> Samples:
+    """An exposition's samples by name and labels, for :func:`sample`."""
+    return {(name, labels): value for name, labels, value in exposed(text)}
 
 
 def sample(samples: Samples, name: str, **labels: str) -> float:

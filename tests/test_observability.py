@@ -23,7 +23,6 @@ import pytest
 import redis
 import sqlalchemy as sa
 from celery.events.state import State
-from prometheus_client.parser import text_string_to_metric_families
 
 from fencing import LeaseManager
 from reservations import Inventory, schema
@@ -41,6 +40,7 @@ from testing.observed import (
     Cluster,
     cluster,
     sample,
+    samples_of,
     scraped,
     stale_write,
 )
@@ -375,11 +375,7 @@ def test_the_exporter_reads_refusals_outcomes_and_queues_from_the_database(runni
         check=False,
     )
     assert done.returncode == 0, done.stderr
-    samples = {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(done.stdout)
-        for s in family.samples
-    }
+    samples = samples_of(done.stdout)
     assert sample(samples, "reservations_db_up") == 1
     assert sample(samples, "reservations_db_stale_writes_refused_total", sku="OBS-E") == 1
     outcomes = run.inventory.request_outcomes(["OBS-E-late", "OBS-E-winner"])
@@ -434,11 +430,7 @@ def test_the_exporter_counts_requests_without_an_outcome_default_rows_and_asks_t
     env = {"RESERVATIONS_DATABASE_URL": pg_url, "RESERVATIONS_BROKER_URL": "redis://127.0.0.1:9/0"}
     done = run("metrics", "--once", env=env)
     assert done.returncode == 0, done.stderr
-    samples = {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(done.stdout)
-        for s in family.samples
-    }
+    samples = samples_of(done.stdout)
     assert sample(samples, "reservations_db_up") == 1
     assert sample(samples, "reservations_db_unfinished_requests") == 1
     assert sample(samples, "reservations_db_oldest_unfinished_request_age_seconds") > 0
