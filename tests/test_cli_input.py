@@ -246,3 +246,9 @@ def test_metrics_on_a_taken_port_is_one_line_and_exit_1(stocked: dict[str, str])
         done = run("metrics", "--port", str(port), env=stocked)
     assert done.returncode == 1
     assert f"cannot serve metrics on 127.0.0.1 port {port}" in _one_line(done.stderr)
+
+
+def test_config_on_a_narrow_terminal_cuts_no_name(stocked: dict[str, str]) -> None:
+    done = run("config", env=stocked, columns=60)
+    assert done.returncode == 0, done.stderr
+    assert "RESERVATIONS_MAX_TRANSIENT_RETRIES" in done.stdout and "…" not in done.stdout, done.stdout

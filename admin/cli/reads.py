@@ -352,7 +352,11 @@ def show_config(as_json: JsonFlag = False) -> None:
     if as_json:
         render.emit_json(rows)
         return
-    table = Table("variable", "value", "from", box=None, pad_edge=False)
+    # A name is never cut (it is what a reader types back); a value wraps, whole, on a narrow terminal.
+    table = Table(box=None, pad_edge=False)
+    table.add_column("variable", no_wrap=True, min_width=max(len(row["name"]) for row in rows))
+    table.add_column("value", overflow="fold")
+    table.add_column("from", overflow="fold")
     for row in rows:
         source = row["source"] + (f" {row['password_file']}" if "password_file" in row else "")
         table.add_row(row["name"], row["value"], source)
