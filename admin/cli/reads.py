@@ -86,10 +86,10 @@ def leases(sku_argument: OneSku = None, sku_option: SkuOption = None, as_json: J
         rows: list[dict[str, Any]] = []
         # A round trip per MAX_SCOPES_READ SKUs (one pipeline, or one statement), not one per SKU.
         for start in range(0, len(skus), MAX_SCOPES_READ):
-            names = skus[start : start + MAX_SCOPES_READ]
-            found = coordinator.current_many([valid.scope_of(name) for name in names])
-            for name in names:
-                info = found.get(valid.scope_of(name))
+            scopes = {valid.scope_of(name): name for name in skus[start : start + MAX_SCOPES_READ]}
+            found = coordinator.current_many(list(scopes))
+            for scope, name in scopes.items():
+                info = found.get(scope)
                 if info is not None:
                     rows.append(
                         {
