@@ -28,7 +28,7 @@ from tasks.failpoints import failpoint
 from tasks.messages import Message
 from tasks.serving import Batchable, Server, beside_local_server, then_serve, wait_for_holder
 from tasks.states import Redriven, announce_lost
-from tasks.work import Reserve, work_of
+from tasks.work import work_of
 from tasks.worker import Resources, worker_identity
 
 log = logging.getLogger("tasks")
@@ -52,22 +52,54 @@ class Attempt:
         self.limits = policy.Limits.of(res.settings)
         self.work = work_of(message)
         # Only a single-SKU reservation can wait for its lease's holder, and only with batching on.
-        self.batch: Batchable | None = (
-            self.work.batch if isinstance(self.work, Reserve) and res.settings.batching else None
-        )
+        self.batch: Batchable | None = self.work.batch if res.settings.batching else None
         self.leases: dict[str, Lease] = {}
         self.lease_token: int | None = None
 
     # -- the steps ------------------------------------------------------------------------------------
 
     def carry_out(self) -> dict[str, Any]:
-        """The request's final outcome, or "queued" for its SKU's lease holder; raises Celery's Retry."""
+        """The request's final outcome, or "queued" for its SKU's lease holder; raises Celery's Retry.
+
+        Past its transient budget it gives up; past its deadline it ends expired, unattempted (a
+        reservation queued for its SKU's lease holder is later served without this check). Otherwise it
+        takes the leases and writes, and each error of that leads where tasks.policy says. A reservation
+        whose SKU a thread of this process serves is handed to it instead (tasks.serving)."""
         if self.transient > self.limits.transient:
             return self.give_up("backend unavailable", "the backend stayed unreachable")
-        # Past its deadline it ends expired, unattempted (a reservation queued for its SKU's lease holder
-        # is later served without this check).
         expired = self.past_deadline()
-        return expired if expired is not None else self.attempt()
+        if expired is not None:
+            return expired
+        res, message = self.res, self.message
+        try:
+            if self.batch is not None:
+                handed = beside_local_server(self.task, res, message, self.batch, self.who)
+                if handed is not None:
+                    return handed
+            if not self.work.answers_ended:  # a write run as a request answers an ended request itself
+                done = res.inventory.request_outcome(message.key)
+                if done is not None:
+                    return answer(self.task, message, done)
+            with (
+                res.inventory.hold_many(
+                    res.leases,
+                    self.work.skus(res.inventory),
+                    ttl=res.settings.lease_ttl,
+                    holder=f"{self.who['worker']}:{self.who['task_id']}",
+                    renew_every=failpoints.renew_every(res.settings.lease_renew_every),
+                ) as leases,
+                self.server() as server,
+            ):
+                self.leases = leases
+                self.lease_token = max((lease.token for lease in leases.values()), default=None)
+                metrics.current.lease("acquired", len(leases))
+                written = self.write(leases)
+                failpoint("after_write")
+                if server is not None:  # requests of this process that found the lease held meanwhile
+                    server.drain_joined(*leases.values())
+        except (InsufficientStock, LeaseBusy, LostOwnership, *policy.INVALID) as exc:
+            return self.after(exc)
+        return self.served(self.succeeded(written))
 
     def past_deadline(self) -> dict[str, Any] | None:
         """End a request taken up after its deadline ``expired``, taking no lease and touching no stock;
@@ -96,18 +128,6 @@ class Attempt:
             )
         return answer(self.task, message, stored)
 
-    def attempt(self) -> dict[str, Any]:
-        """Take the leases and write; what each error of the attempt leads to (tasks.policy). A
-        reservation whose SKU a thread of this process serves is handed to it instead (tasks.serving)."""
-        try:
-            if self.batch is not None:
-                handed = beside_local_server(self.task, self.res, self.message, self.batch, self.who)
-                if handed is not None:
-                    return handed
-            return self.under_leases()
-        except (InsufficientStock, LeaseBusy, LostOwnership, *policy.INVALID) as exc:
-            return self.after(exc)
-
     def after(self, error: Exception) -> dict[str, Any]:
         """What an error of the attempt leads to, as :func:`tasks.policy.decide` says, with the I/O it
         needs: a busy lease's outcome looked for, a lost lease's attempt recorded, a dead letter logged."""
@@ -115,7 +135,7 @@ class Attempt:
         if isinstance(error, LeaseBusy):
             metrics.current.lease("busy")
             facts = observe.busy_facts(error)
-            if self.batch is None and self.answers_ended:
+            if self.batch is None and self.work.answers_ended:
                 # It did not look before taking the lease: a copy may have ended it.
                 done = self.res.inventory.request_outcome(message.key)
                 if done is not None:
@@ -139,44 +159,6 @@ class Attempt:
         # Stock found short under the leases: what queued up for them meanwhile is served still.
         return self.served(ended) if isinstance(error, InsufficientStock) else ended
 
-    @property
-    def answers_ended(self) -> bool:
-        """Whether the write answers a request that already ended itself (a request run to its outcome),
-        so the outcome is not looked for before the leases are taken."""
-        return isinstance(self.work, Reserve) or self.work.answers_ended
-
-    def under_leases(self) -> dict[str, Any]:
-        """The write made under the request's leases, and the outcome it ends with."""
-        res, message = self.res, self.message
-        if not self.answers_ended:  # a write run as a request answers an ended request itself
-            done = res.inventory.request_outcome(message.key)
-            if done is not None:
-                return answer(self.task, message, done)
-        with (
-            res.inventory.hold_many(
-                res.leases,
-                self.work.skus(res.inventory),
-                ttl=res.settings.lease_ttl,
-                holder=f"{self.who['worker']}:{self.who['task_id']}",
-                renew_every=failpoints.renew_every(res.settings.lease_renew_every),
-            ) as leases,
-            self.server() as server,
-        ):
-            self.leases = leases
-            self.lease_token = max((lease.token for lease in leases.values()), default=None)
-            metrics.current.lease("acquired", len(leases))
-            try:
-                written = self.write(leases)
-            except BackendUnavailable as exc:
-                lost = policy.lost_with_the_lease(leases, exc)
-                if lost is None:
-                    raise
-                raise lost from exc
-            failpoint("after_write")
-            if server is not None:  # requests of this process that found the lease held meanwhile
-                server.drain_joined(*leases.values())
-        return self.served(self.succeeded(written))
-
     def server(self) -> AbstractContextManager[Server | None]:
         """For a reservation that may wait for its lease's holder: this thread serving its SKU while it
         holds the lease, so that requests of this process join it in memory (tasks.serving.Server)."""
@@ -185,15 +167,18 @@ class Attempt:
         return Server(self.res, self.batch.sku, self.who["task_id"], self.who["worker"])
 
     def write(self, leases: dict[str, Lease]) -> RequestReply | Outcome:
-        """The fenced write. A count or a replenishment reads under its leases first and decides its write,
-        so a worker paused at the failpoint writes a figure decided before its pause."""
-        work, inventory = self.work, self.res.inventory
-        if isinstance(work, Reserve):
+        """The fenced write, decided under the leases (a count or a replenishment reads first), so a
+        worker paused at the failpoint writes a figure decided before its pause. A backend that stops
+        answering once the leases are lost is the lease's loss, not an outage (tasks.policy)."""
+        try:
+            decided = self.work.decide(self.res.inventory, leases, self.who, self.epoch)
             failpoint("before_write")
-            return work.run(inventory, leases, self.who, self.epoch)
-        decided = work.decide(inventory, leases, self.who, self.epoch)
-        failpoint("before_write")
-        return decided(inventory, leases)
+            return decided()
+        except BackendUnavailable as exc:
+            lost = policy.lost_with_the_lease(leases, exc)
+            if lost is None:
+                raise
+            raise lost from exc
 
     def succeeded(self, done: RequestReply | Outcome) -> dict[str, Any]:
         """The answer to a write made: the reservation statement stored its outcome itself; any other write

@@ -40,11 +40,33 @@ log = logging.getLogger("tasks")
 
 
 def run_request(task: Task, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """One attempt at a request; returns its final outcome (or "queued", not stored, for a request queued
+    for its SKU's lease holder: the server of its batch writes its result) or raises Celery's Retry.
+
+    The message is checked before anything else; a message that can never succeed ends ``invalid``.
+    Three separate counters travel with the message: ``epoch`` (attempts that lost ownership), ``busy``
+    (lease-busy retries) and ``transient`` (unreachable backend), so one kind of retry never uses up
+    another's budget. Every way out but a retry records the request's final outcome.
+    """
     # Every line logged while it runs (in fencing too) names the task, its worker, the key and epoch.
     with logs.bound(task_id=task.request.id, worker=worker_identity()):
+        sent = dict(task.request.kwargs or {})
+        attempt: Attempt | None = None
         try:
-            result = _run_request(task, name, args, kwargs)
-        except Reject as refused:
+            try:
+                res = _resources_or_keep(task, sent)
+                checked = _parsed(name, args, kwargs, messages.format_of(task.request))
+                if isinstance(checked, messages.InvalidMessage):
+                    result = _refused(task, res, checked, messages.SHAPES[name].operation)
+                else:
+                    attempt = Attempt(task, res, checked, sent)
+                    logs.note(key=checked.key, operation=checked.operation, epoch=checked.counts["epoch"])
+                    result = attempt.carry_out()
+            except (Retry, Reject, Ignore):
+                raise
+            except Exception as exc:
+                result = _ended(task, sent, attempt, exc)
+        except Reject as refused:  # a retry the broker refused to take, whichever step sent it
             if refused.requeue:
                 raise
             _kept(task, name, refused)
@@ -71,37 +93,19 @@ def _kept(task: Task, name: str, refused: Reject) -> NoReturn:
     except Exception as exc:
         log.error(
             "the retry of %s was refused (%s) and its record could not be kept: %s; handing it back",
-            sent.get("idempotency_key"), refused.reason, exc, extra={"event": "retry_refused"},
+            sent.get("idempotency_key"),
+            refused.reason,
+            exc,
+            extra={"event": "retry_refused"},
         )
         raise Reject(exc, requeue=True) from exc
     log.warning(
         "the retry of %s was refused (%s): its record is kept, the relay publishes it again",
-        request.key, refused.reason, extra={"event": "retry_refused", "key": request.key},
+        request.key,
+        refused.reason,
+        extra={"event": "retry_refused", "key": request.key},
     )
     raise Ignore()
-
-
-def _run_request(task: Task, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """One attempt at a request; returns its final outcome (or "queued", not stored, for a request queued
-    for its SKU's lease holder: the server of its batch writes its result) or raises Celery's Retry.
-
-    The message is checked before anything else; a message that can never succeed ends ``invalid``.
-    Three separate counters travel with the message: ``epoch`` (attempts that lost ownership), ``busy``
-    (lease-busy retries) and ``transient`` (unreachable backend), so one kind of retry never uses up
-    another's budget. Every way out but a retry records the request's final outcome.
-    """
-    sent = dict(task.request.kwargs or {})
-    res = _resources_or_keep(task, sent)
-    attempt: Attempt | None = None
-    try:
-        checked = _parsed(name, args, kwargs, messages.format_of(task.request))
-        if isinstance(checked, messages.InvalidMessage):
-            return _refused(task, res, checked, messages.SHAPES[name].operation)
-        attempt = Attempt(task, res, checked, sent)
-        logs.note(key=checked.key, operation=checked.operation, epoch=checked.counts["epoch"])
-        return attempt.carry_out()
-    except Exception as exc:
-        return _ended(task, sent, attempt, exc)
 
 
 def _parsed(
@@ -134,8 +138,6 @@ def _refused(task: Task, res: Resources, exc: messages.InvalidMessage, operation
 def _ended(task: Task, sent: dict[str, Any], attempt: Attempt | None, exc: Exception) -> dict[str, Any]:
     """Where every error that escaped a request task's steps leads: a retry, a final outcome, or (a bug)
     a dead letter and the error raised. ``attempt`` is None while the message is not checked yet."""
-    if isinstance(exc, Retry):
-        raise exc
     if isinstance(exc, AlreadyApplied):
         # A copy of this request (or another request under its key) decided it while this one was giving
         # up: look again and report that.

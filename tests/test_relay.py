@@ -22,10 +22,12 @@ import pytest
 import redis
 import sqlalchemy as sa
 
+from fencing import LeaseManager
 from reservations import Inventory
 from reservations.acceptance import Accepted, Due, accepted, record
 from reservations.models import accepted_requests
 from reservations.requests import RequestResult, request_id
+from reservations.validation import scope_of
 from tasks import ReservationClient, Settings, create_app
 from tasks.messages import CURRENT_FORMAT
 from tasks.metrics import ENQUEUED_AT
@@ -363,6 +365,46 @@ def test_a_retry_the_broker_refuses_keeps_the_request_which_then_ends(
     assert "the retry of refused-1 was refused" in log
     assert [a.result for a in attempts][:1] == ["transient"]
     assert left == (0, 0)
+    assert (level.on_hand, level.reserved) == (10, 0)
+
+
+def test_a_busy_retry_the_broker_refuses_keeps_the_request_rather_than_dead_lettering_it(
+    broker: RedisServer, tmp_path: Path, migrated_sqlite: Path
+) -> None:
+    """Another holder keeps the SKU's lease, so the request (batching off) retries as busy; the broker
+    refuses that retry's publish. The request is kept for the relay, as a refused outage retry is, and
+    ends at its deadline ``expired``, not dead-lettered as an unexpected error."""
+    with redis.Redis.from_url(broker.url(0)) as admin:
+        admin.execute_command("ACL", "SETUSER", "worker", "on", ">secret", "~*", "&*", "+@all", "-lpush")
+    workers_broker = broker.url(0).replace("redis://", "redis://worker:secret@")
+    with (
+        migrated_database("sqlite", tmp_path, migrated_sqlite) as url,
+        redis_server(tmp_path / "leases") as leases,
+        LeaseManager.from_url(leases.url(0)) as other,
+        other.hold(scope_of("B"), ttl=60, holder="someone else"),
+    ):
+        env = {
+            "RESERVATIONS_BROKER_URL": workers_broker,
+            "RESERVATIONS_RESULT_BACKEND": broker.url(1),
+            "RESERVATIONS_DATABASE_URL": url,
+            "RESERVATIONS_LEASE_URL": leases.url(0),
+            "RESERVATIONS_BATCHING": "0",
+            **RELAYED,
+        }
+        producer_env = {**env, "RESERVATIONS_BROKER_URL": broker.url(0)}
+        with Inventory.from_url(url) as inventory:
+            inventory.add_sku("B", on_hand=10)
+            with cluster(tmp_path / "w", env, count=1, prefix="busy-refused") as running:
+                with ReservationClient(create_app(Settings.from_env(producer_env))) as client:
+                    client.enqueue_reservation_sync(
+                        "B", 1, idempotency_key="busy-1", deadline=time.time() + 3
+                    )
+                outcome = wait_for_outcome(inventory, "busy-1", timeout=30)
+                log = running.workers[0].log()
+            level = inventory.stock("B")
+    assert outcome.status == "expired", (outcome, running.tails())
+    assert "the retry of busy-1 was refused" in log
+    assert "failed unexpectedly" not in log
     assert (level.on_hand, level.reserved) == (10, 0)
 
 
