@@ -91,20 +91,20 @@ class InventoryBase(Generic[E]):
 
     @operation
     def restock(self, lease: Lease, sku: str, quantity: int, *, key: str) -> Plan[Outcome]:
-        return self.plans.restock(lease, sku, quantity, key)
+        return self.plans.on_hand.restock(lease, sku, quantity, key)
 
     @operation
     def adjust(
         self, lease: Lease, sku: str, delta: int, *, key: str, reason: str | None = None
     ) -> Plan[Outcome]:
-        return self.plans.adjust(lease, sku, delta, key, reason)
+        return self.plans.on_hand.adjust(lease, sku, delta, key, reason)
 
     @operation
     def look(self, lease: Lease, sku: str) -> Plan[StockSeen]:
         """The SKU's stock and version read under ``lease``, to decide a count or a replenishment from. The
         row's fence rises to the lease's token, so no older epoch can write between this read and the write
         decided from it."""
-        return self.plans.look(lease, sku)
+        return self.plans.counting.look(lease, sku)
 
     @operation
     def count(
@@ -119,12 +119,12 @@ class InventoryBase(Generic[E]):
     ) -> Plan[Outcome]:
         """A cycle count: on hand becomes ``counted``; ``seen`` (:meth:`look`) is what it was decided from,
         ``shrinkage`` says the figure was decided from ``seen`` rather than sent."""
-        return self.plans.count(lease, sku, counted, key, seen=seen, shrinkage=shrinkage)
+        return self.plans.counting.count(lease, sku, counted, key, seen=seen, shrinkage=shrinkage)
 
     @operation
     def replenish(self, lease: Lease, sku: str, par: int, *, key: str, seen: StockSeen) -> Plan[Outcome]:
         """Books ``par`` minus the on-hand figure ``seen`` (none at or above par) as a restock."""
-        return self.plans.replenish(lease, sku, par, key, seen=seen)
+        return self.plans.counting.replenish(lease, sku, par, key, seen=seen)
 
     @operation
     def reserve(
@@ -206,17 +206,17 @@ class InventoryBase(Generic[E]):
 
     @operation
     def confirm(self, lease: Lease, reservation_id: str, *, key: str) -> Plan[Outcome]:
-        return self.plans.confirm(lease, reservation_id, key)
+        return self.plans.lifecycle.confirm(lease, reservation_id, key)
 
     @operation
     def release(self, lease: Lease, reservation_id: str, *, key: str) -> Plan[Outcome]:
-        return self.plans.release(lease, reservation_id, key)
+        return self.plans.lifecycle.release(lease, reservation_id, key)
 
     cancel = release
 
     @operation
     def expire_due(self, lease: Lease, sku: str, *, key: str | None = None) -> Plan[Outcome]:
-        return self.plans.expire_due(lease, sku, key)
+        return self.plans.lifecycle.expire_due(lease, sku, key)
 
     @operation
     def purge_idempotency(self, *, older_than: float = DEFAULT_IDEMPOTENCY_RETENTION) -> Plan[int]:

@@ -87,35 +87,6 @@ class InventoryPlans:
     def single_statement(self) -> bool:
         return self.ledger.single_statement
 
-    # -- the lifecycle's and counting's operations, as the shells call them ------------------------
-
-    def confirm(self, lease: Lease, reservation_id: str, key: str) -> Plan[Outcome]:
-        return self.lifecycle.confirm(lease, reservation_id, key)
-
-    def release(self, lease: Lease, reservation_id: str, key: str) -> Plan[Outcome]:
-        return self.lifecycle.release(lease, reservation_id, key)
-
-    def expire_due(self, lease: Lease, sku: str, key: str | None = None) -> Plan[Outcome]:
-        return self.lifecycle.expire_due(lease, sku, key)
-
-    def look(self, lease: Lease, sku: str) -> Plan[StockSeen]:
-        return self.counting.look(lease, sku)
-
-    def count(
-        self,
-        lease: Lease,
-        sku: str,
-        counted: int,
-        key: str,
-        *,
-        seen: StockSeen | None = None,
-        shrinkage: int | None = None,
-    ) -> Plan[Outcome]:
-        return self.counting.count(lease, sku, counted, key, seen=seen, shrinkage=shrinkage)
-
-    def replenish(self, lease: Lease, sku: str, par: int, key: str, *, seen: StockSeen) -> Plan[Outcome]:
-        return self.counting.replenish(lease, sku, par, key, seen=seen)
-
     # -- the later steps as queued requests (keyed_steps.request) ------------------------------------
     # Each runs its step to the request's final outcome as reserve_request does a reservation, raising
     # what the step raises. A worker holding the step's lease (a count or a replenishment having read
@@ -196,14 +167,6 @@ class InventoryPlans:
             .returning(idempotency_keys.c.key)
         )
         return len(gone.rows)
-
-    def restock(self, lease: Lease, sku: str, quantity: int, key: str) -> Plan[Outcome]:
-        return self.on_hand.restock(lease, sku, quantity, key)
-
-    def adjust(
-        self, lease: Lease, sku: str, delta: int, key: str, reason: str | None = None
-    ) -> Plan[Outcome]:
-        return self.on_hand.adjust(lease, sku, delta, key, reason)
 
     def reserve(
         self, lease: Lease, sku: str, quantity: int, key: str, hold_for: float | None = None
