@@ -57,6 +57,7 @@ from reservations.partitions import (
 
 __all__ = ["ArchiveReport", "ArchivedSpan", "archive", "detach", "iso"]
 
+
 @dataclass(frozen=True, slots=True)
 class ArchivedSpan:
     """One day of one table: archived (or, in a dry run, to be)."""

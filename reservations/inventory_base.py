@@ -17,7 +17,17 @@ from fencing.plan import Plan
 from fencing.shells import operation
 from fencing.sql_errors import Translate
 from fencing.urls import mask_url
-from reservations import audit, batch_statement, batching, constraints, pending, reads, redrives, requests
+from reservations import (
+    acceptance,
+    audit,
+    batch_statement,
+    batching,
+    constraints,
+    pending,
+    reads,
+    redrives,
+    requests,
+)
 from reservations import shell_checks as checks
 from reservations import validation as valid
 from reservations.counting import StockSeen
@@ -275,6 +285,40 @@ class InventoryBase(Generic[E]):
     @operation
     def request_outcome(self, key: str) -> Plan[RequestResult | None]:
         return requests.request_outcome(key)
+
+    # -- requests as accepted (reservations.acceptance): the record each request has before it is sent
+
+    @operation
+    def admit(self, request: acceptance.Request, look_after: float) -> Plan[acceptance.Admission]:
+        """The key's outcome if it has one; else ``request`` recorded under it, or the one recorded first."""
+        return acceptance.admit(request, look_after)
+
+    @operation
+    def record_accepted(self, batch: Sequence[acceptance.Request], look_after: float) -> Plan[None]:
+        """Record the requests of ``batch`` as accepted (a key recorded already keeps its first record)."""
+        return acceptance.record(batch, look_after)
+
+    @operation
+    def accepted(self, key: str) -> Plan[acceptance.Accepted | None]:
+        """The request accepted under ``key``, None for a key never accepted."""
+        return acceptance.accepted(key)
+
+    @operation
+    def unfinished(self) -> Plan[tuple[int, float | None]]:
+        """How many accepted requests have no outcome yet, and the age in seconds of the oldest."""
+        return acceptance.unfinished()
+
+    @operation
+    def accepted_requests(
+        self, *, state: str | None = None, operation: str | None = None, since_ms: int | None = None,
+        stuck_after: float = 600.0, after: str | None = None, limit: int = 100,
+    ) -> Plan[list[acceptance.Listed]]:  # fmt: skip
+        """Accepted requests, newest first, filtered and paged as :func:`reservations.acceptance.listed`
+        says."""
+        return acceptance.listed(
+            state=state, operation=operation, since_ms=since_ms, stuck_after=stuck_after, after=after,
+            limit=limit,
+        )  # fmt: skip
 
     @operation
     def own_outcome(self, key: str) -> Plan[RequestResult | None]:

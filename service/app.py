@@ -25,7 +25,6 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from reservations import AsyncInventory
-from reservations.acceptance import accepted
 from service import errors, routes
 from service.answers import Answer
 from service.backlog import Backlog
@@ -157,7 +156,7 @@ def create_app(settings: Settings | None = None, *, caller: Caller | None = None
         problems = []
         try:
             # A read of the table the door writes first: the database answers and has the door's schema.
-            await asyncio.wait_for(door().inventory.executor.run(accepted(READINESS_KEY)), 2.0)
+            await asyncio.wait_for(door().inventory.accepted(READINESS_KEY), 2.0)
         except (TimeoutError, *UNANSWERED) as exc:
             problems.append(f"database: {(str(exc).splitlines() or [type(exc).__name__])[0]}")
         if not backlog.answered_within(BROKER_SILENT_AFTER * backlog.every):

@@ -23,9 +23,8 @@ from kombu.exceptions import OperationalError
 
 from fencing import BackendUnavailable
 from reservations import AsyncInventory, IdempotencyConflict, InvalidRequest
-from reservations.acceptance import Admission, admit
-from reservations.acceptance import accepted as accepted_under
-from reservations.requests import RequestResult, request_outcome
+from reservations.acceptance import Admission
+from reservations.requests import RequestResult
 from reservations.statuses import RequestStatus
 from service.answers import Answer, answer_of, pending, problem_answer
 from service.backlog import Backlog, retry_after
@@ -93,16 +92,16 @@ class Door:
         request = request_of(
             name, key, message.args, deadline=deadline, caller=caller, fingerprint=message.fingerprint
         )
-        run = self.inventory.executor.run
+        inventory = self.inventory
         try:
             if self.backlog.over(self.queue_bound):
                 # Not enqueued; a key that has its outcome already is still answered.
-                done = await run(request_outcome(key))
+                done = await inventory.request_outcome(key)
                 if done is None:
                     return self._overloaded()
                 admission = Admission(outcome=done, accepted=None, first=False)
             else:
-                admission = await run(admit(request, self.client.settings.republish_after))
+                admission = await inventory.admit(request, self.client.settings.republish_after)
         except UNANSWERED as exc:
             return unavailable("database", exc)
         if admission.outcome is not None:
@@ -179,8 +178,8 @@ class Door:
     async def _seen(self, key: str, shown_key: str) -> RequestResult | None:
         """The key's outcome, or None while a request accepted under it has none; the not-found problem
         for a key never seen. (A database that does not answer is the app's 503, service.errors.)"""
-        result = await self.inventory.executor.run(request_outcome(key))
-        if result is None and await self.inventory.executor.run(accepted_under(key)) is None:
+        result = await self.inventory.request_outcome(key)
+        if result is None and await self.inventory.accepted(key) is None:
             raise problem("not-found", f"no request was accepted under the key {shown_key!r}")
         return result
 

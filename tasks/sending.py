@@ -16,7 +16,7 @@ from typing import Any
 
 from reservations import Inventory
 from reservations import validation as valid
-from reservations.acceptance import Request, record
+from reservations.acceptance import Request
 from reservations.requests import request_id
 from tasks.messages import CURRENT_FORMAT, SHAPES, request_fingerprint
 from tasks.producer import Producer
@@ -75,7 +75,7 @@ class Sender:
 
     def record(self, requests: Sequence[Request]) -> None:
         """Record ``requests`` in one statement (a key recorded already keeps its first record)."""
-        self._inventory().executor.run(record(requests, self.look_after))
+        self._inventory().record_accepted(requests, self.look_after)
 
     def send(self, request: Request) -> str:
         """Record ``request``, then publish it; returns its task id."""

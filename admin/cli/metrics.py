@@ -21,7 +21,6 @@ from admin.cli import context
 from admin.cli.failures import EXIT_FAILED, EXIT_UNREACHABLE, fail
 from fencing import LeaseManager
 from fencing.urls import mask_url
-from reservations.acceptance import unfinished
 from reservations.inventory import Inventory
 from reservations.models import request_outcomes
 from reservations.partitions import default_rows
@@ -68,7 +67,7 @@ class DatabaseCollector(Collector):
             rejected = self.inventory.rejection_counts()
             outcomes = outcome_counts(self.inventory)
             waiting = self.inventory.waiting_by_sku()
-            open_count, oldest = self.inventory.executor.run(unfinished())
+            open_count, oldest = self.inventory.unfinished()
             in_default = default_rows(self.inventory.executor.engine)
         except Exception:
             up.add_metric([], 0)

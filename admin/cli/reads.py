@@ -26,7 +26,6 @@ from admin.cli.options import (
 from admin.cli.render import out
 from fencing.lease_plans import MAX_SCOPES_READ
 from reservations import validation as valid
-from reservations.acceptance import accepted, listed
 from reservations.errors import InvalidRequest, UnknownReservation
 from reservations.redrives import REDRIVE_MARK
 from reservations.timeline import epochs
@@ -199,7 +198,7 @@ def show(key_or_id: str, as_json: JsonFlag = False) -> None:
         outcome = inventory.request_outcome(key) if is_key else None
         attempts = inventory.attempts(key)
         # Accepted and recorded, with no outcome yet: pending, or retrying once a worker made an attempt.
-        recorded = inventory.executor.run(accepted(key)) if is_key and outcome is None else None
+        recorded = inventory.accepted(key) if is_key and outcome is None else None
         if found is None and outcome is None and not attempts and recorded is None:
             raise UnknownReservation(key_or_id)
         # A dead letter driven again: its own row, and every re-drive (of it, or of the request that
@@ -288,15 +287,13 @@ def requests(
     with errors():
         starting = parse_since(since)
         with context.inventory() as inventory:
-            found = inventory.executor.run(
-                listed(
-                    state=state,
-                    operation=operation,
-                    since_ms=None if starting is None else round(starting * 1000),
-                    stuck_after=stuck_after,
-                    after=after,
-                    limit=limit,
-                )
+            found = inventory.accepted_requests(
+                state=state,
+                operation=operation,
+                since_ms=None if starting is None else round(starting * 1000),
+                stuck_after=stuck_after,
+                after=after,
+                limit=limit,
             )
     if as_json:
         render.emit_json(render.requests_json(found))

@@ -50,7 +50,6 @@ def _enqueue(
 ) -> None:
     """Hand the request to the workers by task name, with a deadline ``within`` seconds from now if
     given; with --wait, poll its final outcome."""
-    from reservations.acceptance import record
     from tasks.producer import Producer
     from tasks.sending import publish, request_of
 
@@ -59,7 +58,7 @@ def _enqueue(
     request = request_of(operation, key, kwargs, deadline=deadline)
     # Recorded first, in the operator's space: the relay publishes it again if its message is lost.
     with context.inventory() as inventory:
-        inventory.executor.run(record([request], config.settings.republish_after))
+        inventory.record_accepted([request], config.settings.republish_after)
     try:
         with Producer(config.broker_url) as producer:
             publish(producer, request)
