@@ -1,7 +1,7 @@
 """The inventory's asyncio shell: :class:`AsyncInventory`, the operations of
 :class:`~reservations.inventory_base.InventoryBase` (the same as :class:`~reservations.Inventory`'s, written
 once) as coroutine functions with awaited I/O, each in its own transaction. This module adds what only an
-awaiting shell does: construction, the timeline and ``hold_many`` with an
+awaiting shell does: the executor ``from_url`` builds, the timeline and ``hold_many`` with an
 :class:`~fencing.AsyncLeaseManager`, closing. ``tests/test_shell_parity.py`` runs the same operations
 through both shells and compares what they answer.
 """
@@ -9,14 +9,13 @@ through both shells and compares what they answer.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
 from fencing import AsyncLeaseManager, Lease
 from fencing.engines import make_async_engine
 from fencing.sql_executor import AsyncSqlExecutor
-from reservations import schema
 from reservations import shell_checks as checks
 from reservations import validation as valid
 from reservations.inventory_base import InventoryBase, lock_order
@@ -29,28 +28,10 @@ class AsyncInventory(InventoryBase[AsyncSqlExecutor]):
     awaits = True
 
     @classmethod
-    def from_url(
-        cls,
-        url: str,
-        *,
-        migrate: bool = False,
-        enforce_fence: bool = True,
-        before_statement: Callable[[Lease], None] | None = None,
-        sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
-        single_statement: bool | None = None,
-        **engine_options: Any,
-    ) -> AsyncInventory:
-        """As :meth:`Inventory.from_url <reservations.Inventory.from_url>`; ``before_statement`` is called
-        (not awaited) just before each fenced statement is sent."""
-        if migrate:
-            schema.upgrade(url)
-        return cls(
-            AsyncSqlExecutor(make_async_engine(url, **engine_options), sleep),
-            url=url,
-            enforce_fence=enforce_fence,
-            before_statement=before_statement,
-            single_statement=single_statement,
-        )
+    def executor_for(
+        cls, url: str, sleep: Callable[[float], Any] | None, options: dict[str, Any]
+    ) -> AsyncSqlExecutor:
+        return AsyncSqlExecutor(make_async_engine(url, **options), sleep or asyncio.sleep)
 
     async def timeline(
         self, sku: str, manager: AsyncLeaseManager, *, limit: int = 1000

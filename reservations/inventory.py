@@ -2,8 +2,8 @@
 :class:`AsyncInventory` (asyncio services) in :mod:`reservations.async_inventory`. Every operation that
 runs a plan (of :mod:`reservations.operations`, :mod:`reservations.reads` and the rest), each in its own
 transaction, is written once in :class:`~reservations.inventory_base.InventoryBase` and made blocking
-here; this module adds what only a blocking shell does: construction, the timeline and ``hold_many``
-with a blocking :class:`~fencing.LeaseManager`, closing.
+here; this module adds what only a blocking shell does: the executor ``from_url`` builds, the timeline
+and ``hold_many`` with a blocking :class:`~fencing.LeaseManager`, closing.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from typing import Any
 from fencing import Lease, LeaseManager
 from fencing.engines import make_engine
 from fencing.sql_executor import SyncSqlExecutor
-from reservations import schema
 from reservations import shell_checks as checks
 from reservations import validation as valid
 from reservations.async_inventory import AsyncInventory
@@ -30,30 +29,10 @@ class Inventory(InventoryBase[SyncSqlExecutor]):
     """Fenced stock operations on one database (SQLite or PostgreSQL)."""
 
     @classmethod
-    def from_url(
-        cls,
-        url: str,
-        *,
-        migrate: bool = False,
-        enforce_fence: bool = True,
-        before_statement: Callable[[Lease], None] | None = None,
-        sleep: Callable[[float], None] = time.sleep,
-        single_statement: bool | None = None,
-        **engine_options: Any,
-    ) -> Inventory:
-        """``migrate=True`` brings the schema to the newest revision first (embedded use, tests).
-
-        ``before_statement`` runs just before each fenced statement is sent (fault injection).
-        """
-        if migrate:
-            schema.upgrade(url)
-        return cls(
-            SyncSqlExecutor(make_engine(url, **engine_options), sleep),
-            url=url,
-            enforce_fence=enforce_fence,
-            before_statement=before_statement,
-            single_statement=single_statement,
-        )
+    def executor_for(
+        cls, url: str, sleep: Callable[[float], Any] | None, options: dict[str, Any]
+    ) -> SyncSqlExecutor:
+        return SyncSqlExecutor(make_engine(url, **options), sleep or time.sleep)
 
     def timeline(self, sku: str, manager: LeaseManager, *, limit: int = 1000) -> list[TimelineEntry]:
         """Lease events, accepted writes and rejections of ``sku`` as one ordered timeline."""

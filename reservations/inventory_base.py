@@ -3,14 +3,14 @@ operation that only runs a plan, holds that operation as the plan it runs (with 
 arguments that the request and batching plans take unchecked). :class:`fencing.shells.operation` makes
 each one blocking in :class:`~reservations.Inventory` and a coroutine function in
 :class:`~reservations.AsyncInventory`, with the same name, parameters and docstring. The shells write only
-what differs in kind: construction, the lease timeline and ``hold_many`` (which use a lease manager of
+what differs in kind: the executor ``from_url`` builds, the lease timeline and ``hold_many`` (which use a lease manager of
 their own kind), closing and the context managers.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, ClassVar, Generic, Protocol, TypeVar
+from typing import Any, ClassVar, Generic, Protocol, Self, TypeVar
 
 from fencing import Lease
 from fencing.plan import Plan
@@ -27,6 +27,7 @@ from reservations import (
     reads,
     redrives,
     requests,
+    schema,
 )
 from reservations import shell_checks as checks
 from reservations import validation as valid
@@ -93,6 +94,38 @@ class InventoryBase(Generic[E]):
             single_statement=checks.single_statement(dialect, single_statement),
         )
         self.url = mask_url(url) if url else ""
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        *,
+        migrate: bool = False,
+        enforce_fence: bool = True,
+        before_statement: Callable[[Lease], None] | None = None,
+        sleep: Callable[[float], Any] | None = None,
+        single_statement: bool | None = None,
+        **engine_options: Any,
+    ) -> Self:
+        """``migrate=True`` brings the schema to the newest revision first (embedded use, tests).
+
+        ``before_statement`` is called (not awaited) just before each fenced statement is sent (fault
+        injection); ``sleep`` is the shell's own pause (``time.sleep``, ``asyncio.sleep``) by default.
+        """
+        if migrate:
+            schema.upgrade(url)
+        return cls(
+            cls.executor_for(url, sleep, engine_options),
+            url=url,
+            enforce_fence=enforce_fence,
+            before_statement=before_statement,
+            single_statement=single_statement,
+        )
+
+    @classmethod
+    def executor_for(cls, url: str, sleep: Callable[[float], Any] | None, options: dict[str, Any]) -> E:
+        """The shell's executor on a new engine for ``url``."""
+        raise NotImplementedError
 
     # writes
     @operation
