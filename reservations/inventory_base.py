@@ -3,8 +3,8 @@ operation that only runs a plan, holds that operation as the plan it runs (with 
 arguments that the request and batching plans take unchecked). :class:`fencing.shells.operation` makes
 each one blocking in :class:`~reservations.Inventory` and a coroutine function in
 :class:`~reservations.AsyncInventory`, with the same name, parameters and docstring. The shells write only
-what differs in kind: the executor ``from_url`` builds, the lease timeline and ``hold_many`` (which use a lease manager of
-their own kind), closing and the context managers.
+what differs in kind: the executor ``from_url`` builds, the lease timeline and ``hold_many`` (which use a
+lease manager of their own kind), closing and the context managers.
 """
 
 from __future__ import annotations
