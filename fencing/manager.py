@@ -6,9 +6,9 @@
 Validation, waiting, backoff and repair decisions live in :mod:`fencing.lease_plans`. Each operation
 (acquire, renew, release, the reads, the purge, the break, the repair) is written once in :class:`_Shell`,
 as the plan it runs (:class:`fencing.shells.operation`): blocking in :class:`LeaseManager`, awaitable in
-:class:`AsyncLeaseManager`. Written per shell are only construction, the schema, :meth:`hold` with its
-background renewal (a thread, :class:`fencing.renewer.Renewer`, or a task; what follows a failed renewal
-is :func:`fencing.lease_plans.renewal_verdict` for both) and closing.
+:class:`AsyncLeaseManager`; so is ``from_url``. Written per shell are only the executors it builds, the
+schema, :meth:`hold` with its background renewal (a thread, :class:`fencing.renewer.Renewer`, or a task;
+what follows a failed renewal is :func:`fencing.lease_plans.renewal_verdict` for both) and closing.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager, suppress
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Generic, Self, TypeVar
 
 from fencing.engines import make_async_engine, make_engine
 from fencing.errors import FencingError, InvalidLeaseRequest, StaleToken
@@ -151,6 +151,37 @@ class _Shell(Generic[E]):
         self.executor = executor
         self.url = _printable(url) if url else ""
 
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        *,
+        prefix: str = DEFAULT_PREFIX,
+        history_cap: int = DEFAULT_HISTORY_CAP,
+        clock: Clock = time.monotonic,
+        sleep: Callable[[float], Any] | None = None,
+        **client_options: Any,
+    ) -> Self:
+        """The manager for ``url`` (Redis or SQL, by the URL's scheme); ``sleep`` is the shell's own pause
+        (``time.sleep``, ``asyncio.sleep``) by default, ``client_options`` go to the client or engine."""
+        found = _redis_core(url, prefix, history_cap, clock)
+        if found is not None:
+            core, topology = found
+            return cls(core, cls.redis_executor(topology, client_options, sleep), clock=clock, url=url)
+        executor = cls.sql_executor(url, client_options, sleep)
+        sql_core = SqlLeaseCore(dialect=executor.engine.dialect.name, clock=clock)
+        return cls(sql_core, executor, clock=clock, url=url)
+
+    @classmethod
+    def redis_executor(cls, topology: RedisTopology, options: dict[str, Any], sleep: Any) -> E:
+        """The shell's executor on a new Redis client for ``topology``."""
+        raise NotImplementedError
+
+    @classmethod
+    def sql_executor(cls, url: str, options: dict[str, Any], sleep: Any) -> Any:
+        """The shell's executor on a new engine for ``url``."""
+        raise NotImplementedError
+
     @property
     def backend(self) -> str:
         return self.plans.core.backend
@@ -214,24 +245,14 @@ class LeaseManager(_Shell[SyncRedisExecutor | SyncSqlExecutor]):
         self._renewer = Renewer(self.renew)
 
     @classmethod
-    def from_url(
-        cls,
-        url: str,
-        *,
-        prefix: str = DEFAULT_PREFIX,
-        history_cap: int = DEFAULT_HISTORY_CAP,
-        clock: Clock = time.monotonic,
-        sleep: Callable[[float], None] = time.sleep,
-        **client_options: Any,
-    ) -> LeaseManager:
-        found = _redis_core(url, prefix, history_cap, clock)
-        if found is not None:
-            core, topology = found
-            client = _redis_client(sync_client, topology, client_options)
-            return cls(core, SyncRedisExecutor(client, sleep), clock=clock, url=url)
-        engine = make_engine(url, **client_options)
-        sql_core = SqlLeaseCore(dialect=engine.dialect.name, clock=clock)
-        return cls(sql_core, SyncSqlExecutor(engine, sleep), clock=clock, url=url)
+    def redis_executor(
+        cls, topology: RedisTopology, options: dict[str, Any], sleep: Any
+    ) -> SyncRedisExecutor:
+        return SyncRedisExecutor(_redis_client(sync_client, topology, options), sleep or time.sleep)
+
+    @classmethod
+    def sql_executor(cls, url: str, options: dict[str, Any], sleep: Any) -> SyncSqlExecutor:
+        return SyncSqlExecutor(make_engine(url, **options), sleep or time.sleep)
 
     def create_schema(self) -> None:
         """Create the SQL backend's tables if missing (applications normally use migrations)."""
@@ -287,24 +308,14 @@ class AsyncLeaseManager(_Shell[AsyncRedisExecutor | AsyncSqlExecutor]):
     awaits = True
 
     @classmethod
-    def from_url(
-        cls,
-        url: str,
-        *,
-        prefix: str = DEFAULT_PREFIX,
-        history_cap: int = DEFAULT_HISTORY_CAP,
-        clock: Clock = time.monotonic,
-        sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
-        **client_options: Any,
-    ) -> AsyncLeaseManager:
-        found = _redis_core(url, prefix, history_cap, clock)
-        if found is not None:
-            core, topology = found
-            client = _redis_client(async_client, topology, client_options)
-            return cls(core, AsyncRedisExecutor(client, sleep), clock=clock, url=url)
-        engine = make_async_engine(url, **client_options)
-        sql_core = SqlLeaseCore(dialect=engine.dialect.name, clock=clock)
-        return cls(sql_core, AsyncSqlExecutor(engine, sleep), clock=clock, url=url)
+    def redis_executor(
+        cls, topology: RedisTopology, options: dict[str, Any], sleep: Any
+    ) -> AsyncRedisExecutor:
+        return AsyncRedisExecutor(_redis_client(async_client, topology, options), sleep or asyncio.sleep)
+
+    @classmethod
+    def sql_executor(cls, url: str, options: dict[str, Any], sleep: Any) -> AsyncSqlExecutor:
+        return AsyncSqlExecutor(make_async_engine(url, **options), sleep or asyncio.sleep)
 
     async def create_schema(self) -> None:
         """Create the SQL backend's tables if missing (applications normally use migrations)."""
