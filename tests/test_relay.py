@@ -324,6 +324,13 @@ def test_copies_of_a_request_still_queued_are_applied_once(
     assert (level.on_hand, level.reserved) == (100, len(keys))
 
 
+def _refusing_publishes(broker: RedisServer) -> str:
+    """A broker URL for the workers under a user whom an ACL denies LPUSH: every publish is refused."""
+    with redis.Redis.from_url(broker.url(0)) as admin:
+        admin.execute_command("ACL", "SETUSER", "worker", "on", ">secret", "~*", "&*", "+@all", "-lpush")
+    return broker.url(0).replace("redis://", "redis://worker:secret@")
+
+
 def test_a_retry_the_broker_refuses_keeps_the_request_which_then_ends(
     broker: RedisServer, tmp_path: Path, migrated_sqlite: Path
 ) -> None:
@@ -332,9 +339,7 @@ def test_a_retry_the_broker_refuses_keeps_the_request_which_then_ends(
     the request's record instead, its relay cannot publish it either, and at its deadline the relay ends
     it expired: the request has an outcome, the retries are recorded as attempts, and no message is
     left behind."""
-    with redis.Redis.from_url(broker.url(0)) as admin:
-        admin.execute_command("ACL", "SETUSER", "worker", "on", ">secret", "~*", "&*", "+@all", "-lpush")
-    workers_broker = broker.url(0).replace("redis://", "redis://worker:secret@")
+    workers_broker = _refusing_publishes(broker)
     with (
         migrated_database("sqlite", tmp_path, migrated_sqlite) as url,
         redis_server(tmp_path / "leases") as leases,
@@ -374,9 +379,7 @@ def test_a_busy_retry_the_broker_refuses_keeps_the_request_rather_than_dead_lett
     """Another holder keeps the SKU's lease, so the request (batching off) retries as busy; the broker
     refuses that retry's publish. The request is kept for the relay, as a refused outage retry is, and
     ends at its deadline ``expired``, not dead-lettered as an unexpected error."""
-    with redis.Redis.from_url(broker.url(0)) as admin:
-        admin.execute_command("ACL", "SETUSER", "worker", "on", ">secret", "~*", "&*", "+@all", "-lpush")
-    workers_broker = broker.url(0).replace("redis://", "redis://worker:secret@")
+    workers_broker = _refusing_publishes(broker)
     with (
         migrated_database("sqlite", tmp_path, migrated_sqlite) as url,
         redis_server(tmp_path / "leases") as leases,
