@@ -167,19 +167,22 @@ class _Shell(Generic[E]):
         found = _redis_core(url, prefix, history_cap, clock)
         if found is not None:
             core, topology = found
-            return cls(core, cls.redis_executor(topology, client_options, sleep), clock=clock, url=url)
-        executor = cls.sql_executor(url, client_options, sleep)
+            return cls(core, cls.redis_executor(topology, sleep, client_options), clock=clock, url=url)
+        executor = cls.sql_executor(url, sleep, client_options)
         sql_core = SqlLeaseCore(dialect=executor.engine.dialect.name, clock=clock)
         return cls(sql_core, executor, clock=clock, url=url)
 
     @classmethod
-    def redis_executor(cls, topology: RedisTopology, options: dict[str, Any], sleep: Any) -> E:
+    def redis_executor(
+        cls, topology: RedisTopology, sleep: Callable[[float], Any] | None, options: dict[str, Any]
+    ) -> E:
         """The shell's executor on a new Redis client for ``topology``."""
         raise NotImplementedError
 
     @classmethod
-    def sql_executor(cls, url: str, options: dict[str, Any], sleep: Any) -> Any:
-        """The shell's executor on a new engine for ``url``."""
+    def sql_executor(cls, url: str, sleep: Callable[[float], Any] | None, options: dict[str, Any]) -> Any:
+        """The shell's executor on a new engine for ``url`` (an SQL executor: its engine names the
+        dialect)."""
         raise NotImplementedError
 
     @property
@@ -246,12 +249,14 @@ class LeaseManager(_Shell[SyncRedisExecutor | SyncSqlExecutor]):
 
     @classmethod
     def redis_executor(
-        cls, topology: RedisTopology, options: dict[str, Any], sleep: Any
+        cls, topology: RedisTopology, sleep: Callable[[float], Any] | None, options: dict[str, Any]
     ) -> SyncRedisExecutor:
         return SyncRedisExecutor(_redis_client(sync_client, topology, options), sleep or time.sleep)
 
     @classmethod
-    def sql_executor(cls, url: str, options: dict[str, Any], sleep: Any) -> SyncSqlExecutor:
+    def sql_executor(
+        cls, url: str, sleep: Callable[[float], Any] | None, options: dict[str, Any]
+    ) -> SyncSqlExecutor:
         return SyncSqlExecutor(make_engine(url, **options), sleep or time.sleep)
 
     def create_schema(self) -> None:
@@ -309,12 +314,14 @@ class AsyncLeaseManager(_Shell[AsyncRedisExecutor | AsyncSqlExecutor]):
 
     @classmethod
     def redis_executor(
-        cls, topology: RedisTopology, options: dict[str, Any], sleep: Any
+        cls, topology: RedisTopology, sleep: Callable[[float], Any] | None, options: dict[str, Any]
     ) -> AsyncRedisExecutor:
         return AsyncRedisExecutor(_redis_client(async_client, topology, options), sleep or asyncio.sleep)
 
     @classmethod
-    def sql_executor(cls, url: str, options: dict[str, Any], sleep: Any) -> AsyncSqlExecutor:
+    def sql_executor(
+        cls, url: str, sleep: Callable[[float], Any] | None, options: dict[str, Any]
+    ) -> AsyncSqlExecutor:
         return AsyncSqlExecutor(make_async_engine(url, **options), sleep or asyncio.sleep)
 
     async def create_schema(self) -> None:

@@ -57,7 +57,6 @@ from reservations.partitions import (
 
 __all__ = ["ArchiveReport", "ArchivedSpan", "archive", "detach", "iso"]
 
-
 @dataclass(frozen=True, slots=True)
 class ArchivedSpan:
     """One day of one table: archived (or, in a dry run, to be)."""

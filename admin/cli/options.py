@@ -104,7 +104,9 @@ JsonFlag = Annotated[bool, typer.Option("--json", help="Machine-readable output 
 Limit = Annotated[int, count("--limit", 1, 10_000, "At most this many entries.")]
 Since = Annotated[str | None, typer.Option(help="Only entries since: 30m, 2h, 1d or an ISO time.")]
 # A SKU is the first argument or ``--sku``, on every command that takes one.
-OneSku = Annotated[str | None, typer.Argument(metavar="SKU", help="The SKU (or --sku).", show_default=False)]
+OneSku = Annotated[
+    str | None, typer.Argument(metavar="SKU", help="The SKU (or --sku).", show_default=False)
+]
 SkuOption = Annotated[
     str | None, typer.Option("--sku", metavar="SKU", help="The SKU, as an option.", show_default=False)
 ]
@@ -123,7 +125,6 @@ def the_sku(argument: str | None, option: str | None) -> str:
     if sku is None:
         fail(EXIT_USAGE, "give a SKU: as the first argument or as --sku")
     return sku
-
 
 Key = Annotated[str, typer.Option("--key", help="Idempotency key: the same key never applies twice.")]
 Wait = Annotated[bool, typer.Option("--wait", help="Wait for the final outcome and print it.")]
