@@ -93,17 +93,12 @@ def _kept(task: Task, name: str, refused: Reject) -> NoReturn:
     except Exception as exc:
         log.error(
             "the retry of %s was refused (%s) and its record could not be kept: %s; handing it back",
-            sent.get("idempotency_key"),
-            refused.reason,
-            exc,
-            extra={"event": "retry_refused"},
+            sent.get("idempotency_key"), refused.reason, exc, extra={"event": "retry_refused"},
         )
         raise Reject(exc, requeue=True) from exc
     log.warning(
         "the retry of %s was refused (%s): its record is kept, the relay publishes it again",
-        request.key,
-        refused.reason,
-        extra={"event": "retry_refused", "key": request.key},
+        request.key, refused.reason, extra={"event": "retry_refused", "key": request.key},
     )
     raise Ignore()
 
