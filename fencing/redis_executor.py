@@ -15,7 +15,8 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager, nullcontext
 from typing import Any, TypeAlias
 
 import redis
@@ -215,6 +216,10 @@ class SyncRedisExecutor:
     def run(self, plan: Plan[T]) -> T:
         return run_sync(plan, self._handle)
 
+    def unit(self) -> nullcontext[Callable[[Op], Any]]:
+        """Redis has no transaction around a plan: each script is atomic on its own."""
+        return nullcontext(self._handle)
+
     def _handle(self, op: Op) -> Any:
         if isinstance(op, Sleep):
             return self._sleep(op.seconds)
@@ -277,6 +282,10 @@ class AsyncRedisExecutor:
 
     async def run(self, plan: Plan[T]) -> T:
         return await run_async(plan, self._handle)
+
+    @asynccontextmanager
+    async def unit(self) -> AsyncIterator[Callable[[Op], Awaitable[Any]]]:
+        yield self._handle
 
     async def _handle(self, op: Op) -> Any:
         if isinstance(op, Sleep):

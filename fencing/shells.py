@@ -1,12 +1,12 @@
 """Shells generated from plans: each operation is written once, both shells are made from it.
 
 A shell operation is a method that only builds a plan; :class:`operation` makes it a method that builds
-the plan and drives it with the shell's executor. On a blocking shell (``awaits = False``: its executor's
-``run(plan)`` returns the result) the method returns the result; on an awaiting shell (``awaits = True``:
-``run(plan)`` returns an awaitable) it is a coroutine function, and the plan is built, and its arguments
-checked, when the call is awaited, as in a hand-written ``async def``. Each keeps the name, parameters,
-defaults and docstring of what it was made from, the result type of its plan as its return annotation,
-and the plan builder itself as ``__wrapped__``.
+the plan and drives it in a unit of work of the shell's executor. On a blocking shell (``awaits =
+False``: its executor's operations block) the method returns the result; on an awaiting shell (``awaits
+= True``: they are awaited) it is a coroutine function, and the plan is built, and its arguments checked,
+when the call is awaited, as in a hand-written ``async def``. Each keeps the name, parameters, defaults
+and docstring of what it was made from, the result type of its plan as its return annotation, and the
+plan builder itself as ``__wrapped__``.
 
 For the type checker ``__get__`` is overloaded on the instance: a shell whose executor blocks gets a
 ``Callable[P, T]`` and one whose executor awaits a ``Callable[P, Coroutine[Any, Any, T]]``, ``P`` being the
@@ -21,10 +21,11 @@ import functools
 import inspect
 import re
 from collections.abc import Awaitable, Callable, Coroutine, Generator
+from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from types import MethodType
 from typing import Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar, get_args, get_origin, overload
 
-from fencing.plan import Plan
+from fencing.plan import Op, Plan, run_async, run_sync
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -32,15 +33,16 @@ R = TypeVar("R")
 
 
 class BlockingExecutor(Protocol):
-    """Drives a plan to its result before it returns (the sync SQL and Redis executors)."""
+    """Opens a unit of work (the SQL executors' transaction) whose operations block (the sync SQL and
+    Redis executors); :func:`fencing.plan.run_sync` drives a plan through it."""
 
-    def run(self, plan: Plan[R], /) -> R: ...
+    def unit(self) -> AbstractContextManager[Callable[[Op], Any]]: ...
 
 
 class AwaitingExecutor(Protocol):
-    """Drives a plan when awaited (the async SQL and Redis executors)."""
+    """Opens a unit of work whose operations are awaited (the async SQL and Redis executors)."""
 
-    def run(self, plan: Plan[R], /) -> Awaitable[R]: ...
+    def unit(self) -> AbstractAsyncContextManager[Callable[[Op], Awaitable[Any]]]: ...
 
 
 class BlockingShell(Protocol):
@@ -80,16 +82,24 @@ class operation(Generic[P, T]):
         return method if instance is None else MethodType(method, instance)
 
 
+# The method drives the plan itself, in the executor's unit of work, so that a statement is sent three
+# calls below the operation (the method, the driver loop, the plan), not through an executor's ``run``.
+
+
 def _blocking(build: Callable[..., Plan[Any]]) -> Callable[..., Any]:
     def method(self: Any, /, *args: Any, **kwargs: Any) -> Any:
-        return self.executor.run(build(self, *args, **kwargs))
+        plan = build(self, *args, **kwargs)
+        with self.executor.unit() as handle:
+            return run_sync(plan, handle)
 
     return method
 
 
 def _awaiting(build: Callable[..., Plan[Any]]) -> Callable[..., Any]:
     async def method(self: Any, /, *args: Any, **kwargs: Any) -> Any:
-        return await self.executor.run(build(self, *args, **kwargs))
+        plan = build(self, *args, **kwargs)
+        async with self.executor.unit() as handle:
+            return await run_async(plan, handle)
 
     return method
 

@@ -3,7 +3,8 @@ transaction."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 from sqlalchemy.engine import Connection, Engine
@@ -50,6 +51,12 @@ class SyncSqlExecutor:
         self.translate = translate
 
     def run(self, plan: Plan[T]) -> T:
+        with self.unit() as handle:
+            return run_sync(plan, handle)
+
+    @contextmanager
+    def unit(self) -> Iterator[Callable[[Op], Any]]:
+        """One transaction: what a plan's operations are performed with, committed when it ends well."""
         conn: Connection | None = None
 
         def handle(op: Op) -> Any:
@@ -58,50 +65,42 @@ class SyncSqlExecutor:
                 return self._sleep(op.seconds)
             if isinstance(op, Atomic):
                 return self.run(op.plan)
-            if isinstance(op, Alone):
-                return self._alone(op)
             if isinstance(op, ScriptCall | ScriptCalls | Command):
                 raise foreign("SQL", op)
-            if conn is None:
-                try:
-                    conn = self.engine.connect()
-                    conn.begin()
-                except DBAPIError as exc:
-                    raise mapped(exc, "connect", self.translate) from exc
+            if isinstance(op, Alone) and self.engine.dialect.name != "postgresql":
+                return self.run(_just(op))
             try:
+                if isinstance(op, Alone):
+                    # In autocommit, outside the plan's transaction (sent from here, not from a helper,
+                    # so that a one-statement write is the fewest calls from its task).
+                    if isinstance(op.statement, str) and not watched(self.engine):
+                        # On the driver's cursor: the one-statement writes pay no SQLAlchemy execution
+                        # around them. An engine whose statements are watched runs them below instead.
+                        return execute_alone(self.engine, op.statement, op.params)
+                    with self.engine.connect() as alone:
+                        auto = alone.execution_options(isolation_level="AUTOCOMMIT")
+                        if isinstance(op.statement, str):
+                            return Rows.of(auto.exec_driver_sql(op.statement, op.params))
+                        return Rows.of(auto.execute(op.statement, op.params))
+                if conn is None:
+                    try:
+                        conn = self.engine.connect()
+                        conn.begin()
+                    except DBAPIError as exc:
+                        raise mapped(exc, "connect", self.translate) from exc
                 return execute(conn, op)
             except DBAPIError as exc:
                 raise mapped(exc, "statement", self.translate) from exc
 
         try:
-            result = run_sync(plan, handle)
+            yield handle
             if conn is not None:
                 conn.commit()
-            return result
         except DBAPIError as exc:
             raise mapped(exc, "commit", self.translate) from exc
         finally:
             if conn is not None:
                 conn.close()  # rolls back anything not committed
-
-    def _alone(self, op: Alone) -> Rows:
-        if self.engine.dialect.name != "postgresql":
-            return self.run(_just(op))
-        if isinstance(op.statement, str) and not watched(self.engine):
-            # Driver-level SQL on the driver's cursor: the one-statement writes pay no SQLAlchemy
-            # execution around them. An engine whose statements are watched runs them below instead.
-            try:
-                return execute_alone(self.engine, op.statement, op.params)
-            except DBAPIError as exc:
-                raise mapped(exc, "statement", self.translate) from exc
-        try:
-            with self.engine.connect() as conn:
-                auto = conn.execution_options(isolation_level="AUTOCOMMIT")
-                if isinstance(op.statement, str):
-                    return Rows.of(auto.exec_driver_sql(op.statement, op.params))
-                return Rows.of(auto.execute(op.statement, op.params))
-        except DBAPIError as exc:
-            raise mapped(exc, "statement", self.translate) from exc
 
     def close(self) -> None:
         self.engine.dispose()
@@ -123,6 +122,11 @@ class AsyncSqlExecutor:
         self.translate = translate
 
     async def run(self, plan: Plan[T]) -> T:
+        async with self.unit() as handle:
+            return await run_async(plan, handle)
+
+    @asynccontextmanager
+    async def unit(self) -> AsyncIterator[Callable[[Op], Awaitable[Any]]]:
         conn: AsyncConnection | None = None
 
         async def handle(op: Op) -> Any:
@@ -147,10 +151,9 @@ class AsyncSqlExecutor:
                 raise mapped(exc, "statement", self.translate) from exc
 
         try:
-            result = await run_async(plan, handle)
+            yield handle
             if conn is not None:
                 await conn.commit()
-            return result
         except DBAPIError as exc:
             raise mapped(exc, "commit", self.translate) from exc
         finally:

@@ -17,7 +17,7 @@ from fencing.sql import Rows, db_now_ms
 from reservations import batch_statement
 from reservations import validation as valid
 from reservations.batch_statement import InHand
-from reservations.collisions import settled
+from reservations.collisions import KeptColliding, rounds
 from reservations.errors import (
     IdempotencyConflict,
     InsufficientStock,
@@ -80,19 +80,19 @@ def serve(
     # The list's requests are older than those in hand: read first, with room left for the hand's.
     listed = max(1, limit - len(in_hand))
 
-    def attempt() -> Plan[list[RequestResult]]:
-        served: list[RequestResult] = yield Atomic(
-            _batch(plans, lease, sku, listed, task_id, worker, tuple(in_hand))
-        )
-        return served
-
     try:
         # A request of this batch that got its outcome elsewhere meanwhile (its own retry dead-lettered
         # it) fails the batch on its key: the next round sees that and only removes it from the list.
-        return (yield from settled(attempt, f"the pending reservations of {sku!r}"))
+        for round_ in rounds():
+            with round_:
+                served: list[RequestResult] = yield Atomic(
+                    _batch(plans, lease, sku, listed, task_id, worker, tuple(in_hand))
+                )
+                return served
     except StaleToken as stale:
         yield Atomic(plans.ledger.one(plans.ledger.rejection(stale, lease, sku, "reserve", None, None)))
         raise
+    raise KeptColliding(f"the pending reservations of {sku!r}")
 
 
 def _batch(

@@ -6,17 +6,22 @@ fails the other on the unique key (:class:`~reservations.errors.KeyTaken`) witho
 the loser's next round reads what the winner stored and answers from it. Two rounds settle every race a
 key can have (the record, then the outcome written after it); the third is slack. A plan still
 colliding after that has met something other than a race, and says so rather than looping.
+
+A plan writes its rounds in place, as tenacity's ``for attempt in Retrying(): with attempt:`` does, so
+the statement is sent from the plan itself::
+
+    for round_ in rounds():
+        with round_:
+            return (yield Atomic(insert(...)))
+    raise KeptColliding(f"the outcome of {key!r}")
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TypeVar
+from collections.abc import Callable, Iterator
+from types import TracebackType
 
-from fencing.plan import Plan
 from reservations.errors import KeyTaken
-
-T = TypeVar("T")
 
 ROUNDS = 3
 
@@ -33,17 +38,30 @@ def _look_again(taken: KeyTaken) -> None:
     return None
 
 
-def settled(
-    attempt: Callable[[], Plan[T]], what: str, *, on_taken: Callable[[KeyTaken], None] = _look_again
-) -> Plan[T]:
-    """Run ``attempt`` (a fresh plan each round) until it finishes without losing a race on its key.
+class Round:
+    """One round: a lost race on the key ends it quietly (the loop starts the next); any other error
+    passes. ``on_taken`` sees each collision first and may raise to end the plan (a clash that is not
+    a race)."""
 
-    ``on_taken`` sees each collision first and may raise to end the plan (a clash that is not a race);
-    by default every collision means "look again". ``what`` names the plan in :class:`KeptColliding`.
-    """
+    __slots__ = ("_on_taken",)
+
+    def __init__(self, on_taken: Callable[[KeyTaken], None]) -> None:
+        self._on_taken = on_taken
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None
+    ) -> bool:
+        if not isinstance(error, KeyTaken):
+            return False
+        self._on_taken(error)
+        return True
+
+
+def rounds(*, on_taken: Callable[[KeyTaken], None] = _look_again) -> Iterator[Round]:
+    """The rounds of a plan that writes under a unique key, after which it raises
+    :class:`KeptColliding`. By default every collision means "look again"."""
     for _ in range(ROUNDS):
-        try:
-            return (yield from attempt())
-        except KeyTaken as taken:
-            on_taken(taken)
-    raise KeptColliding(what)
+        yield Round(on_taken)

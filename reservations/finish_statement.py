@@ -9,14 +9,12 @@ an unknown reservation, one of another SKU than the lease's, one no longer held,
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NoReturn
 
 from fencing import Fence
-from fencing.plan import Plan
 from reservations import keyed_statement as keyed
 from reservations import validation as valid
 from reservations.errors import InvalidTransition, UnknownReservation, UnknownSku
-from reservations.reserve_statement import Speaker
 from reservations.statuses import ReservationStatus
 
 #   found  the reservation's SKU, read unlocked (a trigger refuses a change of it), to know which stock
@@ -90,23 +88,17 @@ def sku_of(scope: str) -> str | None:
     return sku if valid.scope_of(sku) == scope else None
 
 
-def finish(
-    written: keyed.Written, final: ReservationStatus, *, fence: Fence, speaker: Speaker | None
-) -> Plan[keyed.Reply]:
-    """Send the statement and read its one row.
+def values(written: keyed.Written, final: ReservationStatus) -> dict[str, Any]:
+    """The statement's own parameters, beside the TAIL's."""
+    return {"final": final.value, "lease_sku": sku_of(written.lease.scope)}
 
-    Raises :class:`UnknownReservation`, :class:`InvalidTransition` (of another SKU than the lease's, or
-    no longer held) or :class:`~fencing.StaleToken` (``fence`` marks the lease lost), each having written
-    nothing. The caller has run ``fence.prepare`` for the lease.
-    """
+
+def refusal(written: keyed.Written, fence: Fence, row: Any) -> NoReturn:
+    """Raise what the statement's answer ``row`` refused the end of the hold for, having written nothing:
+    :class:`UnknownReservation`, :class:`InvalidTransition` (of another SKU than the lease's, or no
+    longer held) or :class:`~fencing.StaleToken` (``fence`` marks the lease lost)."""
     (reservation_id,) = written.reservation_ids
     lease, operation = written.lease, written.operation
-    sent = STATEMENTS[final].pick(fence, speaker)
-    values = {"final": final.value, "lease_sku": sku_of(lease.scope)}
-    answer = yield from keyed.exchange(written, sent, values, speaker)
-    if not isinstance(answer, keyed.Refused):
-        return answer
-    row: Any = answer.row
     if row.reservation_sku is None:
         raise UnknownReservation(reservation_id)
     if not row.known:  # pragma: no cover - a reservation's stock row cannot go (a foreign key)

@@ -16,7 +16,7 @@ import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeAlias
+from typing import Any, NoReturn, TypeAlias
 
 from fencing import Fence, Lease
 from fencing.plan import Alone, Plan
@@ -32,7 +32,6 @@ __all__ = [
     "HEAD",
     "TAIL",
     "Applied",
-    "Refused",
     "Reply",
     "Sent",
     "Variants",
@@ -250,19 +249,17 @@ class Applied:
 Reply: TypeAlias = Ended | Replay | Applied
 
 
-@dataclass(frozen=True, slots=True)
-class Refused:
-    """The statement wrote nothing and the key still holds nothing: ``row`` says why, for the step to
-    raise as its own refusal."""
-
-    row: Any
-
-
 def exchange(
-    written: Written, statement: Sent, values: dict[str, Any], speaker: Speaker | None
-) -> Plan[Reply | Refused]:
+    written: Written,
+    statement: Sent,
+    values: dict[str, Any],
+    speaker: Speaker | None,
+    refused: Callable[[Any], NoReturn],
+) -> Plan[Reply]:
     """Send a step's statement with the TAIL's parameters and the step's own ``values``, and read its one
-    row: the request had ended, the key had a record, the write was made, or it was refused."""
+    row: the request had ended, the key had a record, or the write was made. A statement that wrote
+    nothing while the key still holds nothing was refused: ``refused`` raises the step's own refusal
+    from its row."""
     found: Rows = yield Alone(statement.text, statement.bind({**written.values(speaker), **values}))
     row: Any = found.rows[0]
     head = read_head(row, written.key)
@@ -271,7 +268,9 @@ def exchange(
     if row.applied:
         return written.applied(row, speaker)
     again = yield from looked_again(written.key, speaker)
-    return Refused(row) if again is None else again
+    if again is None:
+        refused(row)
+    return again
 
 
 # The key looked at again after the statement refused its write: a copy of the request (or another request

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, NoReturn
 
 import sqlalchemy as sa
 
 from fencing import LeaseLost, StaleToken
 from fencing.plan import Atomic, Plan
 from reservations import keyed_statement as keyed
-from reservations.collisions import settled
+from reservations.collisions import KeptColliding, rounds
 from reservations.errors import InsufficientStock
 from reservations.ledger import Ledger
 from reservations.requests import RequestReply, RequestResult, record_attempt, record_outcome, request_outcome
@@ -35,7 +36,9 @@ class Step:
     written: keyed.Written
     scope: str | None
     several: Callable[[], Plan[Outcome]]  # the multi-statement plan
-    one: Callable[[Speaker | None], Plan[keyed.Reply]]  # the one statement
+    statement: keyed.Variants  # the one statement, four ways
+    values: dict[str, Any]  # its own parameters, beside the TAIL's
+    refused: Callable[[Any], NoReturn]  # raises the refusal the statement's answer row says
     rejection: Callable[[StaleToken], sa.Executable]  # the history row of a stale token refused
 
     def in_one(self, ledger: Ledger) -> bool:
@@ -54,12 +57,14 @@ def _sent(ledger: Ledger, step: Step, speaker: Speaker | None) -> Plan[keyed.Rep
     except LeaseLost:
         return None  # lost since it was looked at (a failed renewal): as for any lost lease
     try:
-        return (
-            yield from settled(lambda: step.one(speaker), f"the {written.operation} under {written.key!r}")
-        )
+        for round_ in rounds():
+            with round_:
+                sent = step.statement.pick(ledger.fence, speaker)
+                return (yield from keyed.exchange(written, sent, step.values, speaker, step.refused))
     except StaleToken as stale:
         yield Atomic(ledger.one(step.rejection(stale)))
         raise
+    raise KeptColliding(f"the {written.operation} under {written.key!r}")
 
 
 def alone(ledger: Ledger, step: Step) -> Plan[Outcome]:

@@ -20,7 +20,7 @@ from fencing import Fence, FenceOutcome, Lease, StaleToken
 from fencing.plan import Atomic, Plan
 from fencing.sql import Rows, db_now_ms
 from reservations import validation as valid
-from reservations.collisions import settled
+from reservations.collisions import KeptColliding, rounds
 from reservations.errors import (
     IdempotencyConflict,
     InsufficientStock,
@@ -122,29 +122,28 @@ class Ledger:
         lock: Callable[[], Plan[None]],
     ) -> Plan[Outcome]:
 
-        def attempt() -> Plan[Outcome]:
-            try:
-                outcome: Outcome = yield Atomic(self._attempt(key, operation, print_, apply, lock))
-                return outcome
-            except _Refused as refused:
-                # A concurrent attempt that stored its outcome first fails this store on the key: the
-                # next round replays it.
-                stored: Outcome | None = yield Atomic(
-                    self._store_refusal(key, operation, print_, refused.error)
-                )
-                if stored is not None:
-                    return stored  # a concurrent attempt applied the key meanwhile: its outcome stands
-                raise refused.error from None
-
         def replayable(taken: KeyTaken) -> None:
             _unless_replayable(taken, key, operation)
 
         try:
-            outcome: Outcome = yield from settled(attempt, f"idempotency key {key!r}", on_taken=replayable)
-            return outcome
+            for round_ in rounds(on_taken=replayable):
+                with round_:
+                    try:
+                        outcome: Outcome = yield Atomic(self._attempt(key, operation, print_, apply, lock))
+                        return outcome
+                    except _Refused as refused:
+                        # A concurrent attempt that stored its outcome first fails this store on the key:
+                        # the next round replays it.
+                        stored: Outcome | None = yield Atomic(
+                            self._store_refusal(key, operation, print_, refused.error)
+                        )
+                        if stored is not None:
+                            return stored  # a concurrent attempt applied the key meanwhile: it stands
+                        raise refused.error from None
         except StaleToken as stale:
             yield Atomic(self.one(on_stale(stale)))
             raise
+        raise KeptColliding(f"idempotency key {key!r}")
 
     def one(self, stmt: sa.Executable) -> Plan[None]:
         yield stmt

@@ -4,6 +4,8 @@ released or expired. Each step is a fenced write in the ledger's envelope.
 
 from __future__ import annotations
 
+from functools import partial
+
 import sqlalchemy as sa
 
 from fencing import Lease, StaleToken
@@ -17,7 +19,6 @@ from reservations.keyed_steps import Step
 from reservations.ledger import Ledger, fingerprint, new_reservation_id
 from reservations.models import CONFIRMED, EXPIRED, HELD, RELEASED, reservations, stock
 from reservations.reads import stock_level
-from reservations.reserve_statement import Speaker
 from reservations.statuses import SUCCEEDED, ReservationStatus
 from reservations.views import Outcome, StockLevel
 
@@ -97,10 +98,7 @@ class ReservationLifecycle:
             SUCCEEDED[operation],
             reservation_ids=(reservation_id,),
         )  # fmt: skip
-        fence = self.ledger.fence
-
-        def one(speaker: Speaker | None) -> Plan[keyed.Reply]:
-            return finish_statement.finish(written, final, fence=fence, speaker=speaker)
+        refused = partial(finish_statement.refusal, written, self.ledger.fence)
 
         def rejection(stale: StaleToken) -> sa.Executable:
             # Refused only once the reservation was found of the lease's SKU.
@@ -108,8 +106,9 @@ class ReservationLifecycle:
             return self.ledger.rejection(stale, lease, sku, operation, key, None, reservation_id)
 
         return Step(
-            written, None, lambda: self._finish(lease, reservation_id, key, operation, final), one, rejection
-        )
+            written, None, lambda: self._finish(lease, reservation_id, key, operation, final),
+            finish_statement.STATEMENTS[final], finish_statement.values(written, final), refused, rejection,
+        )  # fmt: skip
 
     def _finish(
         self, lease: Lease, reservation_id: str, key: str, operation: str, status: str

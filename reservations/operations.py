@@ -16,7 +16,7 @@ from fencing.plan import Alone, Atomic, Plan
 from fencing.sql import Rows, db_now_ms
 from reservations import keyed_steps, reserve_statement
 from reservations import validation as valid
-from reservations.collisions import settled
+from reservations.collisions import KeptColliding, rounds
 from reservations.counting import StockCounting, StockSeen
 from reservations.errors import InsufficientStock, InvalidRequest, KeyTaken
 from reservations.ledger import (
@@ -229,24 +229,19 @@ class InventoryPlans:
                     raise reservation_conflict(key, "reserve") from None
                 clashed = True
 
-        def statement() -> Plan[reserve_statement.Reply]:
-            return reserve_statement.reserve(
-                lease,
-                sku,
-                quantity,
-                key=key,
-                fingerprint=print_,
-                hold_ms=hold_ms,
-                reservation_id=new_reservation_id(),
-                fence=self.ledger.fence,
-                speaker=speaker,
-            )
-
         try:
-            return (yield from settled(statement, f"the reservation under {key!r}", on_taken=clash))
+            for round_ in rounds(on_taken=clash):
+                with round_:
+                    asked = reserve_statement.Asked(
+                        lease, sku, quantity, key, print_, hold_ms, new_reservation_id(), self.ledger.fence,
+                        speaker,
+                    )  # fmt: skip
+                    answer: Rows = yield asked.sent()
+                    return asked.reply(answer)
         except StaleToken as stale:
             yield Atomic(self.ledger.one(self.ledger.rejection(stale, lease, sku, "reserve", key, quantity)))
             raise
+        raise KeptColliding(f"the reservation under {key!r}")
 
     def _reserve_alone(
         self, lease: Lease, sku: str, quantity: int, key: str, hold_ms: int | None, print_: str

@@ -14,7 +14,7 @@ from fencing.plan import Alone, Atomic, Plan
 from fencing.sql import Rows, db_now_ms
 from reservations import sql_text
 from reservations import validation as valid
-from reservations.collisions import settled
+from reservations.collisions import KeptColliding, rounds
 from reservations.errors import InvalidRequest
 from reservations.models import pending_reservations, request_outcomes
 from reservations.operations import hold_ms_of
@@ -98,15 +98,15 @@ def hand_off(
         "epochs": epochs,
     }
 
-    def attempt() -> Plan[HandOff]:
-        if single_statement:
-            found: Rows = yield Alone(_HAND_OFF, values)
-            return _handed_off(found.rows[0])
-        queued: HandOff = yield Atomic(_hand_off(values))
-        return queued
-
     # The same key added concurrently fails on the unique key: the next round finds it queued.
-    return (yield from settled(attempt, f"the hand-off of {key!r}"))
+    for round_ in rounds():
+        with round_:
+            if single_statement:
+                found: Rows = yield Alone(_HAND_OFF, values)
+                return _handed_off(found.rows[0])
+            queued: HandOff = yield Atomic(_hand_off(values))
+            return queued
+    raise KeptColliding(f"the hand-off of {key!r}")
 
 
 def _handed_off(row: Any) -> HandOff:

@@ -25,7 +25,7 @@ from sqlalchemy.dialects.postgresql import ARRAY
 from fencing.plan import Alone, Atomic, Plan
 from fencing.sql import Rows, db_now_ms
 from reservations import validation as valid
-from reservations.collisions import settled
+from reservations.collisions import KeptColliding, rounds
 from reservations.errors import InvalidRequest
 from reservations.models import (
     HELD,
@@ -277,12 +277,12 @@ def record_outcome(
         "fingerprint": fingerprint,
     }
 
-    def attempt() -> Plan[RequestResult]:
-        result: RequestResult = yield Atomic(_insert_outcome(values))
-        return result
-
     # A concurrent writer that stored its outcome first fails this insert: the next round reads it back.
-    return (yield from settled(attempt, f"the outcome of {key!r}"))
+    for round_ in rounds():
+        with round_:
+            result: RequestResult = yield Atomic(_insert_outcome(values))
+            return result
+    raise KeptColliding(f"the outcome of {key!r}")
 
 
 def _insert_attempt(values: dict[str, Any]) -> Plan[None]:

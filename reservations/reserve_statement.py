@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 from fencing import Fence, Lease
-from fencing.plan import Alone, Plan
+from fencing.plan import Alone
 from fencing.sql import Rows
 from reservations import sql_text
 from reservations.errors import InsufficientStock, UnknownSku
@@ -240,73 +240,78 @@ class Short:
 Reply: TypeAlias = Ended | Replay | Reserved | Short
 
 
-def reserve(
-    lease: Lease,
-    sku: str,
-    quantity: int,
-    *,
-    key: str,
-    fingerprint: str,
-    hold_ms: int | None,
-    reservation_id: str,
-    fence: Fence,
-    speaker: Speaker | None = None,
-) -> Plan[Reply]:
-    """Send the statement and read its one row.
+@dataclass(frozen=True, slots=True)
+class Asked:
+    """One reservation asked of the statement: what it sends (:meth:`sent`, yielded by the plan itself,
+    so the statement goes from the reservation's plan) and how its one row reads (:meth:`reply`)."""
 
-    Raises :class:`UnknownSku` or :class:`~fencing.StaleToken` (nothing written; ``fence`` marks the
-    lease lost). A refusal for lack of units comes back as :class:`Short`, already recorded under the key.
-    """
-    values = parameters(
-        key=key,
-        sku=sku,
-        quantity=quantity,
-        token=lease.token,
-        lease_id=lease.lease_id,
-        holder=lease.holder,
-        hold_ms=hold_ms,
-        reservation_id=reservation_id,
-        fingerprint=fingerprint,
-    )
-    if speaker is None:
-        sql = FENCED_PLAIN if fence.enforce else UNFENCED_PLAIN
-    else:
-        sql = FENCED if fence.enforce else UNFENCED
+    lease: Lease
+    sku: str
+    quantity: int
+    key: str
+    fingerprint: str
+    hold_ms: int | None
+    reservation_id: str
+    fence: Fence
+    speaker: Speaker | None = None
+
+    def sent(self) -> Alone:
+        speaker = self.speaker
+        values = parameters(
+            key=self.key,
+            sku=self.sku,
+            quantity=self.quantity,
+            token=self.lease.token,
+            lease_id=self.lease.lease_id,
+            holder=self.lease.holder,
+            hold_ms=self.hold_ms,
+            reservation_id=self.reservation_id,
+            fingerprint=self.fingerprint,
+        )
+        if speaker is None:
+            return Alone(FENCED_PLAIN if self.fence.enforce else UNFENCED_PLAIN, values)
         values.update(
             parameters(record=True, task_id=speaker.task_id, worker=speaker.worker, epochs=speaker.epochs)
         )
-    found: Rows = yield Alone(sql, values)
-    row: Any = found.rows[0]
-    if row.done is not None:
-        return Ended(result_from_json(row.done))
-    if row.prior is not None:
-        prior = json.loads(row.prior)
-        return Replay(Prior(key, prior["fingerprint"], prior["operation"], prior["outcome"]))
-    if not row.known:
-        raise UnknownSku(sku)
+        return Alone(FENCED if self.fence.enforce else UNFENCED, values)
 
-    def told(status: str, detail: dict[str, Any]) -> RequestResult | None:
-        if speaker is None:
-            return None
-        return RequestResult(
-            key=key,
-            operation="reserve",
-            status=status,
-            detail=detail,
-            task_id=speaker.task_id,
-            worker=speaker.worker,
-            epochs=speaker.epochs,
-            at=row.now_ms / 1000,
-            fingerprint=fingerprint,
-        )
+    def reply(self, found: Rows) -> Reply:
+        """What the statement did, from its one row. Raises :class:`UnknownSku` or
+        :class:`~fencing.StaleToken` (nothing written; the fence marks the lease lost). A refusal for lack
+        of units comes back as :class:`Short`, already recorded under the key."""
+        lease, sku, quantity, key, speaker = self.lease, self.sku, self.quantity, self.key, self.speaker
+        fingerprint, reservation_id, fence = self.fingerprint, self.reservation_id, self.fence
+        row: Any = found.rows[0]
+        if row.done is not None:
+            return Ended(result_from_json(row.done))
+        if row.prior is not None:
+            prior = json.loads(row.prior)
+            return Replay(Prior(key, prior["fingerprint"], prior["operation"], prior["outcome"]))
+        if not row.known:
+            raise UnknownSku(sku)
 
-    if row.applied:
-        level = StockLevel(sku, row.on_hand, row.reserved, row.available, row.fence_token)
-        outcome = Outcome.reserved(key, lease.token, reservation_id, level, quantity)
-        return Reserved(outcome, told(RequestStatus.RESERVED, outcome.summary()))
-    if not row.accepted:
-        # The statement judged the token by the fence's own predicate; the fence raises the error.
-        fence.refuse_if_stale(lease, lease.scope, int(row.highest), row.writer, "reserve")
-        raise RuntimeError(f"the fence refused token {lease.token} and then admitted it")  # pragma: no cover
-    short = InsufficientStock(sku=sku, requested=quantity, available=int(row.seen_available))
-    return Short(short, told(RequestStatus.INSUFFICIENT_STOCK, short.summary()))
+        def told(status: str, detail: dict[str, Any]) -> RequestResult | None:
+            if speaker is None:
+                return None
+            return RequestResult(
+                key=key,
+                operation="reserve",
+                status=status,
+                detail=detail,
+                task_id=speaker.task_id,
+                worker=speaker.worker,
+                epochs=speaker.epochs,
+                at=row.now_ms / 1000,
+                fingerprint=fingerprint,
+            )
+
+        if row.applied:
+            level = StockLevel(sku, row.on_hand, row.reserved, row.available, row.fence_token)
+            outcome = Outcome.reserved(key, lease.token, reservation_id, level, quantity)
+            return Reserved(outcome, told(RequestStatus.RESERVED, outcome.summary()))
+        if not row.accepted:
+            # The statement judged the token by the fence's own predicate; the fence raises the error.
+            fence.refuse_if_stale(lease, lease.scope, int(row.highest), row.writer, "reserve")
+            raise RuntimeError(f"the fence refused token {lease.token} and admitted it")  # pragma: no cover
+        short = InsufficientStock(sku=sku, requested=quantity, available=int(row.seen_available))
+        return Short(short, told(RequestStatus.INSUFFICIENT_STOCK, short.summary()))

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from typing import Any
+from functools import partial
+from typing import Any, NoReturn
 
 import sqlalchemy as sa
 
@@ -23,7 +24,6 @@ from reservations import keyed_statement as keyed
 from reservations import validation as valid
 from reservations.errors import CountBelowHeld, StockLimitExceeded, UnknownSku
 from reservations.keyed_steps import Step
-from reservations.reserve_statement import Speaker
 from reservations.views import Outcome
 
 #   cur   the SKU's stock row, locked FOR UPDATE (under READ COMMITTED the newest version once a
@@ -90,22 +90,10 @@ def _variants(change: Change) -> keyed.Variants:
 STATEMENTS = {change: _variants(change) for change in Change}
 
 
-def write(
-    written: keyed.Written, sku: str, change: Change, units: int, *, fence: Fence, speaker: Speaker | None
-) -> Plan[keyed.Reply]:
-    """Send the statement and read its one row.
-
-    Raises :class:`UnknownSku`, :class:`StockLimitExceeded` (units added), :class:`CountBelowHeld` (a
-    count) or :class:`~fencing.StaleToken` (``fence`` marks the lease lost): each having written nothing.
-    The caller has run ``fence.prepare`` for the lease.
-    """
-    ceiling = valid.MAX_ON_HAND - units if change is Change.ADD and units > 0 else None
-    sent = STATEMENTS[change].pick(fence, speaker)
-    values = {"sku": sku, "units": units, "ceiling": ceiling}
-    answer = yield from keyed.exchange(written, sent, values, speaker)
-    if not isinstance(answer, keyed.Refused):
-        return answer
-    row: Any = answer.row
+def refusal(written: keyed.Written, sku: str, change: Change, units: int, fence: Fence, row: Any) -> NoReturn:
+    """Raise what the statement's answer ``row`` refused the write for, having written nothing:
+    :class:`UnknownSku`, :class:`StockLimitExceeded` (units added), :class:`CountBelowHeld` (a count) or
+    :class:`~fencing.StaleToken` (``fence`` marks the lease lost)."""
     if not row.known:
         raise UnknownSku(sku)
     lease = written.lease
@@ -130,8 +118,7 @@ def step(
 ) -> Step:
     """The stock write of ``written`` as a :class:`~reservations.keyed_steps.Step`: ``several`` is its
     multi-statement plan, and this module's statement the one."""
-
-    def one(speaker: Speaker | None) -> Plan[keyed.Reply]:
-        return write(written, sku, change, units, fence=fence, speaker=speaker)
-
-    return Step(written, valid.scope_of(sku), several, one, rejection)
+    ceiling = valid.MAX_ON_HAND - units if change is Change.ADD and units > 0 else None
+    values = {"sku": sku, "units": units, "ceiling": ceiling}
+    refused = partial(refusal, written, sku, change, units, fence)
+    return Step(written, valid.scope_of(sku), several, STATEMENTS[change], values, refused, rejection)

@@ -93,7 +93,18 @@ class Attempt:
                 self.leases = leases
                 self.lease_token = max((lease.token for lease in leases.values()), default=None)
                 metrics.current.lease("acquired", len(leases))
-                written = self.write(leases)
+                # The write is decided under the leases (a count or a replenishment reads first), so a
+                # worker paused at the failpoint writes a figure decided before its pause. A backend that
+                # stops answering once the leases are lost is the lease's loss, not an outage.
+                try:
+                    decided = self.work.decide(res.inventory, leases, self.who, self.epoch)
+                    failpoint("before_write")
+                    written = decided()
+                except BackendUnavailable as exc:
+                    lost = policy.lost_with_the_lease(leases, exc)
+                    if lost is None:
+                        raise
+                    raise lost from exc
                 failpoint("after_write")
                 if server is not None:  # requests of this process that found the lease held meanwhile
                     server.drain_joined(*leases.values())
@@ -165,20 +176,6 @@ class Attempt:
         if self.batch is None:
             return nullcontext()
         return Server(self.res, self.batch.sku, self.who["task_id"], self.who["worker"])
-
-    def write(self, leases: dict[str, Lease]) -> RequestReply | Outcome:
-        """The fenced write, decided under the leases (a count or a replenishment reads first), so a
-        worker paused at the failpoint writes a figure decided before its pause. A backend that stops
-        answering once the leases are lost is the lease's loss, not an outage (tasks.policy)."""
-        try:
-            decided = self.work.decide(self.res.inventory, leases, self.who, self.epoch)
-            failpoint("before_write")
-            return decided()
-        except BackendUnavailable as exc:
-            lost = policy.lost_with_the_lease(leases, exc)
-            if lost is None:
-                raise
-            raise lost from exc
 
     def succeeded(self, done: RequestReply | Outcome) -> dict[str, Any]:
         """The answer to a write made: the reservation statement stored its outcome itself; any other write

@@ -39,8 +39,9 @@ from tasks.worker import Resources, Unbuildable, resources, worker_identity
 log = logging.getLogger("tasks")
 
 
-def run_request(task: Task, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """One attempt at a request; returns its final outcome (or "queued", not stored, for a request queued
+def run_request(task: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    """The request task of every request type (its task's name says which): one attempt at the request
+    the message carries; returns its final outcome (or "queued", not stored, for a request queued
     for its SKU's lease holder: the server of its batch writes its result) or raises Celery's Retry.
 
     The message is checked before anything else; a message that can never succeed ends ``invalid``.
@@ -49,6 +50,7 @@ def run_request(task: Task, name: str, args: tuple[Any, ...], kwargs: dict[str, 
     another's budget. Every way out but a retry records the request's final outcome.
     """
     # Every line logged while it runs (in fencing too) names the task, its worker, the key and epoch.
+    name = task.name.removeprefix(task_name(""))  # the request type
     with logs.bound(task_id=task.request.id, worker=worker_identity()):
         sent = dict(task.request.kwargs or {})
         attempt: Attempt | None = None
@@ -171,49 +173,29 @@ def _resources_or_keep(task: Task, sent: dict[str, Any]) -> Resources:
 
 # The request tasks take their arguments as sent and check them in :func:`messages.parse`, so that a
 # malformed message (a missing or unknown argument, a bad retry counter) still ends with a recorded
-# outcome instead of a TypeError before any code of ours runs. Parameters, in positional order:
-# reserve(sku, quantity, idempotency_key, hold_for=None); reserve_order(lines, idempotency_key,
-# hold_for=None); confirm / release(reservation_id, idempotency_key); restock(sku, quantity,
-# idempotency_key); count(sku, counted, idempotency_key, shrinkage=None), with either counted or
-# shrinkage; replenish(sku, par, idempotency_key).
+# outcome instead of a TypeError before any code of ours runs. Each is :func:`run_request` itself, under
+# its request type's name. Parameters, in positional order: reserve(sku, quantity, idempotency_key,
+# hold_for=None); reserve_order(lines, idempotency_key, hold_for=None); confirm / release(reservation_id,
+# idempotency_key); restock(sku, quantity, idempotency_key); count(sku, counted, idempotency_key,
+# shrinkage=None), with either counted or shrinkage: a cycle count, which reads the stock under the lease,
+# then sets on hand to the figure counted (sent, or the figure read less the shrinkage sent);
+# replenish(sku, par, idempotency_key): replenishment to par, which reads on hand under the lease, then
+# books par minus what it read.
 
 
-@app.task(bind=True, max_retries=None, typing=False, name=task_name("reserve"), base=RequestTask)
-def reserve(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
-    return run_request(self, "reserve", args, kwargs)
+def _request_task(name: str) -> Task:
+    return app.task(bind=True, max_retries=None, typing=False, name=task_name(name), base=RequestTask)(
+        run_request
+    )
 
 
-@app.task(bind=True, max_retries=None, typing=False, name=task_name("reserve_order"), base=RequestTask)
-def reserve_order(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
-    return run_request(self, "reserve_order", args, kwargs)
-
-
-@app.task(bind=True, max_retries=None, typing=False, name=task_name("confirm"), base=RequestTask)
-def confirm(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
-    return run_request(self, "confirm", args, kwargs)
-
-
-@app.task(bind=True, max_retries=None, typing=False, name=task_name("release"), base=RequestTask)
-def release(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
-    return run_request(self, "release", args, kwargs)
-
-
-@app.task(bind=True, max_retries=None, typing=False, name=task_name("restock"), base=RequestTask)
-def restock(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
-    return run_request(self, "restock", args, kwargs)
-
-
-@app.task(bind=True, max_retries=None, typing=False, name=task_name("count"), base=RequestTask)
-def count(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
-    """A cycle count: reads the stock under the lease, then sets on hand to the counted figure (sent, or
-    the figure read less the shrinkage sent)."""
-    return run_request(self, "count", args, kwargs)
-
-
-@app.task(bind=True, max_retries=None, typing=False, name=task_name("replenish"), base=RequestTask)
-def replenish(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
-    """Replenishment to par: reads on hand under the lease, then books par minus what it read."""
-    return run_request(self, "replenish", args, kwargs)
+reserve = _request_task("reserve")
+reserve_order = _request_task("reserve_order")
+confirm = _request_task("confirm")
+release = _request_task("release")
+restock = _request_task("restock")
+count = _request_task("count")
+replenish = _request_task("replenish")
 
 
 @app.task(name=task_name("expire_holds"))

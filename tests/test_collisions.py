@@ -4,16 +4,32 @@ plan's. No services."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from fencing.plan import Atomic, Plan, run_sync
-from reservations.collisions import ROUNDS, KeptColliding, settled
+from reservations.collisions import ROUNDS, KeptColliding, rounds
 from reservations.errors import KeyTaken
+
+
+def _look_again(taken: KeyTaken) -> None:
+    return None
 
 
 def _step(n: int) -> Plan[int]:
     yield Atomic(iter(()))  # a placeholder operation; the scripted answers decide what it returns
     return n
+
+
+def _written(
+    attempt: Callable[[], Plan[int]], on_taken: Callable[[KeyTaken], None] = _look_again
+) -> Plan[int]:
+    """A plan writing under a key as the library's plans do: its rounds in place."""
+    for round_ in rounds(on_taken=on_taken):
+        with round_:
+            return (yield from attempt())
+    raise KeptColliding("the test request")
 
 
 def _scripted(answers: list[BaseException | None]) -> tuple[list[int], object]:
@@ -32,7 +48,7 @@ def _scripted(answers: list[BaseException | None]) -> tuple[list[int], object]:
         if error is not None:
             raise error
 
-    return rounds, run_sync(settled(attempt, "the test request"), handle)
+    return rounds, run_sync(_written(attempt), handle)
 
 
 def _taken(where: str = "record") -> KeyTaken:
@@ -72,7 +88,7 @@ def test_a_collision_that_is_not_a_race_ends_the_plan_with_the_callers_error() -
             raise error
 
     with pytest.raises(NotARace, match="reservation_pkey"):
-        run_sync(settled(attempt, "the test request", on_taken=refuse), handle)
+        run_sync(_written(attempt, refuse), handle)
     assert started == [1]
 
 
