@@ -20,13 +20,13 @@ from celery import Task
 from fencing import BackendUnavailable, Lease, LeaseBusy, LostOwnership
 from reservations import InsufficientStock, Outcome
 from reservations.redrives import carried_request
-from reservations.requests import AlreadyApplied, RequestReply
+from reservations.requests import AlreadyApplied, RequestReply, RequestResult
 from reservations.statuses import SUCCEEDED, AttemptResult, RequestStatus
 from tasks import deadlines, failpoints, metrics, observe, policy
 from tasks.answers import answer
 from tasks.failpoints import failpoint
 from tasks.messages import Message
-from tasks.serving import Batchable, Server, beside_local_server, then_serve, wait_for_holder
+from tasks.serving import Batchable, Server, beside_local_server, serve_quietly, wait_for_holder
 from tasks.states import Redriven, announce_lost
 from tasks.work import work_of
 from tasks.worker import Resources, worker_identity
@@ -120,15 +120,7 @@ class Attempt:
         if late is None:
             return None
         try:
-            stored = inventory.record_outcome(
-                message.key,
-                message.operation,
-                RequestStatus.EXPIRED,
-                late.detail(sum(message.counts.values())),
-                epochs=self.epoch,
-                fingerprint=message.fingerprint,
-                **self.who,
-            )
+            stored = self.record(RequestStatus.EXPIRED, late.detail(sum(message.counts.values())))
         except AlreadyApplied:  # a copy applied it and stopped before its outcome: the attempt replays it
             return None
         if stored.status == RequestStatus.EXPIRED and stored.belongs_to(
@@ -190,8 +182,17 @@ class Attempt:
         return self.final(SUCCEEDED[message.operation], done.summary())
 
     def served(self, result: dict[str, Any]) -> dict[str, Any]:
-        """``result``, after serving whatever queued up for the lease meanwhile (tasks.serving)."""
-        return then_serve(self.res, self.batch, self.leases, self.who, result)
+        """``result``, after serving whatever queued up for the lease meanwhile (tasks.serving).
+
+        A request queues itself only after finding the lease busy, and then tries the lease once more, so
+        a release that reports nobody turned away (``contended`` False) means nobody queued behind it: the
+        look at the queue, a round trip per task, is skipped. Any doubt (a lost lease, an older lease
+        record) looks.
+        """
+        leases = self.leases.values()
+        if self.batch is not None and (not leases or any(lease.contended is not False for lease in leases)):
+            serve_quietly(self.res, self.batch.sku, **self.who)
+        return result
 
     def lost(self, lost: LostOwnership) -> Redriven:
         """Terminal for this attempt and its lease: nothing more happens under it. The request itself goes
@@ -207,10 +208,10 @@ class Attempt:
 
     # -- the ways out ---------------------------------------------------------------------------------
 
-    def final(self, status: str, detail: dict[str, Any]) -> dict[str, Any]:
-        """Record the request's final outcome; the answer is the outcome stored under its key."""
+    def record(self, status: str, detail: dict[str, Any]) -> RequestResult:
+        """Record the request's final outcome (once per key); returns the outcome stored under its key."""
         message = self.message
-        stored = self.res.inventory.record_outcome(
+        return self.res.inventory.record_outcome(
             message.key,
             message.operation,
             status,
@@ -219,7 +220,10 @@ class Attempt:
             fingerprint=message.fingerprint,
             **self.who,
         )
-        return answer(self.task, message, stored)
+
+    def final(self, status: str, detail: dict[str, Any]) -> dict[str, Any]:
+        """Record the request's final outcome; the answer is the outcome stored under its key."""
+        return answer(self.task, self.message, self.record(status, detail))
 
     def again(self, counter: str, countdown: float, reason: Exception | None = None) -> Exception:
         """The retry of this message with ``counter`` raised by one, to be raised."""
@@ -261,17 +265,9 @@ class Attempt:
     def failed(self, exc: Exception) -> None:
         """A bug or an unforeseen input: the request still ends, dead-lettered, or its caller waits
         forever. Best effort: the error itself is what the task raises."""
-        message = self.message
         with suppress(Exception):
-            self.res.inventory.record_outcome(
-                message.key,
-                message.operation,
-                RequestStatus.DEAD_LETTERED,
-                self.dead_letter({"reason": "unexpected error", "error": repr(exc)[:500]}),
-                epochs=self.epoch,
-                fingerprint=message.fingerprint,
-                **self.who,
-            )
+            dead = self.dead_letter({"reason": "unexpected error", "error": repr(exc)[:500]})
+            self.record(RequestStatus.DEAD_LETTERED, dead)
 
     def dead_letter(self, detail: dict[str, Any]) -> dict[str, Any]:
         """A dead letter's detail: why, and the request it carried (its type and checked arguments), so an

@@ -8,7 +8,7 @@ other arguments) raises :class:`IdempotencyConflict` instead of being handed ove
 
 Every blocking method has an async twin (``enqueue_sync`` / ``enqueue``, ``wait_sync`` / ``wait``,
 ``ReservationHandle.result_sync`` / ``result``...). The decisions are one core both twins call, pure code
-doing no I/O: the request's payload, checked before anything is recorded (:mod:`tasks.payloads`,
+doing no I/O: the request's payload, checked before anything is recorded (:func:`tasks.messages.normalized`,
 :meth:`ReservationClient._checked`); its record (:func:`tasks.sending.request_of`); the handle that names
 it (:meth:`ReservationClient._handle`); whether a stored outcome is the handle's own
 (``ReservationHandle._own``); kombu's error for a broker that did not take a message, mapped to
@@ -27,22 +27,21 @@ from __future__ import annotations
 import asyncio
 import time
 import weakref
-from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from celery import Celery
 from kombu.exceptions import OperationalError
 
-from reservations import AsyncInventory, Inventory
+from reservations import AsyncInventory, IdempotencyConflict, Inventory
 from reservations import validation as valid
 from reservations.acceptance import Request
 from reservations.errors import InvalidRequest
 from reservations.redrives import is_redrive_key
 from reservations.requests import RequestResult
-from tasks import payloads, redrives
+from tasks import messages
 from tasks.app import app as default_app
 from tasks.errors import BrokerUnavailable, ClientClosed, OutcomeTimeout
-from tasks.handle import ReservationHandle
 from tasks.outbox import Outbox
 from tasks.outcomes import OutcomeWatcher
 from tasks.producer import Producer
@@ -52,15 +51,46 @@ from tasks.settings import settings_of
 __all__ = ["ReservationClient", "ReservationHandle", "enqueue_reservation"]
 
 
-def _poll_intervals() -> Callable[[], float]:
-    delay = [0.005]
+def _payload(name: str, **given: Any) -> dict[str, Any]:
+    """The arguments ``given``, checked as a worker checks them: a request that could never succeed is
+    refused with :class:`InvalidRequest` here, not dead-lettered by a worker."""
+    checked = messages.normalized(name, given)[0]
+    return {k: [list(x) for x in v] if k == "lines" else v for k, v in checked.items() if k in given}
 
-    def step() -> float:
-        current = delay[0]
-        delay[0] = min(current * 1.5, 0.25)
-        return current
 
-    return step
+def _known(operation: str) -> str:
+    if operation not in messages.SHAPES:
+        known = ", ".join(sorted(messages.SHAPES))
+        raise InvalidRequest(f"unknown operation {operation!r}; one of {known}", field="operation")
+    return operation
+
+
+@dataclass(frozen=True)
+class ReservationHandle:
+    """One enqueued request. ``result`` raises :class:`IdempotencyConflict` when the outcome under its key
+    belongs to a different request (the key was used first with other arguments)."""
+
+    key: str
+    task_id: str
+    client: ReservationClient
+    operation: str | None = None
+    fingerprint: str | None = None
+
+    async def result(self, timeout: float = 30.0) -> RequestResult:
+        return self._own(await self.client.wait(self.key, timeout=timeout))
+
+    def result_sync(self, timeout: float = 30.0) -> RequestResult:
+        return self._own(self.client.wait_sync(self.key, timeout=timeout))
+
+    def _own(self, stored: RequestResult) -> RequestResult:
+        """The outcome, when it is this request's: the one decision both shells share."""
+        if self.operation is None or self.fingerprint is None:
+            return stored
+        if not stored.belongs_to(self.operation, self.fingerprint):
+            raise IdempotencyConflict(
+                key=self.key, operation=self.operation, stored_operation=stored.operation
+            )
+        return stored
 
 
 class ReservationClient:
@@ -145,7 +175,12 @@ class ReservationClient:
         hold_for: float | None = None,
         deadline: float | None = None,
     ) -> ReservationHandle:
-        return self._send("reserve", idempotency_key, payloads.reservation(sku, quantity, hold_for), deadline)
+        return self._send(
+            "reserve",
+            idempotency_key,
+            _payload("reserve", sku=sku, quantity=quantity, hold_for=hold_for),
+            deadline,
+        )
 
     async def enqueue_reservation(
         self,
@@ -156,7 +191,7 @@ class ReservationClient:
         hold_for: float | None = None,
         deadline: float | None = None,
     ) -> ReservationHandle:
-        reservation = payloads.reservation(sku, quantity, hold_for)
+        reservation = _payload("reserve", sku=sku, quantity=quantity, hold_for=hold_for)
         return await self._send_async("reserve", idempotency_key, reservation, deadline)
 
     async def enqueue_order(
@@ -168,7 +203,10 @@ class ReservationClient:
         deadline: float | None = None,
     ) -> ReservationHandle:
         return await self._send_async(
-            "reserve_order", idempotency_key, payloads.order(lines, hold_for), deadline
+            "reserve_order",
+            idempotency_key,
+            _payload("reserve_order", lines=lines, hold_for=hold_for),
+            deadline,
         )
 
     def enqueue_count_sync(
@@ -176,24 +214,26 @@ class ReservationClient:
     ) -> ReservationHandle:
         """A cycle count: the worker reads the SKU's stock under its lease and sets on hand to ``counted``
         (``enqueue_sync("count", shrinkage=...)`` has it count what it read less the shrinkage)."""
-        return self._send("count", idempotency_key, payloads.count(sku, counted), deadline)
+        return self._send("count", idempotency_key, _payload("count", sku=sku, counted=counted), deadline)
 
     async def enqueue_count(
         self, sku: str, counted: int, *, idempotency_key: str, deadline: float | None = None
     ) -> ReservationHandle:
-        return await self._send_async("count", idempotency_key, payloads.count(sku, counted), deadline)
+        return await self._send_async(
+            "count", idempotency_key, _payload("count", sku=sku, counted=counted), deadline
+        )
 
     def enqueue_replenish_sync(
         self, sku: str, *, par: int, idempotency_key: str, deadline: float | None = None
     ) -> ReservationHandle:
         """Replenishment to par: the worker reads on hand under its lease and books par minus it."""
-        return self._send("replenish", idempotency_key, payloads.replenishment(sku, par), deadline)
+        return self._send("replenish", idempotency_key, _payload("replenish", sku=sku, par=par), deadline)
 
     async def enqueue_replenish(
         self, sku: str, *, par: int, idempotency_key: str, deadline: float | None = None
     ) -> ReservationHandle:
         return await self._send_async(
-            "replenish", idempotency_key, payloads.replenishment(sku, par), deadline
+            "replenish", idempotency_key, _payload("replenish", sku=sku, par=par), deadline
         )
 
     def enqueue_sync(
@@ -202,13 +242,13 @@ class ReservationClient:
         """Any request by task operation name: reserve, reserve_order, confirm, release, restock,
         count, replenish."""
         valid.idempotency_key(idempotency_key)
-        return self._send(payloads.known(operation), idempotency_key, kwargs, deadline)
+        return self._send(_known(operation), idempotency_key, kwargs, deadline)
 
     async def enqueue(
         self, operation: str, *, idempotency_key: str, deadline: float | None = None, **kwargs: Any
     ) -> ReservationHandle:
         valid.idempotency_key(idempotency_key)
-        return await self._send_async(payloads.known(operation), idempotency_key, kwargs, deadline)
+        return await self._send_async(_known(operation), idempotency_key, kwargs, deadline)
 
     # -- driving dead letters again ------------------------------------------------------------------
 
@@ -218,15 +258,15 @@ class ReservationClient:
         handle is the new request's; ``key`` itself reports its outcome once it has one."""
         self._check_open()
         try:
-            claimed, task_id = redrives.redrive(self._sync_inventory(), self._sender, key, by=by)
+            claimed, task_id = self._sender.redrive(key, by=by)
         except OperationalError as exc:
             raise BrokerUnavailable.of(exc) from exc
         return self._handle(request_of(claimed.request_type, claimed.key, claimed.arguments), task_id)
 
     async def redrive(self, key: str, *, by: str | None = None) -> ReservationHandle:
-        # The same claim and record as tasks.redrives.redrive, the record written by the publishing thread.
+        # The same claim and record as Sender.redrive, the record written by the publishing thread.
         self._check_open()
-        inventory = self._async_inventory()
+        inventory = self._watched()[1]
         claimed = await inventory.claim_redrive(key, by=by)
         request = request_of(claimed.request_type, claimed.key, claimed.arguments)
         try:
@@ -243,7 +283,7 @@ class ReservationClient:
         """The key's final outcome, awaited with every other key this client awaits in its event loop:
         one watcher reads them all in one query per look (see tasks.outcomes)."""
         valid.idempotency_key(key)
-        return await self._outcome_watcher().wait(key, timeout)
+        return await self._watched()[0].wait(key, timeout)
 
     def wait_sync(self, key: str, *, timeout: float = 30.0) -> RequestResult:
         """As :meth:`wait`, polling from this thread."""
@@ -251,14 +291,15 @@ class ReservationClient:
         valid.idempotency_key(key)
         inventory = self._sync_inventory()
         deadline = time.monotonic() + timeout
-        pause = _poll_intervals()
+        pause = 0.005  # growing to 0.25 s
         while True:
             found = inventory.request_outcome(key)
             if found is not None:
                 return found
             if time.monotonic() >= deadline:
                 raise OutcomeTimeout(key, timeout)
-            time.sleep(min(pause(), max(0.0, deadline - time.monotonic())))
+            time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+            pause = min(pause * 1.5, 0.25)
 
     def _sync_inventory(self) -> Inventory:
         if self._inventory is None:
@@ -266,12 +307,6 @@ class ReservationClient:
                 self.settings.database_url, pooling=self.settings.database_pooling
             )
         return self._inventory
-
-    def _async_inventory(self) -> AsyncInventory:
-        return self._watched()[1]
-
-    def _outcome_watcher(self) -> OutcomeWatcher:
-        return self._watched()[0]
 
     def _watched(self) -> tuple[OutcomeWatcher, AsyncInventory]:
         """This event loop's outcome watcher and the connection pool it reads through."""

@@ -23,22 +23,18 @@ from tasks.settings import json_logs
 
 __all__ = [
     "FENCING_FIELDS",
-    "FORMATS",
     "JsonFormatter",
     "RequestFields",
     "bound",
     "celery_says_json",
     "dict_config",
     "fencing_fields",
-    "json_wanted",
     "note",
     "say",
     "use_json",
     "use_json_on_stderr",
     "warnings_as_json",
 ]
-
-FORMATS = ("text", "json")
 
 # The facts of a fencing event, present on each of its records (None where it does not apply): the
 # requirement's resource key, presented token, highest accepted token, owner and lease generation.
@@ -127,11 +123,6 @@ def use_json_on_stderr(level: int = logging.WARNING) -> None:
         root.setLevel(level)
 
 
-def json_wanted() -> bool:
-    """Whether this process writes JSON lines (:func:`tasks.settings.json_logs`)."""
-    return json_logs()
-
-
 def say(
     message: str,
     *,
@@ -144,7 +135,7 @@ def say(
     redirection): a worker's ready line, what it waits for at start, why it refuses to start, the command
     line's warnings and errors. With ``RESERVATIONS_LOG_FORMAT=json`` it is the JSON object every other
     log line is."""
-    if json_wanted():
+    if json_logs():
         record = logging.LogRecord(logger, level, "", 0, message, None, None)
         record.__dict__.update(fields)
         message = JsonFormatter().format(record)

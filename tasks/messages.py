@@ -232,8 +232,9 @@ def format_of(request: object) -> object:
     return UNMARKED_FORMAT if value is None else value
 
 
-def _normalized(name: str, args: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
-    """Checked arguments and the fingerprint the operation stores in its idempotency record."""
+def normalized(name: str, args: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
+    """Checked arguments and the fingerprint the operation stores in its idempotency record (the client
+    checks a payload here before publishing it)."""
     if name == "reserve":
         sku, quantity = valid.sku(args["sku"]), valid.quantity(args["quantity"])
         hold_for = valid.hold_seconds(args.get("hold_for"))
@@ -252,29 +253,20 @@ def _normalized(name: str, args: Mapping[str, Any]) -> tuple[dict[str, Any], str
         sku, quantity = valid.sku(args["sku"]), valid.quantity(args["quantity"])
         print_ = fingerprint("restock", sku=sku, delta=quantity, reason=None)
         return {"sku": sku, "quantity": quantity}, print_
-    if name in _DECIDED:
-        return _DECIDED[name](args)
+    # The requests whose write is decided from what the worker reads under the lease.
+    if name == "count":
+        sku = valid.sku(args["sku"])
+        counted, shrinkage = args.get("counted"), counting.shrinkage_units(args.get("shrinkage"))
+        if (counted is None) == (shrinkage is None):
+            raise InvalidRequest("a count takes either counted or shrinkage", field="counted")
+        if counted is not None:
+            counted = counting.counted_units(counted)
+        checked = {"sku": sku, "counted": counted, "shrinkage": shrinkage}
+        return checked, counting.count_fingerprint(sku, counted, shrinkage)
+    if name == "replenish":
+        sku, par = valid.sku(args["sku"]), counting.par_units(args["par"])
+        return {"sku": sku, "par": par}, counting.replenish_fingerprint(sku, par)
     raise InvalidRequest(f"unknown request type {name!r}", field="task")  # pragma: no cover
-
-
-def _count(args: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
-    sku = valid.sku(args["sku"])
-    counted, shrinkage = args.get("counted"), counting.shrinkage_units(args.get("shrinkage"))
-    if (counted is None) == (shrinkage is None):
-        raise InvalidRequest("a count takes either counted or shrinkage", field="counted")
-    if counted is not None:
-        counted = counting.counted_units(counted)
-    checked = {"sku": sku, "counted": counted, "shrinkage": shrinkage}
-    return checked, counting.count_fingerprint(sku, counted, shrinkage)
-
-
-def _replenish(args: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
-    sku, par = valid.sku(args["sku"]), counting.par_units(args["par"])
-    return {"sku": sku, "par": par}, counting.replenish_fingerprint(sku, par)
-
-
-# The requests whose write is decided from what the worker reads under the lease.
-_DECIDED = {"count": _count, "replenish": _replenish}
 
 
 def _raw_fingerprint(name: str, args: Mapping[str, Any]) -> str:
@@ -301,7 +293,7 @@ def request_fingerprint(name: str, args: Mapping[str, Any]) -> str:
     claimed = {k: v for k, v in args.items() if k != "idempotency_key"}
     try:
         if _shape_problem(name, claimed) is None:
-            return _normalized(name, claimed)[1]
+            return normalized(name, claimed)[1]
     except InvalidRequest:
         pass
     return _raw_fingerprint(name, claimed)
@@ -348,7 +340,7 @@ def parse(
     if problem is not None:
         raise refuse(problem)
     try:
-        checked, print_ = _normalized(name, claimed)
+        checked, print_ = normalized(name, claimed)
     except InvalidRequest as exc:
         raise refuse(str(exc), exc.field) from None
     return Message(

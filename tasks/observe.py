@@ -21,13 +21,17 @@ LOST_OWNERSHIP = "lost_ownership"
 DEAD_LETTERED = "dead_lettered"
 
 
-def lost_fields(
-    lost: LostOwnership, lease_token: int | None, epoch: int | None, **who: Any
+def lost_ownership(
+    lost: LostOwnership, lease_token: int | None, message: Message | None, doing: str = "", **who: Any
 ) -> dict[str, Any]:
-    """What tells one lost epoch from another: the scope, the token presented and the highest the resource
-    had accepted (a refused write; None when the lease was gone before the write), the holder and lease
-    id, the task and the request's epoch; ``who``: task_id, worker (and key, operation when known)."""
-    return {
+    """Log an attempt (or a batch server, without ``message``, ``doing`` what) that lost its lease;
+    returns the fields. The line starts "lost ownership of <scope>", which the chaos run counts.
+
+    The fields tell one lost epoch from another: the scope, the token presented and the highest the
+    resource had accepted (a refused write; None when the lease was gone before the write), the holder and
+    lease id, the task and the request's epoch; ``who``: task_id, worker (and key, operation when known)."""
+    request = {"key": message.key, "operation": message.operation} if message is not None else {}
+    fields = {
         **fencing_fields(
             scope=lost.scope,
             token=lost.token or lease_token,
@@ -35,21 +39,12 @@ def lost_fields(
             holder=f"{who.get('worker')}:{who.get('task_id')}",
             lease_id=lost.lease_id,
             task_id=who.get("task_id"),
-            epoch=epoch,
+            epoch=message.counts["epoch"] if message is not None else None,
         ),
         "lost_by": type(lost).__name__,
         **who,
+        **request,
     }
-
-
-def lost_ownership(
-    lost: LostOwnership, lease_token: int | None, message: Message | None, doing: str = "", **who: Any
-) -> dict[str, Any]:
-    """Log an attempt (or a batch server, without ``message``, ``doing`` what) that lost its lease;
-    returns the fields. The line starts "lost ownership of <scope>", which the chaos run counts."""
-    epoch = message.counts["epoch"] if message is not None else None
-    request = {"key": message.key, "operation": message.operation} if message is not None else {}
-    fields = lost_fields(lost, lease_token, epoch, **who, **request)
     metrics.current.lease("lost")
     if isinstance(lost, StaleToken):
         metrics.current.stale_refused(message.operation if message is not None else "serve_pending")

@@ -62,8 +62,6 @@ INVALID = (
 )
 
 rng = random.Random()
-# What the attempt can meet that decide() has a row for (anything else is a bug: the last row).
-DECIDED = (InsufficientStock, LeaseBusy, LostOwnership, BackendUnavailable, *INVALID)
 # The longest pause between transient retries: a database restart or a Redis failover takes that long.
 TRANSIENT_CEILING = 30.0
 

@@ -17,7 +17,6 @@ from celery.signals import before_task_publish
 from reservations import validation as valid
 from reservations.requests import request_id
 from tasks import deadlines, messages
-from tasks.brokers import transport_options as transport_options_of
 from tasks.messages import task_name
 from tasks.metrics import ENQUEUED_AT
 from tasks.settings import Settings
@@ -46,7 +45,7 @@ class Producer:
     def configured(cls, settings: Settings) -> Producer:
         """A producer on the settings' broker with the transport options the workers' app gives it (a
         sentinel:// broker cannot be reached without its service's name)."""
-        options = transport_options_of(settings.broker_url, settings, broker=True)
+        options = settings.transport_options(settings.broker_url, broker=True)
         return cls(settings.broker_url, transport_options=options)
 
     def send(

@@ -32,8 +32,8 @@ from fencing.urls import mask_url
 from reservations import schema
 from tasks import failpoints
 from tasks.connections import client_options
-from tasks.logs import celery_says_json, json_wanted, say, warnings_as_json
-from tasks.settings import Settings
+from tasks.logs import celery_says_json, say, warnings_as_json
+from tasks.settings import Settings, json_logs
 from tasks.variables import SettingsError
 
 __all__ = ["SAY_EVERY", "refuse", "wait_for", "wait_until_usable"]
@@ -140,7 +140,7 @@ def loaded_by_celery_command() -> bool:
 def refuse_bad_settings() -> None:
     """A worker or beat with a bad setting says so in one line and exits at start, instead of a
     traceback from wherever Celery first reads its configuration."""
-    if json_wanted():  # from the first line on, before Celery sets up its logging
+    if json_logs():  # from the first line on, before Celery sets up its logging
         warnings_as_json()
         celery_says_json()
     try:

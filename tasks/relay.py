@@ -37,7 +37,7 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import suppress
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from enum import StrEnum
 from typing import Any
 
@@ -49,11 +49,11 @@ from reservations import acceptance as records
 from reservations.acceptance import Due
 from reservations.requests import AlreadyApplied
 from reservations.statuses import RequestStatus
-from tasks.brokers import REDIS, scheme_of
 from tasks.presence import redis_presence
 from tasks.producer import Producer
 from tasks.sending import publish
-from tasks.settings import Settings
+from tasks.settings import REDIS, Settings
+from tasks.variables import scheme_of
 
 log = logging.getLogger("tasks.relay")
 
@@ -138,34 +138,24 @@ class Pass:
         return any(self.counts.values())
 
 
+@dataclass(eq=False)
 class Relay:
     """One relay: ``inventory`` to read and claim records, ``producer`` to publish, ``carried`` to look
     into the broker (None where it cannot)."""
 
-    def __init__(
-        self,
-        inventory: Inventory,
-        producer: Producer,
-        *,
-        after: float,
-        max_publishes: int,
-        carried: Callable[[], set[str]] | None,
-        clock: Callable[[], float] = time.time,
-        worker: str = WORKER_NAME,
-        closing: Callable[[], None] = lambda: None,
-    ) -> None:
-        self._closing = closing
-        self.inventory = inventory
-        self.producer = producer
-        self.after = after
-        self.max_publishes = max_publishes
-        self.carried = carried
-        self.clock = clock
-        self.worker = worker
+    inventory: Inventory
+    producer: Producer
+    _: KW_ONLY
+    after: float
+    max_publishes: int
+    carried: Callable[[], set[str]] | None
+    clock: Callable[[], float] = time.time
+    worker: str = WORKER_NAME
+    closing: Callable[[], None] = lambda: None
 
     def close(self) -> None:
         """Close the relay's database pool, producer and broker connection."""
-        self._closing()
+        self.closing()
         self.inventory.close()
         self.producer.close()
 

@@ -17,6 +17,7 @@ from typing import Any
 from reservations import Inventory
 from reservations import validation as valid
 from reservations.acceptance import Request
+from reservations.redrives import Redrive
 from reservations.requests import request_id
 from tasks.messages import CURRENT_FORMAT, SHAPES, request_fingerprint
 from tasks.producer import Producer
@@ -81,3 +82,19 @@ class Sender:
         """Record ``request``, then publish it; returns its task id."""
         self.record([request])
         return publish(self.producer, request)
+
+    def redrive(self, key: str, *, by: str | None = None) -> tuple[Redrive, str]:
+        """Claim the next re-drive of the dead letter under ``key`` (reservations.redrives decides whether it
+        may be and under which key), record it and publish it; returns the claim and its task id. The claim
+        is dropped again when its record cannot be written (the error is raised), so a later attempt is not
+        refused as already running; a publish that fails after it is raised too, and the relay publishes
+        the request later."""
+        inventory = self._inventory()
+        claimed = inventory.claim_redrive(key, by=by)
+        request = request_of(claimed.request_type, claimed.key, claimed.arguments)
+        try:
+            self.record([request])
+        except BaseException:
+            inventory.drop_redrive(claimed.key)
+            raise
+        return claimed, publish(self.producer, request)

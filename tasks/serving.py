@@ -120,26 +120,6 @@ def wait_for_holder(
     return reply(QUEUED, epoch, key, "reserve", {"sku": batch.sku})
 
 
-def then_serve(
-    res: Resources,
-    batch: Batchable | None,
-    leases: dict[str, Lease],
-    who: dict[str, Any],
-    result: dict[str, Any],
-) -> dict[str, Any]:
-    """After a batchable request ran under its own lease: serve whatever queued up meanwhile.
-
-    A request queues itself only after finding the lease busy, and then tries the lease once more, so
-    a release that reports nobody turned away (``contended`` False) means nobody queued behind it: the
-    look at the queue, a round trip per task, is skipped. Any doubt (a lost lease, an older lease
-    record) looks.
-    """
-    wanted = not leases or any(lease.contended is not False for lease in leases.values())
-    if batch is not None and wanted:
-        serve_quietly(res, batch.sku, **who)
-    return result
-
-
 def serve_quietly(res: Resources, sku: str, **kwargs: Any) -> int:
     """:func:`serve_pending` for callers whose own work is done or queued: a failure is logged, never
     raised, because the SKU's holder, its watch or the beat sweep serve the queue anyway."""

@@ -64,6 +64,9 @@ CHAOS_POSTGRES_URL = PREFIX + "CHAOS_POSTGRES_URL"
 # A sentinel:// URL names every sentinel (one URL each joined by ";"); the service they watch is
 # RESERVATIONS_SENTINEL_MASTER.
 BROKER_SCHEMES = ("redis", "rediss", "sentinel", "amqp", "amqps", "pyamqp", "sqla")
+REDIS = ("redis", "rediss", "sentinel")
+REDELIVERING = (*REDIS, "sqs")
+AMQP = ("amqp", "amqps", "pyamqp")
 RESULT_SCHEMES = ("redis", "rediss", "sentinel", "db")
 
 
@@ -277,6 +280,25 @@ class Settings:
     def __repr__(self) -> str:
         # Celery prints its configuration (``celery report``); this object must not leak passwords there.
         return f"Settings({', '.join(f'{k}={v}' for k, v in self.masked().items())})"
+
+    def transport_options(self, url: str, *, broker: bool) -> dict[str, Any]:
+        """The kombu transport options a broker or result backend URL takes, and only those.
+
+        visibility_timeout is how Redis (and SQS) redeliver unacknowledged messages; other transports must
+        not receive it (py-amqp and the SQLAlchemy transport pass their options on as connection arguments).
+        RabbitMQ redelivers when the consumer's channel closes instead, and bounds how long a delivery may
+        stay unacknowledged by the server's consumer_timeout (docs/operations.md, "Brokers"). Publisher
+        confirms make a publish to RabbitMQ return once the broker has the message, as a Redis LPUSH does.
+        A sentinel:// URL names the sentinels only: kombu and Celery ask them for the master of the service
+        master_name, and again after a failover.
+        """
+        scheme = scheme_of(url)
+        if scheme in REDELIVERING:
+            master = {"master_name": self.sentinel_master} if scheme == "sentinel" else {}
+            return {"visibility_timeout": self.visibility_timeout, **master}
+        if broker and scheme in AMQP:
+            return {"confirm_publish": True}
+        return {}
 
     def masked(self) -> dict[str, str]:
         """Every setting as it may be printed, by field: URLs with their passwords hidden."""

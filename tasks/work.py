@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Protocol
+from typing import Any
 
 from fencing import Lease
 from reservations import Inventory, Outcome
@@ -33,35 +33,35 @@ Who = dict[str, Any]
 Write = Callable[[], RequestReply | Outcome]
 
 
-class Work(Protocol):
+class Work:
+    """A request kind; by default one that writes one SKU, ``sku``, as a request run to its outcome."""
+
+    sku: str
     # Whether its write answers a request that already ended (as a request run to its outcome does), so
     # the task need not look for the outcome before taking the leases.
-    answers_ended: bool
+    answers_ended = True
 
     @property
     def batch(self) -> Batchable | None:
         """What the holder of its busy lease serves for it; None where nobody can (all but a reservation)."""
-        ...
+        return None
 
-    def skus(self, inv: Inventory) -> list[str]: ...
+    def skus(self, inv: Inventory) -> list[str]:
+        return [self.sku]
 
     def decide(self, inv: Inventory, leases: Leases, who: Who, epochs: int) -> Write:
         """The write to make, read for and decided now (under the leases)."""
-        ...
+        raise NotImplementedError
 
 
 @dataclass(frozen=True)
-class Reserve:
+class Reserve(Work):
     """A single-SKU reservation, written with its attempt and outcome in one statement."""
 
     sku: str
     quantity: int
     hold_for: float | None
     key: str
-    answers_ended = True
-
-    def skus(self, inv: Inventory) -> list[str]:
-        return [self.sku]
 
     @property
     def batch(self) -> Batchable:
@@ -75,12 +75,11 @@ class Reserve:
 
 
 @dataclass(frozen=True)
-class ReserveOrder:
+class ReserveOrder(Work):
     lines: list[tuple[str, int]]
     hold_for: float | None
     key: str
     answers_ended = False
-    batch = None
 
     def skus(self, inv: Inventory) -> list[str]:
         return [sku for sku, _ in self.lines]
@@ -90,15 +89,10 @@ class ReserveOrder:
 
 
 @dataclass(frozen=True)
-class Restock:
+class Restock(Work):
     sku: str
     quantity: int
     key: str
-    answers_ended = True
-    batch = None
-
-    def skus(self, inv: Inventory) -> list[str]:
-        return [self.sku]
 
     def decide(self, inv: Inventory, leases: Leases, who: Who, epochs: int) -> Write:
         return partial(
@@ -107,7 +101,7 @@ class Restock:
 
 
 @dataclass(frozen=True)
-class Count:
+class Count(Work):
     """Sets on hand to the figure sent, or to the figure read now less the shrinkage sent (the message
     has one of the two)."""
 
@@ -115,11 +109,6 @@ class Count:
     counted: int | None
     shrinkage: int | None
     key: str
-    answers_ended = True
-    batch = None
-
-    def skus(self, inv: Inventory) -> list[str]:
-        return [self.sku]
 
     def decide(self, inv: Inventory, leases: Leases, who: Who, epochs: int) -> Write:
         sku, shrinkage = self.sku, self.shrinkage
@@ -132,17 +121,12 @@ class Count:
 
 
 @dataclass(frozen=True)
-class Replenish:
+class Replenish(Work):
     """Books par minus the on hand read now."""
 
     sku: str
     par: int
     key: str
-    answers_ended = True
-    batch = None
-
-    def skus(self, inv: Inventory) -> list[str]:
-        return [self.sku]
 
     def decide(self, inv: Inventory, leases: Leases, who: Who, epochs: int) -> Write:
         seen = inv.look(leases[self.sku], self.sku)
@@ -153,14 +137,12 @@ class Replenish:
 
 
 @dataclass(frozen=True)
-class Finish:
+class Finish(Work):
     """A confirm or a release of a reservation, under the lease of the reservation's SKU."""
 
     operation: str  # "confirm" or "release"
     reservation_id: str
     key: str
-    answers_ended = True
-    batch = None
 
     def skus(self, inv: Inventory) -> list[str]:
         return [inv.reservation(self.reservation_id).sku]

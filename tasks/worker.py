@@ -34,9 +34,9 @@ from tasks import metrics
 from tasks.connections import client_options
 from tasks.errors import TasksError
 from tasks.failpoints import failpoint
-from tasks.logs import json_wanted, say, use_json
+from tasks.logs import say, use_json
 from tasks.readiness import refuse, wait_until_usable
-from tasks.settings import Settings, settings_of, unknown_name_warnings
+from tasks.settings import Settings, json_logs, settings_of, unknown_name_warnings
 from tasks.states import note_task_events
 
 log = logging.getLogger("tasks.worker")
@@ -164,7 +164,7 @@ def _init_process(**_: Any) -> None:
 def _make_sure_it_can_work(instance: Any = None, **_: Any) -> None:
     """Before the pool forks and the worker consumes: the backends answer (waited for) and the schema
     fits this code (exit 2 otherwise). With JSON logs, Celery's banner is left out of the stream."""
-    if json_wanted() and instance is not None:
+    if json_logs() and instance is not None:
         instance.quiet = True
     wait_until_usable(settings_of(instance.app if instance is not None else current_app))
 

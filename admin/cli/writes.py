@@ -1,7 +1,7 @@
 """The commands that write, each saying so in its help: requests handed to the Celery workers by task
 name (this package never imports the tasks), with --wait polling their outcome and --deadline bounding
 when they may still be carried out; add-sku, direct; and redrive, which records each re-drive in the
-database and publishes it through tasks.redrives.
+database and publishes it through tasks.sending.
 """
 
 from __future__ import annotations
@@ -359,7 +359,6 @@ def _send_redrives(inventory: Inventory, chosen: list[Redrive], who: str | None)
     rest go on; an unreachable broker stops the run (the claim it could not send is taken back)."""
     from reservations.errors import RedriveRefused
     from tasks.producer import Producer
-    from tasks.redrives import redrive as send_redrive
     from tasks.sending import Sender
 
     sent, refused = 0, 0
@@ -371,7 +370,7 @@ def _send_redrives(inventory: Inventory, chosen: list[Redrive], who: str | None)
     with producer:
         for claim in chosen:
             try:
-                done, task_id = send_redrive(inventory, sender, claim.origin, by=who)
+                done, task_id = sender.redrive(claim.origin, by=who)
             except RedriveRefused as exc:
                 complain(logging.WARNING, str(exc))
                 refused += 1
