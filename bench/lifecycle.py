@@ -30,12 +30,11 @@ from reservations import Inventory
 from reservations.audit import Rule
 from reservations.counting import StockSeen
 from reservations.models import idempotency_keys
-from reservations.reserve_statement import Speaker
 from reservations.views import Outcome
 
 SKUS = 64
 ON_HAND = 10**6
-SPEAKER = Speaker(task_id="bench-task", worker="bench-worker", epochs=0)
+WHO: dict[str, Any] = {"task_id": "bench-task", "worker": "bench-worker", "epochs": 0}
 
 ONE, SEVERAL = "one statement", "several statements"
 STEPS = ("confirm", "release", "restock", "count", "replenish", "confirm request", "restock request",
@@ -71,7 +70,7 @@ class Steps:
 
     def op(self, step: str, prefix: str, raw: psycopg.Connection[Any] | None = None) -> Op:
         """The library's ``step``, or with ``raw`` (an autocommit connection) raw psycopg's."""
-        inv, plans, run = self.inventory, self.inventory.plans, self.inventory.executor.run
+        inv = self.inventory
         keys, skus = self._keys, self._skus
 
         def key() -> str:
@@ -97,19 +96,17 @@ class Steps:
         ops: dict[str, Op] = {
             "confirm": ends(lambda lease, rid, k: inv.confirm(lease, rid, key=k)),
             "release": ends(lambda lease, rid, k: inv.release(lease, rid, key=k)),
-            "confirm request": ends(lambda lease, rid, k: run(plans.confirm_request(lease, rid, k, SPEAKER))),
+            "confirm request": ends(lambda lease, rid, k: inv.confirm_request(lease, rid, key=k, **WHO)),
             "restock": on_stock(lambda lease, sku, seen, k: inv.restock(lease, sku, 1, key=k)),
             "count": on_stock(lambda lease, sku, seen, k: inv.count(lease, sku, ON_HAND, key=k, seen=seen)),
             "replenish": on_stock(
                 lambda lease, sku, seen, k: inv.replenish(lease, sku, 2 * ON_HAND, key=k, seen=seen)
             ),
             "restock request": on_stock(
-                lambda lease, sku, seen, k: run(plans.restock_request(lease, sku, 1, k, SPEAKER))
+                lambda lease, sku, seen, k: inv.restock_request(lease, sku, 1, key=k, **WHO)
             ),
             "count request": on_stock(
-                lambda lease, sku, seen, k: run(
-                    plans.count_request(lease, sku, ON_HAND, k, SPEAKER, seen=seen)
-                )
+                lambda lease, sku, seen, k: inv.count_request(lease, sku, ON_HAND, key=k, **WHO, seen=seen)
             ),
         }
         return ops[step]

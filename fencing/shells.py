@@ -59,11 +59,34 @@ class operation(Generic[P, T]):
     """A shell method written once as the plan it runs: blocking on a shell whose class says
     ``awaits = False``, a coroutine function on one that says ``awaits = True``."""
 
-    def __init__(self, build: Callable[Concatenate[Any, P], Plan[T]]) -> None:
+    def __init__(self, build: Callable[Concatenate[Any, P], Plan[T]], *, named: bool = True) -> None:
         self.build = build
         self._blocking = _dressed(_blocking(build), build)
         self._awaiting = _dressed(_awaiting(build), build)
         self.__doc__ = build.__doc__
+        self._named = named
+
+    @classmethod
+    def of(cls, plan: Callable[P, Plan[T]]) -> operation[P, T]:
+        """The operation that only runs the module-level ``plan`` with the caller's arguments, named as the
+        shell's attribute it is assigned to, with ``plan``'s parameters and docstring."""
+
+        def build(self: Any, /, *args: Any, **kwargs: Any) -> Plan[T]:
+            return plan(*args, **kwargs)
+
+        functools.update_wrapper(build, plan)
+        signature = inspect.signature(plan)
+        shell = inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)
+        build.__signature__ = signature.replace(  # type: ignore[attr-defined]
+            parameters=[shell, *signature.parameters.values()]
+        )
+        return cls(build, named=False)
+
+    def __set_name__(self, owner: type[Any], name: str) -> None:
+        if not self._named:  # made by ``of``: the method takes the attribute's name (an alias keeps it)
+            self._named = True
+            for method in (self.build, self._blocking, self._awaiting):
+                method.__name__, method.__qualname__ = name, f"{owner.__qualname__}.{name}"
 
     @overload
     def __get__(self, instance: None, owner: type[Any]) -> Callable[Concatenate[Any, P], Any]: ...

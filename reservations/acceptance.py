@@ -176,13 +176,13 @@ def admit(request: Request, look_after: float) -> Plan[Admission]:
     return Admission(outcome=None, accepted=_accepted_of(row), first=False)
 
 
-def record(requests: Sequence[Request], look_after: float) -> Plan[None]:
-    """Record ``requests`` in one statement; a key recorded already keeps its first record (a second
-    request under it is the same request, or a conflict its worker reports). ``ON CONFLICT DO NOTHING``
-    is the same text on PostgreSQL and SQLite."""
-    if not requests:
+def record(batch: Sequence[Request], look_after: float) -> Plan[None]:
+    """Record the requests of ``batch`` in one statement; a key recorded already keeps its first record (a
+    second request under it is the same request, or a conflict its worker reports). ``ON CONFLICT DO
+    NOTHING`` is the same text on PostgreSQL and SQLite."""
+    if not batch:
         return
-    rows = [request.values(look_after) for request in requests]
+    rows = [request.values(look_after) for request in batch]
     yield Alone(pg_insert(_T).values(rows).on_conflict_do_nothing(index_elements=[_T.c.key]))
 
 

@@ -54,6 +54,7 @@ from reservations.partitions import (
     partition_name,
     prepare_partitions,
 )
+from reservations.reads import NEWEST_CHECKPOINTS
 
 __all__ = ["ArchiveReport", "ArchivedSpan", "archive", "detach", "iso"]
 
@@ -83,35 +84,6 @@ class ArchiveReport:
 # -- checkpoints ---------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class Checkpoint:
-    sku: str
-    through_ms: int
-    on_hand: int
-    reserved: int
-    highest_token: int
-    last_id: int
-    archived_ms: int
-    archive: str | None
-
-
-def _newest_checkpoints(conn: sa.Connection) -> dict[str, Checkpoint]:
-    newest = (
-        sa.select(sku_checkpoints.c.sku, sa.func.max(sku_checkpoints.c.through_ms).label("through_ms"))
-        .group_by(sku_checkpoints.c.sku)
-        .subquery()
-    )
-    rows = conn.execute(
-        sa.select(sku_checkpoints).join(
-            newest,
-            sa.and_(
-                sku_checkpoints.c.sku == newest.c.sku, sku_checkpoints.c.through_ms == newest.c.through_ms
-            ),
-        )
-    ).all()
-    return {r.sku: Checkpoint(**r._asdict()) for r in rows}
-
-
 def _write_checkpoints(conn: sa.Connection, source: sa.FromClause, to_ms: int, archive: str) -> int:
     """Each SKU of ``source`` (the rows leaving): its previous checkpoint plus these rows' deltas."""
     is_write = source.c.kind == "write"
@@ -127,7 +99,7 @@ def _write_checkpoints(conn: sa.Connection, source: sa.FromClause, to_ms: int, a
     ).all()
     if not sums:
         return 0
-    before = _newest_checkpoints(conn)
+    before = {r.sku: r for r in conn.execute(NEWEST_CHECKPOINTS).all()}
     now = conn.execute(sa.select(db_now_ms())).scalar_one()
     rows = []
     for sku, on_hand, reserved, highest, last_id in sums:

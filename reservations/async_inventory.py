@@ -16,9 +16,8 @@ from typing import Any
 from fencing import AsyncLeaseManager, Lease
 from fencing.engines import make_async_engine
 from fencing.sql_executor import AsyncSqlExecutor
-from reservations import shell_checks as checks
 from reservations import validation as valid
-from reservations.inventory_base import InventoryBase, lock_order
+from reservations.inventory_base import InventoryBase, check_manager, lock_order, timeline_args
 from reservations.timeline import TimelineEntry, merge
 
 
@@ -36,7 +35,7 @@ class AsyncInventory(InventoryBase[AsyncSqlExecutor]):
     async def timeline(
         self, sku: str, manager: AsyncLeaseManager, *, limit: int = 1000
     ) -> list[TimelineEntry]:
-        scope = checks.timeline_args(manager, AsyncLeaseManager, sku, limit)
+        scope = timeline_args(manager, AsyncLeaseManager, sku, limit)
         lease_events = await manager.history(scope, limit=limit)
         return merge(lease_events, await self.history(sku, limit=limit))
 
@@ -51,7 +50,7 @@ class AsyncInventory(InventoryBase[AsyncSqlExecutor]):
         wait: float = 0,
         renew_every: float | None = None,
     ) -> AsyncIterator[dict[str, Lease]]:
-        checks.check_manager(manager, AsyncLeaseManager)
+        check_manager(manager, AsyncLeaseManager)
         async with AsyncExitStack() as stack:
             leases = {}
             for sku in lock_order(skus):

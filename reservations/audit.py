@@ -15,8 +15,8 @@ import sqlalchemy as sa
 
 from fencing.plan import Plan
 from fencing.sql import Rows
-from reservations.models import HELD, reservations, sku_checkpoints, sku_history
-from reservations.reads import STOCK_COLUMNS
+from reservations.models import HELD, reservations, sku_history
+from reservations.reads import NEWEST_CHECKPOINTS, STOCK_COLUMNS
 
 # The operations whose key may write at most once; a confirm or release key writes once per reservation
 # it finishes, so duplicates there are judged by whoever knows the requests (the chaos checker).
@@ -94,21 +94,8 @@ def invariant_violations() -> Plan[list[Violation]]:
     )
     # History archived whole (reservations.archive) left each SKU's sums in its newest checkpoint, written
     # in the transaction that took the rows out: checkpoint + the rows still here explain the stock.
-    newest = (
-        sa.select(sku_checkpoints.c.sku, sa.func.max(sku_checkpoints.c.through_ms).label("through_ms"))
-        .group_by(sku_checkpoints.c.sku)
-        .subquery()
-    )
-    checkpoints: Rows = yield sa.select(
-        sku_checkpoints.c.sku,
-        sku_checkpoints.c.on_hand,
-        sku_checkpoints.c.reserved,
-        sku_checkpoints.c.highest_token,
-    ).join(
-        newest,
-        sa.and_(sku_checkpoints.c.sku == newest.c.sku, sku_checkpoints.c.through_ms == newest.c.through_ms),
-    )
-    start = {r[0]: (int(r[1]), int(r[2]), int(r[3])) for r in checkpoints.rows}
+    checkpoints: Rows = yield NEWEST_CHECKPOINTS
+    start = {r.sku: (int(r.on_hand), int(r.reserved), int(r.highest_token)) for r in checkpoints.rows}
     held_by_sku = {r[0]: int(r[1]) for r in held.rows}
     sums_by_sku = {sku: (on_hand, reserved) for sku, (on_hand, reserved, _) in start.items()}
     for r in sums.rows:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import sqlalchemy as sa
 
@@ -25,6 +25,8 @@ from reservations.errors import (
     RequestClosed,
     UnknownSku,
 )
+from reservations.ledger import HeldLine, fingerprint, new_reservation_id, reservation_conflict
+from reservations.lifecycle import ReservationLifecycle
 from reservations.models import (
     idempotency_keys,
     pending_reservations,
@@ -33,9 +35,9 @@ from reservations.models import (
     stock,
     task_attempts,
 )
-from reservations.operations import HeldLine, InventoryPlans, fingerprint, new_reservation_id
 from reservations.reads import STOCK_COLUMNS
 from reservations.requests import TOMBSTONE_FINGERPRINT, RequestResult, result_of
+from reservations.reserve_statement import Prior
 from reservations.statuses import AttemptResult, RequestStatus
 from reservations.views import Outcome, StockLevel
 
@@ -43,7 +45,7 @@ MAX_BATCH = 1000
 
 
 def serve(
-    plans: InventoryPlans,
+    lifecycle: ReservationLifecycle,
     lease: Lease,
     sku: str,
     *,
@@ -86,17 +88,19 @@ def serve(
         for round_ in rounds():
             with round_:
                 served: list[RequestResult] = yield Atomic(
-                    _batch(plans, lease, sku, listed, task_id, worker, tuple(in_hand))
+                    _batch(lifecycle, lease, sku, listed, task_id, worker, tuple(in_hand))
                 )
                 return served
     except StaleToken as stale:
-        yield Atomic(plans.ledger.one(plans.ledger.rejection(stale, lease, sku, "reserve", None, None)))
+        yield Atomic(
+            lifecycle.ledger.one(lifecycle.ledger.rejection(stale, lease, sku, "reserve", None, None))
+        )
         raise
     raise KeptColliding(f"the pending reservations of {sku!r}")
 
 
 def _batch(
-    plans: InventoryPlans,
+    lifecycle: ReservationLifecycle,
     lease: Lease,
     sku: str,
     limit: int,
@@ -111,7 +115,7 @@ def _batch(
     row = locked.first()
     known = row is not None
     while True:
-        if plans.single_statement:  # PostgreSQL: one text for any number in hand (batch_statement)
+        if lifecycle.ledger.single_statement:  # PostgreSQL: one text for any number in hand (batch_statement)
             read = yield from batch_statement.waiting(sku, limit, in_hand)
         else:
             found: Rows = yield _waiting(sku, limit, in_hand)
@@ -129,7 +133,7 @@ def _batch(
         yield sa.delete(pending_reservations).where(pending_reservations.c.key.in_(keys))
         in_hand = ()
     stored = {
-        r.key: _Stored(r.key, r.stored_fingerprint, r.stored_operation, r.stored_outcome)
+        r.key: Prior(r.key, r.stored_fingerprint, r.stored_operation, r.stored_outcome)
         for r in waiting
         if r.stored_fingerprint is not None
     }
@@ -139,17 +143,17 @@ def _batch(
 
     hold: Hold
     allotted: list[HeldLine] = []
-    if plans.single_statement and row is not None:
+    if lifecycle.ledger.single_statement and row is not None:
         # PostgreSQL: judged here against the row this transaction locked, written below as one fenced
         # change for the batch's total; a lease the row refuses serves nothing, as with one write each.
-        plans.fence.refuse_if_stale(lease, lease.scope, int(row.fence_token), row.fence_lease_id, "reserve")
+        lifecycle.ledger.fence.refuse_if_stale(
+            lease, lease.scope, int(row.fence_token), row.fence_lease_id, "reserve"
+        )
         hold = _Allotment(lease, StockLevel(*row[:5]), allotted).hold
     else:
 
         def hold(request: Any) -> Plan[Outcome]:
-            return plans.lifecycle.hold_one(
-                lease, request.sku, request.quantity, request.key, request.hold_ms
-            )
+            return lifecycle.hold_one(lease, request.sku, request.quantity, request.key, request.hold_ms)
 
     records: list[dict[str, Any]] = []
     outcomes: list[dict[str, Any]] = []
@@ -160,7 +164,7 @@ def _batch(
             continue
         print_ = fingerprint("reserve", sku=request.sku, quantity=request.quantity, hold_ms=request.hold_ms)
         status, detail, attempt = yield from _serve_one(
-            plans, lease, hold, request, print_, known, stored, clashing, records
+            lifecycle, lease, hold, request, print_, known, stored, clashing, records
         )
         detail["served_by"] = task_id
         outcomes.append(
@@ -186,13 +190,13 @@ def _batch(
                 "detail": f"served in a batch of {serving} for task {request.task_id}",
             }
         )
-    if plans.single_statement and row is not None:
+    if lifecycle.ledger.single_statement and row is not None:
         # PostgreSQL: every write of the batch in one statement, sent as it is (batch_statement).
         if allotted:
-            plans.fence.prepare(lease, lease.scope)
+            lifecycle.ledger.fence.prepare(lease, lease.scope)
         return (
             yield from batch_statement.write(
-                plans.fence, lease, sku, allotted, records, outcomes, attempts, keys
+                lifecycle.ledger.fence, lease, sku, allotted, records, outcomes, attempts, keys
             )
         )
     now = db_now_ms()
@@ -209,15 +213,6 @@ def _batch(
         yield sa.insert(task_attempts).values([{**a, "at_ms": now} for a in attempts])
     yield sa.delete(pending_reservations).where(pending_reservations.c.key.in_(keys))
     return [result_of(r) for r in written.rows]
-
-
-class _Stored(NamedTuple):
-    """A waiting request's idempotency record, as :meth:`Ledger.replay` reads it."""
-
-    key: str
-    fingerprint: str
-    operation: str
-    outcome: str
 
 
 def _first_of_each_key(rows: list[Any]) -> list[Any]:
@@ -306,7 +301,7 @@ class _Allotment:
 
 
 def _serve_one(
-    plans: InventoryPlans,
+    lifecycle: ReservationLifecycle,
     lease: Lease,
     hold: Hold,
     request: Any,
@@ -318,50 +313,36 @@ def _serve_one(
 ) -> Plan[tuple[str, dict[str, Any], str]]:
     """One request of a batch: (final status, detail, attempt result). Records it adds go to ``records``."""
     sku, key = request.sku, request.key
+
+    def record(fingerprint: str, outcome: str, token: int | None = None) -> None:
+        records.append(
+            {
+                "key": key,
+                "fingerprint": fingerprint,
+                "operation": "reserve",
+                "outcome": outcome,
+                "token": token,
+            }
+        )
+
     try:
         if not known:
             raise UnknownSku(sku)
         if key in stored:
-            outcome = plans.ledger.replay(stored[key], "reserve", print_)
+            outcome = lifecycle.ledger.replay(stored[key], "reserve", print_)
             return RequestStatus.RESERVED, outcome.summary(), AttemptResult.REPLAYED
         if key in clashing:
-            raise IdempotencyConflict(
-                key=key, operation="reserve", stored_operation="a reservation whose record expired"
-            )
+            raise reservation_conflict(key, "reserve")
         outcome = yield from hold(request)
-        records.append(
-            {
-                "key": key,
-                "fingerprint": print_,
-                "operation": "reserve",
-                "outcome": outcome.to_json(),
-                "token": lease.token,
-            }
-        )
+        record(print_, outcome.to_json(), lease.token)
         return RequestStatus.RESERVED, outcome.summary(), AttemptResult.APPLIED
     except InsufficientStock as refused:
         if not getattr(refused, "replayed", False):
-            records.append(
-                {
-                    "key": key,
-                    "fingerprint": print_,
-                    "operation": "reserve",
-                    "outcome": json.dumps({"error": RequestStatus.INSUFFICIENT_STOCK, **refused.summary()}),
-                    "token": None,
-                }
-            )
+            record(print_, json.dumps({"error": RequestStatus.INSUFFICIENT_STOCK, **refused.summary()}))
         return RequestStatus.INSUFFICIENT_STOCK, refused.summary(), AttemptResult.INSUFFICIENT_STOCK
     except (UnknownSku, RequestClosed, IdempotencyConflict) as invalid:
         if key not in stored:  # close the key, as every request that ends without effect does
-            records.append(
-                {
-                    "key": key,
-                    "fingerprint": TOMBSTONE_FINGERPRINT,
-                    "operation": "reserve",
-                    "outcome": json.dumps({"error": "closed", "status": RequestStatus.INVALID}),
-                    "token": None,
-                }
-            )
+            record(TOMBSTONE_FINGERPRINT, json.dumps({"error": "closed", "status": RequestStatus.INVALID}))
         return (
             RequestStatus.INVALID,
             {"error": type(invalid).__name__, "message": str(invalid)},

@@ -8,20 +8,20 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
 
 import sqlalchemy as sa
 
 from fencing import FenceOutcome, Lease, StaleToken
 from fencing.plan import Atomic, Bound, Plan
-from fencing.sql import Rows, db_now_ms
+from fencing.sql import Rows
 from reservations import keyed_statement as keyed
-from reservations import keyed_steps, stock_statement
+from reservations import stock_statement
 from reservations import validation as valid
-from reservations.errors import CountBelowHeld, InvalidRequest, SeenInAnotherEpoch, UnknownSku
+from reservations.errors import InvalidRequest, SeenInAnotherEpoch, UnknownSku
 from reservations.keyed_steps import Step
 from reservations.ledger import Ledger, fingerprint
 from reservations.models import sku_checkpoints, sku_history, stock
+from reservations.on_hand import change_on_hand
 from reservations.reads import STOCK_COLUMNS, stock_level
 from reservations.statuses import SUCCEEDED
 from reservations.stock_statement import Change
@@ -113,10 +113,6 @@ def _seen_detail(seen: StockSeen | None) -> dict[str, int]:
     return {} if seen is None else {"seen": seen.version, "seen_on_hand": seen.on_hand}
 
 
-def _level(row: Any) -> StockLevel:
-    return StockLevel(sku=row[0], on_hand=row[1], reserved=row[2], available=row[3], fence_token=row[4])
-
-
 # Built once: the id of a SKU's newest accepted write (the history index is on (sku, id)); once all of
 # the SKU's history was archived, the newest row id its checkpoint recorded: later writes' ids are higher,
 # so a version never goes back.
@@ -170,7 +166,7 @@ class StockCounting:
         # Under the row lock the guarded UPDATE took: no write of this SKU can come between.
         found: Rows = yield Bound(_VERSION, {"sku": sku})
         version = found.first()
-        level = _level(result.row)
+        level = StockLevel(*result.row)
         return StockSeen(
             sku=sku,
             on_hand=level.on_hand,
@@ -180,27 +176,10 @@ class StockCounting:
             version=0 if version is None or version[0] is None else int(version[0]),
         )
 
-    def count(
-        self,
-        lease: Lease,
-        sku: str,
-        counted: int,
-        key: str,
-        *,
-        seen: StockSeen | None = None,
-        shrinkage: int | None = None,
-    ) -> Plan[Outcome]:
-        """A cycle count: on hand becomes ``counted`` (available: ``counted`` - reserved), an absolute
-        write; refused with :class:`CountBelowHeld`, writing nothing, below the units held. ``seen`` is
-        what the count was decided from (:meth:`look` under ``lease``; see :func:`seen_of`), recorded
-        with it; ``shrinkage`` says the figure was decided from ``seen`` (see :func:`short_count`) rather
-        than sent."""
-        return keyed_steps.alone(self.ledger, self.count_step(lease, sku, counted, key, seen, shrinkage))
-
     def count_step(
         self, lease: Lease, sku: str, counted: int, key: str, seen: StockSeen | None, shrinkage: int | None
     ) -> Step:
-        """A cycle count (:meth:`count`), checked, both ways it can be sent."""
+        """A cycle count (:meth:`reservations.Inventory.count`), checked, both ways it can be sent."""
         valid.lease(lease)
         valid.sku(sku)
         counted_units(counted)
@@ -216,7 +195,7 @@ class StockCounting:
         def apply() -> Plan[Outcome]:
             # The envelope locked the row: the level read here is the one the count replaces.
             before = yield from stock_level(sku)
-            level = yield from self._set_on_hand(lease, sku, counted)
+            level = yield from self.ledger.fenced(lease, sku, "count", counted=counted)
             change = counted - before.on_hand
             yield self.ledger.history(
                 lease, sku, "count", key, quantity=change, on_hand=change, reserved=0,
@@ -236,37 +215,9 @@ class StockCounting:
         written = keyed.Written(lease, key, "count", print_, SUCCEEDED["count"], detail=detail)
         return stock_statement.step(self.ledger.fence, written, sku, Change.SET, counted, several, rejection)
 
-    def _set_on_hand(self, lease: Lease, sku: str, counted: int) -> Plan[StockLevel]:
-        """The fenced absolute write; the held units are checked in its own condition."""
-        result = yield from self.ledger.fence.plan(
-            lease,
-            scope=valid.scope_of(sku),
-            where=[stock.c.sku == sku],
-            values={
-                "on_hand": counted,
-                "available": sa.literal(counted, sa.BigInteger) - stock.c.reserved,
-                "updated_ms": db_now_ms(),
-            },
-            condition=stock.c.reserved <= counted,
-            returning=STOCK_COLUMNS,
-            operation="count",
-        )
-        if result.outcome is FenceOutcome.NO_ROW:
-            raise UnknownSku(sku)
-        if result.outcome is FenceOutcome.CONDITION_FAILED:
-            level = yield from stock_level(sku)
-            raise CountBelowHeld(sku=sku, counted=counted, held=level.reserved)
-        return _level(result.row)
-
-    def replenish(self, lease: Lease, sku: str, par: int, key: str, *, seen: StockSeen) -> Plan[Outcome]:
-        """Replenishment to par: books ``par`` minus the on-hand figure ``seen`` (read under ``lease``; see
-        :func:`seen_of`), none when at or above par, as a restock. The size was decided from the read, so
-        the row records par and what was seen; the request is named by its par, so a redelivery that reads
-        another level replays the first."""
-        return keyed_steps.alone(self.ledger, self.replenish_step(lease, sku, par, key, seen))
-
     def replenish_step(self, lease: Lease, sku: str, par: int, key: str, seen: StockSeen) -> Step:
-        """A replenishment to par (:meth:`replenish`), checked, both ways it can be sent."""
+        """A replenishment to par (:meth:`reservations.Inventory.replenish`), checked, both ways it can be
+        sent."""
         valid.lease(lease)
         valid.sku(sku)
         par_units(par)
@@ -275,31 +226,13 @@ class StockCounting:
         order = to_order(checked, par)
         detail = {"par": par, **_seen_detail(checked)}
 
-        def apply() -> Plan[Outcome]:
-            level = yield from self.ledger.fenced(
-                lease, sku, "replenish", on_hand=order, reserved=0, condition=None
-            )
-            yield self.ledger.history(
-                lease, sku, "replenish", key, quantity=order, on_hand=order, reserved=0,
-                detail=json.dumps(detail, sort_keys=True),
-            )  # fmt: skip
-            return Outcome(
-                operation="replenish",
-                key=key,
-                token=lease.token,
-                stock=(level,),
-                quantity=order,
-                detail=detail,
-            )
+        print_ = replenish_fingerprint(sku, par)
 
         def rejection(stale: StaleToken) -> sa.Executable:
             return self.ledger.rejection(stale, lease, sku, "replenish", key, order)
 
-        print_ = replenish_fingerprint(sku, par)
-
         def several() -> Plan[Outcome]:
-            lock = self.ledger.lock_skus(sku)
-            return self.ledger.idempotent(key, "replenish", print_, apply, rejection, lock)
+            return change_on_hand(self.ledger, lease, sku, order, key, "replenish", print_, detail=detail)
 
         written = keyed.Written(lease, key, "replenish", print_, SUCCEEDED["replenish"], detail=detail)
         return stock_statement.step(self.ledger.fence, written, sku, Change.ADD, order, several, rejection)

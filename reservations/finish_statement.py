@@ -15,6 +15,7 @@ from fencing import Fence
 from reservations import keyed_statement as keyed
 from reservations import validation as valid
 from reservations.errors import InvalidTransition, UnknownReservation, UnknownSku
+from reservations.sql_text import Variants
 from reservations.statuses import ReservationStatus
 
 #   found  the reservation's SKU, read unlocked (a trigger refuses a change of it), to know which stock
@@ -71,7 +72,7 @@ LEFT JOIN upd AS u ON TRUE
 _ON_HAND = {ReservationStatus.CONFIRMED: "-fin.quantity", ReservationStatus.RELEASED: "0::bigint"}
 
 
-def _variants(final: ReservationStatus) -> keyed.Variants:
+def _variants(final: ReservationStatus) -> Variants:
     return keyed.variants(
         lambda parts: _SQL.format(**parts, held=ReservationStatus.HELD.value, on_hand=_ON_HAND[final])
     )

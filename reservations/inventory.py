@@ -16,10 +16,10 @@ from typing import Any
 from fencing import Lease, LeaseManager
 from fencing.engines import make_engine
 from fencing.sql_executor import SyncSqlExecutor
-from reservations import shell_checks as checks
 from reservations import validation as valid
 from reservations.async_inventory import AsyncInventory
-from reservations.inventory_base import DEFAULT_IDEMPOTENCY_RETENTION, InventoryBase, lock_order
+from reservations.inventory_base import InventoryBase, check_manager, lock_order, timeline_args
+from reservations.requests import DEFAULT_IDEMPOTENCY_RETENTION
 from reservations.timeline import TimelineEntry, merge
 
 __all__ = ["DEFAULT_IDEMPOTENCY_RETENTION", "AsyncInventory", "Inventory", "lock_order"]
@@ -36,7 +36,7 @@ class Inventory(InventoryBase[SyncSqlExecutor]):
 
     def timeline(self, sku: str, manager: LeaseManager, *, limit: int = 1000) -> list[TimelineEntry]:
         """Lease events, accepted writes and rejections of ``sku`` as one ordered timeline."""
-        scope = checks.timeline_args(manager, LeaseManager, sku, limit)
+        scope = timeline_args(manager, LeaseManager, sku, limit)
         return merge(manager.history(scope, limit=limit), self.history(sku, limit=limit))
 
     @contextmanager
@@ -51,7 +51,7 @@ class Inventory(InventoryBase[SyncSqlExecutor]):
         renew_every: float | None = None,
     ) -> Iterator[dict[str, Lease]]:
         """Hold the leases of several SKUs, taken in :func:`lock_order`, for :meth:`reserve_many`."""
-        checks.check_manager(manager, LeaseManager)
+        check_manager(manager, LeaseManager)
         with ExitStack() as stack:
             yield {
                 sku: stack.enter_context(

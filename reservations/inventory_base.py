@@ -23,19 +23,24 @@ from reservations import (
     batch_statement,
     batching,
     constraints,
+    operations,
     pending,
     reads,
     redrives,
     requests,
     schema,
 )
-from reservations import shell_checks as checks
 from reservations import validation as valid
-from reservations.counting import StockSeen
-from reservations.operations import InventoryPlans
-from reservations.requests import Attempt, RequestResult
+from reservations.counting import StockCounting, StockSeen
+from reservations.errors import InvalidRequest
+from reservations.keyed_steps import alone, request
+from reservations.ledger import Ledger
+from reservations.lifecycle import ReservationLifecycle
+from reservations.models import CONFIRMED, RELEASED
+from reservations.on_hand import OnHandChanges
+from reservations.requests import RequestResult
 from reservations.reserve_statement import Speaker
-from reservations.views import ArchivedHistory, HistoryEntry, Outcome, ReservationView, StockLevel
+from reservations.views import Outcome
 
 
 class _Executor(Protocol):
@@ -44,12 +49,6 @@ class _Executor(Protocol):
 
 
 E = TypeVar("E", bound=_Executor)  # the shell's executor: SyncSqlExecutor or AsyncSqlExecutor
-
-
-# Idempotency records are kept this long by default; ``purge_idempotency`` deletes older ones. A retry
-# or redelivery arriving after its key was purged would be applied again, so keep this well above the
-# broker's redelivery horizon (visibility timeout plus the longest retry backoff).
-DEFAULT_IDEMPOTENCY_RETENTION = 7 * 24 * 3600.0
 
 
 def lock_order(skus: Iterable[str]) -> list[str]:
@@ -62,6 +61,49 @@ def _speaker(task_id: str | None, worker: str | None, epochs: int) -> Speaker:
     valid.task_and_worker(task_id, worker)
     valid.epochs(epochs)
     return Speaker(task_id=task_id, worker=worker, epochs=epochs)
+
+
+# The checks of the arguments that the plans of reservations.requests and reservations.batching take
+# unchecked, shared by both shells so neither sends a value the database would refuse with a raw error.
+
+_OUTCOME_FIELDS = frozenset({"task_id", "worker", "epochs", "fingerprint"})
+_ATTEMPT_FIELDS = frozenset({"task_id", "worker", "token", "detail"})
+
+
+def _who(who: Mapping[str, Any], allowed: frozenset[str]) -> None:
+    unknown = sorted(set(who) - allowed)
+    if unknown:
+        raise InvalidRequest(f"unexpected field(s): {', '.join(unknown)}", field=unknown[0])
+    valid.task_and_worker(who.get("task_id"), who.get("worker"))
+    if "epochs" in who:
+        valid.epochs(who["epochs"])
+    if "fingerprint" in who:
+        valid.fingerprint(who["fingerprint"])
+    if "token" in who:
+        valid.token(who["token"])
+    if "detail" in who:
+        valid.text(who["detail"], field="detail", max_chars=valid.MAX_DETAIL_CHARS)
+
+
+def check_manager(manager: object, kind: type) -> None:
+    """InvalidRequest unless ``manager`` is a lease manager of the shell's own kind (``kind``)."""
+    if not isinstance(manager, kind):
+        article = "an" if kind.__name__[0] in "AEIOU" else "a"
+        raise InvalidRequest(
+            f"expected {article} {kind.__name__}, got {type(manager).__name__}", field="manager"
+        )
+
+
+def timeline_args(manager: object, kind: type, sku: str, limit: int) -> str:
+    check_manager(manager, kind)
+    valid.limit(limit)
+    return valid.scope_of(valid.sku(sku))
+
+
+def _single_statement(dialect: str, asked: bool | None) -> bool:
+    if asked and dialect != "postgresql":
+        raise InvalidRequest("a reservation as one statement needs PostgreSQL", field="single_statement")
+    return dialect == "postgresql" if asked is None else asked
 
 
 class InventoryBase(Generic[E]):
@@ -88,11 +130,15 @@ class InventoryBase(Generic[E]):
         if executor.translate is None:
             # Integrity errors reach the plans as the domain's typed errors, however the executor was built.
             executor.translate = constraints.translate
-        self.plans = InventoryPlans(
+        # The plans every operation builds, on one ledger (the envelope of every fenced write).
+        self.ledger = Ledger(
             enforce_fence=enforce_fence,
             before_statement=before_statement,
-            single_statement=checks.single_statement(dialect, single_statement),
+            single_statement=_single_statement(dialect, single_statement),
         )
+        self.lifecycle = ReservationLifecycle(self.ledger)
+        self.counting = StockCounting(self.ledger)
+        self.on_hand = OnHandChanges(self.ledger)
         self.url = mask_url(url) if url else ""
 
     @classmethod
@@ -128,26 +174,24 @@ class InventoryBase(Generic[E]):
         raise NotImplementedError
 
     # writes
-    @operation
-    def add_sku(self, sku: str, *, on_hand: int = 0) -> Plan[StockLevel]:
-        return self.plans.add_sku(sku, on_hand)
+    add_sku = operation.of(operations.add_sku)
 
     @operation
     def restock(self, lease: Lease, sku: str, quantity: int, *, key: str) -> Plan[Outcome]:
-        return self.plans.on_hand.restock(lease, sku, quantity, key)
+        return alone(self.ledger, self.on_hand.restock_step(lease, sku, quantity, key))
 
     @operation
     def adjust(
         self, lease: Lease, sku: str, delta: int, *, key: str, reason: str | None = None
     ) -> Plan[Outcome]:
-        return self.plans.on_hand.adjust(lease, sku, delta, key, reason)
+        return self.on_hand.adjust(lease, sku, delta, key, reason)
 
     @operation
     def look(self, lease: Lease, sku: str) -> Plan[StockSeen]:
         """The SKU's stock and version read under ``lease``, to decide a count or a replenishment from. The
         row's fence rises to the lease's token, so no older epoch can write between this read and the write
         decided from it."""
-        return self.plans.counting.look(lease, sku)
+        return self.counting.look(lease, sku)
 
     @operation
     def count(
@@ -160,20 +204,26 @@ class InventoryBase(Generic[E]):
         seen: StockSeen | None = None,
         shrinkage: int | None = None,
     ) -> Plan[Outcome]:
-        """A cycle count: on hand becomes ``counted``; ``seen`` (:meth:`look`) is what it was decided from,
-        ``shrinkage`` says the figure was decided from ``seen`` rather than sent."""
-        return self.plans.counting.count(lease, sku, counted, key, seen=seen, shrinkage=shrinkage)
+        """A cycle count: on hand becomes ``counted`` (available: ``counted`` - reserved), an absolute
+        write; refused with :class:`CountBelowHeld`, writing nothing, below the units held. ``seen`` is
+        what the count was decided from (:meth:`look` under ``lease``; see
+        :func:`reservations.counting.seen_of`), recorded with it; ``shrinkage`` says the figure was decided
+        from ``seen`` (see :func:`reservations.counting.short_count`) rather than sent."""
+        return alone(self.ledger, self.counting.count_step(lease, sku, counted, key, seen, shrinkage))
 
     @operation
     def replenish(self, lease: Lease, sku: str, par: int, *, key: str, seen: StockSeen) -> Plan[Outcome]:
-        """Books ``par`` minus the on-hand figure ``seen`` (none at or above par) as a restock."""
-        return self.plans.counting.replenish(lease, sku, par, key, seen=seen)
+        """Replenishment to par: books ``par`` minus the on-hand figure ``seen`` (read under ``lease``; see
+        :func:`reservations.counting.seen_of`), none when at or above par, as a restock. The size was
+        decided from the read, so the row records par and what was seen; the request is named by its par,
+        so a redelivery that reads another level replays the first."""
+        return alone(self.ledger, self.counting.replenish_step(lease, sku, par, key, seen))
 
     @operation
     def reserve(
         self, lease: Lease, sku: str, quantity: int, *, key: str, hold_for: float | None = None
     ) -> Plan[Outcome]:
-        return self.plans.reserve(lease, sku, quantity, key, hold_for)
+        return alone(self.ledger, self.lifecycle.reserve_step(lease, sku, quantity, key, hold_for))
 
     @operation
     def reserve_many(
@@ -184,7 +234,7 @@ class InventoryBase(Generic[E]):
         key: str,
         hold_for: float | None = None,
     ) -> Plan[Outcome]:
-        return self.plans.reserve_many(leases, lines, key, hold_for)
+        return self.lifecycle.reserve_many(leases, lines, key, hold_for)
 
     @operation
     def reserve_request(
@@ -200,10 +250,10 @@ class InventoryBase(Generic[E]):
         epochs: int = 0,
     ) -> Plan[requests.RequestReply]:
         """:meth:`reserve` for a queued request: also writes its attempt and final outcome (one statement
-        on PostgreSQL), or answers from the outcome it already has."""
-        return self.plans.reserve_request(
-            lease, sku, quantity, key, hold_for, _speaker(task_id, worker, epochs)
-        )
+        on PostgreSQL), or answers from the outcome it already has. Raises what :meth:`reserve` raises, but
+        never :class:`InsufficientStock`: that is an outcome."""
+        speaker = _speaker(task_id, worker, epochs)
+        return request(self.ledger, self.lifecycle.reserve_step(lease, sku, quantity, key, hold_for), speaker)
 
     # The later steps as queued requests: each also writes its attempt and final outcome (one statement on
     # PostgreSQL), or answers from the outcome the request already has, as reserve_request does.
@@ -213,21 +263,26 @@ class InventoryBase(Generic[E]):
         self, lease: Lease, reservation_id: str, *, key: str,
         task_id: str | None = None, worker: str | None = None, epochs: int = 0,
     ) -> Plan[requests.RequestReply]:  # fmt: skip
-        return self.plans.confirm_request(lease, reservation_id, key, _speaker(task_id, worker, epochs))
+        speaker = _speaker(task_id, worker, epochs)
+        return request(
+            self.ledger, self.lifecycle.finish_step(lease, reservation_id, key, CONFIRMED), speaker
+        )
 
     @operation
     def release_request(
         self, lease: Lease, reservation_id: str, *, key: str,
         task_id: str | None = None, worker: str | None = None, epochs: int = 0,
     ) -> Plan[requests.RequestReply]:  # fmt: skip
-        return self.plans.release_request(lease, reservation_id, key, _speaker(task_id, worker, epochs))
+        speaker = _speaker(task_id, worker, epochs)
+        return request(self.ledger, self.lifecycle.finish_step(lease, reservation_id, key, RELEASED), speaker)
 
     @operation
     def restock_request(
         self, lease: Lease, sku: str, quantity: int, *, key: str,
         task_id: str | None = None, worker: str | None = None, epochs: int = 0,
     ) -> Plan[requests.RequestReply]:  # fmt: skip
-        return self.plans.restock_request(lease, sku, quantity, key, _speaker(task_id, worker, epochs))
+        speaker = _speaker(task_id, worker, epochs)
+        return request(self.ledger, self.on_hand.restock_step(lease, sku, quantity, key), speaker)
 
     @operation
     def count_request(
@@ -236,128 +291,55 @@ class InventoryBase(Generic[E]):
         task_id: str | None = None, worker: str | None = None, epochs: int = 0,
     ) -> Plan[requests.RequestReply]:  # fmt: skip
         speaker = _speaker(task_id, worker, epochs)
-        return self.plans.count_request(lease, sku, counted, key, speaker, seen=seen, shrinkage=shrinkage)
+        return request(
+            self.ledger, self.counting.count_step(lease, sku, counted, key, seen, shrinkage), speaker
+        )
 
     @operation
     def replenish_request(
         self, lease: Lease, sku: str, par: int, *, key: str, seen: StockSeen,
         task_id: str | None = None, worker: str | None = None, epochs: int = 0,
     ) -> Plan[requests.RequestReply]:  # fmt: skip
-        return self.plans.replenish_request(
-            lease, sku, par, key, _speaker(task_id, worker, epochs), seen=seen
-        )
+        speaker = _speaker(task_id, worker, epochs)
+        return request(self.ledger, self.counting.replenish_step(lease, sku, par, key, seen), speaker)
 
     @operation
     def confirm(self, lease: Lease, reservation_id: str, *, key: str) -> Plan[Outcome]:
-        return self.plans.lifecycle.confirm(lease, reservation_id, key)
+        """The held units become a committed deduction: they leave ``on_hand`` and ``reserved``."""
+        return alone(self.ledger, self.lifecycle.finish_step(lease, reservation_id, key, CONFIRMED))
 
     @operation
     def release(self, lease: Lease, reservation_id: str, *, key: str) -> Plan[Outcome]:
-        return self.plans.lifecycle.release(lease, reservation_id, key)
+        """The held units go back to ``available`` (cancel is the same operation)."""
+        return alone(self.ledger, self.lifecycle.finish_step(lease, reservation_id, key, RELEASED))
 
     cancel = release
 
     @operation
     def expire_due(self, lease: Lease, sku: str, *, key: str | None = None) -> Plan[Outcome]:
-        return self.plans.lifecycle.expire_due(lease, sku, key)
+        return self.lifecycle.expire_due(lease, sku, key)
 
-    @operation
-    def purge_idempotency(self, *, older_than: float = DEFAULT_IDEMPOTENCY_RETENTION) -> Plan[int]:
-        return self.plans.purge_idempotency(older_than)
-
-    @operation
-    def purge_requests(self, *, older_than: float = DEFAULT_IDEMPOTENCY_RETENTION) -> Plan[int]:
-        """Delete request outcomes and attempts past the same retention as the idempotency records."""
-        return requests.purge(valid.retention(older_than))
+    purge_idempotency = operation.of(operations.purge_idempotency)
+    purge_requests = operation.of(requests.purge)
 
     # reads
-    @operation
-    def stock(self, sku: str) -> Plan[StockLevel]:
-        return reads.stock_level(sku)
-
-    @operation
-    def all_stock(
-        self, *, after: str | None = None, limit: int | None = None, prefix: str | None = None
-    ) -> Plan[list[StockLevel]]:
-        """Every SKU's stock in SKU order, or a page: after the SKU ``after``, at most ``limit``, whose
-        SKU starts with ``prefix``."""
-        return reads.all_stock(after=after, limit=limit, prefix=prefix)
-
-    @operation
-    def reservation(self, id_or_key: str) -> Plan[ReservationView]:
-        return reads.reservation(id_or_key)
-
-    @operation
-    def reservations(
-        self,
-        sku: str | None = None,
-        *,
-        status: str | None = None,
-        order_key: str | None = None,
-        limit: int = 100,
-    ) -> Plan[list[ReservationView]]:
-        return reads.reservation_list(sku, status=status, order_key=order_key, limit=limit)
-
-    @operation
-    def history(self, sku: str, *, limit: int = 1000, since: float | None = None) -> Plan[list[HistoryEntry]]:
-        return reads.history(sku, limit=limit, since=since)
-
-    @operation
-    def archived(self, sku: str) -> Plan[ArchivedHistory | None]:
-        """What of the SKU's history was archived (``reservations archive``), or None."""
-        return reads.archived(sku)
-
-    @operation
-    def rejection_counts(self, *, since: float | None = None) -> Plan[dict[str, int]]:
-        return reads.rejection_counts(since)
-
-    @operation
-    def invariant_violations(self) -> Plan[list[audit.Violation]]:
-        return audit.invariant_violations()
-
-    @operation
-    def request_outcome(self, key: str) -> Plan[RequestResult | None]:
-        return requests.request_outcome(key)
+    stock = operation.of(reads.stock_level)
+    all_stock = operation.of(reads.all_stock)
+    reservation = operation.of(reads.reservation)
+    reservations = operation.of(reads.reservation_list)
+    history = operation.of(reads.history)
+    archived = operation.of(reads.archived)
+    rejection_counts = operation.of(reads.rejection_counts)
+    invariant_violations = operation.of(audit.invariant_violations)
+    request_outcome = operation.of(requests.request_outcome)
+    own_outcome = operation.of(requests.own_outcome)
 
     # -- requests as accepted (reservations.acceptance): the record each request has before it is sent
-
-    @operation
-    def admit(self, request: acceptance.Request, look_after: float) -> Plan[acceptance.Admission]:
-        """The key's outcome if it has one; else ``request`` recorded under it, or the one recorded first."""
-        return acceptance.admit(request, look_after)
-
-    @operation
-    def record_accepted(self, batch: Sequence[acceptance.Request], look_after: float) -> Plan[None]:
-        """Record the requests of ``batch`` as accepted (a key recorded already keeps its first record)."""
-        return acceptance.record(batch, look_after)
-
-    @operation
-    def accepted(self, key: str) -> Plan[acceptance.Accepted | None]:
-        """The request accepted under ``key``, None for a key never accepted."""
-        return acceptance.accepted(key)
-
-    @operation
-    def unfinished(self) -> Plan[tuple[int, float | None]]:
-        """How many accepted requests have no outcome yet, and the age in seconds of the oldest."""
-        return acceptance.unfinished()
-
-    @operation
-    def accepted_requests(
-        self, *, state: str | None = None, operation: str | None = None, since_ms: int | None = None,
-        stuck_after: float = 600.0, after: str | None = None, limit: int = 100,
-    ) -> Plan[list[acceptance.Listed]]:  # fmt: skip
-        """Accepted requests, newest first, filtered and paged as :func:`reservations.acceptance.listed`
-        says."""
-        return acceptance.listed(
-            state=state, operation=operation, since_ms=since_ms, stuck_after=stuck_after, after=after,
-            limit=limit,
-        )  # fmt: skip
-
-    @operation
-    def own_outcome(self, key: str) -> Plan[RequestResult | None]:
-        """The outcome row written under ``key`` itself: :meth:`request_outcome` without following a
-        dead letter to its re-drive."""
-        return requests.own_outcome(key)
+    admit = operation.of(acceptance.admit)
+    record_accepted = operation.of(acceptance.record)
+    accepted = operation.of(acceptance.accepted)
+    unfinished = operation.of(acceptance.unfinished)
+    accepted_requests = operation.of(acceptance.listed)
 
     @operation
     def request_outcomes(self, keys: Sequence[str]) -> Plan[dict[str, RequestResult]]:
@@ -371,48 +353,24 @@ class InventoryBase(Generic[E]):
         valid.idempotency_key(key)
         valid.operation(operation)
         valid.detail(detail)
-        checks.who(who, checks.OUTCOME_FIELDS)
+        _who(who, _OUTCOME_FIELDS)
         return requests.record_outcome(key, operation, status, detail, **who)
 
     @operation
     def record_attempt(self, /, key: str, operation: str, result: str, **who: Any) -> Plan[None]:
         valid.idempotency_key(key)
         valid.operation(operation)
-        checks.who(who, checks.ATTEMPT_FIELDS)
+        _who(who, _ATTEMPT_FIELDS)
         return requests.record_attempt(key, operation, result, **who)
 
-    @operation
-    def attempts(self, key: str) -> Plan[list[Attempt]]:
-        return requests.attempts(valid.idempotency_key(key))
+    attempts = operation.of(requests.attempts)
 
     # dead letters and their re-drives
-    @operation
-    def dead_letters(
-        self, *, since: float | None = None, reason: str | None = None, limit: int = 1000
-    ) -> Plan[list[redrives.DeadLetter]]:
-        """Dead-lettered requests, newest first, each with its latest re-drive (reservations.redrives)."""
-        return redrives.dead_letters(since, reason, limit)
-
-    @operation
-    def redrives_of(self, key: str) -> Plan[list[redrives.RedriveLink]]:
-        """Every re-drive of the request under ``key``, oldest first."""
-        return redrives.redrives_of(key)
-
-    @operation
-    def claim_redrive(
-        self, key: str, *, by: str | None = None, dry_run: bool = False
-    ) -> Plan[redrives.Redrive]:
-        """Claim the next re-drive of a dead-lettered request (recorded; ``dry_run``: only checked)."""
-        return redrives.claim(key, by=by, dry_run=dry_run)
-
-    @operation
-    def drop_redrive(self, redrive_key: str) -> Plan[bool]:
-        """Take back a claimed re-drive that was never sent."""
-        return redrives.drop(redrive_key)
-
-    @operation
-    def skus_with_due_holds(self, limit: int = 1000) -> Plan[list[str]]:
-        return requests.skus_with_due_holds(valid.limit(limit))
+    dead_letters = operation.of(redrives.dead_letters)
+    redrives_of = operation.of(redrives.redrives_of)
+    claim_redrive = operation.of(redrives.claim)
+    drop_redrive = operation.of(redrives.drop)
+    skus_with_due_holds = operation.of(requests.skus_with_due_holds)
 
     # hot-SKU batching
     @operation
@@ -429,31 +387,16 @@ class InventoryBase(Generic[E]):
         """Queue a reservation for the SKU's lease holder (or find the outcome it already has)."""
         valid.task_and_worker(task_id)
         valid.epochs(epochs)
-        single_statement = self.plans.single_statement
+        single_statement = self.ledger.single_statement
         return pending.hand_off(
             sku, quantity, key, hold_for, task_id=task_id, epochs=epochs, single_statement=single_statement
         )
 
-    @operation
-    def has_pending(self, sku: str) -> Plan[bool]:
-        return pending.has_pending(sku)
-
-    @operation
-    def pending_count(self, sku: str | None = None) -> Plan[int]:
-        return pending.pending_count(sku)
-
-    @operation
-    def waiting_by_sku(self) -> Plan[dict[str, int]]:
-        return pending.waiting_by_sku()
-
-    @operation
-    def skus_waiting(self, *, older_than: float) -> Plan[list[str]]:
-        """SKUs with a request waiting for its holder longer than ``older_than`` seconds."""
-        return pending.skus_waiting(older_than)
-
-    @operation
-    def purge_ended_waits(self) -> Plan[int]:
-        return pending.drop_ended()
+    has_pending = operation.of(pending.has_pending)
+    pending_count = operation.of(pending.pending_count)
+    waiting_by_sku = operation.of(pending.waiting_by_sku)
+    skus_waiting = operation.of(pending.skus_waiting)
+    purge_ended_waits = operation.of(pending.drop_ended)
 
     @operation
     def serve_pending(
@@ -471,5 +414,5 @@ class InventoryBase(Generic[E]):
         valid.lease(lease)
         valid.task_and_worker(task_id, worker)
         return batching.serve(
-            self.plans, lease, sku, limit=limit, task_id=task_id, worker=worker, in_hand=in_hand
+            self.lifecycle, lease, sku, limit=limit, task_id=task_id, worker=worker, in_hand=in_hand
         )

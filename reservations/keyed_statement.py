@@ -13,35 +13,19 @@ the statement on a unique key, writing nothing; the next round answers from what
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NoReturn, TypeAlias
+from typing import Any, NoReturn
 
 from fencing import Fence, Lease
 from fencing.plan import Alone, Plan
 from fencing.sql import Rows
 from reservations import sql_text
 from reservations.models import stock
-from reservations.requests import RequestResult, result_from_json
-from reservations.reserve_statement import Ended, Prior, Replay, Speaker
+from reservations.requests import RequestResult
+from reservations.reserve_statement import Applied, Ended, Replay, Speaker, read_head
+from reservations.sql_text import Variants
 from reservations.views import Outcome, StockLevel
-
-__all__ = [
-    "ANSWER",
-    "HEAD",
-    "TAIL",
-    "Applied",
-    "Reply",
-    "Sent",
-    "Variants",
-    "Written",
-    "exchange",
-    "looked_again",
-    "read_head",
-    "sent",
-    "variants",
-]
 
 # done    the request's final outcome, when the statement speaks for a queued request (``record``): a
 #         request that already ended is answered from it and nothing else happens.
@@ -121,60 +105,21 @@ ANSWER = """row_to_json(d)::text AS done, row_to_json(p)::text AS prior,
        u.now_ms"""
 
 
-@dataclass(frozen=True, slots=True)
-class Sent:
-    """A statement as sent, and the order of its parameters (named p0, p1, ... in its text)."""
-
-    text: str
-    names: tuple[str, ...]
-
-    def bind(self, values: dict[str, Any]) -> dict[str, Any]:
-        return {f"p{number}": values[name] for number, name in enumerate(self.names)}
-
-
-@dataclass(frozen=True, slots=True)
-class Variants:
-    """A step's statement four ways: fenced or lease-only, speaking for a queued request or not."""
-
-    by: dict[tuple[bool, bool], Sent]
-
-    def pick(self, fence: Fence, speaker: Speaker | None) -> Sent:
-        return self.by[(fence.enforce, speaker is not None)]
-
-
 def variants(render: Callable[[dict[str, str]], str]) -> Variants:
-    """The four variants of the statement ``render`` makes of its parts: ``head``, ``tail``, ``answer``,
-    ``accepted`` (the fence predicate, from fencing, or TRUE for lease-only) and ``now_ms``."""
-
-    def one(enforce: bool, spoken: bool) -> Sent:
-        return sent(
-            render(
-                {
-                    "head": HEAD if spoken else HEAD_PLAIN,
-                    "tail": TAIL if spoken else TAIL_PLAIN,
-                    "answer": ANSWER,
-                    "accepted": sql_text.fence_admits(Fence(stock)) if enforce else "TRUE",
-                    "now_ms": sql_text.NOW_MS,
-                }
-            )
+    """The four variants (:data:`reservations.sql_text.Variants`) of the statement ``render`` makes of its
+    parts: ``head``, ``tail``, ``answer``, ``accepted`` (the fence predicate, from fencing, or TRUE for
+    lease-only) and ``now_ms``."""
+    return sql_text.variants(
+        lambda fenced, speaking: render(
+            {
+                "head": HEAD if speaking else HEAD_PLAIN,
+                "tail": TAIL if speaking else TAIL_PLAIN,
+                "answer": ANSWER,
+                "accepted": sql_text.fence_admits(Fence(stock)) if fenced else "TRUE",
+                "now_ms": sql_text.NOW_MS,
+            }
         )
-
-    return Variants(
-        {(enforce, spoken): one(enforce, spoken) for enforce in (True, False) for spoken in (True, False)}
     )
-
-
-def sent(sql: str) -> Sent:
-    """``sql`` with whitespace collapsed and its parameters renamed p0, p1, ... psycopg caches its parse
-    of a query only up to 4 KB; a longer one is parsed again on every call."""
-    names = tuple(dict.fromkeys(re.findall(r"%\((\w+)\)s", sql)))
-    for number, name in enumerate(names):
-        sql = sql.replace(f"%({name})s", f"%(p{number})s")
-    # No literal in these statements holds a space, comma, parenthesis or equals sign.
-    text = re.sub(r"\s*([(),=])\s*", r"\1", re.sub(r"\s+", " ", sql)).strip()
-    if len(text.encode()) > 4096:  # pragma: no cover - caught by the tests of each statement
-        raise RuntimeError(f"a statement of {len(text)} characters is parsed again on every call")
-    return Sent(text, names)
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,29 +182,19 @@ class Written:
         return Applied(outcome, told)
 
 
-@dataclass(frozen=True, slots=True)
-class Applied:
-    """The write was made and recorded; with a speaker, ``told`` is the outcome row written with it."""
-
-    outcome: Outcome
-    told: RequestResult | None
-
-
-# What one of these statements did: exactly one of these (every refusal raises instead).
-Reply: TypeAlias = Ended | Replay | Applied
-
-
 def exchange(
     written: Written,
-    statement: Sent,
+    statements: Variants,
     values: dict[str, Any],
-    speaker: Speaker | None,
     refused: Callable[[Any], NoReturn],
-) -> Plan[Reply]:
-    """Send a step's statement with the TAIL's parameters and the step's own ``values``, and read its one
-    row: the request had ended, the key had a record, or the write was made. A statement that wrote
-    nothing while the key still holds nothing was refused: ``refused`` raises the step's own refusal
-    from its row."""
+    fence: Fence,
+    speaker: Speaker | None,
+) -> Plan[Ended | Replay | Applied]:
+    """Send a step's statement (the variant for ``fence`` and ``speaker``) with the TAIL's parameters and
+    the step's own ``values``, and read its one row: the request had ended, the key had a record, or the
+    write was made. A statement that wrote nothing while the key still holds nothing was refused:
+    ``refused`` raises the step's own refusal from its row."""
+    statement = statements[(fence.enforce, speaker is not None)]
     found: Rows = yield Alone(statement.text, statement.bind({**written.values(speaker), **values}))
     row: Any = found.rows[0]
     head = read_head(row, written.key)
@@ -277,7 +212,7 @@ def exchange(
 # under the key) may have committed while the statement waited on the row lock, after the snapshot HEAD
 # read. The multi-statement plan reads the key after taking that lock, so it answers from what the copy
 # stored; so does this, before any refusal is raised or recorded. Rare: one more round trip.
-_AGAIN = sent("""
+_AGAIN = sql_text.sent("""
 SELECT (SELECT row_to_json(o)::text FROM (
             SELECT key, operation, status, detail, task_id, worker, epochs, at_ms, fingerprint
             FROM request_outcomes WHERE %(record)s::boolean AND key = %(key)s::text) AS o) AS done,
@@ -291,13 +226,3 @@ def looked_again(key: str, speaker: Speaker | None) -> Plan[Ended | Replay | Non
     """What the key says now, asked after a refusal (see ``_AGAIN``): None if it still has nothing."""
     found: Rows = yield Alone(_AGAIN.text, _AGAIN.bind({"key": key, "record": speaker is not None}))
     return read_head(found.rows[0], key)
-
-
-def read_head(row: Any, key: str) -> Ended | Replay | None:
-    """The answer of a request that had ended, or of a key that had a record (nothing was written)."""
-    if row.done is not None:
-        return Ended(result_from_json(row.done))
-    if row.prior is not None:
-        prior = json.loads(row.prior)
-        return Replay(Prior(key, prior["fingerprint"], prior["operation"], prior["outcome"]))
-    return None

@@ -1,7 +1,7 @@
-"""The later writes under an idempotency key (confirm, release, restock, replenish, count), each written
-both ways: as the multi-statement plan in the ledger's envelope (the reference, and SQLite's path) and as
-one statement (PostgreSQL, :attr:`Ledger.single_statement`). A :class:`Step` carries both; :func:`alone`
-runs it as an operation, :func:`request` as a queued request run to its final outcome.
+"""The writes under an idempotency key (a reservation, confirm, release, restock, replenish, count), each
+written both ways: as the multi-statement plan in the ledger's envelope (the reference, and SQLite's path)
+and as one statement (PostgreSQL, :attr:`Ledger.single_statement`). A :class:`Step` carries both;
+:func:`alone` runs it as an operation, :func:`request` as a queued request run to its final outcome.
 
 A lease already known lost, or one of another scope than the write's, is refused before any write; which
 refusal, and whether the key's record or the request's outcome answers first, the multi-statement plan
@@ -12,18 +12,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NoReturn
 
 import sqlalchemy as sa
 
-from fencing import LeaseLost, StaleToken
+from fencing import Fence, LeaseLost, StaleToken
 from fencing.plan import Atomic, Plan
 from reservations import keyed_statement as keyed
 from reservations.collisions import KeptColliding, rounds
-from reservations.errors import InsufficientStock
-from reservations.ledger import Ledger
+from reservations.errors import InsufficientStock, KeyTaken
+from reservations.ledger import Ledger, reservation_conflict
 from reservations.requests import RequestReply, RequestResult, record_attempt, record_outcome, request_outcome
-from reservations.reserve_statement import Ended, Replay, Speaker
+from reservations.reserve_statement import Applied, Ended, Replay, Reply, Short, Speaker
 from reservations.statuses import AttemptResult, RequestStatus
 from reservations.views import Outcome
 
@@ -36,9 +35,7 @@ class Step:
     written: keyed.Written
     scope: str | None
     several: Callable[[], Plan[Outcome]]  # the multi-statement plan
-    statement: keyed.Variants  # the one statement, four ways
-    values: dict[str, Any]  # its own parameters, beside the TAIL's
-    refused: Callable[[Any], NoReturn]  # raises the refusal the statement's answer row says
+    send: Callable[[Fence, Speaker | None], Plan[Reply]]  # the one statement, sent and its row read
     rejection: Callable[[StaleToken], sa.Executable]  # the history row of a stale token refused
 
     def in_one(self, ledger: Ledger) -> bool:
@@ -47,7 +44,7 @@ class Step:
         return ledger.single_statement and not lease.lost and self.scope in (None, lease.scope)
 
 
-def _sent(ledger: Ledger, step: Step, speaker: Speaker | None) -> Plan[keyed.Reply | None]:
+def _sent(ledger: Ledger, step: Step, speaker: Speaker | None) -> Plan[Reply | None]:
     """The step's statement, or None when it takes the multi-statement plan (see :meth:`Step.in_one`)."""
     if not step.in_one(ledger):
         return None
@@ -56,11 +53,23 @@ def _sent(ledger: Ledger, step: Step, speaker: Speaker | None) -> Plan[keyed.Rep
         ledger.fence.prepare(written.lease, step.scope or written.lease.scope)
     except LeaseLost:
         return None  # lost since it was looked at (a failed renewal): as for any lost lease
+    clashed = False
+
+    def clash(taken: KeyTaken) -> None:
+        # The statement reads the key on its starting snapshot, so a copy of the request (or another
+        # request under the key) committed while it waited on the row lock shows up here, as whichever of
+        # the key's rows the database inserted first: look again. Only a reservation that still clashes
+        # when the key has neither record nor outcome is one whose record was purged.
+        nonlocal clashed
+        if taken.where == "reservation":
+            if clashed:
+                raise reservation_conflict(written.key, written.operation) from None
+            clashed = True
+
     try:
-        for round_ in rounds():
+        for round_ in rounds(on_taken=clash):
             with round_:
-                sent = step.statement.pick(ledger.fence, speaker)
-                return (yield from keyed.exchange(written, sent, step.values, speaker, step.refused))
+                return (yield from step.send(ledger.fence, speaker))
     except StaleToken as stale:
         yield Atomic(ledger.one(step.rejection(stale)))
         raise
@@ -74,8 +83,10 @@ def alone(ledger: Ledger, step: Step) -> Plan[Outcome]:
     match reply:
         case None:
             return (yield from step.several())
-        case keyed.Applied(outcome):
+        case Applied(outcome):
             return outcome
+        case Short(refused):
+            raise refused
         case Replay(prior):
             return ledger.replay(prior, written.operation, written.fingerprint)
         case Ended():  # pragma: no cover - only a statement with a speaker ends
@@ -86,7 +97,7 @@ def request(ledger: Ledger, step: Step, speaker: Speaker) -> Plan[RequestReply]:
     """The step as a queued request run to its final outcome: the write, its attempt and its outcome row
     (one statement on PostgreSQL; elsewhere, or to replay a key whose outcome was never written, the same
     steps one after another). A request that already ended is answered from its outcome. Raises what the
-    step raises as an operation."""
+    step raises as an operation, but never :class:`InsufficientStock`: that is an outcome."""
     written = step.written
     replayed: Outcome | InsufficientStock
     reply = yield from _sent(ledger, step, speaker)
@@ -101,8 +112,10 @@ def request(ledger: Ledger, step: Step, speaker: Speaker) -> Plan[RequestReply]:
                 replayed = short
         case Ended(ended):
             return RequestReply(ended, None)
-        case keyed.Applied(outcome, told) if told is not None:
+        case Applied(outcome, told) if told is not None:
             return RequestReply(told, outcome)
+        case Short(_, told) if told is not None:
+            return RequestReply(told, None)
         case Replay(prior):
             try:
                 replayed = ledger.replay(prior, written.operation, written.fingerprint)

@@ -22,6 +22,7 @@ from fencing.sql import Rows, db_now_ms
 from reservations import validation as valid
 from reservations.collisions import KeptColliding, rounds
 from reservations.errors import (
+    CountBelowHeld,
     IdempotencyConflict,
     InsufficientStock,
     KeyTaken,
@@ -238,53 +239,12 @@ class Ledger:
         quantity: int | None,
         reservation_id: str | None = None,
     ) -> sa.Executable:
-        return sa.insert(sku_history).values(
-            self.history_values(
-                lease,
-                sku,
-                operation,
-                key,
-                kind="rejected",
-                token=stale.presented,
-                quantity=quantity,
-                reservation_id=reservation_id,
-                highest_token=stale.highest,
-                detail=str(stale),
-            )
-        )
-
-    @staticmethod
-    def history_values(
-        lease: Lease,
-        sku: str,
-        operation: str,
-        key: str | None,
-        *,
-        kind: str,
-        token: int,
-        quantity: int | None,
-        on_hand: int = 0,
-        reserved: int = 0,
-        reservation_id: str | None = None,
-        highest_token: int | None = None,
-        detail: str | None = None,
-    ) -> dict[str, Any]:
-        return {
-            "sku": sku,
-            "at_ms": db_now_ms(),
-            "kind": kind,
-            "operation": operation,
-            "token": token,
-            "lease_id": lease.lease_id,
-            "holder": lease.holder,
-            "quantity": quantity,
-            "idempotency_key": key,
-            "reservation_id": reservation_id,
-            "on_hand_delta": on_hand,
-            "reserved_delta": reserved,
-            "highest_token": highest_token,
-            "detail": detail,
-        }
+        """The history row of a write refused for ``stale``: the token presented and the fence's."""
+        return self.history(
+            lease, sku, operation, key, quantity=quantity, on_hand=0, reserved=0,
+            reservation_id=reservation_id, kind="rejected", token=stale.presented,
+            highest_token=stale.highest, detail=str(stale),
+        )  # fmt: skip
 
     # -- building blocks ---------------------------------------------------------------------------
 
@@ -294,16 +254,27 @@ class Ledger:
         sku: str,
         operation: str,
         *,
-        on_hand: int,
-        reserved: int,
-        condition: sa.ColumnElement[bool] | None,
+        on_hand: int = 0,
+        reserved: int = 0,
+        condition: sa.ColumnElement[bool] | None = None,
+        counted: int | None = None,
     ) -> Plan[StockLevel]:
         """The fenced stock change; UnknownSku if there is no row, None-safe condition check.
 
         Units coming in must keep ``on_hand`` within MAX_ON_HAND; the bound is part of the UPDATE's own
-        condition, so two restocks racing each other cannot both pass it.
+        condition, so two restocks racing each other cannot both pass it. ``counted`` (a cycle count) sets
+        on hand to that figure instead, refused with CountBelowHeld below the units held.
         """
-        if on_hand > 0:
+        values: dict[str, Any] = {
+            "on_hand": stock.c.on_hand + on_hand,
+            "reserved": stock.c.reserved + reserved,
+            "available": stock.c.available + (on_hand - reserved),
+            "updated_ms": db_now_ms(),
+        }
+        if counted is not None:
+            values.update(on_hand=counted, available=sa.literal(counted, sa.BigInteger) - stock.c.reserved)
+            condition = stock.c.reserved <= counted
+        elif on_hand > 0:
             # Compared against a bound computed here: ``on_hand + delta`` could overflow in SQL first.
             within = stock.c.on_hand <= valid.MAX_ON_HAND - on_hand
             condition = within if condition is None else sa.and_(condition, within)
@@ -311,12 +282,7 @@ class Ledger:
             lease,
             scope=valid.scope_of(sku),
             where=[stock.c.sku == sku],
-            values={
-                "on_hand": stock.c.on_hand + on_hand,
-                "reserved": stock.c.reserved + reserved,
-                "available": stock.c.available + (on_hand - reserved),
-                "updated_ms": db_now_ms(),
-            },
+            values=values,
             condition=condition,
             returning=STOCK_COLUMNS,
             operation=operation,
@@ -325,40 +291,45 @@ class Ledger:
             raise UnknownSku(sku)
         if result.outcome is FenceOutcome.CONDITION_FAILED:
             level = yield from stock_level(sku)
+            if counted is not None:
+                raise CountBelowHeld(sku=sku, counted=counted, held=level.reserved)
             if on_hand > 0 and level.on_hand > valid.MAX_ON_HAND - on_hand:
                 limit = valid.MAX_ON_HAND
                 raise StockLimitExceeded(sku=sku, on_hand=level.on_hand, delta=on_hand, limit=limit)
             raise InsufficientStock(sku=sku, requested=max(reserved, -on_hand), available=level.available)
-        row = result.row
-        return StockLevel(sku=row[0], on_hand=row[1], reserved=row[2], available=row[3], fence_token=row[4])
+        return StockLevel(*result.row)
 
+    @staticmethod
     def history(
-        self,
         lease: Lease,
         sku: str,
         operation: str,
         key: str | None,
         *,
-        quantity: int,
+        quantity: int | None,
         on_hand: int,
         reserved: int,
         reservation_id: str | None = None,
         detail: str | None = None,
+        kind: str = "write",
+        token: int | None = None,  # the lease's
+        highest_token: int | None = None,
     ) -> sa.Executable:
         return sa.insert(sku_history).values(
-            self.history_values(
-                lease,
-                sku,
-                operation,
-                key,
-                kind="write",
-                token=lease.token,
-                quantity=quantity,
-                on_hand=on_hand,
-                reserved=reserved,
-                reservation_id=reservation_id,
-                detail=detail,
-            )
+            sku=sku,
+            at_ms=db_now_ms(),
+            kind=kind,
+            operation=operation,
+            token=lease.token if token is None else token,
+            lease_id=lease.lease_id,
+            holder=lease.holder,
+            quantity=quantity,
+            idempotency_key=key,
+            reservation_id=reservation_id,
+            on_hand_delta=on_hand,
+            reserved_delta=reserved,
+            highest_token=highest_token,
+            detail=detail,
         )
 
     def unkeyed(

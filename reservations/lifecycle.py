@@ -1,25 +1,28 @@
-"""A reservation's life as plans: units held (one line, or a batch held together), then confirmed,
-released or expired. Each step is a fenced write in the ledger's envelope.
+"""A reservation's life as plans: units held (one SKU, an order of several SKUs all or nothing, or a batch
+held together), then confirmed, released or expired. Each step is a fenced write in the ledger's envelope;
+a single-SKU reservation, a confirm and a release are also sent as one statement on PostgreSQL.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from functools import partial
 
 import sqlalchemy as sa
 
-from fencing import Lease, StaleToken
+from fencing import Fence, Lease, StaleToken
 from fencing.plan import Plan
 from fencing.sql import Rows, db_now_ms
-from reservations import finish_statement, keyed_steps
+from reservations import finish_statement, reserve_statement
 from reservations import keyed_statement as keyed
 from reservations import validation as valid
-from reservations.errors import InvalidTransition, UnknownReservation
+from reservations.errors import InvalidRequest, InvalidTransition, UnknownReservation
 from reservations.keyed_steps import Step
-from reservations.ledger import Ledger, fingerprint, new_reservation_id
+from reservations.ledger import Ledger, fingerprint, hold_ms_of, new_reservation_id
 from reservations.models import CONFIRMED, EXPIRED, HELD, RELEASED, reservations, stock
 from reservations.reads import stock_level
-from reservations.statuses import SUCCEEDED, ReservationStatus
+from reservations.reserve_statement import Speaker
+from reservations.statuses import SUCCEEDED, RequestStatus, ReservationStatus
 from reservations.views import Outcome, StockLevel
 
 # The operation that ends a hold in each final status.
@@ -87,6 +90,89 @@ class ReservationLifecycle:
         )
         return Outcome.reserved(key, lease.token, reservation_id, level, quantity)
 
+    def reserve_step(self, lease: Lease, sku: str, quantity: int, key: str, hold_for: float | None) -> Step:
+        """A single-SKU reservation, checked, both ways it can be sent: as the one statement of
+        :mod:`reservations.reserve_statement`, or held in the ledger's envelope."""
+        valid.lease(lease)
+        valid.sku(sku)
+        valid.quantity(quantity)
+        valid.idempotency_key(key)
+        hold_ms = hold_ms_of(hold_for)
+        print_ = fingerprint("reserve", sku=sku, quantity=quantity, hold_ms=hold_ms)
+
+        def rejection(stale: StaleToken) -> sa.Executable:
+            return self.ledger.rejection(stale, lease, sku, "reserve", key, quantity)
+
+        def held() -> Plan[Outcome]:
+            return (yield from self.hold_one(lease, sku, quantity, key, hold_ms))
+
+        def several() -> Plan[Outcome]:
+            return self.ledger.idempotent(key, "reserve", print_, held, rejection, self.ledger.lock_skus(sku))
+
+        def send(fence: Fence, speaker: Speaker | None) -> Plan[reserve_statement.Reply]:
+            asked = reserve_statement.Asked(
+                lease, sku, quantity, key, print_, hold_ms, new_reservation_id(), fence, speaker
+            )
+            answer: Rows = yield asked.sent()
+            return asked.reply(answer)
+
+        written = keyed.Written(lease, key, "reserve", print_, RequestStatus.RESERVED)
+        return Step(written, valid.scope_of(sku), several, send, rejection)
+
+    def reserve_many(
+        self,
+        leases: Mapping[str, Lease],
+        lines: list[tuple[str, int]],
+        key: str,
+        hold_for: float | None = None,
+    ) -> Plan[Outcome]:
+        """All lines or none. Leases must cover every SKU (take them in :func:`lock_order`)."""
+        valid.leases(leases)
+        order = valid.order_lines(lines)
+        valid.idempotency_key(key)
+        hold_ms = hold_ms_of(hold_for)
+        missing = [sku for sku, _ in order if sku not in leases]
+        if missing:
+            raise InvalidRequest(f"no lease for SKU(s) {', '.join(missing)}", field="leases")
+
+        def apply() -> Plan[Outcome]:
+            ids, levels = [], []
+            for sku, quantity in order:
+                reservation_id, level = yield from self.hold_line(
+                    leases[sku],
+                    sku,
+                    quantity,
+                    key=key,
+                    reservation_key=f"{key} {sku}",
+                    order_key=key,
+                    hold_ms=hold_ms,
+                    operation="reserve_many",
+                )
+                ids.append(reservation_id)
+                levels.append(level)
+            return Outcome(
+                operation="reserve_many",
+                key=key,
+                token=None,
+                reservation_ids=tuple(ids),
+                stock=tuple(levels),
+                quantity=sum(q for _, q in order),
+            )
+
+        def on_stale(stale: StaleToken) -> sa.Executable:
+            sku = stale.scope.removeprefix("sku:")
+            quantity = dict(order).get(sku)
+            return self.ledger.rejection(stale, leases[sku], sku, "reserve_many", key, quantity)
+
+        return self.ledger.idempotent(
+            key,
+            "reserve_many",
+            fingerprint("reserve_many", lines=order, hold_ms=hold_ms),
+            apply,
+            on_stale,
+            self.ledger.lock_skus(*(sku for sku, _ in order)),
+        )
+
     def finish_step(self, lease: Lease, reservation_id: str, key: str, final: ReservationStatus) -> Step:
         """The end of a hold (``final``: confirmed or released), checked, both ways it can be sent."""
         valid.lease(lease)
@@ -99,6 +185,7 @@ class ReservationLifecycle:
             reservation_ids=(reservation_id,),
         )  # fmt: skip
         refused = partial(finish_statement.refusal, written, self.ledger.fence)
+        statements, values = finish_statement.STATEMENTS[final], finish_statement.values(written, final)
 
         def rejection(stale: StaleToken) -> sa.Executable:
             # Refused only once the reservation was found of the lease's SKU.
@@ -107,7 +194,7 @@ class ReservationLifecycle:
 
         return Step(
             written, None, lambda: self._finish(lease, reservation_id, key, operation, final),
-            finish_statement.STATEMENTS[final], finish_statement.values(written, final), refused, rejection,
+            partial(keyed.exchange, written, statements, values, refused), rejection,
         )  # fmt: skip
 
     def _finish(
@@ -130,28 +217,7 @@ class ReservationLifecycle:
                 )
             if row.status != HELD:
                 raise InvalidTransition(reservation_id=reservation_id, status=row.status, operation=operation)
-            on_hand = -row.quantity if status == CONFIRMED else 0
-            level = yield from self.ledger.fenced(
-                lease, row.sku, operation, on_hand=on_hand, reserved=-row.quantity, condition=None
-            )
-            changed: Rows = yield (
-                sa.update(reservations)
-                .where(reservations.c.id == reservation_id, reservations.c.status == HELD)
-                .values(status=status, final_ms=db_now_ms(), final_token=lease.token, final_key=key)
-                .returning(reservations.c.id)
-            )
-            if not changed.rows:  # finished (or expired) by someone else since we read it: roll back
-                raise InvalidTransition(reservation_id=reservation_id, status="final", operation=operation)
-            yield self.ledger.history(
-                lease,
-                row.sku,
-                operation,
-                key,
-                quantity=row.quantity,
-                on_hand=on_hand,
-                reserved=-row.quantity,
-                reservation_id=reservation_id,
-            )
+            level = yield from self._end(lease, row.sku, reservation_id, row.quantity, key, operation, status)
             return Outcome(
                 operation=operation,
                 key=key,
@@ -172,13 +238,28 @@ class ReservationLifecycle:
             self.ledger.lock_reservation_sku(reservation_id),
         )
 
-    def confirm(self, lease: Lease, reservation_id: str, key: str) -> Plan[Outcome]:
-        """The held units become a committed deduction: they leave ``on_hand`` and ``reserved``."""
-        return keyed_steps.alone(self.ledger, self.finish_step(lease, reservation_id, key, CONFIRMED))
-
-    def release(self, lease: Lease, reservation_id: str, key: str) -> Plan[Outcome]:
-        """The held units go back to ``available`` (cancel is the same operation)."""
-        return keyed_steps.alone(self.ledger, self.finish_step(lease, reservation_id, key, RELEASED))
+    def _end(
+        self, lease: Lease, sku: str, reservation_id: str, quantity: int, key: str | None, operation: str,
+        status: str,
+    ) -> Plan[StockLevel]:  # fmt: skip
+        """One held reservation ended in ``status``, stock first: the database checks after every
+        reservation row that the SKU's reserved units equal its held reservations. InvalidTransition (the
+        transaction rolls back) when it was ended by someone else since it was read."""
+        on_hand = -quantity if status == CONFIRMED else 0
+        level = yield from self.ledger.fenced(lease, sku, operation, on_hand=on_hand, reserved=-quantity)
+        changed: Rows = yield (
+            sa.update(reservations)
+            .where(reservations.c.id == reservation_id, reservations.c.status == HELD)
+            .values(status=status, final_ms=db_now_ms(), final_token=lease.token, final_key=key)
+            .returning(reservations.c.id)
+        )
+        if not changed.rows:
+            raise InvalidTransition(reservation_id=reservation_id, status="final", operation=operation)
+        yield self.ledger.history(
+            lease, sku, operation, key, quantity=quantity, on_hand=on_hand, reserved=-quantity,
+            reservation_id=reservation_id,
+        )  # fmt: skip
+        return level
 
     def expire_due(self, lease: Lease, sku: str, key: str | None = None) -> Plan[Outcome]:
         """Every held reservation of ``sku`` whose hold has passed (database clock) goes back."""
@@ -201,27 +282,8 @@ class ReservationLifecycle:
                 lease.raise_if_lost()
                 return Outcome(operation="expire", key=key, token=lease.token, stock=(level,))
             ids = tuple(r.id for r in due.rows)
-            for r in due.rows:
-                # One reservation at a time, stock first: the database checks after every reservation
-                # row that the SKU's reserved units equal its held reservations.
-                level = yield from self.ledger.fenced(
-                    lease, sku, "expire", on_hand=0, reserved=-r.quantity, condition=None
-                )
-                yield (
-                    sa.update(reservations)
-                    .where(reservations.c.id == r.id, reservations.c.status == HELD)
-                    .values(status=EXPIRED, final_ms=db_now_ms(), final_token=lease.token, final_key=key)
-                )
-                yield self.ledger.history(
-                    lease,
-                    sku,
-                    "expire",
-                    key,
-                    quantity=r.quantity,
-                    on_hand=0,
-                    reserved=-r.quantity,
-                    reservation_id=r.id,
-                )
+            for r in due.rows:  # one reservation at a time (see _end)
+                level = yield from self._end(lease, sku, r.id, r.quantity, key, "expire", EXPIRED)
             return Outcome(
                 operation="expire",
                 key=key,

@@ -23,6 +23,11 @@ def _bigint(nullable: bool = False, **kwargs: Any) -> sa.Column[int]:
     return sa.Column(sa.BigInteger, nullable=nullable, **kwargs)
 
 
+def _row_id() -> sa.Column[int]:
+    """An id numbered by the database in insert order (an INTEGER primary key on SQLite)."""
+    return sa.Column(sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True, autoincrement=True)
+
+
 def _table(model: type[SQLModel]) -> sa.Table:
     """The model's Core table, which the hot path's statements use (SQLModel leaves ``__table__``
     untyped)."""
@@ -121,12 +126,7 @@ class SkuHistory(SQLModel, table=True):
     # SQLite: AUTOINCREMENT, so an id never comes again once archived rows are deleted (revision 0010).
     __table_args__ = (sa.Index("ix_sku_history_sku_id", "sku", "id"), {"sqlite_autoincrement": True})
 
-    id: int | None = Field(
-        default=None,
-        sa_column=sa.Column(
-            sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True, autoincrement=True
-        ),
-    )
+    id: int | None = Field(default=None, sa_column=_row_id())
     sku: str = Field(max_length=64)
     at_ms: int = Field(sa_column=_bigint())
     kind: str = Field(max_length=16)  # "write" or "rejected"
@@ -175,12 +175,7 @@ class TaskAttempt(SQLModel, table=True):
     __tablename__ = "task_attempts"
     __table_args__ = (sa.Index("ix_task_attempts_key_id", "key", "id"), {"sqlite_autoincrement": True})
 
-    id: int | None = Field(
-        default=None,
-        sa_column=sa.Column(
-            sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True, autoincrement=True
-        ),
-    )
+    id: int | None = Field(default=None, sa_column=_row_id())
     key: str = Field(max_length=200)
     operation: str = Field(max_length=32)
     task_id: str | None = Field(default=None, max_length=64)
@@ -229,12 +224,7 @@ class PendingReservation(SQLModel, table=True):
         sa.Index("ix_pending_reservations_sku_id", "sku", "id"),
     )
 
-    id: int | None = Field(
-        default=None,
-        sa_column=sa.Column(
-            sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True, autoincrement=True
-        ),
-    )
+    id: int | None = Field(default=None, sa_column=_row_id())
     key: str = Field(max_length=200, unique=True)
     sku: str = Field(max_length=64)
     quantity: int = Field(sa_column=_bigint())

@@ -5,12 +5,15 @@ PostgreSQL (:mod:`reservations.stock_statement`).
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 import sqlalchemy as sa
 
 from fencing import Lease, StaleToken
 from fencing.plan import Plan
 from reservations import keyed_statement as keyed
-from reservations import keyed_steps, stock_statement
+from reservations import stock_statement
 from reservations import validation as valid
 from reservations.keyed_steps import Step
 from reservations.ledger import Ledger, fingerprint
@@ -26,9 +29,6 @@ class OnHandChanges:
     def __init__(self, ledger: Ledger) -> None:
         self.ledger = ledger
 
-    def restock(self, lease: Lease, sku: str, quantity: int, key: str) -> Plan[Outcome]:
-        return keyed_steps.alone(self.ledger, self.restock_step(lease, sku, quantity, key))
-
     def restock_step(self, lease: Lease, sku: str, quantity: int, key: str) -> Step:
         """A restock, checked, both ways it can be sent."""
         valid.lease(lease)
@@ -39,7 +39,7 @@ class OnHandChanges:
         written = keyed.Written(lease, key, "restock", print_, SUCCEEDED["restock"])
 
         def several() -> Plan[Outcome]:
-            return self._change_on_hand(lease, sku, quantity, key, "restock", None)
+            return change_on_hand(self.ledger, lease, sku, quantity, key, "restock", print_)
 
         def rejection(stale: StaleToken) -> sa.Executable:
             return self.ledger.rejection(stale, lease, sku, "restock", key, quantity)
@@ -54,26 +54,36 @@ class OnHandChanges:
         valid.delta(delta)
         valid.idempotency_key(key)
         valid.text(reason, field="reason", max_chars=valid.MAX_REASON_CHARS)
-        return self._change_on_hand(lease, sku, delta, key, "adjust", reason)
+        print_ = fingerprint("adjust", sku=sku, delta=delta, reason=reason)
+        return change_on_hand(self.ledger, lease, sku, delta, key, "adjust", print_, reason=reason)
 
-    def _change_on_hand(
-        self, lease: Lease, sku: str, delta: int, key: str, operation: str, reason: str | None
-    ) -> Plan[Outcome]:
-        def apply() -> Plan[Outcome]:
-            condition = None if delta > 0 else stock.c.available >= -delta
-            level = yield from self.ledger.fenced(
-                lease, sku, operation, on_hand=delta, reserved=0, condition=condition
-            )
-            yield self.ledger.history(
-                lease, sku, operation, key, quantity=delta, on_hand=delta, reserved=0, detail=reason
-            )
-            return Outcome(operation=operation, key=key, token=lease.token, stock=(level,), quantity=delta)
 
-        return self.ledger.idempotent(
-            key,
-            operation,
-            fingerprint(operation, sku=sku, delta=delta, reason=reason),
-            apply,
-            lambda stale: self.ledger.rejection(stale, lease, sku, operation, key, delta),
-            self.ledger.lock_skus(sku),
+def change_on_hand(
+    ledger: Ledger, lease: Lease, sku: str, delta: int, key: str, operation: str, print_: str, *,
+    reason: str | None = None, detail: dict[str, Any] | None = None,
+) -> Plan[Outcome]:  # fmt: skip
+    """Units in (``delta`` of 0 or more) or out, in the ledger's envelope: a restock, an adjustment with its
+    ``reason``, or a replenishment with the ``detail`` of what it was decided from."""
+
+    def apply() -> Plan[Outcome]:
+        condition = None if delta >= 0 else stock.c.available >= -delta
+        level = yield from ledger.fenced(
+            lease, sku, operation, on_hand=delta, reserved=0, condition=condition
         )
+        noted = reason if detail is None else json.dumps(detail, sort_keys=True)
+        yield ledger.history(
+            lease, sku, operation, key, quantity=delta, on_hand=delta, reserved=0, detail=noted
+        )
+        return Outcome(
+            operation=operation,
+            key=key,
+            token=lease.token,
+            stock=(level,),
+            quantity=delta,
+            detail=detail or {},
+        )
+
+    def rejection(stale: StaleToken) -> sa.Executable:
+        return ledger.rejection(stale, lease, sku, operation, key, delta)
+
+    return ledger.idempotent(key, operation, print_, apply, rejection, ledger.lock_skus(sku))

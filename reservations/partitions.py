@@ -15,9 +15,6 @@ from fencing.sql import db_now_ms
 from reservations.errors import InvalidRequest
 from reservations.models import sku_checkpoints, sku_history, task_attempts
 
-__all__ = ["DAYS_AHEAD", "DAY_MS", "TABLES", "day_ms", "day_of", "day_tables", "ident", "parse_partition",
-           "partition_name", "prepare_partitions"]  # fmt: skip
-
 DAY_MS = 86_400_000
 # Partitions kept ready ahead of the clock (revision 0010 makes the first week; the hourly
 # `reservations.purge` and every archive run keep it this wide). A write past them lands in DEFAULT.

@@ -18,14 +18,8 @@ from reservations.collisions import KeptColliding, rounds
 from reservations.errors import InvalidRequest
 from reservations.models import pending_reservations, request_outcomes
 from reservations.operations import hold_ms_of
-from reservations.requests import RequestResult, result_from_json, result_of
-
-
-@dataclass(frozen=True, slots=True)
-class Ended:
-    """The request already had its final outcome: nothing was queued."""
-
-    result: RequestResult
+from reservations.requests import result_from_json, result_of
+from reservations.reserve_statement import Ended as Ended  # a hand-off's answer too
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +35,8 @@ class Conflicting:
     """Its key is already queued for a different request: nothing was queued."""
 
 
-# What queueing a request found: exactly one of these.
+# What queueing a request found: exactly one of these (Ended: it already had its final outcome, and
+# nothing was queued).
 HandOff: TypeAlias = Ended | Queued | Conflicting
 
 
@@ -172,7 +167,7 @@ def waiting_by_sku() -> Plan[dict[str, int]]:
     return {r[0]: int(r[1]) for r in found.rows}
 
 
-def skus_waiting(older_than: float) -> Plan[list[str]]:
+def skus_waiting(*, older_than: float) -> Plan[list[str]]:
     """SKUs with a request waiting longer than ``older_than`` seconds (database clock), oldest first."""
     if (
         isinstance(older_than, bool)
@@ -194,13 +189,8 @@ def skus_waiting(older_than: float) -> Plan[list[str]]:
 def drop_ended() -> Plan[int]:
     """Remove queued requests that ended elsewhere (a copy of the request was dead-lettered) and whose SKU saw
     no batch since: the next batch would remove them too, but a SKU may never get another request."""
-    gone: Rows = yield Atomic(_drop_ended())
-    return len(gone.rows)
-
-
-def _drop_ended() -> Plan[Rows]:
     ended = sa.select(request_outcomes.c.key).where(request_outcomes.c.key == pending_reservations.c.key)
     gone: Rows = yield (
         sa.delete(pending_reservations).where(sa.exists(ended)).returning(pending_reservations.c.key)
     )
-    return gone
+    return len(gone.rows)

@@ -17,15 +17,17 @@ from reservations.views import ArchivedHistory, HistoryEntry, ReservationView, S
 
 STOCK_COLUMNS = (stock.c.sku, stock.c.on_hand, stock.c.reserved, stock.c.available, stock.c.fence_token)
 
-
-def _level(row: Any) -> StockLevel:
-    return StockLevel(
-        sku=row.sku,
-        on_hand=row.on_hand,
-        reserved=row.reserved,
-        available=row.available,
-        fence_token=row.fence_token,
-    )
+# Each SKU's newest checkpoint (reservations.archive): what of its history was archived, and where its
+# audit starts.
+_NEWEST = (
+    sa.select(sku_checkpoints.c.sku, sa.func.max(sku_checkpoints.c.through_ms).label("through_ms"))
+    .group_by(sku_checkpoints.c.sku)
+    .subquery()
+)
+NEWEST_CHECKPOINTS = sa.select(sku_checkpoints).join(
+    _NEWEST,
+    sa.and_(sku_checkpoints.c.sku == _NEWEST.c.sku, sku_checkpoints.c.through_ms == _NEWEST.c.through_ms),
+)
 
 
 def _seconds(ms: int | None) -> float | None:
@@ -54,7 +56,7 @@ def stock_level(sku: str) -> Plan[StockLevel]:
     row = found.first()
     if row is None:
         raise UnknownSku(sku)
-    return _level(row)
+    return StockLevel(*row)
 
 
 def all_stock(
@@ -72,7 +74,7 @@ def all_stock(
             raise InvalidRequest("the limit must be a whole number from 1", field="limit")
         query = query.limit(limit)
     found: Rows = yield query
-    return [_level(r) for r in found.rows]
+    return [StockLevel(*r) for r in found.rows]
 
 
 def reservation(id_or_key: str) -> Plan[ReservationView]:
@@ -136,12 +138,7 @@ def history(sku: str, *, limit: int = 1000, since: float | None = None) -> Plan[
 
 def archived(sku: str) -> Plan[ArchivedHistory | None]:
     """The SKU's history that was archived, as its newest checkpoint sums it up; None if none was."""
-    found: Rows = yield (
-        sa.select(sku_checkpoints)
-        .where(sku_checkpoints.c.sku == valid.sku(sku))
-        .order_by(sku_checkpoints.c.through_ms.desc())
-        .limit(1)
-    )
+    found: Rows = yield NEWEST_CHECKPOINTS.where(sku_checkpoints.c.sku == valid.sku(sku))
     row = found.first()
     if row is None:
         return None
@@ -156,7 +153,7 @@ def archived(sku: str) -> Plan[ArchivedHistory | None]:
     )
 
 
-def rejection_counts(since: float | None = None) -> Plan[dict[str, int]]:
+def rejection_counts(*, since: float | None = None) -> Plan[dict[str, int]]:
     query = sa.select(sku_history.c.sku, sa.func.count()).where(sku_history.c.kind == "rejected")
     starting = valid.since(since)
     if starting is not None:

@@ -31,21 +31,6 @@ from reservations.models import request_outcomes, request_redrives
 from reservations.requests import RequestResult, result_of
 from reservations.statuses import RequestStatus
 
-__all__ = [
-    "MAX_REDRIVE_NUMBER",
-    "REDRIVE_MARK",
-    "DeadLetter",
-    "Redrive",
-    "RedriveLink",
-    "carried_request",
-    "claim",
-    "dead_letters",
-    "drop",
-    "is_redrive_key",
-    "redrive_key",
-    "redrives_of",
-]
-
 REDRIVE_MARK = "~redrive-"
 _REDRIVE_END = re.compile(re.escape(REDRIVE_MARK) + r"[0-9]+\Z")  # how every re-drive key ends
 # A request driven again this often is not coming back by itself: look at it instead.
@@ -164,28 +149,28 @@ def _dead_letter(result: RequestResult, latest: RedriveLink | None) -> DeadLette
     )
 
 
+def _rows_of(query: sa.Select[Any], column: sa.Column[str], keys: list[str]) -> Plan[list[Any]]:
+    """The rows of ``query`` whose ``column`` is one of ``keys``, asked 1,000 keys at a time."""
+    rows: list[Any] = []
+    for start in range(0, len(keys), 1000):
+        found: Rows = yield query.where(column.in_(keys[start : start + 1000]))
+        rows.extend(found.rows)
+    return rows
+
+
 def _latest_links(origins: list[str]) -> Plan[dict[str, RedriveLink]]:
     """The latest re-drive of each of ``origins`` that has one, with its outcome's status."""
-    latest: dict[str, Any] = {}
-    for start in range(0, len(origins), 1000):
-        found: Rows = yield (
-            sa.select(request_redrives)
-            .where(request_redrives.c.origin_key.in_(origins[start : start + 1000]))
-            .order_by(request_redrives.c.origin_key, request_redrives.c.number)
-        )
-        latest.update({row.origin_key: row for row in found.rows})
+    links = sa.select(request_redrives).order_by(request_redrives.c.origin_key, request_redrives.c.number)
+    found = yield from _rows_of(links, request_redrives.c.origin_key, origins)
+    latest = {row.origin_key: row for row in found}  # ordered by number: the last one wins
+    ended = sa.select(request_outcomes.c.key, request_outcomes.c.status)
     keys = [row.redrive_key for row in latest.values()]
-    status: dict[str, str] = {}
-    for start in range(0, len(keys), 1000):
-        ended: Rows = yield sa.select(request_outcomes.c.key, request_outcomes.c.status).where(
-            request_outcomes.c.key.in_(keys[start : start + 1000])
-        )
-        status.update({row.key: row.status for row in ended.rows})
+    status = {row.key: row.status for row in (yield from _rows_of(ended, request_outcomes.c.key, keys))}
     return {origin: _link(row, status.get(row.redrive_key)) for origin, row in latest.items()}
 
 
 def dead_letters(
-    since: float | None = None, reason: str | None = None, limit: int = 1000
+    *, since: float | None = None, reason: str | None = None, limit: int = 1000
 ) -> Plan[list[DeadLetter]]:
     """The dead-lettered requests, newest first: each by the key it was sent under, with its latest
     re-drive. A re-drive that dead-lettered is shown through its origin (which may then be driven again),
@@ -202,12 +187,9 @@ def dead_letters(
     dead = [result_of(row) for row in found.rows]
     # A re-drive's dead letter stands for its origin: the chain is one entry, under the origin's key.
     keys = [d.key for d in dead]
-    origin_of: dict[str, str] = {}
-    for start in range(0, len(keys), 1000):
-        links: Rows = yield sa.select(request_redrives.c.redrive_key, request_redrives.c.origin_key).where(
-            request_redrives.c.redrive_key.in_(keys[start : start + 1000])
-        )
-        origin_of.update({row.redrive_key: row.origin_key for row in links.rows})
+    links = sa.select(request_redrives.c.redrive_key, request_redrives.c.origin_key)
+    chained = yield from _rows_of(links, request_redrives.c.redrive_key, keys)
+    origin_of = {row.redrive_key: row.origin_key for row in chained}
     origins: list[str] = []
     for d in dead:
         origin = origin_of.get(d.key, d.key)
@@ -215,11 +197,8 @@ def dead_letters(
             origins.append(origin)
     own: dict[str, RequestResult] = {d.key: d for d in dead}
     missing = [o for o in origins if o not in own]
-    for start in range(0, len(missing), 1000):
-        more: Rows = yield sa.select(request_outcomes).where(
-            request_outcomes.c.key.in_(missing[start : start + 1000])
-        )
-        own.update({row.key: result_of(row) for row in more.rows})
+    more = yield from _rows_of(sa.select(request_outcomes), request_outcomes.c.key, missing)
+    own.update({row.key: result_of(row) for row in more})
     latest = yield from _latest_links([o for o in origins if o in own])
     listed = [_dead_letter(own[o], latest.get(o)) for o in origins if o in own]
     if reason is not None:
@@ -307,11 +286,11 @@ def _claim(key: str, by: str | None, dry_run: bool) -> Plan[Redrive]:
     return Redrive(origin=origin, key=new_key, number=number, request_type=kind, arguments=arguments, by=by)
 
 
-def drop(redrive: str) -> Plan[bool]:
+def drop(redrive_key: str) -> Plan[bool]:
     """Take back a claimed re-drive that could not be sent: its link goes while its key has no outcome
     (a re-drive that ran keeps its link). True when it went."""
-    valid.idempotency_key(redrive)
-    dropped: bool = yield Atomic(_drop(redrive))
+    valid.idempotency_key(redrive_key)
+    dropped: bool = yield Atomic(_drop(redrive_key))
     return dropped
 
 

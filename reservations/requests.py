@@ -39,6 +39,12 @@ from reservations.models import (
 from reservations.statuses import AttemptResult, RequestStatus
 from reservations.views import Outcome
 
+# Idempotency records, and request outcomes and attempts, are kept this long by default;
+# ``purge_idempotency`` and :func:`purge` delete older ones. A retry or redelivery arriving after its key was
+# purged would be applied again, so keep this well above the broker's redelivery horizon (visibility
+# timeout plus the longest retry backoff).
+DEFAULT_IDEMPOTENCY_RETENTION = 7 * 24 * 3600.0
+
 FINAL_STATUSES = tuple(RequestStatus)
 ATTEMPT_RESULTS = tuple(AttemptResult)
 
@@ -134,17 +140,16 @@ _OUTCOME = sa.select(request_outcomes).where(request_outcomes.c.key == sa.bindpa
 def request_outcome(key: str) -> Plan[RequestResult | None]:
     """The outcome the key reports: its own, or its latest re-drive's when it was dead-lettered and driven
     again."""
-    # Alone: one round trip on PostgreSQL (no BEGIN/COMMIT around a single read).
-    found: Rows = yield Alone(_OUTCOME, {"key": valid.idempotency_key(key)})
-    row = found.first()
-    if row is None:
+    own = yield from own_outcome(key)
+    if own is None:
         return None
-    reported = yield from _followed({row.key: result_of(row)})
-    return reported[row.key]
+    reported = yield from _followed({own.key: own})
+    return reported[own.key]
 
 
 def own_outcome(key: str) -> Plan[RequestResult | None]:
     """The outcome row written under the key itself, never followed to a re-drive."""
+    # Alone: one round trip on PostgreSQL (no BEGIN/COMMIT around a single read).
     found: Rows = yield Alone(_OUTCOME, {"key": valid.idempotency_key(key)})
     row = found.first()
     return None if row is None else result_of(row)
@@ -318,7 +323,9 @@ def record_attempt(
 
 def attempts(key: str) -> Plan[list[Attempt]]:
     found: Rows = yield (
-        sa.select(task_attempts).where(task_attempts.c.key == key).order_by(task_attempts.c.id)
+        sa.select(task_attempts)
+        .where(task_attempts.c.key == valid.idempotency_key(key))
+        .order_by(task_attempts.c.id)
     )
     return [
         Attempt(
@@ -342,16 +349,15 @@ def skus_with_due_holds(limit: int = 1000) -> Plan[list[str]]:
         .distinct()
         .where(reservations.c.status == HELD, reservations.c.hold_expires_ms <= db_now_ms())
         .order_by(reservations.c.sku)
-        .limit(limit)
+        .limit(valid.limit(limit))
     )
     return [r[0] for r in found.rows]
 
 
-def purge(older_than: float) -> Plan[int]:
-    """Delete final outcomes and attempts older than ``older_than`` seconds (database clock)."""
-    if isinstance(older_than, bool) or not isinstance(older_than, int | float) or older_than < 60:
-        raise InvalidRequest("retention must be at least 60 seconds", field="older_than")
-    purged: int = yield Atomic(_purge(round(older_than * 1000)))
+def purge(*, older_than: float = DEFAULT_IDEMPOTENCY_RETENTION) -> Plan[int]:
+    """Delete request outcomes and attempts past ``older_than`` seconds (database clock), by default the
+    same retention as the idempotency records."""
+    purged: int = yield Atomic(_purge(round(valid.retention(older_than) * 1000)))
     return purged
 
 

@@ -11,7 +11,6 @@ so the next round answers from what that writer stored.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
@@ -42,7 +41,7 @@ from reservations.views import Outcome, StockLevel
 #             with ``record``: the request's final outcome (reserved or insufficient_stock) and its
 #             applied attempt, in the same statement as the change they report.
 # done, told and tried are the statement's speaking parts (:data:`_SPEAKING`); a reservation no request
-# speaks through is sent without them (:data:`FENCED_PLAIN`).
+# speaks through is sent without them (:data:`STATEMENTS` by whether a request speaks).
 # The final SELECT returns one row that says which of these happened (the rare answers, an ended
 # request and a record to replay, as JSON: every column costs the client time). A stale token writes
 # nothing here; its rejection is recorded by the caller in a statement of its own, as on the other path.
@@ -151,39 +150,15 @@ _SPEAKING = {
 # parameters fewer to send, read the same way (``done`` is always NULL).
 _PLAIN = {"done": "", "unless_done": "", "spoken": "", "done_json": "NULL::text", "join_done": ""}
 
-_PARAMS = (
-    "key", "sku", "quantity", "token", "lease_id", "holder", "hold_ms", "reservation_id", "fingerprint",
-    "record", "task_id", "worker", "epochs",
-)  # fmt: skip
-
-
-def _as_sent(sql: str) -> str:
-    """The statement as sent: whitespace collapsed and parameters named p0, p1, ... psycopg caches its
-    parse of a query only up to 4 KB; a longer one is parsed again on every call (0.6 ms of CPU here)."""
-    for number, name in enumerate(_PARAMS):
-        sql = sql.replace(f"%({name})s", f"%(p{number})s")
-    # No literal in the statement holds a space, comma, parenthesis or equals sign.
-    return re.sub(r"\s*([(),=])\s*", r"\1", re.sub(r"\s+", " ", sql)).strip()
-
-
-# The fence predicate and the database clock come from fencing (reservations.sql_text renders them).
-_FENCE = {"accepted": sql_text.fence_admits(Fence(stock)), "now_ms": sql_text.NOW_MS}
-# Lease-only: the token is written but not checked (for measuring what the fence prevents).
-_NO_FENCE = {"accepted": "TRUE", "now_ms": sql_text.NOW_MS}
-# For a queued request: told and tried only when ``record`` is true.
-FENCED = _as_sent(_SQL.format(**_FENCE, **_SPEAKING))
-UNFENCED = _as_sent(_SQL.format(**_NO_FENCE, **_SPEAKING))
-# For a reservation no request speaks through: no ``record``, ``task_id``, ``worker`` or ``epochs``.
-FENCED_PLAIN = _as_sent(_SQL.format(**_FENCE, **_PLAIN))
-UNFENCED_PLAIN = _as_sent(_SQL.format(**_NO_FENCE, **_PLAIN))
-
-_SENT = {name: f"p{number}" for number, name in enumerate(_PARAMS)}
-
-
-def parameters(**values: Any) -> dict[str, Any]:
-    """The statement's parameters by their names in :data:`_SQL`: all of them for :data:`FENCED`, all but
-    the speaker's for :data:`FENCED_PLAIN`."""
-    return {_SENT[name]: value for name, value in values.items()}
+# The fence predicate and the database clock come from fencing (reservations.sql_text renders them);
+# lease-only, the token is written but not checked (for measuring what the fence prevents).
+STATEMENTS = sql_text.variants(
+    lambda fenced, speaking: _SQL.format(
+        accepted=sql_text.fence_admits(Fence(stock)) if fenced else "TRUE",
+        now_ms=sql_text.NOW_MS,
+        **(_SPEAKING if speaking else _PLAIN),
+    )
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,8 +195,8 @@ class Replay:
 
 
 @dataclass(frozen=True, slots=True)
-class Reserved:
-    """The units were reserved; with a speaker, ``told`` is the outcome row written with them."""
+class Applied:
+    """The write was made and recorded; with a speaker, ``told`` is the outcome row written with it."""
 
     outcome: Outcome
     told: RequestResult | None
@@ -236,8 +211,19 @@ class Short:
     told: RequestResult | None
 
 
-# What the statement did: exactly one of these (a stale token raises instead).
-Reply: TypeAlias = Ended | Replay | Reserved | Short
+# What a one-statement write did: exactly one of these (a stale token raises instead; only a reservation
+# answers Short).
+Reply: TypeAlias = Ended | Replay | Applied | Short
+
+
+def read_head(row: Any, key: str) -> Ended | Replay | None:
+    """The answer of a request that had ended, or of a key that had a record (nothing was written)."""
+    if row.done is not None:
+        return Ended(result_from_json(row.done))
+    if row.prior is not None:
+        prior = json.loads(row.prior)
+        return Replay(Prior(key, prior["fingerprint"], prior["operation"], prior["outcome"]))
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,23 +243,22 @@ class Asked:
 
     def sent(self) -> Alone:
         speaker = self.speaker
-        values = parameters(
-            key=self.key,
-            sku=self.sku,
-            quantity=self.quantity,
-            token=self.lease.token,
-            lease_id=self.lease.lease_id,
-            holder=self.lease.holder,
-            hold_ms=self.hold_ms,
-            reservation_id=self.reservation_id,
-            fingerprint=self.fingerprint,
-        )
-        if speaker is None:
-            return Alone(FENCED_PLAIN if self.fence.enforce else UNFENCED_PLAIN, values)
-        values.update(
-            parameters(record=True, task_id=speaker.task_id, worker=speaker.worker, epochs=speaker.epochs)
-        )
-        return Alone(FENCED if self.fence.enforce else UNFENCED, values)
+        statement = STATEMENTS[(self.fence.enforce, speaker is not None)]
+        values = {
+            "key": self.key,
+            "sku": self.sku,
+            "quantity": self.quantity,
+            "token": self.lease.token,
+            "lease_id": self.lease.lease_id,
+            "holder": self.lease.holder,
+            "hold_ms": self.hold_ms,
+            "reservation_id": self.reservation_id,
+            "fingerprint": self.fingerprint,
+            "record": True,
+        }
+        if speaker is not None:
+            values.update(task_id=speaker.task_id, worker=speaker.worker, epochs=speaker.epochs)
+        return Alone(statement.text, statement.bind(values))
 
     def reply(self, found: Rows) -> Reply:
         """What the statement did, from its one row. Raises :class:`UnknownSku` or
@@ -282,11 +267,9 @@ class Asked:
         lease, sku, quantity, key, speaker = self.lease, self.sku, self.quantity, self.key, self.speaker
         fingerprint, reservation_id, fence = self.fingerprint, self.reservation_id, self.fence
         row: Any = found.rows[0]
-        if row.done is not None:
-            return Ended(result_from_json(row.done))
-        if row.prior is not None:
-            prior = json.loads(row.prior)
-            return Replay(Prior(key, prior["fingerprint"], prior["operation"], prior["outcome"]))
+        head = read_head(row, key)
+        if head is not None:
+            return head
         if not row.known:
             raise UnknownSku(sku)
 
@@ -308,7 +291,7 @@ class Asked:
         if row.applied:
             level = StockLevel(sku, row.on_hand, row.reserved, row.available, row.fence_token)
             outcome = Outcome.reserved(key, lease.token, reservation_id, level, quantity)
-            return Reserved(outcome, told(RequestStatus.RESERVED, outcome.summary()))
+            return Applied(outcome, told(RequestStatus.RESERVED, outcome.summary()))
         if not row.accepted:
             # The statement judged the token by the fence's own predicate; the fence raises the error.
             fence.refuse_if_stale(lease, lease.scope, int(row.highest), row.writer, "reserve")

@@ -64,20 +64,12 @@ def upgrade(url: str, revision: str = "head") -> None:
 
 
 def current(url: str) -> str | None:
-    from alembic.runtime.migration import MigrationContext
-
-    engine = make_engine(url, pooling=ONE_SHOT)
-    try:
-        with engine.connect() as conn:
-            return MigrationContext.configure(conn).get_current_revision()
-    finally:
-        engine.dispose()
+    """The revision the database at ``url`` is at (None: no schema)."""
+    return fit(url).found
 
 
-def head() -> str | None:
-    from alembic.script import ScriptDirectory
-
-    return ScriptDirectory.from_config(_config("sqlite://")).get_current_head()
+def head() -> str:
+    return revisions()[-1]
 
 
 def revisions() -> list[str]:

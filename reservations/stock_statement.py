@@ -2,7 +2,7 @@
 on hand) and a cycle count (on hand set to the figure counted), each with its history row, its idempotency
 record and, for a queued request, its outcome and attempt (:mod:`reservations.keyed_statement`).
 
-The multi-statement plans (:meth:`reservations.operations.InventoryPlans.restock`,
+The multi-statement plans (:class:`reservations.on_hand.OnHandChanges`,
 :class:`reservations.counting.StockCounting`) stay the reference and the SQLite path; this is the same
 work and the same decisions: the fence sits in the stock UPDATE's WHERE with the write's own condition
 (room under :data:`~reservations.validation.MAX_ON_HAND` for units added, no fewer than the units held for
@@ -24,6 +24,7 @@ from reservations import keyed_statement as keyed
 from reservations import validation as valid
 from reservations.errors import CountBelowHeld, StockLimitExceeded, UnknownSku
 from reservations.keyed_steps import Step
+from reservations.sql_text import Variants
 from reservations.views import Outcome
 
 #   cur   the SKU's stock row, locked FOR UPDATE (under READ COMMITTED the newest version once a
@@ -82,7 +83,7 @@ _SHAPES = {
 }
 
 
-def _variants(change: Change) -> keyed.Variants:
+def _variants(change: Change) -> Variants:
     return keyed.variants(lambda parts: _SQL.format(**parts, **_SHAPES[change]))
 
 
@@ -121,4 +122,5 @@ def step(
     ceiling = valid.MAX_ON_HAND - units if change is Change.ADD and units > 0 else None
     values = {"sku": sku, "units": units, "ceiling": ceiling}
     refused = partial(refusal, written, sku, change, units, fence)
-    return Step(written, valid.scope_of(sku), several, STATEMENTS[change], values, refused, rejection)
+    send = partial(keyed.exchange, written, STATEMENTS[change], values, refused)
+    return Step(written, valid.scope_of(sku), several, send, rejection)

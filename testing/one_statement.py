@@ -12,10 +12,9 @@ import sqlalchemy as sa
 from fencing import Lease, LeaseManager
 from fencing.engines import make_engine
 from reservations import scope_of
-from reservations.reserve_statement import Speaker
 
 WIDGET, GADGET, BIG, NOPE = "WIDGET", "GADGET", "BIG", "NOPE"
-SPEAKER = Speaker(task_id="task-1", worker="worker-1", epochs=1)
+WHO: dict[str, Any] = {"task_id": "task-1", "worker": "worker-1", "epochs": 1}  # whom a request speaks for
 UNKNOWN = "r_" + "0" * 32
 
 

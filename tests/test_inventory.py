@@ -553,7 +553,7 @@ def test_expiry_and_a_concurrent_confirm_never_return_units_twice(
     deadline = time.monotonic() + 5
     while widget not in inventory.skus_with_due_holds():  # holds end by the database's clock
         assert time.monotonic() < deadline
-    plan = inventory.plans.lifecycle.expire_due(new, widget)
+    plan = inventory.lifecycle.expire_due(new, widget)
     step = next(plan)
     assert isinstance(step, Atomic)
     sweep = step.plan

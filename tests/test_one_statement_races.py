@@ -20,7 +20,7 @@ from fencing.engines import make_engine
 from reservations import Inventory, Outcome
 from reservations.errors import ConstraintRefused, InvalidTransition
 from reservations.requests import RequestReply
-from testing.one_statement import SPEAKER, WIDGET, lease_for, newer_epoch, rows
+from testing.one_statement import WHO, WIDGET, lease_for, newer_epoch, rows
 from testing.stores import own_pg_schema
 
 
@@ -151,12 +151,12 @@ def test_copies_of_a_request_racing_end_with_one_outcome(migrated_pg_url: str) -
         rid = inv.reserve(a, WIDGET, 3, key="hold").reservation_id or ""
 
         def b_step(multi: Inventory) -> RequestReply:
-            return multi.executor.run(multi.plans.confirm_request(a, rid, "q-confirm", SPEAKER))
+            return multi.confirm_request(a, rid, key="q-confirm", **WHO)
 
         a_got, b_did = raced(
             url,
             FINISH,
-            lambda: inv.executor.run(inv.plans.confirm_request(a, rid, "q-confirm", SPEAKER)),
+            lambda: inv.confirm_request(a, rid, key="q-confirm", **WHO),
             b_step,
         )
         stored = inv.request_outcome("q-confirm")

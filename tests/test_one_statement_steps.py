@@ -23,7 +23,7 @@ from reservations import Inventory, Outcome
 from reservations.counting import StockSeen, short_count
 from reservations.requests import RequestReply
 from reservations.validation import MAX_ON_HAND
-from testing.one_statement import BIG, GADGET, NOPE, SPEAKER, UNKNOWN, WIDGET, lease_for, newer_epoch, rows
+from testing.one_statement import BIG, GADGET, NOPE, UNKNOWN, WHO, WIDGET, lease_for, newer_epoch, rows
 from testing.stores import own_pg_schema
 
 
@@ -42,7 +42,6 @@ def described(value: Any) -> Any:
 def scenario(inv: Inventory, leases: LeaseManager) -> list[Any]:
     """Every later step, its replays and its refusals, alone and as requests, then a stale epoch's."""
     events: list[Any] = []
-    plans = inv.plans
 
     def note(label: str, step: Callable[[], Any]) -> Any:
         try:
@@ -52,9 +51,6 @@ def scenario(inv: Inventory, leases: LeaseManager) -> list[Any]:
             return None
         events.append([label, described(value)])
         return value
-
-    def request(plan: Any) -> Callable[[], RequestReply]:
-        return lambda: inv.executor.run(plan)
 
     inv.add_sku(WIDGET, on_hand=10)
     inv.add_sku(GADGET, on_hand=5)
@@ -95,32 +91,32 @@ def scenario(inv: Inventory, leases: LeaseManager) -> list[Any]:
     seen = note("look", lambda: inv.look(a, WIDGET))
     note("replenish at par", lambda: inv.replenish(a, WIDGET, 10, key="replenish-0", seen=seen))
     # as queued requests: fresh, ended, a key whose outcome was never written, a refusal
-    note("q confirm", request(plans.confirm_request(a, ids[2], "q-confirm", SPEAKER)))
-    note("q confirm ended", request(plans.confirm_request(a, ids[2], "q-confirm", SPEAKER)))
-    note("q release", request(plans.release_request(a, ids[3], "q-release", SPEAKER)))
-    note("q restock", request(plans.restock_request(a, WIDGET, 3, "q-restock", SPEAKER)))
-    note("q restock ended", request(plans.restock_request(a, WIDGET, 3, "q-restock", SPEAKER)))
+    note("q confirm", lambda: inv.confirm_request(a, ids[2], key="q-confirm", **WHO))
+    note("q confirm ended", lambda: inv.confirm_request(a, ids[2], key="q-confirm", **WHO))
+    note("q release", lambda: inv.release_request(a, ids[3], key="q-release", **WHO))
+    note("q restock", lambda: inv.restock_request(a, WIDGET, 3, key="q-restock", **WHO))
+    note("q restock ended", lambda: inv.restock_request(a, WIDGET, 3, key="q-restock", **WHO))
     seen = note("look", lambda: inv.look(a, WIDGET))
-    note("q count", request(plans.count_request(a, WIDGET, 50, "q-count", SPEAKER, seen=seen)))
+    note("q count", lambda: inv.count_request(a, WIDGET, 50, key="q-count", **WHO, seen=seen))
     seen = note("look", lambda: inv.look(a, WIDGET))
-    note("q replenish", request(plans.replenish_request(a, WIDGET, 60, "q-replenish", SPEAKER, seen=seen)))
+    note("q replenish", lambda: inv.replenish_request(a, WIDGET, 60, key="q-replenish", **WHO, seen=seen))
     note("restock unrecorded", lambda: inv.restock(a, WIDGET, 1, key="q-late"))
-    note("q restock replayed", request(plans.restock_request(a, WIDGET, 1, "q-late", SPEAKER)))
-    note("q confirm unknown", request(plans.confirm_request(a, UNKNOWN, "q-unknown", SPEAKER)))
-    note("q count below held", request(plans.count_request(a, WIDGET, 0, "q-low", SPEAKER)))
+    note("q restock replayed", lambda: inv.restock_request(a, WIDGET, 1, key="q-late", **WHO))
+    note("q confirm unknown", lambda: inv.confirm_request(a, UNKNOWN, key="q-unknown", **WHO))
+    note("q count below held", lambda: inv.count_request(a, WIDGET, 0, key="q-low", **WHO))
     # a newer epoch writes; the old one is refused, then known lost; the key still answers first
     b = newer_epoch(leases, a, "w2")
     note("restock newer", lambda: inv.restock(b, WIDGET, 1, key="restock-b"))
     note("confirm stale", lambda: inv.confirm(a, ids[4], key="confirm-stale"))
     note("confirm lost", lambda: inv.confirm(a, ids[4], key="confirm-lost"))
     note("restock lost, replayed", lambda: inv.restock(a, WIDGET, 5, key="restock-1"))
-    note("q confirm lost, ended", request(plans.confirm_request(a, ids[2], "q-confirm", SPEAKER)))
+    note("q confirm lost, ended", lambda: inv.confirm_request(a, ids[2], key="q-confirm", **WHO))
     note("restock of another scope", lambda: inv.restock(b, GADGET, 1, key="mismatch"))
     note("count from another epoch's read", lambda: inv.count(b, WIDGET, 20, key="count-4", seen=seen))
     g2 = newer_epoch(leases, g, "w2")
     note("restock gadget newer", lambda: inv.restock(g2, GADGET, 1, key="restock-g2"))
-    note("q release stale", request(plans.release_request(g, other, "q-stale", SPEAKER)))
-    note("q restock stale", request(plans.restock_request(g, GADGET, 1, "q-stale-2", SPEAKER)))
+    note("q release stale", lambda: inv.release_request(g, other, key="q-stale", **WHO))
+    note("q restock stale", lambda: inv.restock_request(g, GADGET, 1, key="q-stale-2", **WHO))
     note("confirm newer", lambda: inv.confirm(b, ids[4], key="confirm-b"))
     return events
 
@@ -226,7 +222,6 @@ def test_each_step_is_one_round_trip(migrated_pg_url: str, single_statement: boo
     ):
         inv.add_sku(WIDGET, on_hand=10)
         lease = lease_for(leases, WIDGET, "w1")
-        plans, run_plan = inv.plans, inv.executor.run
         ids = [inv.reserve(lease, WIDGET, 1, key=f"hold-{n}").reservation_id or "" for n in range(4)]
         steps: dict[str, Callable[[StockSeen], Any]] = {
             "confirm": lambda seen: inv.confirm(lease, ids[0], key="confirm"),
@@ -234,14 +229,12 @@ def test_each_step_is_one_round_trip(migrated_pg_url: str, single_statement: boo
             "restock": lambda seen: inv.restock(lease, WIDGET, 2, key="restock"),
             "count": lambda seen: inv.count(lease, WIDGET, 20, key="count", seen=seen),
             "replenish": lambda seen: inv.replenish(lease, WIDGET, 30, key="replenish", seen=seen),
-            "confirm request": lambda seen: run_plan(plans.confirm_request(lease, ids[2], "q-1", SPEAKER)),
-            "release request": lambda seen: run_plan(plans.release_request(lease, ids[3], "q-2", SPEAKER)),
-            "restock request": lambda seen: run_plan(plans.restock_request(lease, WIDGET, 1, "q-3", SPEAKER)),
-            "count request": lambda seen: run_plan(
-                plans.count_request(lease, WIDGET, 40, "q-4", SPEAKER, seen=seen)
-            ),
-            "replenish request": lambda seen: run_plan(
-                plans.replenish_request(lease, WIDGET, 50, "q-5", SPEAKER, seen=seen)
+            "confirm request": lambda seen: inv.confirm_request(lease, ids[2], key="q-1", **WHO),
+            "release request": lambda seen: inv.release_request(lease, ids[3], key="q-2", **WHO),
+            "restock request": lambda seen: inv.restock_request(lease, WIDGET, 1, key="q-3", **WHO),
+            "count request": lambda seen: inv.count_request(lease, WIDGET, 40, key="q-4", **WHO, seen=seen),
+            "replenish request": lambda seen: inv.replenish_request(
+                lease, WIDGET, 50, key="q-5", **WHO, seen=seen
             ),
         }
         sent: dict[str, list[str]] = {}

@@ -348,14 +348,15 @@ def test_a_copy_committed_while_the_statement_waits_is_answered_not_raised(pg_ur
         replies: list[Any] = []
         with copy.connect() as conn:
             # The copy's own statement, in a transaction left open: it holds the row and the key's rows.
+            statement = reserve_statement.STATEMENTS[(True, True)]  # fenced, speaking for a request
             conn.exec_driver_sql(
-                reserve_statement.FENCED,
-                reserve_statement.parameters(
+                statement.text,
+                statement.bind(dict(
                     key="cw-key", sku="CW", quantity=2, token=lease.token, lease_id=lease.lease_id,
                     holder=lease.holder, hold_ms=None, reservation_id="r_" + "c" * 32,
                     fingerprint=request_fingerprint("reserve", {"sku": "CW", "quantity": 2}),
                     record=True, task_id="first", worker="w1", epochs=0,
-                ),
+                )),
             )  # fmt: skip
             waiting = threading.Thread(
                 target=lambda: replies.append(
@@ -384,8 +385,8 @@ def test_a_copy_committed_while_the_statement_waits_is_answered_not_raised(pg_ur
 
 def test_the_reservation_statement_stays_within_the_drivers_query_cache() -> None:
     # psycopg re-parses a query longer than 4 KB on every call (about 0.6 ms of CPU per reservation).
-    assert len(reserve_statement.FENCED.encode()) <= 4096
-    assert len(reserve_statement.UNFENCED.encode()) <= 4096
+    for statement in reserve_statement.STATEMENTS.values():
+        assert len(statement.text.encode()) <= 4096
 
 
 def test_a_key_with_a_record_replays_whatever_lease_is_presented(
