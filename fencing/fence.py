@@ -20,8 +20,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from fencing.errors import ScopeMismatch, StaleToken
 from fencing.lease import Lease, check_lease
-from fencing.plan import StatementPlan, run_async, run_sync
-from fencing.sql import Rows, execute, execute_async
+from fencing.plan import StatementPlan, run_sync
+from fencing.sql import Rows, execute
 
 FENCE_TOKEN_COLUMN = "fence_token"
 FENCE_LEASE_COLUMN = "fence_lease_id"
@@ -164,4 +164,4 @@ class Fence:
         return run_sync(self.plan(lease, **kwargs), lambda stmt: execute(conn, stmt))
 
     async def update_async(self, conn: AsyncConnection, lease: Lease, **kwargs: Any) -> FenceResult:
-        return await run_async(self.plan(lease, **kwargs), lambda stmt: execute_async(conn, stmt))
+        return await conn.run_sync(lambda sync: self.update(sync, lease, **kwargs))

@@ -149,6 +149,11 @@ def validate_renew_every(renew_every: object) -> float | None:
     return float(renew_every)
 
 
+def ttl_ms(seconds: float) -> int:
+    """A ttl in whole milliseconds, at least 1, as the backends store it."""
+    return max(1, round(seconds * 1000))
+
+
 def validate_lease_id(lease_id: object) -> str:
     if not isinstance(lease_id, str) or not _LEASE_ID.fullmatch(lease_id):
         raise InvalidLeaseRequest("lease_id must be 32 lowercase hex characters")
@@ -240,24 +245,20 @@ class Lease:
 
         Use before *starting* a mutation to avoid useless work; it cannot make the write safe.
         """
-        if self._status.lost_reason is not None:
-            raise LeaseLost(
-                scope=self.scope, token=self.token, lease_id=self.lease_id, reason=self._status.lost_reason
-            )
+        self.raise_if_lost()
         if self.time_left() <= margin:
-            raise LeaseLost(
-                scope=self.scope,
-                token=self.token,
-                lease_id=self.lease_id,
-                reason=f"local deadline within the {margin:.3f}s safety margin",
-            )
+            raise self.lose(f"local deadline within the {margin:.3f}s safety margin", mark=False)
 
     def raise_if_lost(self) -> None:
         """Raise :class:`LeaseLost` if a renewal failed or a write was already rejected as stale."""
         if self._status.lost_reason is not None:
-            raise LeaseLost(
-                scope=self.scope, token=self.token, lease_id=self.lease_id, reason=self._status.lost_reason
-            )
+            raise self.lose(self._status.lost_reason, mark=False)
+
+    def lose(self, reason: str, *, mark: bool = True) -> LeaseLost:
+        """The :class:`LeaseLost` that says ``reason``, the lease marked lost for it first (``mark``)."""
+        if mark:
+            self.mark_lost(reason)
+        return LeaseLost(scope=self.scope, token=self.token, lease_id=self.lease_id, reason=reason)
 
     @property
     def contended(self) -> bool | None:

@@ -3,64 +3,114 @@
 ``LeaseManager.from_url`` / ``AsyncLeaseManager.from_url`` pick the backend from the URL: Redis for
 ``redis://``, ``rediss://``, ``unix://``, ``redis+sentinel://`` and ``redis+cluster://``
 (:class:`fencing.redis_topology.RedisTopology` gives their forms), SQL for any SQLAlchemy URL.
-Validation, waiting, backoff and repair decisions live in :mod:`fencing.lease_plans`. Each operation
-(acquire, renew, release, the reads, the purge, the break, the repair) is written once in :class:`_Shell`,
-as the plan it runs (:class:`fencing.shells.operation`): blocking in :class:`LeaseManager`, awaitable in
-:class:`AsyncLeaseManager`; so is ``from_url``. Written per shell are only the executors it builds, the
-schema, :meth:`hold` with its background renewal (a thread, :class:`fencing.renewer.Renewer`, or a task;
-what follows a failed renewal is :func:`fencing.lease_plans.renewal_verdict` for both) and closing.
+Each operation (acquire, renew, release, the reads, the purge, the break, the repair) is written once in
+:class:`_Shell`, with its validation, waiting, backoff and repair decisions, as the plan it runs over a
+backend's :class:`LeaseCore` (:class:`fencing.shells.operation`): blocking in :class:`LeaseManager`,
+awaitable in :class:`AsyncLeaseManager`; so is ``from_url``. Written per shell are only the executors it
+builds, the schema, :meth:`hold` with its background renewal (a thread, :class:`fencing.renewer.Renewer`,
+or a task; what follows a failed renewal is :func:`fencing.renewer.retry_renewal` for both) and closing.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import random
+import socket
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager, suppress
-from typing import Any, ClassVar, Generic, Self, TypeVar
+from typing import Any, ClassVar, Generic, Protocol, Self, TypeVar
 
 from fencing.engines import make_async_engine, make_engine
-from fencing.errors import FencingError, InvalidLeaseRequest, StaleToken
+from fencing.errors import FencingError, InvalidLeaseRequest, LeaseBusy, StaleToken
 from fencing.keys import DEFAULT_PREFIX, validate_prefix
-from fencing.lease import Clock, Lease, LeaseEvent, LeaseInfo, validate_renew_every
-from fencing.lease_plans import (
-    DEFAULT_HISTORY_CAP,
-    DEFAULT_HISTORY_RETENTION,
-    MAX_HISTORY_CAP,
-    MAX_HISTORY_LIMIT,
-    LeaseCore,
-    LeasePlans,
-    backoff,
-    default_holder,
-    renewal_verdict,
+from fencing.lease import (
+    Clock,
+    Lease,
+    LeaseEvent,
+    LeaseInfo,
+    check_lease,
+    new_lease_id,
+    validate_holder,
+    validate_reason,
+    validate_renew_every,
+    validate_retention,
+    validate_scope,
+    validate_token,
+    validate_ttl,
 )
-from fencing.plan import Plan
+from fencing.plan import Atomic, Plan, Sleep
 from fencing.redis_backend import RedisLeaseCore
 from fencing.redis_executor import AsyncRedisExecutor, SyncRedisExecutor, async_client, sync_client
 from fencing.redis_topology import REDIS_SCHEMES, RedisTopology, redis_topology
-from fencing.renewer import Renewer
+from fencing.renewer import Renewer, retry_renewal
 from fencing.shells import operation
 from fencing.sql_backend import SqlLeaseCore, metadata
 from fencing.sql_executor import AsyncSqlExecutor, SyncSqlExecutor
 from fencing.urls import mask_url, normalize_url
 
-# Re-exported: callers import these from here (the policy itself lives in fencing.lease_plans).
-__all__ = [
-    "DEFAULT_HISTORY_CAP",
-    "DEFAULT_HISTORY_RETENTION",
-    "MAX_HISTORY_CAP",
-    "MAX_HISTORY_LIMIT",
-    "AsyncLeaseManager",
-    "LeaseCore",
-    "LeaseManager",
-    "LeasePlans",
-    "backoff",
-    "default_holder",
-    "lease_backend",
-]
-
 log = logging.getLogger("fencing")
+
+# Redis keeps each scope's last DEFAULT_HISTORY_CAP epochs (a short list, about 140 bytes an entry, that
+# expires once the scope is idle for the retention): with its counter about 750 bytes a scope, whatever
+# its age. The SQL backend keeps events until purge_history removes those older than the retention. The
+# durable record of every token is the protected resource's own: each accepted write and each refused
+# stale write carries its token and holder.
+DEFAULT_HISTORY_CAP = 4
+MAX_HISTORY_CAP = 100_000
+DEFAULT_HISTORY_RETENTION = 30 * 24 * 3600.0
+MAX_HISTORY_LIMIT = 10_000
+# Scopes read in one current_many: one pipeline or one statement each (a list of keys that size stays a
+# few hundred kilobytes).
+MAX_SCOPES_READ = 1_000
+
+
+class LeaseCore(Protocol):
+    """What each backend (Redis, SQL) provides: one plan per operation, decisions and parsing only."""
+
+    backend: str
+
+    def acquire(self, scope: str, ttl: float, holder: str, lease_id: str) -> Plan[Lease | LeaseBusy]:
+        """A new lease, or (returned, not raised, so that the mark it leaves on the lease is kept) the
+        refusal of a busy scope."""
+        ...
+
+    def renew(self, lease: Lease) -> Plan[Lease]: ...
+
+    def release(self, lease: Lease) -> Plan[bool]:
+        """End the lease; returns whether another acquirer found it busy while it was held."""
+        ...
+
+    def break_lease(self, scope: str, reason: str) -> Plan[LeaseInfo | None]: ...
+    def repair(self, lease: Lease, highest: int) -> Plan[tuple[int, int] | None]: ...
+    def current_many(self, scopes: list[str]) -> Plan[list[LeaseInfo | None]]: ...
+    def history(self, scope: str, limit: int) -> Plan[list[LeaseEvent]]: ...
+    def purge_history(self, older_than_ms: int) -> Plan[int]: ...
+
+
+def backoff(
+    attempt: int,
+    retry_after: float,
+    rng: random.Random,
+    *,
+    first: float = 0.005,
+    cap: float = 0.5,
+    floor: float = 0.001,
+) -> float:
+    """Full-jitter exponential backoff, capped by the time the current lease has left.
+
+    The holder usually releases long before its ttl runs out, so ``retry_after`` is a ceiling, not a wait.
+    """
+    ceiling = min(cap, first * 2 ** min(attempt, 30))
+    return min(max(retry_after, floor), rng.uniform(floor, ceiling))
+
+
+def default_holder() -> str:
+    """``host:pid``: enough for an operator to find the process that holds a lease."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
 
 _RETENTION_MS = round(DEFAULT_HISTORY_RETENTION * 1000)
 
@@ -122,17 +172,7 @@ def _redis_client(
     try:
         return connect(topology, options)
     except ValueError as exc:  # a malformed port, database number or option
-        raise InvalidLeaseRequest(f"not a usable Redis URL: {topology.masked} ({exc})") from None
-
-
-def _printable(url: str) -> str:
-    """The URL as it may be printed: a Redis topology masks its own (Sentinel and Cluster URLs name several
-    hosts), any other URL goes through mask_url."""
-    try:
-        topology = _redis_topology(url)
-    except InvalidLeaseRequest:
-        topology = None
-    return mask_url(url) if topology is None else topology.masked
+        raise InvalidLeaseRequest(f"not a usable Redis URL: {mask_url(topology.url)} ({exc})") from None
 
 
 def _renew_interval(lease: Lease, renew_every: float | None) -> float:
@@ -147,9 +187,11 @@ class _Shell(Generic[E]):
     awaits: ClassVar[bool] = False
 
     def __init__(self, core: LeaseCore, executor: E, *, clock: Clock = time.monotonic, url: str = "") -> None:
-        self.plans = LeasePlans(core, clock)
+        self.core = core
+        self.clock = clock
+        self.rng = random.Random()
         self.executor = executor
-        self.url = _printable(url) if url else ""
+        self.url = mask_url(url) if url else ""
 
     @classmethod
     def from_url(
@@ -187,50 +229,133 @@ class _Shell(Generic[E]):
 
     @property
     def backend(self) -> str:
-        return self.plans.core.backend
+        return self.core.backend
 
     @operation
     def acquire(self, scope: str, *, ttl: float, holder: str | None = None, wait: float = 0) -> Plan[Lease]:
         """Take the scope's lease and a new fencing token; :class:`LeaseBusy` if held past ``wait``."""
-        return self.plans.acquire(scope, ttl, holder, wait)
+        validate_scope(scope)
+        ttl = validate_ttl(ttl)
+        holder = validate_holder(default_holder() if holder is None else holder)
+        if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0 <= wait <= 3600:
+            raise InvalidLeaseRequest("wait must be between 0 and 3600 seconds")
+        deadline = self.clock() + wait
+        attempt = 0
+        while True:
+            got: Lease | LeaseBusy = yield Atomic(self.core.acquire(scope, ttl, holder, new_lease_id()))
+            if isinstance(got, Lease):
+                return got
+            left = deadline - self.clock()
+            if left <= 0:
+                raise got
+            yield Sleep(min(left, backoff(attempt, got.retry_after, self.rng)))
+            attempt += 1
 
     @operation
     def renew(self, lease: Lease) -> Plan[Lease]:
         """Extend the lease, keeping its token; :class:`LeaseLost` (sticky) if it is no longer held."""
-        return self.plans.renew(lease)
+        check_lease(lease).raise_if_lost()  # renewal never resurrects a lost lease
+        renewed: Lease = yield Atomic(self.core.renew(lease))
+        return renewed
 
     @operation
     def release(self, lease: Lease) -> Plan[None]:
         """End the lease by its id; :class:`LeaseLost` if it had already expired or been superseded."""
-        return self.plans.release(lease)
+        contended: bool = yield Atomic(self.core.release(check_lease(lease)))
+        lease._released(contended)
+        # Authority ends with the release: a write issued after it is refused here, without a round trip.
+        lease.mark_lost("released by its holder")
 
     @operation
     def current(self, scope: str) -> Plan[LeaseInfo | None]:
-        return self.plans.current(scope)
+        found: list[LeaseInfo | None] = yield Atomic(self.core.current_many([validate_scope(scope)]))
+        return found[0]
 
     @operation
     def current_many(self, scopes: Sequence[str]) -> Plan[dict[str, LeaseInfo]]:
         """The live leases of up to MAX_SCOPES_READ scopes, by scope, in one round trip (one pipeline, one
         statement; a Cluster is asked scope by scope); a scope without one is left out."""
-        return self.plans.current_many(scopes)
+        checked = [validate_scope(scope) for scope in scopes]
+        if not 1 <= len(checked) <= MAX_SCOPES_READ:
+            raise InvalidLeaseRequest(f"read the leases of 1 to {MAX_SCOPES_READ} scopes at a time")
+        found: list[LeaseInfo | None] = yield Atomic(self.core.current_many(checked))
+        return {info.scope: info for info in found if info is not None}
 
     @operation
     def history(self, scope: str, *, limit: int = 100) -> Plan[list[LeaseEvent]]:
-        return self.plans.history(scope, limit)
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_HISTORY_LIMIT:
+            raise InvalidLeaseRequest(f"limit must be between 1 and {MAX_HISTORY_LIMIT}")
+        events: list[LeaseEvent] = yield Atomic(self.core.history(validate_scope(scope), limit))
+        return events
 
     @operation
     def purge_history(self, *, older_than: float = DEFAULT_HISTORY_RETENTION) -> Plan[int]:
         """Delete SQL lease events older than ``older_than`` seconds; Redis histories expire instead."""
-        return self.plans.purge_history(older_than)
+        purged: int = yield Atomic(self.core.purge_history(round(validate_retention(older_than) * 1000)))
+        return purged
 
     @operation
     def break_lease(self, scope: str, *, reason: str) -> Plan[LeaseInfo | None]:
         """Administrative: end the scope's current lease now. Its holder's next write is rejected."""
-        return self.plans.break_lease(scope, reason)
+        validate_reason(reason)
+        info: LeaseInfo | None = yield Atomic(self.core.break_lease(validate_scope(scope), reason))
+        if info is not None:
+            log.warning(
+                "lease on %r (token %d, holder %r) broken: %s",
+                scope,
+                info.token,
+                info.holder,
+                reason,
+                extra={
+                    "event": "lease_broken",
+                    "scope": scope,
+                    "token": info.token,
+                    "holder": info.holder,
+                    "reason": reason,
+                },
+            )
+        return info
 
     @operation
     def handle_stale(self, lease: Lease, error: StaleToken) -> Plan[bool]:
-        return self.plans.handle_stale(lease, error)
+        """Repair a coordinator whose counter went backwards; True if it did.
+
+        Only a holder that is still current at the coordinator proves the coordinator is behind; any
+        other stale rejection is an ordinary lost race and needs nothing. Either way the rejected
+        attempt stays lost.
+        """
+        if not isinstance(error, StaleToken):
+            raise InvalidLeaseRequest(f"expected a StaleToken, got {type(error).__name__}")
+        if check_lease(lease).scope != error.scope or error.presented != lease.token:
+            return False  # another lease's rejection says nothing about this one
+        # Checked before anything changes: raising the counter past MAX_TOKEN would leave it unable to
+        # issue another token, or overflow it.
+        validate_token(error.highest, scope=lease.scope)
+        lease.mark_lost(f"stale: resource accepted token {error.highest}")
+        repaired = yield Atomic(self.core.repair(lease, error.highest))
+        if repaired is None:
+            return False
+        old, new = repaired
+        log.warning(
+            "fencing token regression on scope %r: the coordinator had issued %d but the resource "
+            "has accepted %d; counter raised from %d to %d",
+            lease.scope,
+            lease.token,
+            error.highest,
+            old,
+            new,
+            extra={
+                "event": "token_regression_repaired",
+                "scope": lease.scope,
+                "token": lease.token,
+                "highest": error.highest,
+                "holder": lease.holder,
+                "lease_id": lease.lease_id,
+                "counter_from": old,
+                "counter_to": new,
+            },
+        )
+        return True
 
 
 class LeaseManager(_Shell[SyncRedisExecutor | SyncSqlExecutor]):
@@ -277,7 +402,7 @@ class LeaseManager(_Shell[SyncRedisExecutor | SyncSqlExecutor]):
         """Hold the lease for the block, renewed by this manager's background renewer thread.
 
         A failed renewal is asked again or marks the lease lost, as
-        :func:`fencing.lease_plans.renewal_verdict` decides; once lost, the next guarded write raises
+        :func:`fencing.renewer.retry_renewal` decides; once lost, the next guarded write raises
         without a round trip. A :class:`StaleToken` leaving the block triggers the regression repair check.
         """
         validate_renew_every(renew_every)
@@ -351,11 +476,10 @@ class AsyncLeaseManager(_Shell[AsyncRedisExecutor | AsyncSqlExecutor]):
                 try:
                     await self.renew(lease)
                 except Exception as exc:
-                    verdict = renewal_verdict(exc, lease.time_left())
-                    if verdict.retry_in is None:
-                        lease.mark_lost(verdict.reason)
+                    retry_in = retry_renewal(lease, exc)
+                    if retry_in is None:
                         return
-                    wait = verdict.retry_in
+                    wait = retry_in
                 else:
                     wait = _renew_interval(lease, renew_every)
 

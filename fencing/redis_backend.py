@@ -16,15 +16,11 @@ from typing import Any
 
 from fencing.errors import LeaseBusy, LeaseLost, TokenOverflow
 from fencing.keys import ScopeKeys, scope_keys
-from fencing.lease import MAX_TOKEN, Clock, Lease, LeaseEvent, LeaseInfo, parse_token, validate_token
+from fencing.lease import MAX_TOKEN, Clock, Lease, LeaseEvent, LeaseInfo, parse_token, ttl_ms, validate_token
 from fencing.plan import Command, Plan, ScriptCall, ScriptCalls
 from fencing.redis_scripts import ACQUIRE, BREAK, CURRENT, HISTORY, RELEASE, RENEW, REPAIR, Reply
 
 log = logging.getLogger("fencing")
-
-
-def _ms(seconds: float) -> int:
-    return max(1, round(seconds * 1000))
 
 
 class RedisLeaseCore:
@@ -49,7 +45,7 @@ class RedisLeaseCore:
         reply = yield ScriptCall(
             ACQUIRE,
             self._keys(scope).all,
-            (lease_id, holder, _ms(ttl), self.history_cap, MAX_TOKEN, self.history_retention_ms),
+            (lease_id, holder, ttl_ms(ttl), self.history_cap, MAX_TOKEN, self.history_retention_ms),
         )
         if isinstance(reply, int):
             return Lease(scope, reply, lease_id, holder, ttl, sent_at, clock=self.clock)
@@ -65,7 +61,7 @@ class RedisLeaseCore:
     def renew(self, lease: Lease) -> Plan[Lease]:
         sent_at = self.clock()
         keys = self._keys(lease.scope)
-        reply = yield ScriptCall(RENEW, (keys.lease, keys.state), (lease.lease_id, _ms(lease.ttl)))
+        reply = yield ScriptCall(RENEW, (keys.lease, keys.state), (lease.lease_id, ttl_ms(lease.ttl)))
         if int(reply[0]) != Reply.OK or int(reply[1]) != lease.token:
             raise _not_held(lease, int(reply[1]))
         lease._renewed(sent_at)
@@ -98,14 +94,6 @@ class RedisLeaseCore:
         if int(reply[0]) != Reply.OK:
             return None
         return int(reply[1]), int(reply[2])
-
-    def current(self, scope: str) -> Plan[LeaseInfo | None]:
-        reply = yield ScriptCall(CURRENT, self._keys(scope).all, ())
-        if not reply:
-            return None
-        return LeaseInfo(
-            scope=scope, token=int(reply[0]), holder=reply[1], time_left=max(int(reply[2]), 0) / 1000
-        )
 
     def current_many(self, scopes: list[str]) -> Plan[list[LeaseInfo | None]]:
         replies = yield ScriptCalls(CURRENT, tuple((self._keys(scope).all, ()) for scope in scopes))
@@ -153,8 +141,7 @@ def _not_held(lease: Lease, current_token: int) -> LeaseLost:
         reason = f"the coordinator's counter is at {current_token}, behind this lease (data loss?)"
     else:
         reason = "expired or released at the coordinator"
-    lease.mark_lost(reason)
-    return LeaseLost(scope=lease.scope, token=lease.token, lease_id=lease.lease_id, reason=reason)
+    return lease.lose(reason)
 
 
 def _events(scope: str, entries: list[str], state: list[str | None]) -> list[LeaseEvent]:

@@ -50,13 +50,6 @@ class RedisTopology:
     username: str | None = None
     password: str | None = None
 
-    @property
-    def masked(self) -> str:
-        """The URL as it may be printed, its password as ``***``."""
-        if self.kind == "server":
-            return mask_url(self.url)
-        return _masked(self.url)
-
     def auth(self) -> dict[str, Any]:
         found = {"username": self.username, "password": self.password}
         return {name: value for name, value in found.items() if value is not None}
@@ -78,7 +71,7 @@ def redis_topology(url: str) -> RedisTopology:
         return _multi_node(scheme, url)
     except ValueError as exc:
         raise InvalidLeaseRequest(
-            f"not a usable Redis URL: {_masked(url)} ({exc}; use {_FORMS[scheme]})"
+            f"not a usable Redis URL: {mask_url(url)} ({exc}; use {_FORMS[scheme]})"
         ) from None
 
 
@@ -124,13 +117,3 @@ def _node(text: str, default_port: int) -> tuple[str, int]:
     if not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
         raise ValueError(f"the port of {text!r} is not a number from 1 to 65535")
     return host, int(port)
-
-
-def _masked(url: str) -> str:
-    """A Sentinel or Cluster URL with its password as ``***`` (mask_url reads one host per URL)."""
-    scheme, sep, rest = url.partition("://")
-    authority, slash, path = rest.partition("/")
-    userinfo, at, hosts = authority.rpartition("@")
-    user, colon, _ = userinfo.partition(":")
-    shown = f"{user}{colon}{'***' if colon else ''}{at}{hosts}"
-    return f"{scheme}{sep}{shown}{slash}{path}"

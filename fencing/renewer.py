@@ -2,7 +2,7 @@
 
 Used by :meth:`fencing.LeaseManager.hold`. What follows a failed renewal (ask again, or mark the lease
 lost so the holder's next guarded write is refused without a round trip) is
-:func:`fencing.lease_plans.renewal_verdict`, the same for the async shell's renewal task.
+:func:`retry_renewal`, the same for the async shell's renewal task.
 """
 
 from __future__ import annotations
@@ -13,8 +13,29 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from fencing.errors import BackendUnavailable, FencingError
 from fencing.lease import Lease
-from fencing.lease_plans import RenewalVerdict, renewal_verdict
+
+# A renewal the coordinator did not answer is asked again after this, while the lease has at least twice
+# as long left on its local clock.
+RETRY_UNANSWERED = 0.05
+
+
+def retry_renewal(lease: Lease, error: Exception) -> float | None:
+    """After a renewal of ``lease`` raised ``error``: the seconds until it is asked again or, when the lease
+    cannot be assumed renewed, None with the lease marked lost. For the renewers of both shells (a thread
+    for the sync one, a task for the async one).
+
+    An unanswered renewal (:class:`BackendUnavailable`) may well have left the lease held: the answer, not
+    the lease, went missing, so it is asked again while the lease has time left on its local clock for
+    another try, and a coordinator stalled for less than the ttl costs no lease. Any other failure, or too
+    little time, and the lease is lost."""
+    if isinstance(error, BackendUnavailable) and lease.time_left() > 2 * RETRY_UNANSWERED:
+        return RETRY_UNANSWERED
+    lease.mark_lost(
+        f"renewal failed: {error}" if isinstance(error, FencingError) else f"renewal failed: {error!r}"
+    )
+    return None
 
 
 class Renewer:
@@ -92,17 +113,16 @@ class Renewer:
     def _run(self) -> None:
         while (claimed := self._next()) is not None:
             lease_id, lease = claimed
-            verdict: RenewalVerdict | None = None
+            failed, retry_in = False, None
             try:
                 self._renew(lease)
             except Exception as exc:
-                verdict = renewal_verdict(exc, lease.time_left())
+                failed, retry_in = True, retry_renewal(lease, exc)
             with self._cond:
-                if verdict is not None and verdict.retry_in is None:
-                    lease.mark_lost(verdict.reason)
+                if failed and retry_in is None:
                     self._held.pop(lease_id, None)
-                elif verdict is not None and verdict.retry_in is not None and lease_id in self._held:
+                elif retry_in is not None and lease_id in self._held:
                     _, held, every = self._held[lease_id]
-                    self._held[lease_id] = (time.monotonic() + verdict.retry_in, held, every)
+                    self._held[lease_id] = (time.monotonic() + retry_in, held, every)
                 self._busy = None
                 self._cond.notify_all()

@@ -14,7 +14,6 @@ from psycopg.pq import ExecStatus, TransactionStatus
 from psycopg.rows import namedtuple_row
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError
-from sqlalchemy.ext.asyncio import AsyncConnection
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.expression import FunctionElement
 
@@ -66,17 +65,6 @@ def execute(conn: Connection, stmt: Statement) -> Rows:
                 return Rows.of(conn.exec_driver_sql(stmt.statement, stmt.params))
             return Rows.of(conn.execute(stmt.statement, stmt.params))
         return Rows.of(conn.execute(stmt))
-    except DBAPIError as exc:
-        raise mapped(exc, "statement") from exc
-
-
-async def execute_async(conn: AsyncConnection, stmt: Statement) -> Rows:
-    try:
-        if isinstance(stmt, Bound):
-            if isinstance(stmt.statement, str):
-                return Rows.of(await conn.exec_driver_sql(stmt.statement, stmt.params))
-            return Rows.of(await conn.execute(stmt.statement, stmt.params))
-        return Rows.of(await conn.execute(stmt))
     except DBAPIError as exc:
         raise mapped(exc, "statement") from exc
 

@@ -21,6 +21,7 @@ from fencing.lease import (
     LeaseEvent,
     LeaseInfo,
     parse_token,
+    ttl_ms,
     validate_token,
 )
 from fencing.plan import Plan
@@ -70,10 +71,6 @@ _BUSY_RACES = 3
 log = logging.getLogger("fencing")
 
 
-def _ttl_ms(seconds: float) -> int:
-    return max(1, round(seconds * 1000))
-
-
 class SqlLeaseCore:
     """Statements and parsing for the SQL backend; no I/O."""
 
@@ -110,7 +107,7 @@ class SqlLeaseCore:
                     holder=holder,
                     state="held",
                     acquired_ms=now,
-                    expires_ms=now + _ttl_ms(ttl),
+                    expires_ms=now + ttl_ms(ttl),
                     previous_end=sa.case((leases.c.state == "held", "expired"), else_=leases.c.state),
                     contended=False,
                 )
@@ -135,7 +132,7 @@ class SqlLeaseCore:
             holder=holder,
             previous_token=token - 1 if previous_end != "free" else None,
             previous_end=previous_end if previous_end != "free" else None,
-            detail=f"ttl_ms={_ttl_ms(ttl)}",
+            detail=f"ttl_ms={ttl_ms(ttl)}",
         )
         return Lease(scope, token, lease_id, holder, ttl, sent_at, clock=self.clock)
 
@@ -189,13 +186,12 @@ class SqlLeaseCore:
             reason = "expired or released at the coordinator"
         else:
             reason = "the coordinator does not know this lease"
-        lease.mark_lost(reason)
-        return LeaseLost(scope=lease.scope, token=lease.token, lease_id=lease.lease_id, reason=reason)
+        return lease.lose(reason)
 
     def renew(self, lease: Lease) -> Plan[Lease]:
         sent_at = self.clock()
         # No event row: a renewal changes no owner, and a row each would grow the log with the lease's age.
-        extended = yield from self._end_or_extend(lease, {"expires_ms": db_now_ms() + _ttl_ms(lease.ttl)})
+        extended = yield from self._end_or_extend(lease, {"expires_ms": db_now_ms() + ttl_ms(lease.ttl)})
         if extended is None:
             raise (yield from self._lost(lease))
         lease._renewed(sent_at)
@@ -248,15 +244,6 @@ class SqlLeaseCore:
             detail=f"counter raised past the resource's highest token {highest}",
         )
         return lease.token, new
-
-    def current(self, scope: str) -> Plan[LeaseInfo | None]:
-        found: Rows = yield sa.select(
-            leases.c.token, leases.c.holder, leases.c.expires_ms - db_now_ms()
-        ).where(leases.c.scope == scope, _live)
-        row = found.first()
-        if row is None:
-            return None
-        return LeaseInfo(scope=scope, token=int(row[0]), holder=row[1], time_left=row[2] / 1000)
 
     def current_many(self, scopes: list[str]) -> Plan[list[LeaseInfo | None]]:
         found: Rows = yield sa.select(

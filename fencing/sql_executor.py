@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.util import await_only, greenlet_spawn
 
 from fencing.plan import (
     Alone,
@@ -23,10 +24,9 @@ from fencing.plan import (
     Sleep,
     T,
     foreign,
-    run_async,
     run_sync,
 )
-from fencing.sql import Rows, execute, execute_alone, execute_async, watched
+from fencing.sql import Rows, execute, execute_alone, watched
 from fencing.sql_errors import Translate, mapped
 
 
@@ -38,17 +38,21 @@ def _just(op: Alone) -> Plan[Rows]:
     return rows
 
 
-class SyncSqlExecutor:
-    """Runs each plan (and each :class:`Atomic` step) in its own transaction, opened at its first
-    statement so a plan that only waits never holds a connection."""
+EngineT = TypeVar("EngineT", Engine, AsyncEngine)
+SleepT = TypeVar("SleepT")
 
-    def __init__(
-        self, engine: Engine, sleep: Callable[[float], None], *, translate: Translate | None = None
-    ) -> None:
-        self.engine = engine
+
+class _SqlExecutor(Generic[EngineT, SleepT]):
+    def __init__(self, engine: EngineT, sleep: SleepT, *, translate: Translate | None = None) -> None:
+        self.engine: EngineT = engine
         self._sleep = sleep
         # The caller's own typed errors for database errors (reservations.constraints), or None.
         self.translate = translate
+
+
+class SyncSqlExecutor(_SqlExecutor[Engine, Callable[[float], None]]):
+    """Runs each plan (and each :class:`Atomic` step) in its own transaction, opened at its first
+    statement so a plan that only waits never holds a connection."""
 
     def run(self, plan: Plan[T]) -> T:
         with self.unit() as handle:
@@ -73,7 +77,9 @@ class SyncSqlExecutor:
                 if isinstance(op, Alone):
                     # In autocommit, outside the plan's transaction (sent from here, not from a helper,
                     # so that a one-statement write is the fewest calls from its task).
-                    if isinstance(op.statement, str) and not watched(self.engine):
+                    if isinstance(op.statement, str) and not (
+                        self.engine.dialect.is_async or watched(self.engine)
+                    ):
                         # On the driver's cursor: the one-statement writes pay no SQLAlchemy execution
                         # around them. An engine whose statements are watched runs them below instead.
                         return execute_alone(self.engine, op.statement, op.params)
@@ -106,8 +112,10 @@ class SyncSqlExecutor:
         self.engine.dispose()
 
 
-class AsyncSqlExecutor:
-    """The async shell of :class:`SyncSqlExecutor` over an ``AsyncEngine``."""
+class AsyncSqlExecutor(_SqlExecutor[AsyncEngine, Callable[[float], Awaitable[Any]]]):
+    """The async shell of :class:`SyncSqlExecutor` over an ``AsyncEngine``: the same units, run on its
+    ``sync_engine`` through SQLAlchemy's greenlet bridge (as ``AsyncConnection`` runs each statement),
+    each operation awaited."""
 
     def __init__(
         self,
@@ -116,61 +124,27 @@ class AsyncSqlExecutor:
         *,
         translate: Translate | None = None,
     ) -> None:
-        self.engine = engine
-        self._sleep = sleep
-        # The caller's own typed errors for database errors (reservations.constraints), or None.
-        self.translate = translate
+        super().__init__(engine, sleep, translate=translate)
+        self._blocking = SyncSqlExecutor(
+            engine.sync_engine,
+            lambda seconds: await_only(sleep(seconds)),
+            translate=lambda exc: self.translate(exc) if self.translate is not None else None,
+        )
 
     async def run(self, plan: Plan[T]) -> T:
-        async with self.unit() as handle:
-            return await run_async(plan, handle)
+        return await greenlet_spawn(self._blocking.run, plan)
 
     @asynccontextmanager
     async def unit(self) -> AsyncIterator[Callable[[Op], Awaitable[Any]]]:
-        conn: AsyncConnection | None = None
-
-        async def handle(op: Op) -> Any:
-            nonlocal conn
-            if isinstance(op, Sleep):
-                return await self._sleep(op.seconds)
-            if isinstance(op, Atomic):
-                return await self.run(op.plan)
-            if isinstance(op, Alone):
-                return await self._alone(op)
-            if isinstance(op, ScriptCall | ScriptCalls | Command):
-                raise foreign("SQL", op)
-            if conn is None:
-                try:
-                    conn = await self.engine.connect()
-                    await conn.begin()
-                except DBAPIError as exc:
-                    raise mapped(exc, "connect", self.translate) from exc
-            try:
-                return await execute_async(conn, op)
-            except DBAPIError as exc:
-                raise mapped(exc, "statement", self.translate) from exc
-
+        opened = self._blocking.unit()
+        handle = await greenlet_spawn(opened.__enter__)
         try:
-            yield handle
-            if conn is not None:
-                await conn.commit()
-        except DBAPIError as exc:
-            raise mapped(exc, "commit", self.translate) from exc
-        finally:
-            if conn is not None:
-                await conn.close()
-
-    async def _alone(self, op: Alone) -> Rows:
-        if self.engine.dialect.name != "postgresql":
-            return await self.run(_just(op))
-        try:
-            async with self.engine.connect() as conn:
-                auto = await conn.execution_options(isolation_level="AUTOCOMMIT")
-                if isinstance(op.statement, str):
-                    return Rows.of(await auto.exec_driver_sql(op.statement, op.params))
-                return Rows.of(await auto.execute(op.statement, op.params))
-        except DBAPIError as exc:
-            raise mapped(exc, "statement", self.translate) from exc
+            yield lambda op: greenlet_spawn(handle, op)
+        except BaseException as exc:
+            if not await greenlet_spawn(opened.__exit__, type(exc), exc, exc.__traceback__):
+                raise
+        else:
+            await greenlet_spawn(opened.__exit__, None, None, None)
 
     async def close(self) -> None:
         await self.engine.dispose()

@@ -16,7 +16,7 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
 from types import FrameType
 from typing import Any
@@ -180,6 +180,3 @@ def create_app(settings: Settings | None = None, *, caller: Caller | None = None
     app.openapi = openapi  # type: ignore[method-assign]
     app.add_middleware(_Measured, metrics=metrics)
     return app
-
-
-Ready = Callable[[], Awaitable[Answer]]

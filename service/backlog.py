@@ -71,7 +71,7 @@ class Backlog:
         try:
             declared = self._connection.default_channel.queue_declare(queue=self.queue, passive=True)
         except ChannelError:  # not declared yet (RabbitMQ closes the channel: a new one next time)
-            self._close()
+            self.close()
             return 0
         return int(declared.message_count)
 
@@ -89,16 +89,13 @@ class Backlog:
                 count = await asyncio.to_thread(self._count)
             except Exception as exc:  # the broker is down or unreachable: readiness says so
                 self.error = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-                self._close()
+                self.close()
             else:
                 self.sample(count, self._clock())
             await asyncio.sleep(self.every)
 
-    def _close(self) -> None:
+    def close(self) -> None:
         if self._connection is not None:
             with suppress(Exception):
                 self._connection.release()
             self._connection = None
-
-    def close(self) -> None:
-        self._close()

@@ -26,11 +26,11 @@ from fencing import (
 from fencing.engines import make_engine
 from fencing.keys import scope_keys
 from fencing.lease import new_lease_id
-from fencing.lease_plans import MAX_SCOPES_READ, renewal_verdict
-from fencing.manager import DEFAULT_HISTORY_CAP, DEFAULT_HISTORY_RETENTION
+from fencing.manager import DEFAULT_HISTORY_CAP, DEFAULT_HISTORY_RETENTION, MAX_SCOPES_READ
 from fencing.plan import Bound, Command, Op, Plan, ScriptCall, run_sync
 from fencing.redis_executor import AsyncRedisExecutor, SyncRedisExecutor
 from fencing.redis_outage import outage
+from fencing.renewer import retry_renewal
 from fencing.sql import execute
 from fencing.sql_executor import SyncSqlExecutor
 from testing.harness import wait_until
@@ -375,19 +375,23 @@ async def test_async_hold_marks_lost_when_renewal_fails(async_manager: AsyncLeas
 
 def test_a_renewal_is_asked_again_only_when_unanswered_and_time_is_left() -> None:
     from fencing import BackendUnavailable, SchemaMissing
-    from fencing.lease_plans import RETRY_UNANSWERED, renewal_verdict
+    from fencing.renewer import RETRY_UNANSWERED, retry_renewal
+
+    def held(time_left: float) -> Lease:
+        return Lease("sku:A", 3, new_lease_id(), "A", 60.0, time.monotonic() - 60.0 + time_left)
 
     unanswered = BackendUnavailable(backend="redis", operation="renew", detail="TimeoutError")
-    assert renewal_verdict(unanswered, 1.0).retry_in == RETRY_UNANSWERED
+    assert retry_renewal(held(1.0), unanswered) == RETRY_UNANSWERED
     behind = SchemaMissing(operation="renew", problem="missing", detail="no table")
-    assert renewal_verdict(behind, 1.0).retry_in == RETRY_UNANSWERED
+    assert retry_renewal(held(1.0), behind) == RETRY_UNANSWERED
     # Too little time for another try: given up, with the coordinator's failure as the reason.
-    late = renewal_verdict(unanswered, 2 * RETRY_UNANSWERED)
-    assert late.retry_in is None and late.reason == f"renewal failed: {unanswered}"
+    late = held(2 * RETRY_UNANSWERED)
+    assert retry_renewal(late, unanswered) is None and late.lost_reason == f"renewal failed: {unanswered}"
     gone = LeaseLost(scope="sku:A", token=3, reason="expired")
-    assert renewal_verdict(gone, 1000.0).retry_in is None
-    odd = renewal_verdict(RuntimeError("bug"), 1000.0)
-    assert odd.retry_in is None and odd.reason == "renewal failed: RuntimeError('bug')"
+    assert retry_renewal(held(1000.0), gone) is None
+    odd = held(1000.0)
+    assert retry_renewal(odd, RuntimeError("bug")) is None
+    assert odd.lost_reason == "renewal failed: RuntimeError('bug')"
 
 
 def test_history_retention(manager: LeaseManager) -> None:
@@ -533,7 +537,7 @@ def test_an_acquirer_whose_holder_releases_between_its_statements_takes_the_leas
             return rows
 
         with executor.engine.connect() as conn, conn.begin():
-            got = run_sync(manager.plans.core.acquire("sku:R", 30, "A", new_lease_id()), handle)
+            got = run_sync(manager.core.acquire("sku:R", 30, "A", new_lease_id()), handle)
         assert isinstance(got, Lease), got
         assert got.token == holder.token + 1
         assert holder.contended is False
@@ -581,7 +585,7 @@ async def test_a_redis_error_that_is_no_outage_is_raised_as_itself_and_not_asked
     with pytest.raises(redis.ResponseError, match="not an integer") as failed:
         sync_shell.run(runs(broken))
     assert not outage(failed.value)
-    assert renewal_verdict(failed.value, time_left=30).retry_in is None
+    assert retry_renewal(Lease("sku:A", 3, new_lease_id(), "A", 60.0, time.monotonic()), failed.value) is None
     sync_shell.close()
     async_client = redis.asyncio.Redis.from_url(REDIS_URL, decode_responses=True)
     async_shell = AsyncRedisExecutor(async_client, asyncio.sleep)

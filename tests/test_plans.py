@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import random
 from collections.abc import Generator
-from typing import Any
+from functools import partial
+from typing import Any, cast
 
 import pytest
 
-from fencing import Fence, LeaseBusy, LeaseLost, StaleToken
+from fencing import Fence, LeaseBusy, LeaseLost, LeaseManager, StaleToken
 from fencing.errors import ScopeMismatch, TokenOverflow
 from fencing.fence import FenceOutcome
 from fencing.lease import MAX_TOKEN, Lease, new_lease_id
-from fencing.lease_plans import LeasePlans
 from fencing.plan import Atomic
 from fencing.redis_backend import RedisLeaseCore
 from fencing.redis_scripts import Reply
@@ -121,12 +121,19 @@ def test_an_unenforced_fence_neither_guards_the_update_nor_refuses_a_stale_token
     assert "fence_token <" in sql_text(enforced.ops[0]) and "fence_token <" not in sql_text(script.ops[0])
 
 
-# -- what both lease managers decide (fencing/lease_plans.py) --------------------------------------------
+# -- what both lease managers decide (fencing/manager.py) --------------------------------------------
 
 
-def plans(clock: Clock) -> LeasePlans:
-    """The decisions over the SQL core; the core's own plans are answered whole here (``Atomic``)."""
-    return LeasePlans(SqlLeaseCore(dialect="sqlite", clock=clock), clock, random.Random(7))
+class plans:
+    """The decisions of the lease managers' operations over the SQL core, as the plans they run; the
+    core's own plans are answered whole here (``Atomic``)."""
+
+    def __init__(self, clock: Clock) -> None:
+        self.shell = LeaseManager(SqlLeaseCore(dialect="sqlite", clock=clock), cast(Any, None), clock=clock)
+        self.shell.rng = random.Random(7)
+
+    def __getattr__(self, name: str) -> Any:
+        return partial(getattr(LeaseManager, name).__wrapped__, self.shell)
 
 
 def busy(retry_after: float) -> LeaseBusy:
@@ -136,7 +143,7 @@ def busy(retry_after: float) -> LeaseBusy:
 def test_an_acquire_that_may_not_wait_raises_the_busy_answer_without_pausing() -> None:
     script = Script([refusal := busy(1.0)])
     with pytest.raises(LeaseBusy) as raised:
-        script.run(plans(script.clock).acquire(SCOPE, 10.0, "host:1", wait=0))
+        script.run(plans(script.clock).acquire(SCOPE, ttl=10.0, holder="host:1", wait=0))
     assert raised.value is refusal and script.sleeps == []
 
 
@@ -144,7 +151,7 @@ def test_an_acquire_that_may_wait_pauses_then_takes_the_lease_once_free() -> Non
     script = Script([busy(0.2), busy(0.2)])
     granted = lease(5, clock=script.clock)
     script.replies.append(granted)
-    assert script.run(plans(script.clock).acquire(SCOPE, 10.0, "host:1", wait=5)) is granted
+    assert script.run(plans(script.clock).acquire(SCOPE, ttl=10.0, holder="host:1", wait=5)) is granted
     assert [type(op).__name__ for op in script.ops] == ["Atomic", "Sleep", "Atomic", "Sleep", "Atomic"]
     # Each pause is a jittered backoff, never past the time the holder's lease has left.
     assert all(0 < pause <= 0.2 for pause in script.sleeps)
@@ -155,7 +162,7 @@ def test_an_acquire_kept_busy_gives_up_at_its_deadline_and_never_pauses_past_it(
     and stops asking once its own wait (0.25 s) is spent."""
     script = Script([busy(30.0) for _ in range(1000)])
     with pytest.raises(LeaseBusy):
-        script.run(plans(script.clock).acquire(SCOPE, 10.0, "host:1", wait=0.25))
+        script.run(plans(script.clock).acquire(SCOPE, ttl=10.0, holder="host:1", wait=0.25))
     assert len(script.sleeps) > 1 and max(script.sleeps) <= 0.25
     assert script.clock.now == pytest.approx(100.25) and sum(script.sleeps) == pytest.approx(0.25)
 

@@ -148,7 +148,7 @@ def test_repair_past_the_bound_is_refused_and_changes_nothing(lease_stack: Stack
             with pytest.raises(TokenOverflow):
                 manager.handle_stale(lease, error)
             with pytest.raises(TokenOverflow):  # the backend's own check, below the manager's
-                manager.executor.run(manager.plans.core.repair(lease, highest))
+                manager.executor.run(manager.core.repair(lease, highest))
         with pytest.raises(InvalidLeaseRequest):
             manager.handle_stale(lease, ValueError("not a rejection"))  # type: ignore[arg-type]
         assert coordinator_state(lease_stack, "sku:A") == before

@@ -20,7 +20,7 @@ from reservations.models import pending_reservations, request_outcomes, sku_hist
 
 # The beat sweep's result in a worker's log: "reservations.serve_waiting[<id>] succeeded in <s>s: {...}".
 SWEPT = re.compile(rb"serve_waiting\[[^\]]+\] succeeded in [0-9.e-]+s: \{'skus': \d+, 'served': (\d+)\}")
-# A regression repair in a worker's log (fencing.lease_plans' warning, after Celery's "[<local time>,<ms>:
+# A regression repair in a worker's log (fencing.manager's warning, after Celery's "[<local time>,<ms>:
 # WARNING/<process>] "), with its time.
 REPAIRED = re.compile(
     rb"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}): WARNING/[^\]]*\] fencing token regression on scope",

@@ -24,7 +24,7 @@ from admin.cli.options import (
     the_sku,
 )
 from admin.cli.render import out
-from fencing.lease_plans import MAX_SCOPES_READ
+from fencing.manager import MAX_SCOPES_READ
 from reservations import validation as valid
 from reservations.errors import InvalidRequest, UnknownReservation
 from reservations.redrives import REDRIVE_MARK
