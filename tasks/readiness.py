@@ -115,7 +115,8 @@ def wait_until_usable(settings: Settings, *, sleep: Callable[[float], None] = ti
                 f"the database at {where} is behind a transaction pooler (RESERVATIONS_DATABASE_POOLING="
                 f"transaction) and bounds transactions by more than the lease ttl ({settings.lease_ttl:g}s): "
                 f"{', '.join(beyond)}; set both to at most the ttl on the database or role (ALTER ROLE ... "
-                "SET ...), see PgBouncer in docs/operations.md"
+                "SET ...); the pooler's open server sessions keep the old values until RECONNECT on its "
+                "admin console (or server_lifetime): see PgBouncer in docs/operations.md"
             )
     leases = LeaseManager.from_url(
         settings.lease_url,

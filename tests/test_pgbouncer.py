@@ -194,6 +194,8 @@ def test_a_worker_refuses_a_pooler_whose_database_leaves_transactions_unbounded(
     assert refused.returncode == 2, refused.stderr
     (line,) = [line for line in refused.stderr.splitlines() if line.startswith("reservations:")]
     assert "transaction pooler" in line and "idle_in_transaction_session_timeout=0 (none)" in line, line
+    # A role setting changed now reaches only new server sessions: the line says how to renew the open ones.
+    assert "open server sessions keep the old values until RECONNECT" in line, line
 
 
 @pytest.fixture
