@@ -5,10 +5,10 @@
 (:class:`fencing.redis_topology.RedisTopology` gives their forms), SQL for any SQLAlchemy URL.
 Each operation (acquire, renew, release, the reads, the purge, the break, the repair) is written once in
 :class:`_Shell`, with its validation, waiting, backoff and repair decisions, as the plan it runs over a
-backend's :class:`LeaseCore` (:class:`fencing.shells.operation`): blocking in :class:`LeaseManager`,
-awaitable in :class:`AsyncLeaseManager`; so is ``from_url``. Written per shell are only the executors it
-builds, the schema, :meth:`hold` with its background renewal (a thread, :class:`fencing.renewer.Renewer`,
-or a task; what follows a failed renewal is :func:`fencing.renewer.retry_renewal` for both) and closing.
+backend's :class:`LeaseCore` (:class:`fencing.shells.operation`): blocking in :class:`LeaseManager`, a
+coroutine function in :class:`AsyncLeaseManager` (``awaits``); so is ``from_url``. Written per shell are
+only the executors it builds, the schema, :meth:`hold` with its background renewal (a thread,
+:class:`fencing.renewer.Renewer`, or a task) and closing.
 """
 
 from __future__ import annotations
@@ -181,8 +181,7 @@ def _renew_interval(lease: Lease, renew_every: float | None) -> float:
 
 class _Shell(Generic[E]):
     """What both lease managers hold (the plans, the executor that runs them, the masked URL) and every
-    operation that only runs a plan, written once: each is blocking in :class:`LeaseManager` and a
-    coroutine function in :class:`AsyncLeaseManager` (``awaits``)."""
+    operation that only runs a plan."""
 
     awaits: ClassVar[bool] = False
 

@@ -3,10 +3,6 @@
 The token counter lives in a hash that never expires, apart from the lease key that does, so an expired
 lease never resets the count. History is a short list per scope written by the same scripts, one entry
 per epoch, expiring with the scope's idleness (see the scripts' comment).
-
-This module decides and parses; :mod:`fencing.redis_executor` sends the scripts, to the server, Sentinel
-primary or Cluster the lease URL names (:mod:`fencing.redis_topology`), and :mod:`fencing.redis_outage`
-says which of Redis's errors are an outage.
 """
 
 from __future__ import annotations

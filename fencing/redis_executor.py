@@ -124,12 +124,8 @@ class _Script:
 
 
 class _Wire:
-    """Script calls sent straight on connections of a :class:`redis.Redis` client's pool.
-
-    A connection is taken from the pool once and kept here between calls, one per caller at a time (the
-    renewer thread and the caller's); a kept connection is checked, as the pool checks the ones it hands
-    out, for a server that closed it or an answer left unread, and reconnected then. A failed call is
-    retried by the connection's retry policy, each failure closing the connection, as redis-py does."""
+    """Script calls sent straight on connections of a :class:`redis.Redis` client's pool, kept here between
+    calls, one per caller at a time (the renewer thread and the caller's)."""
 
     def __init__(self, client: redis.Redis) -> None:
         self._pool = client.connection_pool

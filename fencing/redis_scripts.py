@@ -1,8 +1,6 @@
 """The Redis lease backend's Lua scripts, one per operation, each headed by its KEYS, ARGV and reply.
 
 They run atomically in one round trip, and all keys of a scope share one hash tag, so one cluster slot.
-The backend that parses their replies is :mod:`fencing.redis_backend`; :mod:`fencing.redis_executor` sends
-them.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""The lease renewer: one background thread per lease manager that keeps every held lease renewed.
-
-Used by :meth:`fencing.LeaseManager.hold`. What follows a failed renewal (ask again, or mark the lease
-lost so the holder's next guarded write is refused without a round trip) is
-:func:`retry_renewal`, the same for the async shell's renewal task.
-"""
+"""The renewer thread of :meth:`fencing.LeaseManager.hold` and what follows a failed renewal in either
+shell."""
 
 from __future__ import annotations
 

@@ -10,9 +10,7 @@ plan builder itself as ``__wrapped__``.
 
 For the type checker ``__get__`` is overloaded on the instance: a shell whose executor blocks gets a
 ``Callable[P, T]`` and one whose executor awaits a ``Callable[P, Coroutine[Any, Any, T]]``, ``P`` being the
-operation's own parameters. The lease managers (:mod:`fencing.manager`) and the inventory shells
-(:mod:`reservations.inventory_base`) are made this way; the methods with logic of their own (``from_url``,
-``hold``, ``close``, the context managers) stay written per shell.
+operation's own parameters.
 """
 
 from __future__ import annotations

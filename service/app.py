@@ -3,10 +3,7 @@
 ``reservations serve`` runs it under uvicorn (``service:create_app``, a factory, one app per worker
 process). A deployment that knows its callers passes ``caller``: a FastAPI dependency (it may take the
 ``Request``, headers, other dependencies, and raise ``HTTPException(401)``) that returns the caller's name
-(``[A-Za-z0-9._-]{1,64}``; another is answered 403 invalid-caller) or None for an anonymous caller. Each
-caller's idempotency keys are then its own: the same key from two callers names two requests. The
-anonymous callers share one space of their own, which no name reaches; without a dependency every caller
-is anonymous. See docs/architecture.md, "The HTTP front door".
+or None for an anonymous caller, whose key space :func:`service.answers.caller_space` gives.
 """
 
 from __future__ import annotations

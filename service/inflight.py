@@ -1,13 +1,8 @@
-"""How many write requests each caller has in flight in this process, bounded per caller.
-
-The door's backpressure (service.backlog) bounds the broker's queue for everyone at once: one caller
-sending without pause fills it, and every other caller hears 503. Counting each caller's own requests
-while they are admitted, published and waited on lets the door refuse that caller alone (429) before it
-takes the room of the others. A caller is its key space (service.answers.caller_space): a named caller
-counts apart, the anonymous callers count together.
-
-Pure: no I/O and no waiting. The routes take a slot before a request goes to the door and give it back
-once it is answered, all on the event loop's one thread.
+"""Each caller's write requests in flight in this process, bounded per caller: the door's backpressure
+(service.backlog) bounds the broker's queue for everyone at once, so one caller sending without pause
+would fill it and every other caller hear 503. Counting each caller's own requests while they are
+admitted, published and waited on lets the door refuse that caller alone (429) before it takes the room
+of the others. Pure: the routes take a slot and give it back on the event loop's one thread.
 """
 
 from __future__ import annotations
