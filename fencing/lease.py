@@ -69,13 +69,19 @@ def validate_holder(holder: object) -> str:
     return holder
 
 
+def _seconds(value: object, what: str, low: float, high: float, *, ranged: str = "") -> float:
+    """``value`` as a finite number of seconds from ``low`` to ``high``; the refusal names it ``what``
+    (``ranged``, if given, when it is out of range)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidLeaseRequest(f"{what} must be a number of seconds, not {type(value).__name__}")
+    if not math.isfinite(value) or not low <= value <= high:
+        raise InvalidLeaseRequest(f"{ranged or what} must be between {low} and {high} seconds, got {value!r}")
+    return float(value)
+
+
 def validate_ttl(ttl: object) -> float:
     """A ttl in seconds: a finite number between 10 ms and one day."""
-    if isinstance(ttl, bool) or not isinstance(ttl, int | float):
-        raise InvalidLeaseRequest(f"ttl must be a number of seconds, not {type(ttl).__name__}")
-    if not math.isfinite(ttl) or not MIN_TTL <= ttl <= MAX_TTL:
-        raise InvalidLeaseRequest(f"ttl must be between {MIN_TTL} and {MAX_TTL} seconds, got {ttl!r}")
-    return float(ttl)
+    return _seconds(ttl, "ttl", MIN_TTL, MAX_TTL)
 
 
 def validate_token(token: object, *, scope: str | None = None) -> int:
@@ -125,28 +131,13 @@ def validate_reason(reason: object) -> str:
 
 def validate_retention(older_than: object) -> float:
     """How long history is kept, in seconds: at least a minute, at most :data:`MAX_RETENTION`."""
-    if isinstance(older_than, bool) or not isinstance(older_than, int | float):
-        raise InvalidLeaseRequest(f"retention must be a number of seconds, not {type(older_than).__name__}")
-    if not math.isfinite(older_than) or not 60 <= older_than <= MAX_RETENTION:
-        raise InvalidLeaseRequest(
-            f"history retention must be between 60 and {MAX_RETENTION:.0f} seconds, got {older_than!r}"
-        )
-    return float(older_than)
+    return _seconds(older_than, "retention", 60, round(MAX_RETENTION), ranged="history retention")
 
 
 def validate_renew_every(renew_every: object) -> float | None:
     """The background renewal interval: None (a third of the ttl) or a finite number of seconds within
     the ttl's own bounds, so a renewal loop can neither spin on zero nor fail on NaN."""
-    if renew_every is None:
-        return None
-    if isinstance(renew_every, bool) or not isinstance(renew_every, int | float):
-        kind = type(renew_every).__name__
-        raise InvalidLeaseRequest(f"renew_every must be a number of seconds, not {kind}")
-    if not math.isfinite(renew_every) or not MIN_TTL <= renew_every <= MAX_TTL:
-        raise InvalidLeaseRequest(
-            f"renew_every must be between {MIN_TTL} and {MAX_TTL} seconds, got {renew_every!r}"
-        )
-    return float(renew_every)
+    return None if renew_every is None else _seconds(renew_every, "renew_every", MIN_TTL, MAX_TTL)
 
 
 def ttl_ms(seconds: float) -> int:
