@@ -51,6 +51,14 @@ class TokenOverflow(InvalidLeaseRequest):
         suffix = f": {detail}" if detail else ""
         super().__init__(f"token {token!r}{where} is beyond the limit {limit}{suffix}")
 
+    @classmethod
+    def exhausted(cls, scope: str, counter: object, limit: int) -> TokenOverflow:
+        """The refusal of every acquirer of ``scope`` once its counter, as stored, has reached ``limit``."""
+        if isinstance(counter, str) and counter.isascii() and counter.isdigit():
+            counter = int(counter)  # a Redis counter is text
+        detail = "the coordinator's counter cannot issue another token"
+        return cls(token=counter, limit=limit, scope=scope, detail=detail)
+
 
 class LeaseBusy(FencingError):
     """The scope is held by another owner; try again after ``retry_after`` seconds."""

@@ -46,7 +46,7 @@ class RedisLeaseCore:
         if isinstance(reply, int):
             return Lease(scope, reply, lease_id, holder, ttl, sent_at, clock=self.clock)
         if int(reply[0]) == Reply.OUT_OF_RANGE:
-            raise _exhausted(scope, reply[1])
+            raise TokenOverflow.exhausted(scope, reply[1], MAX_TOKEN)
         return LeaseBusy(
             scope=scope,
             holder=reply[1] or None,
@@ -119,15 +119,6 @@ class RedisLeaseCore:
         entries, state = yield ScriptCall(HISTORY, self._keys(scope).all, (limit,))
         events = _events(scope, list(reversed(entries)), state)
         return events[-limit:]
-
-
-def _exhausted(scope: str, counter: str) -> TokenOverflow:
-    return TokenOverflow(
-        token=int(counter) if counter.isascii() and counter.isdigit() else counter,
-        limit=MAX_TOKEN,
-        scope=scope,
-        detail="the coordinator's counter cannot issue another token",
-    )
 
 
 def _not_held(lease: Lease, current_token: int) -> LeaseLost:

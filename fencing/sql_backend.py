@@ -151,12 +151,7 @@ class SqlLeaseCore:
             counter: Rows = yield sa.select(leases.c.token).where(leases.c.scope == scope)
             holder_now, token_now, left_ms = None, counter.rows[0][0], None
         if token_now >= MAX_TOKEN:
-            raise TokenOverflow(
-                token=token_now,
-                limit=MAX_TOKEN,
-                scope=scope,
-                detail="the coordinator's counter cannot issue another token",
-            )
+            raise TokenOverflow.exhausted(scope, token_now, MAX_TOKEN)
         if left_ms is None:
             return None
         return LeaseBusy(scope=scope, holder=holder_now, token=token_now, retry_after=max(left_ms, 0) / 1000)
