@@ -110,7 +110,7 @@ def direct_pair(client: redis.Redis, prefix: str, scope: str) -> Op:
     server-side cost (token hash, history entry)."""
     acquire = client.register_script(ACQUIRE)
     release = client.register_script(RELEASE)
-    keys = scope_keys(prefix, scope).all
+    keys = scope_keys(prefix, scope)
 
     def op() -> None:
         lease_id = secrets.token_hex(16)

@@ -7,7 +7,7 @@ never end the hash tag early.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from fencing.errors import InvalidLeaseRequest
 
@@ -24,9 +24,8 @@ def scope_tag(scope: str) -> str:
     return scope.replace("%", "%25").replace("{", "%7B").replace("}", "%7D")
 
 
-@dataclass(frozen=True, slots=True)
-class ScopeKeys:
-    """``lease``: the live lease (value: lease id, expires with the ttl).
+class ScopeKeys(NamedTuple):
+    """The scripts' KEYS, in order. ``lease``: the live lease (value: lease id, expires with the ttl).
     ``state``: never expires; the token counter and the last epoch (lease id, holder, how and when it
     ended, whether an acquirer was turned away).
     ``log``: a short list of the last epochs, newest first, written by the scripts that start or break
@@ -37,10 +36,6 @@ class ScopeKeys:
     lease: str
     state: str
     log: str
-
-    @property
-    def all(self) -> tuple[str, str, str]:
-        return (self.lease, self.state, self.log)
 
 
 def scope_keys(prefix: str, scope: str) -> ScopeKeys:

@@ -40,7 +40,7 @@ class RedisLeaseCore:
         sent_at = self.clock()
         reply = yield ScriptCall(
             ACQUIRE,
-            self._keys(scope).all,
+            self._keys(scope),
             (lease_id, holder, ttl_ms(ttl), self.history_cap, MAX_TOKEN, self.history_retention_ms),
         )
         if isinstance(reply, int):
@@ -72,7 +72,7 @@ class RedisLeaseCore:
 
     def break_lease(self, scope: str, reason: str) -> Plan[LeaseInfo | None]:
         reply = yield ScriptCall(
-            BREAK, self._keys(scope).all, (reason, self.history_cap, self.history_retention_ms)
+            BREAK, self._keys(scope), (reason, self.history_cap, self.history_retention_ms)
         )
         if int(reply[0]) != Reply.OK:
             return None
@@ -82,7 +82,7 @@ class RedisLeaseCore:
         validate_token(highest, scope=lease.scope)
         reply = yield ScriptCall(
             REPAIR,
-            self._keys(lease.scope).all,
+            self._keys(lease.scope),
             (lease.lease_id, highest, self.history_cap, MAX_TOKEN, self.history_retention_ms),
         )
         if int(reply[0]) == Reply.OUT_OF_RANGE:
@@ -92,7 +92,7 @@ class RedisLeaseCore:
         return int(reply[1]), int(reply[2])
 
     def current_many(self, scopes: list[str]) -> Plan[list[LeaseInfo | None]]:
-        replies = yield ScriptCalls(CURRENT, tuple((self._keys(scope).all, ()) for scope in scopes))
+        replies = yield ScriptCalls(CURRENT, tuple((self._keys(scope), ()) for scope in scopes))
         return [
             LeaseInfo(scope=scope, token=int(r[0]), holder=r[1], time_left=max(int(r[2]), 0) / 1000)
             if r
@@ -116,7 +116,7 @@ class RedisLeaseCore:
                 return removed
 
     def history(self, scope: str, limit: int) -> Plan[list[LeaseEvent]]:
-        entries, state = yield ScriptCall(HISTORY, self._keys(scope).all, (limit,))
+        entries, state = yield ScriptCall(HISTORY, self._keys(scope), (limit,))
         events = _events(scope, list(reversed(entries)), state)
         return events[-limit:]
 

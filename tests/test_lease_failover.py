@@ -527,7 +527,7 @@ def cluster_leases(cluster: ClusterTopology, prefix: str) -> LeaseManager:
 def slot_of(prefix: str, scope: str) -> int:
     """The one slot all keys of ``scope`` hash to (their hash tag)."""
     keys = scope_keys(prefix, scope)
-    slots = {key_slot(key.encode()) for key in keys.all}
+    slots = {key_slot(key.encode()) for key in keys}
     assert len(slots) == 1
     return slots.pop()
 

@@ -165,7 +165,7 @@ def test_the_repair_script_refuses_a_highest_token_past_the_bound(redis_prefix: 
         before = coordinator_state(stack, "sku:A")
         client = redis.Redis.from_url(REDIS_URL)
         script = client.register_script(REPAIR)
-        keys = scope_keys(redis_prefix, "sku:A").all
+        keys = scope_keys(redis_prefix, "sku:A")
         for highest in (str(MAX_TOKEN + 1), str(2**63 - 1), "1e3", "-5", "9.2233720368547758e+18"):
             reply = script(keys=keys, args=(lease.lease_id, highest, 256, MAX_TOKEN))
             assert reply == [Reply.OUT_OF_RANGE], highest
