@@ -37,11 +37,3 @@ class InFlight:
             del self._held[space]
         else:
             self._held[space] = held - 1
-
-    def of(self, space: str) -> int:
-        """Requests of ``space`` in flight now."""
-        return self._held.get(space, 0)
-
-    def __len__(self) -> int:
-        """Caller spaces with a request in flight."""
-        return len(self._held)

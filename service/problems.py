@@ -19,8 +19,6 @@ class ProblemType:
     status: int
     title: str
     about: str
-    # Whether the answer is the key's stored final outcome (sent again for the key) or of this try only.
-    stored: bool = False
 
     @property
     def uri(self) -> str:
@@ -35,7 +33,7 @@ TYPES = _types(
     ProblemType(
         "insufficient-stock", 409, "Not enough stock",
         "The SKU had fewer units available than requested when a worker held its lease. Final for the "
-        "key: the same key answers the same; send a new key to try again.", stored=True,
+        "key: the same key answers the same; send a new key to try again.",
     ),
     ProblemType(
         "invalid-request", 400, "Invalid request",
@@ -45,7 +43,7 @@ TYPES = _types(
     ProblemType(
         "invalid-transition", 409, "The reservation is not in a state that allows this",
         "Confirming or releasing a reservation that is no longer held (released, expired or confirmed "
-        "already). Final for the key.", stored=True,
+        "already). Final for the key.",
     ),
     ProblemType(
         "idempotency-key-missing", 400, "Idempotency-Key header required",
@@ -109,12 +107,12 @@ TYPES = _types(
         "dead-lettered", 503, "The request was dead-lettered",
         "Workers could not carry the request out (a backend stayed unreachable, or it lost its lease "
         "too often); nothing was reserved by it. Final until an operator drives it again "
-        "(reservations redrive), after which the key reports that outcome.", stored=True,
+        "(reservations redrive), after which the key reports that outcome.",
     ),
     ProblemType(
         "expired", 504, "The request's deadline passed before it was carried out",
         "A worker reached the request after its deadline (Request-Deadline) and ended it without "
-        "touching stock. Final for the key; send a new key if it is still wanted.", stored=True,
+        "touching stock. Final for the key; send a new key if it is still wanted.",
     ),
 )  # fmt: skip
 
