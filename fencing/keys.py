@@ -20,10 +20,6 @@ def validate_prefix(prefix: object) -> str:
     return prefix
 
 
-def scope_tag(scope: str) -> str:
-    return scope.replace("%", "%25").replace("{", "%7B").replace("}", "%7D")
-
-
 class ScopeKeys(NamedTuple):
     """The scripts' KEYS, in order. ``lease``: the live lease (value: lease id, expires with the ttl).
     ``state``: never expires; the token counter and the last epoch (lease id, holder, how and when it
@@ -39,5 +35,6 @@ class ScopeKeys(NamedTuple):
 
 
 def scope_keys(prefix: str, scope: str) -> ScopeKeys:
-    base = f"{prefix}:{{{scope_tag(scope)}}}"
+    tag = scope.replace("%", "%25").replace("{", "%7B").replace("}", "%7D")
+    base = f"{prefix}:{{{tag}}}"
     return ScopeKeys(lease=f"{base}:lease", state=f"{base}:state", log=f"{base}:log")

@@ -151,10 +151,6 @@ def deadline_of(header: str | None, default: float, now: float) -> float | None:
     return now + seconds
 
 
-def _iso(at: float) -> str:
-    return datetime.fromtimestamp(at, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
-
-
 def outcome_body(key: str, result: RequestResult) -> dict[str, Any]:
     """An outcome as the service shows it, under the caller's key."""
     body: dict[str, Any] = {"key": key, "operation": result.operation, "status": result.status}
@@ -165,7 +161,9 @@ def outcome_body(key: str, result: RequestResult) -> dict[str, Any]:
             body["reservation_ids"] = ids
     if "token" in result.detail:
         body["token"] = result.detail["token"]
-    body["at"] = _iso(result.at)
+    body["at"] = (
+        datetime.fromtimestamp(result.at, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    )
     body["detail"] = result.detail
     if result.redrive is not None:
         body["redrive"] = {"key": result.redrive.key, "number": result.redrive.number}

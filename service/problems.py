@@ -25,11 +25,7 @@ class ProblemType:
         return f"/problems/{self.name}"
 
 
-def _types(*types: ProblemType) -> dict[str, ProblemType]:
-    return {t.name: t for t in types}
-
-
-TYPES = _types(
+TYPES = {t.name: t for t in (
     ProblemType(
         "insufficient-stock", 409, "Not enough stock",
         "The SKU had fewer units available than requested when a worker held its lease. Final for the "
@@ -114,7 +110,7 @@ TYPES = _types(
         "A worker reached the request after its deadline (Request-Deadline) and ended it without "
         "touching stock. Final for the key; send a new key if it is still wanted.",
     ),
-)  # fmt: skip
+)}  # fmt: skip
 
 
 @dataclass(eq=False)
