@@ -20,8 +20,7 @@ import redis
 
 from reservations import schema
 from tasks import ReservationClient, Settings, create_app
-from tasks.presence import CHUNK
-from tasks.relay import Action, relay_of
+from tasks.relay import CHUNK, Action, relay_of
 from testing.redis_servers import redis_server
 
 

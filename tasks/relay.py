@@ -17,6 +17,15 @@ published ``max_publishes`` times      end it ``dead_lettered``: its messages ke
 otherwise                              publish it again, same task id, arguments, format and deadline
 =====================================  ===================================================================
 
+Looking into the broker (:func:`redis_presence`) tells a lost message from one that is queued or being
+worked on, so that a backlog is not flooded with copies. On Redis (kombu's transport) a message is in one
+of two places: its queue (a list per priority step), or the unacknowledged set (a hash of delivery tag to
+message, with the delivery time in a sorted index) while a worker holds it. A message taken by BRPOP and
+not yet written to the unacknowledged set (a worker killed between the two) is in neither: lost. An
+unacknowledged message whose worker died stays in the set until the visibility timeout gives it back; one
+held longer than ``held_for`` is counted as not carried, so its request is published again long before
+that.
+
 A copy is harmless by construction: its task id and key are the request's, so a worker that takes a copy
 of a request that has ended replays the stored outcome, and the key's fingerprint refuses anything else.
 Where the broker cannot be looked into (RabbitMQ: ``carried`` is None) the relay cannot tell a lost
@@ -31,11 +40,12 @@ beat is one process). Claims keep relays from publishing the same request twice 
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import suppress
 from dataclasses import KW_ONLY, dataclass, field
 from enum import StrEnum
@@ -49,7 +59,6 @@ from reservations import acceptance as records
 from reservations.acceptance import Due
 from reservations.requests import AlreadyApplied
 from reservations.statuses import RequestStatus
-from tasks.presence import redis_presence
 from tasks.producer import Producer
 from tasks.sending import publish
 from tasks.settings import REDIS, Settings
@@ -67,6 +76,8 @@ MOST_SPACING = 2**5
 # s, tasks.policy) on top of a lease ttl of waiting. Held longer, its worker is taken to be dead.
 RETRY_COUNTDOWN = 30.0
 WORKER_NAME = "relay"
+# Messages read per LRANGE or HSCAN: a 10,000-message backlog is ten round trips.
+CHUNK = 1000
 
 
 class Action(StrEnum):
@@ -283,6 +294,66 @@ class RelayStep(bootsteps.StartStopStep):  # type: ignore[misc]
             self._thread = None
 
     shutdown = stop
+
+
+def _task_id(payload: bytes | str) -> str | None:
+    """The task id a message as kombu stores it names (``headers.id``), or None for a payload that is no
+    message (the worker's own decoding counts those)."""
+    try:
+        message = json.loads(payload)
+        if isinstance(message, list):  # an unacknowledged entry: [message, exchange, routing key]
+            message = message[0]
+        task_id = message["headers"]["id"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        return None
+    return task_id if isinstance(task_id, str) else None
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _queued(client: Any, keys: Iterable[str]) -> Iterator[str]:
+    for key in keys:
+        start = 0
+        while True:
+            chunk = client.lrange(key, start, start + CHUNK - 1)
+            for payload in chunk:
+                task_id = _task_id(payload)
+                if task_id is not None:
+                    yield task_id
+            if len(chunk) < CHUNK:
+                break
+            start += CHUNK
+
+
+def _held(client: Any, hash_key: str, index_key: str, since: float) -> Iterator[str]:
+    fresh = {_text(tag) for tag in client.zrangebyscore(index_key, since, "+inf")}
+    if not fresh:
+        return
+    for tag, payload in client.hscan_iter(hash_key, count=CHUNK):
+        task_id = _task_id(payload) if _text(tag) in fresh else None
+        if task_id is not None:
+            yield task_id
+
+
+def redis_presence(
+    connection: Any, queues: Iterable[str], held_for: float, clock: Callable[[], float] = time.time
+) -> Callable[[], set[str]]:
+    """The task ids a Redis broker carries now: in ``queues`` (every priority step), or held by a worker
+    for less than ``held_for`` seconds. ``connection``: a kombu connection to the broker, used from one
+    thread."""
+    names = list(queues)
+
+    def carried() -> set[str]:
+        channel: Any = connection.default_channel  # kombu's Redis channel
+        client = channel.client
+        keys = [channel._q_for_pri(queue, step) for queue in names for step in channel.priority_steps]
+        found = set(_queued(client, dict.fromkeys(keys)))
+        found.update(_held(client, channel.unacked_key, channel.unacked_index_key, clock() - held_for))
+        return found
+
+    return carried
 
 
 def relay_of(settings: Settings, queue: str = "celery") -> Relay:
