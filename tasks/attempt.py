@@ -23,11 +23,10 @@ from reservations.redrives import carried_request
 from reservations.requests import AlreadyApplied, RequestReply, RequestResult
 from reservations.statuses import SUCCEEDED, AttemptResult, RequestStatus
 from tasks import deadlines, failpoints, metrics, observe, policy
-from tasks.answers import answer
 from tasks.failpoints import failpoint
 from tasks.messages import Message
 from tasks.serving import Batchable, Server, beside_local_server, serve_quietly, wait_for_holder
-from tasks.states import Redriven, announce_lost
+from tasks.states import Redriven, announce_lost, answer
 from tasks.work import work_of
 from tasks.worker import Resources, worker_identity
 

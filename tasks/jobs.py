@@ -26,14 +26,13 @@ from reservations.partitions import prepare_partitions
 from reservations.requests import AlreadyApplied
 from reservations.statuses import RequestStatus
 from tasks import deadlines, logs, messages, observe, policy
-from tasks.answers import as_result, reply
 from tasks.app import app
 from tasks.attempt import Attempt
 from tasks.messages import Message, task_name
 from tasks.sending import request_of
 from tasks.serving import serve_pending, serve_quietly
 from tasks.settings import settings_of
-from tasks.states import RequestTask
+from tasks.states import RequestTask, as_result, reply
 from tasks.worker import Resources, Unbuildable, resources, worker_identity
 
 log = logging.getLogger("tasks")

@@ -1,4 +1,10 @@
-"""Celery task states that name a request's outcome, for Flower and ``celery events``.
+"""What a request's sender is told, and the Celery task states that name it, for Flower and ``celery events``.
+
+A sender is told its stored final outcome as a Celery result, or a conflict when its key names a different
+request (then the key's Celery result stays the owning request's). An answer (:func:`reply`) is a plain
+dict, as the result backend stores it and clients read it: ``status``, ``epochs``, ``key``, ``operation``,
+``detail``. Whatever names the task's outcome reads its ``status`` field (the task events below; the
+metrics, :func:`tasks.observe.finished`).
 
 Celery reports every request that returned as SUCCESS, whatever it was told. The result backend must keep
 SUCCESS (``AsyncResult.ready()`` and ``get()`` wait for a ready state, and a custom one never is), so the
@@ -44,8 +50,9 @@ from celery.worker.request import Request
 from celery.worker.state import task_ready
 
 from reservations.requests import RequestResult
-from tasks.answers import as_result
+from reservations.statuses import RequestStatus
 from tasks.errors import TasksError
+from tasks.messages import Message
 from tasks.settings import stores_request_results
 
 log = logging.getLogger("tasks")
@@ -56,6 +63,37 @@ LOST_OWNERSHIP = "task-lost_ownership"
 # Whether this worker sends task events (-E or RESERVATIONS_TASK_EVENTS): set in the main process before
 # the pool forks, so a pool child that serves queued requests knows whether to announce them.
 _task_events = {"on": False}
+
+
+def reply(
+    status: str, epochs: int, key: str | None, operation: str, detail: dict[str, Any]
+) -> dict[str, Any]:
+    """An answer as the Celery result carries it (see the module docstring)."""
+    return {"status": str(status), "epochs": epochs, "key": key, "operation": operation, "detail": detail}
+
+
+def as_result(result: RequestResult) -> dict[str, Any]:
+    return reply(result.status, result.epochs, result.key, result.operation, result.detail)
+
+
+def answer(task: Task, message: Message, stored: RequestResult) -> dict[str, Any]:
+    """What this message's sender is told about the outcome stored under its key: that outcome if it is
+    this request's, else a conflict (and the key's Celery result is left to the request that owns it)."""
+    if stored.belongs_to(message.operation, message.fingerprint):
+        return as_result(stored)
+    return conflict(task, message, stored.operation, "names")
+
+
+def conflict(task: Task, message: Message, other: str, how: str) -> dict[str, Any]:
+    """The answer to a message whose key belongs to a different ``other`` request. Not stored as the
+    key's Celery result, which stays the owning request's."""
+    task.request.ignore_result = True
+    detail = {
+        "error": "IdempotencyConflict",
+        "message": f"idempotency key {message.key!r} {how} a different {other} request",
+        "stored_operation": other,
+    }
+    return reply(RequestStatus.INVALID, message.counts["epoch"], message.key, message.operation, detail)
 
 
 class Redriven(TasksError):
@@ -79,7 +117,7 @@ def event_type(status: str) -> str:
 
 class Answered(NamedTuple):
     """What a request task's pool child hands the worker's main process when the task returned an
-    answer (:func:`tasks.answers.reply`): its status and epochs, and Celery's repr of it (the event's
+    answer (:func:`reply`): its status and epochs, and Celery's repr of it (the event's
     ``result``). Crosses the process boundary by pickle."""
 
     status: str

@@ -16,8 +16,7 @@ from celery.app.trace import build_tracer
 from celery.utils.saferepr import saferepr
 
 from tasks import Settings, create_app
-from tasks.answers import reply
-from tasks.states import Answered, RequestTask
+from tasks.states import Answered, RequestTask, reply
 
 
 @pytest.fixture
