@@ -24,7 +24,7 @@ from reservations.requests import AlreadyApplied, RequestReply, RequestResult
 from reservations.statuses import SUCCEEDED, AttemptResult, RequestStatus
 from tasks import deadlines, failpoints, metrics, observe, policy
 from tasks.failpoints import failpoint
-from tasks.messages import Message
+from tasks.messages import DEADLINE, Message
 from tasks.serving import Batchable, Server, beside_local_server, serve_quietly, wait_for_holder
 from tasks.states import Redriven, announce_lost, answer
 from tasks.work import work_of
@@ -115,7 +115,7 @@ class Attempt:
         """End a request taken up after its deadline ``expired``, taking no lease and touching no stock;
         the answer is the key's stored outcome (a copy may have decided it first). None: carry it out."""
         message, inventory = self.message, self.res.inventory
-        late = deadlines.late(getattr(self.task.request, deadlines.DEADLINE, None), key=message.key)
+        late = deadlines.late(getattr(self.task.request, DEADLINE, None), key=message.key)
         if late is None:
             return None
         try:

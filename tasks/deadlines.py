@@ -19,11 +19,9 @@ from typing import Any
 
 from reservations import validation as valid
 from reservations.errors import InvalidRequest
+from tasks.messages import DEADLINE
 
 log = logging.getLogger("tasks.deadlines")
-
-# The message header naming a request's deadline, in seconds since the epoch (tasks.producer sets it).
-DEADLINE = "reservations_deadline"
 
 
 @dataclass(frozen=True, slots=True)

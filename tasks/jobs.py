@@ -85,7 +85,7 @@ def _kept(task: Task, name: str, refused: Reject) -> NoReturn:
     sent = dict(task.request.kwargs or {})
     try:
         key = sent.get("idempotency_key")
-        deadline = deadlines.carried(getattr(task.request, deadlines.DEADLINE, None), key=key)
+        deadline = deadlines.carried(getattr(task.request, messages.DEADLINE, None), key=key)
         request = request_of(
             name, valid.idempotency_key(key), messages.request_arguments(sent), deadline=deadline
         )

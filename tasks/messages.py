@@ -46,10 +46,13 @@ MAX_QUOTED_CHARS = 100  # a value of the message that the refusal names (an unkn
 # Whole numbers beyond this are not exact as a double, which is all many JSON readers have: kept as text.
 MAX_EXACT_INT = 2**53
 
-# The message header naming a request message's format, a whole number (tasks.producer sets it; a retry
-# keeps its message's, tasks.app). Bump CURRENT_FORMAT whenever a worker of the previous release would
-# misread or refuse what producers now send, and add it to FORMATS in the same change.
+# The headers of a request message (tasks.producer sets them, and a retry keeps its message's): its format,
+# a whole number; its deadline (tasks.deadlines) and when its request was first enqueued (the latency
+# metrics' start), in seconds since the epoch. Bump CURRENT_FORMAT whenever a worker of the previous release
+# would misread or refuse what producers now send, and add it to FORMATS in the same change.
 FORMAT = "reservations_format"
+DEADLINE = "reservations_deadline"
+ENQUEUED_AT = "reservations_enqueued_at"
 CURRENT_FORMAT = 2
 UNMARKED_FORMAT = 1  # a message without the header
 FORMATS = (1, 2)

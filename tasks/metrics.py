@@ -26,9 +26,6 @@ log = logging.getLogger("tasks.metrics")
 
 MULTIPROC_DIR = "PROMETHEUS_MULTIPROC_DIR"
 
-# The message header naming when a request was first enqueued (seconds since the epoch; tasks.app sets it).
-ENQUEUED_AT = "reservations_enqueued_at"
-
 # Enqueue to final outcome: a reservation takes milliseconds when the SKU is free, a ttl or more after a
 # lost epoch or while a hot SKU's queue drains.
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)

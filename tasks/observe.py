@@ -13,7 +13,7 @@ from fencing import LeaseBusy, LostOwnership, StaleToken
 from reservations.requests import RequestResult
 from tasks import metrics
 from tasks.logs import fencing_fields
-from tasks.messages import Message
+from tasks.messages import ENQUEUED_AT, Message
 
 log = logging.getLogger("tasks")
 
@@ -101,7 +101,7 @@ def finished(request: Any, result: dict[str, Any]) -> None:
     if result.get("status") == "queued":
         current.queued()
         return
-    enqueued = getattr(request, metrics.ENQUEUED_AT, None)
+    enqueued = getattr(request, ENQUEUED_AT, None)
     latency = time.time() - enqueued if isinstance(enqueued, int | float) else None
     current.outcome(str(result.get("status")), int(result.get("epochs") or 0), latency)
 

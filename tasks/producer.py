@@ -17,8 +17,7 @@ from celery.signals import before_task_publish
 from reservations import validation as valid
 from reservations.requests import request_id
 from tasks import deadlines, messages
-from tasks.messages import task_name
-from tasks.metrics import ENQUEUED_AT
+from tasks.messages import DEADLINE, ENQUEUED_AT, FORMAT, task_name
 from tasks.settings import Settings
 
 
@@ -65,12 +64,12 @@ class Producer:
         stamps the time of publishing otherwise). ``deadline``: seconds since the epoch after which a
         worker ends the request ``expired`` instead of carrying it out (tasks.deadlines); a header, not
         an argument, so it is no part of the request's fingerprint. Every message names its format
-        (:data:`messages.FORMAT`: ``message_format``, :data:`messages.CURRENT_FORMAT` unless a recorded
+        (:data:`FORMAT`: ``message_format``, :data:`messages.CURRENT_FORMAT` unless a recorded
         request is published again as it was recorded), which a worker checks before anything else (a
         worker of a release before formats ignores the header)."""
         task_id = request_id(valid.idempotency_key(key))
         headers = {
-            messages.FORMAT: message_format,
+            FORMAT: message_format,
             **deadlines.header(deadline),
             **({} if enqueued_at is None else {ENQUEUED_AT: enqueued_at}),
         }
@@ -108,7 +107,7 @@ def _stamp_enqueue_time(headers: dict[str, Any] | None = None, **_: Any) -> None
     retried = None
     if current_task and current_task.request.id == headers.get("id"):  # the proxy is false outside a task
         retried = current_task.request
-    for kept in (deadlines.DEADLINE, messages.FORMAT):
+    for kept in (DEADLINE, FORMAT):
         value = getattr(retried, kept, None)
         if value is not None:
             headers.setdefault(kept, value)

@@ -29,7 +29,8 @@ from reservations import InvalidRequest, Inventory, schema
 from reservations import validation as valid
 from reservations.requests import request_id
 from tasks import ReservationClient, Settings, create_app
-from tasks.deadlines import DEADLINE, Late, header, late
+from tasks.deadlines import Late, header, late
+from tasks.messages import DEADLINE
 from tasks.relay import relay_of
 from testing.harness import wait_until
 from testing.redis_servers import RedisServer, redis_server

@@ -36,10 +36,10 @@ from reservations import validation as valid
 from reservations.requests import RequestResult, request_id
 from reservations.statuses import RequestStatus
 from tasks import ReservationClient
-from tasks.deadlines import DEADLINE
 from tasks.messages import (
     COUNTERS,
     CURRENT_FORMAT,
+    DEADLINE,
     FORMAT,
     FORMATS,
     UNMARKED_FORMAT,

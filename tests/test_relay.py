@@ -29,8 +29,7 @@ from reservations.models import accepted_requests
 from reservations.requests import RequestResult, request_id
 from reservations.validation import scope_of
 from tasks import ReservationClient, Settings, create_app
-from tasks.messages import CURRENT_FORMAT
-from tasks.metrics import ENQUEUED_AT
+from tasks.messages import CURRENT_FORMAT, ENQUEUED_AT
 from tasks.producer import Producer
 from tasks.relay import MOST_SPACING, Action, Relay, decide, ending, relay_of, spacing
 from tasks.sending import request_of
