@@ -1,14 +1,8 @@
 """The settings of workers, producers, the HTTP service and the command line: one frozen object built
 once from the ``RESERVATIONS_*`` environment variables. Each field of :class:`Settings` is the one
-declaration of its variable (name, type, default, range, help), which :mod:`tasks.variables` parses and
-describes and ``masked()`` and ``to_env()`` read. ``reservations config`` prints every effective value and
-where it came from.
-
-A URL that can carry a password (database, lease, broker, result backend) may take it from a file,
-such as a compose secret: ``RESERVATIONS_DATABASE_PASSWORD_FILE``, ``RESERVATIONS_LEASE_PASSWORD_FILE``,
-``RESERVATIONS_BROKER_PASSWORD_FILE``, ``RESERVATIONS_RESULT_BACKEND_PASSWORD_FILE``; the URL then names
-the user without a password. Every problem is reported at once in one ``SettingsError``, each by its
-variable's name; :func:`unknown_names` finds the names that are not settings (a typo is otherwise
+declaration of its variable, which :mod:`tasks.variables` parses (a URL's password may come from a file)
+and describes and ``masked()`` and ``to_env()`` read. ``reservations config`` prints every effective value
+and where it came from; :func:`unknown_names` finds the names that are not settings (a typo is otherwise
 silently ignored).
 """
 
@@ -61,8 +55,6 @@ CHAOS_POSTGRES_URL = PREFIX + "CHAOS_POSTGRES_URL"
 
 # The transports a worker is built and tested for (a kombu or Celery scheme's first part): Redis, alone
 # or through Sentinel, RabbitMQ and, for the embedded demo, SQLAlchemy; results in Redis or a database.
-# A sentinel:// URL names every sentinel (one URL each joined by ";"); the service they watch is
-# RESERVATIONS_SENTINEL_MASTER.
 BROKER_SCHEMES = ("redis", "rediss", "sentinel", "amqp", "amqps", "pyamqp", "sqla")
 REDIS = ("redis", "rediss", "sentinel")
 REDELIVERING = (*REDIS, "sqs")

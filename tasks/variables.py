@@ -6,8 +6,7 @@ environment and reports every problem at once in one :class:`SettingsError`, eac
 
 A URL that can carry a password may take it from a file, such as a compose secret: the variable named
 like the URL's, ``_PASSWORD_FILE`` for ``_URL`` (``RESERVATIONS_DATABASE_PASSWORD_FILE``); the URL then
-names the user without a password. A ``sentinel://`` URL names every sentinel, one URL each joined by
-``;``, and each of them gets the password.
+names the user without a password.
 """
 
 from __future__ import annotations
