@@ -173,13 +173,9 @@ def _resources_or_keep(task: Task, sent: dict[str, Any]) -> Resources:
 # The request tasks take their arguments as sent and check them in :func:`messages.parse`, so that a
 # malformed message (a missing or unknown argument, a bad retry counter) still ends with a recorded
 # outcome instead of a TypeError before any code of ours runs. Each is :func:`run_request` itself, under
-# its request type's name. Parameters, in positional order: reserve(sku, quantity, idempotency_key,
-# hold_for=None); reserve_order(lines, idempotency_key, hold_for=None); confirm / release(reservation_id,
-# idempotency_key); restock(sku, quantity, idempotency_key); count(sku, counted, idempotency_key,
-# shrinkage=None), with either counted or shrinkage: a cycle count, which reads the stock under the lease,
-# then sets on hand to the figure counted (sent, or the figure read less the shrinkage sent);
-# replenish(sku, par, idempotency_key): replenishment to par, which reads on hand under the lease, then
-# books par minus what it read.
+# its request type's name; :data:`messages.SHAPES` lists each one's parameters in positional order. A
+# count (a cycle count) reads the stock under the lease, then sets on hand to the figure counted;
+# replenish (to par) reads on hand under the lease, then books par minus what it read.
 
 
 def _request_task(name: str) -> Task:
