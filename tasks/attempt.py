@@ -136,7 +136,7 @@ class Attempt:
         message, facts = self.message, {}
         if isinstance(error, LeaseBusy):
             metrics.current.lease("busy")
-            facts = observe.busy_facts(error)
+            facts = {"scope": error.scope, "token": error.token, "holder": error.holder}
             if self.batch is None and self.work.answers_ended:
                 # It did not look before taking the lease: a copy may have ended it.
                 done = self.res.inventory.request_outcome(message.key)
@@ -144,7 +144,7 @@ class Attempt:
                     return answer(self.task, message, done)
         redriven = self.lost(error) if isinstance(error, LostOwnership) else None
         if redriven is not None:
-            facts = _facts(redriven.fields)
+            facts = {k: redriven.fields[k] for k in ("scope", "token", "highest", "holder", "lease_id")}
         decision = policy.decide(error, message.counts, self.limits, can_wait=self.batch is not None)
         if isinstance(decision, policy.HandOff) and self.batch is not None:
             return wait_for_holder(self.task, self.res, message, self.batch, self.who)
@@ -272,7 +272,3 @@ class Attempt:
         """A dead letter's detail: why, and the request it carried (its type and checked arguments), so an
         operator can drive it again once the cause is gone (reservations.redrives)."""
         return {**detail, "request": carried_request(self.message.name, self.message.args)}
-
-
-def _facts(fields: dict[str, Any]) -> dict[str, Any]:
-    return {name: fields[name] for name in ("scope", "token", "highest", "holder", "lease_id")}

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Iterable
 
 from reservations.batch_statement import InHand
 from reservations.requests import RequestResult
@@ -129,13 +128,9 @@ class LocalServers:
                 return True
             del self._serving[sku]
             left = list(entry.joined)
-        _give_back(left)
+        for joined in left:
+            joined.answered(None)
         return True
-
-
-def _give_back(joined: Iterable[Joined]) -> None:
-    for request in joined:
-        request.answered(None)
 
 
 local_servers = LocalServers()

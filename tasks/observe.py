@@ -9,7 +9,7 @@ import logging
 import time
 from typing import Any
 
-from fencing import LeaseBusy, LostOwnership, StaleToken
+from fencing import LostOwnership, StaleToken
 from reservations.requests import RequestResult
 from tasks import metrics
 from tasks.logs import fencing_fields
@@ -86,10 +86,6 @@ def dead_lettered(message: Message, reason: str, who: dict[str, Any], **facts: A
             "worker": who.get("worker"),
         },
     )
-
-
-def busy_facts(busy: LeaseBusy) -> dict[str, Any]:
-    return {"scope": busy.scope, "token": busy.token, "holder": busy.holder}
 
 
 def finished(request: Any, result: dict[str, Any]) -> None:

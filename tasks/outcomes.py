@@ -37,10 +37,7 @@ class OutcomeWatcher:
     # the last look are looked at on their own in between, so a new request still hears within FIRST.
     SPACING = 3.0
 
-    def __init__(
-        self,
-        read: Read,
-    ) -> None:
+    def __init__(self, read: Read) -> None:
         self._read = read
         self._waiting: dict[str, list[asyncio.Future[RequestResult]]] = {}
         self._fresh: set[str] = set()  # keys that arrived since the last look

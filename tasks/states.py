@@ -302,8 +302,9 @@ def announce_lost(task: Task, reason: Redriven) -> None:
         log.warning("could not send the lost-ownership event of %s: %s", task.request.id, exc)
 
 
-def note_task_events(on: bool) -> None:
-    _task_events["on"] = bool(on)
+def note_task_events(instance: Any = None, **_: Any) -> None:
+    """Connected to ``celeryd_after_setup`` by tasks.worker: notes the worker's ``task_events`` (above)."""
+    _task_events["on"] = bool(getattr(instance, "task_events", False))
 
 
 def announce(app: Celery, outcomes: list[RequestResult], hostname: str | None) -> None:

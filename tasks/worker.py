@@ -171,6 +171,7 @@ def _make_sure_it_can_work(instance: Any = None, **_: Any) -> None:
 
 worker_process_shutdown.connect(close_resources)
 worker_shutdown.connect(close_resources)
+celeryd_after_setup.connect(note_task_events)
 
 
 @celeryd_after_setup.connect
@@ -178,13 +179,6 @@ def _warn_unknown_names(**_: Any) -> None:
     """A RESERVATIONS_* name that is no setting (a typo) would otherwise be ignored without a word."""
     for line in unknown_name_warnings():
         log.warning(line)
-
-
-@celeryd_after_setup.connect
-def _note_task_events(instance: Any = None, **_: Any) -> None:
-    """Tell the pool children, forked after this, whether this worker sends task events (-E or the
-    setting): a child that serves queued requests announces their outcomes only then."""
-    note_task_events(bool(getattr(instance, "task_events", False)))
 
 
 @worker_ready.connect
