@@ -25,8 +25,8 @@ from reservations.errors import (
     RequestClosed,
     UnknownSku,
 )
-from reservations.ledger import HeldLine, fingerprint, new_reservation_id, reservation_conflict
-from reservations.lifecycle import ReservationLifecycle
+from reservations.ledger import HeldLine, Ledger, Shell, fingerprint, new_reservation_id, reservation_conflict
+from reservations.lifecycle import hold_one
 from reservations.models import (
     idempotency_keys,
     pending_reservations,
@@ -44,23 +44,26 @@ from reservations.views import Outcome, StockLevel
 MAX_BATCH = 1000
 
 
-def serve(
-    lifecycle: ReservationLifecycle,
+def serve_pending(
+    inventory: Shell,
     lease: Lease,
     sku: str,
     *,
-    limit: int,
+    limit: int = 100,
     task_id: str | None = None,
     worker: str | None = None,
     in_hand: Sequence[InHand] = (),
 ) -> Plan[list[RequestResult]]:
-    """Serve up to ``limit`` of the SKU's pending reservations, then the requests ``in_hand``, in one fenced
-    transaction.
+    """Serve up to ``limit`` pending reservations of ``sku``, then the requests ``in_hand`` (handed over
+    by threads of the caller's process, never listed), in one fenced transaction.
 
     Returns the final outcomes written (empty: nothing was pending or in hand). A request in hand whose
     key had already ended gets none (its sender reads the key). A stale token rolls the whole batch back,
     is recorded in the SKU's history, and raises: the requests stay pending for the next holder.
     """
+    ledger = inventory.ledger
+    valid.lease(lease)
+    valid.task_and_worker(task_id, worker)
     valid.sku(sku)
     if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_BATCH:
         raise InvalidRequest(f"batch limit must be between 1 and {MAX_BATCH}", field="limit")
@@ -88,19 +91,17 @@ def serve(
         for round_ in rounds():
             with round_:
                 served: list[RequestResult] = yield Atomic(
-                    _batch(lifecycle, lease, sku, listed, task_id, worker, tuple(in_hand))
+                    _batch(ledger, lease, sku, listed, task_id, worker, tuple(in_hand))
                 )
                 return served
     except StaleToken as stale:
-        yield Atomic(
-            lifecycle.ledger.one(lifecycle.ledger.rejection(stale, lease, sku, "reserve", None, None))
-        )
+        yield Atomic(ledger.one(ledger.rejection(stale, lease, sku, "reserve", None, None)))
         raise
     raise KeptColliding(f"the pending reservations of {sku!r}")
 
 
 def _batch(
-    lifecycle: ReservationLifecycle,
+    ledger: Ledger,
     lease: Lease,
     sku: str,
     limit: int,
@@ -115,7 +116,7 @@ def _batch(
     row = locked.first()
     known = row is not None
     while True:
-        if lifecycle.ledger.single_statement:  # PostgreSQL: one text for any number in hand (batch_statement)
+        if ledger.single_statement:  # PostgreSQL: one text for any number in hand (batch_statement)
             read = yield from batch_statement.waiting(sku, limit, in_hand)
         else:
             found: Rows = yield _waiting(sku, limit, in_hand)
@@ -143,17 +144,15 @@ def _batch(
 
     hold: Hold
     allotted: list[HeldLine] = []
-    if lifecycle.ledger.single_statement and row is not None:
+    if ledger.single_statement and row is not None:
         # PostgreSQL: judged here against the row this transaction locked, written below as one fenced
         # change for the batch's total; a lease the row refuses serves nothing, as with one write each.
-        lifecycle.ledger.fence.refuse_if_stale(
-            lease, lease.scope, int(row.fence_token), row.fence_lease_id, "reserve"
-        )
+        ledger.fence.refuse_if_stale(lease, lease.scope, int(row.fence_token), row.fence_lease_id, "reserve")
         hold = _Allotment(lease, StockLevel(*row[:5]), allotted).hold
     else:
 
         def hold(request: Any) -> Plan[Outcome]:
-            return lifecycle.hold_one(lease, request.sku, request.quantity, request.key, request.hold_ms)
+            return hold_one(ledger, lease, request.sku, request.quantity, request.key, request.hold_ms)
 
     records: list[dict[str, Any]] = []
     outcomes: list[dict[str, Any]] = []
@@ -164,7 +163,7 @@ def _batch(
             continue
         print_ = fingerprint("reserve", sku=request.sku, quantity=request.quantity, hold_ms=request.hold_ms)
         status, detail, attempt = yield from _serve_one(
-            lifecycle, lease, hold, request, print_, known, stored, clashing, records
+            ledger, lease, hold, request, print_, known, stored, clashing, records
         )
         detail["served_by"] = task_id
         outcomes.append(
@@ -190,13 +189,13 @@ def _batch(
                 "detail": f"served in a batch of {serving} for task {request.task_id}",
             }
         )
-    if lifecycle.ledger.single_statement and row is not None:
+    if ledger.single_statement and row is not None:
         # PostgreSQL: every write of the batch in one statement, sent as it is (batch_statement).
         if allotted:
-            lifecycle.ledger.fence.prepare(lease, lease.scope)
+            ledger.fence.prepare(lease, lease.scope)
         return (
             yield from batch_statement.write(
-                lifecycle.ledger.fence, lease, sku, allotted, records, outcomes, attempts, keys
+                ledger.fence, lease, sku, allotted, records, outcomes, attempts, keys
             )
         )
     now = db_now_ms()
@@ -301,7 +300,7 @@ class _Allotment:
 
 
 def _serve_one(
-    lifecycle: ReservationLifecycle,
+    ledger: Ledger,
     lease: Lease,
     hold: Hold,
     request: Any,
@@ -329,7 +328,7 @@ def _serve_one(
         if not known:
             raise UnknownSku(sku)
         if key in stored:
-            outcome = lifecycle.ledger.replay(stored[key], "reserve", print_)
+            outcome = ledger.replay(stored[key], "reserve", print_)
             return RequestStatus.RESERVED, outcome.summary(), AttemptResult.REPLAYED
         if key in clashing:
             raise reservation_conflict(key, "reserve")

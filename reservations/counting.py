@@ -19,7 +19,7 @@ from reservations import stock_statement
 from reservations import validation as valid
 from reservations.errors import InvalidRequest, SeenInAnotherEpoch, UnknownSku
 from reservations.keyed_steps import Step
-from reservations.ledger import Ledger, fingerprint
+from reservations.ledger import Ledger, Shell, fingerprint
 from reservations.models import sku_checkpoints, sku_history, stock
 from reservations.on_hand import change_on_hand
 from reservations.reads import STOCK_COLUMNS, stock_level
@@ -130,109 +130,108 @@ _VERSION = sa.select(
 )
 
 
-class StockCounting:
-    """The read under a lease, and the two writes decided from it. Decisions and statements; no I/O."""
+def look(inventory: Shell, lease: Lease, sku: str) -> Plan[StockSeen]:
+    """The SKU's stock and version, read under ``lease`` to decide a write from. The read raises the
+    row's fence to the lease's token (a guarded UPDATE that changes no units), so a write of an older
+    epoch cannot land between this read and the write decided from it: it is refused at the row. A
+    newer epoch that wrote already makes the read itself stale: refused and recorded, like a write."""
+    ledger = inventory.ledger
+    valid.lease(lease)
+    valid.sku(sku)
+    try:
+        seen: StockSeen = yield Atomic(_look(ledger, lease, sku))
+    except StaleToken as stale:
+        yield Atomic(ledger.one(ledger.rejection(stale, lease, sku, "look", None, None)))
+        raise
+    return seen
 
-    def __init__(self, ledger: Ledger) -> None:
-        self.ledger = ledger
 
-    def look(self, lease: Lease, sku: str) -> Plan[StockSeen]:
-        """The SKU's stock and version, read under ``lease`` to decide a write from. The read raises the
-        row's fence to the lease's token (a guarded UPDATE that changes no units), so a write of an older
-        epoch cannot land between this read and the write decided from it: it is refused at the row. A
-        newer epoch that wrote already makes the read itself stale: refused and recorded, like a write."""
-        valid.lease(lease)
-        valid.sku(sku)
-        try:
-            seen: StockSeen = yield Atomic(self._look(lease, sku))
-        except StaleToken as stale:
-            yield Atomic(self.ledger.one(self.ledger.rejection(stale, lease, sku, "look", None, None)))
-            raise
-        return seen
+def _look(ledger: Ledger, lease: Lease, sku: str) -> Plan[StockSeen]:
+    result = yield from ledger.fence.plan(
+        lease,
+        scope=valid.scope_of(sku),
+        where=[stock.c.sku == sku],
+        values={},
+        returning=STOCK_COLUMNS,
+        operation="look",
+    )
+    if result.outcome is FenceOutcome.NO_ROW:
+        raise UnknownSku(sku)
+    if result.outcome is not FenceOutcome.APPLIED:  # pragma: no cover - the read has no condition
+        raise RuntimeError(f"the read of {sku!r} was neither applied nor refused")
+    # Under the row lock the guarded UPDATE took: no write of this SKU can come between.
+    found: Rows = yield Bound(_VERSION, {"sku": sku})
+    version = found.first()
+    level = StockLevel(*result.row)
+    return StockSeen(
+        sku=sku,
+        on_hand=level.on_hand,
+        reserved=level.reserved,
+        available=level.available,
+        fence_token=level.fence_token,
+        version=0 if version is None or version[0] is None else int(version[0]),
+    )
 
-    def _look(self, lease: Lease, sku: str) -> Plan[StockSeen]:
-        result = yield from self.ledger.fence.plan(
-            lease,
-            scope=valid.scope_of(sku),
-            where=[stock.c.sku == sku],
-            values={},
-            returning=STOCK_COLUMNS,
-            operation="look",
+
+def count_step(
+    ledger: Ledger, lease: Lease, sku: str, counted: int, key: str, seen: StockSeen | None,
+    shrinkage: int | None,
+) -> Step:  # fmt: skip
+    """A cycle count (:meth:`reservations.Inventory.count`), checked, both ways it can be sent."""
+    valid.lease(lease)
+    valid.sku(sku)
+    counted_units(counted)
+    valid.idempotency_key(key)
+    shrinkage_units(shrinkage)
+    # A figure decided from a read must say which read; a figure sent may come without one.
+    checked = None if seen is None and shrinkage is None else seen_of(seen, sku, lease)
+    detail: dict[str, int] = {"counted": counted, **_seen_detail(checked)}
+    if shrinkage is not None:
+        detail["shrinkage"] = shrinkage
+    print_ = count_fingerprint(sku, counted, shrinkage)
+
+    def apply() -> Plan[Outcome]:
+        # The envelope locked the row: the level read here is the one the count replaces.
+        before = yield from stock_level(sku)
+        level = yield from ledger.fenced(lease, sku, "count", counted=counted)
+        change = counted - before.on_hand
+        yield ledger.history(
+            lease, sku, "count", key, quantity=change, on_hand=change, reserved=0,
+            detail=json.dumps(detail, sort_keys=True),
+        )  # fmt: skip
+        return Outcome(
+            operation="count", key=key, token=lease.token, stock=(level,), quantity=change, detail=detail
         )
-        if result.outcome is FenceOutcome.NO_ROW:
-            raise UnknownSku(sku)
-        if result.outcome is not FenceOutcome.APPLIED:  # pragma: no cover - the read has no condition
-            raise RuntimeError(f"the read of {sku!r} was neither applied nor refused")
-        # Under the row lock the guarded UPDATE took: no write of this SKU can come between.
-        found: Rows = yield Bound(_VERSION, {"sku": sku})
-        version = found.first()
-        level = StockLevel(*result.row)
-        return StockSeen(
-            sku=sku,
-            on_hand=level.on_hand,
-            reserved=level.reserved,
-            available=level.available,
-            fence_token=level.fence_token,
-            version=0 if version is None or version[0] is None else int(version[0]),
-        )
 
-    def count_step(
-        self, lease: Lease, sku: str, counted: int, key: str, seen: StockSeen | None, shrinkage: int | None
-    ) -> Step:
-        """A cycle count (:meth:`reservations.Inventory.count`), checked, both ways it can be sent."""
-        valid.lease(lease)
-        valid.sku(sku)
-        counted_units(counted)
-        valid.idempotency_key(key)
-        shrinkage_units(shrinkage)
-        # A figure decided from a read must say which read; a figure sent may come without one.
-        checked = None if seen is None and shrinkage is None else seen_of(seen, sku, lease)
-        detail: dict[str, int] = {"counted": counted, **_seen_detail(checked)}
-        if shrinkage is not None:
-            detail["shrinkage"] = shrinkage
-        print_ = count_fingerprint(sku, counted, shrinkage)
+    def rejection(stale: StaleToken) -> sa.Executable:
+        return ledger.rejection(stale, lease, sku, "count", key, counted)
 
-        def apply() -> Plan[Outcome]:
-            # The envelope locked the row: the level read here is the one the count replaces.
-            before = yield from stock_level(sku)
-            level = yield from self.ledger.fenced(lease, sku, "count", counted=counted)
-            change = counted - before.on_hand
-            yield self.ledger.history(
-                lease, sku, "count", key, quantity=change, on_hand=change, reserved=0,
-                detail=json.dumps(detail, sort_keys=True),
-            )  # fmt: skip
-            return Outcome(
-                operation="count", key=key, token=lease.token, stock=(level,), quantity=change, detail=detail
-            )
+    def several() -> Plan[Outcome]:
+        lock = ledger.lock_skus(sku)
+        return ledger.idempotent(key, "count", print_, apply, rejection, lock)
 
-        def rejection(stale: StaleToken) -> sa.Executable:
-            return self.ledger.rejection(stale, lease, sku, "count", key, counted)
+    written = keyed.Written(lease, key, "count", print_, SUCCEEDED["count"], detail=detail)
+    return stock_statement.step(ledger.fence, written, sku, Change.SET, counted, several, rejection)
 
-        def several() -> Plan[Outcome]:
-            lock = self.ledger.lock_skus(sku)
-            return self.ledger.idempotent(key, "count", print_, apply, rejection, lock)
 
-        written = keyed.Written(lease, key, "count", print_, SUCCEEDED["count"], detail=detail)
-        return stock_statement.step(self.ledger.fence, written, sku, Change.SET, counted, several, rejection)
+def replenish_step(ledger: Ledger, lease: Lease, sku: str, par: int, key: str, seen: StockSeen) -> Step:
+    """A replenishment to par (:meth:`reservations.Inventory.replenish`), checked, both ways it can be
+    sent."""
+    valid.lease(lease)
+    valid.sku(sku)
+    par_units(par)
+    valid.idempotency_key(key)
+    checked = seen_of(seen, sku, lease)
+    order = to_order(checked, par)
+    detail = {"par": par, **_seen_detail(checked)}
 
-    def replenish_step(self, lease: Lease, sku: str, par: int, key: str, seen: StockSeen) -> Step:
-        """A replenishment to par (:meth:`reservations.Inventory.replenish`), checked, both ways it can be
-        sent."""
-        valid.lease(lease)
-        valid.sku(sku)
-        par_units(par)
-        valid.idempotency_key(key)
-        checked = seen_of(seen, sku, lease)
-        order = to_order(checked, par)
-        detail = {"par": par, **_seen_detail(checked)}
+    print_ = replenish_fingerprint(sku, par)
 
-        print_ = replenish_fingerprint(sku, par)
+    def rejection(stale: StaleToken) -> sa.Executable:
+        return ledger.rejection(stale, lease, sku, "replenish", key, order)
 
-        def rejection(stale: StaleToken) -> sa.Executable:
-            return self.ledger.rejection(stale, lease, sku, "replenish", key, order)
+    def several() -> Plan[Outcome]:
+        return change_on_hand(ledger, lease, sku, order, key, "replenish", print_, detail=detail)
 
-        def several() -> Plan[Outcome]:
-            return change_on_hand(self.ledger, lease, sku, order, key, "replenish", print_, detail=detail)
-
-        written = keyed.Written(lease, key, "replenish", print_, SUCCEEDED["replenish"], detail=detail)
-        return stock_statement.step(self.ledger.fence, written, sku, Change.ADD, order, several, rejection)
+    written = keyed.Written(lease, key, "replenish", print_, SUCCEEDED["replenish"], detail=detail)
+    return stock_statement.step(ledger.fence, written, sku, Change.ADD, order, several, rejection)

@@ -1,6 +1,6 @@
 """The inventory's operations, each written once: :class:`InventoryBase` builds the plans and, for every
-operation that only runs a plan, holds that operation as the plan it runs (with the checks of the
-arguments that the request and batching plans take unchecked). :class:`fencing.shells.operation` makes
+operation that only runs a plan, holds that operation as the plan it runs (with the checks of who a
+queued request speaks for, which the request plans take unchecked). :class:`fencing.shells.operation` makes
 each one blocking in :class:`~reservations.Inventory` and a coroutine function in
 :class:`~reservations.AsyncInventory`, with the same name, parameters and docstring. The shells write only
 what differs in kind: the executor ``from_url`` builds, the lease timeline and ``hold_many`` (which use a
@@ -9,7 +9,7 @@ lease manager of their own kind), closing and the context managers.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar, Generic, Protocol, Self, TypeVar
 
 from fencing import Lease
@@ -20,9 +20,11 @@ from fencing.urls import mask_url
 from reservations import (
     acceptance,
     audit,
-    batch_statement,
     batching,
     constraints,
+    counting,
+    lifecycle,
+    on_hand,
     operations,
     pending,
     reads,
@@ -31,13 +33,13 @@ from reservations import (
     schema,
 )
 from reservations import validation as valid
-from reservations.counting import StockCounting, StockSeen
+from reservations.counting import StockSeen, count_step, replenish_step
 from reservations.errors import InvalidRequest
 from reservations.keyed_steps import alone, request
 from reservations.ledger import Ledger
-from reservations.lifecycle import ReservationLifecycle
+from reservations.lifecycle import finish_step, reserve_step
 from reservations.models import CONFIRMED, RELEASED
-from reservations.on_hand import OnHandChanges
+from reservations.on_hand import restock_step
 from reservations.requests import RequestResult
 from reservations.reserve_statement import Speaker
 from reservations.views import Outcome
@@ -61,28 +63,6 @@ def _speaker(task_id: str | None, worker: str | None, epochs: int) -> Speaker:
     valid.task_and_worker(task_id, worker)
     valid.epochs(epochs)
     return Speaker(task_id=task_id, worker=worker, epochs=epochs)
-
-
-# The checks of the arguments that the plans of reservations.requests and reservations.batching take
-# unchecked, shared by both shells so neither sends a value the database would refuse with a raw error.
-
-_OUTCOME_FIELDS = frozenset({"task_id", "worker", "epochs", "fingerprint"})
-_ATTEMPT_FIELDS = frozenset({"task_id", "worker", "token", "detail"})
-
-
-def _who(who: Mapping[str, Any], allowed: frozenset[str]) -> None:
-    unknown = sorted(set(who) - allowed)
-    if unknown:
-        raise InvalidRequest(f"unexpected field(s): {', '.join(unknown)}", field=unknown[0])
-    valid.task_and_worker(who.get("task_id"), who.get("worker"))
-    if "epochs" in who:
-        valid.epochs(who["epochs"])
-    if "fingerprint" in who:
-        valid.fingerprint(who["fingerprint"])
-    if "token" in who:
-        valid.token(who["token"])
-    if "detail" in who:
-        valid.text(who["detail"], field="detail", max_chars=valid.MAX_DETAIL_CHARS)
 
 
 def check_manager(manager: object, kind: type) -> None:
@@ -136,9 +116,6 @@ class InventoryBase(Generic[E]):
             before_statement=before_statement,
             single_statement=_single_statement(dialect, single_statement),
         )
-        self.lifecycle = ReservationLifecycle(self.ledger)
-        self.counting = StockCounting(self.ledger)
-        self.on_hand = OnHandChanges(self.ledger)
         self.url = mask_url(url) if url else ""
 
     @classmethod
@@ -178,20 +155,10 @@ class InventoryBase(Generic[E]):
 
     @operation
     def restock(self, lease: Lease, sku: str, quantity: int, *, key: str) -> Plan[Outcome]:
-        return alone(self.ledger, self.on_hand.restock_step(lease, sku, quantity, key))
+        return alone(self.ledger, restock_step(self.ledger, lease, sku, quantity, key))
 
-    @operation
-    def adjust(
-        self, lease: Lease, sku: str, delta: int, *, key: str, reason: str | None = None
-    ) -> Plan[Outcome]:
-        return self.on_hand.adjust(lease, sku, delta, key, reason)
-
-    @operation
-    def look(self, lease: Lease, sku: str) -> Plan[StockSeen]:
-        """The SKU's stock and version read under ``lease``, to decide a count or a replenishment from. The
-        row's fence rises to the lease's token, so no older epoch can write between this read and the write
-        decided from it."""
-        return self.counting.look(lease, sku)
+    adjust = operation(on_hand.adjust)
+    look = operation(counting.look)
 
     @operation
     def count(
@@ -209,7 +176,7 @@ class InventoryBase(Generic[E]):
         what the count was decided from (:meth:`look` under ``lease``; see
         :func:`reservations.counting.seen_of`), recorded with it; ``shrinkage`` says the figure was decided
         from ``seen`` (see :func:`reservations.counting.short_count`) rather than sent."""
-        return alone(self.ledger, self.counting.count_step(lease, sku, counted, key, seen, shrinkage))
+        return alone(self.ledger, count_step(self.ledger, lease, sku, counted, key, seen, shrinkage))
 
     @operation
     def replenish(self, lease: Lease, sku: str, par: int, *, key: str, seen: StockSeen) -> Plan[Outcome]:
@@ -217,24 +184,15 @@ class InventoryBase(Generic[E]):
         :func:`reservations.counting.seen_of`), none when at or above par, as a restock. The size was
         decided from the read, so the row records par and what was seen; the request is named by its par,
         so a redelivery that reads another level replays the first."""
-        return alone(self.ledger, self.counting.replenish_step(lease, sku, par, key, seen))
+        return alone(self.ledger, replenish_step(self.ledger, lease, sku, par, key, seen))
 
     @operation
     def reserve(
         self, lease: Lease, sku: str, quantity: int, *, key: str, hold_for: float | None = None
     ) -> Plan[Outcome]:
-        return alone(self.ledger, self.lifecycle.reserve_step(lease, sku, quantity, key, hold_for))
+        return alone(self.ledger, reserve_step(self.ledger, lease, sku, quantity, key, hold_for))
 
-    @operation
-    def reserve_many(
-        self,
-        leases: Mapping[str, Lease],
-        lines: list[tuple[str, int]],
-        *,
-        key: str,
-        hold_for: float | None = None,
-    ) -> Plan[Outcome]:
-        return self.lifecycle.reserve_many(leases, lines, key, hold_for)
+    reserve_many = operation(lifecycle.reserve_many)
 
     @operation
     def reserve_request(
@@ -253,7 +211,7 @@ class InventoryBase(Generic[E]):
         on PostgreSQL), or answers from the outcome it already has. Raises what :meth:`reserve` raises, but
         never :class:`InsufficientStock`: that is an outcome."""
         speaker = _speaker(task_id, worker, epochs)
-        return request(self.ledger, self.lifecycle.reserve_step(lease, sku, quantity, key, hold_for), speaker)
+        return request(self.ledger, reserve_step(self.ledger, lease, sku, quantity, key, hold_for), speaker)
 
     # The later steps as queued requests: each also writes its attempt and final outcome (one statement on
     # PostgreSQL), or answers from the outcome the request already has, as reserve_request does.
@@ -264,9 +222,7 @@ class InventoryBase(Generic[E]):
         task_id: str | None = None, worker: str | None = None, epochs: int = 0,
     ) -> Plan[requests.RequestReply]:  # fmt: skip
         speaker = _speaker(task_id, worker, epochs)
-        return request(
-            self.ledger, self.lifecycle.finish_step(lease, reservation_id, key, CONFIRMED), speaker
-        )
+        return request(self.ledger, finish_step(self.ledger, lease, reservation_id, key, CONFIRMED), speaker)
 
     @operation
     def release_request(
@@ -274,7 +230,7 @@ class InventoryBase(Generic[E]):
         task_id: str | None = None, worker: str | None = None, epochs: int = 0,
     ) -> Plan[requests.RequestReply]:  # fmt: skip
         speaker = _speaker(task_id, worker, epochs)
-        return request(self.ledger, self.lifecycle.finish_step(lease, reservation_id, key, RELEASED), speaker)
+        return request(self.ledger, finish_step(self.ledger, lease, reservation_id, key, RELEASED), speaker)
 
     @operation
     def restock_request(
@@ -282,7 +238,7 @@ class InventoryBase(Generic[E]):
         task_id: str | None = None, worker: str | None = None, epochs: int = 0,
     ) -> Plan[requests.RequestReply]:  # fmt: skip
         speaker = _speaker(task_id, worker, epochs)
-        return request(self.ledger, self.on_hand.restock_step(lease, sku, quantity, key), speaker)
+        return request(self.ledger, restock_step(self.ledger, lease, sku, quantity, key), speaker)
 
     @operation
     def count_request(
@@ -292,7 +248,7 @@ class InventoryBase(Generic[E]):
     ) -> Plan[requests.RequestReply]:  # fmt: skip
         speaker = _speaker(task_id, worker, epochs)
         return request(
-            self.ledger, self.counting.count_step(lease, sku, counted, key, seen, shrinkage), speaker
+            self.ledger, count_step(self.ledger, lease, sku, counted, key, seen, shrinkage), speaker
         )
 
     @operation
@@ -301,23 +257,21 @@ class InventoryBase(Generic[E]):
         task_id: str | None = None, worker: str | None = None, epochs: int = 0,
     ) -> Plan[requests.RequestReply]:  # fmt: skip
         speaker = _speaker(task_id, worker, epochs)
-        return request(self.ledger, self.counting.replenish_step(lease, sku, par, key, seen), speaker)
+        return request(self.ledger, replenish_step(self.ledger, lease, sku, par, key, seen), speaker)
 
     @operation
     def confirm(self, lease: Lease, reservation_id: str, *, key: str) -> Plan[Outcome]:
         """The held units become a committed deduction: they leave ``on_hand`` and ``reserved``."""
-        return alone(self.ledger, self.lifecycle.finish_step(lease, reservation_id, key, CONFIRMED))
+        return alone(self.ledger, finish_step(self.ledger, lease, reservation_id, key, CONFIRMED))
 
     @operation
     def release(self, lease: Lease, reservation_id: str, *, key: str) -> Plan[Outcome]:
         """The held units go back to ``available`` (cancel is the same operation)."""
-        return alone(self.ledger, self.lifecycle.finish_step(lease, reservation_id, key, RELEASED))
+        return alone(self.ledger, finish_step(self.ledger, lease, reservation_id, key, RELEASED))
 
     cancel = release
 
-    @operation
-    def expire_due(self, lease: Lease, sku: str, *, key: str | None = None) -> Plan[Outcome]:
-        return self.lifecycle.expire_due(lease, sku, key)
+    expire_due = operation(lifecycle.expire_due)
 
     purge_idempotency = operation.of(operations.purge_idempotency)
     purge_requests = operation.of(requests.purge)
@@ -346,23 +300,8 @@ class InventoryBase(Generic[E]):
         """Final outcomes of those of ``keys`` (at most 1,000) that have one, in one read."""
         return requests.outcomes_of(keys, array=self.dialect == "postgresql")
 
-    @operation
-    def record_outcome(
-        self, /, key: str, operation: str, status: str, detail: dict[str, Any], **who: Any
-    ) -> Plan[RequestResult]:
-        valid.idempotency_key(key)
-        valid.operation(operation)
-        valid.detail(detail)
-        _who(who, _OUTCOME_FIELDS)
-        return requests.record_outcome(key, operation, status, detail, **who)
-
-    @operation
-    def record_attempt(self, /, key: str, operation: str, result: str, **who: Any) -> Plan[None]:
-        valid.idempotency_key(key)
-        valid.operation(operation)
-        _who(who, _ATTEMPT_FIELDS)
-        return requests.record_attempt(key, operation, result, **who)
-
+    record_outcome = operation.of(requests.record_outcome)
+    record_attempt = operation.of(requests.record_attempt)
     attempts = operation.of(requests.attempts)
 
     # dead letters and their re-drives
@@ -373,46 +312,11 @@ class InventoryBase(Generic[E]):
     skus_with_due_holds = operation.of(requests.skus_with_due_holds)
 
     # hot-SKU batching
-    @operation
-    def hand_off(
-        self,
-        sku: str,
-        quantity: int,
-        *,
-        key: str,
-        hold_for: float | None = None,
-        task_id: str | None = None,
-        epochs: int = 0,
-    ) -> Plan[pending.HandOff]:
-        """Queue a reservation for the SKU's lease holder (or find the outcome it already has)."""
-        valid.task_and_worker(task_id)
-        valid.epochs(epochs)
-        single_statement = self.ledger.single_statement
-        return pending.hand_off(
-            sku, quantity, key, hold_for, task_id=task_id, epochs=epochs, single_statement=single_statement
-        )
-
+    hand_off = operation(pending.hand_off)
     has_pending = operation.of(pending.has_pending)
     pending_count = operation.of(pending.pending_count)
     waiting_by_sku = operation.of(pending.waiting_by_sku)
     skus_waiting = operation.of(pending.skus_waiting)
     purge_ended_waits = operation.of(pending.drop_ended)
 
-    @operation
-    def serve_pending(
-        self,
-        lease: Lease,
-        sku: str,
-        *,
-        limit: int = 100,
-        task_id: str | None = None,
-        worker: str | None = None,
-        in_hand: Sequence[batch_statement.InHand] = (),
-    ) -> Plan[list[RequestResult]]:
-        """Serve up to ``limit`` pending reservations of ``sku``, then the requests ``in_hand`` (handed over
-        by threads of the caller's process, never listed), in one fenced transaction."""
-        valid.lease(lease)
-        valid.task_and_worker(task_id, worker)
-        return batching.serve(
-            self.lifecycle, lease, sku, limit=limit, task_id=task_id, worker=worker, in_hand=in_hand
-        )
+    serve_pending = operation(batching.serve_pending)

@@ -12,7 +12,7 @@ import json
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import sqlalchemy as sa
 
@@ -93,6 +93,13 @@ def _unless_replayable(taken: KeyTaken, key: str, operation: str) -> None:
         raise reservation_conflict(key, operation) from None
     if taken.where not in ("record", "outcome"):
         raise taken
+
+
+class Shell(Protocol):
+    """An inventory shell as the plans it runs as its own operations see it (they take it first, as the
+    method's ``self``): the holder of the ledger. Every other plan takes the ledger itself."""
+
+    ledger: Ledger
 
 
 class Ledger:

@@ -16,46 +16,41 @@ from reservations import keyed_statement as keyed
 from reservations import stock_statement
 from reservations import validation as valid
 from reservations.keyed_steps import Step
-from reservations.ledger import Ledger, fingerprint
+from reservations.ledger import Ledger, Shell, fingerprint
 from reservations.models import stock
 from reservations.statuses import SUCCEEDED
 from reservations.stock_statement import Change
 from reservations.views import Outcome
 
 
-class OnHandChanges:
-    """Restocks and adjustments. Decisions and statements only; no I/O."""
+def restock_step(ledger: Ledger, lease: Lease, sku: str, quantity: int, key: str) -> Step:
+    """A restock, checked, both ways it can be sent."""
+    valid.lease(lease)
+    valid.sku(sku)
+    valid.quantity(quantity)
+    valid.idempotency_key(key)
+    print_ = fingerprint("restock", sku=sku, delta=quantity, reason=None)
+    written = keyed.Written(lease, key, "restock", print_, SUCCEEDED["restock"])
 
-    def __init__(self, ledger: Ledger) -> None:
-        self.ledger = ledger
+    def several() -> Plan[Outcome]:
+        return change_on_hand(ledger, lease, sku, quantity, key, "restock", print_)
 
-    def restock_step(self, lease: Lease, sku: str, quantity: int, key: str) -> Step:
-        """A restock, checked, both ways it can be sent."""
-        valid.lease(lease)
-        valid.sku(sku)
-        valid.quantity(quantity)
-        valid.idempotency_key(key)
-        print_ = fingerprint("restock", sku=sku, delta=quantity, reason=None)
-        written = keyed.Written(lease, key, "restock", print_, SUCCEEDED["restock"])
+    def rejection(stale: StaleToken) -> sa.Executable:
+        return ledger.rejection(stale, lease, sku, "restock", key, quantity)
 
-        def several() -> Plan[Outcome]:
-            return change_on_hand(self.ledger, lease, sku, quantity, key, "restock", print_)
+    return stock_statement.step(ledger.fence, written, sku, Change.ADD, quantity, several, rejection)
 
-        def rejection(stale: StaleToken) -> sa.Executable:
-            return self.ledger.rejection(stale, lease, sku, "restock", key, quantity)
 
-        return stock_statement.step(self.ledger.fence, written, sku, Change.ADD, quantity, several, rejection)
-
-    def adjust(
-        self, lease: Lease, sku: str, delta: int, key: str, reason: str | None = None
-    ) -> Plan[Outcome]:
-        valid.lease(lease)
-        valid.sku(sku)
-        valid.delta(delta)
-        valid.idempotency_key(key)
-        valid.text(reason, field="reason", max_chars=valid.MAX_REASON_CHARS)
-        print_ = fingerprint("adjust", sku=sku, delta=delta, reason=reason)
-        return change_on_hand(self.ledger, lease, sku, delta, key, "adjust", print_, reason=reason)
+def adjust(
+    inventory: Shell, lease: Lease, sku: str, delta: int, *, key: str, reason: str | None = None
+) -> Plan[Outcome]:
+    valid.lease(lease)
+    valid.sku(sku)
+    valid.delta(delta)
+    valid.idempotency_key(key)
+    valid.text(reason, field="reason", max_chars=valid.MAX_REASON_CHARS)
+    print_ = fingerprint("adjust", sku=sku, delta=delta, reason=reason)
+    return change_on_hand(inventory.ledger, lease, sku, delta, key, "adjust", print_, reason=reason)
 
 
 def change_on_hand(

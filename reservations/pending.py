@@ -16,8 +16,8 @@ from reservations import sql_text
 from reservations import validation as valid
 from reservations.collisions import KeptColliding, rounds
 from reservations.errors import InvalidRequest
+from reservations.ledger import Shell, hold_ms_of
 from reservations.models import pending_reservations, request_outcomes
-from reservations.operations import hold_ms_of
 from reservations.requests import result_from_json, result_of
 from reservations.reserve_statement import Ended as Ended  # a hand-off's answer too
 
@@ -70,20 +70,22 @@ _HAND_OFF = _HAND_OFF_SQL.format(now_ms=sql_text.NOW_MS)  # the database clock, 
 
 
 def hand_off(
+    inventory: Shell,
     sku: str,
     quantity: int,
+    *,
     key: str,
     hold_for: float | None = None,
-    *,
     task_id: str | None = None,
     epochs: int = 0,
-    single_statement: bool = False,
 ) -> Plan[HandOff]:
-    """Put a reservation on its SKU's pending list, unless it already ended.
+    """Queue a reservation for the SKU's lease holder (or find the outcome it already has).
 
     A copy of a request already on the list (a redelivery) is not added twice: the key names one request.
-    ``single_statement`` (PostgreSQL): in one round trip (``_HAND_OFF``).
+    With the ledger's ``single_statement`` (PostgreSQL): in one round trip (``_HAND_OFF``).
     """
+    valid.task_and_worker(task_id)
+    valid.epochs(epochs)
     values = {
         "key": valid.idempotency_key(key),
         "sku": valid.sku(sku),
@@ -96,7 +98,7 @@ def hand_off(
     # The same key added concurrently fails on the unique key: the next round finds it queued.
     for round_ in rounds():
         with round_:
-            if single_statement:
+            if inventory.ledger.single_statement:
                 found: Rows = yield Alone(_HAND_OFF, values)
                 return _handed_off(found.rows[0])
             queued: HandOff = yield Atomic(_hand_off(values))

@@ -255,20 +255,39 @@ def _insert_outcome(values: dict[str, Any]) -> Plan[RequestResult]:
     return result_of(stored.rows[0])
 
 
+# Who writes an outcome or an attempt: the fields and their defaults. Checked with the other arguments, so
+# that no caller sends a value the database would refuse with a raw error.
+_OUTCOME_FIELDS = {"task_id": None, "worker": None, "epochs": 0, "fingerprint": None}
+_ATTEMPT_FIELDS = {"task_id": None, "worker": None, "token": None, "detail": None}
+
+
+def _who(who: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+    """``who`` checked, over the defaults of ``fields``."""
+    unknown = sorted(set(who) - set(fields))
+    if unknown:
+        raise InvalidRequest(f"unexpected field(s): {', '.join(unknown)}", field=unknown[0])
+    valid.task_and_worker(who.get("task_id"), who.get("worker"))
+    if "epochs" in who:
+        valid.epochs(who["epochs"])
+    if "fingerprint" in who:
+        valid.fingerprint(who["fingerprint"])
+    if "token" in who:
+        valid.token(who["token"])
+    if "detail" in who:
+        valid.text(who["detail"], field="detail", max_chars=valid.MAX_DETAIL_CHARS)
+    return {**fields, **who}
+
+
 def record_outcome(
-    key: str,
-    operation: str,
-    status: str,
-    detail: dict[str, Any],
-    *,
-    task_id: str | None = None,
-    worker: str | None = None,
-    epochs: int = 0,
-    fingerprint: str | None = None,
+    key: str, operation: str, status: str, detail: dict[str, Any], **who: Any
 ) -> Plan[RequestResult]:
     """Write the request's final outcome unless one exists; return whichever is stored (compare its
-    fingerprint: it may belong to a different request that used the key first)."""
+    fingerprint: it may belong to a different request that used the key first). ``who``: ``task_id``,
+    ``worker``, ``epochs``, ``fingerprint``."""
     valid.idempotency_key(key)
+    valid.operation(operation)
+    valid.detail(detail)
+    written = _who(who, _OUTCOME_FIELDS)
     if status not in FINAL_STATUSES:
         raise InvalidRequest(f"unknown final status {status!r}", field="status")
     values = {
@@ -276,10 +295,7 @@ def record_outcome(
         "operation": operation,
         "status": status,
         "detail": json.dumps(detail, sort_keys=True),
-        "task_id": task_id,
-        "worker": worker,
-        "epochs": epochs,
-        "fingerprint": fingerprint,
+        **written,
     }
 
     # A concurrent writer that stored its outcome first fails this insert: the next round reads it back.
@@ -294,31 +310,14 @@ def _insert_attempt(values: dict[str, Any]) -> Plan[None]:
     yield sa.insert(task_attempts).values(at_ms=db_now_ms(), **values)
 
 
-def record_attempt(
-    key: str,
-    operation: str,
-    result: str,
-    *,
-    task_id: str | None = None,
-    worker: str | None = None,
-    token: int | None = None,
-    detail: str | None = None,
-) -> Plan[None]:
+def record_attempt(key: str, operation: str, result: str, **who: Any) -> Plan[None]:
+    """``who``: ``task_id``, ``worker``, ``token``, ``detail``."""
+    valid.idempotency_key(key)
+    valid.operation(operation)
+    written = _who(who, _ATTEMPT_FIELDS)
     if result not in ATTEMPT_RESULTS:
         raise InvalidRequest(f"unknown attempt result {result!r}", field="result")
-    yield Atomic(
-        _insert_attempt(
-            {
-                "key": key[: valid.MAX_KEY_CHARS],
-                "operation": operation,
-                "result": result,
-                "task_id": task_id,
-                "worker": worker,
-                "token": token,
-                "detail": detail,
-            }
-        )
-    )
+    yield Atomic(_insert_attempt({"key": key, "operation": operation, "result": result, **written}))
 
 
 def attempts(key: str) -> Plan[list[Attempt]]:

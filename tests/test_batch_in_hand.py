@@ -1,4 +1,4 @@
-"""A hot SKU's batch with requests in hand (reservations.batching.serve(in_hand=...)) on SQLite and
+"""A hot SKU's batch with requests in hand (reservations.batching.serve_pending(in_hand=...)) on SQLite and
 PostgreSQL: the listed requests are served oldest first, then those in hand in the order handed, in one
 fenced transaction; a key read twice is served once, where it came first; a request in hand whose key
 already ended gets no outcome; stock runs out in arrival order; bad input and a stale lease write nothing.

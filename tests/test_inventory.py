@@ -30,6 +30,7 @@ from reservations import (
     schema,
     scope_of,
 )
+from reservations.lifecycle import expire_due
 from reservations.models import reservations, sku_history, stock
 from reservations.validation import MAX_ON_HAND
 from testing.stock import lease_for, level, snapshot
@@ -553,7 +554,7 @@ def test_expiry_and_a_concurrent_confirm_never_return_units_twice(
     deadline = time.monotonic() + 5
     while widget not in inventory.skus_with_due_holds():  # holds end by the database's clock
         assert time.monotonic() < deadline
-    plan = inventory.lifecycle.expire_due(new, widget)
+    plan = expire_due(inventory, new, widget)
     step = next(plan)
     assert isinstance(step, Atomic)
     sweep = step.plan
