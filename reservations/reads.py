@@ -13,7 +13,7 @@ from fencing.sql import Rows
 from reservations import validation as valid
 from reservations.errors import InvalidRequest, UnknownReservation, UnknownSku
 from reservations.models import RESERVATION_STATUSES, reservations, sku_checkpoints, sku_history, stock
-from reservations.views import ArchivedHistory, HistoryEntry, ReservationView, StockLevel
+from reservations.views import ArchivedHistory, HistoryEntry, ReservationView, StockLevel, columns
 
 STOCK_COLUMNS = (stock.c.sku, stock.c.on_hand, stock.c.reserved, stock.c.available, stock.c.fence_token)
 
@@ -114,26 +114,7 @@ def history(sku: str, *, limit: int = 1000, since: float | None = None) -> Plan[
     if starting is not None:
         query = query.where(sku_history.c.at_ms >= int(starting * 1000))
     found: Rows = yield query.order_by(sku_history.c.id.desc()).limit(rows)
-    return [
-        HistoryEntry(
-            id=r.id,
-            sku=r.sku,
-            at=r.at_ms / 1000,
-            kind=r.kind,
-            operation=r.operation,
-            token=r.token,
-            lease_id=r.lease_id,
-            holder=r.holder,
-            quantity=r.quantity,
-            idempotency_key=r.idempotency_key,
-            reservation_id=r.reservation_id,
-            on_hand_delta=r.on_hand_delta,
-            reserved_delta=r.reserved_delta,
-            highest_token=r.highest_token,
-            detail=r.detail,
-        )
-        for r in reversed(found.rows)
-    ]
+    return [HistoryEntry(**columns(r)) for r in reversed(found.rows)]
 
 
 def archived(sku: str) -> Plan[ArchivedHistory | None]:

@@ -37,7 +37,7 @@ from reservations.models import (
     task_attempts,
 )
 from reservations.statuses import AttemptResult, RequestStatus
-from reservations.views import Outcome
+from reservations.views import Outcome, columns
 
 # Idempotency records, and request outcomes and attempts, are kept this long by default;
 # ``purge_idempotency`` and :func:`purge` delete older ones. A retry or redelivery arriving after its key was
@@ -322,23 +322,11 @@ def record_attempt(key: str, operation: str, result: str, **who: Any) -> Plan[No
 
 def attempts(key: str) -> Plan[list[Attempt]]:
     found: Rows = yield (
-        sa.select(task_attempts)
+        sa.select(*(column for column in task_attempts.c if column.name != "id"))  # what an Attempt holds
         .where(task_attempts.c.key == valid.idempotency_key(key))
         .order_by(task_attempts.c.id)
     )
-    return [
-        Attempt(
-            key=r.key,
-            operation=r.operation,
-            task_id=r.task_id,
-            worker=r.worker,
-            token=r.token,
-            result=r.result,
-            detail=r.detail,
-            at=r.at_ms / 1000,
-        )
-        for r in found.rows
-    ]
+    return [Attempt(**columns(r)) for r in found.rows]
 
 
 def skus_with_due_holds(limit: int = 1000) -> Plan[list[str]]:

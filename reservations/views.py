@@ -111,6 +111,13 @@ class ArchivedHistory:
     archive: str | None
 
 
+def columns(row: Any) -> dict[str, Any]:
+    """A row's columns as the fields of its view: ``at_ms`` becomes ``at``, in seconds."""
+    fields: dict[str, Any] = row._asdict()
+    fields["at"] = fields.pop("at_ms") / 1000
+    return fields
+
+
 @dataclass(frozen=True, slots=True)
 class HistoryEntry:
     """One row of a SKU's history: an accepted write (``kind="write"``) or a refused stale write
