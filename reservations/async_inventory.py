@@ -1,9 +1,6 @@
-"""The inventory's asyncio shell: :class:`AsyncInventory`, the operations of
-:class:`~reservations.inventory_base.InventoryBase` (the same as :class:`~reservations.Inventory`'s, written
-once) as coroutine functions with awaited I/O, each in its own transaction. This module adds what only an
-awaiting shell does: the executor ``from_url`` builds, the timeline and ``hold_many`` with an
-:class:`~fencing.AsyncLeaseManager`, closing. ``tests/test_shell_parity.py`` runs the same operations
-through both shells and compares what they answer.
+"""The asyncio shell (what it shares with the blocking one is written once in
+:mod:`reservations.inventory_base`). ``tests/test_shell_parity.py`` runs the same operations through both
+shells and compares what they answer.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""The inventory's public shells: :class:`Inventory` (blocking, for Celery workers and scripts) here, and
-:class:`AsyncInventory` (asyncio services) in :mod:`reservations.async_inventory`. Every operation that
-runs a plan (of :mod:`reservations.operations`, :mod:`reservations.reads` and the rest), each in its own
-transaction, is written once in :class:`~reservations.inventory_base.InventoryBase` and made blocking
-here; this module adds what only a blocking shell does: the executor ``from_url`` builds, the timeline
-and ``hold_many`` with a blocking :class:`~fencing.LeaseManager`, closing.
+"""The blocking shell, for Celery workers and scripts; the asyncio one, :class:`AsyncInventory`, is exported
+here too. What they share is written once in :mod:`reservations.inventory_base`.
 """
 
 from __future__ import annotations

@@ -87,9 +87,7 @@ def _single_statement(dialect: str, asked: bool | None) -> bool:
 
 
 class InventoryBase(Generic[E]):
-    """The plans both shells drive, the executor that runs them on one database, and every operation that
-    only runs a plan (:class:`~fencing.shells.operation`: blocking where the shell's ``awaits`` is False,
-    awaitable where it is True), each in its own transaction."""
+    """The executor of one database and the operations both shells share, each in its own transaction."""
 
     awaits: ClassVar[bool] = False
 
