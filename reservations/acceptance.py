@@ -257,17 +257,16 @@ def republished(keys: Sequence[str], spacing: Sequence[float]) -> Plan[None]:
     )
 
 
-def later(keys: Sequence[str], seconds: float) -> Plan[None]:
-    """Look at ``keys`` again ``seconds`` from now (their messages are still carried)."""
+def later(keys: Sequence[str], seconds: float | None) -> Plan[None]:
+    """Look at ``keys`` again ``seconds`` from now (their messages are still carried); None: never."""
     if keys:
-        next_look = db_now_ms() + round(seconds * 1000)
+        next_look = None if seconds is None else db_now_ms() + round(seconds * 1000)
         yield Alone(sa.update(_T).where(_T.c.key.in_(list(keys))).values(next_look_ms=next_look))
 
 
 def closed(keys: Sequence[str]) -> Plan[None]:
     """The relay looks at ``keys`` no more: each has its outcome."""
-    if keys:
-        yield Alone(sa.update(_T).where(_T.c.key.in_(list(keys))).values(next_look_ms=None))
+    return later(keys, None)
 
 
 def keep(request: Request, look_after: float) -> Plan[None]:

@@ -71,12 +71,6 @@ class _Refused(Exception):
         self.error = error
 
 
-def _stored_error(data: dict[str, Any]) -> ReservationError:
-    error = InsufficientStock(sku=data["sku"], requested=data["requested"], available=data["available"])
-    error.replayed = True
-    return error
-
-
 def reservation_conflict(key: str, operation: str) -> IdempotencyConflict:
     # The key's record was purged, but the reservation it created is still there.
     return IdempotencyConflict(
@@ -211,7 +205,11 @@ class Ledger:
             raise IdempotencyConflict(key=stored.key, operation=operation, stored_operation=stored.operation)
         data = json.loads(stored.outcome)
         if "error" in data:
-            raise _stored_error(data)
+            error = InsufficientStock(
+                sku=data["sku"], requested=data["requested"], available=data["available"]
+            )
+            error.replayed = True
+            raise error
         return Outcome.from_json(stored.outcome, replayed=True)
 
     def _store_refusal(

@@ -64,7 +64,7 @@ _TABLES_HERE = sa.text(
 
 
 def day_tables(conn: sa.Connection) -> tuple[list[tuple[str, date]], list[tuple[str, date]]]:
-    """(attached, detached) day partitions of the history tables in this schema, oldest first."""
+    """(attached, detached) day partitions of the history tables in this schema."""
     attached: list[tuple[str, date]] = []
     detached: list[tuple[str, date]] = []
     for name, parent in conn.execute(_TABLES_HERE).all():
@@ -72,9 +72,7 @@ def day_tables(conn: sa.Connection) -> tuple[list[tuple[str, date]], list[tuple[
         if parsed is None:
             continue
         (attached if parent == parsed[0] else detached).append((name, parsed[1]))
-    order = {"sku_history": 0, "task_attempts": 1}
-    key = lambda item: (item[1], order[parse_partition(item[0])[0]])  # type: ignore[index]  # noqa: E731
-    return sorted(attached, key=key), sorted(detached, key=key)
+    return attached, detached
 
 
 def prepare_partitions(engine: sa.Engine, *, days_ahead: int = DAYS_AHEAD) -> list[str]:
