@@ -31,6 +31,7 @@ from reservations.errors import InvalidRequest, KeyTaken
 from reservations.models import accepted_requests, pending_reservations, request_outcomes, task_attempts
 from reservations.requests import RequestResult, request_outcome
 from reservations.statuses import RequestStatus
+from reservations.views import seconds
 
 _T = accepted_requests
 
@@ -136,24 +137,20 @@ class Admission:
 _ACCEPTED = sa.select(_T).where(_T.c.key == sa.bindparam("key"))
 
 
-def _ms(value: int | None) -> float | None:
-    return None if value is None else value / 1000
-
-
 def _accepted_of(row: Any) -> Accepted:
     return Accepted(
         key=row.key,
         operation=row.operation,
         fingerprint=row.fingerprint,
         at=row.at_ms / 1000,
-        deadline=_ms(row.deadline_ms),
+        deadline=seconds(row.deadline_ms),
         caller=row.caller,
         request_type=row.request_type,
         arguments=None if row.arguments is None else json.loads(row.arguments),
         task_id=row.task_id,
         message_format=row.message_format,
         publishes=row.publishes,
-        next_look=_ms(row.next_look_ms),
+        next_look=seconds(row.next_look_ms),
     )
 
 
@@ -395,10 +392,10 @@ def listed(
             caller=caller,
             state=status if status is not None else (RETRYING if tries else PENDING),
             accepted_at=at / 1000,
-            ended_at=None if ended is None else ended / 1000,
+            ended_at=seconds(ended),
             attempts=int(tries),
             publishes=int(publishes),
-            deadline=_ms(deadline),
+            deadline=seconds(deadline),
         )
         for key, op, caller, status, at, ended, tries, publishes, deadline in found.rows
     ]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import partial
 
 import sqlalchemy as sa
 
@@ -47,27 +48,19 @@ class StockSeen:
 # -- checks and decisions, before any I/O -------------------------------------------------------------
 
 
-def _whole(value: object, field: str, low: int, high: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidRequest(f"{field} must be a whole number, not {type(value).__name__}", field=field)
-    if not low <= value <= high:
-        raise InvalidRequest(f"{field} must be between {low} and {high}, got {value}", field=field)
-    return value
-
-
 def counted_units(value: object) -> int:
     """A counted figure: zero (an empty shelf) up to :data:`~reservations.validation.MAX_ON_HAND`."""
-    return _whole(value, "counted", 0, valid.MAX_ON_HAND)
+    return valid.whole(value, "counted", 0, valid.MAX_ON_HAND)
 
 
 def par_units(value: object) -> int:
     """A par level: the on-hand figure a replenishment orders up to."""
-    return _whole(value, "par", 1, valid.MAX_ON_HAND)
+    return valid.whole(value, "par", 1, valid.MAX_ON_HAND)
 
 
 def shrinkage_units(value: object) -> int | None:
     """Units a count finds missing from what its holder read (None: the count was sent as a figure)."""
-    return None if value is None else _whole(value, "shrinkage", 0, valid.MAX_QUANTITY)
+    return None if value is None else valid.whole(value, "shrinkage", 0, valid.MAX_QUANTITY)
 
 
 def seen_of(value: object, sku: str, lease: Lease) -> StockSeen:
@@ -206,10 +199,7 @@ def count_step(
     def rejection(stale: StaleToken) -> sa.Executable:
         return ledger.rejection(stale, lease, sku, "count", key, counted)
 
-    def several() -> Plan[Outcome]:
-        lock = ledger.lock_skus(sku)
-        return ledger.idempotent(key, "count", print_, apply, rejection, lock)
-
+    several = partial(ledger.idempotent, key, "count", print_, apply, rejection, ledger.lock_skus(sku))
     written = keyed.Written(lease, key, "count", print_, SUCCEEDED["count"], detail=detail)
     return stock_statement.step(ledger.fence, written, sku, Change.SET, counted, several, rejection)
 
@@ -230,8 +220,6 @@ def replenish_step(ledger: Ledger, lease: Lease, sku: str, par: int, key: str, s
     def rejection(stale: StaleToken) -> sa.Executable:
         return ledger.rejection(stale, lease, sku, "replenish", key, order)
 
-    def several() -> Plan[Outcome]:
-        return change_on_hand(ledger, lease, sku, order, key, "replenish", print_, detail=detail)
-
+    several = partial(change_on_hand, ledger, lease, sku, order, key, "replenish", print_, detail=detail)
     written = keyed.Written(lease, key, "replenish", print_, SUCCEEDED["replenish"], detail=detail)
     return stock_statement.step(ledger.fence, written, sku, Change.ADD, order, several, rejection)

@@ -22,7 +22,6 @@ from fencing.plan import Alone, Plan
 from fencing.sql import Rows
 from reservations import sql_text
 from reservations.models import stock
-from reservations.requests import RequestResult
 from reservations.reserve_statement import Applied, Ended, Replay, Speaker, read_head
 from reservations.sql_text import Variants
 from reservations.views import Outcome, StockLevel
@@ -168,17 +167,8 @@ class Written:
         )
         if speaker is None:
             return Applied(outcome, None)
-        told = RequestResult(
-            key=self.key,
-            operation=self.operation,
-            status=self.status,
-            detail=outcome.summary(),
-            task_id=speaker.task_id,
-            worker=speaker.worker,
-            epochs=speaker.epochs,
-            at=row.now_ms / 1000,
-            fingerprint=self.fingerprint,
-        )
+        summary = outcome.summary()
+        told = speaker.told(self.key, self.operation, self.fingerprint, self.status, summary, row.now_ms)
         return Applied(outcome, told)
 
 

@@ -78,17 +78,6 @@ def reservation_conflict(key: str, operation: str) -> IdempotencyConflict:
     )
 
 
-def _unless_replayable(taken: KeyTaken, key: str, operation: str) -> None:
-    """Return when a concurrent attempt with the same key committed first (the next round replays its
-    record or outcome); raise anything else."""
-    if taken.where == "reservation":
-        # Attempts on one SKU queue on its stock row and read the key after locking it, so on this
-        # path the clash is not a race.
-        raise reservation_conflict(key, operation) from None
-    if taken.where not in ("record", "outcome"):
-        raise taken
-
-
 class Shell(Protocol):
     """An inventory shell as the plans it runs as its own operations see it (they take it first, as the
     method's ``self``): the holder of the ledger. Every other plan takes the ledger itself."""
@@ -125,7 +114,14 @@ class Ledger:
     ) -> Plan[Outcome]:
 
         def replayable(taken: KeyTaken) -> None:
-            _unless_replayable(taken, key, operation)
+            """Return when a concurrent attempt with the same key committed first (the next round replays
+            its record or outcome); raise anything else."""
+            if taken.where == "reservation":
+                # Attempts on one SKU queue on its stock row and read the key after locking it, so on this
+                # path the clash is not a race.
+                raise reservation_conflict(key, operation) from None
+            if taken.where not in ("record", "outcome"):
+                raise taken
 
         try:
             for round_ in rounds(on_taken=replayable):
@@ -217,14 +213,7 @@ class Ledger:
     ) -> Plan[Outcome | None]:
         """Store a refusal as the key's outcome, unless an outcome arrived meanwhile: then replay that."""
         assert isinstance(error, InsufficientStock)
-        outcome = json.dumps(
-            {
-                "error": RequestStatus.INSUFFICIENT_STOCK,
-                "sku": error.sku,
-                "requested": error.requested,
-                "available": error.available,
-            }
-        )
+        outcome = json.dumps({"error": RequestStatus.INSUFFICIENT_STOCK, **error.summary()})
         found: Rows = yield sa.select(idempotency_keys).where(idempotency_keys.c.key == key)
         stored = found.first()
         if stored is not None:

@@ -104,11 +104,8 @@ def reserve_step(
     def rejection(stale: StaleToken) -> sa.Executable:
         return ledger.rejection(stale, lease, sku, "reserve", key, quantity)
 
-    def held() -> Plan[Outcome]:
-        return (yield from hold_one(ledger, lease, sku, quantity, key, hold_ms))
-
-    def several() -> Plan[Outcome]:
-        return ledger.idempotent(key, "reserve", print_, held, rejection, ledger.lock_skus(sku))
+    held = partial(hold_one, ledger, lease, sku, quantity, key, hold_ms)
+    several = partial(ledger.idempotent, key, "reserve", print_, held, rejection, ledger.lock_skus(sku))
 
     def send(fence: Fence, speaker: Speaker | None) -> Plan[reserve_statement.Reply]:
         asked = reserve_statement.Asked(

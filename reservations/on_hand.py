@@ -6,6 +6,7 @@ PostgreSQL (:mod:`reservations.stock_statement`).
 from __future__ import annotations
 
 import json
+from functools import partial
 from typing import Any
 
 import sqlalchemy as sa
@@ -31,9 +32,7 @@ def restock_step(ledger: Ledger, lease: Lease, sku: str, quantity: int, key: str
     valid.idempotency_key(key)
     print_ = fingerprint("restock", sku=sku, delta=quantity, reason=None)
     written = keyed.Written(lease, key, "restock", print_, SUCCEEDED["restock"])
-
-    def several() -> Plan[Outcome]:
-        return change_on_hand(ledger, lease, sku, quantity, key, "restock", print_)
+    several = partial(change_on_hand, ledger, lease, sku, quantity, key, "restock", print_)
 
     def rejection(stale: StaleToken) -> sa.Executable:
         return ledger.rejection(stale, lease, sku, "restock", key, quantity)

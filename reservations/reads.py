@@ -13,7 +13,7 @@ from fencing.sql import Rows
 from reservations import validation as valid
 from reservations.errors import InvalidRequest, UnknownReservation, UnknownSku
 from reservations.models import RESERVATION_STATUSES, reservations, sku_checkpoints, sku_history, stock
-from reservations.views import ArchivedHistory, HistoryEntry, ReservationView, StockLevel, columns
+from reservations.views import ArchivedHistory, HistoryEntry, ReservationView, StockLevel, columns, seconds
 
 STOCK_COLUMNS = (stock.c.sku, stock.c.on_hand, stock.c.reserved, stock.c.available, stock.c.fence_token)
 
@@ -30,10 +30,6 @@ NEWEST_CHECKPOINTS = sa.select(sku_checkpoints).join(
 )
 
 
-def _seconds(ms: int | None) -> float | None:
-    return None if ms is None else ms / 1000
-
-
 def _reservation(row: Any) -> ReservationView:
     return ReservationView(
         id=row.id,
@@ -44,8 +40,8 @@ def _reservation(row: Any) -> ReservationView:
         order_key=row.order_key,
         token=row.token,
         created_at=row.created_ms / 1000,
-        hold_expires_at=_seconds(row.hold_expires_ms),
-        final_at=_seconds(row.final_ms),
+        hold_expires_at=seconds(row.hold_expires_ms),
+        final_at=seconds(row.final_ms),
         final_token=row.final_token,
     )
 

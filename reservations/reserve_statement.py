@@ -179,6 +179,22 @@ class Speaker:
     worker: str | None
     epochs: int
 
+    def told(
+        self, key: str, operation: str, fingerprint: str, status: str, detail: dict[str, Any], now_ms: int
+    ) -> RequestResult:
+        """The request's final outcome, as the statement speaking for it wrote it at ``now_ms``."""
+        return RequestResult(
+            key=key,
+            operation=operation,
+            status=status,
+            detail=detail,
+            task_id=self.task_id,
+            worker=self.worker,
+            epochs=self.epochs,
+            at=now_ms / 1000,
+            fingerprint=fingerprint,
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class Ended:
@@ -276,17 +292,7 @@ class Asked:
         def told(status: str, detail: dict[str, Any]) -> RequestResult | None:
             if speaker is None:
                 return None
-            return RequestResult(
-                key=key,
-                operation="reserve",
-                status=status,
-                detail=detail,
-                task_id=speaker.task_id,
-                worker=speaker.worker,
-                epochs=speaker.epochs,
-                at=row.now_ms / 1000,
-                fingerprint=fingerprint,
-            )
+            return speaker.told(key, "reserve", fingerprint, status, detail, row.now_ms)
 
         if row.applied:
             level = StockLevel(sku, row.on_hand, row.reserved, row.available, row.fence_token)

@@ -59,13 +59,18 @@ def sku(value: object) -> str:
     return value
 
 
-def quantity(value: object, *, field: str = "quantity") -> int:
-    """A positive whole number of units, at most :data:`MAX_QUANTITY`."""
+def whole(value: object, field: str, low: int, high: int) -> int:
+    """A whole number from ``low`` to ``high``."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidRequest(f"{field} must be a whole number, not {type(value).__name__}", field=field)
-    if not 1 <= value <= MAX_QUANTITY:
-        raise InvalidRequest(f"{field} must be between 1 and {MAX_QUANTITY}, got {value}", field=field)
+    if not low <= value <= high:
+        raise InvalidRequest(f"{field} must be between {low} and {high}, got {value}", field=field)
     return value
+
+
+def quantity(value: object, *, field: str = "quantity") -> int:
+    """A positive whole number of units, at most :data:`MAX_QUANTITY`."""
+    return whole(value, field, 1, MAX_QUANTITY)
 
 
 def on_hand(value: object) -> int:

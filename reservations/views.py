@@ -111,6 +111,11 @@ class ArchivedHistory:
     archive: str | None
 
 
+def seconds(ms: int | None) -> float | None:
+    """Milliseconds as the views give times: in seconds (None stays None)."""
+    return None if ms is None else ms / 1000
+
+
 def columns(row: Any) -> dict[str, Any]:
     """A row's columns as the fields of its view: ``at_ms`` becomes ``at``, in seconds."""
     fields: dict[str, Any] = row._asdict()
