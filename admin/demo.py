@@ -28,7 +28,7 @@ from fencing import LeaseManager
 from fencing.urls import mask_url
 from reservations import schema
 from reservations.inventory import Inventory
-from reservations.requests import RequestResult
+from reservations.request_outcomes import RequestResult
 from reservations.timeline import TimelineEntry, epochs
 from reservations.validation import scope_of
 from tasks.producer import Producer

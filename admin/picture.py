@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from html import escape
 from pathlib import Path
 
-from reservations.views import HistoryEntry
+from reservations.values import HistoryEntry
 
 WIDTH, LANE, LEFT, TOP = 1000, 46, 90, 40
 BANDS = ("#dbe9f6", "#f1e3c8")

@@ -19,7 +19,7 @@ from celery.result import AsyncResult
 from bench import celery_defaults
 from bench.leases import UnexpectedReply
 from reservations import Inventory
-from reservations.requests import request_id
+from reservations.request_outcomes import request_id
 from tasks import ReservationClient, ReservationHandle
 
 ON_HAND = 10**6  # each SKU's stock when seeded: no burst runs out of it

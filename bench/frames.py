@@ -57,7 +57,7 @@ def _library_frames(stack: list[tuple[str, str]]) -> list[str]:
             continue
         module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
         found.append(f"{module}.{function}")
-    start = next((i for i, name in enumerate(found) if name.startswith("tasks.jobs.")), 0)
+    start = next((i for i, name in enumerate(found) if name.startswith("tasks.request_tasks.")), 0)
     return found[start:]
 
 
@@ -89,7 +89,7 @@ def measure(database_url: str, folder: Path) -> dict[str, list[str]]:
         RESERVATIONS_RESULT_BACKEND=f"db+sqlite:///{folder}/results.sqlite3",
     )
     from reservations import Inventory, schema
-    from tasks import jobs  # noqa: F401  (registers the request tasks on the app)
+    from tasks import request_tasks  # noqa: F401  (registers the request tasks on the app)
     from tasks.app import app
 
     schema.upgrade(database_url)

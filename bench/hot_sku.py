@@ -37,7 +37,7 @@ from bench.timing import CaseStats, Progress, Results
 from fencing.engines import make_engine
 from fencing.urls import mask_url
 from reservations import schema
-from reservations.requests import request_id
+from reservations.request_outcomes import request_id
 from tasks import ReservationClient, Settings, create_app
 from testing.celery_processes import CeleryProcess, stop_all, worker_env
 from testing.redis_servers import redis_server

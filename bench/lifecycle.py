@@ -30,7 +30,7 @@ from reservations import Inventory
 from reservations.audit import Rule
 from reservations.counting import StockSeen
 from reservations.models import idempotency_keys
-from reservations.views import Outcome
+from reservations.values import Outcome
 
 SKUS = 64
 ON_HAND = 10**6

@@ -32,7 +32,7 @@ from reservations import Inventory, schema
 from reservations import validation as valid
 from reservations.models import idempotency_keys, reservations, sku_history
 from reservations.operations import fingerprint, new_reservation_id
-from reservations.views import Outcome, StockLevel
+from reservations.values import Outcome, StockLevel
 
 # Enough SKUs that per-SKU work (row locks, the held-units trigger's update of the stock row) is spread
 # the same way for every case over the whole run.

@@ -17,7 +17,7 @@ from reservations.errors import (
 )
 from reservations.inventory import DEFAULT_IDEMPOTENCY_RETENTION, AsyncInventory, Inventory
 from reservations.validation import scope_of
-from reservations.views import Outcome, StockLevel
+from reservations.values import Outcome, StockLevel
 
 __all__ = [
     "DEFAULT_IDEMPOTENCY_RETENTION",

@@ -29,9 +29,9 @@ from fencing.sql import Rows, db_now_ms
 from reservations import validation as valid
 from reservations.errors import InvalidRequest, KeyTaken
 from reservations.models import accepted_requests, pending_reservations, request_outcomes, task_attempts
-from reservations.requests import RequestResult, request_outcome
+from reservations.request_outcomes import RequestResult, request_outcome
 from reservations.statuses import RequestStatus
-from reservations.views import seconds
+from reservations.values import seconds
 
 _T = accepted_requests
 

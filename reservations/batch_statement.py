@@ -23,7 +23,7 @@ from fencing.sql import Rows
 from reservations import sql_text
 from reservations.ledger import HeldLine
 from reservations.models import HELD, stock
-from reservations.requests import RequestResult, result_of
+from reservations.request_outcomes import RequestResult, result_of
 
 # clock    the database's time, once for every row of the statement.
 # upd      the stock change for the units held, only under a token the fence admits and while the units

@@ -36,10 +36,10 @@ from reservations.models import (
     task_attempts,
 )
 from reservations.reads import STOCK_COLUMNS
-from reservations.requests import TOMBSTONE_FINGERPRINT, RequestResult, result_of
+from reservations.request_outcomes import TOMBSTONE_FINGERPRINT, RequestResult, result_of
 from reservations.reserve_statement import Prior
 from reservations.statuses import AttemptResult, RequestStatus
-from reservations.views import Outcome, StockLevel
+from reservations.values import Outcome, StockLevel
 
 MAX_BATCH = 1000
 

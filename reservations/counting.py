@@ -26,7 +26,7 @@ from reservations.on_hand import change_on_hand
 from reservations.reads import STOCK_COLUMNS, stock_level
 from reservations.statuses import SUCCEEDED
 from reservations.stock_statement import Change
-from reservations.views import Outcome, StockLevel
+from reservations.values import Outcome, StockLevel
 
 # The operations whose size or figure is decided from a read; their history rows carry what was seen.
 DECIDED = ("count", "replenish")

@@ -15,7 +15,7 @@ from fencing.sql_executor import SyncSqlExecutor
 from reservations import validation as valid
 from reservations.async_inventory import AsyncInventory
 from reservations.inventory_base import InventoryBase, check_manager, lock_order, timeline_args
-from reservations.requests import DEFAULT_IDEMPOTENCY_RETENTION
+from reservations.request_outcomes import DEFAULT_IDEMPOTENCY_RETENTION
 from reservations.timeline import TimelineEntry, merge
 
 __all__ = ["DEFAULT_IDEMPOTENCY_RETENTION", "AsyncInventory", "Inventory", "lock_order"]

@@ -29,9 +29,9 @@ from reservations import (
     pending,
     reads,
     redrives,
-    requests,
     schema,
 )
+from reservations import request_outcomes as outcomes
 from reservations import validation as valid
 from reservations.counting import StockSeen, count_step, replenish_step
 from reservations.errors import InvalidRequest
@@ -40,9 +40,9 @@ from reservations.ledger import Ledger
 from reservations.lifecycle import finish_step, reserve_step
 from reservations.models import CONFIRMED, RELEASED
 from reservations.on_hand import restock_step
-from reservations.requests import RequestResult
+from reservations.request_outcomes import RequestResult
 from reservations.reserve_statement import Speaker
-from reservations.views import Outcome
+from reservations.values import Outcome
 
 
 class _Executor(Protocol):
@@ -204,7 +204,7 @@ class InventoryBase(Generic[E]):
         task_id: str | None = None,
         worker: str | None = None,
         epochs: int = 0,
-    ) -> Plan[requests.RequestReply]:
+    ) -> Plan[outcomes.RequestReply]:
         """:meth:`reserve` for a queued request: also writes its attempt and final outcome (one statement
         on PostgreSQL), or answers from the outcome it already has. Raises what :meth:`reserve` raises, but
         never :class:`InsufficientStock`: that is an outcome."""
@@ -218,7 +218,7 @@ class InventoryBase(Generic[E]):
     def confirm_request(
         self, lease: Lease, reservation_id: str, *, key: str,
         task_id: str | None = None, worker: str | None = None, epochs: int = 0,
-    ) -> Plan[requests.RequestReply]:  # fmt: skip
+    ) -> Plan[outcomes.RequestReply]:  # fmt: skip
         speaker = _speaker(task_id, worker, epochs)
         return request(self.ledger, finish_step(self.ledger, lease, reservation_id, key, CONFIRMED), speaker)
 
@@ -226,7 +226,7 @@ class InventoryBase(Generic[E]):
     def release_request(
         self, lease: Lease, reservation_id: str, *, key: str,
         task_id: str | None = None, worker: str | None = None, epochs: int = 0,
-    ) -> Plan[requests.RequestReply]:  # fmt: skip
+    ) -> Plan[outcomes.RequestReply]:  # fmt: skip
         speaker = _speaker(task_id, worker, epochs)
         return request(self.ledger, finish_step(self.ledger, lease, reservation_id, key, RELEASED), speaker)
 
@@ -234,7 +234,7 @@ class InventoryBase(Generic[E]):
     def restock_request(
         self, lease: Lease, sku: str, quantity: int, *, key: str,
         task_id: str | None = None, worker: str | None = None, epochs: int = 0,
-    ) -> Plan[requests.RequestReply]:  # fmt: skip
+    ) -> Plan[outcomes.RequestReply]:  # fmt: skip
         speaker = _speaker(task_id, worker, epochs)
         return request(self.ledger, restock_step(self.ledger, lease, sku, quantity, key), speaker)
 
@@ -243,7 +243,7 @@ class InventoryBase(Generic[E]):
         self, lease: Lease, sku: str, counted: int, *, key: str,
         seen: StockSeen | None = None, shrinkage: int | None = None,
         task_id: str | None = None, worker: str | None = None, epochs: int = 0,
-    ) -> Plan[requests.RequestReply]:  # fmt: skip
+    ) -> Plan[outcomes.RequestReply]:  # fmt: skip
         speaker = _speaker(task_id, worker, epochs)
         return request(
             self.ledger, count_step(self.ledger, lease, sku, counted, key, seen, shrinkage), speaker
@@ -253,7 +253,7 @@ class InventoryBase(Generic[E]):
     def replenish_request(
         self, lease: Lease, sku: str, par: int, *, key: str, seen: StockSeen,
         task_id: str | None = None, worker: str | None = None, epochs: int = 0,
-    ) -> Plan[requests.RequestReply]:  # fmt: skip
+    ) -> Plan[outcomes.RequestReply]:  # fmt: skip
         speaker = _speaker(task_id, worker, epochs)
         return request(self.ledger, replenish_step(self.ledger, lease, sku, par, key, seen), speaker)
 
@@ -272,7 +272,7 @@ class InventoryBase(Generic[E]):
     expire_due = operation(lifecycle.expire_due)
 
     purge_idempotency = operation.of(operations.purge_idempotency)
-    purge_requests = operation.of(requests.purge)
+    purge_requests = operation.of(outcomes.purge)
 
     # reads
     stock = operation.of(reads.stock_level)
@@ -283,8 +283,8 @@ class InventoryBase(Generic[E]):
     archived = operation.of(reads.archived)
     rejection_counts = operation.of(reads.rejection_counts)
     invariant_violations = operation.of(audit.invariant_violations)
-    request_outcome = operation.of(requests.request_outcome)
-    own_outcome = operation.of(requests.own_outcome)
+    request_outcome = operation.of(outcomes.request_outcome)
+    own_outcome = operation.of(outcomes.own_outcome)
 
     # -- requests as accepted (reservations.acceptance): the record each request has before it is sent
     admit = operation.of(acceptance.admit)
@@ -296,18 +296,18 @@ class InventoryBase(Generic[E]):
     @operation
     def request_outcomes(self, keys: Sequence[str]) -> Plan[dict[str, RequestResult]]:
         """Final outcomes of those of ``keys`` (at most 1,000) that have one, in one read."""
-        return requests.outcomes_of(keys, array=self.dialect == "postgresql")
+        return outcomes.outcomes_of(keys, array=self.dialect == "postgresql")
 
-    record_outcome = operation.of(requests.record_outcome)
-    record_attempt = operation.of(requests.record_attempt)
-    attempts = operation.of(requests.attempts)
+    record_outcome = operation.of(outcomes.record_outcome)
+    record_attempt = operation.of(outcomes.record_attempt)
+    attempts = operation.of(outcomes.attempts)
 
     # dead letters and their re-drives
     dead_letters = operation.of(redrives.dead_letters)
     redrives_of = operation.of(redrives.redrives_of)
     claim_redrive = operation.of(redrives.claim)
     drop_redrive = operation.of(redrives.drop)
-    skus_with_due_holds = operation.of(requests.skus_with_due_holds)
+    skus_with_due_holds = operation.of(outcomes.skus_with_due_holds)
 
     # hot-SKU batching
     hand_off = operation(pending.hand_off)

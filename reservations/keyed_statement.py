@@ -24,7 +24,7 @@ from reservations import sql_text
 from reservations.models import stock
 from reservations.reserve_statement import Applied, Ended, Replay, Speaker, read_head
 from reservations.sql_text import Variants
-from reservations.views import Outcome, StockLevel
+from reservations.values import Outcome, StockLevel
 
 # done    the request's final outcome, when the statement speaks for a queued request (``record``): a
 #         request that already ended is answered from it and nothing else happens.

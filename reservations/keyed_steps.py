@@ -21,10 +21,16 @@ from reservations import keyed_statement as keyed
 from reservations.collisions import KeptColliding, rounds
 from reservations.errors import InsufficientStock, KeyTaken
 from reservations.ledger import Ledger, reservation_conflict
-from reservations.requests import RequestReply, RequestResult, record_attempt, record_outcome, request_outcome
+from reservations.request_outcomes import (
+    RequestReply,
+    RequestResult,
+    record_attempt,
+    record_outcome,
+    request_outcome,
+)
 from reservations.reserve_statement import Applied, Ended, Replay, Reply, Short, Speaker
 from reservations.statuses import AttemptResult, RequestStatus
-from reservations.views import Outcome
+from reservations.values import Outcome
 
 
 @dataclass(frozen=True)

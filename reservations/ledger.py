@@ -33,9 +33,9 @@ from reservations.errors import (
 )
 from reservations.models import idempotency_keys, reservations, sku_history, stock
 from reservations.reads import STOCK_COLUMNS, stock_level
-from reservations.requests import TOMBSTONE_FINGERPRINT
+from reservations.request_outcomes import TOMBSTONE_FINGERPRINT
 from reservations.statuses import RequestStatus
-from reservations.views import Outcome, StockLevel
+from reservations.values import Outcome, StockLevel
 
 
 def fingerprint(operation: str, **request: Any) -> str:

@@ -23,7 +23,7 @@ from reservations.models import CONFIRMED, EXPIRED, HELD, RELEASED, reservations
 from reservations.reads import stock_level
 from reservations.reserve_statement import Speaker
 from reservations.statuses import SUCCEEDED, RequestStatus, ReservationStatus
-from reservations.views import Outcome, StockLevel
+from reservations.values import Outcome, StockLevel
 
 # The operation that ends a hold in each final status.
 _OPERATIONS = {CONFIRMED: "confirm", RELEASED: "release"}

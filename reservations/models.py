@@ -251,7 +251,7 @@ schema_compatibility = sa.Table(
 class RequestRedrive(SQLModel, table=True):
     """A dead-lettered request driven again under a key of its own (``redrive_key``): the link from the
     request's own key (``origin_key``) to that new request. The outcome rows of both stay as written;
-    the origin's key reports the latest re-drive's outcome through this link (reservations.requests).
+    the origin's key reports the latest re-drive's outcome through this link (reservations.request_outcomes).
     Numbered per origin, one number once: a second claim of the same number is refused by the key."""
 
     __tablename__ = "request_redrives"

@@ -21,7 +21,7 @@ from reservations.ledger import Ledger, Shell, fingerprint
 from reservations.models import stock
 from reservations.statuses import SUCCEEDED
 from reservations.stock_statement import Change
-from reservations.views import Outcome
+from reservations.values import Outcome
 
 
 def restock_step(ledger: Ledger, lease: Lease, sku: str, quantity: int, key: str) -> Step:

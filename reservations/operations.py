@@ -14,8 +14,8 @@ from reservations import validation as valid
 from reservations.errors import InvalidRequest
 from reservations.ledger import HeldLine, fingerprint, hold_ms_of, new_reservation_id
 from reservations.models import idempotency_keys, sku_history, stock
-from reservations.requests import DEFAULT_IDEMPOTENCY_RETENTION
-from reservations.views import StockLevel
+from reservations.request_outcomes import DEFAULT_IDEMPOTENCY_RETENTION
+from reservations.values import StockLevel
 
 __all__ = ["HeldLine", "fingerprint", "hold_ms_of", "new_reservation_id"]
 

@@ -18,7 +18,7 @@ from reservations.collisions import KeptColliding, rounds
 from reservations.errors import InvalidRequest
 from reservations.ledger import Shell, hold_ms_of
 from reservations.models import pending_reservations, request_outcomes
-from reservations.requests import result_from_json, result_of
+from reservations.request_outcomes import result_from_json, result_of
 from reservations.reserve_statement import Ended as Ended  # a hand-off's answer too
 
 

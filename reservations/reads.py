@@ -13,7 +13,7 @@ from fencing.sql import Rows
 from reservations import validation as valid
 from reservations.errors import InvalidRequest, UnknownReservation, UnknownSku
 from reservations.models import RESERVATION_STATUSES, reservations, sku_checkpoints, sku_history, stock
-from reservations.views import ArchivedHistory, HistoryEntry, ReservationView, StockLevel, columns, seconds
+from reservations.values import ArchivedHistory, HistoryEntry, ReservationView, StockLevel, columns, seconds
 
 STOCK_COLUMNS = (stock.c.sku, stock.c.on_hand, stock.c.reserved, stock.c.available, stock.c.fence_token)
 

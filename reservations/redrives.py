@@ -4,10 +4,10 @@ request to a new request that carries the same operation and arguments under a k
 One outcome per key stays true because nothing is rewritten: the dead letter's outcome row stays as
 written, the re-drive is a request of its own (``<key>~redrive-<n>``) with its own one outcome, and
 ``request_redrives`` records the link (origin, re-drive key, number, when, by whom). The origin's key
-then reports the latest re-drive's outcome (:func:`reservations.requests.request_outcome`). A key is driven
-again only while it is dead-lettered and not being re-driven: its latest re-drive must have ended
-dead-lettered itself, and then the next re-drive takes the next number. The claim of a number is one
-transaction, and the number is unique per origin, so two operators cannot both claim it.
+then reports the latest re-drive's outcome (:func:`reservations.request_outcomes.request_outcome`).
+A key is driven again only while it is dead-lettered and not being re-driven: its latest re-drive must
+have ended dead-lettered itself, and then the next re-drive takes the next number. The claim of a number
+is one transaction, and the number is unique per origin, so two operators cannot both claim it.
 
 A re-drive needs the request's arguments: the dead-lettering paths record them in the outcome's detail
 (``request``: its type and arguments, as its message carried them). A dead letter written before they
@@ -28,7 +28,7 @@ from fencing.sql import Rows, db_now_ms
 from reservations import validation as valid
 from reservations.errors import InvalidRequest, KeyTaken, RedriveRefused, UnknownRequest
 from reservations.models import request_outcomes, request_redrives
-from reservations.requests import RequestResult, result_of
+from reservations.request_outcomes import RequestResult, result_of
 from reservations.statuses import RequestStatus
 
 REDRIVE_MARK = "~redrive-"

@@ -20,9 +20,9 @@ from fencing.sql import Rows
 from reservations import sql_text
 from reservations.errors import InsufficientStock, UnknownSku
 from reservations.models import stock
-from reservations.requests import RequestResult, result_from_json
+from reservations.request_outcomes import RequestResult, result_from_json
 from reservations.statuses import RequestStatus
-from reservations.views import Outcome, StockLevel
+from reservations.values import Outcome, StockLevel
 
 # The statement, read top to bottom:
 #   done      the request's final outcome, when the statement speaks for a queued request (``record``):

@@ -25,7 +25,7 @@ from reservations import validation as valid
 from reservations.errors import CountBelowHeld, StockLimitExceeded, UnknownSku
 from reservations.keyed_steps import Step
 from reservations.sql_text import Variants
-from reservations.views import Outcome
+from reservations.values import Outcome
 
 #   cur   the SKU's stock row, locked FOR UPDATE (under READ COMMITTED the newest version once a
 #         concurrent writer commits), unless the key already has a record or the request has ended.

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 
 from fencing import LeaseEvent
-from reservations.views import HistoryEntry
+from reservations.values import HistoryEntry
 
 _PLACE_IN_EPOCH = {
     "acquired": 0,

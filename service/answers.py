@@ -20,7 +20,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from reservations.redrives import REDRIVE_MARK, is_redrive_key
-from reservations.requests import RequestResult
+from reservations.request_outcomes import RequestResult
 from reservations.statuses import RequestStatus
 from reservations.validation import MAX_KEY_CHARS
 from service.problems import PROBLEM_MEDIA_TYPE, Problem, problem

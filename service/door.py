@@ -24,7 +24,7 @@ from kombu.exceptions import OperationalError
 from fencing import BackendUnavailable
 from reservations import AsyncInventory, IdempotencyConflict, InvalidRequest
 from reservations.acceptance import Admission
-from reservations.requests import RequestResult
+from reservations.request_outcomes import RequestResult
 from reservations.statuses import RequestStatus
 from service.answers import Answer, answer_of, pending, problem_answer
 from service.backlog import Backlog, retry_after

@@ -13,7 +13,7 @@ four are :class:`TasksError`), bad settings (:class:`SettingsError`), an unreach
 
 from fencing import BackendUnavailable
 from reservations.errors import IdempotencyConflict, InvalidRequest
-from reservations.requests import RequestResult
+from reservations.request_outcomes import RequestResult
 from tasks import producer as _producer  # noqa: F401  (stamps the headers of every message published)
 from tasks import worker as _worker  # noqa: F401  (connects the per-process lifecycle signals)
 from tasks.app import app, create_app

@@ -138,11 +138,11 @@ def _with_steps(app: Celery) -> Celery:
 
 
 def create_app(settings: Settings | None = None) -> Celery:
-    app = Celery("reservations", include=["tasks.jobs"])
+    app = Celery("reservations", include=["tasks.request_tasks"])
     configure(app, settings or Settings.from_env())
     return _with_steps(app)
 
 
-app = _with_steps(_FromEnvironment("reservations", include=["tasks.jobs"]))
+app = _with_steps(_FromEnvironment("reservations", include=["tasks.request_tasks"]))
 if loaded_by_celery_command():
     refuse_bad_settings()

@@ -2,11 +2,11 @@
 
 :meth:`Attempt.carry_out` gives up when the backend stayed unreachable through every transient retry, ends a
 request taken up past its deadline ``expired``, or takes the request's SKU leases and makes its write
-(:mod:`tasks.work`). Every error the attempt meets leads where the table in :mod:`tasks.policy` says: to a
-final outcome (:meth:`Attempt.final`, :meth:`Attempt.give_up`), to a retry under one of the counters that
-travel with the message (:meth:`Attempt.again`), or to the holder of a busy lease
-(:func:`tasks.serving.wait_for_holder`). The final outcome is written once, by idempotency key, with the
-request's fingerprint.
+(:mod:`tasks.request_kinds`). Every error the attempt meets leads where the table in
+:mod:`tasks.policy` says: to a final outcome (:meth:`Attempt.final`, :meth:`Attempt.give_up`), to a
+retry under one of the counters that travel with the message (:meth:`Attempt.again`), or to the holder
+of a busy lease (:func:`tasks.hot_sku.wait_for_holder`). The final outcome is written once, by
+idempotency key, with the request's fingerprint.
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ from celery import Task
 from fencing import BackendUnavailable, Lease, LeaseBusy, LostOwnership
 from reservations import InsufficientStock, Outcome
 from reservations.redrives import carried_request
-from reservations.requests import AlreadyApplied, RequestReply, RequestResult
+from reservations.request_outcomes import AlreadyApplied, RequestReply, RequestResult
 from reservations.statuses import SUCCEEDED, AttemptResult, RequestStatus
 from tasks import deadlines, failpoints, metrics, observe, policy
+from tasks.answers import Redriven, announce_lost, answer
 from tasks.failpoints import failpoint
+from tasks.hot_sku import Batchable, Server, beside_local_server, serve_quietly, wait_for_holder
 from tasks.messages import DEADLINE, Message
-from tasks.serving import Batchable, Server, beside_local_server, serve_quietly, wait_for_holder
-from tasks.states import Redriven, announce_lost, answer
-from tasks.work import work_of
+from tasks.request_kinds import work_of
 from tasks.worker import Resources, worker_identity
 
 log = logging.getLogger("tasks")
@@ -63,7 +63,7 @@ class Attempt:
         Past its transient budget it gives up; past its deadline it ends expired, unattempted (a
         reservation queued for its SKU's lease holder is later served without this check). Otherwise it
         takes the leases and writes, and each error of that leads where tasks.policy says. A reservation
-        whose SKU a thread of this process serves is handed to it instead (tasks.serving)."""
+        whose SKU a thread of this process serves is handed to it instead (tasks.hot_sku)."""
         if self.transient > self.limits.transient:
             return self.give_up("backend unavailable", "the backend stayed unreachable")
         expired = self.past_deadline()
@@ -163,7 +163,7 @@ class Attempt:
 
     def server(self) -> AbstractContextManager[Server | None]:
         """For a reservation that may wait for its lease's holder: this thread serving its SKU while it
-        holds the lease, so that requests of this process join it in memory (tasks.serving.Server)."""
+        holds the lease, so that requests of this process join it in memory (tasks.hot_sku.Server)."""
         if self.batch is None:
             return nullcontext()
         return Server(self.res, self.batch.sku, self.who["task_id"], self.who["worker"])
@@ -181,7 +181,7 @@ class Attempt:
         return self.final(SUCCEEDED[message.operation], done.summary())
 
     def served(self, result: dict[str, Any]) -> dict[str, Any]:
-        """``result``, after serving whatever queued up for the lease meanwhile (tasks.serving).
+        """``result``, after serving whatever queued up for the lease meanwhile (tasks.hot_sku).
 
         A request queues itself only after finding the lease busy, and then tries the lease once more, so
         a release that reports nobody turned away (``contended`` False) means nobody queued behind it: the

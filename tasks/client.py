@@ -38,7 +38,7 @@ from reservations import validation as valid
 from reservations.acceptance import Request
 from reservations.errors import InvalidRequest
 from reservations.redrives import is_redrive_key
-from reservations.requests import RequestResult
+from reservations.request_outcomes import RequestResult
 from tasks import messages
 from tasks.app import app as default_app
 from tasks.errors import BrokerUnavailable, ClientClosed, OutcomeTimeout

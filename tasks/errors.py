@@ -9,7 +9,7 @@ theirs::
     ├── WatcherClosed (RuntimeError)      the client closed while a handle waited
     ├── OutcomeTimeout (TimeoutError)     no final outcome within the wait; ``key``
     ├── BrokerUnavailable (OperationalError)  the broker did not take the message
-    └── Redriven                          a worker's retry reason after a lost lease (tasks.states)
+    └── Redriven                          a worker's retry reason after a lost lease (tasks.answers)
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ import threading
 from collections import deque
 
 from reservations.batch_statement import InHand
-from reservations.requests import RequestResult
+from reservations.request_outcomes import RequestResult
 
 
 class Joined:

@@ -1,6 +1,6 @@
 """What a request task tells operators, one function per event: its log line, whose facts ride as fields
 (``extra=``, one JSON object per line with ``RESERVATIONS_LOG_FORMAT=json``), the event's fields for the
-lost-ownership retry (:class:`tasks.states.Redriven`), and its metrics (:mod:`tasks.metrics`).
+lost-ownership retry (:class:`tasks.answers.Redriven`), and its metrics (:mod:`tasks.metrics`).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 from fencing import LostOwnership, StaleToken
-from reservations.requests import RequestResult
+from reservations.request_outcomes import RequestResult
 from tasks import metrics
 from tasks.logs import fencing_fields
 from tasks.messages import ENQUEUED_AT, Message

@@ -18,7 +18,7 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import suppress
 
-from reservations.requests import MAX_KEYS_PER_READ, RequestResult
+from reservations.request_outcomes import MAX_KEYS_PER_READ, RequestResult
 from tasks.errors import OutcomeTimeout, WatcherClosed
 
 log = logging.getLogger("tasks.outcomes")

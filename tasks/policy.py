@@ -5,8 +5,8 @@
 ==============================  =======================================================================
 error in an attempt             action
 ==============================  =======================================================================
-malformed message               final ``invalid`` (recorded under its key when it has one; tasks.jobs,
-                                before any attempt)
+malformed message               final ``invalid`` (recorded under its key when it has one;
+                                tasks.request_tasks, before any attempt)
 taken up past its deadline      final ``expired``, before any lease or stock is touched (tasks.deadlines)
 InvalidRequest, UnknownSku,     final ``invalid``: it can never succeed
 UnknownReservation,
@@ -15,7 +15,7 @@ IdempotencyConflict,
 RequestClosed,
 InvalidLeaseRequest
 InsufficientStock               final ``insufficient_stock``
-LeaseBusy                       single-SKU reserve: queue for the holder (hot-SKU protocol, tasks.serving);
+LeaseBusy                       single-SKU reserve: queue for the holder (hot-SKU protocol, tasks.hot_sku);
                                 else retry with jittered backoff, ``busy`` counter; final
                                 ``dead_lettered`` after ``max_retries``
 LostOwnership (StaleToken,      attempt recorded ``lost_ownership``, its lease is done; the request runs
@@ -97,7 +97,7 @@ class Again:
 
 @dataclass(frozen=True)
 class HandOff:
-    """The request waits in its SKU's queue for the lease holder to serve it (tasks.serving)."""
+    """The request waits in its SKU's queue for the lease holder to serve it (tasks.hot_sku)."""
 
 
 Decision = Final | Again | HandOff

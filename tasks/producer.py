@@ -15,7 +15,7 @@ from celery import Celery, current_task
 from celery.signals import before_task_publish
 
 from reservations import validation as valid
-from reservations.requests import request_id
+from reservations.request_outcomes import request_id
 from tasks import deadlines, messages
 from tasks.messages import DEADLINE, ENQUEUED_AT, FORMAT, task_name
 from tasks.settings import Settings

@@ -57,7 +57,7 @@ from fencing import BackendUnavailable
 from reservations import Inventory
 from reservations import acceptance as records
 from reservations.acceptance import Due
-from reservations.requests import AlreadyApplied
+from reservations.request_outcomes import AlreadyApplied
 from reservations.statuses import RequestStatus
 from tasks.producer import Producer
 from tasks.sending import publish

@@ -18,7 +18,7 @@ from reservations import Inventory
 from reservations import validation as valid
 from reservations.acceptance import Request
 from reservations.redrives import Redrive
-from reservations.requests import request_id
+from reservations.request_outcomes import request_id
 from tasks.messages import CURRENT_FORMAT, SHAPES, request_fingerprint
 from tasks.producer import Producer
 

@@ -70,8 +70,8 @@ def _shown(value: object, limit: int = SHOWN_CHARS) -> str:
 
 def identity(payload: object) -> dict[str, str | None]:
     """What identifies a message in a log line, read from its headers where they are readable: the task
-    id (a request's is derived from its key, :func:`reservations.requests.request_id`), the task name, and
-    the idempotency key shown in ``kwargsrepr``."""
+    id (a request's is derived from its key, :func:`reservations.request_outcomes.request_id`), the task
+    name, and the idempotency key shown in ``kwargsrepr``."""
     headers = payload.get("headers") if isinstance(payload, Mapping) else None
     if not isinstance(headers, Mapping):
         return {"task_id": None, "task": None, "key": None}

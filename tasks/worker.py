@@ -31,13 +31,13 @@ from fencing.sql_executor import SyncSqlExecutor
 from fencing.urls import mask_url
 from reservations import Inventory
 from tasks import metrics
+from tasks.answers import note_task_events
 from tasks.connections import client_options
 from tasks.errors import TasksError
 from tasks.failpoints import failpoint
 from tasks.logs import say, use_json
 from tasks.readiness import refuse, wait_until_usable
 from tasks.settings import Settings, json_logs, settings_of, unknown_name_warnings
-from tasks.states import note_task_events
 
 log = logging.getLogger("tasks.worker")
 

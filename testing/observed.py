@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from fencing import LeaseManager
 from reservations import Inventory
-from reservations.requests import RequestResult, request_id
+from reservations.request_outcomes import RequestResult, request_id
 from tasks import ReservationClient, ReservationHandle, Settings, create_app
 from testing.celery_processes import CeleryProcess, start_all, stop_all, worker_env
 from testing.harness import free_port, process_state, wait_until

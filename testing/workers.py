@@ -20,7 +20,7 @@ from celery import Celery
 
 from fencing import LeaseManager
 from reservations import Inventory
-from reservations.requests import RequestResult
+from reservations.request_outcomes import RequestResult
 from tasks import OutcomeTimeout, ReservationClient, ReservationHandle, Settings, create_app
 from testing.celery_processes import CeleryProcess, start_all, stop_all, worker_env
 from testing.redis_servers import RedisServer

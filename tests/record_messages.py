@@ -50,7 +50,7 @@ import httpx
 import redis
 
 from reservations import Inventory, schema
-from reservations.requests import request_id
+from reservations.request_outcomes import request_id
 from testing.celery_processes import worker_env
 from testing.harness import free_port, wait_until
 from testing.redis_servers import RedisServer, redis_server

@@ -11,7 +11,7 @@ import pytest
 from fencing import LeaseLost, LeaseManager, StaleToken
 from reservations import InvalidRequest, Inventory, scope_of
 from reservations.batch_statement import InHand
-from reservations.requests import RequestResult
+from reservations.request_outcomes import RequestResult
 from testing.stock import lease_for, level, snapshot, statuses
 
 SKU = "HOT"

@@ -18,7 +18,7 @@ import pytest
 import redis
 
 from reservations import scope_of
-from reservations.requests import RequestResult, request_id
+from reservations.request_outcomes import RequestResult, request_id
 from tasks import ReservationClient
 from testing.harness import process_state, wait_until
 from testing.redis_servers import redis_server

@@ -30,7 +30,7 @@ from kombu.transport import pyamqp
 from prometheus_client.parser import text_string_to_metric_families
 
 from reservations import Inventory
-from reservations.requests import RequestResult, request_id
+from reservations.request_outcomes import RequestResult, request_id
 from tasks import ReservationClient, Settings, create_app
 from tasks import transport as screening
 from testing.celery_processes import CeleryProcess, stop_all, worker_env

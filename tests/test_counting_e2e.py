@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from reservations.requests import request_id
+from reservations.request_outcomes import request_id
 from testing.harness import process_state, wait_until
 from testing.redis_servers import redis_server
 from testing.workers import Stack, identity, stack

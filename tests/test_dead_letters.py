@@ -25,7 +25,7 @@ from reservations.acceptance import accepted
 from reservations.errors import RedriveRefused, UnknownRequest
 from reservations.models import schema_compatibility
 from reservations.redrives import carried_request, redrive_key
-from reservations.requests import RequestResult
+from reservations.request_outcomes import RequestResult
 from reservations.validation import MAX_KEY_CHARS, idempotency_key
 from tasks import ReservationClient, Settings, create_app
 from tasks.messages import request_fingerprint
@@ -44,8 +44,8 @@ def dead_letter(
     arguments: dict[str, Any] | None = RESERVE,
     reason: str = "backend unavailable",
 ) -> RequestResult:
-    """A dead letter as tasks.jobs writes it: reason, error and (unless written by older code) the request
-    it carried."""
+    """A dead letter as tasks.request_tasks writes it: reason, error and (unless written by older code) the
+    request it carried."""
     detail: dict[str, Any] = {"reason": reason, "error": "redis unavailable: connection refused"}
     if arguments is not None:
         detail["request"] = carried_request("reserve", arguments)

@@ -27,7 +27,7 @@ import redis
 from fencing import LeaseManager
 from reservations import InvalidRequest, Inventory, schema
 from reservations import validation as valid
-from reservations.requests import request_id
+from reservations.request_outcomes import request_id
 from tasks import ReservationClient, Settings, create_app
 from tasks.deadlines import Late, header, late
 from tasks.messages import DEADLINE

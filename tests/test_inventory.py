@@ -618,7 +618,7 @@ def test_a_request_closed_without_effect_can_never_apply_late(
 def test_an_applied_request_cannot_be_recorded_as_dead_lettered(
     inventory: Inventory, leases: LeaseManager, widget: str
 ) -> None:
-    from reservations.requests import AlreadyApplied
+    from reservations.request_outcomes import AlreadyApplied
 
     inventory.reserve(lease_for(leases, widget), widget, 1, key="applied")
     with pytest.raises(AlreadyApplied):
@@ -647,7 +647,7 @@ def test_a_timeline_of_one_millisecond_still_runs_epoch_by_epoch() -> None:
     resolution): the seed story still reads acquired, writes, end, then the refusals it caused."""
     from fencing import LeaseEvent
     from reservations.timeline import merge
-    from reservations.views import HistoryEntry
+    from reservations.values import HistoryEntry
 
     at, a, b = 1_700_000_000.001, 7, 8
 

@@ -21,7 +21,7 @@ from fencing import StaleToken
 from fencing.plan import Atomic, Plan
 from reservations.errors import IdempotencyConflict, InsufficientStock, KeyTaken
 from reservations.ledger import Ledger
-from reservations.views import Outcome
+from reservations.values import Outcome
 from testing.scripted import Raises, Script, kinds, rows, sql_params
 
 KEY, OPERATION, PRINT = "order-7", "restock", "fingerprint-of-restock-3"

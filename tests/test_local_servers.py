@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 
 from reservations.batch_statement import InHand
-from reservations.requests import RequestResult
+from reservations.request_outcomes import RequestResult
 from tasks.local_servers import Joined, LocalServers
 
 SKU = "HOT"

@@ -33,7 +33,7 @@ import redis
 from fencing import LeaseManager
 from reservations import Inventory
 from reservations import validation as valid
-from reservations.requests import RequestResult, request_id
+from reservations.request_outcomes import RequestResult, request_id
 from reservations.statuses import RequestStatus
 from tasks import ReservationClient
 from tasks.messages import (

@@ -28,7 +28,7 @@ from fencing import LeaseManager
 from reservations import Inventory, schema
 from reservations.acceptance import record
 from reservations.models import sku_history
-from reservations.requests import request_id
+from reservations.request_outcomes import request_id
 from tasks.logs import use_json_on_stderr
 from tasks.sending import request_of
 from testing.celery_processes import worker_env

@@ -19,7 +19,7 @@ from fencing import Lease, LeaseManager, StaleToken
 from fencing.engines import make_engine
 from reservations import Inventory, Outcome
 from reservations.errors import ConstraintRefused, InvalidTransition
-from reservations.requests import RequestReply
+from reservations.request_outcomes import RequestReply
 from testing.one_statement import WHO, WIDGET, lease_for, newer_epoch, rows
 from testing.stores import own_pg_schema
 

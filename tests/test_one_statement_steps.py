@@ -21,7 +21,7 @@ import sqlalchemy as sa
 from fencing import LeaseManager
 from reservations import Inventory, Outcome
 from reservations.counting import StockSeen, short_count
-from reservations.requests import RequestReply
+from reservations.request_outcomes import RequestReply
 from reservations.validation import MAX_ON_HAND
 from testing.one_statement import BIG, GADGET, NOPE, UNKNOWN, WHO, WIDGET, lease_for, newer_epoch, rows
 from testing.stores import own_pg_schema

@@ -16,7 +16,7 @@ from kombu.exceptions import OperationalError
 
 from fencing import BackendUnavailable
 from reservations import AsyncInventory, Inventory
-from reservations.requests import RequestResult
+from reservations.request_outcomes import RequestResult
 from tasks import ClientClosed, ReservationClient, Settings, TasksError, create_app
 from tasks.errors import OutcomeTimeout, WatcherClosed
 from tasks.outcomes import OutcomeWatcher

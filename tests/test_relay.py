@@ -26,7 +26,7 @@ from fencing import LeaseManager
 from reservations import Inventory
 from reservations.acceptance import Accepted, Due, accepted, record
 from reservations.models import accepted_requests
-from reservations.requests import RequestResult, request_id
+from reservations.request_outcomes import RequestResult, request_id
 from reservations.validation import scope_of
 from tasks import ReservationClient, Settings, create_app
 from tasks.messages import CURRENT_FORMAT, ENQUEUED_AT

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from reservations import IdempotencyConflict
-from reservations.requests import RequestResult, request_id
+from reservations.request_outcomes import RequestResult, request_id
 from testing.harness import free_port, wait_until
 from testing.redis_servers import RedisServer, redis_server
 from testing.workers import OUTCOME_TIMEOUT, Stack, identity, stack

@@ -17,7 +17,7 @@ from kombu.exceptions import ChannelError
 
 from reservations import validation as valid
 from reservations.redrives import is_redrive_key, redrive_key
-from reservations.requests import Redriven, RequestResult
+from reservations.request_outcomes import Redriven, RequestResult
 from reservations.statuses import RequestStatus
 from reservations.validation import MAX_KEY_CHARS
 from service.answers import (

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-import tasks.jobs  # noqa: F401  (declares the tasks each app binds)
+import tasks.request_tasks  # noqa: F401  (declares the tasks each app binds)
 from tasks import create_app
 from tasks.app import SCHEDULED_RESULT_EXPIRES
 from tasks.settings import VARIABLES, Settings, variable

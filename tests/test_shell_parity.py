@@ -60,7 +60,7 @@ from reservations import (
     scope_of,
 )
 from reservations.errors import RedriveRefused
-from reservations.views import HistoryEntry
+from reservations.values import HistoryEntry
 from tasks.client import ReservationClient, ReservationHandle
 from testing.stores import REDIS_URL, own_pg_schema, own_redis_prefix
 

@@ -16,7 +16,7 @@ from celery.app.trace import build_tracer
 from celery.utils.saferepr import saferepr
 
 from tasks import Settings, create_app
-from tasks.states import Answered, RequestTask, reply
+from tasks.answers import Answered, RequestTask, reply
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from reservations import Inventory
-from reservations.requests import RequestResult, request_id
+from reservations.request_outcomes import RequestResult, request_id
 from tasks import ReservationClient
 from testing.redis_servers import redis_server
 from testing.workers import Cluster, cluster, pg_schema

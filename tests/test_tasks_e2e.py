@@ -19,7 +19,7 @@ import pytest
 import redis
 
 from reservations import InvalidRequest
-from reservations.requests import request_id
+from reservations.request_outcomes import request_id
 from tasks import ReservationHandle
 from testing.harness import process_state, wait_until
 from testing.redis_servers import RedisServer, redis_server

@@ -43,7 +43,7 @@ from admin.chaos.workload import Sent
 from fencing import BackendUnavailable, LeaseManager
 from fencing.engines import make_engine
 from reservations.models import pending_reservations, request_outcomes
-from reservations.requests import request_id
+from reservations.request_outcomes import request_id
 from reservations.validation import scope_of
 from tasks.connections import client_options
 from testing.harness import process_state

@@ -17,9 +17,9 @@ from rich.table import Table
 from reservations.acceptance import Accepted, Listed
 from reservations.audit import Violation
 from reservations.redrives import DeadLetter, RedriveLink
-from reservations.requests import Attempt, RequestResult
+from reservations.request_outcomes import Attempt, RequestResult
 from reservations.timeline import Epoch, TimelineEntry
-from reservations.views import ArchivedHistory, HistoryEntry, ReservationView, StockLevel
+from reservations.values import ArchivedHistory, HistoryEntry, ReservationView, StockLevel
 
 out = Console(soft_wrap=False)
 err = Console(stderr=True, soft_wrap=True)

@@ -49,7 +49,7 @@ from celery.utils.saferepr import saferepr
 from celery.worker.request import Request
 from celery.worker.state import task_ready
 
-from reservations.requests import RequestResult
+from reservations.request_outcomes import RequestResult
 from reservations.statuses import RequestStatus
 from tasks.errors import TasksError
 from tasks.messages import Message

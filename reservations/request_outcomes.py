@@ -37,7 +37,7 @@ from reservations.models import (
     task_attempts,
 )
 from reservations.statuses import AttemptResult, RequestStatus
-from reservations.views import Outcome, columns
+from reservations.values import Outcome, columns
 
 # Idempotency records, and request outcomes and attempts, are kept this long by default;
 # ``purge_idempotency`` and :func:`purge` delete older ones. A retry or redelivery arriving after its key was

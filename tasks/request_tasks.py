@@ -23,16 +23,16 @@ from reservations import InvalidRequest
 from reservations import validation as valid
 from reservations.acceptance import keep
 from reservations.partitions import prepare_partitions
-from reservations.requests import AlreadyApplied
+from reservations.request_outcomes import AlreadyApplied
 from reservations.statuses import RequestStatus
 from tasks import deadlines, logs, messages, observe, policy
+from tasks.answers import RequestTask, as_result, reply
 from tasks.app import app
 from tasks.attempt import Attempt
+from tasks.hot_sku import serve_pending, serve_quietly
 from tasks.messages import Message, task_name
 from tasks.sending import request_of
-from tasks.serving import serve_pending, serve_quietly
 from tasks.settings import settings_of
-from tasks.states import RequestTask, as_result, reply
 from tasks.worker import Resources, Unbuildable, resources, worker_identity
 
 log = logging.getLogger("tasks")

@@ -7,7 +7,7 @@ bound to its arguments (:func:`functools.partial`), so that the attempt calls th
 
 A single-SKU reservation, a confirm, a release, a restock, a count and a replenishment are written as
 requests: one statement on PostgreSQL with their attempt and outcome, answering a request that already
-ended. A reservation's busy lease can have its holder serve it in a batch (:class:`tasks.serving.Batchable`).
+ended. A reservation's busy lease can have its holder serve it in a batch (:class:`tasks.hot_sku.Batchable`).
 An order's write is an operation, whose attempt and outcome the task records after it.
 """
 
@@ -21,9 +21,9 @@ from typing import Any
 from fencing import Lease
 from reservations import Inventory, Outcome
 from reservations.counting import counted_units, short_count
-from reservations.requests import RequestReply
+from reservations.request_outcomes import RequestReply
+from tasks.hot_sku import Batchable
 from tasks.messages import Message
-from tasks.serving import Batchable
 
 Leases = dict[str, Lease]
 # Who a request's write speaks for: the task id and the worker (tasks.worker.worker_identity).

@@ -17,14 +17,14 @@ from reservations import pending
 from reservations import validation as valid
 from reservations.batch_statement import InHand
 from reservations.operations import hold_ms_of
-from reservations.requests import RequestResult
+from reservations.request_outcomes import RequestResult
 from tasks import failpoints, metrics, observe
+from tasks.answers import QUEUED, announce, answer, as_result, conflict, reply
 from tasks.app import app
 from tasks.failpoints import failpoint
 from tasks.local_servers import Joined, local_servers
 from tasks.messages import Message, task_name
 from tasks.settings import stores_request_results
-from tasks.states import QUEUED, announce, answer, as_result, conflict, reply
 from tasks.worker import Resources
 
 log = logging.getLogger("tasks")
