@@ -10,7 +10,8 @@ without it do not carry. The tasks section times the project's own app instead.
 
 from __future__ import annotations
 
-from tasks.app import app, settings_of
+from tasks.app import app
+from tasks.settings import settings_of
 
 __all__ = ["EXPIRES", "app"]
 

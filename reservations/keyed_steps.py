@@ -33,7 +33,7 @@ from reservations.statuses import AttemptResult, RequestStatus
 from reservations.values import Outcome
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: one is made per write, on the hot path
 class Step:
     """One checked write under its key, both ways it can be sent. ``scope``: the lease scope the write
     needs, or None when the statement judges it (a reservation's SKU is read by the statement)."""

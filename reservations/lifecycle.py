@@ -104,8 +104,9 @@ def reserve_step(
     def rejection(stale: StaleToken) -> sa.Executable:
         return ledger.rejection(stale, lease, sku, "reserve", key, quantity)
 
-    held = partial(hold_one, ledger, lease, sku, quantity, key, hold_ms)
-    several = partial(ledger.idempotent, key, "reserve", print_, held, rejection, ledger.lock_skus(sku))
+    def several() -> Plan[Outcome]:  # built only when the step takes it (SQLite, a lost lease)
+        held = partial(hold_one, ledger, lease, sku, quantity, key, hold_ms)
+        return ledger.idempotent(key, "reserve", print_, held, rejection, ledger.lock_skus(sku))
 
     def send(fence: Fence, speaker: Speaker | None) -> Plan[reserve_statement.Reply]:
         asked = reserve_statement.Asked(

@@ -45,9 +45,11 @@ class Sent:
 
     text: str
     names: tuple[str, ...]
+    # (p0, name), (p1, name)...: bound on every call, so the placeholders are not formatted each time
+    pairs: tuple[tuple[str, str], ...] = ()
 
     def bind(self, values: dict[str, Any]) -> dict[str, Any]:
-        return {f"p{number}": values[name] for number, name in enumerate(self.names)}
+        return {placeholder: values[name] for placeholder, name in self.pairs}
 
 
 def sent(sql: str) -> Sent:
@@ -60,7 +62,7 @@ def sent(sql: str) -> Sent:
     text = re.sub(r"\s*([(),=])\s*", r"\1", re.sub(r"\s+", " ", sql)).strip()
     if len(text.encode()) > 4096:  # pragma: no cover - caught by the tests of each statement
         raise RuntimeError(f"a statement of {len(text)} characters is parsed again on every call")
-    return Sent(text, names)
+    return Sent(text, names, tuple((f"p{number}", name) for number, name in enumerate(names)))
 
 
 # A one-statement write four ways, by (fenced, speaking for a queued request): fenced or lease-only (the
