@@ -158,13 +158,34 @@ class QoS(kombu_redis.QoS):
             # This process's record of it, which prefetch counts and the ack clears.
             virtual.QoS.append(self, message, delivery_tag)  # type: ignore[no-untyped-call]
 
+    def _detached(self) -> bool:
+        """Whether the consumer lost the broker (a restart) and kombu already let go of both this
+        channel's client pool and its connection: kombu would look for the broker's address on the
+        connection that is gone and raise AttributeError, which ends the worker's main process. There is
+        no broker to reach through it anyway. What kombu would have done stays on the broker's unacked
+        record, where the visibility timeout brings the message back (a copy of a request that ended
+        replays its outcome); one the broker lost is published again by the relay from its record."""
+        channel = self.channel
+        return channel._pool is None and getattr(channel.connection, "client", None) is None
+
+    def _left_to_the_broker(self, what: str, count: int) -> None:
+        log.warning("broker connection closed: %s %d message(s) left to the broker", what, count)
+
     def ack(self, delivery_tag: str) -> None:
+        if self._detached():
+            self._left_to_the_broker("the ack of", 1)
+            virtual.QoS.ack(self, delivery_tag)  # type: ignore[no-untyped-call]
+            return
         try:
             super().ack(delivery_tag)  # type: ignore[no-untyped-call]
         except OutOfMemoryError:
             self._unrecord(delivery_tag)
 
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
+        if self._detached():
+            self._left_to_the_broker("the rejection of", 1)
+            virtual.QoS.ack(self, delivery_tag)  # type: ignore[no-untyped-call]
+            return
         try:
             super().reject(delivery_tag, requeue=requeue)  # type: ignore[no-untyped-call]
         except OutOfMemoryError:
@@ -186,18 +207,9 @@ class QoS(kombu_redis.QoS):
         virtual.QoS.ack(self, delivery_tag)  # type: ignore[no-untyped-call]
 
     def restore_unacked(self, client: Any = None) -> Any:
-        channel = self.channel
-        if client is None and channel._pool is None and channel.connection.client is None:
-            # The consumer lost the broker (a restart) and an earlier close already detached kombu's
-            # transport from its connection: kombu would look for the broker's address on a connection
-            # that is gone and raise AttributeError, which ends the worker's main process. There is no
-            # broker to restore through anyway. The messages stay on the broker's unacked record, where
-            # the visibility timeout brings them back; one the broker lost is published again by the
-            # relay from its record in the database.
-            log.warning(
-                "broker connection closed: %d unacknowledged message(s) left to the broker",
-                len(self._delivered),
-            )
+        if client is None and self._detached():
+            held = len(self._delivered.keys() - self._dirty)  # kombu forgets acked ones lazily
+            self._left_to_the_broker("the restore of", held)
             return None
         return super().restore_unacked(client)  # type: ignore[no-untyped-call]
 

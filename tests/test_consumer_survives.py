@@ -361,3 +361,50 @@ def test_a_worker_started_while_its_broker_is_full_waits_for_room(
             worker.wait_ready()
         finally:
             stop_all([worker])
+
+
+def test_a_late_ack_after_the_broker_was_lost_leaves_the_message_to_the_broker(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A task that ends after its consumer lost the broker (a restart): kombu has already let go of the
+    channel's pool and its connection, and its ack, rejection or restore of the message would look for the
+    broker's address on the connection that is gone, raise AttributeError and end the worker's main
+    process. Each is instead left to the broker's unacked record (the visibility timeout brings the message
+    back, and a copy of a request that ended replays its outcome), and the consumer forgets it."""
+    from kombu import Connection, Queue
+
+    screening.install()
+    with redis_server(tmp_path / "redis") as server:
+        connection = Connection(server.url(0))
+        channel = connection.channel()
+        assert isinstance(channel, screening.Channel)
+        queue = Queue("late-ack", channel=channel)
+        queue.declare()
+        producer = connection.Producer(serializer="json")
+        for n in range(3):
+            producer.publish({"n": n}, routing_key="late-ack")
+        taken = [queue.get(no_ack=False) for _ in range(3)]
+        assert all(message is not None for message in taken)
+        broker = redis.Redis.from_url(server.url(0))
+        assert broker.hlen("unacked") == 3
+        # As kombu leaves a consumer whose broker restarted: the connection closed (which detaches the
+        # channel from it) without restoring anything, the broker it would restore to being gone, and the
+        # channel's pools dropped on the lost connection.
+        channel.qos.restore_at_shutdown = False
+        connection.close()
+        channel._disconnect_pools()
+        assert channel.connection is None and channel._pool is None
+        with caplog.at_level(logging.WARNING, logger="tasks.transport"):
+            channel.qos.ack(taken[0].delivery_tag)
+            channel.qos.reject(taken[1].delivery_tag, requeue=True)
+            channel.qos.restore_unacked()
+        channel.qos._flush()  # kombu forgets acked deliveries lazily
+        assert list(channel.qos._delivered) == [taken[2].delivery_tag]
+        assert [r.getMessage() for r in caplog.records if "left to the broker" in r.getMessage()] == [
+            "broker connection closed: the ack of 1 message(s) left to the broker",
+            "broker connection closed: the rejection of 1 message(s) left to the broker",
+            "broker connection closed: the restore of 1 message(s) left to the broker",
+        ]
+        # Nothing was taken off the broker's record: the visibility timeout gives all three back.
+        assert broker.hlen("unacked") == 3
+        broker.close()
