@@ -37,18 +37,6 @@ from tasks.variables import (
     without_password,
 )
 
-__all__ = [
-    "CHAOS_POSTGRES_URL",
-    "VARIABLES",
-    "Settings",
-    "json_logs",
-    "known_names",
-    "unknown_name_warnings",
-    "unknown_names",
-    "url_with_password_file",
-    "variable",
-]
-
 # Read by the command line's chaos run only (``reservations chaos``), not a setting of this object, but a
 # name of ours all the same: it is never reported as unknown.
 CHAOS_POSTGRES_URL = PREFIX + "CHAOS_POSTGRES_URL"

@@ -22,27 +22,6 @@ from urllib.parse import quote, urlsplit
 from fencing.urls import mask_url
 from reservations import numerals
 
-__all__ = [
-    "DEFAULT",
-    "ENVIRONMENT",
-    "FILE",
-    "GIVEN",
-    "OPTION",
-    "PREFIX",
-    "SettingsError",
-    "Variable",
-    "declared",
-    "describe",
-    "is_sentinel",
-    "name_of",
-    "read",
-    "scheme_of",
-    "scheme_problem",
-    "setting",
-    "with_password",
-    "without_password",
-]
-
 PREFIX = "RESERVATIONS_"
 
 # Where a value came from, as ``reservations config`` reports it.
