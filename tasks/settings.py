@@ -33,7 +33,6 @@ from tasks.variables import (
     scheme_of,
     scheme_problem,
     setting,
-    with_password,
     without_password,
 )
 
@@ -386,16 +385,6 @@ def unknown_name_warnings(env: Mapping[str, str] | None = None) -> list[str]:
         f"{name} is not a setting" + (f"; did you mean {closest}?" if closest else "")
         for name, closest in unknown_names(env)
     ]
-
-
-def url_with_password_file(env: Mapping[str, str], name: str, url: str) -> str:
-    """``url`` with the password from the file ``RESERVATIONS_<name>_PASSWORD_FILE`` names, when that
-    is set (``name``: DATABASE, LEASE, BROKER or RESULT_BACKEND)."""
-    wanted = f"{PREFIX}{name}_PASSWORD_FILE"
-    found = next((v for v in VARIABLES if v.password_file == wanted), None)
-    if found is None:
-        raise SettingsError(f"{wanted} is not a setting")
-    return with_password(env, found, url) if env.get(wanted) else url
 
 
 def settings_of(app: Celery) -> Settings:

@@ -25,7 +25,7 @@ import pytest
 import yaml
 
 from reservations import schema
-from tasks.settings import Settings, url_with_password_file
+from tasks.settings import Settings
 from tasks.variables import SettingsError
 from testing.celery_processes import CeleryProcess, start_all, stop_all, worker_env
 from testing.compose import COMPOSE, compose, resolved
@@ -174,18 +174,21 @@ def test_settings_take_passwords_from_files(tmp_path: Path) -> None:
     assert settings.broker_url == "amqp://app:p%40ss%3Aw%2Frd%25@mq:5672/"
     assert "p%40ss" not in repr(settings)
     # Unset or empty: the URL as given.
-    assert url_with_password_file({"RESERVATIONS_BROKER_PASSWORD_FILE": ""}, "BROKER", "redis://r/0") == (
-        "redis://r/0"
-    )
+    given = {"RESERVATIONS_BROKER_URL": "redis://r/0", "RESERVATIONS_BROKER_PASSWORD_FILE": ""}
+    assert Settings.from_env(given).broker_url == "redis://r/0"
     with pytest.raises(SettingsError, match="RESERVATIONS_DATABASE_PASSWORD_FILE"):
-        url_with_password_file(
-            {"RESERVATIONS_DATABASE_PASSWORD_FILE": str(secret)}, "DATABASE", "postgresql://app:other@db/inv"
+        Settings.from_env(
+            {
+                "RESERVATIONS_DATABASE_URL": "postgresql://app:other@db/inv",
+                "RESERVATIONS_DATABASE_PASSWORD_FILE": str(secret),
+            }
         )
     with pytest.raises(SettingsError, match="cannot read"):
-        url_with_password_file(
-            {"RESERVATIONS_DATABASE_PASSWORD_FILE": str(tmp_path / "missing")},
-            "DATABASE",
-            "postgresql://db/i",
+        Settings.from_env(
+            {
+                "RESERVATIONS_DATABASE_URL": "postgresql://db/i",
+                "RESERVATIONS_DATABASE_PASSWORD_FILE": str(tmp_path / "missing"),
+            }
         )
 
 
