@@ -165,7 +165,9 @@ def read(
                 values[variable.field] = variable.parse(raw)
                 sources[variable.field] = OPTION if options.get(variable.field) else ENVIRONMENT
             if variable.url and env.get(variable.password_file):
-                url = values.get(variable.field) or _default_of(variable, values, by_field)
+                # A URL left unset is its default, or the value of the field it defaults to.
+                origin = by_field[variable.default_from] if variable.default_from else variable
+                url = values.get(variable.field) or values.get(origin.field) or origin.default
                 values[variable.field] = with_password(env, variable, url)
                 sources[variable.field], files[variable.field] = FILE, env[variable.password_file]
         except SettingsError as exc:
@@ -187,12 +189,6 @@ def describe(variables: tuple[Variable, ...]) -> list[dict[str, str]]:
         }
         for v in variables
     ]
-
-
-def _default_of(variable: Variable, values: Mapping[str, Any], by_field: Mapping[str, Variable]) -> str:
-    if variable.default_from:
-        return str(values.get(variable.default_from) or by_field[variable.default_from].default)
-    return str(variable.default)
 
 
 # -- URLs: schemes, sentinel lists, passwords from files --------------------------------------------------
