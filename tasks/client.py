@@ -9,7 +9,7 @@ other arguments) raises :class:`IdempotencyConflict` instead of being handed ove
 Every blocking method has an async twin (``enqueue_sync`` / ``enqueue``, ``wait_sync`` / ``wait``,
 ``ReservationHandle.result_sync`` / ``result``...). The decisions are one core both twins call, pure code
 doing no I/O: the request's payload, checked before anything is recorded (:func:`tasks.messages.normalized`,
-:meth:`ReservationClient._checked`); its record (:func:`tasks.sending.request_of`); the handle that names
+:meth:`ReservationClient._request`) and its record (:func:`tasks.sending.request_of`); the handle that names
 it (:meth:`ReservationClient._handle`); whether a stored outcome is the handle's own
 (``ReservationHandle._own``); kombu's error for a broker that did not take a message, mapped to
 :class:`tasks.errors.BrokerUnavailable`.
@@ -116,13 +116,14 @@ class ReservationClient:
         if self._closed:
             raise ClientClosed("the client is closed")
 
-    def _checked(self, key: str, deadline: float | None) -> None:
-        """Refuse, before anything is published, a closed client, a bad key or a bad deadline."""
+    def _request(self, name: str, key: str, kwargs: dict[str, Any], deadline: float | None) -> Request:
+        """The request; refused before anything is recorded for a closed client, a bad key or deadline."""
         self._check_open()
         valid.idempotency_key(key)
         if is_redrive_key(key):  # the name of a re-drive, which only `redrive` may take
             raise InvalidRequest(f"{key!r} is a re-drive's key (<key>~redrive-<n>)", field="idempotency_key")
         valid.deadline(deadline)
+        return request_of(name, key, kwargs, deadline=deadline)
 
     def _handle(self, request: Request, task_id: str) -> ReservationHandle:
         return ReservationHandle(
@@ -138,8 +139,7 @@ class ReservationClient:
     def _send(
         self, name: str, key: str, kwargs: dict[str, Any], deadline: float | None = None
     ) -> ReservationHandle:
-        self._checked(key, deadline)
-        request = request_of(name, key, kwargs, deadline=deadline)
+        request = self._request(name, key, kwargs, deadline)
         try:
             task_id = self._sender.send(request)
         except OperationalError as exc:  # recorded: the relay publishes it once the broker answers
@@ -151,8 +151,7 @@ class ReservationClient:
     ) -> ReservationHandle:
         """Queue the request for the publishing thread and await its record and publication
         (tasks.outbox)."""
-        self._checked(key, deadline)
-        request = request_of(name, key, kwargs, deadline=deadline)
+        request = self._request(name, key, kwargs, deadline)
         return self._handle(request, await self._outbox.publish(request))
 
     async def publish_recorded(self, request: Request) -> ReservationHandle:
