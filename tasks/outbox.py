@@ -48,22 +48,19 @@ class Outbox:
         self._closed = False
 
     async def publish(self, request: Request, *, recorded: bool = False) -> str:
-        """Queue ``request`` and await its record and publication; returns its task id."""
+        """Queue ``request``, starting the publishing thread if it is idle, and await its record and
+        publication; returns its task id."""
         loop = asyncio.get_running_loop()
         sent: asyncio.Future[str] = loop.create_future()
-        self._queue(Outgoing(request, recorded, sent, loop))
-        return await sent
-
-    def _queue(self, item: Outgoing) -> None:
-        """Append ``item`` to the outbox, starting the publishing thread if it is idle."""
         with self._lock:
             if self._closed:
                 raise ClientClosed("the client is closed")
-            self._queued.append(item)
+            self._queued.append(Outgoing(request, recorded, sent, loop))
             start, self._draining = not self._draining, True
             if start:
                 # Under the lock: close() cannot shut the thread down between the check and this.
-                item.loop.run_in_executor(self._publisher, self._drain)
+                loop.run_in_executor(self._publisher, self._drain)
+        return await sent
 
     def _drain(self) -> None:
         """The publishing thread: send what is queued, batch after batch, until the outbox is empty."""
@@ -94,7 +91,10 @@ class Outbox:
                 # of the batch would wait as long each, so its senders hear of it now, each with an
                 # error of its own (a sender's raise adds to the error's traceback). Their requests are
                 # recorded: the relay publishes them once the broker answers.
-                answers.extend((item, None, _unsent(exc)) for item in batch[len(answers) :])
+                answers.extend(
+                    (item, None, BrokerUnavailable.of(exc) if isinstance(exc, OperationalError) else exc)
+                    for item in batch[len(answers) :]
+                )
             for item, answer, error in answers:
                 with suppress(RuntimeError):  # its loop closed meanwhile: nobody awaits it any more
                     item.loop.call_soon_threadsafe(_settle, item.future, answer, error)
@@ -121,8 +121,3 @@ def _settle(future: asyncio.Future[str], sent: str | None, error: BaseException 
     else:  # pragma: no cover - the publisher answers a message id or an error
         future.set_exception(RuntimeError("the message was neither sent nor refused"))
 
-
-def _unsent(error: Exception) -> Exception:
-    """The error of a message left unsent because its batch found no broker connection: its own
-    :class:`BrokerUnavailable` for each sender."""
-    return BrokerUnavailable.of(error) if isinstance(error, OperationalError) else error
