@@ -63,16 +63,12 @@ class OutcomeWatcher:
         except TimeoutError:
             raise OutcomeTimeout(key, timeout) from None
         finally:
-            self._forget(key, future)
-
-    def _forget(self, key: str, future: asyncio.Future[RequestResult]) -> None:
-        waiters = self._waiting.get(key)
-        if waiters is None:
-            return
-        with suppress(ValueError):
-            waiters.remove(future)
-        if not waiters:
-            del self._waiting[key]
+            waiters = self._waiting.get(key)  # None once a look or aclose settled the key
+            if waiters is not None:
+                with suppress(ValueError):
+                    waiters.remove(future)
+                if not waiters:
+                    del self._waiting[key]
 
     def _start(self) -> None:
         if self._news is None:
