@@ -56,7 +56,6 @@ from reservations.partitions import (
 )
 from reservations.reads import NEWEST_CHECKPOINTS
 
-__all__ = ["ArchiveReport", "ArchivedSpan", "archive", "detach", "iso"]
 
 @dataclass(frozen=True, slots=True)
 class ArchivedSpan:
@@ -131,8 +130,9 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def _write_durably(path: Path, chunks: Iterator[bytes], *, compress: bool) -> None:
-    """``chunks`` to ``path`` through a temporary name, fsynced before and after the rename."""
+def _write_durably(name: str, path: Path, chunks: Iterator[bytes], *, compress: bool) -> None:
+    """``chunks`` to ``path`` through a temporary name, fsynced before and after the rename. A full disk, a
+    read-only or vanished folder stops the span ``name`` (ArchiveInterrupted): its table keeps the rows."""
     partial = path.with_name(path.name + ".partial")
     try:
         with open(partial, "wb") as raw:
@@ -145,9 +145,11 @@ def _write_durably(path: Path, chunks: Iterator[bytes], *, compress: bool) -> No
             os.fsync(raw.fileno())
         os.replace(partial, path)
         _fsync_dir(path.parent)
-    except BaseException:
+    except BaseException as exc:
         with suppress(OSError):  # what a full disk let through goes: the next run writes it again
             partial.unlink()
+        if isinstance(exc, OSError):
+            raise ArchiveInterrupted(name, f"cannot write {path}: {exc.strerror or exc}") from exc
         raise
 
 
@@ -167,7 +169,6 @@ def _finish_file(
 ) -> tuple[Path, str]:
     """Write the archive file and its manifest; raise unless the file holds ``expected`` rows."""
     digest = hashlib.sha256()
-    stats: dict[str, int | None] = {"min": None, "max": None}
 
     def hashed() -> Iterator[bytes]:
         for chunk in chunks:
@@ -175,20 +176,17 @@ def _finish_file(
             yield chunk
 
     path = folder / f"{name}.csv.gz"
-    try:
-        _write_durably(path, hashed(), compress=True)
-    except OSError as exc:  # a full disk, a read-only or vanished folder: the table keeps the rows
-        raise ArchiveInterrupted(name, f"cannot write {path}: {exc.strerror or exc}") from exc
+    _write_durably(name, path, hashed(), compress=True)
     rows, checksum = _read_back(path)
     if rows != expected or checksum != digest.hexdigest():
         raise ArchiveInterrupted(name, f"the file holds {rows} rows, the table {expected}: kept the table")
+    low_seen: int | None = None
+    high_seen: int | None = None
     with gzip.open(path, "rt", newline="", encoding="utf-8") as text:
-        reader = csv.DictReader(text)
-        for row in reader:
+        for row in csv.DictReader(text):
             at = int(row["at_ms"])
-            low_seen, high_seen = stats["min"], stats["max"]
-            stats["min"] = at if low_seen is None else min(low_seen, at)
-            stats["max"] = at if high_seen is None else max(high_seen, at)
+            low_seen = at if low_seen is None else min(low_seen, at)
+            high_seen = at if high_seen is None else max(high_seen, at)
     manifest = {
         "table": table,
         "partition": name,
@@ -197,15 +195,12 @@ def _finish_file(
         "from_ms": low,
         "to_ms": high,
         "rows": rows,
-        "min_at_ms": stats["min"],
-        "max_at_ms": stats["max"],
+        "min_at_ms": low_seen,
+        "max_at_ms": high_seen,
         "sha256": checksum,  # of the uncompressed CSV
     }
-    manifest_path = folder / f"{name}.json"
-    try:
-        _write_durably(manifest_path, iter([json.dumps(manifest, indent=2).encode() + b"\n"]), compress=False)
-    except OSError as exc:
-        raise ArchiveInterrupted(name, f"cannot write {manifest_path}: {exc.strerror or exc}") from exc
+    manifest_file = iter([json.dumps(manifest, indent=2).encode() + b"\n"])
+    _write_durably(name, folder / f"{name}.json", manifest_file, compress=False)
     return path, checksum
 
 
@@ -232,7 +227,10 @@ def archive(
     today). Two runs of one database exclude each other (ArchiveBusy); ``to`` is made and written to
     before anything of the database changes."""
     _check_args(before_ms, to)
-    today = day_ms(day_of(now_ms if now_ms is not None else _database_now(engine)))
+    if now_ms is None:
+        with engine.connect() as conn:
+            now_ms = int(conn.execute(sa.select(db_now_ms())).scalar_one())
+    today = day_ms(day_of(now_ms))
     if before_ms > today:
         raise InvalidRequest(
             f"the cutoff {iso(before_ms)} is in the current UTC day or later, whose rows are still being "
@@ -240,32 +238,22 @@ def archive(
             field="before",
         )
     report = ArchiveReport(before_ms=before_ms, dry_run=dry_run)
+    postgres = engine.dialect.name == "postgresql"
+    run = _archive_pg if postgres else _archive_sqlite
     if dry_run:
-        _archive(engine, report, to)
+        run(engine, report, to)
         return report
     with _exclusive(engine):
         _writable(to)
-        _archive(engine, report, to)
-        if engine.dialect.name == "postgresql":
+        run(engine, report, to)
+        if postgres:
             report.created.extend(prepare_partitions(engine))
     return report
-
-
-def _archive(engine: sa.Engine, report: ArchiveReport, to: Path) -> None:
-    if engine.dialect.name == "postgresql":
-        _archive_pg(engine, report, to)
-    else:
-        _archive_sqlite(engine, report, to)
 
 
 def iso(ms: int) -> str:
     """Milliseconds since the epoch as an ISO time in UTC (``2026-12-05T00:00:00Z``)."""
     return datetime.fromtimestamp(ms / 1000, UTC).isoformat().replace("+00:00", "Z")
-
-
-def _database_now(engine: sa.Engine) -> int:
-    with engine.connect() as conn:
-        return int(conn.execute(sa.select(db_now_ms())).scalar_one())
 
 
 def _writable(to: Path) -> None:
