@@ -172,10 +172,6 @@ def measured() -> Iterator[tuple[str, str, list[int]]]:
         yield route, method, sorted({int(code) for code in answers} | {500})
 
 
-def _responses(route: str, method: str) -> dict[int | str, dict[str, Any]]:
-    return RESPONSES[(route, method)]
-
-
 def as_declared(document: dict[str, Any]) -> dict[str, Any]:
     """The OpenAPI document with each route's answers exactly as RESPONSES declares them. FastAPI adds a
     422 "Validation Error" to every route with a parameter, but a malformed request is answered 400
@@ -301,7 +297,7 @@ def router(
     @api.post(
         "/reservations",
         status_code=201,
-        responses=_responses("/reservations", "POST"),
+        responses=RESPONSES[("/reservations", "POST")],
         summary="Reserve units of a SKU",
     )
     async def reserve(
@@ -316,7 +312,7 @@ def router(
 
     @api.get(
         "/reservations/{key:path}",
-        responses=_responses("/reservations/{key}", "GET"),
+        responses=RESPONSES[("/reservations/{key}", "GET")],
         summary="The outcome of the reservation requested under a key",
     )
     async def outcome(key: KeyPath, space: Space) -> Response:
@@ -326,7 +322,7 @@ def router(
     def lifecycle(step: str) -> None:
         @api.post(
             f"/reservations/{{key:path}}/{step}",
-            responses=_responses(f"/reservations/{{key}}/{step}", "POST"),
+            responses=RESPONSES[(f"/reservations/{{key}}/{step}", "POST")],
             summary=f"{step.capitalize()} the reservation made under a key",
             name=step,
         )
@@ -347,7 +343,7 @@ def router(
 
     @api.get(
         "/requests/{key:path}",
-        responses=_responses("/requests/{key}", "GET"),
+        responses=RESPONSES[("/requests/{key}", "GET")],
         summary="The outcome of any request (a confirm, release or count) by its key",
     )
     async def request(key: KeyPath, space: Space) -> Response:
@@ -356,7 +352,7 @@ def router(
 
     @api.post(
         "/skus/{sku}/count",
-        responses=_responses("/skus/{sku}/count", "POST"),
+        responses=RESPONSES[("/skus/{sku}/count", "POST")],
         summary="Set a SKU's on-hand units to a count, under its lease",
     )
     async def count(
@@ -382,7 +378,7 @@ def _reads(
 ) -> None:
     """The routes that change nothing: stock, health, metrics and the problem types."""
 
-    @api.get("/skus/{sku}", responses=_responses("/skus/{sku}", "GET"), summary="A SKU's stock")
+    @api.get("/skus/{sku}", responses=RESPONSES[("/skus/{sku}", "GET")], summary="A SKU's stock")
     async def stock(sku: SkuPath) -> StockModel:
         try:
             level = await door().inventory.stock(sku)
@@ -396,19 +392,19 @@ def _reads(
             token=level.fence_token,
         )
 
-    @api.get("/healthz", responses=_responses("/healthz", "GET"), summary="Liveness")
+    @api.get("/healthz", responses=RESPONSES[("/healthz", "GET")], summary="Liveness")
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
-    @api.get("/readyz", responses=_responses("/readyz", "GET"), summary="Readiness")
+    @api.get("/readyz", responses=RESPONSES[("/readyz", "GET")], summary="Readiness")
     async def readyz() -> Response:
         return respond(await ready())
 
-    @api.get("/metrics", responses=_responses("/metrics", "GET"), include_in_schema=False)
+    @api.get("/metrics", responses=RESPONSES[("/metrics", "GET")], include_in_schema=False)
     async def metrics() -> Response:
         return Response(exposition(), media_type="text/plain; version=0.0.4")
 
-    @api.get("/problems/{name}", responses=_responses("/problems/{name}", "GET"), summary="A problem type")
+    @api.get("/problems/{name}", responses=RESPONSES[("/problems/{name}", "GET")], summary="A problem type")
     async def problem_type(name: str) -> dict[str, Any]:
         found = TYPES.get(name)
         if found is None:
