@@ -190,11 +190,7 @@ def dead_letters(
     links = sa.select(request_redrives.c.redrive_key, request_redrives.c.origin_key)
     chained = yield from _rows_of(links, request_redrives.c.redrive_key, keys)
     origin_of = {row.redrive_key: row.origin_key for row in chained}
-    origins: list[str] = []
-    for d in dead:
-        origin = origin_of.get(d.key, d.key)
-        if origin not in origins:
-            origins.append(origin)
+    origins = list(dict.fromkeys(origin_of.get(d.key, d.key) for d in dead))  # newest first, once each
     own: dict[str, RequestResult] = {d.key: d for d in dead}
     missing = [o for o in origins if o not in own]
     more = yield from _rows_of(sa.select(request_outcomes), request_outcomes.c.key, missing)
