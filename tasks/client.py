@@ -48,6 +48,8 @@ from tasks.producer import Producer
 from tasks.sending import Sender, request_of
 from tasks.settings import settings_of
 
+__all__ = ["ReservationClient", "ReservationHandle", "enqueue_reservation"]
+
 
 def _payload(name: str, **given: Any) -> dict[str, Any]:
     """The arguments ``given``, checked as a worker checks them: a request that could never succeed is
