@@ -292,6 +292,12 @@ class InventoryBase(Generic[E]):
     accepted = operation.of(acceptance.accepted)
     unfinished = operation.of(acceptance.unfinished)
     accepted_requests = operation.of(acceptance.listed)
+    # the relay's (tasks.relay): claim the records due, and say what became of each
+    keep = operation.of(acceptance.keep)
+    claim_due = operation.of(acceptance.due)
+    close_records = operation.of(acceptance.closed)
+    look_later = operation.of(acceptance.later)
+    record_republished = operation.of(acceptance.republished)
 
     @operation
     def request_outcomes(self, keys: Sequence[str]) -> Plan[dict[str, RequestResult]]:

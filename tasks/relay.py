@@ -55,7 +55,6 @@ from celery import bootsteps
 
 from fencing import BackendUnavailable
 from reservations import Inventory
-from reservations import acceptance as records
 from reservations.acceptance import Due
 from reservations.request_outcomes import AlreadyApplied
 from reservations.statuses import RequestStatus
@@ -172,9 +171,9 @@ class Relay:
 
     def run_once(self) -> Pass:
         """Claim the records due now and act on each; returns what was done."""
-        run = self.inventory.executor.run
+        inventory = self.inventory
         done = Pass()
-        dues = run(records.due(BATCH, CLAIM))
+        dues = inventory.claim_due(BATCH, CLAIM)
         if not dues:
             return done
         carried = self._carried(dues)
@@ -196,9 +195,9 @@ class Relay:
             else:  # not counted: looked at again after ``after``, as one still carried
                 done.unpublished += 1
                 waiting.append(key)
-        run(records.closed(closed))
-        run(records.later(waiting, self.after))
-        run(records.republished(republished, spacing(self.after, carried is None)))
+        inventory.close_records(closed)
+        inventory.look_later(waiting, self.after)
+        inventory.record_republished(republished, spacing(self.after, carried is None))
         if done.counts[Action.REPUBLISH] or done.counts[Action.EXPIRE] or done.counts[Action.DEAD_LETTER]:
             log.warning(
                 "relay: %s",

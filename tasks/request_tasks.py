@@ -21,7 +21,6 @@ from fencing import (
 )
 from reservations import InvalidRequest
 from reservations import validation as valid
-from reservations.acceptance import keep
 from reservations.partitions import prepare_partitions
 from reservations.request_outcomes import AlreadyApplied
 from reservations.statuses import RequestStatus
@@ -90,7 +89,7 @@ def _kept(task: Task, name: str, refused: Reject) -> NoReturn:
             name, valid.idempotency_key(key), messages.request_arguments(sent), deadline=deadline
         )
         res = resources(settings_of(app))
-        res.inventory.executor.run(keep(request, res.settings.republish_after))
+        res.inventory.keep(request, res.settings.republish_after)
     except Exception as exc:
         log.error(
             "the retry of %s was refused (%s) and its record could not be kept: %s; handing it back",
