@@ -21,21 +21,6 @@ from typing import IO, Any
 
 from tasks.settings import json_logs
 
-__all__ = [
-    "FENCING_FIELDS",
-    "JsonFormatter",
-    "RequestFields",
-    "bound",
-    "celery_says_json",
-    "dict_config",
-    "fencing_fields",
-    "note",
-    "say",
-    "use_json",
-    "use_json_on_stderr",
-    "warnings_as_json",
-]
-
 # The facts of a fencing event, present on each of its records (None where it does not apply): the
 # requirement's resource key, presented token, highest accepted token, owner and lease generation.
 FENCING_FIELDS = ("scope", "sku", "token", "highest", "holder", "lease_id", "task_id", "epoch")

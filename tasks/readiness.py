@@ -36,8 +36,6 @@ from tasks.logs import celery_says_json, say, warnings_as_json
 from tasks.settings import Settings, json_logs
 from tasks.variables import SettingsError
 
-__all__ = ["SAY_EVERY", "refuse", "wait_for", "wait_until_usable"]
-
 T = TypeVar("T")
 
 # How often a worker that waits for a backend says so (the first failure is said at once).
