@@ -96,18 +96,15 @@ def _bounds(url: str) -> TransactionBounds:
 def wait_until_usable(settings: Settings, *, sleep: Callable[[float], None] = time.sleep) -> None:
     """Return once the database and the lease backend answer and the schema fits this code; exit 2
     when the schema does not fit."""
-    fit = wait_for(
-        "database", mask_url(settings.database_url), lambda: schema.fit(settings.database_url), sleep=sleep
-    )
+    where = mask_url(settings.database_url)
+    fit = wait_for("database", where, lambda: schema.fit(settings.database_url), sleep=sleep)
     if not fit.ok:
         refuse(fit.message)
     if fit.found != fit.needed:
         say(f"reservations worker: {fit.message}", level=logging.WARNING, event="schema_ahead")
     if settings.database_pooling == "transaction":
-        where = mask_url(settings.database_url)
-        beyond = wait_for("database", where, lambda: _bounds(settings.database_url), sleep=sleep).beyond(
-            settings.lease_ttl
-        )
+        bounds = wait_for("database", where, lambda: _bounds(settings.database_url), sleep=sleep)
+        beyond = bounds.beyond(settings.lease_ttl)
         if beyond:
             refuse(
                 f"the database at {where} is behind a transaction pooler (RESERVATIONS_DATABASE_POOLING="
