@@ -17,9 +17,6 @@ from tasks.messages import ENQUEUED_AT, Message
 
 log = logging.getLogger("tasks")
 
-LOST_OWNERSHIP = "lost_ownership"
-DEAD_LETTERED = "dead_lettered"
-
 
 def lost_ownership(
     lost: LostOwnership, lease_token: int | None, message: Message | None, doing: str = "", **who: Any
@@ -47,7 +44,7 @@ def lost_ownership(
     }
     metrics.current.lease("lost")
     if isinstance(lost, StaleToken):
-        metrics.current.stale_refused(message.operation if message is not None else "serve_pending")
+        metrics.current.stale_refused(message.operation if message is not None else metrics.SERVE_PENDING)
     log.warning(
         "lost ownership of %s%s (token %s, highest accepted %s) in task %s on %s: %s",
         lost.scope,
@@ -57,7 +54,7 @@ def lost_ownership(
         fields["task_id"],
         who.get("worker"),
         lost,
-        extra={"event": LOST_OWNERSHIP, **fields},
+        extra={"event": "lost_ownership", **fields},
     )
     return fields
 
@@ -78,7 +75,7 @@ def dead_lettered(message: Message, reason: str, who: dict[str, Any], **facts: A
         who.get("task_id"),
         reason,
         extra={
-            "event": DEAD_LETTERED,
+            "event": "dead_lettered",
             **fields,
             "key": message.key,
             "operation": message.operation,
