@@ -16,7 +16,7 @@ import logging
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Literal, get_args
 
 from reservations.statuses import RequestStatus
 from tasks.errors import TasksError
@@ -186,13 +186,13 @@ def _own_directory(folder: Path) -> None:
         raise MetricsUnusable(f"{MULTIPROC_DIR}={folder} cannot be used: {exc.strerror or exc}") from exc
 
 
-def switch_on() -> On:
+def switch_on() -> None:
     """Metrics on for this worker (main process, before the pool forks): a clean multiprocess directory
     (the one named by PROMETHEUS_MULTIPROC_DIR, or a new one), then the metric objects. Raises
     :class:`MetricsUnusable` when that directory cannot be used."""
     global current
     if isinstance(current, On):
-        return current
+        return
     folder = os.environ.get(MULTIPROC_DIR)
     if folder:
         _own_directory(Path(folder))
@@ -205,15 +205,13 @@ def switch_on() -> On:
     except OSError as exc:
         raise MetricsUnusable(f"{MULTIPROC_DIR}={folder} cannot be written: {exc.strerror or exc}") from exc
     logging.getLogger("fencing").addHandler(_Repairs())
-    return current
 
 
-def serve(port: int, host: str) -> Any:
-    """Serve the sum of this worker's processes on ``host:port``; returns the server."""
+def serve(port: int, host: str) -> None:
+    """Serve the sum of this worker's processes on ``host:port``."""
     from prometheus_client import CollectorRegistry, start_http_server
     from prometheus_client.multiprocess import MultiProcessCollector
 
     registry = CollectorRegistry()
     MultiProcessCollector(registry, path=os.environ[MULTIPROC_DIR])  # type: ignore[no-untyped-call]
-    server, _thread = start_http_server(port, addr=host, registry=registry)
-    return server
+    start_http_server(port, addr=host, registry=registry)
