@@ -241,9 +241,8 @@ def normalized(name: str, args: Mapping[str, Any]) -> tuple[dict[str, Any], str]
     if name == "reserve":
         sku, quantity = valid.sku(args["sku"]), valid.quantity(args["quantity"])
         hold_for = valid.hold_seconds(args.get("hold_for"))
-        hold_ms = hold_ms_of(hold_for)
         checked = {"sku": sku, "quantity": quantity, "hold_for": hold_for}
-        return checked, fingerprint("reserve", sku=sku, quantity=quantity, hold_ms=hold_ms)
+        return checked, fingerprint("reserve", sku=sku, quantity=quantity, hold_ms=hold_ms_of(hold_for))
     if name == "reserve_order":
         order = valid.order_lines(args["lines"])
         hold_for = valid.hold_seconds(args.get("hold_for"))
