@@ -111,10 +111,6 @@ class Redriven(TasksError):
         return (type(self), (self.args[0], self.fields))
 
 
-def event_type(status: str) -> str:
-    return f"task-{status}"
-
-
 class Answered(NamedTuple):
     """What a request task's pool child hands the worker's main process when the task returned an
     answer (:func:`reply`): its status and epochs, and Celery's repr of it (the event's
@@ -139,7 +135,7 @@ class Answered(NamedTuple):
         server of its batch announces the outcome)."""
         if self.status == QUEUED:
             return None
-        return event_type(self.status), {"result": self.text, "outcome": self.status, "epochs": self.epochs}
+        return f"task-{self.status}", {"result": self.text, "outcome": self.status, "epochs": self.epochs}
 
 
 Tracer = Callable[..., Any]
@@ -318,7 +314,7 @@ def announce(app: Celery, outcomes: list[RequestResult], hostname: str | None) -
     with app.events.default_dispatcher(hostname=hostname) as dispatcher:
         for outcome in served:
             dispatcher.send(
-                event_type(outcome.status),
+                f"task-{outcome.status}",
                 uuid=outcome.task_id,
                 result=saferepr(as_result(outcome)),
                 outcome=outcome.status,
