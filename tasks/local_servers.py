@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from dataclasses import dataclass, field
 
 from reservations.batch_statement import InHand
 from reservations.request_outcomes import RequestResult
@@ -44,13 +45,11 @@ class Joined:
         return self._done.wait(timeout)
 
 
+@dataclass(slots=True)
 class _Entry:
-    __slots__ = ("handoffs", "joined", "servers")
-
-    def __init__(self) -> None:
-        self.servers = 0
-        self.handoffs = 0
-        self.joined: deque[Joined] = deque()
+    servers: int = 0
+    handoffs: int = 0
+    joined: deque[Joined] = field(default_factory=deque)
 
 
 class LocalServers:
@@ -62,10 +61,7 @@ class LocalServers:
 
     def enter(self, sku: str) -> None:
         with self._lock:
-            entry = self._serving.get(sku)
-            if entry is None:
-                entry = self._serving[sku] = _Entry()
-            entry.servers += 1
+            self._serving.setdefault(sku, _Entry()).servers += 1
 
     def serving(self, sku: str) -> bool:
         with self._lock:
