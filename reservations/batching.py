@@ -122,7 +122,10 @@ def _batch(
             found: Rows = yield _waiting(sku, limit, in_hand)
             read = found.rows
         # A key read twice (a copy of a listed request in hand too) is served once, where it came first.
-        waiting = _first_of_each_key(read)
+        first: dict[str, Any] = {}
+        for r in read:
+            first.setdefault(r.key, r)
+        waiting = list(first.values())
         if not waiting:
             return []
         keys = [r.key for r in waiting]
@@ -212,16 +215,6 @@ def _batch(
         yield sa.insert(task_attempts).values([{**a, "at_ms": now} for a in attempts])
     yield sa.delete(pending_reservations).where(pending_reservations.c.key.in_(keys))
     return [result_of(r) for r in written.rows]
-
-
-def _first_of_each_key(rows: list[Any]) -> list[Any]:
-    keys: set[str] = set()
-    first = []
-    for row in rows:
-        if row.key not in keys:
-            keys.add(row.key)
-            first.append(row)
-    return first
 
 
 _REQUEST = ("key", "sku", "quantity", "hold_ms", "task_id", "epochs")
