@@ -7,7 +7,7 @@ decided from it; each write records what it saw, so an auditor can tell a decisi
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import partial
 
 import sqlalchemy as sa
@@ -155,15 +155,8 @@ def _look(ledger: Ledger, lease: Lease, sku: str) -> Plan[StockSeen]:
     # Under the row lock the guarded UPDATE took: no write of this SKU can come between.
     found: Rows = yield Bound(_VERSION, {"sku": sku})
     version = found.first()
-    level = StockLevel(*result.row)
-    return StockSeen(
-        sku=sku,
-        on_hand=level.on_hand,
-        reserved=level.reserved,
-        available=level.available,
-        fence_token=level.fence_token,
-        version=0 if version is None or version[0] is None else int(version[0]),
-    )
+    newest = 0 if version is None or version[0] is None else int(version[0])
+    return StockSeen(**asdict(StockLevel(*result.row)), version=newest)
 
 
 def count_step(
