@@ -94,11 +94,8 @@ def epochs(timeline: Iterable[TimelineEntry]) -> list[Epoch]:
             epoch.holder, epoch.acquired_at = entry.holder, entry.at
         elif entry.kind in ("released", "broken", "repaired"):
             epoch.ended = entry.kind
-        elif entry.kind == "write":
-            epoch.writes.append(entry)
-            epoch.holder = epoch.holder or entry.holder
-        elif entry.kind == "rejected":
-            epoch.rejections.append(entry)
+        elif entry.kind in ("write", "rejected"):
+            (epoch.writes if entry.kind == "write" else epoch.rejections).append(entry)
             epoch.holder = epoch.holder or entry.holder
     ordered = [by_token[t] for t in sorted(by_token)]
     for earlier, later in pairwise(ordered):
