@@ -180,8 +180,6 @@ class ConstraintRefused(ReservationError):
 
 
 class ArchiveInterrupted(ReservationError):
-    """An archive run stopped at one span, which keeps its rows (reservations.archive): rerun it."""
-
     def __init__(self, partition: str, why: str) -> None:
         self.partition = partition
         self.why = why
