@@ -82,7 +82,6 @@ def hand_off(
     """Queue a reservation for the SKU's lease holder (or find the outcome it already has).
 
     A copy of a request already on the list (a redelivery) is not added twice: the key names one request.
-    With the ledger's ``single_statement`` (PostgreSQL): in one round trip (``_HAND_OFF``).
     """
     valid.task_and_worker(task_id)
     valid.epochs(epochs)
