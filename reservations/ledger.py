@@ -27,7 +27,6 @@ from reservations.errors import (
     InsufficientStock,
     KeyTaken,
     RequestClosed,
-    ReservationError,
     StockLimitExceeded,
     UnknownSku,
 )
@@ -67,7 +66,7 @@ class HeldLine:
 class _Refused(Exception):
     """Carries a business refusal out of a rolled-back transaction so it can be stored on its own."""
 
-    def __init__(self, error: ReservationError) -> None:
+    def __init__(self, error: InsufficientStock) -> None:
         self.error = error
 
 
@@ -209,10 +208,9 @@ class Ledger:
         return Outcome.from_json(stored.outcome, replayed=True)
 
     def _store_refusal(
-        self, key: str, operation: str, print_: str, error: ReservationError
+        self, key: str, operation: str, print_: str, error: InsufficientStock
     ) -> Plan[Outcome | None]:
         """Store a refusal as the key's outcome, unless an outcome arrived meanwhile: then replay that."""
-        assert isinstance(error, InsufficientStock)
         outcome = json.dumps({"error": RequestStatus.INSUFFICIENT_STOCK, **error.summary()})
         found: Rows = yield sa.select(idempotency_keys).where(idempotency_keys.c.key == key)
         stored = found.first()
