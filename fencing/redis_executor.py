@@ -15,8 +15,8 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager, nullcontext
+from collections.abc import Awaitable, Callable
+from contextlib import nullcontext
 from typing import Any, TypeAlias
 
 import redis
@@ -278,10 +278,6 @@ class AsyncRedisExecutor:
 
     async def run(self, plan: Plan[T]) -> T:
         return await run_async(plan, self._handle)
-
-    @asynccontextmanager
-    async def unit(self) -> AsyncIterator[Callable[[Op], Awaitable[Any]]]:
-        yield self._handle
 
     async def _handle(self, op: Op) -> Any:
         if isinstance(op, Sleep):

@@ -1,7 +1,7 @@
 """Shells generated from plans: each operation is written once, both shells are made from it.
 
 A shell operation is a method that only builds a plan; :class:`operation` makes it a method that builds
-the plan and drives it in a unit of work of the shell's executor. On a blocking shell (``awaits =
+the plan and drives it with the shell's executor. On a blocking shell (``awaits =
 False``: its executor's operations block) the method returns the result; on an awaiting shell (``awaits
 = True``: they are awaited) it is a coroutine function, and the plan is built, and its arguments checked,
 when the call is awaited, as in a hand-written ``async def``. Each keeps the name, parameters, defaults
@@ -19,11 +19,11 @@ import functools
 import inspect
 import re
 from collections.abc import Awaitable, Callable, Coroutine, Generator
-from contextlib import AbstractAsyncContextManager, AbstractContextManager
+from contextlib import AbstractContextManager
 from types import MethodType
 from typing import Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar, get_args, get_origin, overload
 
-from fencing.plan import Op, Plan, run_async, run_sync
+from fencing.plan import Op, Plan, run_sync
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -38,9 +38,9 @@ class BlockingExecutor(Protocol):
 
 
 class AwaitingExecutor(Protocol):
-    """Opens a unit of work whose operations are awaited (the async SQL and Redis executors)."""
+    """Drives a plan when awaited (the async SQL and Redis executors)."""
 
-    def unit(self) -> AbstractAsyncContextManager[Callable[[Op], Awaitable[Any]]]: ...
+    def run(self, plan: Plan[R], /) -> Awaitable[R]: ...
 
 
 class BlockingShell(Protocol):
@@ -103,8 +103,9 @@ class operation(Generic[P, T]):
         return method if instance is None else MethodType(method, instance)
 
 
-# The method drives the plan itself, in the executor's unit of work, so that a statement is sent three
-# calls below the operation (the method, the driver loop, the plan), not through an executor's ``run``.
+# A blocking method drives the plan itself, in the executor's unit of work, so that a worker's statement is
+# sent three calls below the operation (the method, the driver loop, the plan), not through an executor's
+# ``run``. An awaiting one awaits ``run``: the async SQL executor runs a whole plan in one greenlet.
 
 
 def _blocking(build: Callable[..., Plan[Any]]) -> Callable[..., Any]:
@@ -118,9 +119,7 @@ def _blocking(build: Callable[..., Plan[Any]]) -> Callable[..., Any]:
 
 def _awaiting(build: Callable[..., Plan[Any]]) -> Callable[..., Any]:
     async def method(self: Any, /, *args: Any, **kwargs: Any) -> Any:
-        plan = build(self, *args, **kwargs)
-        async with self.executor.unit() as handle:
-            return await run_async(plan, handle)
+        return await self.executor.run(build(self, *args, **kwargs))
 
     return method
 

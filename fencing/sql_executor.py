@@ -3,8 +3,8 @@ transaction."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, Generic, TypeVar
 
 from sqlalchemy.engine import Connection, Engine
@@ -133,18 +133,6 @@ class AsyncSqlExecutor(_SqlExecutor[AsyncEngine, Callable[[float], Awaitable[Any
 
     async def run(self, plan: Plan[T]) -> T:
         return await greenlet_spawn(self._blocking.run, plan)
-
-    @asynccontextmanager
-    async def unit(self) -> AsyncIterator[Callable[[Op], Awaitable[Any]]]:
-        opened = self._blocking.unit()
-        handle = await greenlet_spawn(opened.__enter__)
-        try:
-            yield lambda op: greenlet_spawn(handle, op)
-        except BaseException as exc:
-            if not await greenlet_spawn(opened.__exit__, type(exc), exc, exc.__traceback__):
-                raise
-        else:
-            await greenlet_spawn(opened.__exit__, None, None, None)
 
     async def close(self) -> None:
         await self.engine.dispose()

@@ -525,8 +525,9 @@ def _client_twin(name: str) -> str:
 PAIRS = [
     Pair(Inventory, AsyncInventory),
     Pair(LeaseManager, AsyncLeaseManager),
-    Pair(SyncSqlExecutor, AsyncSqlExecutor),
-    Pair(SyncRedisExecutor, AsyncRedisExecutor),
+    # A blocking shell drives its plans in the executor's unit of work itself; an awaiting one awaits run.
+    Pair(SyncSqlExecutor, AsyncSqlExecutor, sync_only={"unit": "driven by the blocking shells only"}),
+    Pair(SyncRedisExecutor, AsyncRedisExecutor, sync_only={"unit": "driven by the blocking shells only"}),
     Pair(
         ReservationClient,
         ReservationClient,
