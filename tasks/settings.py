@@ -1,9 +1,6 @@
 """The settings of workers, producers, the HTTP service and the command line: one frozen object built
-once from the ``RESERVATIONS_*`` environment variables. Each field of :class:`Settings` is the one
-declaration of its variable, which :mod:`tasks.variables` parses (a URL's password may come from a file)
-and describes and ``masked()`` and ``to_env()`` read. ``reservations config`` prints every effective value
-and where it came from; :func:`unknown_names` finds the names that are not settings (a typo is otherwise
-silently ignored).
+once from the ``RESERVATIONS_*`` environment, each field of :class:`Settings` the one declaration of its
+variable (:mod:`tasks.variables`). ``reservations config`` prints every value in effect and its source.
 """
 
 from __future__ import annotations
@@ -210,7 +207,10 @@ class Settings:
             problems.append(
                 f"{PREFIX}DATABASE_POOLING must be session or transaction, got {self.database_pooling!r}"
             )
-        elif self.database_pooling == "transaction" and not _is_postgres(self.database_url):
+        elif self.database_pooling == "transaction" and scheme_of(self.database_url) not in (
+            "postgresql",
+            "postgres",
+        ):
             problems.append(f"{PREFIX}DATABASE_POOLING=transaction needs a PostgreSQL {PREFIX}DATABASE_URL")
         if self.log_format not in ("text", "json"):
             problems.append(f"{PREFIX}LOG_FORMAT must be text or json, got {self.log_format!r}")
@@ -261,16 +261,10 @@ class Settings:
         return f"Settings({', '.join(f'{k}={v}' for k, v in self.masked().items())})"
 
     def transport_options(self, url: str, *, broker: bool) -> dict[str, Any]:
-        """The kombu transport options a broker or result backend URL takes, and only those.
-
-        visibility_timeout is how Redis (and SQS) redeliver unacknowledged messages; other transports must
-        not receive it (py-amqp and the SQLAlchemy transport pass their options on as connection arguments).
-        RabbitMQ redelivers when the consumer's channel closes instead, and bounds how long a delivery may
-        stay unacknowledged by the server's consumer_timeout (docs/operations.md, "Brokers"). Publisher
-        confirms make a publish to RabbitMQ return once the broker has the message, as a Redis LPUSH does.
-        A sentinel:// URL names the sentinels only: kombu and Celery ask them for the master of the service
-        master_name, and again after a failover.
-        """
+        """The kombu transport options a broker or result backend URL takes, and only those: py-amqp and
+        the SQLAlchemy transport would pass visibility_timeout on as a connection argument (RabbitMQ
+        redelivers when the channel closes instead). Publisher confirms make a publish to RabbitMQ return
+        once the broker has the message, as a Redis LPUSH does."""
         scheme = scheme_of(url)
         if scheme in REDELIVERING:
             master = {"master_name": self.sentinel_master} if scheme == "sentinel" else {}
@@ -315,10 +309,6 @@ VARIABLES: tuple[Variable, ...] = declared(Settings)
 _BY_FIELD = {variable.field: variable for variable in VARIABLES}
 
 
-def _is_postgres(url: str) -> bool:
-    return scheme_of(url) in ("postgresql", "postgres")
-
-
 def _url_problems(settings: Settings) -> list[str]:
     """What a worker could not build from these URLs and the key prefix, found without connecting: the
     same parsers the clients use, so nothing that passes here fails when the worker builds them."""
@@ -359,16 +349,10 @@ def json_logs(env: Mapping[str, str] | None = None) -> bool:
     return (os.environ if env is None else env).get(variable("log_format").name, "").strip() == "json"
 
 
-def known_names() -> list[str]:
-    """Every ``RESERVATIONS_*`` name this project reads."""
-    files = [v.password_file for v in VARIABLES if v.url]
-    return [*(v.name for v in VARIABLES), *files, CHAOS_POSTGRES_URL]
-
-
 def unknown_names(env: Mapping[str, str] | None = None) -> list[tuple[str, str | None]]:
     """The ``RESERVATIONS_*`` names in ``env`` that are not ours, each with the closest one (or None)."""
     env = os.environ if env is None else env
-    known = known_names()
+    known = [*(v.name for v in VARIABLES), *(v.password_file for v in VARIABLES if v.url), CHAOS_POSTGRES_URL]
     # Compared without the prefix they all share, which would make any two names look alike.
     stems = [name.removeprefix(PREFIX) for name in known]
 

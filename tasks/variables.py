@@ -1,12 +1,8 @@
-"""Settings read from ``RESERVATIONS_*`` environment variables: each one a field of a frozen dataclass,
-declared with :func:`setting` (its help, range, whether it is a URL), the field's annotation its type.
-A :class:`Variable` parses and shows its values; :func:`read` reads a whole table of them from an
-environment and reports every problem at once in one :class:`SettingsError`, each by its variable's name;
-:func:`describe` lists them as a reference.
-
-A URL that can carry a password may take it from a file, such as a compose secret: the variable named
-like the URL's, ``_PASSWORD_FILE`` for ``_URL`` (``RESERVATIONS_DATABASE_PASSWORD_FILE``); the URL then
-names the user without a password.
+"""Settings read from ``RESERVATIONS_*`` environment variables, each a field of a frozen dataclass declared
+with :func:`setting`, its annotation the type. :func:`read` reads a whole table and reports every problem
+at once, each by its variable's name. A URL that can carry a password may take it from a file (a compose
+secret): ``RESERVATIONS_DATABASE_PASSWORD_FILE`` for ``RESERVATIONS_DATABASE_URL``, the URL naming the user
+without a password.
 """
 
 from __future__ import annotations
@@ -44,11 +40,6 @@ class SettingsError(ValueError):
         super().__init__("; ".join(self.problems))
 
 
-def name_of(field: str) -> str:
-    """The variable of a settings field: ``lease_ttl`` is ``RESERVATIONS_LEASE_TTL``."""
-    return PREFIX + field.upper()
-
-
 @dataclass(frozen=True)
 class Variable:
     """One environment variable: the settings field it sets, its type, default, range and help."""
@@ -64,7 +55,7 @@ class Variable:
 
     @property
     def name(self) -> str:
-        return name_of(self.field)
+        return PREFIX + self.field.upper()
 
     @property
     def password_file(self) -> str:
@@ -80,19 +71,14 @@ class Variable:
                 raise SettingsError(f"{self.name} must be 1 or 0, got {raw!r}")
             return word in _TRUE
         # The command line's grammar (reservations.numerals): digits 0-9, a fraction only for seconds.
-        number: int | float | None
-        if self.type == "int":
-            number = numerals.whole(raw)
-            if number is None:
-                raise SettingsError(
-                    f"{self.name} must be a whole number written with the digits 0-9, got {raw!r}"
-                )
-        else:
-            number = numerals.decimal(raw)
-            if number is None:
-                raise SettingsError(
-                    f"{self.name} must be a number written with the digits 0-9, like 2 or 0.5, got {raw!r}"
-                )
+        whole = self.type == "int"
+        number = numerals.whole(raw) if whole else numerals.decimal(raw)
+        if number is None:
+            like = "a whole number" if whole else "a number"
+            example = "" if whole else ", like 2 or 0.5"
+            raise SettingsError(
+                f"{self.name} must be {like} written with the digits 0-9{example}, got {raw!r}"
+            )
         low = -math.inf if self.low is None else self.low
         high = math.inf if self.high is None else self.high
         if not low <= number <= high:
@@ -110,18 +96,6 @@ class Variable:
         if self.type.startswith("float"):
             return f"{value:g}s"
         return str(value)
-
-    @property
-    def kind(self) -> str:
-        """The type as the reference names it."""
-        if self.url:
-            return "URL"
-        return {"float": "seconds", "float | None": "seconds", "int": "count", "bool": "0 or 1"}.get(
-            self.type, "text"
-        )
-
-    def range(self) -> str:
-        return "" if self.low is None else f"{self.low:g}..{self.high:g}"
 
 
 def setting(
@@ -175,20 +149,6 @@ def read(
     if problems:
         raise SettingsError(problems)
     return values, sources, files
-
-
-def describe(variables: tuple[Variable, ...]) -> list[dict[str, str]]:
-    """``variables`` as a reference: name, type, default, range and help."""
-    return [
-        {
-            "name": v.name,
-            "type": v.kind,
-            "default": name_of(v.default_from) if v.default_from else v.show(v.default) or "unset",
-            "range": v.range(),
-            "help": v.help,
-        }
-        for v in variables
-    ]
 
 
 # -- URLs: schemes, sentinel lists, passwords from files --------------------------------------------------

@@ -18,7 +18,7 @@ import tasks.request_tasks  # noqa: F401  (declares the tasks each app binds)
 from tasks import create_app
 from tasks.app import SCHEDULED_RESULT_EXPIRES
 from tasks.settings import VARIABLES, Settings, variable
-from tasks.variables import PREFIX, SettingsError, describe
+from tasks.variables import PREFIX, SettingsError
 from testing.celery_processes import worker_env
 from testing.support import run
 
@@ -36,7 +36,7 @@ def secret(tmp_path: Path) -> Path:
 def test_every_field_is_one_variable_with_its_help() -> None:
     settable = [f.name for f in fields(Settings) if f.name not in ("sources", "password_files")]
     assert [v.field for v in VARIABLES] == settable
-    assert [row["name"] for row in describe(VARIABLES)] == [PREFIX + name.upper() for name in settable]
+    assert [v.name for v in VARIABLES] == [PREFIX + name.upper() for name in settable]
     assert all(v.help for v in VARIABLES)
     assert variable("lease_ttl").name == "RESERVATIONS_LEASE_TTL"
     assert variable("database_url").password_file == "RESERVATIONS_DATABASE_PASSWORD_FILE"
