@@ -1,29 +1,19 @@
 """The Redis broker transports of the workers: kombu's (``redis://``, ``rediss://``, ``sentinel://``), except
-that neither a message nor a full broker can stop a worker's consumer.
+that none of these ends the consumer, and with it the worker's main process and every request it holds:
 
-Two things end kombu's Redis consumer, and with it the worker's main process ("Unrecoverable error",
-exit 1), its pool children and every request they hold:
+* A message no task can be made of (no JSON, a body that does not decode as its properties say, no
+  properties, headers Celery cannot read): anyone who can push onto the queue could stop every worker with
+  one. It is dropped with one log line and ``reservations_messages_dropped_total{reason}``; its request
+  comes back from its durable record, which the relay publishes again as a message that decodes.
+* A broker at ``maxmemory`` (noeviction): redis-py's ``OutOfMemoryError`` is no error Celery recovers
+  from. Here it is a connection error (the consumer connects again, as after a restart), and where a
+  message is delivered it is caught (:class:`QoS`), so that a full broker can still be drained.
+* A broker restarted under a consumer holding messages: kombu restores them through a connection it has
+  already let go (AttributeError). :class:`QoS` leaves them to the broker then.
 
-* A message no task can be made of: a payload that is no JSON, a body that does not decode as its
-  properties say (not base64), no properties, a body or headers Celery cannot read. Anyone who can push
-  onto the queue could stop every worker with one. Such a message is dropped instead: one log line naming
-  what identifies it (its queue; the task id and name from its headers and the idempotency key from its
-  ``kwargsrepr`` where those are readable) and ``reservations_messages_dropped_total{reason}``
-  (:mod:`tasks.metrics`). The request it may have carried is not lost with it: its durable record (the
-  relay publishes again every recorded request that has no outcome) brings it back as a message that
-  decodes, so dropping the copy that does not is right.
-* A broker at ``maxmemory`` (policy noeviction) refuses every command that could grow its memory, and
-  redis-py raises ``OutOfMemoryError``, which Celery does not count among the errors it recovers from. Here
-  it is a connection error: the consumer backs off and connects again, as after a broker restart. Where a
-  message is delivered it is caught instead (:class:`QoS`), so that a full broker can still be drained.
-* A broker restarted under a consumer holding messages: kombu's close restores them through a connection
-  it has already let go, and fails on it (AttributeError). :class:`QoS` leaves them to the broker then.
-
-:func:`install` makes kombu resolve those three schemes to these transports. It edits kombu's alias table
-rather than naming a transport in Celery's ``broker_transport``: kombu gives a ``rediss://`` broker its TLS
-default only when the transport is named ``rediss``, and on failover to the next URL of a list (the
-sentinels of ``sentinel://a;sentinel://b``) it takes the transport from that URL's scheme again, leaving
-any transport named otherwise behind.
+:func:`install` edits kombu's alias table rather than naming a transport in ``broker_transport``: kombu
+gives ``rediss://`` its TLS default only for a transport named ``rediss``, and on failover to the next
+sentinel of a list takes the transport from that URL's scheme again.
 """
 
 from __future__ import annotations
@@ -32,6 +22,7 @@ import logging
 import re
 import time
 from collections.abc import Callable, Mapping
+from contextlib import suppress
 from typing import Any
 
 import kombu.transport
@@ -45,8 +36,6 @@ from redis.exceptions import OutOfMemoryError, RedisError
 from reservations import validation as valid
 from reservations.errors import InvalidRequest
 from tasks import metrics
-
-__all__ = ["SCHEMES", "Channel", "QoS", "SentinelChannel", "SentinelTransport", "Transport", "install"]
 
 log = logging.getLogger("tasks.transport")
 
@@ -69,21 +58,17 @@ def _shown(value: object, limit: int = SHOWN_CHARS) -> str:
 
 
 def identity(payload: object) -> dict[str, str | None]:
-    """What identifies a message in a log line, read from its headers where they are readable: the task
-    id (a request's is derived from its key, :func:`reservations.request_outcomes.request_id`), the task
-    name, and the idempotency key shown in ``kwargsrepr``."""
+    """What identifies a message in a log line, from its headers where readable: task id, task name, and
+    the idempotency key shown in ``kwargsrepr``."""
     headers = payload.get("headers") if isinstance(payload, Mapping) else None
     if not isinstance(headers, Mapping):
         return {"task_id": None, "task": None, "key": None}
     task_id, task = headers.get("id"), headers.get("task")
     shown = headers.get("kwargsrepr")
+    found = _KEY_IN_REPR.search(shown[:_REPR_SEARCHED]) if isinstance(shown, str) else None
     key = None
-    if isinstance(shown, str):
-        found = _KEY_IN_REPR.search(shown[:_REPR_SEARCHED])
-        try:
-            key = valid.idempotency_key(found[2]) if found else None
-        except InvalidRequest:
-            key = None
+    with suppress(InvalidRequest):
+        key = valid.idempotency_key(found[2]) if found else None
     return {
         "task_id": None if task_id is None else _shown(task_id),
         "task": None if task is None else _shown(task),
@@ -95,6 +80,8 @@ def dropped(reason: metrics.DropReason, queue: object, payload: object, error: B
     """Log and count a message the consumer drops; ``payload`` is its JSON where it decoded (None else)."""
     metrics.current.dropped(reason)
     names = identity(payload)
+    kind = type(error)  # binascii.Error, KeyError
+    named = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
     where = _shown(queue.decode(errors="replace") if isinstance(queue, bytes) else queue)
     log.error(
         "dropped a message from queue %s (task %s %s, key %s) that no task can be made of: %s: %s",
@@ -102,16 +89,10 @@ def dropped(reason: metrics.DropReason, queue: object, payload: object, error: B
         names["task"],
         names["task_id"],
         names["key"],
-        _kind(error),
+        named,
         _shown(str(error)),
         extra={"event": "message_dropped", "reason": reason, "queue": where, **names},
     )
-
-
-def _kind(error: BaseException) -> str:
-    """An error's class as a log line names it: ``binascii.Error``, ``KeyError``."""
-    kind = type(error)
-    return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
 
 
 class _Throttled:
@@ -138,18 +119,15 @@ _full = _Throttled(FULL_LOG_INTERVAL)
 
 
 class QoS(kombu_redis.QoS):
-    """kombu's record of delivered messages, which survives a full broker: a delivery whose unacked record
-    the broker refuses goes on without it, an ack still takes the message off that record, and a requeue
-    or a restore of overdue messages waits for the visibility timeout or the next round."""
+    """kombu's record of delivered messages, surviving a full broker (a delivery goes on without its
+    unacked record, a requeue or restore waits) and a broker that restarted under it."""
 
     def append(self, message: Any, delivery_tag: str) -> None:
         try:
             super().append(message, delivery_tag)  # type: ignore[no-untyped-call]
         except OutOfMemoryError as exc:
-            # BRPOP took the message off the queue and the broker refused to note it as unacked: it runs
-            # anyway (and taking it frees memory). Should this worker die before acking it, the broker has
-            # no copy to give back after the visibility timeout; the relay publishes the request again
-            # from its record in the database, as it does for any recorded request without an outcome.
+            # BRPOP took the message and the broker refused to note it as unacked: it runs anyway. Should
+            # this worker die before acking it, the relay publishes the request again from its record.
             _full.warn(
                 "broker at maxmemory: a message is run without its unacked record (%s)",
                 exc,
@@ -158,22 +136,17 @@ class QoS(kombu_redis.QoS):
             # This process's record of it, which prefetch counts and the ack clears.
             virtual.QoS.append(self, message, delivery_tag)  # type: ignore[no-untyped-call]
 
-    def _detached(self) -> bool:
-        """Whether the consumer lost the broker (a restart) and kombu already let go of both this
-        channel's client pool and its connection: kombu would look for the broker's address on the
-        connection that is gone and raise AttributeError, which ends the worker's main process. There is
-        no broker to reach through it anyway. What kombu would have done stays on the broker's unacked
-        record, where the visibility timeout brings the message back (a copy of a request that ended
-        replays its outcome); one the broker lost is published again by the relay from its record."""
+    def _detached(self, what: str, count: int = 1) -> bool:
+        """Whether kombu already let go of this channel's pool and connection (the broker restarted): then
+        ``what`` is left to the broker's unacked record, which the visibility timeout brings back."""
         channel = self.channel
-        return channel._pool is None and getattr(channel.connection, "client", None) is None
-
-    def _left_to_the_broker(self, what: str, count: int) -> None:
+        if channel._pool is not None or getattr(channel.connection, "client", None) is not None:
+            return False
         log.warning("broker connection closed: %s %d message(s) left to the broker", what, count)
+        return True
 
     def ack(self, delivery_tag: str) -> None:
-        if self._detached():
-            self._left_to_the_broker("the ack of", 1)
+        if self._detached("the ack of"):
             virtual.QoS.ack(self, delivery_tag)  # type: ignore[no-untyped-call]
             return
         try:
@@ -182,8 +155,7 @@ class QoS(kombu_redis.QoS):
             self._unrecord(delivery_tag)
 
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
-        if self._detached():
-            self._left_to_the_broker("the rejection of", 1)
+        if self._detached("the rejection of"):
             virtual.QoS.ack(self, delivery_tag)  # type: ignore[no-untyped-call]
             return
         try:
@@ -197,19 +169,17 @@ class QoS(kombu_redis.QoS):
                 self._unrecord(delivery_tag)
 
     def _unrecord(self, delivery_tag: str) -> None:
-        """Take a message off the unacked record of a full broker. kombu does it in MULTI, and a full
-        broker refuses every command queued in MULTI, even one that frees memory; on their own ZREM and
-        HDEL are never refused. Without this the ack would fail, and this process would keep counting the
-        message as unacknowledged, which stops its consumer once it holds its prefetch of them."""
+        """Take a message off a full broker's unacked record. kombu does it in MULTI, where a full broker
+        refuses every command; on their own ZREM and HDEL are never refused. Otherwise this process would
+        count the message unacked forever, and stop consuming once it holds its prefetch of them."""
         with self.channel.conn_or_acquire() as client:
             client.zrem(self.unacked_index_key, delivery_tag)
             client.hdel(self.unacked_key, delivery_tag)
         virtual.QoS.ack(self, delivery_tag)  # type: ignore[no-untyped-call]
 
     def restore_unacked(self, client: Any = None) -> Any:
-        if client is None and self._detached():
-            held = len(self._delivered.keys() - self._dirty)  # kombu forgets acked ones lazily
-            self._left_to_the_broker("the restore of", held)
+        # kombu forgets acked ones lazily
+        if client is None and self._detached("the restore of", len(self._delivered.keys() - self._dirty)):
             return None
         return super().restore_unacked(client)  # type: ignore[no-untyped-call]
 
@@ -224,10 +194,9 @@ class QoS(kombu_redis.QoS):
 
 
 class _Screened:
-    """A Redis channel whose BRPOP replies are read as kombu is about to read them: a payload that is no
-    JSON becomes no reply at all (kombu's ``Empty``, as when BRPOP times out) once dropped, rather than an
-    error out of the consumer's event loop. It is decoded twice, here and by kombu: a small price (a
-    request's message is about a kilobyte) for leaving kombu's read of the reply as it is."""
+    """A Redis channel whose BRPOP replies that are no JSON are dropped, becoming no reply (as when BRPOP
+    times out) rather than an error out of the consumer's event loop. Decoded twice, here and by kombu:
+    a small price for leaving kombu's read as it is."""
 
     QoS = QoS
     sep: str
@@ -254,14 +223,10 @@ class _Screened:
 
 
 class _Delivering:
-    """A Redis transport whose deliveries cannot raise out of the consumer for what a message holds.
-
-    Every message the channels take (BRPOP replies, fanout messages) reaches the consumer through
-    ``_deliver``, where kombu builds its Message (decoding the body as its properties say) and Celery reads
-    its headers and body. An error there that is no broker error is the message's: it is dropped, and
-    taken off the broker's unacked record where it was already put there, or it would come back after
-    the visibility timeout only to be dropped again.
-    """
+    """A Redis transport whose deliveries cannot raise out of the consumer for what a message holds:
+    in ``_deliver`` kombu builds its Message and Celery reads it. An error there that is no broker error is
+    the message's: it is dropped, and taken off the unacked record, or it would come back to be dropped
+    again."""
 
     channels: list[Any]
     connection_errors: tuple[type[BaseException], ...]
@@ -281,9 +246,8 @@ class _Delivering:
                     channel.qos.reject(tag, requeue=False)
 
     def _broker_error(self, exc: Exception) -> bool:
-        """An error of the broker or its connection, which the consumer recovers from by connecting again.
-        kombu counts KeyError among its Redis connection errors (a stale socket of a dropped channel); in a
-        delivery it is a field the message lacks."""
+        """An error of the broker, which the consumer recovers from. kombu counts KeyError among its Redis
+        connection errors; in a delivery it is a field the message lacks."""
         if isinstance(exc, KeyError):
             return False
         return isinstance(exc, (RedisError, OSError, InconsistencyError, *self.connection_errors))
@@ -309,8 +273,7 @@ class SentinelChannel(_Screened, kombu_redis.SentinelChannel):
     pass
 
 
-# A full broker is a connection error here (see the module docstring). It is a ResponseError, which kombu
-# counts as a channel error too; Celery's consumer recovers only from connection errors.
+# A full broker is a connection error here: Celery's consumer recovers only from those.
 class Transport(_Delivering, kombu_redis.Transport):  # type: ignore[misc]
     Channel = Channel
     connection_errors = (*kombu_redis.Transport.connection_errors, OutOfMemoryError)
@@ -321,13 +284,11 @@ class SentinelTransport(_Delivering, kombu_redis.SentinelTransport):  # type: ig
     connection_errors = (*kombu_redis.SentinelTransport.connection_errors, OutOfMemoryError)
 
 
-# The URL schemes whose kombu transport is replaced, and by which of these.
 SCHEMES = {"redis": Transport, "rediss": Transport, "sentinel": SentinelTransport}
 
 
 def install() -> None:
-    """Make kombu resolve ``redis://``, ``rediss://`` and ``sentinel://`` URLs to these transports, in this
-    process (every kombu connection of it: they differ from kombu's only in what is described above)."""
+    """Make kombu resolve the ``SCHEMES`` to these transports in this process."""
     for scheme, transport in SCHEMES.items():
         kombu.transport.TRANSPORT_ALIASES[scheme] = f"{__name__}:{transport.__name__}"
         # kombu caches the class it resolved for a name: one resolved before this would stay.
