@@ -1,10 +1,7 @@
 """Structured logs: with ``RESERVATIONS_LOG_FORMAT=json`` every log line of a worker, beat or the command line
-is one JSON object, and the fencing events (lost ownership, token regression repaired, dead letter) carry
-their facts as fields rather than inside the sentence.
-
-A record's fields are its ``extra=``; a task binds its request (task id, worker, key, epoch) once, and
-:class:`RequestFields` adds them to every record logged while it runs, so a line logged deep in
-:mod:`fencing` (the regression repair) names the task and epoch it happened in.
+is one JSON object whose fields are its record's ``extra=``. A task binds its request (task id, worker, key,
+epoch) once (:func:`bound`), and every record logged while it runs carries them, even one logged deep in
+:mod:`fencing`.
 """
 
 from __future__ import annotations
@@ -21,8 +18,7 @@ from typing import IO, Any
 
 from tasks.settings import json_logs
 
-# The facts of a fencing event, present on each of its records (None where it does not apply): the
-# requirement's resource key, presented token, highest accepted token, owner and lease generation.
+# The facts of a fencing event, on each of its records (None where they do not apply).
 FENCING_FIELDS = ("scope", "sku", "token", "highest", "holder", "lease_id", "task_id", "epoch")
 
 # Attributes every LogRecord has: whatever else a record carries came from ``extra=`` or a filter.
@@ -44,7 +40,7 @@ def fencing_fields(**known: Any) -> dict[str, Any]:
 @contextmanager
 def bound(**fields: Any) -> Iterator[dict[str, Any]]:
     """Bind request fields to the records logged in this block (this thread or task); the dict yielded
-    can be updated as more is known (the key and epoch once the message is parsed)."""
+    can be updated as more is known."""
     current = dict(fields)
     token = _request.set(current)
     try:
@@ -117,9 +113,8 @@ def say(
     **fields: Any,
 ) -> None:
     """One line on stderr whatever the log level (by default the process's real one, past Celery's
-    redirection): a worker's ready line, what it waits for at start, why it refuses to start, the command
-    line's warnings and errors. With ``RESERVATIONS_LOG_FORMAT=json`` it is the JSON object every other
-    log line is."""
+    redirection), as JSON with ``RESERVATIONS_LOG_FORMAT=json``: a worker's ready line, what it waits for,
+    why it refuses to start, the command line's warnings and errors."""
     if json_logs():
         record = logging.LogRecord(logger, level, "", 0, message, None, None)
         record.__dict__.update(fields)
@@ -128,9 +123,7 @@ def say(
 
 
 def dict_config(level: str = "INFO") -> dict[str, Any]:
-    """A ``logging.config.dictConfig`` that writes every record as JSON on stderr, for processes that
-    configure logging from a dict (uvicorn's ``log_config``): its loggers and the root, which the service
-    logs through."""
+    """A ``logging.config.dictConfig`` writing every record as JSON on stderr (uvicorn's ``log_config``)."""
     handler = {"class": "logging.StreamHandler", "formatter": "json", "filters": ["request"]}
     own = {"handlers": ["stderr"], "level": level, "propagate": False}
     return {
@@ -145,9 +138,8 @@ def dict_config(level: str = "INFO") -> dict[str, Any]:
 
 
 def celery_says_json() -> None:
-    """Celery's worker writes a few lines past logging, from its signal handlers ("worker: Warm shutdown
-    (MainProcess)"): with JSON logs, each is a JSON object too. Written as Celery writes them, with one
-    ``os.write`` and no lock (a signal may arrive while a logging lock is held)."""
+    """The lines Celery's worker writes past logging from its signal handlers ("worker: Warm shutdown") as
+    JSON too, with one ``os.write`` and no lock, as Celery writes them (a logging lock may be held)."""
     import celery.apps.worker
 
     def safe_say(message: str, f: IO[str] | None = sys.__stderr__) -> None:
@@ -163,8 +155,7 @@ def celery_says_json() -> None:
 
 def warnings_as_json() -> None:
     """Python warnings (Celery warns of a worker run as root before its logging is set up) as JSON lines on
-    stderr, once, instead of the text ``warnings`` prints; they no longer pass to the root logger, whose
-    handlers would print them a second time."""
+    stderr, once: not passed on to the root logger, whose handlers would print them again."""
     logging.captureWarnings(True)
     logger = logging.getLogger("py.warnings")
     if not any(isinstance(h.formatter, JsonFormatter) for h in logger.handlers):

@@ -1,13 +1,10 @@
 """Prometheus metrics of the workers, off unless ``RESERVATIONS_METRICS_PORT`` is set: then the worker's main
-process serves ``/metrics`` on that port of ``RESERVATIONS_METRICS_HOST`` (127.0.0.1 unless told), summing
-its pool children through prometheus_client's multiprocess mode (a directory of value files,
-``PROMETHEUS_MULTIPROC_DIR``).
+process serves the sum of its pool children (prometheus_client's multiprocess mode).
 
-No label names a SKU: a worker's series stay bounded whatever the catalogue. Per-SKU figures (refused
-writes, waiting requests) come from the database through ``reservations metrics``. Every value a label
-can take is a small fixed set, and each of its series exists at 0 from the worker's start: Prometheus'
-``rate()`` and ``increase()`` need a sample before an event to count it, so a series born at 1 would hide
-the first stale write or dead letter after each start from the alerts.
+No label names a SKU (per-SKU figures come from the database, ``reservations metrics``). Every label's
+values are a small fixed set whose series exist at 0 from the worker's start: ``rate()`` and
+``increase()`` need a sample before an event, so a series born at 1 would hide the first stale write or
+dead letter after each start from the alerts.
 """
 
 from __future__ import annotations
@@ -32,17 +29,13 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 EPOCH_BUCKETS = (0, 1, 2, 3, 5, 10)
 BATCH_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
 
-# The label values of the counters, each series created at 0 when the worker starts (see above).
-# What a task did with its SKU's lease; the type makes every caller pass one of them.
+# The label values of the counters.
 LeaseResult = Literal["acquired", "busy", "lost"]
 LEASE_RESULTS: tuple[LeaseResult, ...] = get_args(LeaseResult)
-# The operation of each request a worker runs, and the batch server's, whose refused writes name no request.
+# The batch server's operation: its refused writes name no request.
 SERVE_PENDING = "serve_pending"
 OPERATIONS = (*sorted({shape.operation for shape in SHAPES.values()}), SERVE_PENDING)
-# The backends fencing's BackendUnavailable names (fencing.sql_errors for any database, fencing.redis_outage).
-BACKENDS = ("database", "redis")
-# Why the consumer dropped a message it took from the broker (tasks.transport): its payload is no JSON, or
-# it is JSON that makes no message kombu or Celery can take (a body that does not decode, no properties).
+BACKENDS = ("database", "redis")  # as fencing's BackendUnavailable names them
 DropReason = Literal["undecodable", "malformed"]
 DROP_REASONS: tuple[DropReason, ...] = get_args(DropReason)
 
@@ -114,7 +107,6 @@ class On(Off):
             "undecodable (no JSON), malformed (a body that does not decode, no properties, no task's body)",
             ["reason"],
         )
-        # In multiprocess mode these zeros live in the main process's file, summed with the children's.
         for counter, values in (
             (self.stale, OPERATIONS),
             (self.leases, LEASE_RESULTS),
@@ -165,42 +157,33 @@ class _Repairs(logging.Handler):
 
 
 class MetricsUnusable(TasksError):
-    """Metrics were asked for (RESERVATIONS_METRICS_PORT) and cannot work here; the message says why in one
-    line. A worker refuses to start on it, as on a bad setting: one serving no metrics looks like one
-    that sees no stale writes."""
-
-
-def _own_directory(folder: Path) -> None:
-    """Make ``folder`` this worker's multiprocess directory: created, values of an earlier run removed
-    (they would be summed in)."""
-    if folder.exists() and not folder.is_dir():
-        raise MetricsUnusable(
-            f"{MULTIPROC_DIR}={folder} is not a directory (it names where the worker's processes keep "
-            "their metrics)"
-        )
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        for stale in folder.glob("*.db"):
-            stale.unlink()
-    except OSError as exc:
-        raise MetricsUnusable(f"{MULTIPROC_DIR}={folder} cannot be used: {exc.strerror or exc}") from exc
+    """Metrics were asked for and cannot work here. A worker refuses to start on it, as on a bad setting:
+    one serving no metrics looks like one that sees no stale writes."""
 
 
 def switch_on() -> None:
-    """Metrics on for this worker (main process, before the pool forks): a clean multiprocess directory
-    (the one named by PROMETHEUS_MULTIPROC_DIR, or a new one), then the metric objects. Raises
-    :class:`MetricsUnusable` when that directory cannot be used."""
+    """Metrics on for this worker (main process, before the pool forks), in a clean multiprocess directory:
+    PROMETHEUS_MULTIPROC_DIR's, without an earlier run's values (they would be summed in), or a new one."""
     global current
     if isinstance(current, On):
         return
     folder = os.environ.get(MULTIPROC_DIR)
-    if folder:
-        _own_directory(Path(folder))
-    else:
+    if not folder:
         os.environ[MULTIPROC_DIR] = folder = tempfile.mkdtemp(prefix="reservations-metrics-")
+    elif Path(folder).exists() and not Path(folder).is_dir():
+        raise MetricsUnusable(
+            f"{MULTIPROC_DIR}={folder} is not a directory (it names where the worker's processes keep "
+            "their metrics)"
+        )
+    else:
+        try:
+            Path(folder).mkdir(parents=True, exist_ok=True)
+            for stale in Path(folder).glob("*.db"):
+                stale.unlink()
+        except OSError as exc:
+            raise MetricsUnusable(f"{MULTIPROC_DIR}={folder} cannot be used: {exc.strerror or exc}") from exc
     try:
-        # prometheus_client is imported here, after the directory is set: it reads it then. The zeros of
-        # every label are written to this process's file in it.
+        # prometheus_client is imported here, after the directory is set: it reads it then.
         current = On()
     except OSError as exc:
         raise MetricsUnusable(f"{MULTIPROC_DIR}={folder} cannot be written: {exc.strerror or exc}") from exc

@@ -1,7 +1,4 @@
-"""What a request task tells operators, one function per event: its log line, whose facts ride as fields
-(``extra=``, one JSON object per line with ``RESERVATIONS_LOG_FORMAT=json``), the event's fields for the
-lost-ownership retry (:class:`tasks.answers.Redriven`), and its metrics (:mod:`tasks.metrics`).
-"""
+"""What a request task tells operators, one function per event: its log line (facts as fields) and metrics."""
 
 from __future__ import annotations
 
@@ -21,12 +18,9 @@ log = logging.getLogger("tasks")
 def lost_ownership(
     lost: LostOwnership, lease_token: int | None, message: Message | None, doing: str = "", **who: Any
 ) -> dict[str, Any]:
-    """Log an attempt (or a batch server, without ``message``, ``doing`` what) that lost its lease;
-    returns the fields. The line starts "lost ownership of <scope>", which the chaos run counts.
-
-    The fields tell one lost epoch from another: the scope, the token presented and the highest the
-    resource had accepted (a refused write; None when the lease was gone before the write), the holder and
-    lease id, the task and the request's epoch; ``who``: task_id, worker (and key, operation when known)."""
+    """Log an attempt (or a batch server, without ``message``, ``doing`` what) that lost its lease, and
+    return the fields, which tell one lost epoch from another; ``who``: task_id, worker (key, operation).
+    The line starts "lost ownership of <scope>", which the chaos run counts."""
     request = {"key": message.key, "operation": message.operation} if message is not None else {}
     fields = {
         **fencing_fields(
@@ -60,8 +54,7 @@ def lost_ownership(
 
 
 def dead_lettered(message: Message, reason: str, who: dict[str, Any], **facts: Any) -> None:
-    """Log a request dead-lettered for ``reason``; ``facts``: the fencing fields known (the lost lease's,
-    the busy lease's holder and token)."""
+    """Log a request dead-lettered for ``reason``; ``facts``: the fencing fields known."""
     # The SKU a single-SKU request names, where no lease's scope says it (the backend stayed down, the
     # lease client could not be built); an order's SKUs are its lines'.
     sku = message.args.get("sku") if "sku" not in facts and "scope" not in facts else None
@@ -86,8 +79,7 @@ def dead_lettered(message: Message, reason: str, who: dict[str, Any], **facts: A
 
 
 def finished(request: Any, result: dict[str, Any]) -> None:
-    """A request task's answer: its outcome, epochs and latency (from the enqueue time its message carries),
-    or a hand-off to its SKU's holder."""
+    """Count a request task's answer: its outcome, epochs and latency, or a hand-off to its SKU's holder."""
     current = metrics.current
     if not current.on:
         return
@@ -100,8 +92,7 @@ def finished(request: Any, result: dict[str, Any]) -> None:
 
 
 def served(outcomes: list[RequestResult]) -> None:
-    """A batch served for queued requests: its size and their outcomes (their latency is not known here:
-    the enqueue time travels in their own messages)."""
+    """Count a batch served: its size and outcomes (their enqueue times travel in their own messages)."""
     current = metrics.current
     if current.on and outcomes:
         current.batch(len(outcomes))
