@@ -1,18 +1,11 @@
 """The SKUs a thread of this process serves under the SKU's lease right now, and the requests handed to
-that thread in memory.
-
-In a thread pool the holder of a hot SKU's lease is often a thread of the same process as the requests
-that find it busy. Such a request needs neither the lease nor the database's pending list: it joins the
-server's queue here (:meth:`LocalServers.join`), the server takes it into its next batch
-(:meth:`LocalServers.take`), and the request's own task thread waits for the batch's answer and returns it.
-Its message stays unacknowledged until then (acks late), so a process that dies in between loses nothing:
-the broker delivers the request again and its idempotency key answers it.
+that thread in memory (docs/architecture.md, "A hot SKU", step 5): a request joins the server's queue here
+(:meth:`LocalServers.join`), the server takes it into its next batch (:meth:`LocalServers.take`), and the
+request's own task thread waits for the batch's answer.
 
 A request queued in the pending list by a thread of this process (:meth:`LocalServers.handed_off`) also
-leaves it to that server instead of trying the lease again: the server reads the hand-off count before
-each batch and, having served an empty one, stops only if the count did not move and nobody joined
-meanwhile (:meth:`LocalServers.leave`). A request that comes after the last server left finds no entry and
-takes the usual way, as a request of another process does.
+leaves it to that server: the server reads the hand-off count before each batch and, having served an
+empty one, stops only if the count did not move and nobody joined meanwhile (:meth:`LocalServers.leave`).
 """
 
 from __future__ import annotations
@@ -25,17 +18,15 @@ from reservations.batch_statement import InHand
 from reservations.request_outcomes import RequestResult
 
 
+@dataclass(slots=True, eq=False)
 class Joined:
     """A request handed to this process's server of its SKU: set once its batch is written, or once the
     server gave it back unserved (``result`` None: the request takes the usual way)."""
 
-    __slots__ = ("_done", "request", "result", "stored")
-
-    def __init__(self, request: InHand) -> None:
-        self.request = request
-        self.result: RequestResult | None = None
-        self.stored = False  # its Celery result was stored with its batch's
-        self._done = threading.Event()
+    request: InHand
+    result: RequestResult | None = None
+    stored: bool = False  # its Celery result was stored with its batch's
+    _done: threading.Event = field(default_factory=threading.Event, init=False)
 
     def answered(self, result: RequestResult | None, *, stored: bool = False) -> None:
         self.result, self.stored = result, stored

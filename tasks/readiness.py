@@ -1,18 +1,13 @@
-"""What a worker makes sure of before it takes tasks, in its main process before the pool forks.
+"""What a worker makes sure of before it takes tasks, in its main process before the pool forks (bad
+settings were refused when the ``celery`` command imported ``tasks``):
 
-Settings it cannot use were refused when ``tasks`` was imported by the ``celery`` command (every URL, the
-key prefix, numbers, password files: :mod:`tasks.settings`). What is left needs the backends:
-
-- the database and the lease backend answer. A backend that does not answer yet is waited for, with a
-  line every few seconds saying which and why: a database restarting while the workers roll must not
-  crash-loop them. Misconfigured is refused; unreachable is waited for.
-- the database schema is one this code may run on (:func:`reservations.schema.fit`). A worker on a
-  schema behind its code would fail its hot-SKU batches: it exits 2 naming the revision it found and the
-  one it needs (``reservations db upgrade``), so migrations go first and workers roll after them.
-- behind a transaction pooler (``RESERVATIONS_DATABASE_POOLING=transaction``), the database or role bounds
-  idle transactions and lock waits by the lease ttl. The worker cannot set them per connection there (the
-  pooler lends each transaction any server session), and without them a holder frozen inside its
-  transaction would keep its SKU's row locked for as long as it is frozen: exit 2, naming what is missing.
+- the database and the lease backend answer: a backend restarting while the workers roll is waited for,
+  saying so every few seconds, not crash-looped on. Misconfigured is refused; unreachable is waited for.
+- the schema is one this code may run on (:func:`reservations.schema.fit`); behind it, the worker exits 2
+  naming the revision it needs, so migrations go first and workers roll after them.
+- behind a transaction pooler, the database or role bounds idle transactions and lock waits by the lease
+  ttl (the worker cannot set them per connection there): otherwise a holder frozen in its transaction
+  keeps its SKU's row locked as long as it is frozen. Exit 2, naming what is missing.
 """
 
 from __future__ import annotations
@@ -38,7 +33,6 @@ from tasks.variables import SettingsError
 
 T = TypeVar("T")
 
-# How often a worker that waits for a backend says so (the first failure is said at once).
 SAY_EVERY = 10.0
 # The scope the lease backend is asked about: a read, which takes no lease and writes nothing.
 _PROBE_SCOPE = "readiness:probe"
@@ -60,8 +54,8 @@ def wait_for(
     sleep: Callable[[float], None] = time.sleep,
     clock: Callable[[], float] = time.monotonic,
 ) -> T:
-    """``probe()``'s answer, once the backend answers; until then a line every :data:`SAY_EVERY` seconds.
-    A missing schema is an answer (the caller refuses it), not a reason to wait."""
+    """``probe()``'s answer, once the backend answers (a missing schema is an answer); until then a line
+    every :data:`SAY_EVERY` seconds."""
     said: float | None = None
     delay = 0.25
     while True:
@@ -85,7 +79,6 @@ def wait_for(
 
 
 def _bounds(url: str) -> TransactionBounds:
-    """The bounds a worker's transactions get through the pooler, read as a worker's engine reads."""
     engine = make_engine(url, pooling="transaction")
     try:
         return transaction_bounds(engine)
@@ -94,8 +87,7 @@ def _bounds(url: str) -> TransactionBounds:
 
 
 def wait_until_usable(settings: Settings, *, sleep: Callable[[float], None] = time.sleep) -> None:
-    """Return once the database and the lease backend answer and the schema fits this code; exit 2
-    when the schema does not fit."""
+    """Return once the backends answer and the schema fits this code; exit 2 when it does not."""
     where = mask_url(settings.database_url)
     fit = wait_for("database", where, lambda: schema.fit(settings.database_url), sleep=sleep)
     if not fit.ok:
@@ -134,8 +126,8 @@ def loaded_by_celery_command() -> bool:
 
 
 def refuse_bad_settings() -> None:
-    """A worker or beat with a bad setting says so in one line and exits at start, instead of a
-    traceback from wherever Celery first reads its configuration."""
+    """A worker or beat with a bad setting says so in one line and exits 2, rather than a traceback from
+    wherever Celery first reads its configuration."""
     if json_logs():  # from the first line on, before Celery sets up its logging
         warnings_as_json()
         celery_says_json()
