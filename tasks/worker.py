@@ -1,7 +1,18 @@
-"""Per-process clients for Celery workers: created after fork, closed at shutdown, never shared.
+"""A worker's process: what it makes sure of before it takes tasks, the clients it builds, its signals.
 
-A prefork child must not reuse the parent's sockets (two processes on one connection corrupt both), so
-each process builds its own lease manager and database pool on first use and drops inherited ones.
+Before it takes tasks (its main process, before the pool forks; bad settings were refused when the
+``celery`` command imported ``tasks``):
+
+- the database and the lease backend answer: a backend restarting while the workers roll is waited for,
+  saying so every few seconds, not crash-looped on. Misconfigured is refused; unreachable is waited for.
+- the schema is one this code may run on (:func:`reservations.schema.fit`); behind it, the worker exits 2
+  naming the revision it needs, so migrations go first and workers roll after them.
+- behind a transaction pooler, the database or role bounds idle transactions and lock waits by the lease
+  ttl (the worker cannot set them per connection there): otherwise a holder frozen in its transaction
+  keeps its SKU's row locked as long as it is frozen. Exit 2, naming what is missing.
+
+Each process builds its own lease manager and database pool on first use, and drops inherited ones: a
+prefork child must not reuse the parent's sockets (two processes on one connection corrupt both).
 """
 
 from __future__ import annotations
@@ -10,10 +21,17 @@ import logging
 import os
 import socket
 import threading
+import time
+from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, NoReturn, TypeVar
 
-from celery import current_app
+import click
+import redis
+import sqlalchemy as sa
+from celery import bootsteps, current_app
 from celery.signals import (
     after_setup_logger,
     after_setup_task_logger,
@@ -25,21 +43,158 @@ from celery.signals import (
     worker_shutdown,
 )
 from celery.utils.log import get_multiprocessing_logger
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
-from fencing import LeaseManager
+from fencing import BackendUnavailable, LeaseManager, SchemaMissing
+from fencing.engines import TransactionBounds, make_engine, transaction_bounds
 from fencing.sql_executor import SyncSqlExecutor
 from fencing.urls import mask_url
-from reservations import Inventory
-from tasks import metrics
+from reservations import Inventory, schema
+from tasks import failpoints, metrics
 from tasks.answers import note_task_events
-from tasks.connections import client_options
 from tasks.errors import TasksError
 from tasks.failpoints import failpoint
-from tasks.logs import say, use_json
-from tasks.readiness import refuse, wait_until_usable
+from tasks.logs import celery_says_json, say, use_json, warnings_as_json
 from tasks.settings import Settings, json_logs, settings_of, unknown_name_warnings
+from tasks.variables import SettingsError
 
 log = logging.getLogger("tasks.worker")
+
+T = TypeVar("T")
+
+# A thread pool runs many tasks in one process on these clients: let the connection pool grow with it
+# (connections open only when needed) instead of queueing tasks on five connections.
+SQL_POOL: dict[str, Any] = {"pool_size": 5, "max_overflow": 64}
+
+
+def client_options(url: str, lease_ttl: float, pooling: str = "session") -> dict[str, Any]:
+    """The options a worker builds its client for ``url`` with (Redis or SQL); ``pooling``: the SQL
+    engine's (``RESERVATIONS_DATABASE_POOLING``)."""
+    if url.startswith(("redis", "rediss", "unix")):
+        # A lease call that has not answered within a third of the ttl is of no use (a renewal would come
+        # too late): give up then, as unavailable, instead of waiting on TCP for minutes when the worker is
+        # cut off from Redis.
+        wait = max(0.5, min(5.0, lease_ttl / 3))
+        # One reconnect for a pooled connection the server closed, none with backoff: redis-py's default
+        # retries a refused connection ten times with growing pauses, which a sentinel client pays per
+        # sentinel, seconds in all, before the call says the primary is unreachable.
+        retry = Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,))
+        return {"socket_timeout": wait, "socket_connect_timeout": wait, "retry": retry}
+    in_memory = url.startswith("sqlite") and (":memory:" in url or url.rstrip("/") == "sqlite:")
+    return {} if in_memory else {**SQL_POOL, "pooling": pooling}
+
+
+# -- before it takes tasks --------------------------------------------------------------------------------
+
+SAY_EVERY = 10.0
+# The scope the lease backend is asked about: a read, which takes no lease and writes nothing.
+_PROBE_SCOPE = "readiness:probe"
+# What "does not answer" looks like from each client; anything else is a bug or misconfiguration.
+_UNANSWERED = (BackendUnavailable, sa.exc.OperationalError, sa.exc.InterfaceError, redis.RedisError, OSError)
+
+
+def refuse(problem: str) -> NoReturn:
+    """One line naming the problem, then exit 2: the code the command line gives a bad setting."""
+    say(f"reservations: {problem}", level=logging.ERROR, event="worker_refused")
+    raise SystemExit(2)
+
+
+def wait_for(
+    what: str,
+    where: str,
+    probe: Callable[[], T],
+    *,
+    sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
+) -> T:
+    """``probe()``'s answer, once the backend answers (a missing schema is an answer); until then a line
+    every :data:`SAY_EVERY` seconds."""
+    said: float | None = None
+    delay = 0.25
+    while True:
+        try:
+            return probe()
+        except SchemaMissing:
+            raise
+        except _UNANSWERED as exc:
+            now = clock()
+            if said is None or now - said >= SAY_EVERY:
+                reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                say(
+                    f"reservations worker waiting for its {what} at {where}: {reason}",
+                    level=logging.WARNING,
+                    event="waiting_for_backend",
+                    backend=what,
+                )
+                said = now
+        sleep(delay)
+        delay = min(5.0, delay * 2)
+
+
+def _bounds(url: str) -> TransactionBounds:
+    engine = make_engine(url, pooling="transaction")
+    try:
+        return transaction_bounds(engine)
+    finally:
+        engine.dispose()
+
+
+def wait_until_usable(settings: Settings, *, sleep: Callable[[float], None] = time.sleep) -> None:
+    """Return once the backends answer and the schema fits this code; exit 2 when it does not."""
+    where = mask_url(settings.database_url)
+    fit = wait_for("database", where, lambda: schema.fit(settings.database_url), sleep=sleep)
+    if not fit.ok:
+        refuse(fit.message)
+    if fit.found != fit.needed:
+        say(f"reservations worker: {fit.message}", level=logging.WARNING, event="schema_ahead")
+    if settings.database_pooling == "transaction":
+        bounds = wait_for("database", where, lambda: _bounds(settings.database_url), sleep=sleep)
+        beyond = bounds.beyond(settings.lease_ttl)
+        if beyond:
+            refuse(
+                f"the database at {where} is behind a transaction pooler (RESERVATIONS_DATABASE_POOLING="
+                f"transaction) and bounds transactions by more than the lease ttl ({settings.lease_ttl:g}s): "
+                f"{', '.join(beyond)}; set both to at most the ttl on the database or role (ALTER ROLE ... "
+                "SET ...); the pooler's open server sessions keep the old values until RECONNECT on its "
+                "admin console (or server_lifetime): see PgBouncer in docs/operations.md"
+            )
+    leases = LeaseManager.from_url(
+        settings.lease_url,
+        prefix=settings.lease_prefix,
+        **client_options(settings.lease_url, settings.lease_ttl, settings.database_pooling),
+    )
+    try:
+        wait_for("lease backend", leases.url, lambda: leases.current(_PROBE_SCOPE), sleep=sleep)
+    except SchemaMissing as exc:
+        upgrade = "run `reservations db upgrade` on it"
+        refuse(f"the lease backend at {leases.url} has no schema ({exc.reason}): {upgrade}")
+    finally:
+        leases.close()
+
+
+def loaded_by_celery_command() -> bool:
+    """Whether the ``celery`` command line is importing the app (``celery -A tasks worker``)."""
+    context = click.get_current_context(silent=True)
+    return context is not None and context.find_root().command.name == "celery"
+
+
+def refuse_bad_settings() -> None:
+    """A worker or beat with a bad setting says so in one line and exits 2, rather than a traceback from
+    wherever Celery first reads its configuration."""
+    if json_logs():  # from the first line on, before Celery sets up its logging
+        warnings_as_json()
+        celery_says_json()
+    try:
+        settings = Settings.from_env()
+    except SettingsError as exc:
+        refuse(str(exc))
+    problem = failpoints.check(settings.failpoints, settings.failpoint_dir)
+    if problem:
+        refuse(problem)
+
+
+# -- this process's clients -------------------------------------------------------------------------------
 
 
 class Unbuildable(TasksError):
@@ -100,7 +255,7 @@ def _build_inventory(settings: Settings) -> Inventory:
             enforce_fence=settings.enforce_fence,
             before_statement=lambda lease: failpoint("in_write"),
             # Behind a transaction pooler a per-connection setting is lost: the database or role bounds
-            # transactions there instead, as the checks at start made sure (tasks.readiness).
+            # transactions there instead, as the checks at start made sure.
             transaction_timeout=None if settings.database_pooling == "transaction" else settings.lease_ttl,
             **client_options(settings.database_url, settings.lease_ttl, settings.database_pooling),
         )
@@ -151,22 +306,29 @@ def close_resources(**_: Any) -> None:
         _resources = None
 
 
+# -- signals and steps ------------------------------------------------------------------------------------
+
+
+def _settings(sender: Any) -> Settings:
+    # A pool child is sent no app: the worker made its own the current one before forking it.
+    return settings_of(sender.app if sender is not None else current_app)
+
+
 @worker_process_init.connect
 def _init_process(**_: Any) -> None:
-    # A pool child is sent no app: the worker made its own the current one before forking it.
     try:
-        resources(settings_of(current_app))
+        resources(_settings(None))
     except Unbuildable as exc:  # each task tries again, and keeps its request until one can record it
         log.error("%s", exc, extra={"event": "client_unbuildable", "backend": exc.backend})
 
 
 @celeryd_init.connect
 def _make_sure_it_can_work(instance: Any = None, **_: Any) -> None:
-    """Before the pool forks and the worker consumes: the backends answer (waited for) and the schema
-    fits this code (exit 2 otherwise). With JSON logs, Celery's banner is left out of the stream."""
+    """Before the pool forks and the worker consumes: the backends answer and the schema fits. With JSON
+    logs, Celery's banner is left out of the stream."""
     if json_logs() and instance is not None:
         instance.quiet = True
-    wait_until_usable(settings_of(instance.app if instance is not None else current_app))
+    wait_until_usable(_settings(instance))
 
 
 worker_process_shutdown.connect(close_resources)
@@ -175,44 +337,13 @@ celeryd_after_setup.connect(note_task_events)
 
 
 @celeryd_after_setup.connect
-def _warn_unknown_names(**_: Any) -> None:
-    """A RESERVATIONS_* name that is no setting (a typo) would otherwise be ignored without a word."""
+def _after_setup(instance: Any = None, **_: Any) -> None:
+    """Warn of each RESERVATIONS_* name that is no setting (a typo, otherwise ignored without a word), then
+    switch metrics on before the pool forks (RESERVATIONS_METRICS_PORT): metrics that cannot work stop
+    the worker at start with one line, as a bad setting does."""
     for line in unknown_name_warnings():
         log.warning(line)
-
-
-@worker_ready.connect
-def _say_ready(sender: Any = None, **_: Any) -> None:
-    """One line when the worker takes tasks, whatever the log level (Celery's own is INFO): where it
-    reads and writes, passwords masked. Written to the real stderr, past Celery's stdout redirection."""
-    settings = settings_of(sender.app if sender is not None else current_app)
-    name = getattr(sender, "hostname", None) or worker_identity()
-    say(
-        f"reservations worker {name} ready: database {mask_url(settings.database_url)}, "
-        f"leases {mask_url(settings.lease_url or settings.database_url)}, "
-        f"broker {mask_url(settings.broker_url)}, lease ttl {settings.lease_ttl:g}s",
-        event="worker_ready",
-    )
-
-
-# -- logs and metrics of a worker (and beat) --------------------------------------------------------------
-
-
-@after_setup_logger.connect
-@after_setup_task_logger.connect
-def _log_format(logger: logging.Logger | None = None, **_: Any) -> None:
-    """Celery has set up a worker's or beat's log handlers: with RESERVATIONS_LOG_FORMAT=json they write
-    one JSON object per line, with each record's fields (:mod:`tasks.logs`)."""
-    if logger is not None and settings_of(current_app).log_format == "json":
-        # The pool's logger (billiard's: a child that exited, was lost) has handlers of its own.
-        use_json([*logger.handlers, *get_multiprocessing_logger().handlers])
-
-
-@celeryd_after_setup.connect
-def _metrics_on(instance: Any = None, **_: Any) -> None:
-    """With RESERVATIONS_METRICS_PORT set, a worker's metrics are switched on before its pool forks; metrics
-    that cannot work stop it at start with one line, as a bad setting does."""
-    if not settings_of(instance.app if instance is not None else current_app).metrics_port:
+    if not _settings(instance).metrics_port:
         return
     try:
         metrics.switch_on()
@@ -223,8 +354,17 @@ def _metrics_on(instance: Any = None, **_: Any) -> None:
 
 
 @worker_ready.connect
-def _serve_metrics(sender: Any = None, **_: Any) -> None:
-    settings = settings_of(sender.app if sender is not None else current_app)
+def _ready(sender: Any = None, **_: Any) -> None:
+    """One line when the worker takes tasks, whatever the log level: where it reads and writes, passwords
+    masked, on the real stderr past Celery's stdout redirection. Then its metrics are served."""
+    settings = _settings(sender)
+    name = getattr(sender, "hostname", None) or worker_identity()
+    say(
+        f"reservations worker {name} ready: database {mask_url(settings.database_url)}, "
+        f"leases {mask_url(settings.lease_url or settings.database_url)}, "
+        f"broker {mask_url(settings.broker_url)}, lease ttl {settings.lease_ttl:g}s",
+        event="worker_ready",
+    )
     port, host = settings.metrics_port, settings.metrics_host
     if not port:
         return
@@ -234,3 +374,46 @@ def _serve_metrics(sender: Any = None, **_: Any) -> None:
         log.error("cannot serve metrics on %s port %d: %s", host, port, exc)
     else:
         log.info("metrics on %s port %d", host, port)
+
+
+@after_setup_logger.connect
+@after_setup_task_logger.connect
+def _log_format(logger: logging.Logger | None = None, **_: Any) -> None:
+    """Celery has set up a worker's or beat's log handlers: with RESERVATIONS_LOG_FORMAT=json they write
+    one JSON object per line."""
+    if logger is not None and _settings(None).log_format == "json":
+        # The pool's logger (billiard's: a child that exited, was lost) has handlers of its own.
+        use_json([*logger.handlers, *get_multiprocessing_logger().handlers])
+
+
+# A worker's liveness as a file (RESERVATIONS_HEARTBEAT_FILE): its consumer touches it every few seconds
+# from its own event loop, so a health check reads the file's age instead of starting a Celery client.
+# A check may call the worker dead once the file is several intervals old (compose.yaml allows 60 s).
+INTERVAL = 5.0
+
+
+class HeartbeatFile(bootsteps.StartStopStep):  # type: ignore[misc]
+    """Touches the file while the consumer runs: a blocked event loop, or a consumer restarting after
+    losing its broker, stops the touches."""
+
+    def __init__(self, consumer: Any, **kwargs: Any) -> None:
+        path = settings_of(consumer.app).heartbeat_file
+        self.path = Path(path or ".")
+        self.enabled = bool(path)  # unset: the step is left out of the worker
+        self.timer_entry: Any = None
+        super().__init__(consumer, **kwargs)
+
+    def start(self, consumer: Any) -> None:
+        self.touch()
+        self.timer_entry = consumer.timer.call_repeatedly(INTERVAL, self.touch)
+
+    def touch(self) -> None:
+        with suppress(OSError):  # a full or read-only disk must not stop the consumer
+            self.path.touch()
+
+    def stop(self, consumer: Any) -> None:
+        if self.timer_entry is not None:
+            self.timer_entry.cancel()
+            self.timer_entry = None
+
+    shutdown = stop

@@ -47,7 +47,7 @@ from fencing.redis_scripts import ACQUIRE
 from fencing.redis_topology import redis_topology
 from reservations import Inventory, scope_of
 from reservations.models import sku_history
-from tasks.connections import client_options
+from tasks.worker import client_options
 from testing.harness import free_port, wait_until
 from testing.redis_topologies import ClusterTopology, SentinelTopology
 

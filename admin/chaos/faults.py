@@ -45,7 +45,7 @@ from fencing.engines import make_engine
 from reservations.models import pending_reservations, request_outcomes
 from reservations.request_outcomes import request_id
 from reservations.validation import scope_of
-from tasks.connections import client_options
+from tasks.worker import client_options
 from testing.harness import process_state
 from testing.redis_servers import RedisServer
 
