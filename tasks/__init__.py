@@ -19,8 +19,7 @@ from tasks import worker as _worker  # noqa: F401  (connects the per-process lif
 from tasks.app import app, create_app
 from tasks.client import ReservationClient, ReservationHandle
 from tasks.errors import BrokerUnavailable, ClientClosed, OutcomeTimeout, TasksError, WatcherClosed
-from tasks.settings import Settings
-from tasks.variables import SettingsError
+from tasks.settings import Settings, SettingsError
 
 __all__ = [
     "BackendUnavailable",

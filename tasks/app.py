@@ -13,8 +13,7 @@ from celery import Celery
 
 from tasks import transport
 from tasks.relay import RelayStep
-from tasks.settings import REDIS, Settings
-from tasks.variables import scheme_of
+from tasks.settings import REDIS, Settings, scheme_of
 from tasks.worker import HeartbeatFile, loaded_by_celery_command, refuse_bad_settings
 
 _SHORT_RETRIES = {

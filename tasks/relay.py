@@ -60,8 +60,7 @@ from reservations.request_outcomes import AlreadyApplied
 from reservations.statuses import RequestStatus
 from tasks.producer import Producer
 from tasks.sending import publish
-from tasks.settings import REDIS, Settings
-from tasks.variables import scheme_of
+from tasks.settings import REDIS, Settings, scheme_of
 
 log = logging.getLogger("tasks.relay")
 

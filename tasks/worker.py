@@ -56,8 +56,7 @@ from tasks.answers import note_task_events
 from tasks.errors import TasksError
 from tasks.failpoints import failpoint
 from tasks.logs import celery_says_json, say, use_json, warnings_as_json
-from tasks.settings import Settings, json_logs, settings_of, unknown_name_warnings
-from tasks.variables import SettingsError
+from tasks.settings import Settings, SettingsError, json_logs, settings_of, unknown_name_warnings
 
 log = logging.getLogger("tasks.worker")
 

@@ -15,8 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
-from tasks.settings import Settings
-from tasks.variables import PREFIX
+from tasks.settings import PREFIX, Settings
 from testing.harness import (
     START_TIMEOUT,
     STOP_TIMEOUT,

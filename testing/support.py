@@ -202,7 +202,7 @@ class Done(NamedTuple):
 def _shell(env: Mapping[str, str], columns: int) -> dict[str, str | None]:
     """The environment a shell gives the command: none of our variables but ``env``, ``columns`` wide,
     no colours (None: the variable is unset)."""
-    from tasks.variables import PREFIX
+    from tasks.settings import PREFIX
 
     ours: dict[str, str | None] = {k: None for k in os.environ if k.startswith(PREFIX)}
     return {**ours, **env, "NO_COLOR": "1", "COLUMNS": str(columns)}

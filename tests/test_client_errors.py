@@ -11,7 +11,7 @@ import fencing.errors
 import reservations.errors
 import tasks
 import tasks.errors
-import tasks.variables
+import tasks.settings
 
 DEFINED = [
     (reservations.errors, "InvalidRequest"),  # refused before publishing
@@ -21,7 +21,7 @@ DEFINED = [
     (tasks.errors, "ClientClosed"),
     (tasks.errors, "BrokerUnavailable"),  # the broker did not take the message
     (tasks.errors, "TasksError"),
-    (tasks.variables, "SettingsError"),  # a client builds its settings from the environment
+    (tasks.settings, "SettingsError"),  # a client builds its settings from the environment
     (fencing.errors, "BackendUnavailable"),  # the outcomes' database does not answer
 ]
 

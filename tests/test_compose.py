@@ -25,8 +25,7 @@ import pytest
 import yaml
 
 from reservations import schema
-from tasks.settings import Settings
-from tasks.variables import SettingsError
+from tasks.settings import Settings, SettingsError
 from testing.celery_processes import CeleryProcess, start_all, stop_all, worker_env
 from testing.compose import COMPOSE, compose, resolved
 from testing.harness import free_port, wait_until

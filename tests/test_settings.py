@@ -17,8 +17,7 @@ import pytest
 import tasks.request_tasks  # noqa: F401  (declares the tasks each app binds)
 from tasks import create_app
 from tasks.app import SCHEDULED_RESULT_EXPIRES
-from tasks.settings import VARIABLES, Settings, variable
-from tasks.variables import PREFIX, SettingsError
+from tasks.settings import PREFIX, VARIABLES, Settings, SettingsError, variable
 from testing.celery_processes import worker_env
 from testing.support import run
 
@@ -162,8 +161,7 @@ def test_a_password_file_that_is_a_fifo_without_a_writer_is_named_at_once(tmp_pa
     os.mkfifo(fifo)
     env = worker_env({"RESERVATIONS_LEASE_URL": "redis://r/2", "RESERVATIONS_LEASE_PASSWORD_FILE": str(fifo)})
     program = (
-        "from tasks.settings import Settings\n"
-        "from tasks.variables import SettingsError\n"
+        "from tasks.settings import Settings, SettingsError\n"
         "try:\n    Settings.from_env()\nexcept SettingsError as exc:\n    print(exc)\n"
     )
     done = subprocess.run(

@@ -20,8 +20,7 @@ import typer
 from admin.cli import archives, metrics, migrations, reads, runs, serve, writes
 from admin.cli.context import config
 from admin.cli.failures import EXIT_USAGE, complain, fail
-from tasks.settings import Settings, unknown_name_warnings, variable
-from tasks.variables import SettingsError
+from tasks.settings import Settings, SettingsError, unknown_name_warnings, variable
 
 __all__ = ["app", "main"]
 

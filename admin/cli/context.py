@@ -8,8 +8,7 @@ from __future__ import annotations
 from fencing import LeaseManager
 from fencing.urls import mask_url
 from reservations.inventory import Inventory
-from tasks.settings import Settings
-from tasks.variables import DEFAULT
+from tasks.settings import DEFAULT, Settings
 
 
 class Config:
