@@ -292,14 +292,37 @@ class Settings:
     def __post_init__(self) -> None:
         if not self.lease_url:
             object.__setattr__(self, "lease_url", self.database_url)
-        problems = [*_url_problems(self)]
+        # What a worker could not build from these URLs and the key prefix, found without connecting by
+        # the parsers the clients use: nothing that passes here fails when the worker builds them.
+        problems = []
+        checks: list[tuple[str, Callable[[str], object]]] = [("database_url", normalize_url)]
+        if self.lease_url != self.database_url:  # the same URL would be reported twice
+            checks.append(("lease_url", lease_backend))
+        for name, check in checks:
+            try:
+                check(getattr(self, name))
+            except InvalidLeaseRequest as exc:
+                problems.append(f"{_BY_FIELD[name].name}: {exc}")
+        try:
+            validate_prefix(self.lease_prefix)
+        except InvalidLeaseRequest as exc:
+            problems.append(f"{PREFIX}LEASE_PREFIX {self.lease_prefix!r}: {exc}")
+        for name, schemes in (("broker_url", BROKER_SCHEMES), ("result_backend", RESULT_SCHEMES)):
+            problem = scheme_problem(_BY_FIELD[name].name, getattr(self, name), schemes)
+            if problem:
+                problems.append(problem)
+            elif is_sentinel(getattr(self, name)) and not self.sentinel_master:
+                # kombu and Celery would fail only at the first connection, inside a running worker.
+                problems.append(
+                    f"{_BY_FIELD[name].name} is a sentinel:// URL: {PREFIX}SENTINEL_MASTER must name the "
+                    "Sentinel service of its Redis"
+                )
+        postgres = scheme_of(self.database_url) in ("postgresql", "postgres")
         if self.database_pooling not in POOLING_MODES:
             problems.append(
                 f"{PREFIX}DATABASE_POOLING must be session or transaction, got {self.database_pooling!r}"
             )
-        elif self.database_pooling == "transaction" and not scheme_of(self.database_url).startswith(
-            "postgres"
-        ):
+        elif self.database_pooling == "transaction" and not postgres:
             problems.append(f"{PREFIX}DATABASE_POOLING=transaction needs a PostgreSQL {PREFIX}DATABASE_URL")
         if self.log_format not in ("text", "json"):
             problems.append(f"{PREFIX}LOG_FORMAT must be text or json, got {self.log_format!r}")
@@ -420,35 +443,6 @@ VARIABLES = tuple(
     if "setting" in f.metadata
 )
 _BY_FIELD = {variable.field: variable for variable in VARIABLES}
-
-
-def _url_problems(settings: Settings) -> list[str]:
-    """What a worker could not build from these URLs and the key prefix, found without connecting: the
-    same parsers the clients use, so nothing that passes here fails when the worker builds them."""
-    problems = []
-    checks: list[tuple[str, Callable[[str], object]]] = [("database_url", normalize_url)]
-    if settings.lease_url != settings.database_url:  # the same URL would be reported twice
-        checks.append(("lease_url", lease_backend))
-    for name, check in checks:
-        try:
-            check(getattr(settings, name))
-        except InvalidLeaseRequest as exc:
-            problems.append(f"{_BY_FIELD[name].name}: {exc}")
-    try:
-        validate_prefix(settings.lease_prefix)
-    except InvalidLeaseRequest as exc:
-        problems.append(f"{PREFIX}LEASE_PREFIX {settings.lease_prefix!r}: {exc}")
-    for name, schemes in (("broker_url", BROKER_SCHEMES), ("result_backend", RESULT_SCHEMES)):
-        problem = scheme_problem(_BY_FIELD[name].name, getattr(settings, name), schemes)
-        if problem:
-            problems.append(problem)
-        elif is_sentinel(getattr(settings, name)) and not settings.sentinel_master:
-            # kombu and Celery would fail only at the first connection, inside a running worker.
-            problems.append(
-                f"{_BY_FIELD[name].name} is a sentinel:// URL: {_BY_FIELD['sentinel_master'].name} must name "
-                "the Sentinel service of its Redis"
-            )
-    return problems
 
 
 def variable(name: str) -> Variable:

@@ -158,11 +158,7 @@ def wait_until_usable(settings: Settings, *, sleep: Callable[[float], None] = ti
                 "SET ...); the pooler's open server sessions keep the old values until RECONNECT on its "
                 "admin console (or server_lifetime): see PgBouncer in docs/operations.md"
             )
-    leases = LeaseManager.from_url(
-        settings.lease_url,
-        prefix=settings.lease_prefix,
-        **client_options(settings.lease_url, settings.lease_ttl, settings.database_pooling),
-    )
+    leases = _lease_manager(settings)
     try:
         wait_for("lease backend", leases.url, lambda: leases.current(_PROBE_SCOPE), sleep=sleep)
     except SchemaMissing as exc:
@@ -262,15 +258,15 @@ def _build_inventory(settings: Settings) -> Inventory:
         raise Unbuildable("database", exc) from exc
 
 
+def _lease_manager(settings: Settings) -> LeaseManager:
+    options = client_options(settings.lease_url, settings.lease_ttl, settings.database_pooling)
+    return LeaseManager.from_url(settings.lease_url, prefix=settings.lease_prefix, **options)
+
+
 def _build_leases(resources: Resources) -> None:
-    settings = resources.settings
     try:
         failpoint("build_leases")
-        resources.lease_manager = LeaseManager.from_url(
-            settings.lease_url,
-            prefix=settings.lease_prefix,
-            **client_options(settings.lease_url, settings.lease_ttl, settings.database_pooling),
-        )
+        resources.lease_manager = _lease_manager(resources.settings)
         resources.lease_error = None
     except Exception as exc:
         resources.lease_error = Unbuildable("lease backend", exc)
