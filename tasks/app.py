@@ -16,19 +16,12 @@ from tasks.relay import RelayStep
 from tasks.settings import REDIS, Settings, scheme_of
 from tasks.worker import HeartbeatFile, loaded_by_celery_command, refuse_bad_settings
 
-_SHORT_RETRIES = {
-    "retry_policy": {"max_retries": 2, "interval_start": 0, "interval_step": 0.2, "interval_max": 0.5}
-}
-
-
-# How long the results of tasks that are no requests (beat's sweeps and purge, the no-op) are kept when
-# request tasks store none: bounded by the schedule, not by the traffic.
+_SHORT_RETRIES = {"max_retries": 2, "interval_start": 0, "interval_step": 0.2, "interval_max": 0.5}
 SCHEDULED_RESULT_EXPIRES = 3600
 
 
 def configure(app: Celery, settings: Settings) -> None:
-    # Redis brokers (redis://, rediss://, sentinel://) through tasks.transport: kombu's transports, except
-    # that neither a message no task can be made of nor a broker at maxmemory stops a worker's consumer.
+    # Redis brokers through tasks.transport: neither a bad message nor a full broker stops a consumer.
     transport.install()
     app.conf.update(
         broker_url=settings.broker_url,
@@ -48,11 +41,11 @@ def configure(app: Celery, settings: Settings) -> None:
         # down costs a worker a few hundred milliseconds per task, not Celery's default twenty retries.
         result_backend_transport_options={
             **settings.transport_options(settings.result_backend, broker=False),
-            **(_SHORT_RETRIES if scheme_of(settings.result_backend) in REDIS else {}),
+            **({"retry_policy": _SHORT_RETRIES} if scheme_of(settings.result_backend) in REDIS else {}),
         },
         # Request tasks store a result only for RESERVATIONS_RESULT_EXPIRES seconds, none by default
-        # (RequestTask.ignore_result): their outcome is the database row. The schedule's own tasks and
-        # the no-op keep theirs an hour then, a few per sweep interval whatever the traffic.
+        # (their outcome is the database row). The schedule's own tasks and the no-op keep theirs an hour
+        # then: bounded by the schedule, not by the traffic.
         result_expires=settings.result_expires or SCHEDULED_RESULT_EXPIRES,
         # No name, arguments, worker or queue beside a result: the outcome row and the attempts hold them,
         # the task events carry them to Flower, and they would double every stored result.
@@ -67,10 +60,7 @@ def configure(app: Celery, settings: Settings) -> None:
         # Task events, as -E sends them; None leaves it to the command line (-E) as Celery does.
         worker_send_task_events=settings.task_events or None,
         beat_schedule={
-            "expire-due-holds": {
-                "task": "reservations.expire_holds",
-                "schedule": settings.expiry_interval,
-            },
+            "expire-due-holds": {"task": "reservations.expire_holds", "schedule": settings.expiry_interval},
             # A safety net for hot-SKU batching: queued requests whose watch is stuck in a frozen
             # worker still get served within a sweep.
             "serve-waiting-requests": {
