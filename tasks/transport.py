@@ -233,29 +233,21 @@ class _Delivering:
     channel_errors: tuple[type[BaseException], ...]
 
     def _deliver(self, message: Any, queue: str) -> None:
-        tag = _tag_of(message)
+        properties = message.get("properties") if isinstance(message, Mapping) else None
+        tag = properties.get("delivery_tag") if isinstance(properties, Mapping) else None
         held = [channel for channel in self.channels if _holds(channel, tag)]
         try:
             super()._deliver(message, queue)  # type: ignore[misc]
         except Exception as exc:
-            if self._broker_error(exc):
+            # A broker error the consumer recovers from by connecting again. kombu counts KeyError among
+            # its Redis connection errors; in a delivery it is a field the message lacks.
+            broker = (RedisError, OSError, InconsistencyError, *self.connection_errors)
+            if isinstance(exc, broker) and not isinstance(exc, KeyError):
                 raise
             dropped("malformed", queue, message, exc)
             for channel in self.channels:
                 if channel not in held and _holds(channel, tag):
                     channel.qos.reject(tag, requeue=False)
-
-    def _broker_error(self, exc: Exception) -> bool:
-        """An error of the broker, which the consumer recovers from. kombu counts KeyError among its Redis
-        connection errors; in a delivery it is a field the message lacks."""
-        if isinstance(exc, KeyError):
-            return False
-        return isinstance(exc, (RedisError, OSError, InconsistencyError, *self.connection_errors))
-
-
-def _tag_of(message: object) -> Any:
-    properties = message.get("properties") if isinstance(message, Mapping) else None
-    return properties.get("delivery_tag") if isinstance(properties, Mapping) else None
 
 
 def _holds(channel: Any, tag: Any) -> bool:

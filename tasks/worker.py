@@ -1,18 +1,10 @@
-"""A worker's process: what it makes sure of before it takes tasks, the clients it builds, its signals.
+"""A worker's process: what it makes sure of before it takes tasks (docs/operations.md, "Starting workers"),
+the clients it builds, its signals.
 
-Before it takes tasks (its main process, before the pool forks; bad settings were refused when the
-``celery`` command imported ``tasks``):
-
-- the database and the lease backend answer: a backend restarting while the workers roll is waited for,
-  saying so every few seconds, not crash-looped on. Misconfigured is refused; unreachable is waited for.
-- the schema is one this code may run on (:func:`reservations.schema.fit`); behind it, the worker exits 2
-  naming the revision it needs, so migrations go first and workers roll after them.
-- behind a transaction pooler, the database or role bounds idle transactions and lock waits by the lease
-  ttl (the worker cannot set them per connection there): otherwise a holder frozen in its transaction
-  keeps its SKU's row locked as long as it is frozen. Exit 2, naming what is missing.
-
-Each process builds its own lease manager and database pool on first use, and drops inherited ones: a
-prefork child must not reuse the parent's sockets (two processes on one connection corrupt both).
+Behind a transaction pooler the worker cannot bound its transactions per connection, so it refuses a
+database or role that does not: a holder frozen in its transaction would keep its SKU's row locked as
+long as it is frozen. Each process builds its own clients on first use and drops inherited ones: a prefork
+child must not reuse the parent's sockets (two processes on one connection corrupt both).
 """
 
 from __future__ import annotations
