@@ -96,15 +96,10 @@ def _claim(name: str) -> bool:
 
 
 def failpoint(name: str) -> None:
-    spec = os.environ.get(FAILPOINTS)
-    if not spec:
+    configured = _configured(os.environ.get(FAILPOINTS) or "").get(name)
+    if configured is None or (configured[1] and not _claim(name)):  # once, and fired already
         return
-    configured = _configured(spec).get(name)
-    if configured is None:
-        return
-    action, once = configured
-    if once and not _claim(name):
-        return
+    action = configured[0]
     log.warning("failpoint %s: %s in process %d", name, action, os.getpid())
     if action == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)
@@ -130,7 +125,5 @@ def renew_every(configured: float | None) -> float | None:
     """The renewal interval a holder of this process uses: the configured one, or with ``renew=skip``
     the longest a lease can last, so that no renewal comes while it holds (settings refuse an interval
     that long: outside fault injection it is a misconfiguration)."""
-    spec = os.environ.get(FAILPOINTS)
-    if spec and _configured(spec).get("renew", ("", False))[0] == "skip":
-        return MAX_TTL
-    return configured
+    skip = _configured(os.environ.get(FAILPOINTS) or "").get("renew", ("", False))[0] == "skip"
+    return MAX_TTL if skip else configured
