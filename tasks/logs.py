@@ -18,23 +18,10 @@ from typing import IO, Any
 
 from tasks.settings import json_logs
 
-# The facts of a fencing event, on each of its records (None where they do not apply).
-FENCING_FIELDS = ("scope", "sku", "token", "highest", "holder", "lease_id", "task_id", "epoch")
-
 # Attributes every LogRecord has: whatever else a record carries came from ``extra=`` or a filter.
 _STANDARD = frozenset(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime"}
 
 _request: ContextVar[dict[str, Any] | None] = ContextVar("reservations_request", default=None)
-
-
-def fencing_fields(**known: Any) -> dict[str, Any]:
-    """The fencing event fields with ``known`` filled in; the SKU read from a ``sku:`` scope."""
-    fields: dict[str, Any] = dict.fromkeys(FENCING_FIELDS)
-    fields.update(known)
-    scope = fields.get("scope")
-    if fields["sku"] is None and isinstance(scope, str) and scope.startswith("sku:"):
-        fields["sku"] = scope.removeprefix("sku:")
-    return fields
 
 
 @contextmanager

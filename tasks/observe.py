@@ -9,10 +9,22 @@ from typing import Any
 from fencing import LostOwnership, StaleToken
 from reservations.request_outcomes import RequestResult
 from tasks import metrics
-from tasks.logs import fencing_fields
 from tasks.messages import ENQUEUED_AT, Message
 
 log = logging.getLogger("tasks")
+
+# The facts of a fencing event, on each of its records (None where they do not apply).
+FENCING_FIELDS = ("scope", "sku", "token", "highest", "holder", "lease_id", "task_id", "epoch")
+
+
+def fencing_fields(**known: Any) -> dict[str, Any]:
+    """The fencing event fields with ``known`` filled in; the SKU read from a ``sku:`` scope."""
+    fields: dict[str, Any] = dict.fromkeys(FENCING_FIELDS)
+    fields.update(known)
+    scope = fields.get("scope")
+    if fields["sku"] is None and isinstance(scope, str) and scope.startswith("sku:"):
+        fields["sku"] = scope.removeprefix("sku:")
+    return fields
 
 
 def lost_ownership(
