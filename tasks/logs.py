@@ -81,14 +81,14 @@ def use_json(handlers: Iterable[logging.Handler]) -> None:
             handler.addFilter(RequestFields())
 
 
-def use_json_on_stderr(level: int = logging.WARNING) -> None:
+def use_json_on_stderr() -> None:
     """For a process that configures no logging of its own (the command line): JSON lines on stderr."""
     root = logging.getLogger()
     handler = logging.StreamHandler(sys.stderr)
     use_json([handler])
     root.addHandler(handler)
-    if root.level == logging.NOTSET or root.level > level:
-        root.setLevel(level)
+    if root.level == logging.NOTSET or root.level > logging.WARNING:
+        root.setLevel(logging.WARNING)
 
 
 def say(
@@ -109,10 +109,10 @@ def say(
     print(message, file=stream or sys.__stderr__ or sys.stderr, flush=True)
 
 
-def dict_config(level: str = "INFO") -> dict[str, Any]:
+def dict_config() -> dict[str, Any]:
     """A ``logging.config.dictConfig`` writing every record as JSON on stderr (uvicorn's ``log_config``)."""
     handler = {"class": "logging.StreamHandler", "formatter": "json", "filters": ["request"]}
-    own = {"handlers": ["stderr"], "level": level, "propagate": False}
+    own = {"handlers": ["stderr"], "level": "INFO", "propagate": False}
     return {
         "version": 1,
         "disable_existing_loggers": False,
@@ -120,7 +120,7 @@ def dict_config(level: str = "INFO") -> dict[str, Any]:
         "filters": {"request": {"()": RequestFields}},
         "handlers": {"stderr": {**handler, "stream": "ext://sys.stderr"}},
         "loggers": {"uvicorn": own, "uvicorn.access": own},
-        "root": {"handlers": ["stderr"], "level": level},
+        "root": {"handlers": ["stderr"], "level": "INFO"},
     }
 
 

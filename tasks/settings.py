@@ -450,10 +450,10 @@ def variable(name: str) -> Variable:
     return _BY_FIELD[name]
 
 
-def json_logs(env: Mapping[str, str] | None = None) -> bool:
+def json_logs() -> bool:
     """Whether ``RESERVATIONS_LOG_FORMAT`` asks for JSON lines, read from the environment itself: the lines
     said before the settings are parsed (or when they cannot be) follow it too."""
-    return (os.environ if env is None else env).get(variable("log_format").name, "").strip() == "json"
+    return os.environ.get(variable("log_format").name, "").strip() == "json"
 
 
 def unknown_names(env: Mapping[str, str] | None = None) -> list[tuple[str, str | None]]:

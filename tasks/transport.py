@@ -49,12 +49,11 @@ _KEY_IN_REPR = re.compile(rf"""'idempotency_key': (['"])([!-~]{{1,{valid.MAX_KEY
 _REPR_SEARCHED = 4096  # Celery cuts kwargsrepr to about a kilobyte; nothing further is searched
 
 
-def _shown(value: object, limit: int = SHOWN_CHARS) -> str:
-    """A sender's value as a log line may carry it: printable characters only, cut at ``limit``."""
-    text = value if isinstance(value, str) else repr(value)
-    text = text[: limit + 1]
-    printable = "".join(ch if ch.isprintable() else "?" for ch in text[:limit])
-    return printable + ("..." if len(text) > limit else "")
+def _shown(value: object) -> str:
+    """A sender's value as a log line may carry it: printable characters only, cut at SHOWN_CHARS."""
+    text = (value if isinstance(value, str) else repr(value))[: SHOWN_CHARS + 1]
+    printable = "".join(ch if ch.isprintable() else "?" for ch in text[:SHOWN_CHARS])
+    return printable + ("..." if len(text) > SHOWN_CHARS else "")
 
 
 def identity(payload: object) -> dict[str, str | None]:

@@ -91,14 +91,7 @@ def refuse(problem: str) -> NoReturn:
     raise SystemExit(2)
 
 
-def wait_for(
-    what: str,
-    where: str,
-    probe: Callable[[], T],
-    *,
-    sleep: Callable[[float], None] = time.sleep,
-    clock: Callable[[], float] = time.monotonic,
-) -> T:
+def wait_for(what: str, where: str, probe: Callable[[], T]) -> T:
     """``probe()``'s answer, once the backend answers (a missing schema is an answer); until then a line
     every :data:`SAY_EVERY` seconds."""
     said: float | None = None
@@ -109,7 +102,7 @@ def wait_for(
         except SchemaMissing:
             raise
         except _UNANSWERED as exc:
-            now = clock()
+            now = time.monotonic()
             if said is None or now - said >= SAY_EVERY:
                 reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
                 say(
@@ -119,7 +112,7 @@ def wait_for(
                     backend=what,
                 )
                 said = now
-        sleep(delay)
+        time.sleep(delay)
         delay = min(5.0, delay * 2)
 
 
@@ -131,16 +124,16 @@ def _bounds(url: str) -> TransactionBounds:
         engine.dispose()
 
 
-def wait_until_usable(settings: Settings, *, sleep: Callable[[float], None] = time.sleep) -> None:
+def wait_until_usable(settings: Settings) -> None:
     """Return once the backends answer and the schema fits this code; exit 2 when it does not."""
     where = mask_url(settings.database_url)
-    fit = wait_for("database", where, lambda: schema.fit(settings.database_url), sleep=sleep)
+    fit = wait_for("database", where, lambda: schema.fit(settings.database_url))
     if not fit.ok:
         refuse(fit.message)
     if fit.found != fit.needed:
         say(f"reservations worker: {fit.message}", level=logging.WARNING, event="schema_ahead")
     if settings.database_pooling == "transaction":
-        bounds = wait_for("database", where, lambda: _bounds(settings.database_url), sleep=sleep)
+        bounds = wait_for("database", where, lambda: _bounds(settings.database_url))
         beyond = bounds.beyond(settings.lease_ttl)
         if beyond:
             refuse(
@@ -152,7 +145,7 @@ def wait_until_usable(settings: Settings, *, sleep: Callable[[float], None] = ti
             )
     leases = _lease_manager(settings)
     try:
-        wait_for("lease backend", leases.url, lambda: leases.current(_PROBE_SCOPE), sleep=sleep)
+        wait_for("lease backend", leases.url, lambda: leases.current(_PROBE_SCOPE))
     except SchemaMissing as exc:
         upgrade = "run `reservations db upgrade` on it"
         refuse(f"the lease backend at {leases.url} has no schema ({exc.reason}): {upgrade}")
