@@ -18,15 +18,18 @@ from contextlib import asynccontextmanager, suppress
 from types import FrameType
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from reservations import AsyncInventory
-from service import errors, routes
-from service.answers import Answer
+from reservations import AsyncInventory, InvalidRequest
+from service import routes
+from service.answers import Answer, problem_answer
 from service.backlog import Backlog
-from service.door import UNANSWERED, Door
+from service.door import UNANSWERED, Door, unavailable
 from service.metrics import HttpMetrics
+from service.problems import PROBLEM_MEDIA_TYPE, TYPES, Problem, problem
 from tasks import ReservationClient
 from tasks import create_app as create_tasks_app
 from tasks.settings import Settings
@@ -44,6 +47,8 @@ READINESS_KEY = "readiness:probe"
 # prepared). Keep all 15 once opened instead, no more than the default's peak: a request beyond them
 # waits for one (at most pool_timeout, 30 s), as it waited for an overflow connection to open.
 DOOR_POOL: dict[str, Any] = {"pool_size": 15, "max_overflow": 0}
+# The problem types of the statuses the framework or a caller dependency raises.
+_BY_STATUS = {401: "unauthorized", 403: "forbidden", 404: "not-found", 405: "method-not-allowed"}
 
 
 class _Measured:
@@ -76,6 +81,34 @@ class _Measured:
             # The template without converters ({key}, not {key:path}): the label RESPONSES declares.
             template = getattr(route, "path_format", None) or "unmatched"
             self.metrics.answered(template, scope["method"], code, time.perf_counter() - start)
+
+
+async def _error(request: Request, exc: Exception) -> Response:
+    """Every error under the app as a problem document: the problems routes raise, malformed requests, a
+    path value the domain refuses (nothing was read), what the framework or a caller dependency raises
+    (unknown paths and methods, 401, 403: their headers, Allow or WWW-Authenticate, kept), and a database
+    or broker that does not answer."""
+    if isinstance(exc, Problem):
+        found = exc
+    elif isinstance(exc, RequestValidationError):
+        errors = [
+            {"where": ".".join(str(p) for p in error.get("loc", ())), "message": error.get("msg", "")}
+            for error in exc.errors()
+        ]
+        found = problem("invalid-request", "the request is malformed", errors=errors)
+    elif isinstance(exc, InvalidRequest):
+        found = problem("invalid-request", str(exc), field=exc.field)
+    elif isinstance(exc, HTTPException):
+        name = _BY_STATUS.get(exc.status_code)
+        headers = dict(exc.headers or {})
+        if name is None:
+            body = {"type": "about:blank", "title": exc.detail, "status": exc.status_code}
+            return routes.respond(Answer(exc.status_code, body, headers, PROBLEM_MEDIA_TYPE))
+        detail = exc.detail if isinstance(exc.detail, str) else TYPES[name].title
+        found = problem(name, detail, headers=headers)
+    else:
+        return routes.respond(unavailable("database", exc))
+    return routes.respond(problem_answer(found, request.url.path))
 
 
 def _drain_on_stop(door: Door, loop: asyncio.AbstractEventLoop) -> Callable[[], None]:
@@ -146,7 +179,8 @@ def create_app(settings: Settings | None = None, *, caller: Caller | None = None
         found: Door = state["door"]
         return found
 
-    errors.install(app)
+    for kind in (Problem, RequestValidationError, InvalidRequest, HTTPException, *UNANSWERED):
+        app.add_exception_handler(kind, _error)
 
     async def ready() -> Answer:
         backlog = door().backlog
