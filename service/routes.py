@@ -1,17 +1,14 @@
 """The routes, each with every answer it can give declared once: the OpenAPI document lists them, and the
-metrics create each route's series for them at 0.
-
-Stock changes (``POST``) carry an ``Idempotency-Key`` of their own; reads carry none. A confirm or
-release names the reservation by the key that made it. Every key is the caller's own
-(service.answers.caller_space), and each caller has at most ``RESERVATIONS_HTTP_CALLER_BOUND`` writes in
-flight in the process (service.inflight).
+metrics create each route's series for them at 0. Stock changes (``POST``) carry an ``Idempotency-Key`` of
+their own; reads carry none. A confirm or release names the reservation by the key that made it.
 """
 
 import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from typing import Annotated, Any
+from dataclasses import asdict
+from typing import Annotated, Any, Protocol, TypeVar
 from urllib.parse import quote
 
 from fastapi import APIRouter, Depends, Header, Path, Response
@@ -33,11 +30,21 @@ from service.answers import (
     wait_of,
 )
 from service.door import Door
-from service.inflight import InFlight
 from service.problems import PROBLEM_MEDIA_TYPE, TYPES, Problem, problem
 from tasks.settings import Settings
 
 log = logging.getLogger("service")
+Handler = TypeVar("Handler", bound=Callable[..., Any])
+
+
+class Writer(Protocol):
+    """What a write route carries its request with: its task type, where its outcome is read (a route),
+    its arguments, and for a confirm or release the key of the reservation it names."""
+
+    def __call__(
+        self, name: str, read_at: str, args: dict[str, Any], under: str | None = None
+    ) -> Awaitable[Response]: ...
+
 
 # Retry-After of a caller at its bound of requests in flight: a slot is free as soon as any of its requests
 # is answered, which the caller cannot see; a second is how often it looks at a pending request too.
@@ -224,22 +231,53 @@ def respond(answer: Answer) -> Response:
     return JSONResponse(answer.body, answer.status, answer.headers, media_type=answer.media_type)
 
 
-def _reservation_location(key: str) -> str:
-    return f"/reservations/{_segment(key)}"
+def _location(route: str, key: str) -> str:
+    """Where a key's outcome is read, the key one path segment: a key may hold ``?``, ``#`` or ``%``, which
+    would otherwise lead a caller following the Location to another key or to none. The keys ``.`` and
+    ``..`` are dot segments, which a client resolves away (RFC 3986, 5.2.4: ``/reservations/.`` is
+    ``/reservations/``): their dots are sent as ``%2E``, which the server decodes back to the key."""
+    segment = "%2E" * len(key) if key in (".", "..") else quote(key, safe="")
+    return f"{route}/{segment}"
 
 
-def _request_location(key: str) -> str:
-    return f"/requests/{_segment(key)}"
+class InFlight:
+    """Requests in flight per caller space, at most ``bound`` each (0: no bound). The door's backpressure
+    (service.backlog) bounds the broker's queue for everyone at once, so one caller sending without pause
+    would fill it and every other caller hear 503; counted from admission to answer, that caller alone is
+    refused (429). Pure: the routes take a slot and give it back on the event loop's one thread."""
+
+    def __init__(self, bound: int) -> None:
+        if bound < 0:
+            raise ValueError(f"a bound of requests in flight is 0 (none) or more, got {bound}")
+        self.bound = bound
+        self._held: dict[str, int] = {}  # only spaces with a request in flight: it never grows with callers
+
+    def take(self, space: str) -> bool:
+        """Count one more request of ``space`` in flight; False (nothing counted) at ``bound`` already."""
+        held = self._held.get(space, 0)
+        if self.bound and held >= self.bound:
+            return False
+        self._held[space] = held + 1
+        return True
+
+    def give_back(self, space: str) -> None:
+        held = self._held.get(space, 0)
+        if held <= 0:
+            raise ValueError(f"no request of {space!r} is in flight")
+        if held == 1:
+            del self._held[space]
+        else:
+            self._held[space] = held - 1
 
 
-def _segment(key: str) -> str:
-    """A key as one path segment: a key may hold ``?``, ``#`` or ``%``, which would otherwise lead a caller
-    following the Location to another key or to none. The keys ``.`` and ``..`` are dot segments, which a
-    client resolves away (RFC 3986, 5.2.4: ``/reservations/.`` is ``/reservations/``): their dots are
-    sent as ``%2E``, which the server decodes back to the key like any other escape."""
-    if key in (".", ".."):
-        return "%2E" * len(key)
-    return quote(key, safe="")
+def _route(api: APIRouter, method: str, path: str, **options: Any) -> Callable[[Handler], Handler]:
+    """The route of ``path`` as RESPONSES declares it, a key in it of any characters (``{key:path}``)."""
+    served = path.replace("{key}", "{key:path}")
+    return api.api_route(served, methods=[method], responses=RESPONSES[(path, method)], **options)
+
+
+async def _anyone() -> None:
+    return None
 
 
 def router(
@@ -249,10 +287,7 @@ def router(
     settings: Settings,
     caller: Callable[..., Any] | None,
 ) -> APIRouter:
-    async def anyone() -> None:
-        return None
-
-    async def space_of(name: Annotated[object, Depends(caller or anyone)]) -> str:
+    async def space_of(name: Annotated[object, Depends(caller or _anyone)]) -> str:
         try:
             return caller_space(name)
         except Problem:
@@ -264,107 +299,73 @@ def router(
     in_flight = InFlight(settings.http_caller_bound)
     api = APIRouter()
 
-    async def write(
-        name: str, space: str, key: str | None, args: dict[str, Any], prefer: str | None,
-        deadline: str | None, location_of: Callable[[str], str],
-    ) -> Response:  # fmt: skip
-        stored = new_key(space, key)
-        shown = caller_key(space, stored)
-        until = deadline_of(deadline, settings.request_deadline, time.time())
-        wait = wait_of(prefer, settings.http_wait, settings.http_max_wait)
-        if not in_flight.take(space):
-            raise problem(
-                "too-many-requests",
-                "this caller has as many requests in flight here as this service takes from one caller "
-                f"({in_flight.bound})",
-                headers={"Retry-After": str(TOO_MANY_RETRY_AFTER)},
-            )
-        try:
-            answer = await door().submit(
-                name,
-                stored,
-                args,
-                shown_key=shown,
-                caller=space,
-                deadline=until,
-                wait=wait,
-                location=location_of(shown),
-            )
-        finally:
-            in_flight.give_back(space)
-        return respond(answer)
+    async def writer(
+        space: Space, own_key: KeyHeader = None, prefer: PreferHeader = None, deadline: DeadlineHeader = None
+    ) -> Writer:
+        """A write's caller and headers, bound: a route's request carried under them to its answer."""
 
-    @api.post(
-        "/reservations",
-        status_code=201,
-        responses=RESPONSES[("/reservations", "POST")],
-        summary="Reserve units of a SKU",
-    )
-    async def reserve(
-        body: ReservationBody,
-        space: Space,
-        key: KeyHeader = None,
-        prefer: PreferHeader = None,
-        deadline: DeadlineHeader = None,
-    ) -> Response:
-        args = body.model_dump(exclude_none=True)
-        return await write("reserve", space, key, args, prefer, deadline, _reservation_location)
+        async def write(name: str, read_at: str, args: dict[str, Any], under: str | None = None) -> Response:
+            stored = new_key(space, own_key)
+            if under is not None:  # a confirm or release: its own key first, then the reservation it names
+                args = {
+                    "reservation_id": await door().reservation_under(
+                        scoped_key(space, under), shown_key=under
+                    )
+                }
+            shown = caller_key(space, stored)
+            until = deadline_of(deadline, settings.request_deadline, time.time())
+            wait = wait_of(prefer, settings.http_wait, settings.http_max_wait)
+            if not in_flight.take(space):
+                raise problem(
+                    "too-many-requests",
+                    "this caller has as many requests in flight here as this service takes from one caller "
+                    f"({in_flight.bound})",
+                    headers={"Retry-After": str(TOO_MANY_RETRY_AFTER)},
+                )
+            try:
+                answer = await door().submit(
+                    name,
+                    stored,
+                    args,
+                    shown_key=shown,
+                    caller=space,
+                    deadline=until,
+                    wait=wait,
+                    location=_location(read_at, shown),
+                )
+            finally:
+                in_flight.give_back(space)
+            return respond(answer)
 
-    @api.get(
-        "/reservations/{key:path}",
-        responses=RESPONSES[("/reservations/{key}", "GET")],
-        summary="The outcome of the reservation requested under a key",
-    )
-    async def outcome(key: KeyPath, space: Space) -> Response:
-        stored = scoped_key(space, key)
-        return respond(await door().look(stored, shown_key=key, location=_reservation_location(key)))
+        return write
+
+    Write = Annotated[Writer, Depends(writer)]
+
+    @_route(api, "POST", "/reservations", status_code=201, summary="Reserve units of a SKU")
+    async def reserve(body: ReservationBody, write: Write) -> Response:
+        return await write("reserve", "/reservations", body.model_dump(exclude_none=True))
+
+    def look(read_at: str, name: str, summary: str) -> None:
+        @_route(api, "GET", f"{read_at}/{{key}}", summary=summary, name=name)
+        async def outcome(key: KeyPath, space: Space) -> Response:
+            stored = scoped_key(space, key)
+            return respond(await door().look(stored, shown_key=key, location=_location(read_at, key)))
 
     def lifecycle(step: str) -> None:
-        @api.post(
-            f"/reservations/{{key:path}}/{step}",
-            responses=RESPONSES[(f"/reservations/{{key}}/{step}", "POST")],
-            summary=f"{step.capitalize()} the reservation made under a key",
-            name=step,
-        )
-        async def change(
-            key: KeyPath,
-            space: Space,
-            own_key: KeyHeader = None,
-            prefer: PreferHeader = None,
-            deadline: DeadlineHeader = None,
-        ) -> Response:
-            new_key(space, own_key)  # its own key first: a request without one looks nothing up
-            reservation = await door().reservation_under(scoped_key(space, key), shown_key=key)
-            args = {"reservation_id": reservation}
-            return await write(step, space, own_key, args, prefer, deadline, _request_location)
+        summary = f"{step.capitalize()} the reservation made under a key"
 
+        @_route(api, "POST", f"/reservations/{{key}}/{step}", summary=summary, name=step)
+        async def change(key: KeyPath, write: Write) -> Response:
+            return await write(step, "/requests", {}, under=key)
+
+    look("/reservations", "outcome", "The outcome of the reservation requested under a key")
     lifecycle("confirm")
     lifecycle("release")
+    look("/requests", "request", "The outcome of any request (a confirm, release or count) by its key")
 
-    @api.get(
-        "/requests/{key:path}",
-        responses=RESPONSES[("/requests/{key}", "GET")],
-        summary="The outcome of any request (a confirm, release or count) by its key",
-    )
-    async def request(key: KeyPath, space: Space) -> Response:
-        stored = scoped_key(space, key)
-        return respond(await door().look(stored, shown_key=key, location=_request_location(key)))
-
-    @api.post(
-        "/skus/{sku}/count",
-        responses=RESPONSES[("/skus/{sku}/count", "POST")],
-        summary="Set a SKU's on-hand units to a count, under its lease",
-    )
-    async def count(
-        sku: SkuPath,
-        body: CountBody,
-        space: Space,
-        key: KeyHeader = None,
-        prefer: PreferHeader = None,
-        deadline: DeadlineHeader = None,
-    ) -> Response:
-        args = {"sku": sku, "counted": body.counted}
-        return await write("count", space, key, args, prefer, deadline, _request_location)
+    @_route(api, "POST", "/skus/{sku}/count", summary="Set a SKU's on-hand units to a count, under its lease")
+    async def count(sku: SkuPath, body: CountBody, write: Write) -> Response:
+        return await write("count", "/requests", {"sku": sku, "counted": body.counted})
 
     _reads(api, door, ready, exposition)
     return api
@@ -378,33 +379,27 @@ def _reads(
 ) -> None:
     """The routes that change nothing: stock, health, metrics and the problem types."""
 
-    @api.get("/skus/{sku}", responses=RESPONSES[("/skus/{sku}", "GET")], summary="A SKU's stock")
+    @_route(api, "GET", "/skus/{sku}", summary="A SKU's stock")
     async def stock(sku: SkuPath) -> StockModel:
         try:
-            level = await door().inventory.stock(sku)
+            level = asdict(await door().inventory.stock(sku))
         except UnknownSku:
             raise problem("not-found", f"no SKU {sku!r}") from None
-        return StockModel(
-            sku=level.sku,
-            on_hand=level.on_hand,
-            reserved=level.reserved,
-            available=level.available,
-            token=level.fence_token,
-        )
+        return StockModel(token=level.pop("fence_token"), **level)
 
-    @api.get("/healthz", responses=RESPONSES[("/healthz", "GET")], summary="Liveness")
+    @_route(api, "GET", "/healthz", summary="Liveness")
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
-    @api.get("/readyz", responses=RESPONSES[("/readyz", "GET")], summary="Readiness")
+    @_route(api, "GET", "/readyz", summary="Readiness")
     async def readyz() -> Response:
         return respond(await ready())
 
-    @api.get("/metrics", responses=RESPONSES[("/metrics", "GET")], include_in_schema=False)
+    @_route(api, "GET", "/metrics", include_in_schema=False)
     async def metrics() -> Response:
         return Response(exposition(), media_type="text/plain; version=0.0.4")
 
-    @api.get("/problems/{name}", responses=RESPONSES[("/problems/{name}", "GET")], summary="A problem type")
+    @_route(api, "GET", "/problems/{name}", summary="A problem type")
     async def problem_type(name: str) -> dict[str, Any]:
         found = TYPES.get(name)
         if found is None:

@@ -1,6 +1,6 @@
 """What the front door decides without I/O: the caller's key space and the key its header names
 (service.answers), how long to wait (RFC 7240 ``Prefer``), the request's deadline, the answer of each final
-outcome, the problem documents (service.problems), each caller's requests in flight (service.inflight),
+outcome, the problem documents (service.problems), each caller's requests in flight (service.routes),
 and the queue's backpressure (service.backlog) on a clock of our own.
 """
 
@@ -36,9 +36,8 @@ from service.answers import (
     wait_of,
 )
 from service.backlog import DEFAULT_RETRY_AFTER, MAX_RETRY_AFTER, Backlog, retry_after
-from service.inflight import InFlight
 from service.problems import PROBLEM_MEDIA_TYPE, TYPES, Problem, problem
-from service.routes import RESPONSES
+from service.routes import RESPONSES, InFlight
 
 NOW = 1_800_000_000.0
 AT = 1_800_000_000.25  # 2027-01-15T08:00:00.250Z
