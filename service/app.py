@@ -25,11 +25,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from reservations import AsyncInventory, InvalidRequest
 from service import routes
-from service.answers import Answer, problem_answer
+from service.answers import PROBLEM_MEDIA_TYPE, TYPES, Answer, Problem, problem
 from service.backlog import Backlog
 from service.door import UNANSWERED, Door, unavailable
 from service.metrics import HttpMetrics
-from service.problems import PROBLEM_MEDIA_TYPE, TYPES, Problem, problem
 from tasks import ReservationClient
 from tasks import create_app as create_tasks_app
 from tasks.settings import Settings
@@ -108,7 +107,7 @@ async def _error(request: Request, exc: Exception) -> Response:
         found = problem(name, detail, headers=headers)
     else:
         return routes.respond(unavailable("database", exc))
-    return routes.respond(problem_answer(found, request.url.path))
+    return routes.respond(found.answer(request.url.path))
 
 
 def _drain_on_stop(door: Door, loop: asyncio.AbstractEventLoop) -> Callable[[], None]:

@@ -26,9 +26,8 @@ from reservations import AsyncInventory, IdempotencyConflict, InvalidRequest
 from reservations.acceptance import Admission
 from reservations.request_outcomes import RequestResult
 from reservations.statuses import RequestStatus
-from service.answers import Answer, answer_of, pending, problem_answer
+from service.answers import Answer, answer_of, pending, problem
 from service.backlog import Backlog, retry_after
-from service.problems import problem
 from tasks import OutcomeTimeout, ReservationClient, messages
 from tasks.sending import request_of
 
@@ -42,14 +41,11 @@ UNANSWERED = (BackendUnavailable, OperationalError, ConnectionError, TimeoutErro
 
 def unavailable(what: str, error: BaseException, *, then: str = "") -> Answer:
     reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
-    return problem_answer(
-        problem(
-            "unavailable",
-            f"the {what} did not answer{then}: {reason}",
-            headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER)},
-        ),
-        None,
-    )
+    return problem(
+        "unavailable",
+        f"the {what} did not answer{then}: {reason}",
+        headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER)},
+    ).answer(None)
 
 
 class Door:
@@ -160,20 +156,17 @@ class Door:
         conflict = IdempotencyConflict(
             key=shown_key, operation="this request", stored_operation=stored_operation
         )
-        return problem_answer(problem("idempotency-key-reused", str(conflict), key=shown_key), location)
+        return problem("idempotency-key-reused", str(conflict), key=shown_key).answer(location)
 
     def _overloaded(self) -> Answer:
         self._count_overloaded()
         depth = self.backlog.depth or 0
         after = retry_after(depth, self.queue_bound, self.backlog.drained_per_second)
-        return problem_answer(
-            problem(
-                "overloaded",
-                f"{depth} requests are waiting, more than this service's bound of {self.queue_bound}",
-                headers={"Retry-After": str(after)},
-            ),
-            None,
-        )
+        return problem(
+            "overloaded",
+            f"{depth} requests are waiting, more than this service's bound of {self.queue_bound}",
+            headers={"Retry-After": str(after)},
+        ).answer(None)
 
     async def _seen(self, key: str, shown_key: str) -> RequestResult | None:
         """The key's outcome, or None while a request accepted under it has none; the not-found problem

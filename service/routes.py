@@ -20,17 +20,20 @@ from reservations.validation import MAX_QUANTITY
 from service.answers import (
     DEADLINE_HEADER,
     KEY_HEADER,
+    PROBLEM_MEDIA_TYPE,
+    TYPES,
     Answer,
+    Problem,
     caller_key,
     caller_space,
     deadline_of,
     new_key,
+    problem,
     scoped_key,
     unfit_name,
     wait_of,
 )
 from service.door import Door
-from service.problems import PROBLEM_MEDIA_TYPE, TYPES, Problem, problem
 from tasks.settings import Settings
 
 log = logging.getLogger("service")

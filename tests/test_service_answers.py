@@ -1,7 +1,7 @@
-"""What the front door decides without I/O: the caller's key space and the key its header names
-(service.answers), how long to wait (RFC 7240 ``Prefer``), the request's deadline, the answer of each final
-outcome, the problem documents (service.problems), each caller's requests in flight (service.routes),
-and the queue's backpressure (service.backlog) on a clock of our own.
+"""What the front door decides without I/O: the caller's key space and the key its header names, how long
+to wait (RFC 7240 ``Prefer``), the request's deadline, the answer of each final outcome and the problem
+documents (service.answers), each caller's requests in flight (service.routes), and the queue's
+backpressure (service.backlog) on a clock of our own.
 """
 
 from __future__ import annotations
@@ -24,6 +24,9 @@ from service.answers import (
     ANONYMOUS,
     CALLER_NAME,
     MAX_DEADLINE,
+    PROBLEM_MEDIA_TYPE,
+    TYPES,
+    Problem,
     answer_of,
     caller_key,
     caller_space,
@@ -31,12 +34,12 @@ from service.answers import (
     new_key,
     outcome_body,
     pending,
+    problem,
     scoped_key,
     unfit_name,
     wait_of,
 )
 from service.backlog import DEFAULT_RETRY_AFTER, MAX_RETRY_AFTER, Backlog, retry_after
-from service.problems import PROBLEM_MEDIA_TYPE, TYPES, Problem, problem
 from service.routes import RESPONSES, InFlight
 
 NOW = 1_800_000_000.0
