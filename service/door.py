@@ -1,15 +1,7 @@
 """The front door's one way in for every request that changes stock: admit it under its key, record and
-publish it once, wait for its outcome as long as the caller asked, and say what is known.
-
-- A key with a final outcome gets that outcome's answer again (nothing is published).
-- A key first seen is recorded, whole, in the caller's space (reservations.acceptance), then published.
-  If the broker does not take it, the record stays and the caller hears 202 with the Location: the
-  request is accepted, and the relay (tasks.relay) publishes it once the broker answers, or ends it
-  ``expired`` at its deadline. A database that does not answer is 503: nothing was recorded.
-- A key already accepted for the same request is waited on, not published again: a duplicate in flight
-  is not a second message, and a message lost in flight is the relay's to publish again.
-- A key accepted or decided for another request is 422, before anything is published.
-- No outcome within the wait: 202 with the request's Location.
+publish it once, wait for its outcome as long as the caller asked, and say what is known. Each answer and
+why: docs/architecture.md, "The HTTP front door". A database that does not answer while a request is
+admitted or looked up is the app's 503 (service.app): nothing was recorded.
 """
 
 from __future__ import annotations
@@ -17,13 +9,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 from kombu.exceptions import OperationalError
 
 from fencing import BackendUnavailable
-from reservations import AsyncInventory, IdempotencyConflict, InvalidRequest
-from reservations.acceptance import Admission
+from reservations import AsyncInventory, IdempotencyConflict
 from reservations.request_outcomes import RequestResult
 from reservations.statuses import RequestStatus
 from service.answers import Answer, answer_of, pending, problem
@@ -41,31 +33,21 @@ UNANSWERED = (BackendUnavailable, OperationalError, ConnectionError, TimeoutErro
 
 def unavailable(what: str, error: BaseException, *, then: str = "") -> Answer:
     reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
-    return problem(
-        "unavailable",
-        f"the {what} did not answer{then}: {reason}",
-        headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER)},
-    ).answer(None)
+    detail = f"the {what} did not answer{then}: {reason}"
+    return problem("unavailable", detail, headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER)}).answer(None)
 
 
+@dataclass(eq=False)
 class Door:
-    def __init__(
-        self,
-        client: ReservationClient,
-        inventory: AsyncInventory,
-        backlog: Backlog,
-        *,
-        queue_bound: int,
-        overloaded: Callable[[], None] = lambda: None,
-    ) -> None:
-        self.client = client
-        self.inventory = inventory
-        self.backlog = backlog
-        self.queue_bound = queue_bound
-        self._count_overloaded = overloaded
-        # Set by a stop signal: waits end now with 202 and their Location (see drain).
-        self.draining = False
-        self._waits: set[asyncio.Future[RequestResult]] = set()
+    client: ReservationClient
+    inventory: AsyncInventory
+    backlog: Backlog
+    _: KW_ONLY
+    queue_bound: int
+    overloaded: Callable[[], None] = lambda: None  # counts a request refused for the queue's depth
+    # Set by a stop signal: waits end now with 202 and their Location (see drain).
+    draining: bool = False
+    _waits: set[asyncio.Future[RequestResult]] = field(default_factory=set, init=False)
 
     async def submit(
         self,
@@ -81,31 +63,21 @@ class Door:
     ) -> Answer:
         """Carry the request of task type ``name`` under the stored ``key`` (``shown_key`` is the caller's,
         ``caller`` its space) to its answer."""
-        try:
-            message = messages.parse(name, [], {**args, "idempotency_key": key})
-        except InvalidRequest as exc:
-            raise problem("invalid-request", str(exc), field=exc.field) from None
+        message = messages.parse(name, [], {**args, "idempotency_key": key})
         request = request_of(
             name, key, message.args, deadline=deadline, caller=caller, fingerprint=message.fingerprint
         )
-        inventory = self.inventory
-        try:
-            if self.backlog.over(self.queue_bound):
-                # Not enqueued; a key that has its outcome already is still answered.
-                done = await inventory.request_outcome(key)
-                if done is None:
-                    return self._overloaded()
-                admission = Admission(outcome=done, accepted=None, first=False)
-            else:
-                admission = await inventory.admit(request, self.client.settings.republish_after)
-        except UNANSWERED as exc:
-            return unavailable("database", exc)
+        if self.backlog.over(self.queue_bound):
+            # Not enqueued; a key that has its outcome already is still answered.
+            done = await self.inventory.request_outcome(key)
+            return self._overloaded() if done is None else self._final(shown_key, done, message, location)
+        admission = await self.inventory.admit(request, self.client.settings.republish_after)
         if admission.outcome is not None:
             return self._final(shown_key, admission.outcome, message, location)
         accepted = admission.accepted
         assert accepted is not None  # an admission without an outcome holds its record
         if not accepted.names(message.operation, message.fingerprint):
-            return self._reused(shown_key, accepted.operation, location)
+            return _reused(shown_key, accepted.operation, location)
         if admission.first:
             try:
                 await self.client.publish_recorded(request)
@@ -113,11 +85,6 @@ class Door:
                 # Recorded: the request is accepted, and the relay publishes it once the broker answers.
                 log.warning("request %s recorded but not published (the relay will): %s", key, exc)
                 return pending(shown_key, location)
-        return await self._await(shown_key, key, message, wait, location)
-
-    async def _await(
-        self, shown_key: str, key: str, message: messages.Message, wait: float, location: str
-    ) -> Answer:
         waiting = asyncio.ensure_future(self.client.wait(key, timeout=0.0 if self.draining else wait))
         self._waits.add(waiting)
         try:
@@ -148,29 +115,19 @@ class Door:
         self, shown_key: str, result: RequestResult, message: messages.Message, location: str
     ) -> Answer:
         if not result.belongs_to(message.operation, message.fingerprint):
-            return self._reused(shown_key, result.operation, location)
+            return _reused(shown_key, result.operation, location)
         return answer_of(shown_key, result, instance=location, created=True)
 
-    @staticmethod
-    def _reused(shown_key: str, stored_operation: str, location: str) -> Answer:
-        conflict = IdempotencyConflict(
-            key=shown_key, operation="this request", stored_operation=stored_operation
-        )
-        return problem("idempotency-key-reused", str(conflict), key=shown_key).answer(location)
-
     def _overloaded(self) -> Answer:
-        self._count_overloaded()
+        self.overloaded()
         depth = self.backlog.depth or 0
+        detail = f"{depth} requests are waiting, more than this service's bound of {self.queue_bound}"
         after = retry_after(depth, self.queue_bound, self.backlog.drained_per_second)
-        return problem(
-            "overloaded",
-            f"{depth} requests are waiting, more than this service's bound of {self.queue_bound}",
-            headers={"Retry-After": str(after)},
-        ).answer(None)
+        return problem("overloaded", detail, headers={"Retry-After": str(after)}).answer(None)
 
     async def _seen(self, key: str, shown_key: str) -> RequestResult | None:
         """The key's outcome, or None while a request accepted under it has none; the not-found problem
-        for a key never seen. (A database that does not answer is the app's 503, service.errors.)"""
+        for a key never seen."""
         result = await self.inventory.request_outcome(key)
         if result is None and await self.inventory.accepted(key) is None:
             raise problem("not-found", f"no request was accepted under the key {shown_key!r}")
@@ -199,3 +156,8 @@ class Door:
                 "not-reserved", f"the request under {shown_key!r} ended {result.status}", key=shown_key
             )
         return str(ids[0])
+
+
+def _reused(shown_key: str, stored_operation: str, location: str) -> Answer:
+    conflict = IdempotencyConflict(key=shown_key, operation="this request", stored_operation=stored_operation)
+    return problem("idempotency-key-reused", str(conflict), key=shown_key).answer(location)
