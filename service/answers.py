@@ -254,10 +254,8 @@ def outcome_body(key: str, result: RequestResult) -> dict[str, Any]:
             body["reservation_ids"] = ids
     if "token" in result.detail:
         body["token"] = result.detail["token"]
-    body["at"] = (
-        datetime.fromtimestamp(result.at, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
-    )
-    body["detail"] = result.detail
+    at = datetime.fromtimestamp(result.at, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    body.update(at=at, detail=result.detail)
     if result.redrive is not None:
         body["redrive"] = {"key": result.redrive.key, "number": result.redrive.number}
     return body
@@ -266,22 +264,23 @@ def outcome_body(key: str, result: RequestResult) -> dict[str, Any]:
 def answer_of(key: str, result: RequestResult, *, instance: str, created: bool) -> Answer:
     """The answer for the key's final outcome: 201 (``created``: a POST that reserved) or 200 for a
     success, else the problem of its status. The same outcome always gives the same answer."""
-    status = result.status
+    status, detail = result.status, result.detail
     if status == RequestStatus.INSUFFICIENT_STOCK:
-        stock = _stock(result)
+        stock: dict[str, Any] = {k: detail[k] for k in ("sku", "requested", "available") if k in detail}
         said = "SKU {sku!r}: requested {requested}, available {available}".format_map(
             {"sku": None, "requested": None, "available": None, **stock}
         )
         found = problem("insufficient-stock", said, key=key, **stock)
     elif status == RequestStatus.INVALID:
-        error = str(result.detail.get("error", ""))
+        error = str(detail.get("error", ""))
         name = "invalid-transition" if error == "InvalidTransition" else "invalid-request"
-        found = problem(name, _message(result, "the request can never succeed"), key=key, error=error)
+        message = str(detail.get("message") or "the request can never succeed")
+        found = problem(name, message, key=key, error=error)
     elif status == RequestStatus.DEAD_LETTERED:
-        reason = str(result.detail.get("reason", "it could not be carried out"))
+        reason = str(detail.get("reason", "it could not be carried out"))
         found = problem("dead-lettered", f"dead-lettered: {reason}", key=key)
     elif status == RequestStatus.EXPIRED:
-        found = problem("expired", _expired(result.detail), key=key)
+        found = problem("expired", _expired(detail), key=key)
     else:
         return Answer(201 if created and status == RequestStatus.RESERVED else 200, outcome_body(key, result))
     return found.answer(instance)
@@ -296,15 +295,6 @@ def _expired(detail: dict[str, Any]) -> str:
     if isinstance(attempts, int) and not isinstance(attempts, bool) and attempts > 0:
         return f"the deadline passed after {attempts} attempt(s) at the request, before it was carried out"
     return "the deadline passed before a worker took the request up"
-
-
-def _message(result: RequestResult, fallback: str) -> str:
-    message = result.detail.get("message")
-    return str(message) if message else fallback
-
-
-def _stock(result: RequestResult) -> dict[str, Any]:
-    return {k: result.detail[k] for k in ("sku", "requested", "available") if k in result.detail}
 
 
 def pending(key: str, location: str) -> Answer:

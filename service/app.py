@@ -1,15 +1,12 @@
-"""The app factory: :func:`create_app` builds the FastAPI app of the reservation front door.
-
-``reservations serve`` runs it under uvicorn (``service:create_app``, a factory, one app per worker
-process). A deployment that knows its callers passes ``caller``: a FastAPI dependency (it may take the
-``Request``, headers, other dependencies, and raise ``HTTPException(401)``) that returns the caller's name
-or None for an anonymous caller, whose key space :func:`service.answers.caller_space` gives.
+"""The app factory: :func:`create_app` builds the FastAPI app of the reservation front door, which
+``reservations serve`` runs under uvicorn (``service:create_app``, one app per worker process). A
+deployment's ``caller`` dependency may take the ``Request``, headers, other dependencies, and raise
+``HTTPException(401)``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import signal
 import threading
 import time
@@ -33,37 +30,25 @@ from tasks import ReservationClient
 from tasks import create_app as create_tasks_app
 from tasks.settings import Settings
 
-log = logging.getLogger("service")
-
 Caller = Callable[..., Any]  # a FastAPI dependency returning the caller's name (str) or None (anonymous)
-# Readiness: the broker answered a queue sample within this many of the sampler's intervals.
-BROKER_SILENT_AFTER = 4
-READINESS_KEY = "readiness:probe"
-# Every request holds a database connection while it is admitted (and while a look reads its outcome), and
-# a busy door has dozens at once. SQLAlchemy's default pool keeps 5 and closes each of its 10 overflow
-# connections the moment it is returned, so under load nearly every request opened and closed a PostgreSQL
-# connection (a server process, its authentication and its settings each time; no statement stays
-# prepared). Keep all 15 once opened instead, no more than the default's peak: a request beyond them
-# waits for one (at most pool_timeout, 30 s), as it waited for an overflow connection to open.
+# Every request holds a database connection while it is admitted or looked up, and a busy door has dozens
+# at once. SQLAlchemy's default pool closes each of its 10 overflow connections the moment it is returned
+# (under load nearly every request opened a PostgreSQL connection); keep all 15 once opened instead, no
+# more than the default's peak: a request beyond them waits for one (pool_timeout, 30 s).
 DOOR_POOL: dict[str, Any] = {"pool_size": 15, "max_overflow": 0}
 # The problem types of the statuses the framework or a caller dependency raises.
 _BY_STATUS = {401: "unauthorized", 403: "forbidden", 404: "not-found", 405: "method-not-allowed"}
 
 
-class _Measured:
+def _measured(app: ASGIApp, metrics: HttpMetrics) -> ASGIApp:
     """Counts and times every answer by route template (never the path: a key or SKU is no label)."""
 
-    def __init__(self, app: ASGIApp, metrics: HttpMetrics) -> None:
-        self.app = app
-        self.metrics = metrics
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def measured(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
-            await self.app(scope, receive, send)
+            await app(scope, receive, send)
             return
         start = time.perf_counter()
         code = 500
-        in_flight = self.metrics.in_flight
 
         async def sent(message: Message) -> None:
             nonlocal code
@@ -71,15 +56,16 @@ class _Measured:
                 code = message["status"]
             await send(message)
 
-        in_flight.inc()
+        metrics.in_flight.inc()
         try:
-            await self.app(scope, receive, sent)
+            await app(scope, receive, sent)
         finally:
-            in_flight.dec()
-            route = scope.get("route")
+            metrics.in_flight.dec()
             # The template without converters ({key}, not {key:path}): the label RESPONSES declares.
-            template = getattr(route, "path_format", None) or "unmatched"
-            self.metrics.answered(template, scope["method"], code, time.perf_counter() - start)
+            template = getattr(scope.get("route"), "path_format", None) or "unmatched"
+            metrics.answered(template, scope["method"], code, time.perf_counter() - start)
+
+    return measured
 
 
 async def _error(request: Request, exc: Exception) -> Response:
@@ -106,7 +92,7 @@ async def _error(request: Request, exc: Exception) -> Response:
         detail = exc.detail if isinstance(exc.detail, str) else TYPES[name].title
         found = problem(name, detail, headers=headers)
     else:
-        return routes.respond(unavailable("database", exc))
+        return routes.respond(unavailable(exc))
     return routes.respond(found.answer(request.url.path))
 
 
@@ -181,25 +167,7 @@ def create_app(settings: Settings | None = None, *, caller: Caller | None = None
     for kind in (Problem, RequestValidationError, InvalidRequest, HTTPException, *UNANSWERED):
         app.add_exception_handler(kind, _error)
 
-    async def ready() -> Answer:
-        backlog = door().backlog
-        problems = []
-        try:
-            # A read of the table the door writes first: the database answers and has the door's schema.
-            await asyncio.wait_for(door().inventory.accepted(READINESS_KEY), 2.0)
-        except (TimeoutError, *UNANSWERED) as exc:
-            problems.append(f"database: {(str(exc).splitlines() or [type(exc).__name__])[0]}")
-        if not backlog.answered_within(BROKER_SILENT_AFTER * backlog.every):
-            problems.append(f"broker: {backlog.error or 'no answer yet'}")
-        if problems:
-            return Answer(503, {"status": "unready", "problems": problems}, {"Retry-After": "1"})
-        return Answer(200, {"status": "ready", "queue_depth": backlog.depth})
-
-    def exposition() -> bytes:
-        metrics.backlog.set(door().backlog.depth or 0)
-        return metrics.exposition()
-
-    app.include_router(routes.router(door, ready, exposition, settings, caller))
+    app.include_router(routes.router(door, metrics, settings, caller))
     build = app.openapi
 
     def openapi() -> dict[str, Any]:
@@ -208,5 +176,5 @@ def create_app(settings: Settings | None = None, *, caller: Caller | None = None
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
-    app.add_middleware(_Measured, metrics=metrics)
+    app.add_middleware(_measured, metrics=metrics)
     return app

@@ -31,9 +31,9 @@ UNAVAILABLE_RETRY_AFTER = 5
 UNANSWERED = (BackendUnavailable, OperationalError, ConnectionError, TimeoutError)
 
 
-def unavailable(what: str, error: BaseException, *, then: str = "") -> Answer:
+def unavailable(error: BaseException, *, then: str = "") -> Answer:
     reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
-    detail = f"the {what} did not answer{then}: {reason}"
+    detail = f"the database did not answer{then}: {reason}"
     return problem("unavailable", detail, headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER)}).answer(None)
 
 
@@ -93,7 +93,7 @@ class Door:
             return pending(shown_key, location)
         except UNANSWERED as exc:
             # The request is recorded: it goes on, and the same key sent again waits on it.
-            return unavailable("database", exc, then=" while the request, recorded, waited for its outcome")
+            return unavailable(exc, then=" while the request, recorded, waited for its outcome")
         except asyncio.CancelledError:
             current = asyncio.current_task()
             if not self.draining or (current is not None and current.cancelling()):
@@ -143,18 +143,14 @@ class Door:
     async def reservation_under(self, key: str, *, shown_key: str) -> str:
         """The id of the reservation made under ``key``, for confirming or releasing it."""
         result = await self._seen(key, shown_key)
+        under = f"the request under {shown_key!r}"
         if result is None:
             raise problem(
-                "not-reserved",
-                f"the request under {shown_key!r} has no outcome yet",
-                headers={"Retry-After": "1"},
-                key=shown_key,
+                "not-reserved", f"{under} has no outcome yet", headers={"Retry-After": "1"}, key=shown_key
             )
         ids = result.detail.get("reservation_ids") or []
         if result.status != RequestStatus.RESERVED or len(ids) != 1:
-            raise problem(
-                "not-reserved", f"the request under {shown_key!r} ended {result.status}", key=shown_key
-            )
+            raise problem("not-reserved", f"{under} ended {result.status}", key=shown_key)
         return str(ids[0])
 
 

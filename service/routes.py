@@ -3,6 +3,7 @@ metrics create each route's series for them at 0. Stock changes (``POST``) carry
 their own; reads carry none. A confirm or release names the reservation by the key that made it.
 """
 
+import asyncio
 import json
 import logging
 import time
@@ -33,7 +34,8 @@ from service.answers import (
     unfit_name,
     wait_of,
 )
-from service.door import Door
+from service.door import UNANSWERED, Door
+from service.metrics import HttpMetrics
 from tasks.settings import Settings
 
 log = logging.getLogger("service")
@@ -49,6 +51,9 @@ class Writer(Protocol):
     ) -> Awaitable[Response]: ...
 
 
+# Readiness: the broker answered a queue sample within this many of the sampler's intervals.
+BROKER_SILENT_AFTER = 4
+READINESS_KEY = "readiness:probe"
 # Retry-After of a caller at its bound of requests in flight: a slot is free as soon as any of its requests
 # is answered, which the caller cannot see; a second is how often it looks at a pending request too.
 TOO_MANY_RETRY_AFTER = 1
@@ -284,11 +289,7 @@ async def _anyone() -> None:
 
 
 def router(
-    door: Callable[[], Door],
-    ready: Callable[[], Awaitable[Answer]],
-    exposition: Callable[[], bytes],
-    settings: Settings,
-    caller: Callable[..., Any] | None,
+    door: Callable[[], Door], metrics: HttpMetrics, settings: Settings, caller: Callable[..., Any] | None
 ) -> APIRouter:
     async def space_of(name: Annotated[object, Depends(caller or _anyone)]) -> str:
         try:
@@ -370,16 +371,11 @@ def router(
     async def count(sku: SkuPath, body: CountBody, write: Write) -> Response:
         return await write("count", "/requests", {"sku": sku, "counted": body.counted})
 
-    _reads(api, door, ready, exposition)
+    _reads(api, door, metrics)
     return api
 
 
-def _reads(
-    api: APIRouter,
-    door: Callable[[], Door],
-    ready: Callable[[], Awaitable[Answer]],
-    exposition: Callable[[], bytes],
-) -> None:
+def _reads(api: APIRouter, door: Callable[[], Door], metrics: HttpMetrics) -> None:
     """The routes that change nothing: stock, health, metrics and the problem types."""
 
     @_route(api, "GET", "/skus/{sku}", summary="A SKU's stock")
@@ -396,11 +392,23 @@ def _reads(
 
     @_route(api, "GET", "/readyz", summary="Readiness")
     async def readyz() -> Response:
-        return respond(await ready())
+        backlog = door().backlog
+        problems = []
+        try:
+            # A read of the table the door writes first: the database answers and has the door's schema.
+            await asyncio.wait_for(door().inventory.accepted(READINESS_KEY), 2.0)
+        except (TimeoutError, *UNANSWERED) as exc:
+            problems.append(f"database: {(str(exc).splitlines() or [type(exc).__name__])[0]}")
+        if not backlog.answered_within(BROKER_SILENT_AFTER * backlog.every):
+            problems.append(f"broker: {backlog.error or 'no answer yet'}")
+        if problems:
+            return respond(Answer(503, {"status": "unready", "problems": problems}, {"Retry-After": "1"}))
+        return respond(Answer(200, {"status": "ready", "queue_depth": backlog.depth}))
 
-    @_route(api, "GET", "/metrics", include_in_schema=False)
-    async def metrics() -> Response:
-        return Response(exposition(), media_type="text/plain; version=0.0.4")
+    @_route(api, "GET", "/metrics", include_in_schema=False, name="metrics")
+    async def exposition() -> Response:
+        metrics.backlog.set(door().backlog.depth or 0)
+        return Response(metrics.exposition(), media_type="text/plain; version=0.0.4")
 
     @_route(api, "GET", "/problems/{name}", summary="A problem type")
     async def problem_type(name: str) -> dict[str, Any]:
