@@ -3,23 +3,20 @@
 Asking the broker on every request would put a broker round trip (and a blocking kombu call) in front of
 each one; one sampler per process asks every ``every`` seconds in a thread and the routes read the last
 figure. A passive queue declaration answers on both transports: Redis counts the list (every priority
-step), RabbitMQ the ready messages. A queue that does not exist yet holds nothing. The last successful
-sample also tells readiness the broker answers.
+step), RabbitMQ the ready messages. The last successful sample also tells readiness the broker answers.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import math
 import time
 from collections.abc import Callable
 from contextlib import suppress
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 from kombu.exceptions import ChannelError
-
-log = logging.getLogger("service.backlog")
 
 # Retry-After for an overloaded door when the queue's drain rate is not known yet.
 DEFAULT_RETRY_AFTER = 2
@@ -34,30 +31,24 @@ def retry_after(depth: int, bound: int, drained_per_second: float | None) -> int
     return max(1, min(MAX_RETRY_AFTER, math.ceil((depth - bound) / drained_per_second)))
 
 
+@dataclass(eq=False)
 class Backlog:
     """The broker queue's depth, sampled every ``every`` seconds by :meth:`run` (a task of the app)."""
 
-    def __init__(
-        self,
-        connect: Callable[[], Any],
-        queue: str,
-        *,
-        every: float = 0.5,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self._connect = connect
-        self.queue = queue
-        self.every = every
-        self._clock = clock
-        self._connection: Any = None
-        self.depth: int | None = None
-        self.sampled_at: float | None = None  # the last successful sample, on ``clock``
-        self.drained_per_second: float | None = None
-        self.error: str | None = None
+    connect: Callable[[], Any]
+    queue: str
+    _: KW_ONLY
+    every: float = 0.5
+    clock: Callable[[], float] = time.monotonic
+    depth: int | None = field(default=None, init=False)
+    sampled_at: float | None = field(default=None, init=False)  # the last successful sample, on ``clock``
+    drained_per_second: float | None = field(default=None, init=False)
+    error: str | None = field(default=None, init=False)
+    _connection: Any = field(default=None, init=False)
 
     def answered_within(self, seconds: float) -> bool:
         """Whether the broker answered a sample within the last ``seconds``."""
-        return self.sampled_at is not None and self._clock() - self.sampled_at <= seconds
+        return self.sampled_at is not None and self.clock() - self.sampled_at <= seconds
 
     def over(self, bound: int) -> bool:
         return bound > 0 and self.depth is not None and self.depth > bound
@@ -65,7 +56,7 @@ class Backlog:
     def _count(self) -> int:
         """One sample (blocking: run in a thread)."""
         if self._connection is None:
-            self._connection = self._connect()
+            self._connection = self.connect()
             # Once: kombu's default is to retry a connection forever, and this thread must come back.
             self._connection.ensure_connection(max_retries=1)
         try:
@@ -91,7 +82,7 @@ class Backlog:
                 self.error = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
                 self.close()
             else:
-                self.sample(count, self._clock())
+                self.sample(count, self.clock())
             await asyncio.sleep(self.every)
 
     def close(self) -> None:
