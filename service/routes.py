@@ -123,9 +123,15 @@ def _problems(*names: str) -> dict[int | str, dict[str, Any]]:
     }
 
 
-_PENDING: dict[int | str, dict[str, Any]] = {
-    202: {"model": PendingModel, "description": "no outcome yet: look at Location, or send again"}
-}
+def _outcome(code: int, description: str, *problems: str) -> dict[int | str, dict[str, Any]]:
+    """The answers of a route that answers a key's outcome: the outcome, 202 while it has none, problems."""
+    return {
+        code: {"model": OutcomeModel, "description": description},
+        202: {"model": PendingModel, "description": "no outcome yet: look at Location, or send again"},
+        **_problems(*problems),
+    }
+
+
 _WRITE = (
     "invalid-request",
     "idempotency-key-missing",
@@ -136,37 +142,15 @@ _WRITE = (
     "overloaded",
 )
 _FINAL = ("invalid-request", "dead-lettered", "expired")
+_STEP = ("not-found", "not-reserved", "invalid-transition")
+_READ = ("not-found", "invalid-caller", "unavailable", *_FINAL, "insufficient-stock")
 RESPONSES: dict[tuple[str, str], dict[int | str, dict[str, Any]]] = {
-    ("/reservations", "POST"): {
-        201: {"model": OutcomeModel, "description": "reserved"},
-        **_PENDING,
-        **_problems(*_WRITE, *_FINAL, "insufficient-stock"),
-    },
-    ("/reservations/{key}", "GET"): {
-        200: {"model": OutcomeModel, "description": "the key's final outcome"},
-        **_PENDING,
-        **_problems("not-found", "invalid-caller", "unavailable", *_FINAL, "insufficient-stock"),
-    },
-    **{
-        (f"/reservations/{{key}}/{step}", "POST"): {
-            200: {"model": OutcomeModel, "description": f"{step}ed" if step == "confirm" else "released"},
-            **_PENDING,
-            **_problems(*_WRITE, *_FINAL, "not-found", "not-reserved", "invalid-transition"),
-        }
-        for step in ("confirm", "release")
-    },
-    ("/requests/{key}", "GET"): {
-        200: {"model": OutcomeModel, "description": "the key's final outcome"},
-        **_PENDING,
-        **_problems(
-            "not-found", "invalid-caller", "unavailable", *_FINAL, "insufficient-stock", "invalid-transition"
-        ),
-    },
-    ("/skus/{sku}/count", "POST"): {
-        200: {"model": OutcomeModel, "description": "counted"},
-        **_PENDING,
-        **_problems(*_WRITE, *_FINAL),
-    },
+    ("/reservations", "POST"): _outcome(201, "reserved", *_WRITE, *_FINAL, "insufficient-stock"),
+    ("/reservations/{key}", "GET"): _outcome(200, "the key's final outcome", *_READ),
+    ("/reservations/{key}/confirm", "POST"): _outcome(200, "confirmed", *_WRITE, *_FINAL, *_STEP),
+    ("/reservations/{key}/release", "POST"): _outcome(200, "released", *_WRITE, *_FINAL, *_STEP),
+    ("/requests/{key}", "GET"): _outcome(200, "the key's final outcome", *_READ, "invalid-transition"),
+    ("/skus/{sku}/count", "POST"): _outcome(200, "counted", *_WRITE, *_FINAL),
     ("/skus/{sku}", "GET"): {
         200: {"model": StockModel, "description": "the SKU's stock"},
         **_problems("not-found", "unavailable"),
