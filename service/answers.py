@@ -127,15 +127,9 @@ class Problem(Exception):
         return Answer(self.type.status, self.document(instance), dict(self.headers), PROBLEM_MEDIA_TYPE)
 
     def document(self, instance: str | None) -> dict[str, Any]:
-        body: dict[str, Any] = {
-            "type": self.type.uri,
-            "title": self.type.title,
-            "status": self.type.status,
-            "detail": self.detail,
-        }
-        if instance is not None:
-            body["instance"] = instance
-        return {**body, **self.extra}
+        kind = self.type
+        body = {"type": kind.uri, "title": kind.title, "status": kind.status, "detail": self.detail}
+        return {**body, **({} if instance is None else {"instance": instance}), **self.extra}
 
 
 def problem(name: str, detail: str, *, headers: dict[str, str] | None = None, **extra: Any) -> Problem:

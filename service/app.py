@@ -63,7 +63,8 @@ def _measured(app: ASGIApp, metrics: HttpMetrics) -> ASGIApp:
             metrics.in_flight.dec()
             # The template without converters ({key}, not {key:path}): the label RESPONSES declares.
             template = getattr(scope.get("route"), "path_format", None) or "unmatched"
-            metrics.answered(template, scope["method"], code, time.perf_counter() - start)
+            metrics.requests.labels(template, scope["method"], str(code)).inc()
+            metrics.latency.labels(template, scope["method"]).observe(time.perf_counter() - start)
 
     return measured
 

@@ -60,9 +60,5 @@ class HttpMetrics:
             for code in codes:
                 self.requests.labels(route, method, str(code))
 
-    def answered(self, route: str, method: str, code: int, seconds: float) -> None:
-        self.requests.labels(route, method, str(code)).inc()
-        self.latency.labels(route, method).observe(seconds)
-
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

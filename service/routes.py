@@ -7,6 +7,7 @@ import asyncio
 import json
 import logging
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import asdict
 from typing import Annotated, Any, Protocol, TypeVar
@@ -242,24 +243,21 @@ class InFlight:
         if bound < 0:
             raise ValueError(f"a bound of requests in flight is 0 (none) or more, got {bound}")
         self.bound = bound
-        self._held: dict[str, int] = {}  # only spaces with a request in flight: it never grows with callers
+        self._held: Counter[str] = Counter()  # only spaces with a request in flight: never grows with callers
 
     def take(self, space: str) -> bool:
         """Count one more request of ``space`` in flight; False (nothing counted) at ``bound`` already."""
-        held = self._held.get(space, 0)
-        if self.bound and held >= self.bound:
+        if self.bound and self._held[space] >= self.bound:
             return False
-        self._held[space] = held + 1
+        self._held[space] += 1
         return True
 
     def give_back(self, space: str) -> None:
-        held = self._held.get(space, 0)
-        if held <= 0:
+        if self._held[space] <= 0:
             raise ValueError(f"no request of {space!r} is in flight")
-        if held == 1:
+        self._held[space] -= 1
+        if not self._held[space]:
             del self._held[space]
-        else:
-            self._held[space] = held - 1
 
 
 def _route(api: APIRouter, method: str, path: str, **options: Any) -> Callable[[Handler], Handler]:
