@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
+from urllib.parse import quote
 
 from reservations.redrives import REDRIVE_MARK, is_redrive_key
 from reservations.request_outcomes import RequestResult
@@ -289,6 +290,15 @@ def _expired(detail: dict[str, Any]) -> str:
     if isinstance(attempts, int) and not isinstance(attempts, bool) and attempts > 0:
         return f"the deadline passed after {attempts} attempt(s) at the request, before it was carried out"
     return "the deadline passed before a worker took the request up"
+
+
+def location_of(route: str, key: str) -> str:
+    """Where a key's outcome is read, the key one path segment: a key may hold ``?``, ``#`` or ``%``, which
+    would otherwise lead a caller following the Location to another key or to none. The keys ``.`` and
+    ``..`` are dot segments, which a client resolves away (RFC 3986, 5.2.4: ``/reservations/.`` is
+    ``/reservations/``): their dots are sent as ``%2E``, which the server decodes back to the key."""
+    segment = "%2E" * len(key) if key in (".", "..") else quote(key, safe="")
+    return f"{route}/{segment}"
 
 
 def pending(key: str, location: str) -> Answer:

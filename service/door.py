@@ -18,7 +18,7 @@ from fencing import BackendUnavailable
 from reservations import AsyncInventory, IdempotencyConflict
 from reservations.request_outcomes import RequestResult
 from reservations.statuses import RequestStatus
-from service.answers import Answer, answer_of, pending, problem
+from service.answers import Answer, answer_of, caller_key, location_of, pending, problem
 from service.backlog import Backlog, retry_after
 from tasks import OutcomeTimeout, ReservationClient, messages
 from tasks.sending import request_of
@@ -55,14 +55,15 @@ class Door:
         key: str,
         args: dict[str, Any],
         *,
-        shown_key: str,
+        caller: str,
         deadline: float | None,
         wait: float,
-        location: str,
-        caller: str | None = None,
+        read_at: str,
     ) -> Answer:
-        """Carry the request of task type ``name`` under the stored ``key`` (``shown_key`` is the caller's,
-        ``caller`` its space) to its answer."""
+        """Carry the request of task type ``name`` under the stored ``key`` of the ``caller``'s space to its
+        answer, which names the caller's own key and where its outcome is read (``read_at``)."""
+        shown_key = caller_key(caller, key)
+        location = location_of(read_at, shown_key)
         message = messages.parse(name, [], {**args, "idempotency_key": key})
         request = request_of(
             name, key, message.args, deadline=deadline, caller=caller, fingerprint=message.fingerprint

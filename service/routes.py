@@ -11,7 +11,6 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import asdict
 from typing import Annotated, Any, Protocol, TypeVar
-from urllib.parse import quote
 
 from fastapi import APIRouter, Depends, Header, Path, Response
 from fastapi.responses import JSONResponse
@@ -26,9 +25,9 @@ from service.answers import (
     TYPES,
     Answer,
     Problem,
-    caller_key,
     caller_space,
     deadline_of,
+    location_of,
     new_key,
     problem,
     scoped_key,
@@ -224,15 +223,6 @@ def respond(answer: Answer) -> Response:
     return JSONResponse(answer.body, answer.status, answer.headers, media_type=answer.media_type)
 
 
-def _location(route: str, key: str) -> str:
-    """Where a key's outcome is read, the key one path segment: a key may hold ``?``, ``#`` or ``%``, which
-    would otherwise lead a caller following the Location to another key or to none. The keys ``.`` and
-    ``..`` are dot segments, which a client resolves away (RFC 3986, 5.2.4: ``/reservations/.`` is
-    ``/reservations/``): their dots are sent as ``%2E``, which the server decodes back to the key."""
-    segment = "%2E" * len(key) if key in (".", "..") else quote(key, safe="")
-    return f"{route}/{segment}"
-
-
 class InFlight:
     """Requests in flight per caller space, at most ``bound`` each (0: no bound). The door's backpressure
     (service.backlog) bounds the broker's queue for everyone at once, so one caller sending without pause
@@ -298,7 +288,6 @@ def router(
                         scoped_key(space, under), shown_key=under
                     )
                 }
-            shown = caller_key(space, stored)
             until = deadline_of(deadline, settings.request_deadline, time.time())
             wait = wait_of(prefer, settings.http_wait, settings.http_max_wait)
             if not in_flight.take(space):
@@ -310,14 +299,7 @@ def router(
                 )
             try:
                 answer = await door().submit(
-                    name,
-                    stored,
-                    args,
-                    shown_key=shown,
-                    caller=space,
-                    deadline=until,
-                    wait=wait,
-                    location=_location(read_at, shown),
+                    name, stored, args, caller=space, deadline=until, wait=wait, read_at=read_at
                 )
             finally:
                 in_flight.give_back(space)
@@ -335,7 +317,7 @@ def router(
         @_route(api, "GET", f"{read_at}/{{key}}", summary=summary, name=name)
         async def outcome(key: KeyPath, space: Space) -> Response:
             stored = scoped_key(space, key)
-            return respond(await door().look(stored, shown_key=key, location=_location(read_at, key)))
+            return respond(await door().look(stored, shown_key=key, location=location_of(read_at, key)))
 
     def lifecycle(step: str) -> None:
         summary = f"{step.capitalize()} the reservation made under a key"
