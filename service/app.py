@@ -1,7 +1,5 @@
 """The app factory: :func:`create_app` builds the FastAPI app of the reservation front door, which
-``reservations serve`` runs under uvicorn (``service:create_app``, one app per worker process). A
-deployment's ``caller`` dependency may take the ``Request``, headers, other dependencies, and raise
-``HTTPException(401)``.
+``reservations serve`` runs under uvicorn (``service:create_app``, one app per worker process).
 """
 
 from __future__ import annotations
@@ -31,10 +29,9 @@ from tasks import create_app as create_tasks_app
 from tasks.settings import Settings
 
 Caller = Callable[..., Any]  # a FastAPI dependency returning the caller's name (str) or None (anonymous)
-# Every request holds a database connection while it is admitted or looked up, and a busy door has dozens
-# at once. SQLAlchemy's default pool closes each of its 10 overflow connections the moment it is returned
-# (under load nearly every request opened a PostgreSQL connection); keep all 15 once opened instead, no
-# more than the default's peak: a request beyond them waits for one (pool_timeout, 30 s).
+# A request holds a database connection while it is admitted or looked up, dozens at once: SQLAlchemy's
+# default pool closes its 10 overflow connections when returned (a PostgreSQL connection opened per request
+# under load). Keep all 15, the default's peak; a request beyond them waits for one (pool_timeout, 30 s).
 DOOR_POOL: dict[str, Any] = {"pool_size": 15, "max_overflow": 0}
 # The problem types of the statuses the framework or a caller dependency raises.
 _BY_STATUS = {401: "unauthorized", 403: "forbidden", 404: "not-found", 405: "method-not-allowed"}
@@ -70,10 +67,8 @@ def _measured(app: ASGIApp, metrics: HttpMetrics) -> ASGIApp:
 
 
 async def _error(request: Request, exc: Exception) -> Response:
-    """Every error under the app as a problem document: the problems routes raise, malformed requests, a
-    path value the domain refuses (nothing was read), what the framework or a caller dependency raises
-    (unknown paths and methods, 401, 403: their headers, Allow or WWW-Authenticate, kept), and a database
-    or broker that does not answer."""
+    """Every error under the app as a problem document; what the framework or a caller dependency raises
+    (unknown paths and methods, 401, 403) keeps its headers (Allow, WWW-Authenticate)."""
     if isinstance(exc, Problem):
         found = exc
     elif isinstance(exc, RequestValidationError):

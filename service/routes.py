@@ -1,6 +1,5 @@
 """The routes, each with every answer it can give declared once: the OpenAPI document lists them, and the
-metrics create each route's series for them at 0. Stock changes (``POST``) carry an ``Idempotency-Key`` of
-their own; reads carry none. A confirm or release names the reservation by the key that made it.
+metrics create each route's series for them at 0.
 """
 
 import asyncio
@@ -283,20 +282,14 @@ def router(
         async def write(name: str, read_at: str, args: dict[str, Any], under: str | None = None) -> Response:
             stored = new_key(space, own_key)
             if under is not None:  # a confirm or release: its own key first, then the reservation it names
-                args = {
-                    "reservation_id": await door().reservation_under(
-                        scoped_key(space, under), shown_key=under
-                    )
-                }
+                reservation = await door().reservation_under(scoped_key(space, under), shown_key=under)
+                args = {"reservation_id": reservation}
             until = deadline_of(deadline, settings.request_deadline, time.time())
             wait = wait_of(prefer, settings.http_wait, settings.http_max_wait)
             if not in_flight.take(space):
-                raise problem(
-                    "too-many-requests",
-                    "this caller has as many requests in flight here as this service takes from one caller "
-                    f"({in_flight.bound})",
-                    headers={"Retry-After": str(TOO_MANY_RETRY_AFTER)},
-                )
+                said = "this caller has as many requests in flight here as this service takes from one caller"
+                retry = {"Retry-After": str(TOO_MANY_RETRY_AFTER)}
+                raise problem("too-many-requests", f"{said} ({in_flight.bound})", headers=retry)
             try:
                 answer = await door().submit(
                     name, stored, args, caller=space, deadline=until, wait=wait, read_at=read_at
