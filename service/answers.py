@@ -82,8 +82,7 @@ TYPES = {t.name: t for t in (
         "The path exists but does not take this method (its Allow header lists those it takes)."),
     ProblemType("unauthorized", 401, "Not authenticated",
         "The deployment's caller dependency did not recognise the caller."),
-    ProblemType("forbidden", 403, "Forbidden",
-        "The deployment's caller dependency refused the caller."),
+    ProblemType("forbidden", 403, "Forbidden", "The deployment's caller dependency refused the caller."),
     # 403, not 400: the request is well formed, and sending it again in any other form does not help; the
     # refusal is of who the caller is, as the deployment's dependency named it from its credentials.
     # (Nor 500: the service itself is well, and every other caller is served.)
@@ -204,11 +203,9 @@ def wait_of(prefer: str | None, default: float, maximum: float) -> float:
     """Seconds to wait for the outcome: ``Prefer: wait=N`` (RFC 7240) within ``maximum``, 0 for
     ``respond-async`` alone, else ``default``. A preference the service cannot read is ignored, as the RFC
     asks."""
-    if not prefer:
-        return default
     asked: float | None = None
     async_ = False
-    for match in _PREFERENCE.finditer(prefer):
+    for match in _PREFERENCE.finditer(prefer or ""):
         name, value = match.group(1).lower(), (match.group(2) or "").strip('"')
         # delta-seconds are ASCII digits (str.isdigit also takes a Latin-1 "²", which float refuses);
         # a preference given twice counts once, the first time (RFC 7240, section 2).

@@ -121,7 +121,7 @@ def create_app(settings: Settings | None = None, *, caller: Caller | None = None
     """The front door's app, on ``settings`` (the environment's by default)."""
     settings = settings or Settings.from_env()
     metrics = HttpMetrics(routes.measured())
-    state: dict[str, Any] = {}
+    state: dict[str, Door] = {}
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -157,8 +157,7 @@ def create_app(settings: Settings | None = None, *, caller: Caller | None = None
     )
 
     def door() -> Door:
-        found: Door = state["door"]
-        return found
+        return state["door"]
 
     for kind in (Problem, RequestValidationError, InvalidRequest, HTTPException, *UNANSWERED):
         app.add_exception_handler(kind, _error)

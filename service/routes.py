@@ -9,7 +9,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import asdict
-from typing import Annotated, Any, Protocol, TypeVar
+from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Depends, Header, Path, Response
 from fastapi.responses import JSONResponse
@@ -39,15 +39,9 @@ from tasks.settings import Settings
 
 log = logging.getLogger("service")
 Handler = TypeVar("Handler", bound=Callable[..., Any])
-
-
-class Writer(Protocol):
-    """What a write route carries its request with: its task type, where its outcome is read (a route),
-    its arguments, and for a confirm or release the key of the reservation it names."""
-
-    def __call__(
-        self, name: str, read_at: str, args: dict[str, Any], under: str | None = None
-    ) -> Awaitable[Response]: ...
+# What a write route carries its request with: write(task type, the route its outcome is read at,
+# arguments, under=the key of the reservation a confirm or release names).
+Writer = Callable[..., Awaitable[Response]]
 
 
 # Readiness: the broker answered a queue sample within this many of the sampler's intervals.
@@ -181,8 +175,7 @@ def as_declared(document: dict[str, Any]) -> dict[str, Any]:
         if operation is None:
             continue
         declared = {str(code) for code in answers}
-        for code in [code for code in operation["responses"] if code not in declared]:
-            del operation["responses"][code]
+        operation["responses"] = {c: a for c, a in operation["responses"].items() if c in declared}
         for answer in operation["responses"].values():
             # FastAPI puts a response model's schema under the route's JSON media type; a problem is
             # served as application/problem+json only.
