@@ -1,9 +1,7 @@
 """What the front door answers, decided without I/O: the caller's key space and the key a caller's header
-names, how long to wait, the request's deadline, and the HTTP answer each final outcome is.
-
-Each outcome status has one answer everywhere: a reservation is 201 where a POST made it and 200 where it
-is read; a refusal is an RFC 9457 problem document (``application/problem+json``) whose type, written
-once below with its status and title, is the same on every route and described at ``GET /problems/{name}``.
+names, how long to wait, the request's deadline, and the HTTP answer each final outcome is, the same on
+every route: a reservation is 201 where a POST made it and 200 where it is read; a refusal is an RFC 9457
+problem document whose type, written once below with its status and title, ``GET /problems/{name}`` shows.
 """
 
 from __future__ import annotations
@@ -31,7 +29,6 @@ ANONYMOUS = "*"
 _KEY = re.compile(r"[!-~]+")  # printable ASCII, no spaces (reservations.validation's rule, length apart)
 # RFC 7240: ``Prefer: wait=10``, ``Prefer: respond-async``, several preferences comma separated.
 _PREFERENCE = re.compile(r"\s*([A-Za-z0-9!#$%&'*+.^_`|~-]+)\s*(?:=\s*(\"[^\"]*\"|[^;,\s]*))?[^,]*")
-_SECONDS = re.compile(r"[0-9]+")
 MAX_DEADLINE = 7 * 86400.0
 PENDING_RETRY_AFTER = 1
 
@@ -209,7 +206,7 @@ def wait_of(prefer: str | None, default: float, maximum: float) -> float:
         name, value = match.group(1).lower(), (match.group(2) or "").strip('"')
         # delta-seconds are ASCII digits (str.isdigit also takes a Latin-1 "²", which float refuses);
         # a preference given twice counts once, the first time (RFC 7240, section 2).
-        if name == "wait" and asked is None and _SECONDS.fullmatch(value):
+        if name == "wait" and asked is None and re.fullmatch("[0-9]+", value):
             asked = float(value)
         elif name == "respond-async":
             async_ = True

@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
+from functools import cache
 from types import FrameType
 from typing import Any
 
@@ -164,12 +165,6 @@ def create_app(settings: Settings | None = None, *, caller: Caller | None = None
 
     app.include_router(routes.router(door, metrics, settings, caller))
     build = app.openapi
-
-    def openapi() -> dict[str, Any]:
-        if app.openapi_schema is None:
-            app.openapi_schema = routes.as_declared(build())
-        return app.openapi_schema
-
-    app.openapi = openapi  # type: ignore[method-assign]
+    app.openapi = cache(lambda: routes.as_declared(build()))  # type: ignore[method-assign]
     app.add_middleware(_measured, metrics=metrics)
     return app

@@ -1,8 +1,7 @@
 """The front door's one way in for every request that changes stock: admit it under its key, record and
-publish it once, wait for its outcome as long as the caller asked, and say what is known. Each answer and
-why: docs/architecture.md, "The HTTP front door". A database that does not answer while a request is
-admitted or looked up is the app's 503 (service.app): nothing was recorded.
-"""
+publish it once, wait for its outcome as long as the caller asked, and say what is known (each answer and
+why: docs/architecture.md, "The HTTP front door"). A database that does not answer while a request is
+admitted or looked up is the app's 503: nothing was recorded."""
 
 from __future__ import annotations
 
@@ -127,8 +126,7 @@ class Door:
         return problem("overloaded", detail, headers={"Retry-After": str(after)}).answer(None)
 
     async def _seen(self, key: str, shown_key: str) -> RequestResult | None:
-        """The key's outcome, or None while a request accepted under it has none; the not-found problem
-        for a key never seen."""
+        """The key's outcome, or None while a request accepted under it has none; 404 for a key never seen."""
         result = await self.inventory.request_outcome(key)
         if result is None and await self.inventory.accepted(key) is None:
             raise problem("not-found", f"no request was accepted under the key {shown_key!r}")
