@@ -1,8 +1,7 @@
 """What the front door answers, decided without I/O: the caller's key space and the key a caller's header
 names, how long to wait, the request's deadline, and the HTTP answer each final outcome is, the same on
 every route: a reservation is 201 where a POST made it and 200 where it is read; a refusal is an RFC 9457
-problem document whose type, written once below with its status and title, ``GET /problems/{name}`` shows.
-"""
+problem document whose type, written once below with its status and title, ``GET /problems/{name}`` shows."""
 
 from __future__ import annotations
 
@@ -80,9 +79,8 @@ TYPES = {t.name: t for t in (
     ProblemType("unauthorized", 401, "Not authenticated",
         "The deployment's caller dependency did not recognise the caller."),
     ProblemType("forbidden", 403, "Forbidden", "The deployment's caller dependency refused the caller."),
-    # 403, not 400: the request is well formed, and sending it again in any other form does not help; the
+    # 403, not 400 (nor 500): the request is well formed and the service well, every other caller served; the
     # refusal is of who the caller is, as the deployment's dependency named it from its credentials.
-    # (Nor 500: the service itself is well, and every other caller is served.)
     ProblemType("invalid-caller", 403, "The caller's name cannot hold keys",
         "The deployment's caller dependency named this caller with a name outside [A-Za-z0-9._-]{1,64} "
         "(an e-mail address, say), which cannot scope idempotency keys; nothing was read or written. Every "
@@ -134,9 +132,8 @@ def problem(name: str, detail: str, *, headers: dict[str, str] | None = None, **
 
 
 def caller_space(name: object) -> str:
-    """The key space of the caller the deployment's dependency returned: its name, or :data:`ANONYMOUS`
-    for None. Any other name is the ``invalid-caller`` problem: it would let its keys leak into another
-    space (a colon) or fail the stored key's rules, and the caller can do nothing about it."""
+    """The key space of the caller the deployment's dependency named: its name, :data:`ANONYMOUS` for None.
+    Any other name would let its keys leak into another space (a colon) or fail the stored key's rules."""
     if name is None:
         return ANONYMOUS
     if isinstance(name, str) and CALLER_NAME.fullmatch(name):
@@ -198,8 +195,7 @@ def caller_key(space: str, stored: str) -> str:
 
 def wait_of(prefer: str | None, default: float, maximum: float) -> float:
     """Seconds to wait for the outcome: ``Prefer: wait=N`` (RFC 7240) within ``maximum``, 0 for
-    ``respond-async`` alone, else ``default``. A preference the service cannot read is ignored, as the RFC
-    asks."""
+    ``respond-async`` alone, else ``default``. A preference it cannot read is ignored, as the RFC asks."""
     asked: float | None = None
     async_ = False
     for match in _PREFERENCE.finditer(prefer or ""):

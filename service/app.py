@@ -1,6 +1,5 @@
 """The app factory: :func:`create_app` builds the FastAPI app of the reservation front door, which
-``reservations serve`` runs under uvicorn (``service:create_app``, one app per worker process).
-"""
+``reservations serve`` runs under uvicorn (``service:create_app``, one app per worker process)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,8 @@
-"""How many requests wait in the broker's queue, sampled in the background for the door's backpressure.
-
-Asking the broker on every request would put a broker round trip (and a blocking kombu call) in front of
-each one; one sampler per process asks every ``every`` seconds in a thread and the routes read the last
-figure. A passive queue declaration answers on both transports: Redis counts the list (every priority
-step), RabbitMQ the ready messages. The last successful sample also tells readiness the broker answers.
+"""How many requests wait in the broker's queue, sampled in the background for the door's backpressure:
+asking the broker on every request would put a broker round trip (a blocking kombu call) in front of each
+one; one sampler per process asks every ``every`` seconds in a thread and the routes read the last figure.
+A passive queue declaration answers on both transports: Redis counts the list (every priority step),
+RabbitMQ the ready messages. The last successful sample also tells readiness the broker answers.
 """
 
 from __future__ import annotations

@@ -104,9 +104,8 @@ class Door:
         return self._final(shown_key, result, message, location)
 
     def drain(self) -> None:
-        """The process is stopping: every request waiting for its outcome is answered 202 with its
-        Location now (the request itself went out already), and later ones do not wait. The server then
-        finds no handler left to wait for, and the process exits in well under a request's wait."""
+        """The process is stopping: every request waiting for its outcome is answered 202 with its Location
+        now (it went out already), and later ones do not wait, so the process exits in well under a wait."""
         self.draining = True
         for waiting in list(self._waits):
             waiting.cancel()

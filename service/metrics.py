@@ -2,8 +2,7 @@
 SKU or a key, every label value is from a small fixed set, and each series exists at 0 from the start so
 ``rate()`` sees the first event. Served at ``GET /metrics`` from the app's own registry (one per app, so
 an app built twice in a process counts apart); under ``uvicorn --workers N`` with
-``PROMETHEUS_MULTIPROC_DIR`` set, the processes' values are summed, as the workers' are.
-"""
+``PROMETHEUS_MULTIPROC_DIR`` set, the processes' values are summed, as the workers' are."""
 
 from __future__ import annotations
 

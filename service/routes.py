@@ -1,6 +1,5 @@
 """The routes, each with every answer it can give declared once: the OpenAPI document lists them, and the
-metrics create each route's series for them at 0.
-"""
+metrics create each route's series for them at 0."""
 
 import asyncio
 import json
@@ -42,8 +41,6 @@ Handler = TypeVar("Handler", bound=Callable[..., Any])
 # What a write route carries its request with: write(task type, the route its outcome is read at,
 # arguments, under=the key of the reservation a confirm or release names).
 Writer = Callable[..., Awaitable[Response]]
-
-
 # Readiness: the broker answered a queue sample within this many of the sampler's intervals.
 BROKER_SILENT_AFTER = 4
 READINESS_KEY = "readiness:probe"
@@ -165,10 +162,9 @@ def measured() -> Iterator[tuple[str, str, list[int]]]:
 
 
 def as_declared(document: dict[str, Any]) -> dict[str, Any]:
-    """The OpenAPI document with each route's answers exactly as RESPONSES declares them. FastAPI adds a
-    422 "Validation Error" to every route with a parameter, but a malformed request is answered 400
-    (/problems/invalid-request): a route that never answers 422 must not list it. A problem's schema is
-    documented under the media type it is served as."""
+    """The OpenAPI document with each route's answers exactly as RESPONSES declares them: not FastAPI's 422
+    "Validation Error" (a malformed request is 400, /problems/invalid-request), and a problem's schema under
+    the media type it is served as."""
     paths = document.get("paths", {})
     for (route, method), answers in RESPONSES.items():
         operation = paths.get(route, {}).get(method.lower())
@@ -216,10 +212,9 @@ def respond(answer: Answer) -> Response:
 
 
 class InFlight:
-    """Requests in flight per caller space, at most ``bound`` each (0: no bound). The door's backpressure
-    (service.backlog) bounds the broker's queue for everyone at once, so one caller sending without pause
-    would fill it and every other caller hear 503; counted from admission to answer, that caller alone is
-    refused (429). Pure: the routes take a slot and give it back on the event loop's one thread."""
+    """Requests in flight per caller space, at most ``bound`` each (0: no bound), counted on the event loop's
+    one thread. The door's backpressure bounds the broker's queue for everyone at once: one caller sending
+    without pause would fill it; counted from admission to answer, that caller alone is refused (429)."""
 
     def __init__(self, bound: int) -> None:
         if bound < 0:
@@ -347,7 +342,7 @@ def _reads(api: APIRouter, door: Callable[[], Door], metrics: HttpMetrics) -> No
         try:
             # A read of the table the door writes first: the database answers and has the door's schema.
             await asyncio.wait_for(door().inventory.accepted(READINESS_KEY), 2.0)
-        except (TimeoutError, *UNANSWERED) as exc:
+        except UNANSWERED as exc:  # TimeoutError among them
             problems.append(f"database: {(str(exc).splitlines() or [type(exc).__name__])[0]}")
         if not backlog.answered_within(BROKER_SILENT_AFTER * backlog.every):
             problems.append(f"broker: {backlog.error or 'no answer yet'}")
