@@ -1,7 +1,7 @@
 """What the front door answers, decided without I/O: the caller's key space and the key a caller's header
-names, how long to wait, the request's deadline, and the HTTP answer each final outcome is, the same on
-every route: a reservation is 201 where a POST made it and 200 where it is read; a refusal is an RFC 9457
-problem document whose type, written once below with its status and title, ``GET /problems/{name}`` shows."""
+names, how long to wait, the request's deadline, and each final outcome's answer, alike on every route (a
+reservation is 201 where a POST made it, 200 where it is read; a refusal an RFC 9457 problem document of a
+type written once below with its status and title, which ``GET /problems/{name}`` shows)."""
 
 from __future__ import annotations
 
