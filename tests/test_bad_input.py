@@ -26,7 +26,7 @@ from fencing.engines import make_engine
 from fencing.lease import new_lease_id
 from reservations import AsyncInventory, InvalidRequest, Inventory, scope_of
 from reservations import schema as inventory_schema
-from reservations.inventory_base import lock_order
+from reservations.inventory import lock_order
 from testing.stock import TABLES, table_rows
 from testing.stores import POSTGRES_URL, REDIS_URL
 
