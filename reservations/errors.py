@@ -12,7 +12,7 @@
     │                           its writing lease's (sku, seen_token, token)
     ├── UnknownSku              no stock row for the SKU
     ├── UnknownReservation      no reservation with that id or key
-    ├── UnknownRequest          no request has an outcome under that key
+    ├── UnknownRequest          no request has an outcome under that key (never sent, running, purged)
     ├── InvalidTransition       confirm/release of a reservation that is final or belongs to another SKU
     ├── InsufficientStock       available < requested (sku, requested, available)
     ├── IdempotencyConflict     the key was used before for a different request
@@ -50,8 +50,6 @@ class InvalidRequest(ReservationError, ValueError):
 
 
 class StockLimitExceeded(InvalidRequest):
-    """A restock or adjustment would take ``on_hand`` past its upper bound; refused in the write itself."""
-
     def __init__(self, *, sku: str, on_hand: int, delta: int, limit: int) -> None:
         self.sku = sku
         self.on_hand = on_hand
@@ -62,8 +60,7 @@ class StockLimitExceeded(InvalidRequest):
 
 
 class CountBelowHeld(InvalidRequest):
-    """A cycle count below the units held for reservations: the shelf cannot hold fewer units than are
-    promised, so the count is refused in the write itself and nothing is written."""
+    """The shelf cannot hold fewer units than are promised: refused in the write itself."""
 
     def __init__(self, *, sku: str, counted: int, held: int) -> None:
         self.sku = sku
@@ -89,9 +86,6 @@ class SeenInAnotherEpoch(InvalidRequest):
 
 
 class RedriveRefused(InvalidRequest):
-    """A dead letter that may not be driven again now; ``why`` says which rule refused it. Nothing was
-    written: no re-drive recorded, nothing enqueued."""
-
     def __init__(self, *, key: str, why: str) -> None:
         self.key = key
         self.why = why
@@ -111,8 +105,6 @@ class UnknownReservation(ReservationError, LookupError):
 
 
 class UnknownRequest(ReservationError, LookupError):
-    """No request has a final outcome under this key (never sent, still running, or purged)."""
-
     def __init__(self, key: str) -> None:
         self.key = key
         super().__init__(f"no request with an outcome under key {key!r}")
@@ -151,8 +143,6 @@ class IdempotencyConflict(ReservationError):
 
 
 class RequestClosed(ReservationError):
-    """The request with this key already ended without changing stock; a late copy must not apply."""
-
     def __init__(self, *, key: str, status: str) -> None:
         self.key = key
         self.status = status
@@ -160,8 +150,6 @@ class RequestClosed(ReservationError):
 
 
 class KeyTaken(ReservationError):
-    """A unique key of the request's rows is taken: whoever committed first decided it; look again."""
-
     def __init__(self, *, where: str, constraint: str) -> None:
         self.where = where
         self.constraint = constraint
@@ -187,8 +175,7 @@ class ArchiveInterrupted(ReservationError):
 
 
 class ArchiveBusy(ReservationError):
-    """Another archive run of this database is under way (it holds the archive lock): two runs would
-    copy and drop the same days (reservations.archive)."""
+    """Two runs would copy and drop the same days (reservations.archive)."""
 
     def __init__(self, where: str) -> None:
         self.where = where
