@@ -3,7 +3,9 @@ one gzip CSV file each (with a JSON manifest: rows, first and last ``at_ms``, SH
 SKU's stock as that history explained it stays behind as a checkpoint (``sku_checkpoints``), from which the
 audit and the token history start.
 
-PostgreSQL (the tables are partitioned per UTC day, revision 0010), per partition, oldest first:
+PostgreSQL (revision 0010) range-partitions both tables by ``at_ms``, one partition per UTC day named
+``<table>_pYYYYMMDD``, with a DEFAULT partition for any write outside them; partitions are made ahead of
+the clock by the hourly ``reservations.purge`` and by every archive run. Per partition, oldest first:
 
 1. one transaction: DETACH the partition (it waits for the writes in flight into it and takes no more),
    and, for ``sku_history``, write every SKU's checkpoint from the detached rows and the SKU's previous
@@ -30,6 +32,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import tempfile
 from collections.abc import Generator, Iterator
 from contextlib import contextmanager, suppress
@@ -42,19 +45,120 @@ import sqlalchemy as sa
 
 from fencing.sql import db_now_ms
 from reservations.errors import ArchiveBusy, ArchiveInterrupted, InvalidRequest
-from reservations.models import sku_checkpoints, sku_history
-from reservations.partitions import (
-    DAY_MS,
-    TABLES,
-    day_ms,
-    day_of,
-    day_tables,
-    ident,
-    parse_partition,
-    partition_name,
-    prepare_partitions,
-)
+from reservations.models import sku_checkpoints, sku_history, task_attempts
 from reservations.reads import NEWEST_CHECKPOINTS
+
+DAY_MS = 86_400_000
+DAYS_AHEAD = 7  # partitions kept ready ahead of the clock (revision 0010 makes the first week)
+TABLES = (sku_history, task_attempts)
+_DAY_PARTITION = re.compile(r"^(sku_history|task_attempts)_p([0-9]{8})$")
+
+
+def day_ms(day: date) -> int:
+    return int(datetime(day.year, day.month, day.day, tzinfo=UTC).timestamp()) * 1000
+
+
+def day_of(ms: int) -> date:
+    return datetime.fromtimestamp(ms / 1000, UTC).date()
+
+
+def partition_name(table: str, day: date) -> str:
+    return f"{table}_p{day:%Y%m%d}"
+
+
+def parse_partition(name: str) -> tuple[str, date] | None:
+    match = _DAY_PARTITION.match(name)
+    if match is None:
+        return None
+    try:
+        return match.group(1), datetime.strptime(match.group(2), "%Y%m%d").replace(tzinfo=UTC).date()
+    except ValueError:  # p20261399: not one of ours
+        return None
+
+
+def ident(conn: sa.Connection, name: str) -> str:
+    return conn.dialect.identifier_preparer.quote_identifier(name)
+
+
+_TABLES_HERE = sa.text(
+    """
+    SELECT c.relname, parent.relname AS parent
+    FROM pg_class c
+    JOIN pg_namespace n ON n.oid = c.relnamespace AND n.nspname = current_schema()
+    LEFT JOIN pg_inherits i ON i.inhrelid = c.oid
+    LEFT JOIN pg_class parent ON parent.oid = i.inhparent
+    WHERE c.relkind = 'r' AND (c.relname LIKE 'sku\\_history\\_p%' OR c.relname LIKE 'task\\_attempts\\_p%')
+    """
+)
+
+
+def day_tables(conn: sa.Connection) -> tuple[list[tuple[str, date]], list[tuple[str, date]]]:
+    """(attached, detached) day partitions of the history tables in this schema."""
+    attached: list[tuple[str, date]] = []
+    detached: list[tuple[str, date]] = []
+    for name, parent in conn.execute(_TABLES_HERE).all():
+        parsed = parse_partition(name)
+        if parsed is None:
+            continue
+        (attached if parent == parsed[0] else detached).append((name, parsed[1]))
+    return attached, detached
+
+
+def prepare_partitions(engine: sa.Engine, *, days_ahead: int = DAYS_AHEAD) -> list[str]:
+    """Make the day partitions from today to ``days_ahead`` days ahead (database clock) that are missing;
+    their names. A day whose rows already sit in the DEFAULT partition is left there (PostgreSQL would
+    refuse the partition): those rows stay readable and counted, only never archived. Nothing on SQLite."""
+    if engine.dialect.name != "postgresql":
+        return []
+    created: list[str] = []
+    with engine.begin() as conn:
+        today = day_of(conn.execute(sa.select(db_now_ms())).scalar_one())
+        attached, detached = day_tables(conn)
+        taken = {name for name, _ in attached + detached}
+        # A day once archived is not partitioned again (a write dated in it lands in DEFAULT, counted but
+        # never archived): its archive file is the day's, once.
+        archived_until = conn.execute(sa.select(sa.func.max(sku_checkpoints.c.through_ms))).scalar() or 0
+        for offset in range(days_ahead + 1):
+            day = today + timedelta(days=offset)
+            if day_ms(day) < archived_until:
+                continue
+            for table in TABLES:
+                name = partition_name(table.name, day)
+                if name in taken:
+                    continue
+                low, high = day_ms(day), day_ms(day + timedelta(days=1))
+                stray = conn.execute(
+                    sa.select(sa.literal(1))
+                    .select_from(sa.table(f"{table.name}_default"))
+                    .where(sa.column("at_ms") >= low, sa.column("at_ms") < high)
+                    .limit(1)
+                ).first()
+                if stray is not None:
+                    continue
+                conn.execute(
+                    sa.text(
+                        f"CREATE TABLE {ident(conn, name)} PARTITION OF {ident(conn, table.name)} "
+                        f"FOR VALUES FROM ({low}) TO ({high})"
+                    )
+                )
+                created.append(name)
+    return created
+
+
+def default_rows(engine: sa.Engine) -> dict[str, int]:
+    """Rows in each table's DEFAULT partition (PostgreSQL; none on SQLite): rows dated where no day
+    partition was (a clock set far off, a day archived before), readable and counted but never archived."""
+    if engine.dialect.name != "postgresql":
+        return {table.name: 0 for table in TABLES}
+    with engine.connect() as conn:
+        return {
+            table.name: int(
+                conn.execute(
+                    sa.select(sa.func.count()).select_from(sa.table(f"{table.name}_default"))
+                ).scalar_one()
+            )
+            for table in TABLES
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,15 +257,19 @@ def _write_durably(name: str, path: Path, chunks: Iterator[bytes], *, compress: 
         raise
 
 
-def _read_back(path: Path) -> tuple[int, str]:
-    """(rows, SHA-256 of the CSV) of an archive file, as a reader of it will see them."""
+def _read_back(path: Path) -> tuple[str, int, int | None, int | None]:
+    """(SHA-256 of the CSV, rows, first and last ``at_ms``) of an archive file, as a reader sees them."""
     digest = hashlib.sha256()
     with gzip.open(path, "rb") as raw:
         while chunk := raw.read(1 << 20):
             digest.update(chunk)
+    rows, low, high = 0, None, None
     with gzip.open(path, "rt", newline="", encoding="utf-8") as text:
-        rows = sum(1 for _ in csv.reader(text)) - 1  # the header
-    return rows, digest.hexdigest()
+        for row in csv.DictReader(text):
+            at = int(row["at_ms"])
+            low, high = (at, at) if low is None or high is None else (min(low, at), max(high, at))
+            rows += 1
+    return digest.hexdigest(), rows, low, high
 
 
 def _finish_file(
@@ -177,16 +285,9 @@ def _finish_file(
 
     path = folder / f"{name}.csv.gz"
     _write_durably(name, path, hashed(), compress=True)
-    rows, checksum = _read_back(path)
+    checksum, rows, low_seen, high_seen = _read_back(path)
     if rows != expected or checksum != digest.hexdigest():
         raise ArchiveInterrupted(name, f"the file holds {rows} rows, the table {expected}: kept the table")
-    low_seen: int | None = None
-    high_seen: int | None = None
-    with gzip.open(path, "rt", newline="", encoding="utf-8") as text:
-        for row in csv.DictReader(text):
-            at = int(row["at_ms"])
-            low_seen = at if low_seen is None else min(low_seen, at)
-            high_seen = at if high_seen is None else max(high_seen, at)
     manifest = {
         "table": table,
         "partition": name,
@@ -343,9 +444,7 @@ def _archive_pg(engine: sa.Engine, report: ArchiveReport, to: Path) -> None:
     resumed = {name for name, _ in detached}
     due = [(name, day) for name, day in attached if day_ms(day + timedelta(days=1)) <= report.before_ms]
     for name, day in sorted(detached + due, key=lambda item: (item[1], item[0].startswith("task"))):
-        parsed = parse_partition(name)
-        assert parsed is not None
-        table = parsed[0]
+        table = name.rsplit("_p", 1)[0]
         low, high = day_ms(day), day_ms(day + timedelta(days=1))
         file_name = f"{name}.csv.gz"
         checkpoints = 0

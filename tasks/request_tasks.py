@@ -21,7 +21,7 @@ from fencing import (
 )
 from reservations import InvalidRequest
 from reservations import validation as valid
-from reservations.partitions import prepare_partitions
+from reservations.archive import prepare_partitions
 from reservations.request_outcomes import AlreadyApplied
 from reservations.statuses import RequestStatus
 from tasks import deadlines, logs, messages, observe, policy

@@ -27,7 +27,7 @@ import sqlalchemy as sa
 
 from fencing import LeaseManager
 from fencing.engines import make_engine
-from reservations import Inventory, archive, partitions, schema, scope_of
+from reservations import Inventory, archive, schema, scope_of
 from reservations.models import sku_history, task_attempts
 from testing.stores import migrate_pg_schema, schema_of
 from testing.support import cli, run
@@ -147,7 +147,7 @@ def test_0010_partitions_a_database_with_rows_and_code_of_0009_runs_on_it(
     schema.upgrade(pg_url)
 
     assert (rows(engine, sku_history), rows(engine, task_attempts)) == (history, attempts)
-    old_day = partitions.partition_name("sku_history", day_start(-3).date())
+    old_day = archive.partition_name("sku_history", day_start(-3).date())
     with engine.connect() as conn:
         kinds = dict(
             conn.execute(
@@ -226,7 +226,7 @@ def test_archive_round_trip_on_postgresql(pg_inventory: str, engine_of: Any, tmp
         highest = write_some(inventory, leases)
     # A refused write two days ago, in a partition of that day: two days of history leave.
     two_days_ago = day_start(-2)
-    old_day = partitions.partition_name("sku_history", two_days_ago.date())
+    old_day = archive.partition_name("sku_history", two_days_ago.date())
     with engine.begin() as conn:
         conn.execute(
             sa.text(
@@ -243,11 +243,11 @@ def test_archive_round_trip_on_postgresql(pg_inventory: str, engine_of: Any, tmp
     assert not folder.exists() and rows(engine, sku_history) == history
 
     spans = {s["partition"]: s for s in archived(url, end_of_today, folder)}
-    today = partitions.partition_name("sku_history", day_start(0).date())
-    assert list(spans) == [old_day, today, partitions.partition_name("task_attempts", day_start(0).date())]
+    today = archive.partition_name("sku_history", day_start(0).date())
+    assert list(spans) == [old_day, today, archive.partition_name("task_attempts", day_start(0).date())]
     assert_archive_holds(spans[old_day], history[:0] + [r for r in history if r[2] < ms(day_start(-1))])
     assert_archive_holds(spans[today], [r for r in history if r[2] >= ms(day_start(0))])
-    assert_archive_holds(spans[partitions.partition_name("task_attempts", day_start(0).date())], attempts)
+    assert_archive_holds(spans[archive.partition_name("task_attempts", day_start(0).date())], attempts)
     assert spans[today]["checkpoints"] == 2
     assert rows(engine, sku_history) == [] and rows(engine, task_attempts) == []
 
@@ -279,7 +279,7 @@ def test_a_run_stopped_after_the_detach_is_taken_up(
     with Inventory.from_url(url) as inventory, LeaseManager.from_url(url) as leases:
         write_some(inventory, leases)
     history = rows(engine, sku_history)
-    today = partitions.partition_name("sku_history", day_start(0).date())
+    today = archive.partition_name("sku_history", day_start(0).date())
     # Step 1 alone, as a run that died right after it leaves it: the partition detached, the checkpoints
     # written, no file. The stock is explained all the same.
     assert archive.detach(engine, today) == 2
@@ -366,14 +366,14 @@ def test_partitions_are_made_ahead_except_for_a_day_already_in_default(
     pg_inventory: str, engine_of: Any
 ) -> None:
     engine = engine_of(pg_inventory)
-    ahead = {d: partitions.partition_name("sku_history", day_start(d).date()) for d in (3, 4)}
+    ahead = {d: archive.partition_name("sku_history", day_start(d).date()) for d in (3, 4)}
     with engine.begin() as conn:
         for name in ahead.values():
             conn.execute(sa.text(f'DROP TABLE "{name}"'))
         # A row of day 4 written while it had no partition: in DEFAULT, where it stays.
         conn.execute(refused_write(ms(day_start(4)) + 1, highest=None))
-    assert partitions.prepare_partitions(engine) == [ahead[3]]
-    assert partitions.prepare_partitions(engine) == []
+    assert archive.prepare_partitions(engine) == [ahead[3]]
+    assert archive.prepare_partitions(engine) == []
     with engine.connect() as conn:
         assert sa.inspect(conn).has_table(ahead[3]) and not sa.inspect(conn).has_table(ahead[4])
 
@@ -452,7 +452,7 @@ def test_a_full_disk_stops_the_run_in_one_line_and_the_next_run_takes_the_day_up
     # hang for ever there (the pool's rollback waited on the copy still streaming).
     engine, env = engine_of(pg_inventory), {"RESERVATIONS_DATABASE_URL": pg_inventory}
     low = day_start(-2)
-    day = partitions.partition_name("sku_history", low.date())
+    day = archive.partition_name("sku_history", low.date())
     many = 60_000
     with engine.begin() as conn:
         conn.execute(

@@ -21,9 +21,9 @@ from admin.cli import context
 from admin.cli.failures import EXIT_FAILED, EXIT_UNREACHABLE, fail
 from fencing import LeaseManager
 from fencing.urls import mask_url
+from reservations.archive import default_rows
 from reservations.inventory import Inventory
 from reservations.models import request_outcomes
-from reservations.partitions import default_rows
 from reservations.statuses import RequestStatus
 from tasks.logs import say
 from tasks.producer import Producer
