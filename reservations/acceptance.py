@@ -342,8 +342,7 @@ def listed(
     status, or one of VIEWS; STUCK is without an outcome ``stuck_after`` seconds after its acceptance,
     by the database's clock), of ``operation``, accepted since ``since_ms``; after the key ``after`` (the
     last of the previous page). Each row's attempts are counted by key through the attempts' index."""
-    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LISTED:
-        raise InvalidRequest(f"the limit must be a whole number from 1 to {MAX_LISTED}", field="limit")
+    valid.limit(limit, maximum=MAX_LISTED)
     outcome = request_outcomes
     tried = sa.select(task_attempts.c.key).where(task_attempts.c.key == _T.c.key).exists()
     attempts = sa.select(sa.func.count()).where(task_attempts.c.key == _T.c.key).scalar_subquery()

@@ -15,7 +15,6 @@ from fencing.sql import Rows, db_now_ms
 from reservations import sql_text
 from reservations import validation as valid
 from reservations.collisions import KeptColliding, rounds
-from reservations.errors import InvalidRequest
 from reservations.ledger import Shell, hold_ms_of
 from reservations.models import pending_reservations, request_outcomes
 from reservations.request_outcomes import result_from_json, result_of
@@ -170,12 +169,7 @@ def waiting_by_sku() -> Plan[dict[str, int]]:
 
 def skus_waiting(*, older_than: float) -> Plan[list[str]]:
     """SKUs with a request waiting longer than ``older_than`` seconds (database clock), oldest first."""
-    if (
-        isinstance(older_than, bool)
-        or not isinstance(older_than, int | float)
-        or not 0 <= older_than <= 86400
-    ):
-        raise InvalidRequest("older_than must be between 0 and 86400 seconds", field="older_than")
+    valid.number(older_than, "older_than", 0, 86400)
     oldest = sa.func.min(pending_reservations.c.enqueued_ms)
     found: Rows = yield (
         sa.select(pending_reservations.c.sku)

@@ -66,9 +66,7 @@ def all_stock(
     if prefix is not None:
         query = query.where(stock.c.sku.startswith(valid.sku(prefix), autoescape=True))
     if limit is not None:
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-            raise InvalidRequest("the limit must be a whole number from 1", field="limit")
-        query = query.limit(limit)
+        query = query.limit(valid.whole(limit, "limit", 1, 2**63 - 1))
     found: Rows = yield query
     return [StockLevel(*r) for r in found.rows]
 

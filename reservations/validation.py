@@ -68,25 +68,34 @@ def whole(value: object, field: str, low: int, high: int) -> int:
     return value
 
 
-def quantity(value: object, *, field: str = "quantity") -> int:
+def number(value: object, field: str, low: float, high: float, *, above: bool = False) -> float:
+    """A finite number from ``low`` (past it, when ``above``) to ``high``."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise InvalidRequest(f"{field} must be a finite number, not {value!r}", field=field)
+    if not (low < value if above else low <= value) or value > high:
+        side = "above" if above else "from"
+        raise InvalidRequest(
+            f"{field} must be {side} {low:.0f} and at most {high:.0f}, got {value!r}", field=field
+        )
+    return float(value)
+
+
+def quantity(value: object) -> int:
     """A positive whole number of units, at most :data:`MAX_QUANTITY`."""
-    return whole(value, field, 1, MAX_QUANTITY)
+    return whole(value, "quantity", 1, MAX_QUANTITY)
 
 
 def on_hand(value: object) -> int:
     """A new SKU's units: zero, or a quantity."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidRequest(f"on_hand must be a whole number, not {type(value).__name__}", field="on_hand")
-    return 0 if value == 0 else quantity(value, field="on_hand")
+    return whole(value, "on_hand", 0, MAX_QUANTITY)
 
 
 def delta(value: object) -> int:
     """A non-zero stock correction within +-:data:`MAX_QUANTITY`."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidRequest(f"delta must be a whole number, not {type(value).__name__}", field="delta")
-    if value == 0 or abs(value) > MAX_QUANTITY:
-        raise InvalidRequest(f"delta must be non-zero and within +-{MAX_QUANTITY}", field="delta")
-    return value
+    checked = whole(value, "delta", -MAX_QUANTITY, MAX_QUANTITY)
+    if checked == 0:
+        raise InvalidRequest("delta must be non-zero", field="delta")
+    return checked
 
 
 def idempotency_key(value: object) -> str:
@@ -112,41 +121,19 @@ def reservation_id(value: object) -> str:
 
 
 def hold_seconds(value: object) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise InvalidRequest("hold must be a number of seconds", field="hold_for")
-    if not 0 < value <= MAX_HOLD_SECONDS:
-        raise InvalidRequest(f"hold must be between 0 and {MAX_HOLD_SECONDS} seconds", field="hold_for")
-    return float(value)
+    return None if value is None else number(value, "hold_for", 0, MAX_HOLD_SECONDS, above=True)
 
 
 def hold_ms(value: object) -> int | None:
     """A hold in whole milliseconds, as a reservation stores it (None: no expiry)."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_HOLD_SECONDS * 1000:
-        raise InvalidRequest(
-            f"hold must be between 1 and {MAX_HOLD_SECONDS * 1000} milliseconds", field="hold_ms"
-        )
-    return value
+    return None if value is None else whole(value, "hold_ms", 1, MAX_HOLD_SECONDS * 1000)
 
 
 def deadline(value: object) -> float | None:
     """When a request stops being worth doing, in seconds since the epoch (None: never). A figure past
     :data:`MAX_TIMESTAMP` is refused: milliseconds given for seconds would make a deadline that never
     comes."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise InvalidRequest("deadline must be a number of seconds since the epoch", field="deadline")
-    if not 0 < value <= MAX_TIMESTAMP:
-        raise InvalidRequest(
-            f"deadline must be seconds since the epoch, above 0 and at most {MAX_TIMESTAMP:.0f}, "
-            f"got {value!r}",
-            field="deadline",
-        )
-    return float(value)
+    return None if value is None else number(value, "deadline", 0, MAX_TIMESTAMP, above=True)
 
 
 def order_lines(lines: object) -> list[tuple[str, int]]:
@@ -224,53 +211,28 @@ def skus(value: object) -> list[str]:
 
 
 def limit(value: object, *, maximum: int = MAX_LIMIT) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= maximum:
-        raise InvalidRequest(f"limit must be a whole number between 1 and {maximum}", field="limit")
-    return value
+    return whole(value, "limit", 1, maximum)
 
 
 def since(value: object) -> float | None:
-    """A point in time in seconds since the epoch, or None for all time."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        kind = type(value).__name__
-        raise InvalidRequest(f"since must be seconds since the epoch, not {kind}", field="since")
-    # Before the epoch is allowed: "--since 60000d" means everything, not a mistake.
-    if not math.isfinite(value) or not -MAX_TIMESTAMP <= value <= MAX_TIMESTAMP:
-        message = f"since must be within +-{MAX_TIMESTAMP:.0f} seconds of the epoch, got {value!r}"
-        raise InvalidRequest(message, field="since")
-    return float(value)
+    """A point in time in seconds since the epoch, or None for all time. Before the epoch is allowed:
+    "--since 60000d" means everything, not a mistake."""
+    return None if value is None else number(value, "since", -MAX_TIMESTAMP, MAX_TIMESTAMP)
 
 
 def retention(value: object) -> float:
     """How long records are kept, in seconds: at least a minute, at most a century."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise InvalidRequest(
-            f"retention must be a number of seconds, not {type(value).__name__}", field="older_than"
-        )
-    if not math.isfinite(value) or not 60 <= value <= MAX_RETENTION_SECONDS:
-        raise InvalidRequest(
-            f"retention must be between 60 and {MAX_RETENTION_SECONDS:.0f} seconds, got {value!r}",
-            field="older_than",
-        )
-    return float(value)
+    return number(value, "older_than", 60, MAX_RETENTION_SECONDS)
 
 
 def epochs(value: object) -> int:
     """How many leases a request has outlived."""
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_EPOCHS:
-        raise InvalidRequest(f"epochs must be a whole number from 0 to {MAX_EPOCHS}", field="epochs")
-    return value
+    return whole(value, "epochs", 0, MAX_EPOCHS)
 
 
 def token(value: object) -> int | None:
     """An optional fencing token, as an attempt records it."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_TOKEN:
-        raise InvalidRequest(f"token must be a whole number from 1 to {MAX_TOKEN}", field="token")
-    return value
+    return None if value is None else whole(value, "token", 1, MAX_TOKEN)
 
 
 def fingerprint(value: object) -> str | None:
