@@ -1,17 +1,7 @@
-"""The record of every request handed to the broker: the database holds the request, the broker only
-carries it.
-
-Every producer (the HTTP front door, the library client, the command line, a re-drive) records the whole
-request here before it publishes it: its key, its caller's space, what it is (request type, operation,
-arguments, fingerprint), its task id and message format, and its deadline. A message lost anywhere (a
-worker killed after it fetched it, a broker failover or a broker restarted empty, a retry the broker
-refused, an undecodable copy) then costs time, never the request: the relay (tasks.relay) looks at each
-record whose ``next_look_ms`` has come, and publishes it again, or ends it, until it has its outcome.
-
-The record also tells an HTTP caller the truth about its key: the outcome once there is one; "still in
-flight" while a request recorded under it has none; "never seen" otherwise; and "used for a different
-request" as soon as that is known, before anything is published (the record names the request by the
-fingerprint its outcome will carry).
+"""The record of every request handed to the broker, written by every producer before it publishes: the
+database holds the request, the broker only carries it (why: docs/architecture.md, "Why a record per
+request"). The relay (tasks.relay) looks at each record whose ``next_look_ms`` has come, and publishes it
+again, or ends it, until it has its outcome.
 """
 
 from __future__ import annotations

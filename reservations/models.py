@@ -1,8 +1,5 @@
-"""The inventory tables: stock per SKU (the fenced row), reservations, idempotency records and the
-append-only per-SKU history. Times are database-clock milliseconds since the epoch.
-
-The schema itself is created by the Alembic migrations in ``reservations/migrations``; these classes
-are what the code reads and writes through (their ``__table__`` for the Core hot path).
+"""The inventory tables, as the code reads and writes them (the Alembic migrations in
+``reservations/migrations`` create them). Times are database-clock milliseconds since the epoch.
 """
 
 from __future__ import annotations
@@ -38,13 +35,9 @@ def _table(model: type[SQLModel]) -> sa.Table:
 
 
 class Stock(SQLModel, table=True):
-    """One row per SKU; the row every stock change is fenced on.
-
-    ``available`` is stored, not derived, so the fenced UPDATE can test it in its own WHERE clause;
-    the CHECK keeps it equal to ``on_hand - reserved``. These CHECKs are stock conservation's guard at the
-    resource; its other homes (the fenced change, the held-units triggers, the audit) are listed in
-    docs/architecture.md, "Where each rule lives".
-    """
+    """One row per SKU; the row every stock change is fenced on. ``available`` is stored, not derived, so
+    the fenced UPDATE can test it in its own WHERE clause; the CHECK keeps it equal to ``on_hand -
+    reserved``."""
 
     __tablename__ = "stock"
     __table_args__ = (
@@ -116,11 +109,9 @@ class IdempotencyRecord(SQLModel, table=True):
 class SkuHistory(SQLModel, table=True):
     """Append-only: every accepted stock change (with its deltas) and every refused stale write.
 
-    On PostgreSQL partitioned by ``at_ms``, one partition per UTC day (revision 0010), its primary key
-    ``(id, at_ms)`` as partitioning requires; ``id`` still comes from one sequence, so it stays unique and
-    in insert order across partitions, and the code keeps ordering and naming entries by it. Whole days
-    leave by ``reservations archive`` (reservations.archive), each SKU's sums kept in ``sku_checkpoints``.
-    """
+    On PostgreSQL partitioned per UTC day (reservations.archive), its primary key ``(id, at_ms)`` as
+    partitioning requires; ``id`` still comes from one sequence, so it stays unique and in insert order
+    across partitions, and the code keeps ordering and naming entries by it."""
 
     __tablename__ = "sku_history"
     # SQLite: AUTOINCREMENT, so an id never comes again once archived rows are deleted (revision 0010).
@@ -249,10 +240,8 @@ schema_compatibility = sa.Table(
 
 
 class RequestRedrive(SQLModel, table=True):
-    """A dead-lettered request driven again under a key of its own (``redrive_key``): the link from the
-    request's own key (``origin_key``) to that new request. The outcome rows of both stay as written;
-    the origin's key reports the latest re-drive's outcome through this link (reservations.request_outcomes).
-    Numbered per origin, one number once: a second claim of the same number is refused by the key."""
+    """The link from a dead-lettered request's key (``origin_key``) to its re-drive (reservations.redrives),
+    numbered per origin: a second claim of the same number is refused by the key."""
 
     __tablename__ = "request_redrives"
     __table_args__ = (sa.UniqueConstraint("origin_key", "number", name="uq_request_redrives_origin_number"),)
@@ -270,13 +259,8 @@ request_redrives = _table(RequestRedrive)
 
 
 class AcceptedRequest(SQLModel, table=True):
-    """A request as a producer recorded it before publishing (reservations.acceptance): its key, the
-    caller's space it was sent in, what it was (request type, operation, arguments, fingerprint), its task
-    id and message format, when it was accepted and until when it is wanted (``deadline_ms``). The broker
-    only carries it: the relay publishes again, under the same task id, a request that has no outcome
-    when ``next_look_ms`` comes (NULL: nothing to look at, it has its outcome or no arguments), and ends
-    one that never gets one. Written once per key; a key in flight reads "pending" rather than "never
-    seen", and a key reused for another request is refused before anything is published."""
+    """A request as a producer recorded it before publishing (reservations.acceptance), once per key. The
+    relay publishes it again when ``next_look_ms`` comes without an outcome (NULL: nothing to look at)."""
 
     __tablename__ = "accepted_requests"
     __table_args__ = (

@@ -1,17 +1,7 @@
-"""Dead letters, and driving them again: which requests ended ``dead_lettered``, and the link from such a
-request to a new request that carries the same operation and arguments under a key of its own.
-
-One outcome per key stays true because nothing is rewritten: the dead letter's outcome row stays as
-written, the re-drive is a request of its own (``<key>~redrive-<n>``) with its own one outcome, and
-``request_redrives`` records the link (origin, re-drive key, number, when, by whom). The origin's key
-then reports the latest re-drive's outcome (:func:`reservations.request_outcomes.request_outcome`).
-A key is driven again only while it is dead-lettered and not being re-driven: its latest re-drive must
-have ended dead-lettered itself, and then the next re-drive takes the next number. The claim of a number
-is one transaction, and the number is unique per origin, so two operators cannot both claim it.
-
-A re-drive needs the request's arguments: the dead-lettering paths record them in the outcome's detail
-(``request``: its type and arguments, as its message carried them). A dead letter written before they
-did is listed, but refused for re-drive.
+"""Dead letters, and driving them again under a key of their own (why one outcome per key stays true:
+docs/architecture.md, "Dead letters driven again"). A re-drive needs the request's arguments, which the
+dead-lettering paths record in the outcome's detail (``request``: its type and arguments, as its message
+carried them); a dead letter written before they did is listed, but refused for re-drive.
 """
 
 from __future__ import annotations
