@@ -97,21 +97,10 @@ class Accepted:
     def request(self) -> Request:
         """The request as it was recorded, to publish it again; a record older than its arguments has
         none to publish (ValueError)."""
+        fields = {name: getattr(self, name) for name in Request.__dataclass_fields__}
         if None in (self.request_type, self.arguments, self.task_id, self.message_format):
             raise ValueError(f"the record of {self.key!r} holds no arguments to publish")
-        assert self.request_type is not None and self.arguments is not None  # for the type checker
-        assert self.task_id is not None and self.message_format is not None
-        return Request(
-            key=self.key,
-            request_type=self.request_type,
-            operation=self.operation,
-            arguments=self.arguments,
-            fingerprint=self.fingerprint,
-            task_id=self.task_id,
-            message_format=self.message_format,
-            deadline=self.deadline,
-            caller=self.caller,
-        )
+        return Request(**fields)
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,19 +117,12 @@ _ACCEPTED = sa.select(_T).where(_T.c.key == sa.bindparam("key"))
 
 
 def _accepted_of(row: Any) -> Accepted:
+    fields = row._asdict()
     return Accepted(
-        key=row.key,
-        operation=row.operation,
-        fingerprint=row.fingerprint,
-        at=row.at_ms / 1000,
-        deadline=seconds(row.deadline_ms),
-        caller=row.caller,
-        request_type=row.request_type,
-        arguments=None if row.arguments is None else json.loads(row.arguments),
-        task_id=row.task_id,
-        message_format=row.message_format,
-        publishes=row.publishes,
-        next_look=seconds(row.next_look_ms),
+        at=fields.pop("at_ms") / 1000,
+        deadline=seconds(fields.pop("deadline_ms")),
+        next_look=seconds(fields.pop("next_look_ms")),
+        **{**fields, "arguments": None if row.arguments is None else json.loads(row.arguments)},
     )
 
 

@@ -60,18 +60,7 @@ def merge(lease_events: Iterable[LeaseEvent], history: Iterable[HistoryEntry]) -
         for e in lease_events
     ]
     entries += [
-        TimelineEntry(
-            at=h.at,
-            kind=h.kind,
-            token=h.token,
-            holder=h.holder,
-            operation=h.operation,
-            quantity=h.quantity,
-            idempotency_key=h.idempotency_key,
-            highest_token=h.highest_token,
-            detail=h.detail,
-        )
-        for h in history
+        TimelineEntry(**{f: getattr(h, f) for f in TimelineEntry.__dataclass_fields__}) for h in history
     ]
     return sorted(entries, key=_order)
 

@@ -84,16 +84,9 @@ class Outcome:
     @classmethod
     def from_json(cls, text: str, *, replayed: bool) -> Outcome:
         data = json.loads(text)
-        return cls(
-            operation=data["operation"],
-            key=data["key"],
-            token=data["token"],
-            reservation_ids=tuple(data["reservation_ids"]),
-            stock=tuple(StockLevel(**s) for s in data["stock"]),
-            quantity=data["quantity"],
-            replayed=replayed,
-            detail=data["detail"],
-        )
+        data["reservation_ids"] = tuple(data["reservation_ids"])
+        data["stock"] = tuple(StockLevel(**s) for s in data["stock"])
+        return cls(**data, replayed=replayed)
 
 
 @dataclass(frozen=True, slots=True)
