@@ -226,14 +226,6 @@ def _write_checkpoints(conn: sa.Connection, source: sa.FromClause, to_ms: int, a
 # -- files ---------------------------------------------------------------------------------------------
 
 
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_durably(name: str, path: Path, chunks: Iterator[bytes], *, compress: bool) -> None:
     """``chunks`` to ``path`` through a temporary name, fsynced before and after the rename. A full disk, a
     read-only or vanished folder stops the span ``name`` (ArchiveInterrupted): its table keeps the rows."""
@@ -248,7 +240,11 @@ def _write_durably(name: str, path: Path, chunks: Iterator[bytes], *, compress: 
             raw.flush()
             os.fsync(raw.fileno())
         os.replace(partial, path)
-        _fsync_dir(path.parent)
+        folder = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(folder)
+        finally:
+            os.close(folder)
     except BaseException as exc:
         with suppress(OSError):  # what a full disk let through goes: the next run writes it again
             partial.unlink()
@@ -308,15 +304,6 @@ def _finish_file(
 # -- the run -------------------------------------------------------------------------------------------
 
 
-def _check_args(before_ms: int, to: Path) -> None:
-    if isinstance(before_ms, bool) or not isinstance(before_ms, int):
-        raise InvalidRequest("the cutoff must be milliseconds since the epoch", field="before")
-    if not 0 <= before_ms < day_ms(date(9999, 12, 31)):
-        raise InvalidRequest("the cutoff must lie between 1970 and 9999", field="before")
-    if to.exists() and not to.is_dir():
-        raise InvalidRequest(f"{to} is not a directory", field="to")
-
-
 def archive(
     engine: sa.Engine, *, before_ms: int, to: Path, dry_run: bool = False, now_ms: int | None = None
 ) -> ArchiveReport:
@@ -327,7 +314,12 @@ def archive(
     ``now_ms`` is when "now" is (the database's clock by default; a test's own, to archive what it wrote
     today). Two runs of one database exclude each other (ArchiveBusy); ``to`` is made and written to
     before anything of the database changes."""
-    _check_args(before_ms, to)
+    if isinstance(before_ms, bool) or not isinstance(before_ms, int):
+        raise InvalidRequest("the cutoff must be milliseconds since the epoch", field="before")
+    if not 0 <= before_ms < day_ms(date(9999, 12, 31)):
+        raise InvalidRequest("the cutoff must lie between 1970 and 9999", field="before")
+    if to.exists() and not to.is_dir():
+        raise InvalidRequest(f"{to} is not a directory", field="to")
     if now_ms is None:
         with engine.connect() as conn:
             now_ms = int(conn.execute(sa.select(db_now_ms())).scalar_one())
@@ -345,7 +337,12 @@ def archive(
         run(engine, report, to)
         return report
     with _exclusive(engine):
-        _writable(to)
+        try:  # a folder under a file, on a read-only mount or refused otherwise is bad input
+            to.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=to, prefix=".writable-"):
+                pass
+        except OSError as exc:
+            raise InvalidRequest(f"--to {to} cannot be written: {exc.strerror or exc}", field="to") from None
         run(engine, report, to)
         if postgres:
             report.created.extend(prepare_partitions(engine))
@@ -355,17 +352,6 @@ def archive(
 def iso(ms: int) -> str:
     """Milliseconds since the epoch as an ISO time in UTC (``2026-12-05T00:00:00Z``)."""
     return datetime.fromtimestamp(ms / 1000, UTC).isoformat().replace("+00:00", "Z")
-
-
-def _writable(to: Path) -> None:
-    """Make ``to`` and write a file there, before anything of the database changes: a folder under a
-    file, on a read-only mount or refused otherwise is bad input, said in one line."""
-    try:
-        to.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=to, prefix=".writable-"):
-            pass
-    except OSError as exc:
-        raise InvalidRequest(f"--to {to} cannot be written: {exc.strerror or exc}", field="to") from None
 
 
 @contextmanager
