@@ -112,14 +112,7 @@ def _carried(result: RequestResult) -> tuple[str | None, dict[str, Any] | None]:
 
 
 def _link(row: Any, status: str | None) -> RedriveLink:
-    return RedriveLink(
-        origin=row.origin_key,
-        key=row.redrive_key,
-        number=row.number,
-        at=row.at_ms / 1000,
-        by=row.by,
-        status=status,
-    )
+    return RedriveLink(row.origin_key, row.redrive_key, row.number, row.at_ms / 1000, row.by, status)
 
 
 def _dead_letter(result: RequestResult, latest: RedriveLink | None) -> DeadLetter:
