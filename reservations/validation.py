@@ -42,6 +42,7 @@ _SKU = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _KEY = re.compile(r"[!-~]{1,200}")  # printable ASCII, no spaces
 _RESERVATION_ID = re.compile(r"r_[0-9a-f]{32}")
 _OPERATION = re.compile(r"[a-z][a-z_]{0,31}")
+_FINGERPRINT = re.compile(r"[0-9a-f]{64}")
 # What a reservation can be looked up by: its id, its request's key, or an order line's "<key> <sku>".
 _RESERVATION_REF = re.compile(rf"[!-~][ -~]{{0,{MAX_KEY_CHARS + MAX_SKU_CHARS}}}")
 
@@ -98,26 +99,27 @@ def delta(value: object) -> int:
     return checked
 
 
-def idempotency_key(value: object) -> str:
-    if not isinstance(value, str) or not _KEY.fullmatch(value):
-        raise InvalidRequest(
-            f"idempotency key must be 1-{MAX_KEY_CHARS} printable ASCII characters without spaces",
-            field="idempotency_key",
-        )
+def _shaped(value: object, shape: re.Pattern[str], field: str, says: str) -> str:
+    """``value``, a string of ``shape``; else InvalidRequest saying ``says``."""
+    if not isinstance(value, str) or not shape.fullmatch(value):
+        raise InvalidRequest(says, field=field)
     return value
+
+
+def idempotency_key(value: object) -> str:
+    says = f"idempotency key must be 1-{MAX_KEY_CHARS} printable ASCII characters without spaces"
+    return _shaped(value, _KEY, "idempotency_key", says)
 
 
 def reservation_ref(value: object) -> str:
     """A reservation id, or the key (an order line's ``"<key> <sku>"``) that created it."""
-    if not isinstance(value, str) or not _RESERVATION_REF.fullmatch(value):
-        raise InvalidRequest("give a reservation id or an idempotency key", field="reservation")
-    return value
+    return _shaped(value, _RESERVATION_REF, "reservation", "give a reservation id or an idempotency key")
 
 
 def reservation_id(value: object) -> str:
-    if not isinstance(value, str) or not _RESERVATION_ID.fullmatch(value):
-        raise InvalidRequest("reservation id must look like r_<32 hex digits>", field="reservation_id")
-    return value
+    return _shaped(
+        value, _RESERVATION_ID, "reservation_id", "reservation id must look like r_<32 hex digits>"
+    )
 
 
 def hold_seconds(value: object) -> float | None:
@@ -179,9 +181,7 @@ def name(value: object, *, field: str, max_chars: int) -> str | None:
 
 def operation(value: object) -> str:
     """An operation name as requests record it: ``reserve``, ``reserve_many``, ``confirm``, ..."""
-    if not isinstance(value, str) or not _OPERATION.fullmatch(value):
-        raise InvalidRequest("operation must be 1-32 characters of a-z and _", field="operation")
-    return value
+    return _shaped(value, _OPERATION, "operation", "operation must be 1-32 characters of a-z and _")
 
 
 def lease(value: object) -> Lease:
@@ -237,11 +237,8 @@ def token(value: object) -> int | None:
 
 def fingerprint(value: object) -> str | None:
     """A request fingerprint: a SHA-256 in hex."""
-    if value is None:
-        return None
-    if not isinstance(value, str) or not re.fullmatch(r"[0-9a-f]{64}", value):
-        raise InvalidRequest("fingerprint must be 64 lowercase hex digits", field="fingerprint")
-    return value
+    says = "fingerprint must be 64 lowercase hex digits"
+    return None if value is None else _shaped(value, _FINGERPRINT, "fingerprint", says)
 
 
 def detail(value: object) -> dict[str, Any]:
