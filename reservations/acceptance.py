@@ -114,6 +114,7 @@ class Admission:
 
 
 _ACCEPTED = sa.select(_T).where(_T.c.key == sa.bindparam("key"))
+_LEARNED = ("request_type", "arguments", "task_id", "message_format")
 
 
 def _accepted_of(row: Any) -> Accepted:
@@ -251,10 +252,7 @@ def keep(request: Request, look_after: float) -> Plan[None]:
             set_={
                 "next_look_ms": insert.excluded.next_look_ms,
                 # A record older than its arguments learns them from the message.
-                "request_type": sa.func.coalesce(_T.c.request_type, insert.excluded.request_type),
-                "arguments": sa.func.coalesce(_T.c.arguments, insert.excluded.arguments),
-                "task_id": sa.func.coalesce(_T.c.task_id, insert.excluded.task_id),
-                "message_format": sa.func.coalesce(_T.c.message_format, insert.excluded.message_format),
+                **{c: sa.func.coalesce(_T.c[c], insert.excluded[c]) for c in _LEARNED},
             },
         )
     )

@@ -96,29 +96,20 @@ def judge(found: str | None, oldest_code: str | None, known: Sequence[str]) -> F
     code's revisions, oldest first."""
     head = known[-1]
     upgrade = "run `reservations db upgrade`"
+    at = f"the database schema is at revision {found}"
     if found is None:
-        return Fit(False, None, head, f"the database has no schema; it needs revision {head}: {upgrade}")
-    if found == head:
-        return Fit(True, found, head, f"the database schema is at revision {head}")
-    if found in known:
-        return Fit(
-            False, found, head, f"the database schema is at revision {found}, behind {head}: {upgrade}"
-        )
-    if oldest_code is not None and oldest_code in known:
-        return Fit(
-            True,
-            found,
-            head,
-            f"the database schema is at revision {found}, newer than this code's {head} and declared "
-            f"compatible with code from revision {oldest_code}",
-        )
-    return Fit(
-        False,
-        found,
-        head,
-        f"the database schema is at revision {found}, which this code (revision {head}) does not know and "
-        "which is not declared compatible with it: run code of that revision",
-    )
+        ok, message = False, f"the database has no schema; it needs revision {head}: {upgrade}"
+    elif found == head:
+        ok, message = True, at
+    elif found in known:
+        ok, message = False, f"{at}, behind {head}: {upgrade}"
+    elif oldest_code is not None and oldest_code in known:
+        ok, compatible = True, f"declared compatible with code from revision {oldest_code}"
+        message = f"{at}, newer than this code's {head} and {compatible}"
+    else:
+        ok, unknown = False, f"which this code (revision {head}) does not know and which is not declared"
+        message = f"{at}, {unknown} compatible with it: run code of that revision"
+    return Fit(ok, found, head, message)
 
 
 def fit(url: str) -> Fit:
