@@ -45,15 +45,7 @@ class Request:
 
     def values(self, look_after: float) -> dict[str, Any]:
         """The record's columns; the relay first looks at it ``look_after`` seconds from now."""
-        try:
-            arguments = json.dumps(dict(self.arguments), sort_keys=True, allow_nan=False)
-        except (TypeError, ValueError) as exc:
-            raise InvalidRequest(f"the request's arguments are not JSON: {exc}", field="arguments") from None
-        if len(arguments) > valid.MAX_DETAIL_JSON_CHARS:
-            raise InvalidRequest(
-                f"the request's arguments are over {valid.MAX_DETAIL_JSON_CHARS} characters as JSON",
-                field="arguments",
-            )
+        arguments = valid.stored_json(self.arguments, "arguments")
         return {
             "key": valid.idempotency_key(self.key),
             "operation": valid.operation(self.operation),

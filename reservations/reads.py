@@ -117,14 +117,9 @@ def archived(sku: str) -> Plan[ArchivedHistory | None]:
     row = found.first()
     if row is None:
         return None
+    through, archived_at = row.through_ms / 1000, row.archived_ms / 1000
     return ArchivedHistory(
-        sku=row.sku,
-        through=row.through_ms / 1000,
-        on_hand=row.on_hand,
-        reserved=row.reserved,
-        highest_token=row.highest_token,
-        archived_at=row.archived_ms / 1000,
-        archive=row.archive,
+        row.sku, through, row.on_hand, row.reserved, row.highest_token, archived_at, row.archive
     )
 
 

@@ -245,13 +245,19 @@ def detail(value: object) -> dict[str, Any]:
     """A final outcome's detail: a JSON object, finite numbers only, of bounded size."""
     if not isinstance(value, dict):
         raise InvalidRequest(f"detail must be a dict, not {type(value).__name__}", field="detail")
-    try:
-        stored = json.dumps(value, allow_nan=False, sort_keys=True)
-    except (TypeError, ValueError) as exc:
-        raise InvalidRequest(f"detail must be plain JSON: {exc}", field="detail") from None
-    if len(stored) > MAX_DETAIL_JSON_CHARS:
-        raise InvalidRequest(f"detail is over {MAX_DETAIL_JSON_CHARS} characters as JSON", field="detail")
+    stored_json(value, "detail")
     return value
+
+
+def stored_json(value: Mapping[str, Any], field: str) -> str:
+    """``value`` as the JSON stored for it: plain JSON (finite numbers), of bounded size."""
+    try:
+        stored = json.dumps(dict(value), allow_nan=False, sort_keys=True)
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequest(f"{field} must be plain JSON: {exc}", field=field) from None
+    if len(stored) > MAX_DETAIL_JSON_CHARS:
+        raise InvalidRequest(f"{field} is over {MAX_DETAIL_JSON_CHARS} characters as JSON", field=field)
+    return stored
 
 
 def task_and_worker(task_id: object = None, worker: object = None) -> None:
