@@ -30,16 +30,6 @@ URL_VARIABLE = "RESERVATIONS_DATABASE_URL"
 target_metadata = [SQLModel.metadata, lease_metadata]
 
 
-def database_url() -> str:
-    """``-x url=...`` on the command line, else the URL the code set (reservations.schema), else the
-    settings' variable: the alembic CLI and the workers then point at the same database."""
-    url = context.get_x_argument(as_dictionary=True).get("url") or config.get_main_option("sqlalchemy.url")
-    url = url or os.environ.get(URL_VARIABLE, "")
-    if not url:
-        raise SystemExit(f"no database: set {URL_VARIABLE} or pass -x url=...")
-    return url
-
-
 def same_type_here(
     ctx: MigrationContext,
     inspected_column: sa.Column[Any],
@@ -124,7 +114,13 @@ def run() -> None:
     if connection is not None:
         migrate(connection)
         return
-    engine = make_engine(database_url(), pooling=ONE_SHOT)
+    # ``-x url=...`` on the command line, else the URL the code set (reservations.schema), else the
+    # settings' variable: the alembic CLI and the workers then point at the same database.
+    url = context.get_x_argument(as_dictionary=True).get("url") or config.get_main_option("sqlalchemy.url")
+    url = url or os.environ.get(URL_VARIABLE, "")
+    if not url:
+        raise SystemExit(f"no database: set {URL_VARIABLE} or pass -x url=...")
+    engine = make_engine(url, pooling=ONE_SHOT)
     try:
         with engine.connect() as conn:
             migrate(conn)
