@@ -325,14 +325,10 @@ def listed(
         .order_by(_T.c.at_ms.desc(), _T.c.key.desc())
         .limit(limit)
     )
-    if state == PENDING:
-        query = query.where(open_, ~tried)
-    elif state == RETRYING:
-        query = query.where(open_, tried)
-    elif state == IN_FLIGHT:
-        query = query.where(open_)
-    elif state == STUCK:
-        query = query.where(open_, _T.c.at_ms < db_now_ms() - round(stuck_after * 1000))
+    stuck = _T.c.at_ms < db_now_ms() - round(stuck_after * 1000)
+    views = {PENDING: (open_, ~tried), RETRYING: (open_, tried), IN_FLIGHT: (open_,), STUCK: (open_, stuck)}
+    if state in views:
+        query = query.where(*views[state])
     elif state is not None:
         if state not in set(RequestStatus):
             known = ", ".join([*VIEWS, *sorted(RequestStatus)])
