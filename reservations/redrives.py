@@ -13,7 +13,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from fencing.plan import Atomic, Plan
+from fencing.plan import Alone, Atomic, Plan
 from fencing.sql import Rows, db_now_ms
 from reservations import validation as valid
 from reservations.errors import InvalidRequest, KeyTaken, RedriveRefused, UnknownRequest
@@ -268,18 +268,10 @@ def _claim(key: str, by: str | None, dry_run: bool) -> Plan[Redrive]:
 def drop(redrive_key: str) -> Plan[bool]:
     """Take back a claimed re-drive that could not be sent: its link goes while its key has no outcome
     (a re-drive that ran keeps its link). True when it went."""
-    valid.idempotency_key(redrive_key)
-    dropped: bool = yield Atomic(_drop(redrive_key))
-    return dropped
-
-
-def _drop(redrive: str) -> Plan[bool]:
-    ran: Rows = yield sa.select(request_outcomes.c.key).where(request_outcomes.c.key == redrive)
-    if ran.first() is not None:
-        return False
-    gone: Rows = yield (
+    ran = sa.exists().where(request_outcomes.c.key == valid.idempotency_key(redrive_key))
+    gone: Rows = yield Alone(
         sa.delete(request_redrives)
-        .where(request_redrives.c.redrive_key == redrive)
+        .where(request_redrives.c.redrive_key == redrive_key, ~ran)
         .returning(request_redrives.c.redrive_key)
     )
     return bool(gone.rows)

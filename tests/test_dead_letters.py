@@ -160,6 +160,10 @@ def test_what_may_not_be_driven_again_is_refused_and_nothing_is_written(inventor
     claimed = inventory.claim_redrive("unsent")
     assert inventory.drop_redrive(claimed.key)
     assert inventory.claim_redrive("unsent").key == claimed.key
+    # A re-drive that ran keeps its link.
+    ended(inventory, claimed.key)
+    assert not inventory.drop_redrive(claimed.key)
+    assert [link.key for link in inventory.redrives_of("unsent")] == [claimed.key]
 
 
 def test_dead_letters_are_chosen_by_time_and_reason(inventory: Inventory) -> None:
