@@ -76,31 +76,47 @@ def invariant_violations() -> Plan[list[Violation]]:
     accepted write (nor than the checkpoint's highest); each idempotency key created one reservation;
     no replenishment ordered on hand past its par.
     """
-    found: list[Violation] = []
     levels: Rows = yield sa.select(*STOCK_COLUMNS)
     held: Rows = yield (
         sa.select(reservations.c.sku, sa.func.sum(reservations.c.quantity))
         .where(reservations.c.status == HELD)
         .group_by(reservations.c.sku)
     )
-    sums: Rows = yield (
-        sa.select(
-            sku_history.c.sku,
-            sa.func.sum(sku_history.c.on_hand_delta),
-            sa.func.sum(sku_history.c.reserved_delta),
-        )
-        .where(sku_history.c.kind == "write")
-        .group_by(sku_history.c.sku)
-    )
     # History archived whole (reservations.archive) left each SKU's sums in its newest checkpoint, written
     # in the transaction that took the rows out: checkpoint + the rows still here explain the stock.
     checkpoints: Rows = yield NEWEST_CHECKPOINTS
-    start = {r.sku: (int(r.on_hand), int(r.reserved), int(r.highest_token)) for r in checkpoints.rows}
+    is_replenish = sku_history.c.operation == "replenish"
+    writes: Rows = yield (
+        sa.select(
+            sku_history.c.sku,
+            sku_history.c.token,
+            sku_history.c.id,
+            sku_history.c.operation,
+            sku_history.c.on_hand_delta,
+            sku_history.c.reserved_delta,
+            sku_history.c.idempotency_key,
+            sa.case((is_replenish, sku_history.c.detail)),  # what the replenishment saw, its par
+        )
+        .where(sku_history.c.kind == "write")
+        .order_by(sku_history.c.sku, sku_history.c.id)
+    )
+    # per SKU, replayed from the checkpoint on: (on hand, reserved) and the highest token accepted
+    explained = {r.sku: (int(r.on_hand), int(r.reserved)) for r in checkpoints.rows}
+    highest = {r.sku: int(r.highest_token) for r in checkpoints.rows}
+    in_history: list[Violation] = []
+    for sku, token, entry, operation, delta, reserved_delta, key, detail in writes.rows:
+        if operation != "create":
+            if token < highest.get(sku, 0):
+                message = f"write #{entry} accepted with token {token} after token {highest[sku]}"
+                in_history.append(Violation(Rule.TOKEN_ORDER, sku, message))
+            highest[sku] = max(token, highest.get(sku, 0))
+        before, reserved = explained.get(sku, (0, 0))
+        explained[sku] = (before + delta, reserved + reserved_delta)
+        past = _past_par(key, detail, before, delta) if operation == "replenish" else None
+        if past is not None:
+            in_history.append(Violation(Rule.PAST_PAR, sku, past))
+    found: list[Violation] = []
     held_by_sku = {r[0]: int(r[1]) for r in held.rows}
-    sums_by_sku = {sku: (on_hand, reserved) for sku, (on_hand, reserved, _) in start.items()}
-    for r in sums.rows:
-        units, held_units = sums_by_sku.get(r[0], (0, 0))
-        sums_by_sku[r[0]] = (units + int(r[1]), held_units + int(r[2]))
     for r in levels.rows:
         if r.available < 0:
             found.append(Violation(Rule.OVERSELL, r.sku, f"available is negative ({r.available})"))
@@ -110,37 +126,10 @@ def invariant_violations() -> Plan[list[Violation]]:
         if r.reserved != held_by_sku.get(r.sku, 0):
             message = f"reserved {r.reserved} != held reservations {held_by_sku.get(r.sku, 0)}"
             found.append(Violation(Rule.CONSERVATION, r.sku, message))
-        if sums_by_sku.get(r.sku, (0, 0)) != (r.on_hand, r.reserved):
-            message = f"history explains {sums_by_sku.get(r.sku)} not ({r.on_hand}, {r.reserved})"
+        if explained.get(r.sku, (0, 0)) != (r.on_hand, r.reserved):
+            message = f"history explains {explained.get(r.sku)} not ({r.on_hand}, {r.reserved})"
             found.append(Violation(Rule.CONSERVATION, r.sku, message))
-    is_replenish = sku_history.c.operation == "replenish"
-    writes: Rows = yield (
-        sa.select(
-            sku_history.c.sku,
-            sku_history.c.token,
-            sku_history.c.id,
-            sku_history.c.operation,
-            sku_history.c.on_hand_delta,
-            sku_history.c.idempotency_key,
-            sa.case((is_replenish, sku_history.c.detail)),  # what the replenishment saw, its par
-        )
-        .where(sku_history.c.kind == "write")
-        .order_by(sku_history.c.sku, sku_history.c.id)
-    )
-    highest: dict[str, int] = {sku: token for sku, (_, _, token) in start.items()}
-    # per SKU, replayed from the deltas (conservation checks them), from the checkpoint on
-    on_hand: dict[str, int] = {sku: units for sku, (units, _, _) in start.items()}
-    for sku, token, entry, operation, delta, key, detail in writes.rows:
-        if operation != "create":
-            if token < highest.get(sku, 0):
-                message = f"write #{entry} accepted with token {token} after token {highest[sku]}"
-                found.append(Violation(Rule.TOKEN_ORDER, sku, message))
-            highest[sku] = max(token, highest.get(sku, 0))
-        before = on_hand.get(sku, 0)
-        on_hand[sku] = before + delta
-        past = _past_par(key, detail, before, delta) if operation == "replenish" else None
-        if past is not None:
-            found.append(Violation(Rule.PAST_PAR, sku, past))
+    found += in_history
     dupes: Rows = yield keys_written_twice(sku_history.c.operation.in_(ONCE_PER_KEY))
     found.extend(
         Violation(Rule.KEY_APPLIED_TWICE, r[1], f"key {r[0]!r} applied {r[3]} times by {r[2]}")
