@@ -182,9 +182,8 @@ task_attempts = _table(TaskAttempt)
 
 
 class SkuCheckpoint(SQLModel, table=True):
-    """A SKU's stock as its history explained it up to ``through_ms`` (exclusive), written in the
-    transaction that took that history out of ``sku_history`` to archive it: the audit and the token
-    history start from a SKU's newest checkpoint and add the rows that remain. Never changed."""
+    """A SKU's stock as its history explained it up to ``through_ms`` (exclusive), written as that history
+    left for the archive (reservations.archive). Never changed."""
 
     __tablename__ = "sku_checkpoints"
 
@@ -204,10 +203,7 @@ sku_checkpoints = _table(SkuCheckpoint)
 
 
 class PendingReservation(SQLModel, table=True):
-    """A reservation request that found its SKU's lease busy and waits for the holder to serve it.
-
-    Removed in the same transaction that writes its final outcome; served oldest first.
-    """
+    """A reservation that found its SKU's lease busy, waiting for the holder (reservations.pending)."""
 
     __tablename__ = "pending_reservations"
     __table_args__ = (
@@ -228,9 +224,8 @@ class PendingReservation(SQLModel, table=True):
 pending_reservations = _table(PendingReservation)
 
 
-# One row, rewritten by every migration run (reservations/migrations/env.py): the schema's revision and
-# the oldest code revision that still runs correctly on it, as the migration that made it declares. A
-# worker whose own newest revision is older than the database's reads it to tell whether it may start.
+# One row, rewritten by every migration run: the schema's revision and the oldest code revision that still
+# runs on it (reservations.schema).
 schema_compatibility = sa.Table(
     "schema_compatibility",
     SQLModel.metadata,
