@@ -19,12 +19,11 @@ from redis.commands.core import Script
 from bench.env import Scratch
 from bench.timing import Case, Op, Progress, Results, measure
 from fencing import AsyncLeaseManager, LeaseManager
-from fencing.keys import scope_keys
 from fencing.lease import MAX_TOKEN
 from fencing.manager import DEFAULT_HISTORY_CAP, DEFAULT_HISTORY_RETENTION
-from fencing.redis_scripts import ACQUIRE, RELEASE
+from fencing.redis_backend import ACQUIRE, RELEASE, scope_keys
+from fencing.sql import SyncSqlExecutor
 from fencing.sql_backend import lease_events
-from fencing.sql_executor import SyncSqlExecutor
 
 TTL = 5.0
 TTL_MS = 5000

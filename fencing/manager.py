@@ -2,7 +2,7 @@
 
 ``LeaseManager.from_url`` / ``AsyncLeaseManager.from_url`` pick the backend from the URL: Redis for
 ``redis://``, ``rediss://``, ``unix://``, ``redis+sentinel://`` and ``redis+cluster://``
-(:class:`fencing.redis_topology.RedisTopology` gives their forms), SQL for any SQLAlchemy URL.
+(:class:`fencing.redis_executor.RedisTopology` gives their forms), SQL for any SQLAlchemy URL.
 Each operation (acquire, renew, release, the reads, the purge, the break, the repair) is written once in
 :class:`_Shell`, with its validation, waiting, backoff and repair decisions, as the plan it runs over a
 backend's :class:`LeaseCore` (:class:`fencing.shells.operation`): blocking in :class:`LeaseManager`, a
@@ -25,7 +25,6 @@ from typing import Any, ClassVar, Generic, Protocol, Self, TypeVar
 
 from fencing.engines import make_async_engine, make_engine
 from fencing.errors import FencingError, InvalidLeaseRequest, LeaseBusy, StaleToken
-from fencing.keys import DEFAULT_PREFIX, validate_prefix
 from fencing.lease import (
     Clock,
     Lease,
@@ -42,13 +41,20 @@ from fencing.lease import (
     validate_ttl,
 )
 from fencing.plan import Atomic, Plan, Sleep
-from fencing.redis_backend import RedisLeaseCore
-from fencing.redis_executor import AsyncRedisExecutor, SyncRedisExecutor, async_client, sync_client
-from fencing.redis_topology import REDIS_SCHEMES, RedisTopology, redis_topology
+from fencing.redis_backend import DEFAULT_PREFIX, RedisLeaseCore, validate_prefix
+from fencing.redis_executor import (
+    REDIS_SCHEMES,
+    AsyncRedisExecutor,
+    RedisTopology,
+    SyncRedisExecutor,
+    async_client,
+    redis_topology,
+    sync_client,
+)
 from fencing.renewer import Renewer, retry_renewal
 from fencing.shells import operation
+from fencing.sql import AsyncSqlExecutor, SyncSqlExecutor
 from fencing.sql_backend import SqlLeaseCore, metadata
-from fencing.sql_executor import AsyncSqlExecutor, SyncSqlExecutor
 from fencing.urls import mask_url, normalize_url
 
 log = logging.getLogger("fencing")

@@ -1,10 +1,12 @@
-"""A plan's statements on the database: the database's clock, and one statement run with its rows read
-whole and its errors mapped (:mod:`fencing.sql_errors`). Engines are made in :mod:`fencing.engines`, whole
-plans run in :mod:`fencing.sql_executor`.
+"""A plan's statements on the database: the database's clock, one statement run with its rows read whole,
+database errors mapped to what callers catch, and the sync and async shells that run SQL plans, each plan
+(and each :class:`Atomic` step) in one transaction. Engines are made in :mod:`fencing.engines`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -13,12 +15,28 @@ import sqlalchemy as sa
 from psycopg.pq import ExecStatus, TransactionStatus
 from psycopg.rows import namedtuple_row
 from sqlalchemy.engine import Connection, Engine
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.expression import FunctionElement
+from sqlalchemy.util import await_only, greenlet_spawn
 
-from fencing.plan import Bound, Statement
-from fencing.sql_errors import mapped
+from fencing.errors import BackendUnavailable, SchemaMissing
+from fencing.plan import (
+    Alone,
+    Atomic,
+    Bound,
+    Command,
+    Op,
+    Plan,
+    ScriptCall,
+    ScriptCalls,
+    Sleep,
+    Statement,
+    T,
+    foreign,
+    run_sync,
+)
 
 
 class db_now_ms(FunctionElement[int]):
@@ -55,6 +73,55 @@ class Rows:
     @staticmethod
     def of(result: sa.CursorResult[Any]) -> Rows:
         return Rows(rows=list(result.all()) if result.returns_rows else [])
+
+
+# SQLSTATEs that end the session rather than the statement: the server shut down or terminated it, or
+# ended a transaction left idle past idle_in_transaction_session_timeout (psycopg raises the last one as
+# an InternalError).
+_SESSION_ENDED = ("57P01", "57P02", "57P03", "25P03")
+
+
+def unavailable(exc: DBAPIError, operation: str) -> BackendUnavailable | None:
+    """The error to raise for a database that cannot be reached, or None for any other database error."""
+    sqlstate = getattr(exc.orig, "sqlstate", None)
+    ended = isinstance(sqlstate, str) and (sqlstate.startswith("08") or sqlstate in _SESSION_ENDED)
+    if isinstance(exc, OperationalError | InterfaceError) or exc.connection_invalidated or ended:
+        detail = str(exc.orig).strip().splitlines()[0] if exc.orig else type(exc).__name__
+        return BackendUnavailable(backend="database", operation=operation, detail=detail)
+    return None
+
+
+# A table or column the migrations create, as PostgreSQL (SQLSTATE) and SQLite (message) report it.
+_SCHEMA_STATES = {"42P01": "missing", "42703": "out of date"}
+_SCHEMA_MESSAGES = {
+    "no such table": "missing",
+    "no such column": "out of date",
+    "has no column": "out of date",
+}
+
+
+def schema_missing(exc: DBAPIError, operation: str) -> SchemaMissing | None:
+    """The error to raise for a table or column the migrations create being absent, else None."""
+    if exc.orig is None:
+        return None
+    first = str(exc.orig).strip().splitlines()[0]
+    state = getattr(exc.orig, "sqlstate", None)
+    if state is not None:
+        problem = _SCHEMA_STATES.get(state)
+    else:
+        problem = next((v for k, v in _SCHEMA_MESSAGES.items() if k in first), None)
+    return None if problem is None else SchemaMissing(operation=operation, problem=problem, detail=first)
+
+
+# Maps a database error to the caller's own typed error (for example by constraint name), or None.
+Translate = Callable[[DBAPIError], Exception | None]
+
+
+def mapped(exc: DBAPIError, operation: str, translate: Translate | None = None) -> Exception:
+    """The one place a database error becomes what callers catch: the caller's translation first, then a
+    missing schema, then an unreachable database; anything else stays the driver's error."""
+    found = translate(exc) if translate is not None else None
+    return found or schema_missing(exc, operation) or unavailable(exc, operation) or exc
 
 
 def execute(conn: Connection, stmt: Statement) -> Rows:
@@ -118,3 +185,108 @@ def execute_alone(engine: Engine, sql: str, params: dict[str, Any] | None) -> Ro
             else:  # interrupted mid-statement: no state to hand the next borrower
                 pooled.invalidate()
         pooled.close()
+
+
+def _just(op: Alone) -> Plan[Rows]:
+    """``op`` as a plan of one statement, for a database that has no autocommit round trip to save."""
+    if isinstance(op.statement, str):
+        raise TypeError("driver-level SQL runs on PostgreSQL only")
+    rows: Rows = yield (op.statement if op.params is None else Bound(op.statement, op.params))
+    return rows
+
+
+class SyncSqlExecutor:
+    """Runs each plan (and each :class:`Atomic` step) in its own transaction, opened at its first
+    statement so a plan that only waits never holds a connection."""
+
+    def __init__(
+        self, engine: Engine, sleep: Callable[[float], None], *, translate: Translate | None = None
+    ) -> None:
+        self.engine = engine
+        self._sleep = sleep
+        # The caller's own typed errors for database errors (reservations.constraints), or None.
+        self.translate = translate
+
+    def run(self, plan: Plan[T]) -> T:
+        with self.unit() as handle:
+            return run_sync(plan, handle)
+
+    @contextmanager
+    def unit(self) -> Iterator[Callable[[Op], Any]]:
+        """One transaction: what a plan's operations are performed with, committed when it ends well."""
+        conn: Connection | None = None
+
+        def handle(op: Op) -> Any:
+            nonlocal conn
+            if isinstance(op, Sleep):
+                return self._sleep(op.seconds)
+            if isinstance(op, Atomic):
+                return self.run(op.plan)
+            if isinstance(op, ScriptCall | ScriptCalls | Command):
+                raise foreign("SQL", op)
+            if isinstance(op, Alone) and self.engine.dialect.name != "postgresql":
+                return self.run(_just(op))
+            try:
+                if isinstance(op, Alone):
+                    # In autocommit, outside the plan's transaction (sent from here, not from a helper,
+                    # so that a one-statement write is the fewest calls from its task).
+                    if isinstance(op.statement, str) and not (
+                        self.engine.dialect.is_async or watched(self.engine)
+                    ):
+                        # On the driver's cursor: the one-statement writes pay no SQLAlchemy execution
+                        # around them. An engine whose statements are watched runs them below instead.
+                        return execute_alone(self.engine, op.statement, op.params)
+                    with self.engine.connect() as alone:
+                        auto = alone.execution_options(isolation_level="AUTOCOMMIT")
+                        if isinstance(op.statement, str):
+                            return Rows.of(auto.exec_driver_sql(op.statement, op.params))
+                        return Rows.of(auto.execute(op.statement, op.params))
+                if conn is None:
+                    try:
+                        conn = self.engine.connect()
+                        conn.begin()
+                    except DBAPIError as exc:
+                        raise mapped(exc, "connect", self.translate) from exc
+                return execute(conn, op)
+            except DBAPIError as exc:
+                raise mapped(exc, "statement", self.translate) from exc
+
+        try:
+            yield handle
+            if conn is not None:
+                conn.commit()
+        except DBAPIError as exc:
+            raise mapped(exc, "commit", self.translate) from exc
+        finally:
+            if conn is not None:
+                conn.close()  # rolls back anything not committed
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+
+class AsyncSqlExecutor:
+    """The async shell of :class:`SyncSqlExecutor` over an ``AsyncEngine``: the same units, run on its
+    ``sync_engine`` through SQLAlchemy's greenlet bridge (as ``AsyncConnection`` runs each statement),
+    each operation awaited."""
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        sleep: Callable[[float], Awaitable[Any]],
+        *,
+        translate: Translate | None = None,
+    ) -> None:
+        self.engine = engine
+        self.translate = translate
+        self._blocking = SyncSqlExecutor(
+            engine.sync_engine,
+            lambda seconds: await_only(sleep(seconds)),
+            translate=lambda exc: self.translate(exc) if self.translate is not None else None,
+        )
+
+    async def run(self, plan: Plan[T]) -> T:
+        return await greenlet_spawn(self._blocking.run, plan)
+
+    async def close(self) -> None:
+        await self.engine.dispose()

@@ -15,10 +15,8 @@ from typing import Any, ClassVar, Generic, Protocol, Self, TypedDict, TypeVar, U
 
 from fencing import AsyncLeaseManager, Lease, LeaseManager
 from fencing.engines import make_async_engine, make_engine
-from fencing.plan import Plan
-from fencing.shells import operation
-from fencing.sql_errors import Translate
-from fencing.sql_executor import AsyncSqlExecutor, SyncSqlExecutor
+from fencing.plan import Plan, operation
+from fencing.sql import AsyncSqlExecutor, SyncSqlExecutor, Translate
 from fencing.urls import mask_url
 from reservations import (
     acceptance,

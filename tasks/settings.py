@@ -24,7 +24,6 @@ from celery import Celery
 
 from fencing import InvalidLeaseRequest
 from fencing.engines import POOLING_MODES
-from fencing.keys import validate_prefix
 from fencing.manager import lease_backend
 from fencing.urls import mask_url, normalize_url
 from reservations import numerals

@@ -40,7 +40,7 @@ from redis.retry import Retry
 
 from fencing import BackendUnavailable, LeaseManager, SchemaMissing
 from fencing.engines import TransactionBounds, make_engine, transaction_bounds
-from fencing.sql_executor import SyncSqlExecutor
+from fencing.sql import SyncSqlExecutor
 from fencing.urls import mask_url
 from reservations import Inventory, schema
 from tasks import failpoints, metrics

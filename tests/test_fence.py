@@ -21,7 +21,7 @@ from fencing import (
     StaleToken,
 )
 from fencing.engines import make_async_engine
-from fencing.keys import scope_keys
+from fencing.redis_backend import scope_keys
 from fencing.sql_backend import leases
 from testing.stores import REDIS_URL, Stack
 from testing.support import Resource, items

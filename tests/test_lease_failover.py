@@ -40,11 +40,9 @@ from fencing import (
     LostOwnership,
     StaleToken,
 )
-from fencing.keys import scope_keys
 from fencing.manager import lease_backend
-from fencing.redis_outage import outage
-from fencing.redis_scripts import ACQUIRE
-from fencing.redis_topology import redis_topology
+from fencing.redis_backend import ACQUIRE, scope_keys
+from fencing.redis_executor import outage, redis_topology
 from reservations import Inventory, scope_of
 from reservations.models import sku_history
 from tasks.worker import client_options

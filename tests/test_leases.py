@@ -24,15 +24,13 @@ from fencing import (
     LeaseManager,
 )
 from fencing.engines import make_engine
-from fencing.keys import scope_keys
 from fencing.lease import new_lease_id
 from fencing.manager import DEFAULT_HISTORY_CAP, DEFAULT_HISTORY_RETENTION, MAX_SCOPES_READ
 from fencing.plan import Bound, Command, Op, Plan, ScriptCall, run_sync
-from fencing.redis_executor import AsyncRedisExecutor, SyncRedisExecutor
-from fencing.redis_outage import outage
+from fencing.redis_backend import scope_keys
+from fencing.redis_executor import AsyncRedisExecutor, SyncRedisExecutor, outage
 from fencing.renewer import retry_renewal
-from fencing.sql import execute
-from fencing.sql_executor import SyncSqlExecutor
+from fencing.sql import SyncSqlExecutor, execute
 from testing.harness import wait_until
 from testing.stores import REDIS_URL, Stack
 
@@ -570,7 +568,7 @@ async def test_a_redis_error_that_is_no_outage_is_raised_as_itself_and_not_asked
     redis_prefix: str,
 ) -> None:
     """Only a lost connection or a "not now" answer is an outage that callers wait out or ask again
-    (fencing.redis_outage). A script failing on a real Redis is redis-py's own error from both shells,
+    (fencing.redis_executor). A script failing on a real Redis is redis-py's own error from both shells,
     and a renewal that met it is not asked again."""
 
     def runs(op: Op) -> Plan[object]:

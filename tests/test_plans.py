@@ -22,8 +22,7 @@ from fencing.errors import ScopeMismatch, TokenOverflow
 from fencing.fence import FenceOutcome
 from fencing.lease import MAX_TOKEN, Lease, new_lease_id
 from fencing.plan import Atomic
-from fencing.redis_backend import RedisLeaseCore
-from fencing.redis_scripts import Reply
+from fencing.redis_backend import RedisLeaseCore, Reply
 from fencing.sql_backend import SqlLeaseCore
 from testing.scripted import Clock, Script, kinds, rows, sql_params, sql_text
 from testing.support import items

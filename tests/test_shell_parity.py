@@ -46,7 +46,7 @@ from fencing import (
 from fencing.plan import Plan
 from fencing.redis_executor import AsyncRedisExecutor, SyncRedisExecutor
 from fencing.shells import operation
-from fencing.sql_executor import AsyncSqlExecutor, SyncSqlExecutor
+from fencing.sql import AsyncSqlExecutor, SyncSqlExecutor
 from reservations import (
     AsyncInventory,
     IdempotencyConflict,

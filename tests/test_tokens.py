@@ -15,9 +15,8 @@ import redis
 import sqlalchemy as sa
 
 from fencing import AsyncLeaseManager, InvalidLeaseRequest, Lease, StaleToken, TokenOverflow
-from fencing.keys import scope_keys
 from fencing.lease import MAX_TOKEN, new_lease_id
-from fencing.redis_scripts import REPAIR, Reply
+from fencing.redis_backend import REPAIR, Reply, scope_keys
 from fencing.sql_backend import lease_events, leases
 from testing.stores import REDIS_URL, Stack
 from testing.support import Resource, items

@@ -16,7 +16,7 @@ from rich.markup import escape
 from admin.cli.context import config, lease_url_shown
 from admin.cli.render import err
 from fencing import BackendUnavailable, FencingError, InvalidLeaseRequest, SchemaMissing
-from fencing.sql_errors import schema_missing
+from fencing.sql import schema_missing
 from fencing.urls import mask_url
 from reservations.errors import (
     InvalidRequest,
