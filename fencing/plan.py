@@ -4,13 +4,39 @@ Every lease and fence operation is written once, as a generator that *yields* th
 :data:`Op`: a SQL statement, a Redis script call or command, a pause, an inner atomic step) and receives
 the result. A sync shell and an async shell each drive it; neither contains decisions, so the two cannot
 drift apart.
+
+A shell operation is a method that only builds a plan; :class:`operation` makes it a method that builds
+the plan and drives it with the shell's executor. On a blocking shell (``awaits = False``: its executor's
+operations block) the method returns the result; on an awaiting shell (``awaits = True``: they are
+awaited) it is a coroutine function, and the plan is built, and its arguments checked, when the call is
+awaited, as in a hand-written ``async def``. Each keeps the name, parameters, defaults and docstring of
+what it was made from, the result type of its plan as its return annotation, and the plan builder itself
+as ``__wrapped__``. For the type checker ``__get__`` is overloaded on the instance: a shell whose executor
+blocks gets a ``Callable[P, T]`` and one whose executor awaits a ``Callable[P, Coroutine[Any, Any, T]]``,
+``P`` being the operation's own parameters.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Generator
+import functools
+import inspect
+import re
+from collections.abc import Awaitable, Callable, Coroutine, Generator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, TypeAlias, TypeVar
+from types import MethodType
+from typing import (
+    Any,
+    Concatenate,
+    Generic,
+    ParamSpec,
+    Protocol,
+    TypeAlias,
+    TypeVar,
+    get_args,
+    get_origin,
+    overload,
+)
 
 from sqlalchemy.sql.expression import Executable
 
@@ -133,3 +159,123 @@ async def run_async(plan: Generator[OpT, Any, T], handle: Callable[[OpT], Awaita
 def foreign(executor: str, op: Op) -> TypeError:
     """The error for an operation of another backend's plans, which this executor cannot run."""
     return TypeError(f"the {executor} executor cannot run {type(op).__name__}")
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class BlockingExecutor(Protocol):
+    """Opens a unit of work (the SQL executors' transaction) whose operations block (the sync SQL and
+    Redis executors); :func:`fencing.plan.run_sync` drives a plan through it."""
+
+    def unit(self) -> AbstractContextManager[Callable[[Op], Any]]: ...
+
+
+class AwaitingExecutor(Protocol):
+    """Drives a plan when awaited (the async SQL and Redis executors)."""
+
+    def run(self, plan: Plan[R], /) -> Awaitable[R]: ...
+
+
+class BlockingShell(Protocol):
+    @property
+    def executor(self) -> BlockingExecutor: ...
+
+
+class AwaitingShell(Protocol):
+    @property
+    def executor(self) -> AwaitingExecutor: ...
+
+
+class operation(Generic[P, T]):
+    """A shell method written once as the plan it runs: blocking on a shell whose class says
+    ``awaits = False``, a coroutine function on one that says ``awaits = True``."""
+
+    def __init__(self, build: Callable[Concatenate[Any, P], Plan[T]], *, named: bool = True) -> None:
+        self.build = build
+        self._blocking = _dressed(_blocking(build), build)
+        self._awaiting = _dressed(_awaiting(build), build)
+        self.__doc__ = build.__doc__
+        self._named = named
+
+    @classmethod
+    def of(cls, plan: Callable[P, Plan[T]]) -> operation[P, T]:
+        """The operation that only runs the module-level ``plan`` with the caller's arguments, named as the
+        shell's attribute it is assigned to, with ``plan``'s parameters and docstring."""
+
+        def build(self: Any, /, *args: Any, **kwargs: Any) -> Plan[T]:
+            return plan(*args, **kwargs)
+
+        functools.update_wrapper(build, plan)
+        signature = inspect.signature(plan)
+        shell = inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)
+        build.__signature__ = signature.replace(  # type: ignore[attr-defined]
+            parameters=[shell, *signature.parameters.values()]
+        )
+        return cls(build, named=False)
+
+    def __set_name__(self, owner: type[Any], name: str) -> None:
+        if not self._named:  # made by ``of``: the method takes the attribute's name (an alias keeps it)
+            self._named = True
+            for method in (self.build, self._blocking, self._awaiting):
+                method.__name__, method.__qualname__ = name, f"{owner.__qualname__}.{name}"
+
+    @overload
+    def __get__(self, instance: None, owner: type[Any]) -> Callable[Concatenate[Any, P], Any]: ...
+
+    @overload
+    def __get__(self, instance: BlockingShell, owner: type[Any] | None = None) -> Callable[P, T]: ...
+
+    @overload
+    def __get__(
+        self, instance: AwaitingShell, owner: type[Any] | None = None
+    ) -> Callable[P, Coroutine[Any, Any, T]]: ...
+
+    def __get__(self, instance: object, owner: type[Any] | None = None) -> Callable[..., Any]:
+        shell: Any = type(instance) if owner is None else owner  # a class that says whether it awaits
+        method = self._awaiting if shell.awaits else self._blocking
+        return method if instance is None else MethodType(method, instance)
+
+
+# A blocking method drives the plan itself, in the executor's unit of work, so that a worker's statement is
+# sent three calls below the operation (the method, the driver loop, the plan), not through an executor's
+# ``run``. An awaiting one awaits ``run``: the async SQL executor runs a whole plan in one greenlet.
+
+
+def _blocking(build: Callable[..., Plan[Any]]) -> Callable[..., Any]:
+    def method(self: Any, /, *args: Any, **kwargs: Any) -> Any:
+        plan = build(self, *args, **kwargs)
+        with self.executor.unit() as handle:
+            return run_sync(plan, handle)
+
+    return method
+
+
+def _awaiting(build: Callable[..., Plan[Any]]) -> Callable[..., Any]:
+    async def method(self: Any, /, *args: Any, **kwargs: Any) -> Any:
+        return await self.executor.run(build(self, *args, **kwargs))
+
+    return method
+
+
+def _dressed(method: Callable[..., Any], build: Callable[..., Plan[Any]]) -> Callable[..., Any]:
+    """``method`` with the name, docstring and parameters of ``build``, returning what its plan does."""
+    functools.update_wrapper(method, build)
+    signature = inspect.signature(build)
+    result = _plan_result(signature.return_annotation)
+    method.__signature__ = signature.replace(return_annotation=result)  # type: ignore[attr-defined]
+    method.__annotations__ = {**build.__annotations__, "return": result}
+    return method
+
+
+_PLAN = re.compile(r"(?:Plan|StatementPlan)\[(?P<result>.*)\]", re.DOTALL)
+
+
+def _plan_result(annotation: Any) -> Any:
+    """``T`` of a ``Plan[T]`` annotation (a string under postponed evaluation); anything else as it is."""
+    if isinstance(annotation, str) and (found := _PLAN.fullmatch(annotation.strip())):
+        return found["result"]
+    if get_origin(annotation) is Generator:
+        return get_args(annotation)[2]
+    return annotation

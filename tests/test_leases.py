@@ -25,11 +25,10 @@ from fencing import (
 )
 from fencing.engines import make_engine
 from fencing.lease import new_lease_id
-from fencing.manager import DEFAULT_HISTORY_CAP, DEFAULT_HISTORY_RETENTION, MAX_SCOPES_READ
+from fencing.manager import DEFAULT_HISTORY_CAP, DEFAULT_HISTORY_RETENTION, MAX_SCOPES_READ, retry_renewal
 from fencing.plan import Bound, Command, Op, Plan, ScriptCall, run_sync
 from fencing.redis_backend import scope_keys
 from fencing.redis_executor import AsyncRedisExecutor, SyncRedisExecutor, outage
-from fencing.renewer import retry_renewal
 from fencing.sql import SyncSqlExecutor, execute
 from testing.harness import wait_until
 from testing.stores import REDIS_URL, Stack
@@ -373,7 +372,7 @@ async def test_async_hold_marks_lost_when_renewal_fails(async_manager: AsyncLeas
 
 def test_a_renewal_is_asked_again_only_when_unanswered_and_time_is_left() -> None:
     from fencing import BackendUnavailable, SchemaMissing
-    from fencing.renewer import RETRY_UNANSWERED, retry_renewal
+    from fencing.manager import RETRY_UNANSWERED, retry_renewal
 
     def held(time_left: float) -> Lease:
         return Lease("sku:A", 3, new_lease_id(), "A", 60.0, time.monotonic() - 60.0 + time_left)

@@ -43,9 +43,8 @@ from fencing import (
     LeaseManager,
     StaleToken,
 )
-from fencing.plan import Plan
+from fencing.plan import Plan, operation
 from fencing.redis_executor import AsyncRedisExecutor, SyncRedisExecutor
-from fencing.shells import operation
 from fencing.sql import AsyncSqlExecutor, SyncSqlExecutor
 from reservations import (
     AsyncInventory,
