@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager, suppress
-from typing import Any, ClassVar, Generic, Protocol, Self, TypeVar
+from typing import Any, ClassVar, Generic, Self, TypeAlias, TypeVar
 
 from fencing.engines import make_async_engine, make_engine
 from fencing.errors import BackendUnavailable, FencingError, InvalidLeaseRequest, LeaseBusy, StaleToken
@@ -48,9 +48,8 @@ from fencing.redis_executor import (
     AsyncRedisExecutor,
     RedisTopology,
     SyncRedisExecutor,
-    async_client,
+    redis_client,
     redis_topology,
-    sync_client,
 )
 from fencing.sql import AsyncSqlExecutor, SyncSqlExecutor
 from fencing.sql_backend import SqlLeaseCore, metadata
@@ -72,27 +71,10 @@ MAX_HISTORY_LIMIT = 10_000
 MAX_SCOPES_READ = 1_000
 
 
-class LeaseCore(Protocol):
-    """What each backend (Redis, SQL) provides: one plan per operation, decisions and parsing only."""
-
-    backend: str
-
-    def acquire(self, scope: str, ttl: float, holder: str, lease_id: str) -> Plan[Lease | LeaseBusy]:
-        """A new lease, or (returned, not raised, so that the mark it leaves on the lease is kept) the
-        refusal of a busy scope."""
-        ...
-
-    def renew(self, lease: Lease) -> Plan[Lease]: ...
-
-    def release(self, lease: Lease) -> Plan[bool]:
-        """End the lease; returns whether another acquirer found it busy while it was held."""
-        ...
-
-    def break_lease(self, scope: str, reason: str) -> Plan[LeaseInfo | None]: ...
-    def repair(self, lease: Lease, highest: int) -> Plan[tuple[int, int] | None]: ...
-    def current_many(self, scopes: list[str]) -> Plan[list[LeaseInfo | None]]: ...
-    def history(self, scope: str, limit: int) -> Plan[list[LeaseEvent]]: ...
-    def purge_history(self, older_than_ms: int) -> Plan[int]: ...
+# What each backend provides: one plan per operation, decisions and parsing only. An acquire returns the
+# refusal of a busy scope rather than raising it, so that the mark it leaves on the live lease (contended)
+# is kept; a release returns whether the lease was contended.
+LeaseCore: TypeAlias = RedisLeaseCore | SqlLeaseCore
 
 
 def backoff(
@@ -112,15 +94,9 @@ def backoff(
     return min(max(retry_after, floor), rng.uniform(floor, ceiling))
 
 
-def default_holder() -> str:
-    """``host:pid``: enough for an operator to find the process that holds a lease."""
-    return f"{socket.gethostname()}:{os.getpid()}"
-
-
 _RETENTION_MS = round(DEFAULT_HISTORY_RETENTION * 1000)
 
 E = TypeVar("E")  # the shell's executor
-C = TypeVar("C")  # a Redis client, or what builds one
 
 
 def lease_backend(url: object) -> str:
@@ -143,41 +119,6 @@ def _redis_topology(url: object) -> RedisTopology | None:
             "redis+cluster:// or a database URL (sqlite, postgresql)"
         ) from None
     return None
-
-
-def _history_cap(cap: object) -> int:
-    """How many epochs a Redis scope's history keeps."""
-    if isinstance(cap, bool) or not isinstance(cap, int) or not 1 <= cap <= MAX_HISTORY_CAP:
-        raise InvalidLeaseRequest(f"history_cap must be a whole number from 1 to {MAX_HISTORY_CAP}")
-    return cap
-
-
-def _redis_core(
-    url: str, prefix: str, history_cap: int, clock: Clock
-) -> tuple[RedisLeaseCore, RedisTopology] | None:
-    """The Redis core and topology for a Redis URL, None for a database URL. The prefix and cap are
-    checked on every backend, though only Redis uses them: a bad argument is a bug either way."""
-    prefix, history_cap = validate_prefix(prefix), _history_cap(history_cap)
-    topology = _redis_topology(url)
-    if topology is None:
-        return None
-    core = RedisLeaseCore(
-        prefix=prefix,
-        history_cap=history_cap,
-        history_retention_ms=_RETENTION_MS,
-        clock=clock,
-        cluster=topology.kind == "cluster",
-    )
-    return core, topology
-
-
-def _redis_client(
-    connect: Callable[[RedisTopology, dict[str, Any]], C], topology: RedisTopology, options: dict[str, Any]
-) -> C:
-    try:
-        return connect(topology, options)
-    except ValueError as exc:  # a malformed port, database number or option
-        raise InvalidLeaseRequest(f"not a usable Redis URL: {mask_url(topology.url)} ({exc})") from None
 
 
 def _renew_interval(lease: Lease, renew_every: float | None) -> float:
@@ -322,25 +263,27 @@ class _Shell(Generic[E]):
     ) -> Self:
         """The manager for ``url`` (Redis or SQL, by the URL's scheme); ``sleep`` is the shell's own pause
         (``time.sleep``, ``asyncio.sleep``) by default, ``client_options`` go to the client or engine."""
-        found = _redis_core(url, prefix, history_cap, clock)
-        if found is not None:
-            core, topology = found
-            return cls(core, cls.redis_executor(topology, sleep, client_options), clock=clock, url=url)
-        executor = cls.sql_executor(url, sleep, client_options)
-        sql_core = SqlLeaseCore(dialect=executor.engine.dialect.name, clock=clock)
-        return cls(sql_core, executor, clock=clock, url=url)
+        # The prefix and cap are checked on every backend, though only Redis uses them: a bad argument is a
+        # bug either way.
+        validate_prefix(prefix)
+        cap = history_cap
+        if isinstance(cap, bool) or not isinstance(cap, int) or not 1 <= cap <= MAX_HISTORY_CAP:
+            raise InvalidLeaseRequest(f"history_cap must be a whole number from 1 to {MAX_HISTORY_CAP}")
+        topology = _redis_topology(url)
+        executor = cls.executor_for(url if topology is None else topology, sleep, client_options)
+        core: LeaseCore
+        if topology is None:
+            core = SqlLeaseCore(dialect=executor.engine.dialect.name, clock=clock)
+        else:
+            cluster = topology.kind == "cluster"
+            core = RedisLeaseCore(prefix, history_cap, _RETENTION_MS, clock, cluster=cluster)
+        return cls(core, executor, clock=clock, url=url)
 
     @classmethod
-    def redis_executor(
-        cls, topology: RedisTopology, sleep: Callable[[float], Any] | None, options: dict[str, Any]
-    ) -> E:
-        """The shell's executor on a new Redis client for ``topology``."""
-        raise NotImplementedError
-
-    @classmethod
-    def sql_executor(cls, url: str, sleep: Callable[[float], Any] | None, options: dict[str, Any]) -> Any:
-        """The shell's executor on a new engine for ``url`` (an SQL executor: its engine names the
-        dialect)."""
+    def executor_for(
+        cls, target: RedisTopology | str, sleep: Callable[[float], Any] | None, options: dict[str, Any]
+    ) -> Any:
+        """The shell's executor on a new Redis client for a topology, or a new engine for a database URL."""
         raise NotImplementedError
 
     @property
@@ -352,7 +295,8 @@ class _Shell(Generic[E]):
         """Take the scope's lease and a new fencing token; :class:`LeaseBusy` if held past ``wait``."""
         validate_scope(scope)
         ttl = validate_ttl(ttl)
-        holder = validate_holder(default_holder() if holder is None else holder)
+        # By default ``host:pid``: enough for an operator to find the process that holds a lease.
+        holder = validate_holder(f"{socket.gethostname()}:{os.getpid()}" if holder is None else holder)
         if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0 <= wait <= 3600:
             raise InvalidLeaseRequest("wait must be between 0 and 3600 seconds")
         deadline = self.clock() + wait
@@ -489,16 +433,12 @@ class LeaseManager(_Shell[SyncRedisExecutor | SyncSqlExecutor]):
         self._renewer = Renewer(self.renew)
 
     @classmethod
-    def redis_executor(
-        cls, topology: RedisTopology, sleep: Callable[[float], Any] | None, options: dict[str, Any]
-    ) -> SyncRedisExecutor:
-        return SyncRedisExecutor(_redis_client(sync_client, topology, options), sleep or time.sleep)
-
-    @classmethod
-    def sql_executor(
-        cls, url: str, sleep: Callable[[float], Any] | None, options: dict[str, Any]
-    ) -> SyncSqlExecutor:
-        return SyncSqlExecutor(make_engine(url, **options), sleep or time.sleep)
+    def executor_for(
+        cls, target: RedisTopology | str, sleep: Callable[[float], Any] | None, options: dict[str, Any]
+    ) -> SyncRedisExecutor | SyncSqlExecutor:
+        if isinstance(target, str):
+            return SyncSqlExecutor(make_engine(target, **options), sleep or time.sleep)
+        return SyncRedisExecutor(redis_client(target, options), sleep or time.sleep)
 
     def create_schema(self) -> None:
         """Create the SQL backend's tables if missing (applications normally use migrations)."""
@@ -554,16 +494,12 @@ class AsyncLeaseManager(_Shell[AsyncRedisExecutor | AsyncSqlExecutor]):
     awaits = True
 
     @classmethod
-    def redis_executor(
-        cls, topology: RedisTopology, sleep: Callable[[float], Any] | None, options: dict[str, Any]
-    ) -> AsyncRedisExecutor:
-        return AsyncRedisExecutor(_redis_client(async_client, topology, options), sleep or asyncio.sleep)
-
-    @classmethod
-    def sql_executor(
-        cls, url: str, sleep: Callable[[float], Any] | None, options: dict[str, Any]
-    ) -> AsyncSqlExecutor:
-        return AsyncSqlExecutor(make_async_engine(url, **options), sleep or asyncio.sleep)
+    def executor_for(
+        cls, target: RedisTopology | str, sleep: Callable[[float], Any] | None, options: dict[str, Any]
+    ) -> AsyncRedisExecutor | AsyncSqlExecutor:
+        if isinstance(target, str):
+            return AsyncSqlExecutor(make_async_engine(target, **options), sleep or asyncio.sleep)
+        return AsyncRedisExecutor(redis_client(target, options, asynchronous=True), sleep or asyncio.sleep)
 
     async def create_schema(self) -> None:
         """Create the SQL backend's tables if missing (applications normally use migrations)."""
@@ -586,18 +522,14 @@ class AsyncLeaseManager(_Shell[AsyncRedisExecutor | AsyncSqlExecutor]):
         lease = await self.acquire(scope, ttl=ttl, holder=holder, wait=wait)
 
         async def renew_loop() -> None:
-            wait = _renew_interval(lease, renew_every)
-            while True:
+            wait: float | None = _renew_interval(lease, renew_every)
+            while wait is not None:
                 await asyncio.sleep(wait)
                 try:
                     await self.renew(lease)
-                except Exception as exc:
-                    retry_in = retry_renewal(lease, exc)
-                    if retry_in is None:
-                        return
-                    wait = retry_in
-                else:
                     wait = _renew_interval(lease, renew_every)
+                except Exception as exc:
+                    wait = retry_renewal(lease, exc)
 
         renewer = asyncio.create_task(renew_loop(), name=f"renew:{scope}")
         try:

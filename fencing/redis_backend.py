@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import enum
 import logging
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import Any, ClassVar, NamedTuple
 
 from fencing.errors import InvalidLeaseRequest, LeaseBusy, LeaseLost, TokenOverflow
 from fencing.lease import MAX_TOKEN, Clock, Lease, LeaseEvent, LeaseInfo, parse_token, ttl_ms, validate_token
@@ -195,19 +196,17 @@ return {redis.call('LRANGE', KEYS[3], 0, tonumber(ARGV[1]) - 1),
 """
 
 
+@dataclass(frozen=True, slots=True)
 class RedisLeaseCore:
     """Decisions and parsing for the Redis backend; no I/O."""
 
-    backend = "redis"
+    backend: ClassVar[str] = "redis"
 
-    def __init__(
-        self, *, prefix: str, history_cap: int, history_retention_ms: int, clock: Clock, cluster: bool = False
-    ) -> None:
-        self.prefix = prefix
-        self.history_cap = history_cap
-        self.history_retention_ms = history_retention_ms
-        self.clock = clock
-        self.cluster = cluster  # the keys are spread over a Redis Cluster's nodes
+    prefix: str
+    history_cap: int
+    history_retention_ms: int
+    clock: Clock
+    cluster: bool = False  # the keys are spread over a Redis Cluster's nodes
 
     def _keys(self, scope: str) -> ScopeKeys:
         return scope_keys(self.prefix, scope)

@@ -14,6 +14,7 @@ routes by slot, so a Cluster keeps redis-py's path.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import threading
@@ -216,48 +217,34 @@ SyncClient: TypeAlias = redis.Redis | redis.cluster.RedisCluster
 AsyncClient: TypeAlias = redis.asyncio.Redis | redis.asyncio.cluster.RedisCluster
 
 
-def sync_client(topology: RedisTopology, options: dict[str, Any]) -> SyncClient | Callable[[], SyncClient]:
-    """The blocking client for ``topology`` with the caller's ``options`` (socket timeouts...), or for a
-    Cluster the function that builds it: redis-py's Cluster client asks a node for the slot map as it is
-    built, and a cluster that does not answer yet must fail an operation as BackendUnavailable, not the
-    building of a lease manager (:class:`SyncRedisExecutor` calls it on first use)."""
+def redis_client(topology: RedisTopology, options: dict[str, Any], *, asynchronous: bool = False) -> Any:
+    """The client of ``redis`` (``redis.asyncio`` if ``asynchronous``) for ``topology`` with the caller's
+    ``options`` (socket timeouts...); InvalidLeaseRequest for a malformed port, database number or option.
+    The blocking client of a Cluster is the function that builds it: redis-py's Cluster client asks a node
+    for the slot map as it is built, and a cluster that does not answer yet must fail an operation as
+    BackendUnavailable, not the building of a lease manager (:class:`SyncRedisExecutor` calls it on first
+    use). Every other client connects on first use of its own."""
+    lib: Any = redis.asyncio if asynchronous else redis
     auth = topology.auth()
-    if topology.kind == "server":
-        return redis.Redis.from_url(topology.url, decode_responses=True, **options)
-    if topology.kind == "sentinel":
-        sentinels = redis.sentinel.Sentinel(  # type: ignore[no-untyped-call]
-            list(topology.nodes), sentinel_kwargs=_sentinel_options(options, auth)
+    try:
+        if topology.kind == "server":
+            return lib.Redis.from_url(topology.url, decode_responses=True, **options)
+        if topology.kind == "sentinel":
+            # The sentinels are asked for the primary with the socket options and retry policy the data
+            # nodes get, as redis-py does when given none (a silent sentinel costs no more than a silent
+            # primary), and the URL's user and password.
+            asked = {k: v for k, v in options.items() if k.startswith("socket_") or k == "retry"}
+            sentinels = lib.sentinel.Sentinel(list(topology.nodes), sentinel_kwargs={**asked, **auth})
+            return sentinels.master_for(
+                topology.service, db=topology.db, decode_responses=True, **auth, **options
+            )
+        nodes = [lib.cluster.ClusterNode(host, port) for host, port in topology.nodes]
+        cluster = functools.partial(
+            lib.cluster.RedisCluster, startup_nodes=nodes, decode_responses=True, **auth, **options
         )
-        client: redis.Redis = sentinels.master_for(  # type: ignore[no-untyped-call]
-            topology.service, db=topology.db, decode_responses=True, **auth, **options
-        )
-        return client
-    nodes = [redis.cluster.ClusterNode(host, port) for host, port in topology.nodes]  # type: ignore[no-untyped-call]
-    return lambda: redis.cluster.RedisCluster(startup_nodes=nodes, decode_responses=True, **auth, **options)
-
-
-def async_client(topology: RedisTopology, options: dict[str, Any]) -> AsyncClient:
-    """The asyncio client for ``topology``; each of them connects on first use."""
-    auth = topology.auth()
-    if topology.kind == "server":
-        return redis.asyncio.Redis.from_url(topology.url, decode_responses=True, **options)
-    if topology.kind == "sentinel":
-        sentinels = redis.asyncio.sentinel.Sentinel(  # type: ignore[no-untyped-call]
-            list(topology.nodes), sentinel_kwargs=_sentinel_options(options, auth)
-        )
-        client: redis.asyncio.Redis = sentinels.master_for(
-            topology.service, db=topology.db, decode_responses=True, **auth, **options
-        )
-        return client
-    nodes = [redis.asyncio.cluster.ClusterNode(host, port) for host, port in topology.nodes]
-    return redis.asyncio.cluster.RedisCluster(startup_nodes=nodes, decode_responses=True, **auth, **options)
-
-
-def _sentinel_options(options: dict[str, Any], auth: dict[str, Any]) -> dict[str, Any]:
-    """How the sentinels are asked for the primary: with the socket options and retry policy the data
-    nodes get, as redis-py does when given none (a silent sentinel costs no more than a silent primary),
-    and the URL's user and password."""
-    return {**{k: v for k, v in options.items() if k.startswith("socket_") or k == "retry"}, **auth}
+        return cluster() if asynchronous else cluster
+    except ValueError as exc:
+        raise InvalidLeaseRequest(f"not a usable Redis URL: {mask_url(topology.url)} ({exc})") from None
 
 
 def _sentinels(client: object) -> Any:

@@ -7,6 +7,8 @@ row (PostgreSQL) or the database (SQLite) instead of racing a read against a wri
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+from typing import ClassVar
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
@@ -71,14 +73,14 @@ _BUSY_RACES = 3
 log = logging.getLogger("fencing")
 
 
+@dataclass(frozen=True, slots=True)
 class SqlLeaseCore:
     """Statements and parsing for the SQL backend; no I/O."""
 
-    backend = "sql"
+    backend: ClassVar[str] = "sql"
 
-    def __init__(self, *, dialect: str, clock: Clock) -> None:
-        self.dialect = dialect
-        self.clock = clock
+    dialect: str
+    clock: Clock
 
     def _ensure_row(self, scope: str) -> sa.Executable:
         insert = postgresql.insert if self.dialect == "postgresql" else sqlite.insert
