@@ -87,12 +87,6 @@ class Fence:
         expressions (bind parameters, for a statement compiled once and sent as text)."""
         return sa.or_(self._token < token, sa.and_(self._token == token, self._lease == lease_id))
 
-    @staticmethod
-    def refuses(highest: int, writer: str | None, lease: Lease) -> bool:
-        """The negation of :meth:`admits` on a fence already read: the row's ``highest`` token and its
-        ``writer`` lease refuse ``lease``."""
-        return highest > lease.token or (highest == lease.token and writer != lease.lease_id)
-
     def prepare(self, lease: Lease, scope: str) -> None:
         """The local checks before a guarded statement is sent, then the ``before_statement`` hook: for
         this fence's own UPDATE and for callers that put :meth:`accepts` into a statement of their own."""
@@ -146,7 +140,8 @@ class Fence:
         """Raise :class:`StaleToken` (and mark the lease lost) if a row whose fence reads ``highest`` and
         ``writer`` refuses ``lease``. For a caller that read the fence under the row's lock, which makes
         the judgement as atomic as the guarded UPDATE's own; otherwise only the UPDATE decides."""
-        if self.enforce and self.refuses(highest, writer, lease):
+        refused = highest > lease.token or (highest == lease.token and writer != lease.lease_id)  # not admits
+        if self.enforce and refused:
             lease.mark_lost(f"{operation} rejected: resource accepted token {highest}")
             raise StaleToken(
                 scope=scope,

@@ -45,28 +45,29 @@ def has_control(text: str) -> bool:
     return _CONTROL.search(text) is not None
 
 
+def _text(value: object, what: str, limit: int) -> str:
+    """``value`` if it is a non-empty string of at most ``limit`` printable characters, else
+    :class:`InvalidLeaseRequest` naming it ``what``."""
+    if not isinstance(value, str) or not value:
+        raise InvalidLeaseRequest(f"{what} must be a non-empty string")
+    if len(value) > limit:
+        raise InvalidLeaseRequest(f"{what} is {len(value)} characters, the limit is {limit}")
+    if has_control(value):
+        raise InvalidLeaseRequest(f"{what} contains control characters or lone surrogates")
+    return value
+
+
 def validate_scope(scope: object) -> str:
     """Return ``scope`` if it is a usable scope name, else raise :class:`InvalidLeaseRequest`."""
-    if not isinstance(scope, str):
-        raise InvalidLeaseRequest(f"scope must be a string, not {type(scope).__name__}")
-    if not scope or scope.strip() != scope:
-        raise InvalidLeaseRequest("scope must be non-empty and carry no leading or trailing spaces")
-    if len(scope) > MAX_SCOPE_CHARS:
-        raise InvalidLeaseRequest(f"scope is {len(scope)} characters, the limit is {MAX_SCOPE_CHARS}")
-    if has_control(scope):
-        raise InvalidLeaseRequest("scope contains control characters or lone surrogates")
-    return scope
+    text = _text(scope, "scope", MAX_SCOPE_CHARS)
+    if text.strip() != text:
+        raise InvalidLeaseRequest("scope must carry no leading or trailing spaces")
+    return text
 
 
 def validate_holder(holder: object) -> str:
     """Who holds a lease, for operators: ``host:pid:task``; printable, at most 200 characters."""
-    if not isinstance(holder, str) or not holder:
-        raise InvalidLeaseRequest("holder must be a non-empty string such as 'host:pid:task'")
-    if len(holder) > MAX_HOLDER_CHARS:
-        raise InvalidLeaseRequest(f"holder is {len(holder)} characters, limit {MAX_HOLDER_CHARS}")
-    if has_control(holder):
-        raise InvalidLeaseRequest("holder contains control characters or lone surrogates")
-    return holder
+    return _text(holder, "holder", MAX_HOLDER_CHARS)
 
 
 def _seconds(value: object, what: str, low: float, high: float, *, ranged: str = "") -> float:
@@ -120,13 +121,7 @@ def check_lease(lease: object) -> Lease:
 
 def validate_reason(reason: object) -> str:
     """Free text an operator gives (why a lease was broken): stored and printed, so printable."""
-    if not isinstance(reason, str) or not reason or len(reason) > MAX_REASON_CHARS:
-        raise InvalidLeaseRequest(
-            f"reason must be a non-empty string of at most {MAX_REASON_CHARS} characters"
-        )
-    if has_control(reason):
-        raise InvalidLeaseRequest("reason contains control characters or lone surrogates")
-    return reason
+    return _text(reason, "reason", MAX_REASON_CHARS)
 
 
 def validate_retention(older_than: object) -> float:
