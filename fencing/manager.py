@@ -1,14 +1,9 @@
-"""Lease managers: the public sync and async shells, both made from one set of plans.
+"""Lease managers: the blocking and the asyncio shell, both made from one set of plans (:class:`_Shell`).
 
-``LeaseManager.from_url`` / ``AsyncLeaseManager.from_url`` pick the backend from the URL: Redis for
-``redis://``, ``rediss://``, ``unix://``, ``redis+sentinel://`` and ``redis+cluster://``
-(:class:`fencing.redis_executor.RedisTopology` gives their forms), SQL for any SQLAlchemy URL.
-Each operation (acquire, renew, release, the reads, the purge, the break, the repair) is written once in
-:class:`_Shell`, with its validation, waiting, backoff and repair decisions, as the plan it runs over a
-backend's :class:`LeaseCore` (:class:`fencing.shells.operation`): blocking in :class:`LeaseManager`, a
-coroutine function in :class:`AsyncLeaseManager` (``awaits``); so is ``from_url``. Written per shell are
-only the executors it builds, the schema, :meth:`hold` with its background renewal (a thread,
-:class:`Renewer`, or a task) and closing.
+``from_url`` picks the backend from the URL: Redis for ``redis://``, ``rediss://``, ``unix://``,
+``redis+sentinel://`` and ``redis+cluster://`` (:class:`fencing.redis_executor.RedisTopology`), SQL for
+any SQLAlchemy URL. Written per shell are only its executors, the schema, :meth:`hold` with its renewal
+(a :class:`Renewer` thread, or a task) and closing.
 """
 
 from __future__ import annotations
@@ -360,19 +355,11 @@ class _Shell(Generic[E]):
         validate_reason(reason)
         info: LeaseInfo | None = yield Atomic(self.core.break_lease(validate_scope(scope), reason))
         if info is not None:
+            said = dict(
+                event="lease_broken", scope=scope, token=info.token, holder=info.holder, reason=reason
+            )
             log.warning(
-                "lease on %r (token %d, holder %r) broken: %s",
-                scope,
-                info.token,
-                info.holder,
-                reason,
-                extra={
-                    "event": "lease_broken",
-                    "scope": scope,
-                    "token": info.token,
-                    "holder": info.holder,
-                    "reason": reason,
-                },
+                "lease on %(scope)r (token %(token)d, holder %(holder)r) broken: %(reason)s", said, extra=said
             )
         return info
 
@@ -396,24 +383,21 @@ class _Shell(Generic[E]):
         if repaired is None:
             return False
         old, new = repaired
+        said = {
+            "event": "token_regression_repaired",
+            "scope": lease.scope,
+            "token": lease.token,
+            "highest": error.highest,
+            "holder": lease.holder,
+            "lease_id": lease.lease_id,
+            "counter_from": old,
+            "counter_to": new,
+        }
         log.warning(
-            "fencing token regression on scope %r: the coordinator had issued %d but the resource "
-            "has accepted %d; counter raised from %d to %d",
-            lease.scope,
-            lease.token,
-            error.highest,
-            old,
-            new,
-            extra={
-                "event": "token_regression_repaired",
-                "scope": lease.scope,
-                "token": lease.token,
-                "highest": error.highest,
-                "holder": lease.holder,
-                "lease_id": lease.lease_id,
-                "counter_from": old,
-                "counter_to": new,
-            },
+            "fencing token regression on scope %(scope)r: the coordinator had issued %(token)d but the "
+            "resource has accepted %(highest)d; counter raised from %(counter_from)d to %(counter_to)d",
+            said,
+            extra=said,
         )
         return True
 
@@ -455,12 +439,10 @@ class LeaseManager(_Shell[SyncRedisExecutor | SyncSqlExecutor]):
         wait: float = 0,
         renew_every: float | None = None,
     ) -> Iterator[Lease]:
-        """Hold the lease for the block, renewed by this manager's background renewer thread.
-
-        A failed renewal is asked again or marks the lease lost, as
-        :func:`retry_renewal` decides; once lost, the next guarded write raises
-        without a round trip. A :class:`StaleToken` leaving the block triggers the regression repair check.
-        """
+        """Hold the lease for the block, renewed by this manager's background renewer thread. A failed
+        renewal is asked again or marks the lease lost, as :func:`retry_renewal` decides; once lost, the
+        next guarded write raises without a round trip. A :class:`StaleToken` leaving the block triggers
+        the regression repair check."""
         validate_renew_every(renew_every)
         lease = self.acquire(scope, ttl=ttl, holder=holder, wait=wait)
         self._renewer.add(lease, _renew_interval(lease, renew_every))

@@ -21,7 +21,7 @@ import threading
 from collections.abc import Awaitable, Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, cast
 from urllib.parse import unquote, urlsplit
 
 import redis
@@ -340,15 +340,11 @@ def _ask(conn: Any, script: _Script, command: bytes) -> Any:
 class SyncRedisExecutor:
     """Runs plans on a blocking Redis client (one server, a Sentinel-managed primary, a Cluster); scripts
     registered once per client. ``client`` may be a function building it, called on first use
-    (:func:`sync_client` says why)."""
+    (:func:`redis_client` says why)."""
 
     def __init__(self, client: SyncClient | Callable[[], SyncClient], sleep: Callable[[float], None]) -> None:
-        self._client: SyncClient | None = None
-        self._build: Callable[[], SyncClient] | None = None
-        if isinstance(client, redis.Redis | redis.cluster.RedisCluster):
-            self._client = client
-        else:
-            self._build = client
+        self._client = client if isinstance(client, redis.Redis | redis.cluster.RedisCluster) else None
+        self._build = cast(Callable[[], SyncClient], client)
         self._lock = threading.Lock()  # the renewer thread and the caller's may both be first
         self._sleep = sleep
         self._scripts: dict[str, Any] = {}
@@ -360,7 +356,7 @@ class SyncRedisExecutor:
     def client(self) -> SyncClient:
         if self._client is None:
             with self._lock:
-                if self._client is None and self._build is not None:
+                if self._client is None:
                     self._client = self._build()
         assert self._client is not None
         return self._client
@@ -424,13 +420,9 @@ class AsyncRedisExecutor:
     of its own."""
 
     def __init__(self, client: AsyncClient, sleep: Callable[[float], Awaitable[Any]]) -> None:
-        self._client = client
+        self.client = client
         self._sleep = sleep
         self._scripts: dict[str, Any] = {}
-
-    @property
-    def client(self) -> AsyncClient:
-        return self._client
 
     async def run(self, plan: Plan[T]) -> T:
         return await run_async(plan, self._handle)
