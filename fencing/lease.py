@@ -140,12 +140,6 @@ def ttl_ms(seconds: float) -> int:
     return max(1, round(seconds * 1000))
 
 
-def validate_lease_id(lease_id: object) -> str:
-    if not isinstance(lease_id, str) or not _LEASE_ID.fullmatch(lease_id):
-        raise InvalidLeaseRequest("lease_id must be 32 lowercase hex characters")
-    return lease_id
-
-
 def new_lease_id() -> str:
     """128 random bits: the proof of identity for renew and release, unguessable by other holders."""
     return secrets.token_hex(16)
@@ -196,7 +190,8 @@ class Lease:
     def __post_init__(self) -> None:
         validate_scope(self.scope)
         validate_token(self.token, scope=self.scope)
-        validate_lease_id(self.lease_id)
+        if not isinstance(self.lease_id, str) or not _LEASE_ID.fullmatch(self.lease_id):
+            raise InvalidLeaseRequest("lease_id must be 32 lowercase hex characters")
         validate_holder(self.holder)
         validate_ttl(self.ttl)
         acquired = self.acquired_at

@@ -3,17 +3,7 @@
 Every lease and fence operation is written once, as a generator that *yields* the I/O it needs (an
 :data:`Op`: a SQL statement, a Redis script call or command, a pause, an inner atomic step) and receives
 the result. A sync shell and an async shell each drive it; neither contains decisions, so the two cannot
-drift apart.
-
-A shell operation is a method that only builds a plan; :class:`operation` makes it a method that builds
-the plan and drives it with the shell's executor. On a blocking shell (``awaits = False``: its executor's
-operations block) the method returns the result; on an awaiting shell (``awaits = True``: they are
-awaited) it is a coroutine function, and the plan is built, and its arguments checked, when the call is
-awaited, as in a hand-written ``async def``. Each keeps the name, parameters, defaults and docstring of
-what it was made from, the result type of its plan as its return annotation, and the plan builder itself
-as ``__wrapped__``. For the type checker ``__get__`` is overloaded on the instance: a shell whose executor
-blocks gets a ``Callable[P, T]`` and one whose executor awaits a ``Callable[P, Coroutine[Any, Any, T]]``,
-``P`` being the operation's own parameters.
+drift apart. :class:`operation` makes a shell method of a plan.
 """
 
 from __future__ import annotations
@@ -190,7 +180,11 @@ class AwaitingShell(Protocol):
 
 class operation(Generic[P, T]):
     """A shell method written once as the plan it runs: blocking on a shell whose class says
-    ``awaits = False``, a coroutine function on one that says ``awaits = True``."""
+    ``awaits = False`` (it returns the result), a coroutine function on one that says ``awaits = True``
+    (the plan is built, and its arguments checked, when the call is awaited, as in an ``async def``).
+    Each keeps the name, parameters, defaults and docstring of what it was made from, its plan's result
+    type as its return annotation, and the plan builder as ``__wrapped__``; for the type checker
+    ``__get__`` is overloaded on the shell's executor."""
 
     def __init__(self, build: Callable[Concatenate[Any, P], Plan[T]], *, named: bool = True) -> None:
         self.build = build

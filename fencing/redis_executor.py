@@ -75,12 +75,11 @@ class RedisTopology:
     """Where a lease URL puts the lease keys, read from the URL without connecting (:func:`redis_topology`).
 
     ``server``: one Redis server, ``redis://``, ``rediss://`` or ``unix://``, handed to redis-py as it is.
-    ``sentinel``: ``redis+sentinel://[[user]:password@]host:port[,host:port...]/service[/db]``. The
-    sentinels at ``nodes`` name the primary of ``service``; the client asks them again whenever it has to
-    connect, so it follows the primary through a failover.
-    ``cluster``: ``redis+cluster://[[user]:password@]host:port[,host:port...]``. Any reachable node of
-    ``nodes`` gives the slot map; every lease script touches one slot (:mod:`fencing.redis_backend`), and
-    the client sends it to the node serving that slot, following MOVED and ASK while slots move.
+    ``sentinel`` (``_FORMS`` gives the URL): the sentinels at ``nodes`` name the primary of ``service``; the
+    client asks them again whenever it has to connect, so it follows the primary through a failover.
+    ``cluster``: any reachable node of ``nodes`` gives the slot map; every lease script touches one slot
+    (:mod:`fencing.redis_backend`), and the client sends it to the node serving that slot, following MOVED
+    and ASK while slots move.
 
     A port left out is the scheme's usual one (26379 for sentinels, 6379 for cluster nodes). The user and
     password are the data nodes'. The sentinels are sent the same ones: a deployment that protects its
@@ -304,11 +303,6 @@ class _Wire:
             conn.disconnect()  # the send connects again, under the retry policy
         return conn
 
-    def _give(self, conn: Any) -> None:
-        if conn.should_reconnect():
-            conn.disconnect()
-        self._idle.append(conn)
-
     def run(self, script: _Script, keys: tuple[str, ...], args: tuple[str | int, ...]) -> Any:
         command = script.call(keys, args)
         conn = self._take()
@@ -317,7 +311,9 @@ class _Wire:
                 lambda: _ask(conn, script, command), lambda _: conn.disconnect()
             )
         finally:
-            self._give(conn)
+            if conn.should_reconnect():
+                conn.disconnect()
+            self._idle.append(conn)
 
     def close(self) -> None:
         idle, self._idle = self._idle, []
@@ -420,9 +416,13 @@ class AsyncRedisExecutor:
     of its own."""
 
     def __init__(self, client: AsyncClient, sleep: Callable[[float], Awaitable[Any]]) -> None:
-        self.client = client
+        self._client = client
         self._sleep = sleep
         self._scripts: dict[str, Any] = {}
+
+    @property
+    def client(self) -> AsyncClient:
+        return self._client
 
     async def run(self, plan: Plan[T]) -> T:
         return await run_async(plan, self._handle)

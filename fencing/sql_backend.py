@@ -82,20 +82,13 @@ class SqlLeaseCore:
     dialect: str
     clock: Clock
 
-    def _ensure_row(self, scope: str) -> sa.Executable:
-        insert = postgresql.insert if self.dialect == "postgresql" else sqlite.insert
-        return (
-            insert(leases)
-            .values(scope=scope, token=0, state="free", expires_ms=0)
-            .on_conflict_do_nothing(index_elements=["scope"])
-        )
-
     def _event(self, **values: object) -> sa.Executable:
         return sa.insert(lease_events).values(at_ms=db_now_ms(), **values)
 
     def acquire(self, scope: str, ttl: float, holder: str, lease_id: str) -> Plan[Lease | LeaseBusy]:
         sent_at = self.clock()
-        yield self._ensure_row(scope)
+        insert = postgresql.insert if self.dialect == "postgresql" else sqlite.insert
+        yield insert(leases).values(scope=scope, token=0, state="free", expires_ms=0).on_conflict_do_nothing()
         for _ in range(_BUSY_RACES):
             now = db_now_ms()
             started: Rows = yield (
