@@ -1,5 +1,5 @@
 """The sync and async shells behave alike. The inventory's and the lease managers' operations are written
-once (:class:`fencing.shells.operation`) and made blocking in one shell and awaitable in the other, so
+once (:class:`fencing.plan.operation`) and made blocking in one shell and awaitable in the other, so
 what is compared here is behaviour: one sequence of operations (stock writes, reservations and their
 ends, counts, reads, request outcomes and attempts, dead letters and re-drives, hand-offs and their
 serving, leases taken, renewed, repaired, released and broken) runs through the sync shell and through
