@@ -94,9 +94,8 @@ def test_a_database_without_the_schema_is_schema_missing(unmigrated_url: str) ->
 
 
 def test_an_inventory_built_on_its_own_executor_maps_errors_too(inventory_url: str) -> None:
-    from fencing.sql import SyncSqlExecutor
-
     from fencing.engines import make_engine
+    from fencing.sql import SyncSqlExecutor
 
     executor = SyncSqlExecutor(make_engine(inventory_url), lambda seconds: None)
     with Inventory(executor, url=inventory_url) as inventory, pytest.raises(KeyTaken):
