@@ -200,19 +200,16 @@ class Renewer:
                     self._thread = None  # a hold added after this starts a thread of its own
                     return None
                 now = time.monotonic()
-                if not self._held:
-                    self._wakes_at = now + self.IDLE_NAP
-                    self._cond.wait(self.IDLE_NAP)
-                    continue
-                lease_id, (due, lease, every) = min(self._held.items(), key=lambda item: item[1][0])
-                if due > now:
+                self._wakes_at = now + self.IDLE_NAP
+                if self._held:
+                    lease_id, (due, lease, every) = min(self._held.items(), key=lambda item: item[1][0])
+                    if due <= now:
+                        self._wakes_at = 0.0
+                        self._held[lease_id] = (now + every, lease, every)
+                        self._busy = lease_id
+                        return lease_id, lease
                     self._wakes_at = due
-                    self._cond.wait(due - now)
-                    continue
-                self._wakes_at = 0.0
-                self._held[lease_id] = (now + every, lease, every)
-                self._busy = lease_id
-                return lease_id, lease
+                self._cond.wait(self._wakes_at - now)
 
     def _run(self) -> None:
         while (claimed := self._next()) is not None:
