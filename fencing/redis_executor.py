@@ -343,8 +343,8 @@ class SyncRedisExecutor:
         self._build = cast(Callable[[], SyncClient], client)
         self._lock = threading.Lock()  # the renewer thread and the caller's may both be first
         self._sleep = sleep
-        self._scripts: dict[str, Any] = {}
-        self._registered: dict[str, Any] = {}  # redis-py's script objects, for pipelines
+        self._scripts: dict[str, Any] = {}  # redis-py's script objects
+        self._wired: dict[str, _Script] = {}
         # Script calls on one server or a Sentinel-managed primary go straight to a connection.
         self._wire = _Wire(client) if isinstance(client, redis.Redis) else None
 
@@ -372,27 +372,23 @@ class SyncRedisExecutor:
         if not isinstance(op, ScriptCall | ScriptCalls | Command):
             raise foreign("Redis", op)
         try:
-            if isinstance(op, ScriptCalls):
-                return self._calls(op)
+            if isinstance(op, ScriptCall) and self._wire is not None:
+                wired = self._wired.get(op.source) or self._wired.setdefault(op.source, _Script(op.source))
+                return self._wire.run(wired, op.keys, op.args)
+            if isinstance(op, Command):
+                return self.client.execute_command(*op.args)  # type: ignore[no-untyped-call]
+            script = self._scripts.get(op.source)
+            if script is None:
+                script = self._scripts[op.source] = self.client.register_script(op.source)
             if isinstance(op, ScriptCall):
-                script = self._scripts.get(op.source)
-                if self._wire is not None:
-                    if script is None:
-                        script = self._scripts[op.source] = _Script(op.source)
-                    return self._wire.run(script, op.keys, op.args)
-                if script is None:
-                    script = self._scripts[op.source] = self.client.register_script(op.source)
                 return script(keys=op.keys, args=op.args)
-            return self.client.execute_command(*op.args)  # type: ignore[no-untyped-call]
+            return self._calls(script, op)
         except Exception as exc:
             if outage(exc):
                 raise unavailable(op, exc) from exc
             raise
 
-    def _calls(self, op: ScriptCalls) -> list[Any]:
-        script = self._registered.get(op.source)
-        if script is None:
-            script = self._registered[op.source] = self.client.register_script(op.source)
+    def _calls(self, script: Any, op: ScriptCalls) -> list[Any]:
         client = self.client
         if isinstance(client, redis.cluster.RedisCluster):
             return [script(keys=keys, args=args) for keys, args in op.calls]
