@@ -25,6 +25,7 @@ from celery import Celery
 from fencing import InvalidLeaseRequest
 from fencing.engines import POOLING_MODES
 from fencing.manager import lease_backend
+from fencing.redis_backend import validate_prefix
 from fencing.urls import mask_url, normalize_url
 from reservations import numerals
 
