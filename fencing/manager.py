@@ -21,6 +21,8 @@ from typing import Any, ClassVar, Generic, Self, TypeAlias, TypeVar
 
 from fencing.engines import make_async_engine, make_engine
 from fencing.errors import BackendUnavailable, FencingError, InvalidLeaseRequest, LeaseBusy, StaleToken
+from fencing.etcd_backend import EtcdLeaseCore
+from fencing.etcd_gateway import ETCD_SCHEMES, AsyncEtcdExecutor, EtcdTarget, SyncEtcdExecutor, etcd_target
 from fencing.lease import (
     Clock,
     Lease,
@@ -69,7 +71,9 @@ MAX_SCOPES_READ = 1_000
 # What each backend provides: one plan per operation, decisions and parsing only. An acquire returns the
 # refusal of a busy scope rather than raising it, so that the mark it leaves on the live lease (contended)
 # is kept; a release returns whether the lease was contended.
-LeaseCore: TypeAlias = RedisLeaseCore | SqlLeaseCore
+LeaseCore: TypeAlias = RedisLeaseCore | SqlLeaseCore | EtcdLeaseCore
+# Where a lease URL points: etcd's members, a Redis topology, or a database URL.
+Target: TypeAlias = EtcdTarget | RedisTopology | str
 
 
 def backoff(
@@ -95,9 +99,18 @@ E = TypeVar("E")  # the shell's executor
 
 
 def lease_backend(url: object) -> str:
-    """``"redis"`` or ``"sql"``: the backend ``from_url`` builds for ``url``, checked without connecting,
-    so a process can refuse a URL it cannot use before it says it is ready. InvalidLeaseRequest says why."""
+    """``"redis"``, ``"etcd"`` or ``"sql"``: the backend ``from_url`` builds for ``url``, checked without
+    connecting, so a process can refuse a URL it cannot use before it says it is ready. InvalidLeaseRequest
+    says why."""
+    if _etcd_target(url) is not None:
+        return "etcd"
     return "sql" if _redis_topology(url) is None else "redis"
+
+
+def _etcd_target(url: object) -> EtcdTarget | None:
+    if isinstance(url, str) and url.partition("://")[0].lower() in ETCD_SCHEMES:
+        return etcd_target(url)
+    return None
 
 
 def _redis_topology(url: object) -> RedisTopology | None:
@@ -111,7 +124,7 @@ def _redis_topology(url: object) -> RedisTopology | None:
     except InvalidLeaseRequest:
         raise InvalidLeaseRequest(
             f"unsupported lease URL {mask_url(url)}: use redis://, rediss://, unix://, redis+sentinel://, "
-            "redis+cluster:// or a database URL (sqlite, postgresql)"
+            "redis+cluster://, etcd://, etcds:// or a database URL (sqlite, postgresql)"
         ) from None
     return None
 
@@ -255,16 +268,19 @@ class _Shell(Generic[E]):
     ) -> Self:
         """The manager for ``url`` (Redis or SQL, by the URL's scheme); ``sleep`` is the shell's own pause
         (``time.sleep``, ``asyncio.sleep``) by default, ``client_options`` go to the client or engine."""
-        # The prefix and cap are checked on every backend, though only Redis uses them: a bad argument is a
-        # bug either way.
+        # The prefix and cap are checked on every backend, though only Redis and etcd use them: a bad
+        # argument is a bug either way.
         validate_prefix(prefix)
         cap = history_cap
         if isinstance(cap, bool) or not isinstance(cap, int) or not 1 <= cap <= MAX_HISTORY_CAP:
             raise InvalidLeaseRequest(f"history_cap must be a whole number from 1 to {MAX_HISTORY_CAP}")
-        topology = _redis_topology(url)
-        executor = cls.executor_for(url if topology is None else topology, sleep, client_options)
+        etcd = _etcd_target(url)
+        topology = None if etcd is not None else _redis_topology(url)
+        executor = cls.executor_for(etcd or topology or url, sleep, client_options)
         core: LeaseCore
-        if topology is None:
+        if etcd is not None:
+            core = EtcdLeaseCore(prefix=etcd.prefix or prefix, history_cap=history_cap, clock=clock)
+        elif topology is None:
             core = SqlLeaseCore(dialect=executor.engine.dialect.name, clock=clock)
         else:
             cluster = topology.kind == "cluster"
@@ -273,9 +289,10 @@ class _Shell(Generic[E]):
 
     @classmethod
     def executor_for(
-        cls, target: RedisTopology | str, sleep: Callable[[float], Any] | None, options: dict[str, Any]
+        cls, target: Target, sleep: Callable[[float], Any] | None, options: dict[str, Any]
     ) -> Any:
-        """The shell's executor on a new Redis client for a topology, or a new engine for a database URL."""
+        """The shell's executor on a new Redis client for a topology, a new HTTP client for etcd's members,
+        or a new engine for a database URL."""
         raise NotImplementedError
 
     @property
@@ -399,13 +416,13 @@ class _Shell(Generic[E]):
         return True
 
 
-class LeaseManager(_Shell[SyncRedisExecutor | SyncSqlExecutor]):
+class LeaseManager(_Shell[SyncRedisExecutor | SyncSqlExecutor | SyncEtcdExecutor]):
     """Acquire, renew, release and inspect leases (blocking API, for Celery workers and scripts)."""
 
     def __init__(
         self,
         core: LeaseCore,
-        executor: SyncRedisExecutor | SyncSqlExecutor,
+        executor: SyncRedisExecutor | SyncSqlExecutor | SyncEtcdExecutor,
         *,
         clock: Clock = time.monotonic,
         url: str = "",
@@ -415,10 +432,12 @@ class LeaseManager(_Shell[SyncRedisExecutor | SyncSqlExecutor]):
 
     @classmethod
     def executor_for(
-        cls, target: RedisTopology | str, sleep: Callable[[float], Any] | None, options: dict[str, Any]
-    ) -> SyncRedisExecutor | SyncSqlExecutor:
+        cls, target: Target, sleep: Callable[[float], Any] | None, options: dict[str, Any]
+    ) -> SyncRedisExecutor | SyncSqlExecutor | SyncEtcdExecutor:
         if isinstance(target, str):
             return SyncSqlExecutor(make_engine(target, **options), sleep or time.sleep)
+        if isinstance(target, EtcdTarget):
+            return SyncEtcdExecutor(target, sleep or time.sleep, **options)
         return SyncRedisExecutor(redis_client(target, options), sleep or time.sleep)
 
     def create_schema(self) -> None:
@@ -467,17 +486,19 @@ class LeaseManager(_Shell[SyncRedisExecutor | SyncSqlExecutor]):
         self.close()
 
 
-class AsyncLeaseManager(_Shell[AsyncRedisExecutor | AsyncSqlExecutor]):
+class AsyncLeaseManager(_Shell[AsyncRedisExecutor | AsyncSqlExecutor | AsyncEtcdExecutor]):
     """The asyncio shell: same plans, awaited I/O, renewal in a task instead of a thread."""
 
     awaits = True
 
     @classmethod
     def executor_for(
-        cls, target: RedisTopology | str, sleep: Callable[[float], Any] | None, options: dict[str, Any]
-    ) -> AsyncRedisExecutor | AsyncSqlExecutor:
+        cls, target: Target, sleep: Callable[[float], Any] | None, options: dict[str, Any]
+    ) -> AsyncRedisExecutor | AsyncSqlExecutor | AsyncEtcdExecutor:
         if isinstance(target, str):
             return AsyncSqlExecutor(make_async_engine(target, **options), sleep or asyncio.sleep)
+        if isinstance(target, EtcdTarget):
+            return AsyncEtcdExecutor(target, sleep or asyncio.sleep, **options)
         return AsyncRedisExecutor(redis_client(target, options, asynchronous=True), sleep or asyncio.sleep)
 
     async def create_schema(self) -> None:

@@ -94,12 +94,21 @@ class Command:
     args: tuple[str | int, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class Gateway:
+    """One call to etcd's JSON gateway: a path under ``/v3/`` (``kv/txn``, ``lease/grant``) and its body;
+    the shell answers with the decoded reply."""
+
+    path: str
+    body: dict[str, Any]
+
+
 # A SQLAlchemy statement (select, insert, update, delete, text), run in the plan's transaction.
 Statement: TypeAlias = Executable | Bound
 
 # Everything a plan may yield. A SQL executor refuses the Redis operations and a Redis executor the SQL
 # ones, with a TypeError: a plan is written for one backend's core.
-Op: TypeAlias = Sleep | Alone | Atomic | ScriptCall | ScriptCalls | Command | Statement
+Op: TypeAlias = Sleep | Alone | Atomic | ScriptCall | ScriptCalls | Command | Gateway | Statement
 
 # What a plan receives back is the answer to the operation it yielded (rows, a script's reply, a nested
 # plan's result), so it is typed by the plan where it lands rather than here.
@@ -109,7 +118,7 @@ Plan: TypeAlias = Generator[Op, Any, T]
 # fence's guarded write); it is a Plan too, and fits wherever one is yielded from.
 StatementPlan: TypeAlias = Generator[Statement, Any, T]
 
-OpT = TypeVar("OpT", bound=Op)  # the operations of the plan being driven: all of Op, or fewer
+OpT = TypeVar("OpT")  # the operations of the plan being driven: all of Op, or fewer (or an exchange's)
 
 
 def run_sync(plan: Generator[OpT, Any, T], handle: Callable[[OpT], Any]) -> T:

@@ -27,6 +27,7 @@ from fencing.plan import (
     Atomic,
     Bound,
     Command,
+    Gateway,
     Op,
     Plan,
     ScriptCall,
@@ -222,7 +223,7 @@ class SyncSqlExecutor:
                 return self._sleep(op.seconds)
             if isinstance(op, Atomic):
                 return self.run(op.plan)
-            if isinstance(op, ScriptCall | ScriptCalls | Command):
+            if isinstance(op, ScriptCall | ScriptCalls | Command | Gateway):
                 raise foreign("SQL", op)
             if isinstance(op, Alone) and self.engine.dialect.name != "postgresql":
                 return self.run(_just(op))

@@ -1,0 +1,209 @@
+"""etcd v3 through its JSON gateway: the one file of this package that speaks to etcd.
+
+The client is httpx on the gateway every etcd server has served on its client port since 3.4 (``/v3/``, the
+same in 3.5): a blocking client for workers and an asyncio one for services from one library that the
+package's other HTTP code already uses, with no gRPC stack. etcd3gw speaks the same gateway but blocks only,
+talks to one member and cannot authenticate; aetcd is asyncio-only and brings grpcio. Swapping the client
+means rewriting this file only: the lease core (:mod:`fencing.etcd_backend`) yields :class:`Gateway`
+calls and reads the gateway's JSON.
+
+Members are tried in turn. A member that cannot be reached, or answers "not now" (no leader, a leader
+change, a request that timed out in consensus), sends the call to the next, for up to ``retry_for``
+seconds; then the call fails as :class:`BackendUnavailable`, whose effect is unknown (the core makes
+every write safe to repeat or to leave undone).
+"""
+
+from __future__ import annotations
+
+import base64
+import itertools
+import time
+from collections.abc import Awaitable, Callable, Generator
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any, TypeVar
+from urllib.parse import unquote, urlsplit
+
+import httpx
+
+from fencing.errors import BackendUnavailable, InvalidLeaseRequest
+from fencing.plan import Atomic, Gateway, Op, Plan, Sleep, foreign, run_async, run_sync
+from fencing.redis_backend import validate_prefix
+
+T = TypeVar("T")
+
+ETCD_SCHEMES = ("etcd", "etcds")
+# gRPC codes the gateway answers with when the cluster cannot serve a call now: UNAVAILABLE (no leader, a
+# leader change, a request that timed out in consensus), DEADLINE_EXCEEDED.
+_NOT_NOW = frozenset({14, 4})
+
+
+@dataclass(frozen=True)
+class EtcdTarget:
+    """Where an ``etcd://`` URL points: the members' base URLs, the key prefix and the credentials."""
+
+    members: tuple[str, ...]
+    prefix: str | None  # None: the manager's own
+    username: str | None = None
+    password: str | None = None
+
+
+def etcd_target(url: str) -> EtcdTarget:
+    """``etcd[s]://[user[:password]@]host:port[,host:port...][/prefix]``; InvalidLeaseRequest says why not."""
+    scheme, _, rest = url.partition("://")
+    authority, _, path = rest.partition("/")
+    userinfo, at, hosts = authority.rpartition("@")
+    members = []
+    for host in hosts.split(","):
+        parts = urlsplit(f"//{host}")
+        try:
+            port = parts.port
+        except ValueError:
+            port = None
+        if not parts.hostname or port is None:
+            raise InvalidLeaseRequest(f"etcd members are host:port, not {host!r}")
+        members.append(f"{'https' if scheme == 'etcds' else 'http'}://{host}")
+    user, _, password = userinfo.partition(":")
+    prefix = validate_prefix(unquote(path.strip("/"))) if path.strip("/") else None
+    return EtcdTarget(
+        tuple(members), prefix, unquote(user) if at else None, unquote(password) if at else None
+    )
+
+
+def b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
+
+def unb64(text: str) -> str:
+    return base64.b64decode(text).decode()
+
+
+class _Members:
+    """The member to ask next (the one that last answered, then the others in turn), and the auth token."""
+
+    def __init__(self, target: EtcdTarget, retry_for: float) -> None:
+        self.target = target
+        self.retry_for = retry_for
+        self.first = 0
+        self.token: str | None = None  # when the URL names a user
+
+    def call(self, op: Gateway) -> Generator[httpx.Request | Sleep, httpx.Response, dict[str, Any]]:
+        """The exchange for one gateway call, written once for both executors: it yields each request to
+        send (or a pause between rounds of the members) and receives the response; it returns the reply,
+        or raises the refusal or BackendUnavailable."""
+        deadline = time.monotonic() + self.retry_for
+        count, last, start = len(self.target.members), "no member answered", self.first
+        for n in itertools.count():
+            if n and n % count == 0:
+                if time.monotonic() >= deadline:
+                    raise BackendUnavailable(backend="etcd", operation=op.path, detail=last)
+                yield Sleep(0.05)
+            self.first = index = (start + n) % count
+            member = self.target.members[index]
+            try:
+                if self.target.username is not None and self.token is None:
+                    login = {"name": self.target.username, "password": self.target.password or ""}
+                    reply = self._answer(
+                        op, (yield httpx.Request("POST", f"{member}/v3/auth/authenticate", json=login))
+                    )
+                    if reply is None:
+                        continue
+                    self.token = reply["token"]
+                headers = {"Authorization": self.token} if self.token else {}
+                response = yield httpx.Request(
+                    "POST", f"{member}/v3/{op.path}", json=op.body, headers=headers
+                )
+                if (reply := self._answer(op, response)) is not None:
+                    return reply
+                last = response.text
+            except (httpx.TransportError, ValueError) as exc:  # no answer, or not the gateway's JSON
+                last = f"{type(exc).__name__}: {exc}"
+        raise AssertionError("unreachable")
+
+    def _answer(self, op: Gateway, response: httpx.Response) -> dict[str, Any] | None:
+        """The reply, None for "not now: ask the next member", or the refusal raised."""
+        body = response.json() if response.content else {}
+        if response.status_code == 200:
+            reply: dict[str, Any] = body.get("result", body)  # keepalive wraps its reply in "result"
+            return reply
+        code = body.get("code")
+        if code in _NOT_NOW or response.status_code in (502, 503, 504):
+            return None
+        if code == 16 and self.token is not None:  # UNAUTHENTICATED: the token expired; log in again
+            self.token = None
+            return None
+        raise EtcdRefused(op.path, code, str(body.get("error") or body.get("message") or body))
+
+
+class EtcdRefused(Exception):
+    """etcd answered and refused the call (a lease it does not know, a bad request): not an outage."""
+
+    def __init__(self, path: str, code: object, message: str) -> None:
+        self.path, self.code, self.message = path, code, message
+        super().__init__(f"etcd refused {path}: {message}")
+
+
+class SyncEtcdExecutor:
+    """Runs plans' gateway calls with a blocking httpx client."""
+
+    def __init__(
+        self, target: EtcdTarget, sleep: Callable[[float], None], *, retry_for: float = 5.0, **options: Any
+    ) -> None:
+        self.members = _Members(target, retry_for)
+        self.sleep = sleep
+        self.client = httpx.Client(**{"timeout": 3.0, **options})
+
+    def run(self, plan: Plan[T]) -> T:
+        return run_sync(plan, self._handle)
+
+    def unit(self) -> nullcontext[Callable[[Op], Any]]:
+        return nullcontext(self._handle)
+
+    def _handle(self, op: Op) -> Any:
+        if isinstance(op, Sleep):
+            return self.sleep(op.seconds)
+        if isinstance(op, Atomic):
+            return self.run(op.plan)
+        if not isinstance(op, Gateway):
+            raise foreign("etcd", op)
+        return run_sync(self.members.call(op), self._send)
+
+    def _send(self, step: httpx.Request | Sleep) -> Any:
+        return self.sleep(step.seconds) if isinstance(step, Sleep) else self.client.send(step)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class AsyncEtcdExecutor:
+    """:class:`SyncEtcdExecutor` on an asyncio httpx client: the same exchange, awaited."""
+
+    def __init__(
+        self,
+        target: EtcdTarget,
+        sleep: Callable[[float], Awaitable[Any]],
+        *,
+        retry_for: float = 5.0,
+        **options: Any,
+    ) -> None:
+        self.members = _Members(target, retry_for)
+        self.sleep = sleep
+        self.client = httpx.AsyncClient(**{"timeout": 3.0, **options})
+
+    async def run(self, plan: Plan[T]) -> T:
+        return await run_async(plan, self._handle)
+
+    async def _handle(self, op: Op) -> Any:
+        if isinstance(op, Sleep):
+            return await self.sleep(op.seconds)
+        if isinstance(op, Atomic):
+            return await self.run(op.plan)
+        if not isinstance(op, Gateway):
+            raise foreign("etcd", op)
+        return await run_async(self.members.call(op), self._send)
+
+    async def _send(self, step: httpx.Request | Sleep) -> Any:
+        return await (self.sleep(step.seconds) if isinstance(step, Sleep) else self.client.send(step))
+
+    async def close(self) -> None:
+        await self.client.aclose()
