@@ -60,13 +60,15 @@ SQL_POOL: dict[str, Any] = {"pool_size": 5, "max_overflow": 64}
 
 
 def client_options(url: str, lease_ttl: float, pooling: str = "session") -> dict[str, Any]:
-    """The options a worker builds its client for ``url`` with (Redis or SQL); ``pooling``: the SQL
+    """The options a worker builds its client for ``url`` with (Redis, etcd or SQL); ``pooling``: the SQL
     engine's (``RESERVATIONS_DATABASE_POOLING``)."""
+    # A lease call that has not answered within a third of the ttl is of no use (a renewal would come too
+    # late): give up then, as unavailable, instead of waiting on TCP for minutes when the worker is cut off
+    # from Redis or etcd. On etcd that third also covers asking the other members through an election.
+    wait = max(0.5, min(5.0, lease_ttl / 3))
+    if url.startswith(("etcd://", "etcds://")):
+        return {"timeout": wait, "retry_for": wait}
     if url.startswith(("redis", "rediss", "unix")):
-        # A lease call that has not answered within a third of the ttl is of no use (a renewal would come
-        # too late): give up then, as unavailable, instead of waiting on TCP for minutes when the worker is
-        # cut off from Redis.
-        wait = max(0.5, min(5.0, lease_ttl / 3))
         # One reconnect for a pooled connection the server closed, none with backoff: redis-py's default
         # retries a refused connection ten times with growing pauses, which a sentinel client pays per
         # sentinel, seconds in all, before the call says the primary is unreachable.
