@@ -339,6 +339,12 @@ class Settings:
                 f"{PREFIX}LEASE_RENEW_EVERY ({self.lease_renew_every:g}s) must be shorter than the lease "
                 f"ttl ({self.lease_ttl:g}s, {PREFIX}LEASE_TTL)"
             )
+        # etcd keeps whole-second leases of at least its minimum: a worker would be refused every lease.
+        etcd = self.lease_url.startswith(("etcd://", "etcds://"))
+        if etcd and (self.lease_ttl != int(self.lease_ttl) or self.lease_ttl < 2):
+            problems.append(
+                f"{PREFIX}LEASE_TTL ({self.lease_ttl:g}s) must be whole seconds, 2 or more, on etcd"
+            )
         if problems:
             raise SettingsError(problems)
 

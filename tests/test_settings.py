@@ -339,3 +339,11 @@ def test_request_tasks_store_results_only_when_kept_and_the_schedule_always(expi
         assert not app.tasks["reservations.purge"].ignore_result
     finally:
         app.close()
+
+
+@pytest.mark.parametrize("ttl", ["1", "2.5"])
+def test_an_etcd_lease_url_needs_a_ttl_etcd_can_keep(ttl: str) -> None:
+    env = {"RESERVATIONS_LEASE_URL": "etcd://e1:2379,e2:2379,e3:2379/leases", "RESERVATIONS_LEASE_TTL": ttl}
+    with pytest.raises(SettingsError, match=r"LEASE_TTL .* whole seconds, 2 or more, on etcd"):
+        Settings.from_env(env)
+    assert Settings.from_env({**env, "RESERVATIONS_LEASE_TTL": "2"}).lease_ttl == 2
