@@ -24,6 +24,8 @@ import sqlalchemy as sa
 from rich.console import Console
 
 from admin.chaos import (
+    ETCD_LEADER,
+    ETCD_LEADER_KILLED,
     KILLED,
     LEASE_FAILED_OVER,
     LEASE_FAILOVER,
@@ -42,6 +44,7 @@ from fencing import LeaseManager, StaleToken
 from fencing.engines import make_engine
 from reservations import Inventory, scope_of
 from testing import support
+from testing.etcd_cluster import etcd_unavailable
 from testing.proxy import DelayProxy
 from testing.stores import POSTGRES_URL
 
@@ -181,6 +184,46 @@ def test_lease_failover_nemesis_fails_the_sentinel_primary_over_under_a_clean_fe
     assert _processes_mentioning(str(tmp_path)) == []  # redis-servers and sentinels stopped with the run
 
 
+@pytest.mark.skipif(etcd_unavailable() is not None, reason=str(etcd_unavailable()))
+def test_etcd_leader_nemesis_kills_the_leader_under_a_clean_fenced_run_with_no_repair(tmp_path: Path) -> None:
+    """--nemesis etcd-leader, kept short: the fenced run alone, in this process, a few requests over 10 s
+    (no flash sale), so the first two leader kills have their turn. The leases are on a private 3-member
+    etcd cluster whose leader is SIGKILLed and restarted under the stream; no violation, and no token
+    regression to repair: a revision a majority committed is never handed out again."""
+    schemas_before = _chaos_schemas()
+    options = Options(
+        workers=2,
+        skus=2,
+        requests=16,
+        duration=10,
+        drain=30,
+        hot=0,
+        postgres_url=POSTGRES_URL,
+        pictures=tmp_path / "pictures",
+        nemeses=(ETCD_LEADER,),
+    )
+    folder = tmp_path / "fenced"
+    report = run_once(options, fenced=True, folder=folder, console=Console(file=io.StringIO()))
+
+    assert report.violations == 0, report.checks
+    assert sum(report.statuses.values()) == report.enqueued
+    assert report.faults[ETCD_LEADER_KILLED] >= 2, (report.faults, report.nemeses)
+    assert REDIS_RESTARTED not in report.faults
+    kills = [run for run in report.nemeses if not run.skipped]
+    assert len(kills) >= 2, report.nemeses
+    for kill in kills:
+        assert (kill.name, kill.fault) == (ETCD_LEADER, ETCD_LEADER_KILLED)
+        assert kill.target.startswith("etcd leader m"), kill.target
+        assert "kill -9 of the leader" in kill.cuts[0] and "restarted on its data" in kill.cuts[1], kill.cuts
+        assert kill.violations == 0 and kill.repairs == 0
+    assert sum(kill.requests for kill in kills) >= 1
+    # The workers' lease URL was the cluster's, with the run's 2 s ttl (etcd keeps whole seconds).
+    log = (folder / "worker-f1.log").read_text()
+    assert "etcd://127.0.0.1:" in log and "lease ttl 2s" in log, log[:2000]
+    assert _chaos_schemas() <= schemas_before
+    assert _processes_mentioning(str(tmp_path)) == []  # every etcd member stopped with the run
+
+
 def test_every_key_answered_202_reaches_its_outcome_by_get_alone_through_kills_and_wipes(
     tmp_path: Path,
 ) -> None:
@@ -224,10 +267,17 @@ def test_every_key_answered_202_reaches_its_outcome_by_get_alone_through_kills_a
 
 def test_lease_failover_does_not_go_with_the_network_nemeses() -> None:
     """The sentinels name the primary by its loopback address, which a worker on a host of its own cannot
-    reach: asked together, the command refuses at once, before it starts anything."""
+    reach: asked together, the command refuses at once, before it starts anything. The etcd members
+    listen on loopback too, and each of the two puts the leases on a coordinator of its own."""
     done = support.run("chaos", "--nemesis", "lease-failover", "--partitions", env={})
     assert done.returncode == 2, done.stderr
     assert "lease-failover runs on loopback, not together with the network nemeses" in done.stderr
+    done = support.run("chaos", "--nemesis", "etcd-leader", "--nemesis", "lease-partition", env={})
+    assert done.returncode == 2, done.stderr
+    assert "etcd-leader runs on loopback, not together with the network nemeses" in done.stderr
+    done = support.run("chaos", "--nemesis", "etcd-leader", "--nemesis", "lease-failover", env={})
+    assert done.returncode == 2, done.stderr
+    assert "each put the leases on a coordinator of their own" in done.stderr
 
 
 def test_checker_counts_batches_and_refusals_and_catches_an_outcome_the_database_contradicts(

@@ -7,6 +7,8 @@ from admin.chaos.checker import check
 from admin.chaos.figures import Batching, batching_figures
 from admin.chaos.options import (
     DELAYED,
+    ETCD_LEADER,
+    ETCD_LEADER_KILLED,
     FROZEN,
     HOLDER_FROZEN,
     HOLDER_KILLED,
@@ -27,6 +29,8 @@ from admin.chaos.workload import Sent
 
 __all__ = [
     "DELAYED",
+    "ETCD_LEADER",
+    "ETCD_LEADER_KILLED",
     "FROZEN",
     "HOLDER_FROZEN",
     "HOLDER_KILLED",

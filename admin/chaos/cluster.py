@@ -1,7 +1,7 @@
 """The processes of one chaos run, started from the process harness and stopped together: a fresh schema,
 two private redis-servers (broker; leases), workers in their roles, celery beat, and the delaying proxy.
 With the lease-failover nemesis, the leases are on a Redis Sentinel topology instead (a primary, a
-replica, three sentinels).
+replica, three sentinels); with the etcd-leader nemesis, on a private 3-member etcd cluster.
 With network nemeses, each worker runs on a host of its own (testing/netns.py) and reaches the servers on
 the hosts' service address: the redis-servers listen there too, PostgreSQL through a forwarder.
 """
@@ -17,17 +17,11 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from admin.chaos.options import (
-    BEAT_EVERY,
-    LEASE_TTL,
-    MAX_EPOCHS,
-    VISIBILITY_TIMEOUT,
-    ChaosFailed,
-    Options,
-)
+from admin.chaos.options import BEAT_EVERY, MAX_EPOCHS, ChaosFailed, Options
 from fencing.engines import make_engine
 from tasks.settings import Settings
 from testing.celery_processes import CeleryProcess, start_all, stop_all, worker_env
+from testing.etcd_cluster import EtcdCluster, etcd_unavailable
 from testing.harness import HarnessError
 from testing.netns import Host, Hosts, NetnsError
 from testing.pg_schemas import pg_schema
@@ -53,7 +47,7 @@ class ChaosWorker(CeleryProcess):
 class Cluster:
     database_url: str
     settings: Settings  # the workers' settings (the one behind the proxy, and hosts' workers, differ)
-    lease_redis: RedisServer | None  # None: the leases are on ``sentinel``
+    lease_redis: RedisServer | None  # None: the leases are on ``sentinel`` or ``etcd``
     workers: list[ChaosWorker]  # beat among them, last
     proxy: DelayProxy | None
     # With network nemeses: each worker's host (beat runs in the root namespace), and the ports a host
@@ -62,6 +56,7 @@ class Cluster:
     ports: dict[str, int] = field(default_factory=dict)
     folder: Path | None = None  # the run's folder (worker logs, the slow link's log)
     sentinel: SentinelTopology | None = None  # with the lease-failover nemesis: the lease coordinator
+    etcd: EtcdCluster | None = None  # with the etcd-leader nemesis: the lease coordinator
     broker: RedisServer | None = None
     service: ServiceProcess | None = None  # the HTTP run's front door
 
@@ -112,13 +107,10 @@ def cluster(options: Options, *, fenced: bool, folder: Path) -> Iterator[Cluster
         listen = hosts.service if hosts is not None else "127.0.0.1"
         binds = (listen,) if hosts is not None else ()
         broker = RedisServer(folder / "redis-broker", binds=binds)
-        leases = (
-            SentinelTopology(folder / "sentinel-leases")
-            if options.lease_failover
-            else RedisServer(folder / "redis-leases", binds=binds)
-        )
+        leases = _leases(options, folder, binds)
         lease_redis = leases if isinstance(leases, RedisServer) else None
         sentinel = leases if isinstance(leases, SentinelTopology) else None
+        etcd = leases if isinstance(leases, EtcdCluster) else None
         workers: list[ChaosWorker] = []
         proxies: list[DelayProxy] = []
         service: ServiceProcess | None = None
@@ -127,7 +119,8 @@ def cluster(options: Options, *, fenced: bool, folder: Path) -> Iterator[Cluster
             proxies += [proxy] if proxy is not None else []
             broker.start()
             leases.start()
-            settings = _settings(options, fenced, database_url, broker, leases.url(0))
+            lease_url = leases.url("chaos") if isinstance(leases, EtcdCluster) else leases.url(0)
+            settings = _settings(options, fenced, database_url, broker, lease_url)
             up = Cluster(
                 database_url,
                 settings,
@@ -136,6 +129,7 @@ def cluster(options: Options, *, fenced: bool, folder: Path) -> Iterator[Cluster
                 proxy,
                 folder=folder,
                 sentinel=sentinel,
+                etcd=etcd,
                 broker=broker,
             )
             if hosts is not None and lease_redis is not None:
@@ -161,9 +155,24 @@ def cluster(options: Options, *, fenced: bool, folder: Path) -> Iterator[Cluster
             if lease_redis is not None:
                 lease_redis.kill()
             else:
-                leases.stop()  # every node of the topology
+                leases.stop()  # every node of the topology, or every member of the cluster
             for opened in proxies:
                 opened.close()
+
+
+def _leases(
+    options: Options, folder: Path, binds: tuple[str, ...]
+) -> RedisServer | SentinelTopology | EtcdCluster:
+    """The run's lease coordinator, not started yet."""
+    if options.lease_failover:
+        return SentinelTopology(folder / "sentinel-leases")
+    if options.etcd_leader:
+        missing = etcd_unavailable()
+        if missing is not None:
+            raise ChaosFailed(f"the etcd-leader nemesis needs etcd here: {missing}")
+        (folder / "etcd-leases").mkdir(exist_ok=True)
+        return EtcdCluster(folder / "etcd-leases")
+    return RedisServer(folder / "redis-leases", binds=binds)
 
 
 def _drop_fence_trigger(admin_url: str, schema_name: str) -> None:
@@ -210,9 +219,9 @@ def _settings(
         broker_url=broker.url(0),
         result_backend=broker.url(1),
         lease_url=lease_url,
-        lease_ttl=LEASE_TTL,
+        lease_ttl=options.lease_ttl,
         max_epochs=MAX_EPOCHS,
-        visibility_timeout=VISIBILITY_TIMEOUT,
+        visibility_timeout=options.visibility_timeout,
         enforce_fence=fenced,
         batching=options.batching,
         expiry_interval=BEAT_EVERY,

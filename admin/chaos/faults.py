@@ -69,10 +69,12 @@ class HotWatch:
     its pending list, and whether the holder is serving them. Read from the lease Redis and the database,
     as any operator could."""
 
-    def __init__(self, lease_url: str, database_url: str, sent: dict[str, Sent]) -> None:
-        # The workers' client options: a lease Redis (or a sentinel's primary) that does not answer
-        # holds the driver loop up for half a second, not for redis-py's default retries.
-        self.leases = LeaseManager.from_url(lease_url, **client_options(lease_url, LEASE_TTL))
+    def __init__(
+        self, lease_url: str, database_url: str, sent: dict[str, Sent], lease_ttl: float = LEASE_TTL
+    ) -> None:
+        # The workers' client options: a lease Redis (or a sentinel's primary, or an etcd cluster) that
+        # does not answer holds the driver loop up for half a second, not for redis-py's default retries.
+        self.leases = LeaseManager.from_url(lease_url, **client_options(lease_url, lease_ttl))
         self.engine = make_engine(database_url)
         self.sent = sent
         self.keys: dict[str, str] = {}  # task id -> key: a request's task id derives from its key
@@ -135,8 +137,15 @@ class ResumeFrozen:
     """Counts pool children stopped before a write (and whether one held the hot SKU's lease with requests
     waiting), and resumes each once its lease has certainly run out."""
 
-    def __init__(self, workers: list[ChaosWorker], report: RunReport, watch: HotWatch | None) -> None:
+    def __init__(
+        self,
+        workers: list[ChaosWorker],
+        report: RunReport,
+        watch: HotWatch | None,
+        stop_for: float = STOP_FOR,
+    ) -> None:
         self.workers, self.report, self.watch = workers, report, watch
+        self.stop_for = stop_for
 
     def step(self, now: float) -> None:
         # Its own reading: a step before it in the same tick may have taken a while (a kill waits for the
@@ -162,7 +171,7 @@ class ResumeFrozen:
                 worker.frozen_holders.add(pid)
                 self.report.faults[HOLDER_FROZEN] += 1
                 self.report.faults[SERVER_FROZEN] += found[1]
-        if now - since >= STOP_FOR:
+        if now - since >= self.stop_for:
             with suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
             worker.stopped_since.pop(pid, None)
@@ -234,15 +243,20 @@ class HolderPauses:
     does the self-frozen ones."""
 
     def __init__(
-        self, workers: list[ChaosWorker], report: RunReport, watch: HotWatch | None, start: float
+        self,
+        workers: list[ChaosWorker],
+        report: RunReport,
+        watch: HotWatch | None,
+        start: float,
+        stop_for: float = STOP_FOR,
     ) -> None:
         self.workers, self.report, self.watch = workers, report, watch
         self.left = HOLDER_PAUSES if watch is not None else 0
-        self.after = start
+        self.after, self.stop_for = start, stop_for
 
     def step(self, now: float) -> None:
         if self.left > 0 and now >= self.after and self.watch is not None and self._pause(self.watch):
-            self.left, self.after = self.left - 1, now + STOP_FOR
+            self.left, self.after = self.left - 1, now + self.stop_for
 
     def _pause(self, watch: HotWatch) -> bool:
         found = watch.holding(set(unfrozen_children(self.workers)))
@@ -293,8 +307,8 @@ class ServerRestarts:
     """A redis-server loses its data (killed, and started again empty after a moment) at fractions of the
     stream: the lease coordinator (token counters included; the broker, a separate server, keeps the
     queued requests), or in the HTTP run the broker too (every queued and unacknowledged message gone:
-    the relay publishes again what was recorded). Not on a Sentinel topology (``server`` None): there
-    the lease-failover nemesis's kill -9 is the data loss."""
+    the relay publishes again what was recorded). Not on a Sentinel topology or an etcd cluster (``server``
+    None): there the lease-failover nemesis's kill -9 is the data loss, and etcd loses no committed write."""
 
     def __init__(
         self,

@@ -105,6 +105,18 @@ LEASE_FAILED_OVER = "lease primary failed over (SENTINEL FAILOVER)"
 LEASE_PRIMARY_KILLED = "lease primary SIGKILLed, replica promoted, back as replica"
 FAILOVERS = ((LEASE_FAILED_OVER, 0.2), (LEASE_PRIMARY_KILLED, 0.6))
 
+# The etcd nemesis (``--nemesis etcd-leader``): the leases are on a private 3-member etcd cluster
+# (testing/etcd_cluster.py) instead of the lease Redis, and its leader is SIGKILLed and restarted on its
+# data at each of ETCD_KILLS_AT of the stream (each kill waits for the cluster to be whole again after the
+# one before). Loopback only, like lease-failover. etcd keeps leases of whole seconds, 2 at least: the run's
+# lease ttl is ETCD_LEASE_TTL, and what follows from the ttl (freezes, redelivery) scales with it.
+ETCD_LEADER = "etcd-leader"
+ETCD_LEADER_KILLED = "etcd leader SIGKILLed, new one elected, restarted on its data"
+ETCD_KILLS_AT = (0.15, 0.45, 0.75)
+ETCD_LEASE_TTL = 2.0
+# The nemeses that put the leases on a coordinator of their own (on loopback).
+COORDINATOR_NEMESES = (LEASE_FAILOVER, ETCD_LEADER)
+
 
 class ChaosFailed(RuntimeError):
     """The run could not be carried out (a process did not start); not a failed check."""
@@ -112,12 +124,15 @@ class ChaosFailed(RuntimeError):
 
 def nemeses_problem(names: tuple[str, ...], *, http: bool = False) -> str | None:
     """Why these nemeses cannot run together, or None. The sentinels name the lease primary by its
-    loopback address, which a worker on a host of its own cannot reach; the HTTP run's front door and its
-    callers are on loopback too."""
+    loopback address, and the etcd members listen on loopback, which a worker on a host of its own cannot
+    reach; the HTTP run's front door and its callers are on loopback too."""
     if http and names:
         return "the HTTP run takes no nemeses: its faults are kills, pauses and wipes (see --http)"
-    if LEASE_FAILOVER in names and any(name in NEMESES for name in names):
-        return f"{LEASE_FAILOVER} runs on loopback, not together with the network nemeses"
+    for name in COORDINATOR_NEMESES:
+        if name in names and any(other in NEMESES for other in names):
+            return f"{name} runs on loopback, not together with the network nemeses"
+    if all(name in names for name in COORDINATOR_NEMESES):
+        return f"{LEASE_FAILOVER} and {ETCD_LEADER} each put the leases on a coordinator of their own"
     return None
 
 
@@ -136,7 +151,8 @@ class Options:
     postgres_url: str = POSTGRES_URL
     folder: Path | None = None  # worker logs; a temporary folder by default
     pictures: Path = Path("var/chaos")  # one SVG timeline per run is saved here
-    # Network nemeses (NEMESES), in order, each worker then on a host of its own; or LEASE_FAILOVER.
+    # Network nemeses (NEMESES), in order, each worker then on a host of its own; or LEASE_FAILOVER, or
+    # ETCD_LEADER.
     nemeses: tuple[str, ...] = ()
     # The HTTP run: ``clients`` callers through a real front door, GET alone after a 202 (see KILL_EVERY).
     http: bool = False
@@ -154,3 +170,20 @@ class Options:
     @property
     def lease_failover(self) -> bool:
         return LEASE_FAILOVER in self.nemeses
+
+    @property
+    def etcd_leader(self) -> bool:
+        return ETCD_LEADER in self.nemeses
+
+    @property
+    def lease_ttl(self) -> float:
+        return ETCD_LEASE_TTL if self.etcd_leader else LEASE_TTL
+
+    @property
+    def stop_for(self) -> float:
+        """How long a frozen child stays stopped: past its lease at the coordinator (STOP_FOR)."""
+        return STOP_FOR * self.lease_ttl / LEASE_TTL
+
+    @property
+    def visibility_timeout(self) -> float:
+        return VISIBILITY_TIMEOUT * self.lease_ttl / LEASE_TTL

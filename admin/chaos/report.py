@@ -22,6 +22,7 @@ from admin.chaos.nemesis_figures import NemesisFigures
 from admin.chaos.options import (
     BROKER_RESTARTED,
     DELAYED,
+    ETCD_LEADER_KILLED,
     FROZEN,
     HOLDER_FROZEN,
     HOLDER_KILLED,
@@ -49,6 +50,7 @@ FAULTS = (
     BROKER_RESTARTED,
     LEASE_FAILED_OVER,
     LEASE_PRIMARY_KILLED,
+    ETCD_LEADER_KILLED,
     DELAYED,
 )
 # How the table names them: under the fault they are part of.

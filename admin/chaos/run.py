@@ -21,7 +21,7 @@ from rich.console import Console
 from admin.chaos.callers import SPACE, Callers, recorded
 from admin.chaos.checker import check
 from admin.chaos.cluster import Cluster, cluster, harness_failures, roles
-from admin.chaos.failover import LeaseFailovers
+from admin.chaos.failover import coordinator_faults
 from admin.chaos.faults import (
     HolderPauses,
     HotWatch,
@@ -38,6 +38,7 @@ from admin.chaos.nemesis_figures import NemesisRun, nemesis_figures
 from admin.chaos.options import (
     BEAT_EVERY,
     DELAYED,
+    ETCD_KILLS_AT,
     FLASH_BURST,
     HOT_SKU,
     RESEND_AFTER,
@@ -45,7 +46,6 @@ from admin.chaos.options import (
     SLOW_LINK,
     SWEEP_EVERY,
     TICK,
-    VISIBILITY_TIMEOUT,
     WATCH_EVERY,
     ChaosFailed,
     Options,
@@ -164,12 +164,17 @@ def _describe(options: Options, report: RunReport) -> str:
     )
     network = ", ".join(options.network_nemeses)
     hosts = f"; each worker on a host of its own (network namespace), nemeses: {network}" if network else ""
-    leases = (
-        "; leases on Redis Sentinel (a primary, a replica, three sentinels), the primary failed over twice"
-        " (SENTINEL FAILOVER, then kill -9)"
-        if options.lease_failover
-        else ""
-    )
+    leases = ""
+    if options.lease_failover:
+        leases = (
+            "; leases on Redis Sentinel (a primary, a replica, three sentinels), the primary failed over"
+            " twice (SENTINEL FAILOVER, then kill -9)"
+        )
+    elif options.etcd_leader:
+        leases = (
+            f"; leases on a 3-member etcd cluster (lease ttl {options.lease_ttl:g}s), its leader"
+            f" SIGKILLed and restarted {len(ETCD_KILLS_AT)} times"
+        )
     return (
         f"[bold]{report.mode}[/]: {options.workers} workers ({parts.count('freeze')} freezing before "
         f"writes, {parts.count('delay')} behind a {options.proxy_delay:g}s delaying proxy), "
@@ -272,24 +277,22 @@ def drive(
     client = Producer(up.settings.broker_url, up.settings.result_backend)
     # The sweep restores what was unacknowledged longer than the workers' visibility timeout; it reads
     # that timeout from its own connection's options, which must therefore be the workers'.
-    client.app.conf.broker_transport_options = {"visibility_timeout": VISIBILITY_TIMEOUT}
+    client.app.conf.broker_transport_options = {"visibility_timeout": options.visibility_timeout}
     workload = Workload(options, skus, inventory)
     report.sent = workload.sent
-    watch = HotWatch(up.settings.lease_url, up.database_url, workload.sent) if report.hot_sku else None
+    watch = _watch(options, up, workload) if report.hot_sku else None
     start = time.monotonic()
     stream = Stream(options, partial(_publish, client), workload, report, start)
     kill = WorkerKill(options, up.workers, report, watch, start)
-    resume, sweep = ResumeFrozen(up.workers, report, watch), Sweeper(client)
+    resume, sweep = ResumeFrozen(up.workers, report, watch, options.stop_for), Sweeper(client)
     folder = up.folder or Path(tempfile.gettempdir())
     nemeses = Nemeses(options, up, report, watch, start, folder) if up.hosts else None
-    failovers = (
-        LeaseFailovers(options, up.sentinel, up.workers, report, start) if up.sentinel is not None else None
-    )
+    failovers = coordinator_faults(options, up, report, start)
     # One tick: send what is due, then each fault in turn, then the housekeeping.
     steps: list[Step] = [
         stream,
         kill,
-        HolderPauses(up.workers, report, watch, start),
+        HolderPauses(up.workers, report, watch, start, options.stop_for),
         lease_wipes(options, up.lease_redis, report, start),
         *([nemeses] if nemeses is not None else []),
         *([failovers] if failovers is not None else []),
@@ -313,6 +316,10 @@ def drive(
             watch.close()
     report.enqueued = len(workload.sent)
     return runs
+
+
+def _watch(options: Options, up: Cluster, workload: Workload) -> HotWatch:
+    return HotWatch(up.settings.lease_url, up.database_url, workload.sent, options.lease_ttl)
 
 
 def _publish(client: Producer, request: Sent) -> None:

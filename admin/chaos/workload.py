@@ -78,7 +78,8 @@ class Workload:
         # A draw is a burst with this chance, so that bursts of FLASH_BURST are ``hot`` of the requests.
         self.burst_chance = hot / (FLASH_BURST * (1 - hot) + hot) if hot > 0 else 0.0
         # The stream sends requests evenly over the duration: a delay as a number of requests.
-        self.step_after = max(1, round(STEP_AFTER * options.requests / max(options.duration, 1e-3)))
+        step_after = STEP_AFTER * options.stop_for / STOP_FOR  # scaled with the run's lease ttl
+        self.step_after = max(1, round(step_after * options.requests / max(options.duration, 1e-3)))
         self.emitted = 0  # requests handed out so far, replays included
         # A stocktake's second burst still to send, each due when this many requests were handed out.
         self.later: list[tuple[int, list[Sent]]] = []

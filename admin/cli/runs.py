@@ -174,6 +174,13 @@ def chaos_command(
     refused, token regressions repaired, violations and business harm). It needs neither root nor ip
     netns, and runs on loopback, so not together with the network nemeses.
 
+    With --nemesis etcd-leader the leases are on a private 3-member etcd cluster instead (the workers'
+    RESERVATIONS_LEASE_URL is its etcd:// URL, the lease ttl 2 s: etcd keeps whole seconds, 2 at least;
+    freezes and redelivery scale with it) and its leader is SIGKILLed three times during the stream, each
+    time restarted on its data once a new leader is elected. Each kill gets a table like a failover's;
+    etcd hands out no token twice, so its repairs stay 0. Loopback only, like lease-failover, and not
+    together with it.
+
     With --http the stream goes through a real front door (reservations serve, at its default HTTP wait)
     from CLIENTS concurrent callers (a share of them, --respond-async, asking for 202 at once), and it
     is what the door takes: reservations, and confirms and
@@ -199,12 +206,14 @@ def chaos_command(
 
     Example: reservations chaos --duration 30 --nemesis lease-failover
 
+    Example: reservations chaos --duration 30 --nemesis etcd-leader
+
     Example: reservations chaos --http --workers 4 --requests 2400 --duration 60 --drain 60
     """
     from admin import chaos
-    from admin.chaos.options import LEASE_FAILOVER, NEMESES, nemeses_problem
+    from admin.chaos.options import COORDINATOR_NEMESES, NEMESES, nemeses_problem
 
-    known = (*NEMESES, LEASE_FAILOVER)
+    known = (*NEMESES, *COORDINATOR_NEMESES)
     unknown = sorted(set(nemesis or ()) - set(known))
     if unknown:
         fail(EXIT_USAGE, f"--nemesis {unknown[0]!r}: one of {', '.join(known)}")
