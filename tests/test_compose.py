@@ -24,6 +24,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
+from fencing.manager import lease_backend
 from reservations import schema
 from tasks.settings import Settings, SettingsError
 from testing.celery_processes import CeleryProcess, start_all, stop_all, worker_env
@@ -146,6 +147,51 @@ def test_rabbitmq_is_a_profile_and_the_broker_a_choice(services: dict[str, dict[
     worker = chosen["services"]["worker"]["environment"]
     assert worker["RESERVATIONS_BROKER_URL"].startswith("amqp://")
     assert worker["RESERVATIONS_BROKER_PASSWORD_FILE"] == "/run/secrets/rabbitmq_password"
+
+
+ETCD_URL = "etcd://etcd1:2379,etcd2:2379,etcd3:2379/reservations"
+
+
+def test_etcd_is_a_profile_and_the_lease_coordinator_a_choice(services: dict[str, dict[str, Any]]) -> None:
+    """Three etcd members behind the etcd profile, each advertising the address the others and the app
+    reach it on; the app's leases stay on Redis unless both lease variables are exported, and then the
+    worker's settings take the members' URL as an etcd lease URL."""
+    worker = services["worker"]["environment"]
+    assert worker["RESERVATIONS_LEASE_URL"] == "redis://redis:6379/2"
+    assert worker["RESERVATIONS_LEASE_PASSWORD_FILE"] == REDIS_SECRET
+    chosen = resolved(
+        "--profile", "etcd", RESERVATIONS_LEASE_URL=ETCD_URL, RESERVATIONS_LEASE_PASSWORD_FILE=""
+    )
+    members = {name: chosen["services"][name] for name in ("etcd1", "etcd2", "etcd3")}
+    peers = []
+    for name, member in members.items():
+        assert member["profiles"] == ["etcd"], name
+        assert member["image"].startswith("quay.io/coreos/etcd:v3.5."), member["image"]
+        env = member["environment"]
+        assert env["ETCD_NAME"] == name
+        assert env["ETCD_ADVERTISE_CLIENT_URLS"] == f"http://{name}:2379"
+        assert env["ETCD_INITIAL_ADVERTISE_PEER_URLS"] == f"http://{name}:2380"
+        assert env["ETCD_AUTO_COMPACTION_RETENTION"] and int(env["ETCD_QUOTA_BACKEND_BYTES"]) > 0
+        assert "endpoint" in member["healthcheck"]["test"] and "health" in member["healthcheck"]["test"]
+        peers.append(f"{name}=http://{name}:2380")
+    assert {m["environment"]["ETCD_INITIAL_CLUSTER"] for m in members.values()} == {",".join(peers)}
+    # A data volume each (docker-compose 1.x writes "source:target:mode", 2.x a mapping).
+    volumes = [m["volumes"][0] for m in members.values()]
+    assert len({v["source"] if isinstance(v, dict) else v.split(":")[0] for v in volumes}) == 3
+    for name in ("worker", "beat", "api", "migrate"):
+        env = chosen["services"][name]["environment"]
+        assert env["RESERVATIONS_LEASE_URL"] == ETCD_URL, name
+        assert env["RESERVATIONS_LEASE_PASSWORD_FILE"] == "", name
+    # The members the URL names are the profile's, on their client ports; the worker accepts the URL
+    # with the file's lease ttl (etcd keeps whole seconds, 2 at least).
+    env = chosen["services"]["worker"]["environment"]
+    hosts = urlsplit(env["RESERVATIONS_LEASE_URL"]).netloc.split(",")
+    assert [f"http://{host}" for host in hosts] == [
+        m["environment"]["ETCD_ADVERTISE_CLIENT_URLS"] for m in members.values()
+    ]
+    settings = Settings.from_env({k: v for k, v in env.items() if not k.endswith("PASSWORD_FILE")})
+    assert settings.lease_url == ETCD_URL and lease_backend(settings.lease_url) == "etcd"
+    assert settings.lease_ttl == int(settings.lease_ttl) >= 2
 
 
 def test_the_image_installs_the_project_not_an_editable_checkout() -> None:
@@ -279,7 +325,7 @@ def everything(project: Path) -> dict[str, dict[str, Any]]:
 
 
 def test_the_file_has_profiles() -> None:
-    assert {"rabbitmq", "monitoring", "flower"} <= set(PROFILES)
+    assert {"rabbitmq", "etcd", "monitoring", "flower"} <= set(PROFILES)
 
 
 @needs_compose

@@ -268,6 +268,10 @@ def test_the_prometheus_config_passes_promtool_and_scrapes_what_the_rules_read()
     assert compose_service("worker")["environment"]["RESERVATIONS_METRICS_PORT"] == "9808"
     command = compose_service("metrics")["command"]
     assert command[command.index("--port") + 1] == "9809"
+    # Every member of the etcd profile, on the client port it advertises (where it serves /metrics).
+    (members,) = jobs["etcd"]["static_configs"]
+    advertised = [compose_service(f"etcd{n}")["environment"]["ETCD_ADVERTISE_CLIENT_URLS"] for n in (1, 2, 3)]
+    assert [f"http://{target}" for target in members["targets"]] == advertised
 
 
 # -- Grafana's provisioning ----------------------------------------------------------------------------------
