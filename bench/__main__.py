@@ -24,7 +24,7 @@ from bench.env import Scratch, Settings, probe
 from bench.hot_sku import PER_SLOT, SLOTS, hot_vs_many
 from bench.hot_sku import SPREAD as SPREAD_SKUS
 from bench.http import http_front_door
-from bench.leases import redis_vs_raw, sql_vs_redis_leases
+from bench.leases import etcd_vs_redis_leases, redis_vs_raw, sql_vs_redis_leases
 from bench.lifecycle import one_vs_several
 from bench.report import Plan, render_markdown, render_rich
 from bench.reserve import reserve_vs_raw
@@ -50,8 +50,8 @@ HOT_SHARE = 10
 MIN_ITERATIONS = 5
 WARMUP_FRACTION = 0.1
 SECTIONS = (
-    "redis", "writes", "reserve", "backends", "tasks", "hot", "asyncio", "soak", "capacity", "capacity-check",
-    "http", "lifecycle",
+    "redis", "writes", "reserve", "backends", "etcd", "tasks", "hot", "asyncio", "soak", "capacity",
+    "capacity-check", "http", "lifecycle",
 )  # fmt: skip
 # The asyncio section: messages per enqueue case, and the enqueue-and-await calls kept in flight.
 ASYNC_ENQUEUES = 2000
@@ -79,7 +79,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="run only this section (repeatable): redis = lease vs raw Redis, writes = guarded vs "
         "plain write, reserve = Inventory.reserve vs the same rows by raw psycopg, as a transaction "
         "and as one CTE statement (PostgreSQL), "
-        "backends = SQL vs Redis lease backend, tasks = Celery reservation tasks vs no-op "
+        "backends = SQL vs Redis lease backend, etcd = etcd vs Redis lease backend and the raw Redis lock "
+        "(private etcd clusters of 1 and 3 members; needs etcd), tasks = Celery reservation tasks vs no-op "
         "tasks end to end (own redis-server and workers; needs PostgreSQL), hot = one hot SKU vs "
         f"{SPREAD_SKUS} SKUs on a thread pool of {', '.join(map(str, SLOTS))} task slots, batching on and "
         "off (same needs), asyncio = the asyncio client's enqueue rate vs Task.delay and its event loop lag "
@@ -94,6 +95,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--no-sql-leases", action="store_true",
         help="tasks section: skip the second worker on the SQL lease backend (saves its bursts)",
+    )
+    parser.add_argument(
+        "--no-etcd-leases", action="store_true",
+        help="tasks section: skip the worker on etcd leases (a private 3-member cluster; saves its bursts)",
     )
     args = parser.parse_args(argv)
     if args.iterations is not None and args.iterations < MIN_ITERATIONS:
@@ -123,6 +128,7 @@ class Run:
     redis_ok: bool
     postgres_ok: bool
     redis_server: bool  # a redis-server binary for the Celery sections' private broker
+    etcd: bool  # an etcd binary for private etcd clusters
 
     def sizing(self, iterations: int) -> dict[str, int]:
         return {
@@ -168,9 +174,16 @@ def _backends(run: Run) -> None:
     )  # fmt: skip
 
 
+def _etcd(run: Run) -> None:
+    etcd_vs_redis_leases(
+        run.scratch, run.results, progress=run.progress, **run.sizing(run.plan.backend_iterations)
+    )
+
+
 def _tasks(run: Run) -> None:
     timed = tasks_vs_noop(
         run.scratch, run.results, sql_leases=not run.args.no_sql_leases,
+        etcd_leases=not run.args.no_etcd_leases and run.etcd,
         fit_budget=run.args.iterations is None, progress=run.progress,
         **run.sizing(run.plan.task_iterations),
     )  # fmt: skip
@@ -224,6 +237,7 @@ SECTION_RUNS: list[tuple[str, Callable[[Run], bool], str, Callable[[Run], None]]
     ("reserve", lambda run: run.postgres_ok, "fenced reserve vs raw psycopg, PostgreSQL", _reserve),
     ("lifecycle", lambda run: run.postgres_ok, "later steps: one statement vs several", _lifecycle),
     ("backends", lambda run: run.redis_ok, "SQL vs Redis lease backend", _backends),
+    ("etcd", lambda run: run.redis_ok and run.etcd, "etcd vs Redis lease backend", _etcd),
     ("tasks", _celery, "Celery end to end: reservation vs no-op tasks, hot vs spread SKUs", _tasks),
     ("hot", _celery, "Celery end to end on a thread pool: one hot SKU vs many, batching on and off", _hot),
     ("asyncio", _celery, "asyncio producer: enqueue rate and event loop lag with real workers", _asyncio),
@@ -262,8 +276,11 @@ def main(argv: list[str] | None = None) -> int:
     # The tasks section runs its own redis-server (the shared one may carry other jobs' queues), so it
     # needs the binary instead of BENCH_REDIS_URL.
     redis_server = shutil.which("redis-server")
-    if not redis_ok and wanted & {"redis", "backends"}:
+    if not redis_ok and wanted & {"redis", "backends", "etcd"}:
         results.skipped.append("Skipped the Redis and backend sections: Redis is unreachable.")
+    etcd = shutil.which("etcd") is not None
+    if not etcd and wanted & {"etcd", "tasks"}:
+        results.skipped.append("Skipped the etcd rows: no etcd on PATH (Debian: etcd-server).")
     if not postgres_ok and wanted - {"redis"}:
         what = "the PostgreSQL rows" + (" and the Celery sections" if wanted & {"tasks", "hot"} else "")
         results.skipped.append(f"Skipped {what}: PostgreSQL is unreachable.")
@@ -276,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     load_before = _load()
     scratch = Scratch(settings)
-    run = Run(args, plan, scratch, results, progress, redis_ok, postgres_ok, redis_server is not None)
+    run = Run(args, plan, scratch, results, progress, redis_ok, postgres_ok, redis_server is not None, etcd)
     try:
         for name, needs, label, section in SECTION_RUNS:
             if name in wanted and needs(run):

@@ -1,5 +1,5 @@
-"""Lease round trips: the Redis lease backend against a hand-written raw Redis lock, and the SQL lease
-backend against the Redis one. One unit of work is an acquire followed by its release.
+"""Lease round trips: the Redis lease backend against a hand-written raw Redis lock, and the SQL and etcd
+lease backends against the Redis one. One unit of work is an acquire followed by its release.
 """
 
 from __future__ import annotations
@@ -7,8 +7,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 import secrets
+import shutil
+import subprocess
+import tempfile
 from collections.abc import Callable
 from contextlib import ExitStack
+from pathlib import Path
 from typing import Any
 
 import redis
@@ -24,6 +28,7 @@ from fencing.manager import DEFAULT_HISTORY_CAP, DEFAULT_HISTORY_RETENTION
 from fencing.redis_backend import ACQUIRE, RELEASE, scope_keys
 from fencing.sql import SyncSqlExecutor
 from fencing.sql_backend import lease_events
+from testing.etcd_cluster import etcd_cluster
 
 TTL = 5.0
 TTL_MS = 5000
@@ -45,6 +50,10 @@ ASYNC_RAW = "redis.asyncio SET NX PX + CAD script, 1 key"
 REDIS_LEASE = "Redis lease acquire+release"
 SQL_LEASE_PG = "SQL lease acquire+release, PostgreSQL"
 SQL_LEASE_SQLITE = "SQL lease acquire+release, SQLite"
+
+ETCD_LEASE_1 = "etcd lease acquire+release, 1 member"
+ETCD_LEASE_3 = "etcd lease acquire+release, 3 members"
+RAW_VS_ETCD = "raw Redis lock: SET NX PX + CAD script"
 
 SQL_SCOPE = "vs-redis"
 
@@ -255,3 +264,62 @@ def sql_vs_redis_leases(
                 "pairs; the SQL backend adds a row per acquire and release, trimmed by "
                 "purge_history's retention (history_cap only caps the Redis log)."
             )
+
+
+def etcd_version() -> str:
+    done = subprocess.run(["etcd", "--version"], capture_output=True, text=True, timeout=10, check=False)
+    return done.stdout.splitlines()[0].removeprefix("etcd Version: ") if done.stdout else "unknown"
+
+
+def etcd_vs_redis_leases(
+    scratch: Scratch,
+    results: Results,
+    *,
+    iterations: int,
+    warmup: int,
+    repeats: int,
+    progress: Progress | None = None,
+) -> None:
+    """The etcd lease backend beside the Redis one and the raw Redis lock, on private etcd clusters of
+    one member (like for like: the Redis rows are one redis-server) and of three (as deployed). Needs the
+    ``etcd`` binary and Redis; the caller checks both."""
+    section = "etcd lease backend vs Redis lease backend and raw Redis lock (acquire+release pairs)"
+    prefix = scratch.redis_prefix
+    with ExitStack() as stack:
+        folder = Path(tempfile.mkdtemp(prefix="fencing-bench-etcd-"))
+        stack.callback(shutil.rmtree, folder, ignore_errors=True)
+        if progress:
+            progress("  starting private etcd clusters of 1 and 3 members")
+        (folder / "one").mkdir()
+        (folder / "three").mkdir()
+        one = stack.enter_context(etcd_cluster(folder / "one", size=1))
+        three = stack.enter_context(etcd_cluster(folder / "three", size=3))
+        redis_manager = stack.enter_context(scratch.redis_manager())
+        client = scratch.redis_client()
+        stack.callback(client.close)
+        cad = client.register_script(COMPARE_AND_DELETE)
+        single = stack.enter_context(LeaseManager.from_url(one.url("bench")))
+        triple = stack.enter_context(LeaseManager.from_url(three.url("bench")))
+        stats = measure(
+            [
+                Case(REDIS_LEASE, lease_pair(redis_manager, same("vs-etcd"))),
+                Case(RAW_VS_ETCD, raw_pair(client, cad, same(f"{prefix}:raw:vs-etcd"))),
+                Case(ETCD_LEASE_1, lease_pair(single, same("vs-redis"))),
+                Case(ETCD_LEASE_3, lease_pair(triple, same("vs-redis"))),
+            ],
+            iterations=iterations,
+            warmup=warmup,
+            repeats=repeats,
+            progress=progress,
+        )
+        results.add(section, stats, ETCD_LEASE_1, REDIS_LEASE)
+        results.add(section, stats, ETCD_LEASE_3, REDIS_LEASE)
+        results.add(section, stats, ETCD_LEASE_1, RAW_VS_ETCD)
+        results.add(section, stats, ETCD_LEASE_3, ETCD_LEASE_1)
+    results.notes.append(
+        f"etcd {etcd_version()} (Debian etcd-server), private clusters on loopback, data directories on "
+        f"{tempfile.gettempdir()}'s file system, default flags: an etcd pair is a linearizable read, a lease "
+        "grant, a create-if-absent transaction and a revoke, three of them consensus writes that the "
+        "leader (and, with three members, a follower) fsyncs before answering; a Redis pair is two scripts "
+        "on one redis-server that writes no file before answering."
+    )

@@ -56,6 +56,7 @@ from fencing.urls import mask_url
 from reservations import schema
 from tasks import ReservationClient, Settings, create_app
 from testing.celery_processes import CeleryProcess, start_all, stop_all, worker_env
+from testing.etcd_cluster import etcd_cluster
 from testing.harness import free_port
 from testing.redis_servers import redis_server
 
@@ -82,6 +83,7 @@ NOOPS = (NOOP_PROJECT, NOOP_DEFAULTS, NOOP_IGNORED)
 SPREAD_RESULT = f"reserve, {SPREAD} SKUs, AsyncResult.get"
 SPREAD_POLL = f"reserve, {SPREAD} SKUs, DB outcome poll"
 SQL_SPREAD_RESULT = f"reserve, {SPREAD} SKUs, SQL leases, AsyncResult.get"
+ETCD_SPREAD_RESULT = f"reserve, {SPREAD} SKUs, etcd leases (3 members), AsyncResult.get"
 METRICS_SPREAD_RESULT = f"reserve, {SPREAD} SKUs, metrics on, AsyncResult.get"
 RAW_RESERVE = f"raw reservation task (lock, one statement), Celery defaults, {SPREAD} SKUs, AsyncResult.get"
 LIFE = "a reservation's life as tasks: reserve then confirm"
@@ -179,6 +181,15 @@ def _run_cases(
     return CaseRuns(stats, retries, seen, idle, sizing)
 
 
+def _etcd_settings(stack: ExitStack, workdir: Path, settings: Settings, base: str) -> Settings:
+    """The project's worker again, on the leases of a private 3-member etcd cluster (stopped after the
+    workers, as the redis-server is), at the default 30 s ttl: whole seconds, as etcd keeps them."""
+    (workdir / "etcd").mkdir()
+    cluster = stack.enter_context(etcd_cluster(workdir / "etcd"))
+    url = cluster.url("bench")
+    return settings.with_(broker_url=f"{base}/14", result_backend=f"{base}/15", lease_url=url)
+
+
 def tasks_vs_noop(
     scratch: Scratch,
     results: Results,
@@ -187,10 +198,12 @@ def tasks_vs_noop(
     warmup: int,
     repeats: int,
     sql_leases: bool = True,
+    etcd_leases: bool = False,
     fit_budget: bool = True,
     progress: Progress | None = None,
 ) -> int:
-    """Needs PostgreSQL (the inventory) and a ``redis-server`` binary; the caller checks both.
+    """Needs PostgreSQL (the inventory) and a ``redis-server`` binary (and ``etcd`` with ``etcd_leases``:
+    a worker on the leases of a private 3-member etcd cluster); the caller checks them.
 
     With ``fit_budget`` the bursts shrink below ``iterations`` when the warm-up rates say they would not
     fit :data:`TIMED_BUDGET`; returns the burst size timed.
@@ -214,12 +227,13 @@ def tasks_vs_noop(
         # and a stock row fenced by one backend's high token refuses the other's low one as stale.
         spread = [f"S-{n}" for n in range(SPREAD)]
         sql_spread = [f"Q-{n}" for n in range(SPREAD)]
+        etcd_spread = [f"E-{n}" for n in range(SPREAD)]
         counted_skus = [f"C-{n}" for n in range(SPREAD)]
         metered = [f"M-{n}" for n in range(SPREAD)]
         lives = [f"L-{n}" for n in range(SPREAD)]  # reserved, then confirmed: on hand goes down
         raw_skus = [f"R-{n}" for n in range(SPREAD)]  # the physical reference's, locked by name only
         seeded = spread + counted_skus + metered + lives + raw_skus
-        _seed(database_url, seeded + (sql_spread if sql_leases else []))
+        _seed(database_url, seeded + (sql_spread if sql_leases else []) + etcd_spread)
 
         # One redis-server, one database number per role; every worker has a broker database of its
         # own so that no worker takes another's tasks. Requests keep their Celery result (none by
@@ -234,6 +248,7 @@ def tasks_vs_noop(
         sql_settings = redis_settings.with_(
             broker_url=f"{base}/3", result_backend=f"{base}/4", lease_url=database_url
         )
+        etcd_settings = _etcd_settings(stack, workdir, redis_settings, base) if etcd_leases else None
         defaults_env = {
             celery_defaults.BROKER_ENV: f"{base}/5",
             celery_defaults.BACKEND_ENV: f"{base}/6",
@@ -264,6 +279,7 @@ def tasks_vs_noop(
             "bench-raw": (raw_tasks.__name__, raw_env),
             "bench-count": (project, count_settings),
             **({"bench-sql": (project, sql_settings)} if sql_leases else {}),
+            **({"bench-etcd": (project, etcd_settings)} if etcd_settings is not None else {}),
         }
         workers = {
             name: CeleryProcess(
@@ -313,6 +329,10 @@ def tasks_vs_noop(
             sql_app, sql_client = producer(sql_settings)
             sql_case = reserve_burst_result(sql_app, sql_client, sql_spread, in_flight)
             cases.append(TaskCase(SQL_SPREAD_RESULT, sql_case, workers["bench-sql"]))
+        if etcd_settings is not None:
+            etcd_app, etcd_client = producer(etcd_settings)
+            etcd_case = reserve_burst_result(etcd_app, etcd_client, etcd_spread, in_flight)
+            cases.append(TaskCase(ETCD_SPREAD_RESULT, etcd_case, workers["bench-etcd"]))
         try:
             count_app, count_client = producer(count_settings)
             database = count_database(
@@ -335,6 +355,8 @@ def tasks_vs_noop(
         expected |= _round_robin(metered, bursts)
         if sql_leases:
             expected |= _round_robin(sql_spread, bursts)
+        if etcd_settings is not None:
+            expected |= _round_robin(etcd_spread, bursts)
         expected |= _round_robin(raw_skus, bursts)
         expected |= dict.fromkeys(lives, 0)  # every life's reservation confirmed: none held
         checked = _check_stock(database_url, expected, confirmed=_round_robin(lives, bursts))
@@ -355,6 +377,9 @@ def tasks_vs_noop(
     if sql_leases:
         results.add(f"Celery end to end: SQL lease backend vs Redis lease backend (bursts of {count})",
                     stats, SQL_SPREAD_RESULT, SPREAD_RESULT)  # fmt: skip
+    if etcd_leases:
+        results.add(f"Celery end to end: etcd lease backend vs Redis lease backend (bursts of {count})",
+                    stats, ETCD_SPREAD_RESULT, SPREAD_RESULT)  # fmt: skip
     results.add(f"Celery end to end: reservation task with metrics on vs off (bursts of {count})",
                 stats, METRICS_SPREAD_RESULT, SPREAD_RESULT)  # fmt: skip
     results.add(f"Celery end to end: a reservation's life vs two no-ops (bursts of {count} lives)",
@@ -384,6 +409,11 @@ def tasks_vs_noop(
     leases = f"redis at {mask_url(redis_settings.lease_url)} (as compose.yaml deploys it)"
     if sql_leases:
         leases += "; SQL on the inventory database for the 'SQL leases' row, on a worker of its own"
+    if etcd_leases:
+        leases += (
+            "; a private 3-member etcd cluster on loopback (as compose.yaml's etcd profile deploys it) for"
+            " the 'etcd leases' row, on a worker of its own"
+        )
     broker, backend = mask_url(redis_settings.broker_url), mask_url(redis_settings.result_backend)
     results.context += [
         f"Celery workers: {len(workers)} x celery {version('celery')} worker --pool {POOL} -c {CONCURRENCY} "
@@ -393,6 +423,7 @@ def tasks_vs_noop(
         "app at Celery's defaults (early acks, prefetch 4), the same defaults running the physical reference "
         "(bench.raw_tasks)"
         + (", the project's app on SQL leases" if sql_leases else "")
+        + (", the project's app on etcd leases" if etcd_leases else "")
         + f"; one busy at a time, the others idling; ready {startup:.1f} s after start",
         f"Celery broker / results: private redis-server {server.version}, {broker} / {backend} "
         "(every worker a broker and result database of its own on the same server)",
