@@ -49,7 +49,8 @@ class EtcdTarget:
 
 
 def etcd_target(url: str) -> EtcdTarget:
-    """``etcd[s]://[user[:password]@]host:port[,host:port...][/prefix]``; InvalidLeaseRequest says why not."""
+    """``etcd[s]://[user[:password]@]host[:port][,host[:port]...][/prefix]`` (port 2379 unless given);
+    InvalidLeaseRequest says why not."""
     scheme, _, rest = url.partition("://")
     authority, _, path = rest.partition("/")
     userinfo, at, hosts = authority.rpartition("@")
@@ -57,12 +58,13 @@ def etcd_target(url: str) -> EtcdTarget:
     for host in hosts.split(","):
         parts = urlsplit(f"//{host}")
         try:
-            port = parts.port
+            port = parts.port or 2379
         except ValueError:
-            port = None
-        if not parts.hostname or port is None:
-            raise InvalidLeaseRequest(f"etcd members are host:port, not {host!r}")
-        members.append(f"{'https' if scheme == 'etcds' else 'http'}://{host}")
+            port = 0
+        if not parts.hostname or not port:
+            raise InvalidLeaseRequest(f"etcd members are host or host:port, not {host!r}")
+        host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+        members.append(f"{'https' if scheme == 'etcds' else 'http'}://{host}:{port}")
     user, _, password = userinfo.partition(":")
     prefix = validate_prefix(unquote(path.strip("/"))) if path.strip("/") else None
     return EtcdTarget(

@@ -8,6 +8,7 @@ other stores (tests/test_leases.py)."""
 from __future__ import annotations
 
 import logging
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -24,7 +25,7 @@ from fencing import (
     LostOwnership,
     StaleToken,
 )
-from fencing.etcd_gateway import etcd_target
+from fencing.etcd_gateway import EtcdRefused, etcd_target
 from fencing.manager import lease_backend
 from fencing.plan import Command, run_sync
 from fencing.urls import mask_url
@@ -67,11 +68,13 @@ def test_the_etcd_url_names_members_prefix_and_credentials() -> None:
     target = etcd_target("etcds://app:s3cret@m1:2379,m2:2379/shop")
     assert target.members == ("https://m1:2379", "https://m2:2379")
     assert (target.prefix, target.username, target.password) == ("shop", "app", "s3cret")
-    assert etcd_target("etcd://m1:2379").prefix is None
+    plain = etcd_target("etcd://m1,m2,m3")
+    assert plain.members == ("http://m1:2379", "http://m2:2379", "http://m3:2379") and plain.prefix is None
     assert lease_backend("etcd://m1:2379,m2:2379") == "etcd"
     assert "s3cret" not in mask_url("etcds://app:s3cret@m1:2379,m2:2379/shop")
-    with pytest.raises(InvalidLeaseRequest, match="host:port"):
-        etcd_target("etcd://m1,m2:2379")
+    for bad in ("etcd://m1,m2:port", "etcd://m1,,m2", "etcd://m1:99999"):
+        with pytest.raises(InvalidLeaseRequest, match="host or host:port"):
+            etcd_target(bad)
 
 
 def test_tokens_come_from_the_revision_and_strictly_increase(leases: LeaseManager) -> None:
@@ -326,3 +329,19 @@ def test_a_stream_of_fenced_writes_through_a_leader_kill_and_a_frozen_member(
         )
     finally:
         inventory.close()
+
+
+def test_a_user_and_password_from_the_url_log_in(tmp_path: Path) -> None:
+    """etcd's authentication: the URL's user logs in through the gateway, and a wrong password is refused
+    by etcd itself, not taken for an outage."""
+    with etcd_cluster(tmp_path, size=1) as single:
+        endpoint = single.members[0].client_url
+        for command in (["user", "add", "root:rootpw"], ["auth", "enable"]):
+            subprocess.run(["etcdctl", f"--endpoints={endpoint}", *command], check=True, capture_output=True)
+        port = single.members[0].client_port
+        with LeaseManager.from_url(f"etcd://root:rootpw@127.0.0.1:{port}/auth") as leases:
+            lease = leases.acquire("sku:A", ttl=TTL)
+            leases.release(lease)
+        refused = LeaseManager.from_url(f"etcd://root:wrong@127.0.0.1:{port}/auth")
+        with refused, pytest.raises(EtcdRefused, match="authentication failed"):
+            refused.acquire("sku:A", ttl=TTL)
