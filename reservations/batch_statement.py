@@ -20,7 +20,8 @@ from typing import Any
 from fencing import Fence, Lease
 from fencing.plan import Bound, Plan
 from fencing.sql import Rows
-from reservations import sql_text
+from reservations import ledger, sql_text
+from reservations import request_outcomes as outcomes
 from reservations.ledger import HeldLine
 from reservations.models import HELD, stock
 from reservations.request_outcomes import RequestResult, result_of
@@ -59,28 +60,11 @@ WITH clock AS (
            %(holder)s::text, h.quantity, h.key, h.id, 0, h.quantity, NULL, NULL
     FROM held AS h, clock AS c WHERE EXISTS (SELECT 1 FROM upd)
 ), recorded AS (
-    INSERT INTO idempotency_keys (key, fingerprint, operation, outcome, token, created_ms)
-    SELECT r.key, r.fingerprint, r.operation, r.outcome, r.token, c.now_ms
-    FROM json_to_recordset(%(records)s::json)
-         AS r(key text, fingerprint text, operation text, outcome text, token bigint),
-         clock AS c, ok
-    WHERE ok.ok
+    {recorded}
 ), told AS (
-    INSERT INTO request_outcomes (key, operation, status, detail, task_id, worker, epochs, at_ms, fingerprint)
-    SELECT o.key, o.operation, o.status, o.detail, o.task_id, o.worker, o.epochs, c.now_ms, o.fingerprint
-    FROM json_to_recordset(%(outcomes)s::json)
-         AS o(key text, operation text, status text, detail text, task_id text, worker text, epochs int,
-              fingerprint text),
-         clock AS c, ok
-    WHERE ok.ok
-    RETURNING *
+    {told}
 ), tried AS (
-    INSERT INTO task_attempts (key, operation, result, task_id, worker, token, detail, at_ms)
-    SELECT a.key, a.operation, a.result, a.task_id, a.worker, a.token, a.detail, c.now_ms
-    FROM json_to_recordset(%(attempts)s::json)
-         AS a(key text, operation text, result text, task_id text, worker text, token bigint, detail text),
-         clock AS c, ok
-    WHERE ok.ok
+    {tried}
 ), gone AS (
     DELETE FROM pending_reservations WHERE key = ANY(%(listed)s::text[]) AND (SELECT ok FROM ok)
 )
@@ -88,9 +72,15 @@ SELECT ok.ok, t.key, t.operation, t.status, t.detail, t.task_id, t.worker, t.epo
 FROM ok LEFT JOIN told AS t ON TRUE
 """
 
-WRITE = _SQL.format(now_ms=sql_text.NOW_MS, accepted=sql_text.fence_admits(Fence(stock)))
+_PARTS = {
+    "now_ms": sql_text.NOW_MS,
+    "recorded": ledger.BATCHED,
+    "told": outcomes.BATCH_TOLD,
+    "tried": outcomes.BATCH_TRIED,
+}
+WRITE = _SQL.format(**_PARTS, accepted=sql_text.fence_admits(Fence(stock)))
 # Lease-only: the token is written but not checked (for measuring what the fence prevents).
-UNFENCED = _SQL.format(now_ms=sql_text.NOW_MS, accepted="TRUE")
+UNFENCED = _SQL.format(**_PARTS, accepted="TRUE")
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,7 @@ import sqlalchemy as sa
 
 from fencing import Lease, StaleToken
 from fencing.plan import Atomic, Plan
-from fencing.sql import Rows, db_now_ms
+from fencing.sql import Rows
 from reservations import batch_statement
 from reservations import validation as valid
 from reservations.batch_statement import InHand
@@ -25,18 +25,22 @@ from reservations.errors import (
     RequestClosed,
     UnknownSku,
 )
-from reservations.ledger import HeldLine, Ledger, Shell, fingerprint, new_reservation_id, reservation_conflict
-from reservations.lifecycle import hold_one
-from reservations.models import (
-    idempotency_keys,
-    pending_reservations,
-    request_outcomes,
-    reservations,
-    stock,
-    task_attempts,
+from reservations.ledger import (
+    HeldLine,
+    Ledger,
+    Shell,
+    closed,
+    fingerprint,
+    new_reservation_id,
+    record,
+    reservation_conflict,
+    short,
 )
+from reservations.ledger import records as ledger_records
+from reservations.lifecycle import hold_one
+from reservations.models import idempotency_keys, pending_reservations, request_outcomes, reservations, stock
 from reservations.reads import STOCK_COLUMNS
-from reservations.request_outcomes import TOMBSTONE_FINGERPRINT, RequestResult, result_of
+from reservations.request_outcomes import RequestResult, attempts_written, outcomes_written, result_of
 from reservations.reserve_statement import Prior
 from reservations.statuses import AttemptResult, RequestStatus
 from reservations.values import Outcome, StockLevel
@@ -201,18 +205,13 @@ def _batch(
                 ledger.fence, lease, sku, allotted, records, outcomes, attempts, keys
             )
         )
-    now = db_now_ms()
     if records:
-        yield sa.insert(idempotency_keys).values([{**r, "created_ms": now} for r in records])
+        yield ledger_records(*records)
     written = Rows([])
     if outcomes:
         # The rows as written (their time is the database's): what the batch returns.
-        written = yield (
-            sa.insert(request_outcomes)
-            .values([{**o, "at_ms": now} for o in outcomes])
-            .returning(*request_outcomes.c)
-        )
-        yield sa.insert(task_attempts).values([{**a, "at_ms": now} for a in attempts])
+        written = yield outcomes_written(*outcomes).returning(*request_outcomes.c)
+        yield attempts_written(*attempts)
     yield sa.delete(pending_reservations).where(pending_reservations.c.key.in_(keys))
     return [result_of(r) for r in written.rows]
 
@@ -306,17 +305,6 @@ def _serve_one(
     """One request of a batch: (final status, detail, attempt result). Records it adds go to ``records``."""
     sku, key = request.sku, request.key
 
-    def record(fingerprint: str, outcome: str, token: int | None = None) -> None:
-        records.append(
-            {
-                "key": key,
-                "fingerprint": fingerprint,
-                "operation": "reserve",
-                "outcome": outcome,
-                "token": token,
-            }
-        )
-
     try:
         if not known:
             raise UnknownSku(sku)
@@ -326,15 +314,15 @@ def _serve_one(
         if key in clashing:
             raise reservation_conflict(key, "reserve")
         outcome = yield from hold(request)
-        record(print_, outcome.to_json(), lease.token)
+        records.append(record(key, print_, "reserve", outcome.to_json(), lease.token))
         return RequestStatus.RESERVED, outcome.summary(), AttemptResult.APPLIED
     except InsufficientStock as refused:
         if not getattr(refused, "replayed", False):
-            record(print_, json.dumps({"error": RequestStatus.INSUFFICIENT_STOCK, **refused.summary()}))
+            records.append(short(key, print_, "reserve", refused))
         return RequestStatus.INSUFFICIENT_STOCK, refused.summary(), AttemptResult.INSUFFICIENT_STOCK
     except (UnknownSku, RequestClosed, IdempotencyConflict) as invalid:
         if key not in stored:  # close the key, as every request that ends without effect does
-            record(TOMBSTONE_FINGERPRINT, json.dumps({"error": "closed", "status": RequestStatus.INVALID}))
+            records.append(closed(key, "reserve", RequestStatus.INVALID))
         return (
             RequestStatus.INVALID,
             {"error": type(invalid).__name__, "message": str(invalid)},

@@ -20,7 +20,8 @@ from typing import Any, NoReturn
 from fencing import Fence, Lease
 from fencing.plan import Alone, Plan
 from fencing.sql import Rows
-from reservations import sql_text
+from reservations import ledger, sql_text
+from reservations import request_outcomes as outcomes
 from reservations.models import stock
 from reservations.reserve_statement import Applied, Ended, Replay, Speaker, read_head
 from reservations.sql_text import Variants
@@ -30,22 +31,24 @@ from reservations.values import Outcome, StockLevel
 #         request that already ended is answered from it and nothing else happens.
 # prior   the key's idempotency record (on the statement's snapshot: one committed while the statement
 #         waits on a row lock is caught by the unique key instead).
-HEAD = """
-done AS (
-    SELECT key, operation, status, detail, task_id, worker, epochs, at_ms, fingerprint
-    FROM request_outcomes WHERE %(record)s::boolean AND key = %(key)s::text
-), prior AS (
-    SELECT fingerprint, operation, outcome FROM idempotency_keys
-    WHERE key = %(key)s::text AND NOT EXISTS (SELECT 1 FROM done)
+_READS = {"done": outcomes.DONE, "prior": ledger.PRIOR}
+_HEAD = """
+done AS ({done}), prior AS (
+    {prior} AND NOT EXISTS (SELECT 1 FROM done)
 )"""
+HEAD = _HEAD.format(**_READS)
 
 # What ``upd`` returns: the stock row after the write (sku, on_hand, reserved, available, fence_token),
 # the database clock (now_ms), the units the write moved as its history and outcome name them (quantity)
-# and its change to on hand and reserved (on_hand_delta, reserved_delta).
-#   written   the history row.
-#   recorded  the idempotency record: the Outcome as Outcome.to_json names its fields.
-#   told      with ``record``: the request's final outcome, detailed as Outcome.summary.
-#   tried     with ``record``: the request's applied attempt.
+# and its change to on hand and reserved (on_hand_delta, reserved_delta). Then the history row
+# (``written``), the idempotency record and, with ``record``, the request's outcome and applied attempt.
+_KNOWN = {
+    "operation": "%(operation)s::text",
+    "status": "%(status)s::text",
+    "reservation_ids": "%(reservation_ids)s::json",
+    "quantity": "quantity",
+    "detail": "%(detail)s::json",
+}
 _WRITES = """
 written AS (
     INSERT INTO sku_history (sku, at_ms, kind, operation, token, lease_id, holder, quantity,
@@ -54,48 +57,22 @@ written AS (
            %(holder)s::text, quantity, %(key)s::text, %(reservation_id)s::text, on_hand_delta,
            reserved_delta, %(history_detail)s::text
     FROM upd
-), recorded AS (
-    INSERT INTO idempotency_keys (key, fingerprint, operation, outcome, token, created_ms)
-    SELECT %(key)s::text, %(fingerprint)s::text, %(operation)s::text,
-           json_build_object(
-               'operation', %(operation)s::text, 'key', %(key)s::text, 'token', %(token)s::bigint,
-               'reservation_ids', %(reservation_ids)s::json,
-               'stock', json_build_array(json_build_object(
-                   'sku', sku, 'on_hand', on_hand, 'reserved', reserved, 'available', available,
-                   'fence_token', fence_token)),
-               'quantity', quantity, 'detail', %(detail)s::json)::text,
-           %(token)s::bigint, now_ms
-    FROM upd
-)"""
-_SPOKEN = """, told AS (
-    INSERT INTO request_outcomes (key, operation, status, detail, task_id, worker, epochs, at_ms,
-                                  fingerprint)
-    SELECT %(key)s::text, %(operation)s::text, %(status)s::text,
-           json_build_object(
-               'reservation_ids', %(reservation_ids)s::json, 'token', %(token)s::bigint,
-               'quantity', quantity,
-               'stock', json_build_array(json_build_object(
-                   'sku', sku, 'on_hand', on_hand, 'reserved', reserved, 'available', available)))::text,
-           %(task_id)s::text, %(worker)s::text, %(epochs)s::int, now_ms, %(fingerprint)s::text
-    FROM upd WHERE %(record)s::boolean
-), tried AS (
-    INSERT INTO task_attempts (key, operation, result, task_id, worker, token, detail, at_ms)
-    SELECT %(key)s::text, %(operation)s::text, 'applied', %(task_id)s::text, %(worker)s::text,
-           %(token)s::bigint, NULL, now_ms
-    FROM upd WHERE %(record)s::boolean
-)"""
-TAIL = _WRITES + _SPOKEN
+), recorded AS ({recorded})"""
+TAIL_PLAIN = _WRITES.format(recorded=ledger.recorded(**_KNOWN))
+TAIL = (
+    TAIL_PLAIN
+    + f", told AS ({outcomes.told(_KNOWN)})"
+    + f", tried AS ({outcomes.tried(_KNOWN['operation'])})"
+)
 
 # For a step no queued request speaks through (the shells' confirm, restock, ...): no outcome to read
 # first and none to write, so two tables fewer for the database to open and four parameters fewer to send;
 # the statement reads the same way (``done`` is empty).
-HEAD_PLAIN = """
+_HEAD_PLAIN = """
 done AS (
     SELECT * FROM request_outcomes WHERE FALSE
-), prior AS (
-    SELECT fingerprint, operation, outcome FROM idempotency_keys WHERE key = %(key)s::text
-)"""
-TAIL_PLAIN = _WRITES
+), prior AS ({prior})"""
+HEAD_PLAIN = _HEAD_PLAIN.format(**_READS)
 
 # The columns of the final SELECT that every such statement returns, from ``done``, ``prior`` and
 # ``upd`` joined as d, p and u (the rare answers as JSON: every column costs the client time).
@@ -202,14 +179,10 @@ def exchange(
 # under the key) may have committed while the statement waited on the row lock, after the snapshot HEAD
 # read. The multi-statement plan reads the key after taking that lock, so it answers from what the copy
 # stored; so does this, before any refusal is raised or recorded. Rare: one more round trip.
-_AGAIN = sql_text.sent("""
-SELECT (SELECT row_to_json(o)::text FROM (
-            SELECT key, operation, status, detail, task_id, worker, epochs, at_ms, fingerprint
-            FROM request_outcomes WHERE %(record)s::boolean AND key = %(key)s::text) AS o) AS done,
-       (SELECT row_to_json(p)::text FROM (
-            SELECT fingerprint, operation, outcome FROM idempotency_keys WHERE key = %(key)s::text) AS p)
-       AS prior
-""")
+_AGAIN_SQL = """
+SELECT (SELECT row_to_json(o)::text FROM ({done}) AS o) AS done,
+       (SELECT row_to_json(p)::text FROM ({prior}) AS p) AS prior"""
+_AGAIN = sql_text.sent(_AGAIN_SQL.format(**_READS))
 
 
 def looked_again(key: str, speaker: Speaker | None) -> Plan[Ended | Replay | None]:

@@ -19,6 +19,7 @@ import sqlalchemy as sa
 from fencing import Fence, FenceOutcome, Lease, StaleToken
 from fencing.plan import Atomic, Plan
 from fencing.sql import Rows, db_now_ms
+from reservations import sql_text
 from reservations import validation as valid
 from reservations.collisions import KeptColliding, rounds
 from reservations.errors import (
@@ -32,9 +33,78 @@ from reservations.errors import (
 )
 from reservations.models import idempotency_keys, reservations, sku_history, stock
 from reservations.reads import STOCK_COLUMNS, stock_level
-from reservations.request_outcomes import TOMBSTONE_FINGERPRINT
 from reservations.statuses import RequestStatus
 from reservations.values import Outcome, StockLevel
+
+# The idempotency records have one writer: the plans insert them with :func:`records`, and the one-statement
+# writes on PostgreSQL embed the INSERTs below, each from the rows of its CTEs.
+_INTO = "INSERT INTO idempotency_keys (key, fingerprint, operation, outcome, token, created_ms)"
+# Applied (reserve_statement, keyed_statement): from ``upd``, the stock row after the write and now_ms, the
+# Outcome as Outcome.to_json names its fields.
+_RECORDED = """{into}
+    SELECT %(key)s::text, %(fingerprint)s::text, {operation},
+           json_build_object(
+               'operation', {operation}, 'key', %(key)s::text, 'token', %(token)s::bigint,
+               'reservation_ids', {reservation_ids},
+               'stock', json_build_array(json_build_object(
+                   'sku', sku, 'on_hand', on_hand, 'reserved', reserved, 'available', available,
+                   'fence_token', fence_token)),
+               'quantity', {quantity}, 'detail', {detail})::text,
+           %(token)s::bigint, now_ms
+    FROM upd"""
+# A reservation short of units (reserve_statement): from ``cur``, the row it locked.
+_SHORT = """{into}
+    SELECT %(key)s::text, %(fingerprint)s::text, 'reserve',
+           json_build_object('error', 'insufficient_stock', 'sku', sku,
+                             'requested', %(quantity)s::bigint, 'available', available)::text,
+           NULL, now_ms
+    FROM cur
+    WHERE cur.accepted AND NOT cur.enough"""
+# A batch's records (batch_statement), as the batch decided them (:func:`records`' rows, as JSON).
+_BATCHED = """{into}
+    SELECT r.key, r.fingerprint, r.operation, r.outcome, r.token, c.now_ms
+    FROM json_to_recordset(%(records)s::json)
+         AS r(key text, fingerprint text, operation text, outcome text, token bigint),
+         clock AS c, ok
+    WHERE ok.ok"""
+
+
+def recorded(**known: str) -> str:
+    """The record of an applied write, ``known``: the operation, reservation ids, quantity and detail as
+    the statement knows them in SQL."""
+    return _RECORDED.format(into=_INTO, **known)
+
+
+SHORT = _SHORT.format(into=_INTO)
+BATCHED = _BATCHED.format(into=_INTO)
+
+
+# The key's record, as a statement reads it first.
+PRIOR = "SELECT fingerprint, operation, outcome FROM idempotency_keys WHERE key = %(key)s::text"
+
+# A key closed without effect (a request that ended invalid, dead-lettered or expired) keeps this record,
+# so a copy of its request still in flight replays "closed" instead of applying late.
+TOMBSTONE_FINGERPRINT = "closed"
+
+
+def records(*rows: dict[str, Any]) -> sa.Insert:
+    """Insert the records ``rows`` (key, fingerprint, operation, outcome, token), at the database's time."""
+    return sql_text.stamped(idempotency_keys, "created_ms", rows)
+
+
+def record(key: str, print_: str, operation: str, outcome: str, token: int | None = None) -> dict[str, Any]:
+    return {"key": key, "fingerprint": print_, "operation": operation, "outcome": outcome, "token": token}
+
+
+def closed(key: str, operation: str, status: str) -> dict[str, Any]:
+    """The tombstone of a key closed in ``status``."""
+    return record(key, TOMBSTONE_FINGERPRINT, operation, json.dumps({"error": "closed", "status": status}))
+
+
+def short(key: str, print_: str, operation: str, error: InsufficientStock) -> dict[str, Any]:
+    """The record of a request refused for lack of units: replayed as the same refusal."""
+    refusal = json.dumps({"error": RequestStatus.INSUFFICIENT_STOCK, **error.summary()})
+    return record(key, print_, operation, refusal)
 
 
 def fingerprint(operation: str, **request: Any) -> str:
@@ -164,14 +234,7 @@ class Ledger:
             outcome = yield from apply()
         except InsufficientStock as error:
             raise _Refused(error) from None
-        yield sa.insert(idempotency_keys).values(
-            key=key,
-            fingerprint=print_,
-            operation=operation,
-            outcome=outcome.to_json(),
-            token=outcome.token,
-            created_ms=db_now_ms(),
-        )
+        yield records(record(key, print_, operation, outcome.to_json(), outcome.token))
         return outcome
 
     def lock_skus(self, *skus: str) -> Callable[[], Plan[None]]:
@@ -211,14 +274,11 @@ class Ledger:
         self, key: str, operation: str, print_: str, error: InsufficientStock
     ) -> Plan[Outcome | None]:
         """Store a refusal as the key's outcome, unless an outcome arrived meanwhile: then replay that."""
-        outcome = json.dumps({"error": RequestStatus.INSUFFICIENT_STOCK, **error.summary()})
         found: Rows = yield sa.select(idempotency_keys).where(idempotency_keys.c.key == key)
         stored = found.first()
         if stored is not None:
             return self.replay(stored, operation, print_)
-        yield sa.insert(idempotency_keys).values(
-            key=key, fingerprint=print_, operation=operation, outcome=outcome, created_ms=db_now_ms()
-        )
+        yield records(short(key, print_, operation, error))
         return None
 
     def rejection(

@@ -24,9 +24,11 @@ from sqlalchemy.dialects.postgresql import ARRAY
 
 from fencing.plan import Alone, Atomic, Plan
 from fencing.sql import Rows, db_now_ms
+from reservations import sql_text
 from reservations import validation as valid
 from reservations.collisions import KeptColliding, rounds
 from reservations.errors import InvalidRequest
+from reservations.ledger import TOMBSTONE_FINGERPRINT, closed, records
 from reservations.models import (
     HELD,
     accepted_requests,
@@ -47,6 +49,83 @@ DEFAULT_IDEMPOTENCY_RETENTION = 7 * 24 * 3600.0
 
 FINAL_STATUSES = tuple(RequestStatus)
 ATTEMPT_RESULTS = tuple(AttemptResult)
+
+
+# Outcomes and attempts have one writer each: the plans insert them with :func:`outcomes_written` and
+# :func:`attempts_written`, and the one-statement writes on PostgreSQL embed the INSERTs below, each from
+# the rows of its CTEs (the speaker's task, worker and epochs are parameters).
+_INTO = {
+    "told": "INSERT INTO request_outcomes"
+    " (key, operation, status, detail, task_id, worker, epochs, at_ms, fingerprint)",
+    "tried": "INSERT INTO task_attempts (key, operation, result, task_id, worker, token, detail, at_ms)",
+    "speaker": "%(task_id)s::text, %(worker)s::text, %(epochs)s::int, now_ms, %(fingerprint)s::text",
+}
+# Applied (reserve_statement, keyed_statement): from ``upd``, the stock row after the write and now_ms, the
+# outcome detailed as Outcome.summary, then ``short``'s rows (a reservation's refusal, or none).
+_TOLD = """{told}
+    SELECT %(key)s::text, {operation}, {status},
+           json_build_object(
+               'reservation_ids', {reservation_ids}, 'token', %(token)s::bigint, 'quantity', {quantity},
+               'stock', json_build_array(json_build_object(
+                   'sku', sku, 'on_hand', on_hand, 'reserved', reserved, 'available', available)))::text,
+           {speaker}
+    FROM upd WHERE %(record)s::boolean{short}"""
+# A reservation short of units: from ``cur``, the row it locked.
+_TOLD_SHORT = """
+    UNION ALL
+    SELECT %(key)s::text, 'reserve', 'insufficient_stock',
+           json_build_object('sku', sku, 'requested', %(quantity)s::bigint, 'available', available)::text,
+           {speaker}
+    FROM cur WHERE %(record)s::boolean AND cur.accepted AND NOT cur.enough"""
+_TRIED = """{tried}
+    SELECT %(key)s::text, {operation}, 'applied', %(task_id)s::text, %(worker)s::text,
+           %(token)s::bigint, NULL, now_ms
+    FROM upd WHERE %(record)s::boolean"""
+# A batch's outcomes and attempts (batch_statement), as the batch decided them (JSON arrays of the rows of
+# :func:`outcomes_written` and :func:`attempts_written`).
+_BATCH_TOLD = """{told}
+    SELECT o.key, o.operation, o.status, o.detail, o.task_id, o.worker, o.epochs, c.now_ms, o.fingerprint
+    FROM json_to_recordset(%(outcomes)s::json)
+         AS o(key text, operation text, status text, detail text, task_id text, worker text, epochs int,
+              fingerprint text),
+         clock AS c, ok
+    WHERE ok.ok
+    RETURNING *"""
+_BATCH_TRIED = """{tried}
+    SELECT a.key, a.operation, a.result, a.task_id, a.worker, a.token, a.detail, c.now_ms
+    FROM json_to_recordset(%(attempts)s::json)
+         AS a(key text, operation text, result text, task_id text, worker text, token bigint, detail text),
+         clock AS c, ok
+    WHERE ok.ok"""
+BATCH_TOLD = _BATCH_TOLD.format(**_INTO)
+BATCH_TRIED = _BATCH_TRIED.format(**_INTO)
+# The request's final outcome, as a statement speaking for it reads it first.
+DONE = (
+    "SELECT key, operation, status, detail, task_id, worker, epochs, at_ms, fingerprint FROM request_outcomes"
+    " WHERE %(record)s::boolean AND key = %(key)s::text"
+)
+
+
+def told(known: dict[str, str], *, short: bool = False) -> str:
+    """The outcome of an applied write (and with ``short``, of a reservation refused for lack of units),
+    ``known``: the operation, status, reservation ids and quantity as the statement knows them in SQL."""
+    refusal = _TOLD_SHORT.format(**_INTO) if short else ""
+    return _TOLD.format(**_INTO, **known, short=refusal)
+
+
+def tried(operation: str) -> str:
+    """The applied attempt of a write whose ``operation`` the statement knows as SQL."""
+    return _TRIED.format(**_INTO, operation=operation)
+
+
+def outcomes_written(*rows: dict[str, Any]) -> sa.Insert:
+    """Insert the outcomes ``rows``, at the database's time."""
+    return sql_text.stamped(request_outcomes, "at_ms", rows)
+
+
+def attempts_written(*rows: dict[str, Any]) -> sa.Insert:
+    """Insert the attempts ``rows``, at the database's time."""
+    return sql_text.stamped(task_attempts, "at_ms", rows)
 
 
 _REQUEST_NAMESPACE = uuid.UUID("6f1c3f0e-4a57-4d1e-9a43-2f3b0c9d7e11")
@@ -221,7 +300,6 @@ def outcomes_of(keys: Sequence[str], *, array: bool = False) -> Plan[dict[str, R
 # tombstone in the idempotency records makes a copy of the request still in flight (a redelivery, a
 # duplicate enqueue) replay "closed" instead of applying late, and whichever commits first wins.
 NO_EFFECT = (RequestStatus.INVALID, RequestStatus.DEAD_LETTERED, RequestStatus.EXPIRED)
-TOMBSTONE_FINGERPRINT = "closed"
 
 
 class AlreadyApplied(Exception):
@@ -243,14 +321,8 @@ def _insert_outcome(values: dict[str, Any]) -> Plan[RequestResult]:
             # A request under this key was applied or refused, and writes that outcome itself.
             raise AlreadyApplied(values["key"])
         if record is None:
-            yield sa.insert(idempotency_keys).values(
-                key=values["key"],
-                fingerprint=TOMBSTONE_FINGERPRINT,
-                operation=values["operation"],
-                outcome=json.dumps({"error": "closed", "status": values["status"]}),
-                created_ms=db_now_ms(),
-            )
-    yield sa.insert(request_outcomes).values(at_ms=db_now_ms(), **values)
+            yield records(closed(values["key"], values["operation"], values["status"]))
+    yield outcomes_written(values)
     stored: Rows = yield sa.select(request_outcomes).where(request_outcomes.c.key == values["key"])
     return result_of(stored.rows[0])
 
@@ -307,7 +379,7 @@ def record_outcome(
 
 
 def _insert_attempt(values: dict[str, Any]) -> Plan[None]:
-    yield sa.insert(task_attempts).values(at_ms=db_now_ms(), **values)
+    yield attempts_written(values)
 
 
 def record_attempt(key: str, operation: str, result: str, **who: Any) -> Plan[None]:

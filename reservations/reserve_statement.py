@@ -17,7 +17,8 @@ from typing import Any, TypeAlias
 from fencing import Fence, Lease
 from fencing.plan import Alone
 from fencing.sql import Rows
-from reservations import sql_text
+from reservations import ledger, sql_text
+from reservations import request_outcomes as outcomes
 from reservations.errors import InsufficientStock, UnknownSku
 from reservations.models import stock
 from reservations.request_outcomes import RequestResult, result_from_json
@@ -45,10 +46,17 @@ from reservations.values import Outcome, StockLevel
 # The final SELECT returns one row that says which of these happened (the rare answers, an ended
 # request and a record to replay, as JSON: every column costs the client time). A stale token writes
 # nothing here; its rejection is recorded by the caller in a statement of its own, as on the other path.
+# What the record, outcome and attempt written with a reservation know as SQL (see reservations.ledger).
+_KNOWN = {
+    "operation": "'reserve'",
+    "status": "'reserved'",
+    "reservation_ids": "json_build_array(%(reservation_id)s::text)",
+    "quantity": "%(quantity)s::bigint",
+    "detail": "json_build_object()",
+}
 _SQL = """
 WITH {done}prior AS (
-    SELECT fingerprint, operation, outcome FROM idempotency_keys
-    WHERE key = %(key)s::text{unless_done}
+    {prior}{unless_done}
 ), cur AS (
     SELECT sku, available, fence_token, fence_lease_id,
            {accepted} AS accepted,
@@ -82,25 +90,9 @@ WITH {done}prior AS (
            0, %(quantity)s::bigint
     FROM upd
 ), recorded AS (
-    INSERT INTO idempotency_keys (key, fingerprint, operation, outcome, token, created_ms)
-    SELECT %(key)s::text, %(fingerprint)s::text, 'reserve',
-           json_build_object(
-               'operation', 'reserve', 'key', %(key)s::text, 'token', %(token)s::bigint,
-               'reservation_ids', json_build_array(%(reservation_id)s::text),
-               'stock', json_build_array(json_build_object(
-                   'sku', sku, 'on_hand', on_hand, 'reserved', reserved, 'available', available,
-                   'fence_token', fence_token)),
-               'quantity', %(quantity)s::bigint, 'detail', json_build_object())::text,
-           %(token)s::bigint, now_ms
-    FROM upd
+    {recorded}
 ), refused AS (
-    INSERT INTO idempotency_keys (key, fingerprint, operation, outcome, token, created_ms)
-    SELECT %(key)s::text, %(fingerprint)s::text, 'reserve',
-           json_build_object('error', 'insufficient_stock', 'sku', sku,
-                             'requested', %(quantity)s::bigint, 'available', available)::text,
-           NULL, now_ms
-    FROM cur
-    WHERE cur.accepted AND NOT cur.enough
+    {refused}
 )
 {spoken}SELECT {done_json} AS done, row_to_json(p)::text AS prior,
        c.sku IS NOT NULL AS known, c.accepted, c.available AS seen_available, c.fence_token AS highest,
@@ -115,34 +107,10 @@ LEFT JOIN upd AS u ON TRUE
 # The parts only a statement speaking for a queued request has: its final outcome read first (``done``),
 # and its outcome and attempt written with the change (``told``, ``tried``).
 _SPEAKING = {
-    "done": """done AS (
-    SELECT key, operation, status, detail, task_id, worker, epochs, at_ms, fingerprint
-    FROM request_outcomes WHERE %(record)s::boolean AND key = %(key)s::text
-), """,
+    "done": f"done AS ({outcomes.DONE}), ",
     "unless_done": " AND NOT EXISTS (SELECT 1 FROM done)",
-    "spoken": """, told AS (
-    INSERT INTO request_outcomes (key, operation, status, detail, task_id, worker, epochs, at_ms,
-                                  fingerprint)
-    SELECT %(key)s::text, 'reserve', 'reserved',
-           json_build_object(
-               'reservation_ids', json_build_array(%(reservation_id)s::text),
-               'token', %(token)s::bigint, 'quantity', %(quantity)s::bigint,
-               'stock', json_build_array(json_build_object(
-                   'sku', sku, 'on_hand', on_hand, 'reserved', reserved, 'available', available)))::text,
-           %(task_id)s::text, %(worker)s::text, %(epochs)s::int, now_ms, %(fingerprint)s::text
-    FROM upd WHERE %(record)s::boolean
-    UNION ALL
-    SELECT %(key)s::text, 'reserve', 'insufficient_stock',
-           json_build_object('sku', sku, 'requested', %(quantity)s::bigint, 'available', available)::text,
-           %(task_id)s::text, %(worker)s::text, %(epochs)s::int, now_ms, %(fingerprint)s::text
-    FROM cur WHERE %(record)s::boolean AND cur.accepted AND NOT cur.enough
-), tried AS (
-    INSERT INTO task_attempts (key, operation, result, task_id, worker, token, detail, at_ms)
-    SELECT %(key)s::text, 'reserve', 'applied', %(task_id)s::text, %(worker)s::text,
-           %(token)s::bigint, NULL, now_ms
-    FROM upd WHERE %(record)s::boolean
-)
-""",
+    "spoken": f", told AS ({outcomes.told(_KNOWN, short=True)})"
+    f", tried AS ({outcomes.tried(_KNOWN['operation'])})\n",
     "done_json": "row_to_json(d)::text",
     "join_done": "LEFT JOIN done AS d ON TRUE\n",
 }
@@ -156,6 +124,9 @@ STATEMENTS = sql_text.variants(
     lambda fenced, speaking: _SQL.format(
         accepted=sql_text.fence_admits(Fence(stock)) if fenced else "TRUE",
         now_ms=sql_text.NOW_MS,
+        prior=ledger.PRIOR,
+        recorded=ledger.recorded(**_KNOWN),
+        refused=ledger.SHORT,
         **(_SPEAKING if speaking else _PLAIN),
     )
 )

@@ -32,6 +32,13 @@ def render(expression: sa.ColumnElement[Any]) -> str:
 NOW_MS = render(db_now_ms())
 
 
+def stamped(table: sa.Table, at: str, rows: tuple[dict[str, Any], ...]) -> sa.Insert:
+    """The portable insert of ``rows`` into ``table``, column ``at`` stamped by the database's clock (one
+    row is sent as a single-row insert, as SQLAlchemy names its parameters)."""
+    many = [{**row, at: db_now_ms()} for row in rows]
+    return sa.insert(table).values(many[0] if len(many) == 1 else many)
+
+
 def fence_admits(fence: Fence, *, token: str = "token", lease_id: str = "lease_id") -> str:
     """The fence predicate of ``fence``'s table, with the token and lease id as the named parameters."""
     return render(
