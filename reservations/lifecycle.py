@@ -10,7 +10,7 @@ from functools import partial
 
 import sqlalchemy as sa
 
-from fencing import Fence, Lease, StaleToken
+from fencing import Lease, StaleToken
 from fencing.plan import Plan
 from fencing.sql import Rows, db_now_ms
 from reservations import finish_statement, reserve_statement
@@ -21,7 +21,6 @@ from reservations.keyed_steps import Step
 from reservations.ledger import Ledger, Shell, fingerprint, hold_ms_of, new_reservation_id
 from reservations.models import CONFIRMED, EXPIRED, HELD, RELEASED, reservations, stock
 from reservations.reads import stock_level
-from reservations.reserve_statement import Speaker
 from reservations.statuses import SUCCEEDED, RequestStatus, ReservationStatus
 from reservations.values import Outcome, StockLevel
 
@@ -108,13 +107,7 @@ def reserve_step(
         held = partial(hold_one, ledger, lease, sku, quantity, key, hold_ms)
         return ledger.idempotent(key, "reserve", print_, held, rejection, ledger.lock_skus(sku))
 
-    def send(fence: Fence, speaker: Speaker | None) -> Plan[reserve_statement.Reply]:
-        asked = reserve_statement.Asked(
-            lease, sku, quantity, key, print_, hold_ms, new_reservation_id(), fence, speaker
-        )
-        answer: Rows = yield asked.sent()
-        return asked.reply(answer)
-
+    send = partial(reserve_statement.exchange, lease, sku, quantity, key, print_, hold_ms)
     written = keyed.Written(lease, key, "reserve", print_, RequestStatus.RESERVED)
     return Step(written, valid.scope_of(sku), several, send, rejection)
 

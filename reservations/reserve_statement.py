@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 from fencing import Fence, Lease
-from fencing.plan import Alone
+from fencing.plan import Alone, Plan
 from fencing.sql import Rows
 from reservations import ledger, sql_text
 from reservations import request_outcomes as outcomes
@@ -155,15 +155,7 @@ class Speaker:
     ) -> RequestResult:
         """The request's final outcome, as the statement speaking for it wrote it at ``now_ms``."""
         return RequestResult(
-            key=key,
-            operation=operation,
-            status=status,
-            detail=detail,
-            task_id=self.task_id,
-            worker=self.worker,
-            epochs=self.epochs,
-            at=now_ms / 1000,
-            fingerprint=fingerprint,
+            key, operation, status, detail, self.task_id, self.worker, self.epochs, now_ms / 1000, fingerprint
         )
 
 
@@ -213,67 +205,40 @@ def read_head(row: Any, key: str) -> Ended | Replay | None:
     return None
 
 
-# Not frozen: made for every reservation sent, and a frozen dataclass of nine fields costs microseconds
-# to build.
-@dataclass(slots=True)
-class Asked:
-    """One reservation asked of the statement: what it sends (:meth:`sent`, yielded by the plan itself,
-    so the statement goes from the reservation's plan) and how its one row reads (:meth:`reply`)."""
+def exchange(
+    lease: Lease, sku: str, quantity: int, key: str, print_: str, hold_ms: int | None, fence: Fence,
+    speaker: Speaker | None,
+) -> Plan[Reply]:  # fmt: skip
+    """Send the reservation's statement (the variant for ``fence`` and ``speaker``) and read its one row.
+    Raises :class:`UnknownSku` or :class:`~fencing.StaleToken` (nothing written; the fence marks the lease
+    lost). A refusal for lack of units comes back as :class:`Short`, already recorded under the key."""
+    reservation_id = ledger.new_reservation_id()
+    values = {
+        "key": key, "sku": sku, "quantity": quantity, "token": lease.token, "lease_id": lease.lease_id,
+        "holder": lease.holder, "hold_ms": hold_ms, "reservation_id": reservation_id, "fingerprint": print_,
+        "record": True,
+    }  # fmt: skip
+    if speaker is not None:
+        values.update(task_id=speaker.task_id, worker=speaker.worker, epochs=speaker.epochs)
+    statement = STATEMENTS[(fence.enforce, speaker is not None)]
+    found: Rows = yield Alone(statement.text, statement.bind(values))
+    row: Any = found.rows[0]
+    head = read_head(row, key)
+    if head is not None:
+        return head
+    if not row.known:
+        raise UnknownSku(sku)
 
-    lease: Lease
-    sku: str
-    quantity: int
-    key: str
-    fingerprint: str
-    hold_ms: int | None
-    reservation_id: str
-    fence: Fence
-    speaker: Speaker | None = None
+    def told(status: str, detail: dict[str, Any]) -> RequestResult | None:
+        return None if speaker is None else speaker.told(key, "reserve", print_, status, detail, row.now_ms)
 
-    def sent(self) -> Alone:
-        speaker = self.speaker
-        statement = STATEMENTS[(self.fence.enforce, speaker is not None)]
-        values = {
-            "key": self.key,
-            "sku": self.sku,
-            "quantity": self.quantity,
-            "token": self.lease.token,
-            "lease_id": self.lease.lease_id,
-            "holder": self.lease.holder,
-            "hold_ms": self.hold_ms,
-            "reservation_id": self.reservation_id,
-            "fingerprint": self.fingerprint,
-            "record": True,
-        }
-        if speaker is not None:
-            values.update(task_id=speaker.task_id, worker=speaker.worker, epochs=speaker.epochs)
-        return Alone(statement.text, statement.bind(values))
-
-    def reply(self, found: Rows) -> Reply:
-        """What the statement did, from its one row. Raises :class:`UnknownSku` or
-        :class:`~fencing.StaleToken` (nothing written; the fence marks the lease lost). A refusal for lack
-        of units comes back as :class:`Short`, already recorded under the key."""
-        lease, sku, quantity, key, speaker = self.lease, self.sku, self.quantity, self.key, self.speaker
-        fingerprint, reservation_id, fence = self.fingerprint, self.reservation_id, self.fence
-        row: Any = found.rows[0]
-        head = read_head(row, key)
-        if head is not None:
-            return head
-        if not row.known:
-            raise UnknownSku(sku)
-
-        def told(status: str, detail: dict[str, Any]) -> RequestResult | None:
-            if speaker is None:
-                return None
-            return speaker.told(key, "reserve", fingerprint, status, detail, row.now_ms)
-
-        if row.applied:
-            level = StockLevel(sku, row.on_hand, row.reserved, row.available, row.fence_token)
-            outcome = Outcome.reserved(key, lease.token, reservation_id, level, quantity)
-            return Applied(outcome, told(RequestStatus.RESERVED, outcome.summary()))
-        if not row.accepted:
-            # The statement judged the token by the fence's own predicate; the fence raises the error.
-            fence.refuse_if_stale(lease, lease.scope, int(row.highest), row.writer, "reserve")
-            raise RuntimeError(f"the fence refused token {lease.token} and admitted it")  # pragma: no cover
-        short = InsufficientStock(sku=sku, requested=quantity, available=int(row.seen_available))
-        return Short(short, told(RequestStatus.INSUFFICIENT_STOCK, short.summary()))
+    if row.applied:
+        level = StockLevel(sku, row.on_hand, row.reserved, row.available, row.fence_token)
+        outcome = Outcome.reserved(key, lease.token, reservation_id, level, quantity)
+        return Applied(outcome, told(RequestStatus.RESERVED, outcome.summary()))
+    if not row.accepted:
+        # The statement judged the token by the fence's own predicate; the fence raises the error.
+        fence.refuse_if_stale(lease, lease.scope, int(row.highest), row.writer, "reserve")
+        raise RuntimeError(f"the fence refused token {lease.token} and admitted it")  # pragma: no cover
+    short = InsufficientStock(sku=sku, requested=quantity, available=int(row.seen_available))
+    return Short(short, told(RequestStatus.INSUFFICIENT_STOCK, short.summary()))
