@@ -32,6 +32,7 @@ from reservations.ledger import (
     closed,
     fingerprint,
     new_reservation_id,
+    one,
     record,
     reservation_conflict,
     short,
@@ -99,7 +100,7 @@ def serve_pending(
                 )
                 return served
     except StaleToken as stale:
-        yield Atomic(ledger.one(ledger.rejection(stale, lease, sku, "reserve", None, None)))
+        yield Atomic(one(ledger.rejection(stale, lease, sku, "reserve", None, None)))
         raise
     raise KeptColliding(f"the pending reservations of {sku!r}")
 

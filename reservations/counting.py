@@ -20,7 +20,7 @@ from reservations import stock_statement
 from reservations import validation as valid
 from reservations.errors import InvalidRequest, SeenInAnotherEpoch, UnknownSku
 from reservations.keyed_steps import Step
-from reservations.ledger import Ledger, Shell, fingerprint
+from reservations.ledger import Ledger, Shell, fingerprint, one
 from reservations.models import sku_checkpoints, sku_history, stock
 from reservations.on_hand import change_on_hand
 from reservations.reads import STOCK_COLUMNS, stock_level
@@ -134,7 +134,7 @@ def look(inventory: Shell, lease: Lease, sku: str) -> Plan[StockSeen]:
     try:
         seen: StockSeen = yield Atomic(_look(ledger, lease, sku))
     except StaleToken as stale:
-        yield Atomic(ledger.one(ledger.rejection(stale, lease, sku, "look", None, None)))
+        yield Atomic(one(ledger.rejection(stale, lease, sku, "look", None, None)))
         raise
     return seen
 
@@ -182,7 +182,7 @@ def count_step(
         level = yield from ledger.fenced(lease, sku, "count", counted=counted)
         change = counted - before.on_hand
         yield ledger.history(
-            lease, sku, "count", key, quantity=change, on_hand=change, reserved=0,
+            lease, sku, "count", key, quantity=change, on_hand=change,
             detail=json.dumps(detail, sort_keys=True),
         )  # fmt: skip
         return Outcome(

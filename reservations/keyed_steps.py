@@ -20,7 +20,7 @@ from fencing.plan import Atomic, Plan
 from reservations import keyed_statement as keyed
 from reservations.collisions import KeptColliding, rounds
 from reservations.errors import InsufficientStock, KeyTaken
-from reservations.ledger import Ledger, reservation_conflict
+from reservations.ledger import Ledger, one, reservation_conflict
 from reservations.request_outcomes import (
     RequestReply,
     RequestResult,
@@ -77,7 +77,7 @@ def _sent(ledger: Ledger, step: Step, speaker: Speaker | None) -> Plan[Reply | N
             with round_:
                 return (yield from step.send(ledger.fence, speaker))
     except StaleToken as stale:
-        yield Atomic(ledger.one(step.rejection(stale)))
+        yield Atomic(one(step.rejection(stale)))
         raise
     raise KeptColliding(f"the {written.operation} under {written.key!r}")
 

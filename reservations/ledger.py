@@ -107,6 +107,11 @@ def short(key: str, print_: str, operation: str, error: InsufficientStock) -> di
     return record(key, print_, operation, refusal)
 
 
+def one(stmt: sa.Executable) -> Plan[None]:
+    """A plan of one statement."""
+    yield stmt
+
+
 def fingerprint(operation: str, **request: Any) -> str:
     """Identifies a request independent of its key: same key + different fingerprint is a conflict."""
     canonical = json.dumps({"operation": operation, **request}, sort_keys=True, separators=(",", ":"))
@@ -208,12 +213,9 @@ class Ledger:
                             return stored  # a concurrent attempt applied the key meanwhile: it stands
                         raise refused.error from None
         except StaleToken as stale:
-            yield Atomic(self.one(on_stale(stale)))
+            yield Atomic(one(on_stale(stale)))
             raise
         raise KeptColliding(f"idempotency key {key!r}")
-
-    def one(self, stmt: sa.Executable) -> Plan[None]:
-        yield stmt
 
     def _attempt(
         self,
@@ -293,7 +295,7 @@ class Ledger:
     ) -> sa.Executable:
         """The history row of a write refused for ``stale``: the token presented and the fence's."""
         return self.history(
-            lease, sku, operation, key, quantity=quantity, on_hand=0, reserved=0,
+            lease, sku, operation, key, quantity=quantity,
             reservation_id=reservation_id, kind="rejected", token=stale.presented,
             highest_token=stale.highest, detail=str(stale),
         )  # fmt: skip
@@ -359,8 +361,8 @@ class Ledger:
         key: str | None,
         *,
         quantity: int | None,
-        on_hand: int,
-        reserved: int,
+        on_hand: int = 0,
+        reserved: int = 0,
         reservation_id: str | None = None,
         detail: str | None = None,
         kind: str = "write",
@@ -398,5 +400,5 @@ class Ledger:
             outcome: Outcome = yield Atomic(locked())
             return outcome
         except StaleToken as stale:
-            yield Atomic(self.one(on_stale(stale)))
+            yield Atomic(one(on_stale(stale)))
             raise

@@ -29,43 +29,22 @@ _OPERATIONS = {CONFIRMED: "confirm", RELEASED: "release"}
 
 
 def hold_line(
-    ledger: Ledger,
-    lease: Lease,
-    sku: str,
-    quantity: int,
-    *,
-    key: str,
-    reservation_key: str,
-    order_key: str | None,
-    hold_ms: int | None,
-    operation: str,
+    ledger: Ledger, lease: Lease, sku: str, quantity: int, key: str, hold_ms: int | None, order: bool = False
 ) -> Plan[tuple[str, StockLevel]]:
-    level = yield from ledger.fenced(
-        lease, sku, operation, on_hand=0, reserved=quantity, condition=stock.c.available >= quantity
-    )
+    """Units of ``sku`` held under ``key``: a reservation of its own, or a line of the order ``key``."""
+    operation = "reserve_many" if order else "reserve"
+    available = stock.c.available >= quantity
+    level = yield from ledger.fenced(lease, sku, operation, reserved=quantity, condition=available)
     reservation_id = new_reservation_id()
     now = db_now_ms()
     yield sa.insert(reservations).values(
-        id=reservation_id,
-        sku=sku,
-        quantity=quantity,
-        status=HELD,
+        id=reservation_id, sku=sku, quantity=quantity, status=HELD,
         hold_expires_ms=None if hold_ms is None else now + hold_ms,
-        idempotency_key=reservation_key,
-        order_key=order_key,
-        token=lease.token,
-        lease_id=lease.lease_id,
-        created_ms=now,
-    )
+        idempotency_key=f"{key} {sku}" if order else key, order_key=key if order else None, token=lease.token,
+        lease_id=lease.lease_id, created_ms=now,
+    )  # fmt: skip
     yield ledger.history(
-        lease,
-        sku,
-        operation,
-        key,
-        quantity=quantity,
-        on_hand=0,
-        reserved=quantity,
-        reservation_id=reservation_id,
+        lease, sku, operation, key, quantity=quantity, reserved=quantity, reservation_id=reservation_id
     )
     return reservation_id, level
 
@@ -74,17 +53,7 @@ def hold_one(
     ledger: Ledger, lease: Lease, sku: str, quantity: int, key: str, hold_ms: int | None
 ) -> Plan[Outcome]:
     """The body of a single-SKU reservation (alone, or as one request of a batch)."""
-    reservation_id, level = yield from hold_line(
-        ledger,
-        lease,
-        sku,
-        quantity,
-        key=key,
-        reservation_key=key,
-        order_key=None,
-        hold_ms=hold_ms,
-        operation="reserve",
-    )
+    reservation_id, level = yield from hold_line(ledger, lease, sku, quantity, key, hold_ms)
     return Outcome.reserved(key, lease.token, reservation_id, level, quantity)
 
 
@@ -134,15 +103,7 @@ def reserve_many(
         ids, levels = [], []
         for sku, quantity in order:
             reservation_id, level = yield from hold_line(
-                ledger,
-                leases[sku],
-                sku,
-                quantity,
-                key=key,
-                reservation_key=f"{key} {sku}",
-                order_key=key,
-                hold_ms=hold_ms,
-                operation="reserve_many",
+                ledger, leases[sku], sku, quantity, key, hold_ms, order=True
             )
             ids.append(reservation_id)
             levels.append(level)

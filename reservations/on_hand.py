@@ -61,13 +61,9 @@ def change_on_hand(
 
     def apply() -> Plan[Outcome]:
         condition = None if delta >= 0 else stock.c.available >= -delta
-        level = yield from ledger.fenced(
-            lease, sku, operation, on_hand=delta, reserved=0, condition=condition
-        )
+        level = yield from ledger.fenced(lease, sku, operation, on_hand=delta, condition=condition)
         noted = reason if detail is None else json.dumps(detail, sort_keys=True)
-        yield ledger.history(
-            lease, sku, operation, key, quantity=delta, on_hand=delta, reserved=0, detail=noted
-        )
+        yield ledger.history(lease, sku, operation, key, quantity=delta, on_hand=delta, detail=noted)
         return Outcome(
             operation=operation,
             key=key,

@@ -28,7 +28,7 @@ from reservations import sql_text
 from reservations import validation as valid
 from reservations.collisions import KeptColliding, rounds
 from reservations.errors import InvalidRequest
-from reservations.ledger import TOMBSTONE_FINGERPRINT, closed, records
+from reservations.ledger import TOMBSTONE_FINGERPRINT, closed, one, records
 from reservations.models import (
     HELD,
     accepted_requests,
@@ -200,16 +200,9 @@ def result_from_json(text: str) -> RequestResult:
 
 def result_of(row: Any) -> RequestResult:
     return RequestResult(
-        key=row.key,
-        operation=row.operation,
-        status=row.status,
-        detail=json.loads(row.detail),
-        task_id=row.task_id,
-        worker=row.worker,
-        epochs=row.epochs,
-        at=row.at_ms / 1000,
-        fingerprint=row.fingerprint,
-    )
+        row.key, row.operation, row.status, json.loads(row.detail), row.task_id, row.worker, row.epochs,
+        row.at_ms / 1000, row.fingerprint,
+    )  # fmt: skip
 
 
 # Built once: asked by every waiting caller's poll.
@@ -362,13 +355,8 @@ def record_outcome(
     written = _who(who, _OUTCOME_FIELDS)
     if status not in FINAL_STATUSES:
         raise InvalidRequest(f"unknown final status {status!r}", field="status")
-    values = {
-        "key": key,
-        "operation": operation,
-        "status": status,
-        "detail": json.dumps(detail, sort_keys=True),
-        **written,
-    }
+    values = {"key": key, "operation": operation, "status": status, **written}
+    values["detail"] = json.dumps(detail, sort_keys=True)
 
     # A concurrent writer that stored its outcome first fails this insert: the next round reads it back.
     for round_ in rounds():
@@ -378,10 +366,6 @@ def record_outcome(
     raise KeptColliding(f"the outcome of {key!r}")
 
 
-def _insert_attempt(values: dict[str, Any]) -> Plan[None]:
-    yield attempts_written(values)
-
-
 def record_attempt(key: str, operation: str, result: str, **who: Any) -> Plan[None]:
     """``who``: ``task_id``, ``worker``, ``token``, ``detail``."""
     valid.idempotency_key(key)
@@ -389,7 +373,7 @@ def record_attempt(key: str, operation: str, result: str, **who: Any) -> Plan[No
     written = _who(who, _ATTEMPT_FIELDS)
     if result not in ATTEMPT_RESULTS:
         raise InvalidRequest(f"unknown attempt result {result!r}", field="result")
-    yield Atomic(_insert_attempt({"key": key, "operation": operation, "result": result, **written}))
+    yield Atomic(one(attempts_written({"key": key, "operation": operation, "result": result, **written})))
 
 
 def attempts(key: str) -> Plan[list[Attempt]]:
