@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
@@ -264,16 +265,16 @@ def _waiting(sku: str, limit: int, in_hand: tuple[InHand, ...]) -> sa.Select[Any
 Hold = Callable[[Any], Plan[Outcome]]
 
 
+@dataclass(slots=True)
 class _Allotment:
     """Holds a batch's requests in arrival order against the level of the stock row its transaction
     locked, without a statement each: the units go to :func:`reservations.batch_statement.write` afterwards.
     Each request sees the level the ones before it left, so stock runs out in arrival order exactly as
     with one fenced write per request, and its outcome reports the level after it."""
 
-    def __init__(self, lease: Lease, level: StockLevel, held: list[HeldLine]) -> None:
-        self.lease = lease
-        self.level = level
-        self.held = held
+    lease: Lease
+    level: StockLevel
+    held: list[HeldLine]
 
     def hold(self, request: Any) -> Plan[Outcome]:
         level, quantity = self.level, request.quantity

@@ -19,6 +19,7 @@ the statement is sent from the plan itself::
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from types import TracebackType
 
 from reservations.errors import KeyTaken
@@ -34,19 +35,13 @@ class KeptColliding(RuntimeError):
         super().__init__(f"{what} kept colliding on its unique key after {ROUNDS} rounds")
 
 
-def _look_again(taken: KeyTaken) -> None:
-    return None
-
-
+@dataclass(slots=True)
 class Round:
     """One round: a lost race on the key ends it quietly (the loop starts the next); any other error
     passes. ``on_taken`` sees each collision first and may raise to end the plan (a clash that is not
     a race)."""
 
-    __slots__ = ("_on_taken",)
-
-    def __init__(self, on_taken: Callable[[KeyTaken], None]) -> None:
-        self._on_taken = on_taken
+    on_taken: Callable[[KeyTaken], None]
 
     def __enter__(self) -> None:
         return None
@@ -56,11 +51,11 @@ class Round:
     ) -> bool:
         if not isinstance(error, KeyTaken):
             return False
-        self._on_taken(error)
+        self.on_taken(error)
         return True
 
 
-def rounds(*, on_taken: Callable[[KeyTaken], None] = _look_again) -> Iterator[Round]:
+def rounds(*, on_taken: Callable[[KeyTaken], None] = lambda taken: None) -> Iterator[Round]:
     """The rounds of a plan that writes under a unique key, after which it raises
     :class:`KeptColliding`. By default every collision means "look again"."""
     for _ in range(ROUNDS):

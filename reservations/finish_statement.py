@@ -1,9 +1,6 @@
-"""The end of a hold on PostgreSQL as ONE statement: a confirm (the held units leave on hand and reserved)
-or a release (they go back to available), with the reservation's final status, the history row, the
-idempotency record and, for a queued request, its outcome and attempt (:mod:`reservations.keyed_statement`).
-
-The multi-statement plan (:meth:`reservations.lifecycle.ReservationLifecycle.confirm` and ``release``)
-stays the reference and the SQLite path; this is the same work and the same decisions, in the same order:
+"""The end of a hold on PostgreSQL as ONE statement (:mod:`reservations.keyed_statement`): a confirm (the
+held units leave on hand and reserved) or a release (they go back to available), with the reservation's
+final status. The same decisions as the multi-statement plan (``lifecycle._finish``), in the same order:
 an unknown reservation, one of another SKU than the lease's, one no longer held, then the fence.
 """
 

@@ -2,12 +2,10 @@
 
 :mod:`reservations.finish_statement` (confirm, release) and :mod:`reservations.stock_statement` (restock,
 replenish, count) fold what the ledger's envelope does in a transaction into one data-modifying CTE sent
-in autocommit, as :mod:`reservations.reserve_statement` does for a reservation. Each is the same shape:
-the :data:`HEAD` (the request's final outcome when the statement speaks for a queued request, then the
-key's idempotency record), the write of its own that ends in a CTE named ``upd``, and the :data:`TAIL`
-written only when ``upd`` wrote (the history row, the idempotency record and, for a queued request, its
-outcome and its applied attempt). A key whose record or outcome a concurrent copy inserted first fails
-the statement on a unique key, writing nothing; the next round answers from what that copy stored.
+in autocommit, as :mod:`reservations.reserve_statement` does for a reservation: the :data:`HEAD`, the
+write of its own that ends in a CTE named ``upd``, and the :data:`TAIL` written only when ``upd`` wrote. A
+key whose record or outcome a concurrent copy inserted first fails the statement on a unique key, writing
+nothing; the next round answers from what that copy stored.
 """
 
 from __future__ import annotations

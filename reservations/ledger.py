@@ -370,21 +370,11 @@ class Ledger:
         highest_token: int | None = None,
     ) -> sa.Executable:
         return sa.insert(sku_history).values(
-            sku=sku,
-            at_ms=db_now_ms(),
-            kind=kind,
-            operation=operation,
-            token=lease.token if token is None else token,
-            lease_id=lease.lease_id,
-            holder=lease.holder,
-            quantity=quantity,
-            idempotency_key=key,
-            reservation_id=reservation_id,
-            on_hand_delta=on_hand,
-            reserved_delta=reserved,
-            highest_token=highest_token,
-            detail=detail,
-        )
+            sku=sku, at_ms=db_now_ms(), kind=kind, operation=operation,
+            token=lease.token if token is None else token, lease_id=lease.lease_id, holder=lease.holder,
+            quantity=quantity, idempotency_key=key, reservation_id=reservation_id, on_hand_delta=on_hand,
+            reserved_delta=reserved, highest_token=highest_token, detail=detail,
+        )  # fmt: skip
 
     def unkeyed(
         self,

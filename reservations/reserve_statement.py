@@ -1,11 +1,11 @@
 """A single-SKU reservation on PostgreSQL as ONE statement: one round trip, no open transaction.
 
-The multi-statement plan in :mod:`reservations.operations` (lock, look up the key, fenced UPDATE, three
-inserts, commit) stays the reference and the SQLite path; this is the same work and the same decisions
-folded into one data-modifying CTE, sent in autocommit. Every guarantee stays in the statement itself:
-the fence condition sits in the UPDATE's WHERE, the triggers still check every row, and a key whose
-record or outcome was inserted concurrently fails the statement on a unique key (nothing is written),
-so the next round answers from what that writer stored.
+The multi-statement plan (:func:`reservations.lifecycle.reserve_step`'s ``several``: lock, look up the
+key, fenced UPDATE, three inserts, commit) stays the reference and the SQLite path; this is the same work
+and the same decisions folded into one data-modifying CTE, sent in autocommit. Every guarantee stays in
+the statement itself: the fence condition sits in the UPDATE's WHERE, the triggers still check every row,
+and a key whose record or outcome was inserted concurrently fails the statement on a unique key (nothing
+is written), so the next round answers from what that writer stored.
 """
 
 from __future__ import annotations
@@ -25,11 +25,7 @@ from reservations.request_outcomes import RequestResult, result_from_json
 from reservations.statuses import RequestStatus
 from reservations.values import Outcome, StockLevel
 
-# The statement, read top to bottom:
-#   done      the request's final outcome, when the statement speaks for a queued request (``record``):
-#             a request that already ended is answered from it and nothing else happens.
-#   prior     the key's idempotency record, if any (the statement's snapshot: a record committed while
-#             this statement waits on the row lock is caught by the unique key instead).
+# The statement, read top to bottom (done and prior as in reservations.keyed_statement's HEAD):
 #   cur       the SKU's stock row, locked FOR UPDATE; under READ COMMITTED a locking read returns the
 #             newest version once a concurrent writer commits, so every decision below is made on the
 #             row as it now is. Skipped when the key already has a record (a replay locks nothing).
@@ -41,12 +37,10 @@ from reservations.values import Outcome, StockLevel
 #   told, tried
 #             with ``record``: the request's final outcome (reserved or insufficient_stock) and its
 #             applied attempt, in the same statement as the change they report.
-# done, told and tried are the statement's speaking parts (:data:`_SPEAKING`); a reservation no request
-# speaks through is sent without them (:data:`STATEMENTS` by whether a request speaks).
-# The final SELECT returns one row that says which of these happened (the rare answers, an ended
-# request and a record to replay, as JSON: every column costs the client time). A stale token writes
-# nothing here; its rejection is recorded by the caller in a statement of its own, as on the other path.
-# What the record, outcome and attempt written with a reservation know as SQL (see reservations.ledger).
+# done, told and tried are the statement's speaking parts (:data:`_SPEAKING`). The final SELECT returns
+# one row that says which of these happened (the rare answers as JSON: every column costs the client
+# time). A stale token writes nothing here; the caller records its rejection in a statement of its own.
+# What the record, outcome and attempt written with a reservation know as SQL (see reservations.ledger):
 _KNOWN = {
     "operation": "'reserve'",
     "status": "'reserved'",

@@ -1,12 +1,9 @@
-"""A stock-maintenance write on PostgreSQL as ONE statement: a restock or a replenishment (units added to
-on hand) and a cycle count (on hand set to the figure counted), each with its history row, its idempotency
-record and, for a queued request, its outcome and attempt (:mod:`reservations.keyed_statement`).
-
-The multi-statement plans (:class:`reservations.on_hand.OnHandChanges`,
-:class:`reservations.counting.StockCounting`) stay the reference and the SQLite path; this is the same
-work and the same decisions: the fence sits in the stock UPDATE's WHERE with the write's own condition
-(room under :data:`~reservations.validation.MAX_ON_HAND` for units added, no fewer than the units held for
-a count), and a refusal writes nothing.
+"""A stock-maintenance write on PostgreSQL as ONE statement (:mod:`reservations.keyed_statement`): a
+restock or a replenishment (units added to on hand) and a cycle count (on hand set to the figure counted).
+The same decisions as the multi-statement plans (:mod:`reservations.on_hand`, :mod:`reservations.counting`):
+the fence sits in the stock UPDATE's WHERE with the write's own condition (room under
+:data:`~reservations.validation.MAX_ON_HAND` for units added, no fewer than the units held for a count),
+and a refusal writes nothing.
 """
 
 from __future__ import annotations
