@@ -167,7 +167,9 @@ def exchange(
         return head
     if row.applied:
         return written.applied(row, speaker)
-    again = yield from looked_again(written.key, speaker)
+    # Refused: what the key says now (see ``_AGAIN``), or the step's refusal if it still has nothing.
+    found = yield Alone(_AGAIN.text, _AGAIN.bind({"key": written.key, "record": speaker is not None}))
+    again = read_head(found.rows[0], written.key)
     if again is None:
         refused(row)
     return again
@@ -181,9 +183,3 @@ _AGAIN_SQL = """
 SELECT (SELECT row_to_json(o)::text FROM ({done}) AS o) AS done,
        (SELECT row_to_json(p)::text FROM ({prior}) AS p) AS prior"""
 _AGAIN = sql_text.sent(_AGAIN_SQL.format(**_READS))
-
-
-def looked_again(key: str, speaker: Speaker | None) -> Plan[Ended | Replay | None]:
-    """What the key says now, asked after a refusal (see ``_AGAIN``): None if it still has nothing."""
-    found: Rows = yield Alone(_AGAIN.text, _AGAIN.bind({"key": key, "record": speaker is not None}))
-    return read_head(found.rows[0], key)
