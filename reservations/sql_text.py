@@ -2,7 +2,8 @@
 clock), rendered as PostgreSQL text for the statements written by hand as one data-modifying CTE
 (:mod:`reservations.reserve_statement`, :mod:`reservations.pending`). Those statements take the rule
 from here, so it stays written once: a change to :meth:`fencing.Fence.admits` or to
-:class:`fencing.sql.db_now_ms` changes them too.
+:class:`fencing.sql.db_now_ms` changes them too. The same clock stamps the rows the portable plans insert
+(:func:`stamped`, for each request table's one writer).
 """
 
 from __future__ import annotations
