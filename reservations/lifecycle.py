@@ -5,7 +5,7 @@ a single-SKU reservation, a confirm and a release are also sent as one statement
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from functools import partial
 
 import sqlalchemy as sa
@@ -148,27 +148,27 @@ def finish_step(
     statements, values = finish_statement.STATEMENTS[final], finish_statement.values(written, final)
 
     def rejection(stale: StaleToken) -> sa.Executable:
-        # Refused only once the reservation was found of the lease's SKU.
+        # Refused only once the reservation was found of the lease's SKU (on both paths).
         sku = finish_statement.sku_of(stale.scope) or "?"
         return ledger.rejection(stale, lease, sku, operation, key, None, reservation_id)
 
     return Step(
-        written, None, lambda: _finish(ledger, lease, reservation_id, key, operation, final),
+        written, None, lambda: _finish(ledger, written, final, rejection),
         partial(keyed.exchange, written, statements, values, refused), rejection,
     )  # fmt: skip
 
 
 def _finish(
-    ledger: Ledger, lease: Lease, reservation_id: str, key: str, operation: str, status: str
+    ledger: Ledger, written: keyed.Written, status: str, rejection: Callable[[StaleToken], sa.Executable]
 ) -> Plan[Outcome]:
-    sku_box: list[str] = []
+    lease, key, operation = written.lease, written.key, written.operation
+    (reservation_id,) = written.reservation_ids
 
     def apply() -> Plan[Outcome]:
         found: Rows = yield sa.select(reservations).where(reservations.c.id == reservation_id)
         row = found.first()
         if row is None:
             raise UnknownReservation(reservation_id)
-        sku_box.append(row.sku)
         if valid.scope_of(row.sku) != lease.scope:
             raise InvalidTransition(
                 reservation_id=reservation_id,
@@ -179,25 +179,10 @@ def _finish(
         if row.status != HELD:
             raise InvalidTransition(reservation_id=reservation_id, status=row.status, operation=operation)
         level = yield from _end(ledger, lease, row.sku, reservation_id, row.quantity, key, operation, status)
-        return Outcome(
-            operation=operation,
-            key=key,
-            token=lease.token,
-            reservation_ids=(reservation_id,),
-            stock=(level,),
-            quantity=row.quantity,
-        )
+        return Outcome(operation, key, lease.token, written.reservation_ids, (level,), row.quantity)
 
-    return ledger.idempotent(
-        key,
-        operation,
-        fingerprint(operation, reservation_id=reservation_id),
-        apply,
-        lambda stale: ledger.rejection(
-            stale, lease, sku_box[-1] if sku_box else "?", operation, key, None, reservation_id
-        ),
-        ledger.lock_reservation_sku(reservation_id),
-    )
+    lock = ledger.lock_reservation_sku(reservation_id)
+    return ledger.idempotent(key, operation, written.fingerprint, apply, rejection, lock)
 
 
 def _end(
