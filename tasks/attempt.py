@@ -47,7 +47,6 @@ class Attempt:
         self.sent = sent
         self.who: dict[str, Any] = {"task_id": task.request.id, "worker": worker_identity()}
         self.epoch = message.counts["epoch"]
-        self.transient = policy.counter(sent, "transient")
         self.limits = policy.Limits.of(res.settings)
         self.work = work_of(message)
         # Only a single-SKU reservation can wait for its lease's holder, and only with batching on.
@@ -64,8 +63,8 @@ class Attempt:
         reservation queued for its SKU's lease holder is later served without this check). Otherwise it
         takes the leases and writes, and each error of that leads where tasks.policy says. A reservation
         whose SKU a thread of this process serves is handed to it instead (tasks.hot_sku)."""
-        if self.transient > self.limits.transient:
-            return self.give_up("backend unavailable", "the backend stayed unreachable")
+        if self.message.counts["transient"] > self.limits.transient:
+            return self.give_up({"reason": "backend unavailable", "error": "the backend stayed unreachable"})
         expired = self.past_deadline()
         if expired is not None:
             return expired
@@ -132,7 +131,8 @@ class Attempt:
 
     def after(self, error: Exception) -> dict[str, Any]:
         """What an error of the attempt leads to, as :func:`tasks.policy.decide` says, with the I/O it
-        needs: a busy lease's outcome looked for, a lost lease's attempt recorded, a dead letter logged."""
+        needs: a busy lease's outcome looked for, a lost lease's attempt recorded, an outage's retry
+        recorded where the database still answers, a dead letter logged."""
         message, facts = self.message, {}
         if isinstance(error, LeaseBusy):
             metrics.current.lease("busy")
@@ -151,15 +151,33 @@ class Attempt:
         if isinstance(decision, policy.Again):
             if redriven is not None:
                 announce_lost(self.task, redriven)
+            if isinstance(error, BackendUnavailable):
+                metrics.current.transient(error.backend)
+                # Nothing is final until it is recorded. The attempt is recorded where the database still
+                # answers (a lease Redis that is down), so `reservations show KEY` counts an outage's retries.
+                if error.backend != "database":
+                    with suppress(BackendUnavailable):
+                        self.res.inventory.record_attempt(
+                            message.key, message.operation, AttemptResult.TRANSIENT,
+                            detail=policy.printable(error), **self.who,
+                        )  # fmt: skip
             raise self.again(decision.counter, decision.delay, redriven) from None
         assert isinstance(decision, policy.Final)  # a hand-off comes only with a batch
-        if decision.status == RequestStatus.DEAD_LETTERED:
-            observe.dead_lettered(message, decision.detail["reason"], self.who, **facts)
-            ended = self.final(decision.status, self.dead_letter(decision.detail))
-        else:
+        if decision.status != RequestStatus.DEAD_LETTERED:
             ended = self.final(decision.status, decision.detail)
-        # Stock found short under the leases: what queued up for them meanwhile is served still.
-        return self.served(ended) if isinstance(error, InsufficientStock) else ended
+            # Stock found short under the leases: what queued up for them meanwhile is served still.
+            return self.served(ended) if isinstance(error, InsufficientStock) else ended
+        if not isinstance(error, BackendUnavailable):
+            return self.give_up(decision.detail, **facts)
+        transient = message.counts["transient"]
+        log.error("giving up on %s after %d transient failures: %s", message.key, transient, error)
+        try:
+            return self.give_up(decision.detail)
+        except BackendUnavailable:
+            # Not even the dead letter can be written: keep coming back at the slowest pace until it can,
+            # so the request still ends with an outcome once the database answers.
+            self.sent["transient"] = self.limits.transient + 1
+            raise self.task.retry(kwargs=self.sent, countdown=policy.rng.uniform(15.0, 30.0)) from None
 
     def server(self) -> AbstractContextManager[Server | None]:
         """For a reservation that may wait for its lease's holder: this thread serving its SKU while it
@@ -226,40 +244,14 @@ class Attempt:
 
     def again(self, counter: str, countdown: float, reason: Exception | None = None) -> Exception:
         """The retry of this message with ``counter`` raised by one, to be raised."""
-        kwargs = {**self.sent, counter: policy.counter(self.sent, counter) + 1}
+        kwargs = {**self.sent, counter: self.message.counts[counter] + 1}
         return self.task.retry(kwargs=kwargs, countdown=countdown, exc=reason)  # type: ignore[no-any-return]
 
-    def give_up(self, reason: str, error: str) -> dict[str, Any]:
-        """Dead-letter a request that cannot be carried out: its backend stayed unreachable through every
-        transient retry, or its lease client cannot be built."""
-        observe.dead_lettered(self.message, f"{reason}: {error[:200]}", self.who)
-        return self.final(
-            RequestStatus.DEAD_LETTERED, self.dead_letter({"reason": reason, "error": error[:500]})
-        )
-
-    def unavailable(self, exc: BackendUnavailable) -> dict[str, Any]:
-        """A backend did not answer (an outcome or attempt that could not be recorded too: nothing is final
-        until it is): retry with a backoff of its own, or give up once the transient budget is spent."""
-        decision = policy.decide(exc, {"transient": self.transient}, self.limits)
-        if isinstance(decision, policy.Again):
-            metrics.current.transient(exc.backend)
-            if exc.backend != "database":
-                # The attempt is recorded where the database still answers (a lease Redis that is down),
-                # so `reservations show KEY` counts the retries of an outage, not just its end.
-                with suppress(BackendUnavailable):
-                    self.res.inventory.record_attempt(
-                        self.message.key, self.message.operation, AttemptResult.TRANSIENT,
-                        detail=policy.printable(exc), **self.who,
-                    )  # fmt: skip
-            raise self.again(decision.counter, decision.delay) from None
-        log.error("giving up on %s after %d transient failures: %s", self.message.key, self.transient, exc)
-        try:
-            return self.give_up("backend unavailable", str(exc))
-        except BackendUnavailable:
-            # Not even the dead letter can be written: keep coming back at the slowest pace until it can,
-            # so the request still ends with an outcome once the database answers.
-            self.sent["transient"] = self.limits.transient + 1
-            raise self.task.retry(kwargs=self.sent, countdown=policy.rng.uniform(15.0, 30.0)) from None
+    def give_up(self, detail: dict[str, Any], **facts: Any) -> dict[str, Any]:
+        """Dead-letter a request that cannot be carried out now, logged with ``facts`` (the lease's)."""
+        error = f": {detail['error'][:200]}" if "error" in detail else ""
+        observe.dead_lettered(self.message, detail["reason"] + error, self.who, **facts)
+        return self.final(RequestStatus.DEAD_LETTERED, self.dead_letter(detail))
 
     def failed(self, exc: Exception) -> None:
         """A bug or an unforeseen input: the request still ends, dead-lettered, or its caller waits

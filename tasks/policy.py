@@ -141,11 +141,6 @@ def decide(
     return Final(RequestStatus.DEAD_LETTERED, {"reason": "unexpected error", "error": repr(error)[:500]})
 
 
-def counter(kwargs: dict[str, Any], name: str) -> int:
-    value = kwargs.get(name, 0)
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
-
-
 def jitter(retry_after: float, attempt: int, draw: random.Random = rng) -> float:
     """Backoff between task retries: the lease backoff with a broker round trip's larger steps."""
     return backoff(attempt, retry_after, draw, first=0.01, cap=1.0, floor=0.005)

@@ -142,13 +142,13 @@ def _ended(task: Task, sent: dict[str, Any], attempt: Attempt | None, exc: Excep
             raise exc
         # The lease client cannot be built in this process although the settings passed at start: no
         # attempt can take a lease, so the request ends with the reason rather than without an outcome.
-        return attempt.give_up(f"{exc.backend} client cannot be built", str(exc))
+        return attempt.give_up({"reason": f"{exc.backend} client cannot be built", "error": str(exc)[:500]})
     if isinstance(exc, BackendUnavailable):
         if attempt is None:
             # A refusal that could not be recorded yet: the same message comes back (its counters are not
             # trusted, so none is touched) until the database answers.
             raise task.retry(kwargs=sent, countdown=policy.rng.uniform(1.0, 30.0)) from None
-        return attempt.unavailable(exc)
+        return attempt.after(exc)
     # A bug or an unforeseen input must still end the request, or its caller waits forever.
     key = attempt.message.key if attempt is not None else sent.get("idempotency_key")
     log.exception("request %s failed unexpectedly", key, extra={"event": "unexpected_error", "key": key})
