@@ -2,7 +2,7 @@
 
 :meth:`Attempt.carry_out` gives up when the backend stayed unreachable through every transient retry, ends a
 request taken up past its deadline ``expired``, or takes the request's SKU leases and makes its write
-(:mod:`tasks.request_kinds`). Every error the attempt meets leads where the table in
+(:meth:`Attempt.decide`). Every error the attempt meets leads where the table in
 :mod:`tasks.policy` says: to a final outcome (:meth:`Attempt.final`, :meth:`Attempt.give_up`), to a
 retry under one of the counters that travel with the message (:meth:`Attempt.again`), or to the holder
 of a busy lease (:func:`tasks.hot_sku.wait_for_holder`). The final outcome is written once, by
@@ -12,25 +12,32 @@ idempotency key, with the request's fingerprint.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext, suppress
+from functools import partial
 from typing import Any
 
 from celery import Task
 
 from fencing import BackendUnavailable, Lease, LeaseBusy, LostOwnership
 from reservations import InsufficientStock, Outcome
+from reservations.counting import counted_units, short_count
 from reservations.redrives import carried_request
 from reservations.request_outcomes import AlreadyApplied, RequestReply, RequestResult
 from reservations.statuses import SUCCEEDED, AttemptResult, RequestStatus
 from tasks import deadlines, failpoints, metrics, observe, policy
 from tasks.answers import Redriven, announce_lost, answer
 from tasks.failpoints import failpoint
-from tasks.hot_sku import Batchable, Server, beside_local_server, serve_quietly, wait_for_holder
+from tasks.hot_sku import Server, beside_local_server, serve_quietly, wait_for_holder
 from tasks.messages import DEADLINE, Message
-from tasks.request_kinds import work_of
 from tasks.worker import Resources, worker_identity
 
 log = logging.getLogger("tasks")
+
+# The write a request makes under its leases, bound to its arguments: the request run to its outcome
+# (every type but an order: one statement on PostgreSQL with its attempt and outcome, answering a request
+# that already ended), or an order's operation, whose attempt and outcome the task then records.
+Write = Callable[[], RequestReply | Outcome]
 
 
 class Attempt:
@@ -48,9 +55,8 @@ class Attempt:
         self.who: dict[str, Any] = {"task_id": task.request.id, "worker": worker_identity()}
         self.epoch = message.counts["epoch"]
         self.limits = policy.Limits.of(res.settings)
-        self.work = work_of(message)
         # Only a single-SKU reservation can wait for its lease's holder, and only with batching on.
-        self.batch: Batchable | None = self.work.batch if res.settings.batching else None
+        self.can_wait = message.name == "reserve" and res.settings.batching
         self.leases: dict[str, Lease] = {}
         self.lease_token: int | None = None
 
@@ -70,18 +76,18 @@ class Attempt:
             return expired
         res, message = self.res, self.message
         try:
-            if self.batch is not None:
-                handed = beside_local_server(self.task, res, message, self.batch, self.who)
+            if self.can_wait:
+                handed = beside_local_server(self.task, res, message, self.who)
                 if handed is not None:
                     return handed
-            if not self.work.answers_ended:  # a write run as a request answers an ended request itself
+            if message.name == "reserve_order":  # the others' writes, run as requests, answer an ended one
                 done = res.inventory.request_outcome(message.key)
                 if done is not None:
                     return answer(self.task, message, done)
             with (
                 res.inventory.hold_many(
                     res.leases,
-                    self.work.skus(res.inventory),
+                    self.skus(),
                     ttl=res.settings.lease_ttl,
                     holder=f"{self.who['worker']}:{self.who['task_id']}",
                     renew_every=failpoints.renew_every(res.settings.lease_renew_every),
@@ -95,7 +101,7 @@ class Attempt:
                 # worker paused at the failpoint writes a figure decided before its pause. A backend that
                 # stops answering once the leases are lost is the lease's loss, not an outage.
                 try:
-                    decided = self.work.decide(res.inventory, leases, self.who, self.epoch)
+                    decided = self.decide(leases)
                     failpoint("before_write")
                     written = decided()
                 except BackendUnavailable as exc:
@@ -137,7 +143,7 @@ class Attempt:
         if isinstance(error, LeaseBusy):
             metrics.current.lease("busy")
             facts = {"scope": error.scope, "token": error.token, "holder": error.holder}
-            if self.batch is None and self.work.answers_ended:
+            if not self.can_wait and message.name != "reserve_order":
                 # It did not look before taking the lease: a copy may have ended it.
                 done = self.res.inventory.request_outcome(message.key)
                 if done is not None:
@@ -145,9 +151,9 @@ class Attempt:
         redriven = self.lost(error) if isinstance(error, LostOwnership) else None
         if redriven is not None:
             facts = {k: redriven.fields[k] for k in ("scope", "token", "highest", "holder", "lease_id")}
-        decision = policy.decide(error, message.counts, self.limits, can_wait=self.batch is not None)
-        if isinstance(decision, policy.HandOff) and self.batch is not None:
-            return wait_for_holder(self.task, self.res, message, self.batch, self.who)
+        decision = policy.decide(error, message.counts, self.limits, can_wait=self.can_wait)
+        if isinstance(decision, policy.HandOff):
+            return wait_for_holder(self.task, self.res, message, self.who)
         if isinstance(decision, policy.Again):
             if redriven is not None:
                 announce_lost(self.task, redriven)
@@ -162,7 +168,6 @@ class Attempt:
                             detail=policy.printable(error), **self.who,
                         )  # fmt: skip
             raise self.again(decision.counter, decision.delay, redriven) from None
-        assert isinstance(decision, policy.Final)  # a hand-off comes only with a batch
         if decision.status != RequestStatus.DEAD_LETTERED:
             ended = self.final(decision.status, decision.detail)
             # Stock found short under the leases: what queued up for them meanwhile is served still.
@@ -179,12 +184,47 @@ class Attempt:
             self.sent["transient"] = self.limits.transient + 1
             raise self.task.retry(kwargs=self.sent, countdown=policy.rng.uniform(15.0, 30.0)) from None
 
+    def skus(self) -> list[str]:
+        args = self.message.args
+        if self.message.name == "reserve_order":
+            return [sku for sku, _ in args["lines"]]
+        if self.message.name in ("confirm", "release"):
+            return [self.res.inventory.reservation(args["reservation_id"]).sku]
+        return [args["sku"]]
+
+    def decide(self, leases: dict[str, Lease]) -> Write:
+        """The write to make under ``leases``, read for and decided now: a count or a replenishment reads
+        its SKU's stock and decides its write from the read."""
+        inv, name, args, key = self.res.inventory, self.message.name, self.message.args, self.message.key
+        if name == "reserve_order":
+            return partial(inv.reserve_many, leases, args["lines"], key=key, hold_for=args["hold_for"])
+        asked: dict[str, Any] = {"key": key, "epochs": self.epoch, **self.who}
+        if name in ("confirm", "release"):
+            (lease,) = leases.values()
+            finish = inv.confirm_request if name == "confirm" else inv.release_request
+            return partial(finish, lease, args["reservation_id"], **asked)
+        sku = args["sku"]
+        lease = leases[sku]
+        if name == "reserve":
+            return partial(
+                inv.reserve_request, lease, sku, args["quantity"], hold_for=args["hold_for"], **asked
+            )
+        if name == "restock":
+            return partial(inv.restock_request, lease, sku, args["quantity"], **asked)
+        seen = inv.look(lease, sku)
+        if name == "replenish":
+            return partial(inv.replenish_request, lease, sku, args["par"], seen=seen, **asked)
+        # A count sets on hand to the figure sent, or to the figure read now less the shrinkage sent.
+        shrinkage = args["shrinkage"]
+        figure = counted_units(args["counted"]) if shrinkage is None else short_count(seen, shrinkage)
+        return partial(inv.count_request, lease, sku, figure, seen=seen, shrinkage=shrinkage, **asked)
+
     def server(self) -> AbstractContextManager[Server | None]:
         """For a reservation that may wait for its lease's holder: this thread serving its SKU while it
         holds the lease, so that requests of this process join it in memory (tasks.hot_sku.Server)."""
-        if self.batch is None:
+        if not self.can_wait:
             return nullcontext()
-        return Server(self.res, self.batch.sku, self.who["task_id"], self.who["worker"])
+        return Server(self.res, self.message.args["sku"], self.who["task_id"], self.who["worker"])
 
     def succeeded(self, done: RequestReply | Outcome) -> dict[str, Any]:
         """The answer to a write made: the reservation statement stored its outcome itself; any other write
@@ -207,8 +247,8 @@ class Attempt:
         record) looks.
         """
         leases = self.leases.values()
-        if self.batch is not None and (not leases or any(lease.contended is not False for lease in leases)):
-            serve_quietly(self.res, self.batch.sku, **self.who)
+        if self.can_wait and (not leases or any(lease.contended is not False for lease in leases)):
+            serve_quietly(self.res, self.message.args["sku"], **self.who)
         return result
 
     def lost(self, lost: LostOwnership) -> Redriven:

@@ -6,7 +6,6 @@ and looks again after releasing only when someone was turned away meanwhile.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 from celery import Task, current_task, states
@@ -36,28 +35,16 @@ BATCHES_PER_LEASE = 50
 SERVE_ROUNDS = 20
 
 
-@dataclass(frozen=True)
-class Batchable:
-    """A single-SKU reservation: what the holder of a busy lease can serve in a batch for its sender."""
-
-    sku: str
-    quantity: int
-    hold_for: float | None
-
-
 def beside_local_server(
-    task: Task, res: Resources, message: Message, batch: Batchable, who: dict[str, Any]
+    task: Task, res: Resources, message: Message, who: dict[str, Any]
 ) -> dict[str, Any] | None:
     """A thread of this process serves the SKU: hand the request to it in memory (tasks.local_servers)
     and answer what its batch wrote. None: no thread serves the SKU, or the request came back unserved
     (its key had ended elsewhere, or the batch failed); it takes the usual way then."""
+    args = message.args
+    hold_ms = hold_ms_of(args["hold_for"])
     request = InHand(
-        message.key,
-        batch.sku,
-        batch.quantity,
-        hold_ms_of(batch.hold_for),
-        who["task_id"],
-        message.counts["epoch"],
+        message.key, args["sku"], args["quantity"], hold_ms, who["task_id"], message.counts["epoch"]
     )
     joined = local_servers.join(request)
     if joined is None:
@@ -74,9 +61,7 @@ def beside_local_server(
     return answer(task, message, joined.result)
 
 
-def wait_for_holder(
-    task: Task, res: Resources, message: Message, batch: Batchable, who: dict[str, Any]
-) -> dict[str, Any]:
+def wait_for_holder(task: Task, res: Resources, message: Message, who: dict[str, Any]) -> dict[str, Any]:
     """The lease is busy: queue the request for the holder instead of spinning on the lease.
 
     The task then ends at once, returning "queued" without storing it: whoever serves the request writes
@@ -85,10 +70,11 @@ def wait_for_holder(
     holder died.
     """
     settings = res.settings
-    key, epoch = message.key, message.counts["epoch"]
+    key, epoch, sku = message.key, message.counts["epoch"], message.args["sku"]
     queued = res.inventory.hand_off(
-        batch.sku, batch.quantity, key=key, hold_for=batch.hold_for, task_id=who["task_id"], epochs=epoch
-    )
+        sku, message.args["quantity"], key=key, hold_for=message.args["hold_for"], task_id=who["task_id"],
+        epochs=epoch,
+    )  # fmt: skip
     match queued:
         case pending.Ended(result):
             return answer(task, message, result)
@@ -99,16 +85,16 @@ def wait_for_holder(
             try:
                 app.send_task(
                     task_name("watch_waiting"),
-                    args=[batch.sku],
+                    args=[sku],
                     countdown=settings.handoff_check,
                     ignore_result=True,  # as the task itself: no result is awaited, none is subscribed to
                 )
             except Exception as exc:  # the request is queued: the holder or the beat sweep still serve it
-                log.warning("could not schedule the watch of %s: %s", batch.sku, exc)
+                log.warning("could not schedule the watch of %s: %s", sku, exc)
     # Served nothing: the lease is busy, and its holder looks at the queue again after releasing. A
     # thread of this process serving the SKU now serves this request before it stops (LocalServers);
     # otherwise the lease is tried once more, in case its holder released before the request was queued.
-    if not local_servers.handed_off(batch.sku) and serve_quietly(res, batch.sku, known_waiting=True, **who):
+    if not local_servers.handed_off(sku) and serve_quietly(res, sku, known_waiting=True, **who):
         done = res.inventory.request_outcome(key)
         if done is not None:
             return answer(task, message, done)
@@ -116,7 +102,7 @@ def wait_for_holder(
     # for this task id must not be overwritten by "queued". (Raising Ignore does the same but costs a
     # formatted traceback per request.)
     task.request.ignore_result = True
-    return reply(QUEUED, epoch, key, "reserve", {"sku": batch.sku})
+    return reply(QUEUED, epoch, key, "reserve", {"sku": sku})
 
 
 def serve_quietly(res: Resources, sku: str, **kwargs: Any) -> int:
