@@ -20,7 +20,7 @@ from reservations.statuses import RequestStatus
 from service.answers import Answer, answer_of, caller_key, location_of, pending, problem
 from service.backlog import Backlog, retry_after
 from tasks import OutcomeTimeout, ReservationClient, messages
-from tasks.sending import request_of
+from tasks.producer import request_of
 
 log = logging.getLogger("service.door")
 

@@ -9,12 +9,12 @@ other arguments) raises :class:`IdempotencyConflict` instead of being handed ove
 Every blocking method has an async twin (``enqueue_sync`` / ``enqueue``, ``wait_sync`` / ``wait``,
 ``ReservationHandle.result_sync`` / ``result``...). The decisions are one core both twins call, pure code
 doing no I/O: the request's payload, checked before anything is recorded (:func:`tasks.messages.normalized`,
-:meth:`ReservationClient._request`) and its record (:func:`tasks.sending.request_of`); the handle that names
+:meth:`ReservationClient._request`) and its record (:func:`tasks.producer.request_of`); the handle that names
 it (:meth:`ReservationClient._handle`); whether a stored outcome is the handle's own
 (``ReservationHandle._own``); kombu's error for a broker that did not take a message, mapped to
 :class:`tasks.errors.BrokerUnavailable`.
 Around it, two shells do the I/O. The sync shell records and publishes from the calling thread
-(:class:`tasks.sending.Sender`) and polls the key's outcome row. The async shell never blocks its event
+(:class:`tasks.producer.Sender`) and polls the key's outcome row. The async shell never blocks its event
 loop: it queues requests for one thread that records and publishes them in batches
 (:class:`tasks.outbox.Outbox`), and one watcher per event loop reads the outcomes of every awaited key at
 once (:class:`tasks.outcomes.OutcomeWatcher`). Every request is recorded in the database before it is
@@ -44,8 +44,7 @@ from tasks.app import app as default_app
 from tasks.errors import BrokerUnavailable, ClientClosed, OutcomeTimeout
 from tasks.outbox import Outbox
 from tasks.outcomes import OutcomeWatcher
-from tasks.producer import Producer
-from tasks.sending import Sender, request_of
+from tasks.producer import Producer, Sender, request_of
 from tasks.settings import settings_of
 
 __all__ = ["ReservationClient", "ReservationHandle", "enqueue_reservation"]

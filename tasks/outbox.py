@@ -3,7 +3,7 @@ batches.
 
 Recording and publishing are blocking I/O. An event loop only appends a request to the outbox and awaits
 a future; one thread takes what is queued, batch after batch, records the batch's requests in one
-statement (tasks.sending: the database holds every request before the broker carries it), then publishes
+statement (tasks.producer: the database holds every request before the broker carries it), then publishes
 each on one pooled producer (one broker connection), and settles each sender's future in its own loop.
 Requests enqueued while a batch is going out wait for the next one.
 """
@@ -21,7 +21,7 @@ from kombu.exceptions import OperationalError
 from reservations.acceptance import Request
 from tasks.errors import BrokerUnavailable, ClientClosed
 from tasks.outcomes import copied
-from tasks.sending import Sender, publish
+from tasks.producer import Sender
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +80,7 @@ class Outbox:
                 with self._sender.producer.batch() as producer:
                     for item in batch:
                         try:
-                            sent = publish(self._sender.producer, item.request, batch=producer)
+                            sent = self._sender.producer.publish(item.request, batch=producer)
                             answers.append((item, sent, None))
                         except OperationalError:
                             raise

@@ -1,23 +1,36 @@
-"""Hand requests to the Celery workers by task name, without importing them.
+"""Record, then publish: how every producer hands a request to the workers, by task name, without
+importing them.
+
+The database holds the request; the broker only carries it (reservations.acceptance). So a request is
+recorded, whole, before its message is published, and a message lost after that (a worker killed after
+fetching it, a broker failover, a retry the broker refused) is published again by the relay
+(tasks.relay) from the record, under the same task id. A publish that fails after the record was written
+is therefore not a lost request: the caller hears of it (``BrokerUnavailable``), and the relay publishes
+it once the broker answers, or ends it ``expired`` or ``dead_lettered``. A record that cannot be written
+(the database is down) means nothing was published.
 
 The admin CLI, the demo and the chaos run live below the ``tasks`` package in the import order, so they
 publish plain JSON messages with the task id derived from the idempotency key; ``tasks.ReservationClient``
-publishes through this class too. Without a result backend, publishing never touches one: outcomes are
-read from the database, so a result backend that is down does not stop requests from being enqueued.
+publishes through :class:`Producer` too. Without a result backend, publishing never touches one: outcomes
+are read from the database, so a result backend that is down does not stop requests from being enqueued.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from celery import Celery, current_task
 from celery.signals import before_task_publish
 
+from reservations import Inventory
 from reservations import validation as valid
+from reservations.acceptance import Request
+from reservations.redrives import Redrive
 from reservations.request_outcomes import request_id
 from tasks import deadlines, messages
-from tasks.messages import DEADLINE, ENQUEUED_AT, FORMAT, task_name
+from tasks.messages import DEADLINE, ENQUEUED_AT, FORMAT, SHAPES, request_fingerprint, task_name
 from tasks.settings import Settings
 
 
@@ -82,6 +95,19 @@ class Producer:
         )
         return task_id
 
+    def publish(self, request: Request, *, batch: Any = None, enqueued_at: float | None = None) -> str:
+        """Publish a recorded request as it was recorded (same task id, arguments, format and deadline);
+        ``batch``: a kombu producer held across many publishes (:meth:`batch`)."""
+        return self.send(
+            request.request_type,
+            request.key,
+            dict(request.arguments),
+            producer=batch,
+            enqueued_at=enqueued_at,
+            deadline=request.deadline,
+            message_format=request.message_format,
+        )
+
     def batch(self) -> Any:
         """A context manager holding one pooled producer (one broker connection) for many sends."""
         return self.app.producer_or_acquire()
@@ -115,3 +141,64 @@ def _stamp_enqueue_time(headers: dict[str, Any] | None = None, **_: Any) -> None
         return
     inherited = getattr(retried, ENQUEUED_AT, None)
     headers[ENQUEUED_AT] = inherited if isinstance(inherited, int | float) else time.time()
+
+
+def request_of(
+    name: str,
+    key: str,
+    kwargs: Mapping[str, Any],
+    *,
+    deadline: float | None = None,
+    caller: str | None = None,
+    fingerprint: str | None = None,
+) -> Request:
+    """The record of request type ``name`` under ``key`` with the message arguments ``kwargs`` (without the
+    key), as this release publishes it; ``fingerprint`` when the caller parsed the message already. No
+    I/O."""
+    return Request(
+        key=valid.idempotency_key(key),
+        request_type=name,
+        operation=SHAPES[name].operation,
+        arguments=dict(kwargs),
+        fingerprint=fingerprint or request_fingerprint(name, kwargs),
+        task_id=request_id(key),
+        message_format=messages.CURRENT_FORMAT,
+        deadline=deadline,
+        caller=caller,
+    )
+
+
+class Sender:
+    """Records requests in the inventory database, then publishes them through ``producer``.
+    ``look_after``: seconds after which the relay first looks at a recorded request without an outcome
+    (``RESERVATIONS_REPUBLISH_AFTER``)."""
+
+    def __init__(self, producer: Producer, inventory: Callable[[], Inventory], look_after: float) -> None:
+        self.producer = producer
+        self._inventory = inventory
+        self.look_after = look_after
+
+    def record(self, requests: Sequence[Request]) -> None:
+        """Record ``requests`` in one statement (a key recorded already keeps its first record)."""
+        self._inventory().record_accepted(requests, self.look_after)
+
+    def send(self, request: Request) -> str:
+        """Record ``request``, then publish it; returns its task id."""
+        self.record([request])
+        return self.producer.publish(request)
+
+    def redrive(self, key: str, *, by: str | None = None) -> tuple[Redrive, str]:
+        """Claim the next re-drive of the dead letter under ``key`` (reservations.redrives decides whether it
+        may be and under which key), record it and publish it; returns the claim and its task id. The claim
+        is dropped again when its record cannot be written (the error is raised), so a later attempt is not
+        refused as already running; a publish that fails after it is raised too, and the relay publishes
+        the request later."""
+        inventory = self._inventory()
+        claimed = inventory.claim_redrive(key, by=by)
+        request = request_of(claimed.request_type, claimed.key, claimed.arguments)
+        try:
+            self.record([request])
+        except BaseException:
+            inventory.drop_redrive(claimed.key)
+            raise
+        return claimed, self.producer.publish(request)

@@ -1,6 +1,6 @@
 """The relay: every recorded request ends in one outcome, whatever happened to its messages.
 
-Producers record a request before they publish it (tasks.sending), with the time the relay first looks
+Producers record a request before they publish it (tasks.producer), with the time the relay first looks
 at it (``RESERVATIONS_REPUBLISH_AFTER`` later). Each pass claims the records whose look has come
 (reservations.acceptance.due: disjoint between relays) and decides for each, in :func:`decide`, without
 I/O:
@@ -59,7 +59,6 @@ from reservations.acceptance import Due
 from reservations.request_outcomes import AlreadyApplied
 from reservations.statuses import RequestStatus
 from tasks.producer import Producer
-from tasks.sending import publish
 from tasks.settings import REDIS, Settings, scheme_of
 
 log = logging.getLogger("tasks.relay")
@@ -220,7 +219,7 @@ class Relay:
         record = due.accepted
         request = record.request()  # decide() ended a record without arguments instead
         try:
-            publish(self.producer, request, enqueued_at=record.at)
+            self.producer.publish(request, enqueued_at=record.at)
         except Exception as exc:
             log.warning("relay: could not publish %s again: %s", record.key, exc)
             return False

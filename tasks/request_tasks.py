@@ -30,7 +30,7 @@ from tasks.app import app
 from tasks.attempt import Attempt
 from tasks.hot_sku import serve_pending, serve_quietly
 from tasks.messages import Message, task_name
-from tasks.sending import request_of
+from tasks.producer import request_of
 from tasks.settings import settings_of
 from tasks.worker import Resources, Unbuildable, resources, worker_identity
 

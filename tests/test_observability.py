@@ -30,7 +30,7 @@ from reservations.acceptance import record
 from reservations.models import sku_history
 from reservations.request_outcomes import request_id
 from tasks.logs import use_json_on_stderr
-from tasks.sending import request_of
+from tasks.producer import request_of
 from testing.celery_processes import worker_env
 from testing.compose import resolved
 from testing.harness import free_port, wait_until

@@ -30,9 +30,8 @@ from reservations.request_outcomes import RequestResult, request_id
 from reservations.validation import scope_of
 from tasks import ReservationClient, Settings, create_app
 from tasks.messages import CURRENT_FORMAT, ENQUEUED_AT
-from tasks.producer import Producer
+from tasks.producer import Producer, request_of
 from tasks.relay import MOST_SPACING, Action, Relay, decide, ending, relay_of, spacing
-from tasks.sending import request_of
 from testing.harness import wait_until
 from testing.redis_servers import RedisServer, redis_server
 from testing.support import queued_messages

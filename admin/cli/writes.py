@@ -1,7 +1,7 @@
 """The commands that write, each saying so in its help: requests handed to the Celery workers by task
 name (this package never imports the tasks), with --wait polling their outcome and --deadline bounding
 when they may still be carried out; add-sku, direct; and redrive, which records each re-drive in the
-database and publishes it through tasks.sending.
+database and publishes it through tasks.producer.
 """
 
 from __future__ import annotations
@@ -50,8 +50,7 @@ def _enqueue(
 ) -> None:
     """Hand the request to the workers by task name, with a deadline ``within`` seconds from now if
     given; with --wait, poll its final outcome."""
-    from tasks.producer import Producer
-    from tasks.sending import publish, request_of
+    from tasks.producer import Producer, request_of
 
     valid.idempotency_key(key)
     deadline = None if within is None else valid.deadline(time.time() + within)
@@ -61,7 +60,7 @@ def _enqueue(
         inventory.record_accepted([request], config.settings.republish_after)
     try:
         with Producer(config.broker_url) as producer:
-            publish(producer, request)
+            producer.publish(request)
     except Exception as exc:  # kombu raises its own and socket errors; all mean the broker is unusable
         fail(
             EXIT_UNREACHABLE,
@@ -358,8 +357,7 @@ def _send_redrives(inventory: Inventory, chosen: list[Redrive], who: str | None)
     """Claim and publish each; a refusal found now (someone else re-drove it meanwhile) is said and the
     rest go on; an unreachable broker stops the run (the claim it could not send is taken back)."""
     from reservations.errors import RedriveRefused
-    from tasks.producer import Producer
-    from tasks.sending import Sender
+    from tasks.producer import Producer, Sender
 
     sent, refused = 0, 0
     try:
