@@ -1,32 +1,27 @@
 """Enqueue requests and await their outcomes, from asyncio services or from plain scripts.
 
-The task id is derived from the idempotency key, so enqueueing the same key twice names the same request.
-Outcomes are read from the database's request outcomes (durable, written once per key) rather than the
-result backend, so a handle resolves even after the result expired or the worker that produced it died,
-and publishing needs only the broker. An outcome stored under the key by a different request (same key,
-other arguments) raises :class:`IdempotencyConflict` instead of being handed over.
+The task id is derived from the idempotency key, so the same key twice names the same request. Outcomes
+are read from the database's request outcomes (written once per key), not the result backend: a handle
+resolves after the result expired or its worker died, and publishing needs only the broker. An outcome
+stored under the key by a different request raises :class:`IdempotencyConflict` instead.
 
-Every blocking method has an async twin (``enqueue_sync`` / ``enqueue``, ``wait_sync`` / ``wait``,
-``ReservationHandle.result_sync`` / ``result``...). The decisions are one core both twins call, pure code
-doing no I/O: the request's payload, checked before anything is recorded (:func:`tasks.messages.normalized`,
-:meth:`ReservationClient._request`) and its record (:func:`tasks.producer.request_of`); the handle that names
-it (:meth:`ReservationClient._handle`); whether a stored outcome is the handle's own
-(``ReservationHandle._own``); kombu's error for a broker that did not take a message, mapped to
-:class:`tasks.errors.BrokerUnavailable`.
-Around it, two shells do the I/O. The sync shell records and publishes from the calling thread
-(:class:`tasks.producer.Sender`) and polls the key's outcome row. The async shell never blocks its event
-loop: it queues requests for one thread that records and publishes them in batches
-(:class:`tasks.outbox.Outbox`), and one watcher per event loop reads the outcomes of every awaited key at
-once (:class:`tasks.outcomes.OutcomeWatcher`). Every request is recorded in the database before it is
-published; the relay (tasks.relay, in every worker) publishes again one whose message was lost, so
-nothing here publishes twice.
+The blocking methods (``*_sync``) and the async ones call one core without I/O: the payload checked
+before anything is recorded, the request's record, its handle, whether a stored outcome is the handle's
+own. The sync shell records and publishes from the calling thread (:class:`tasks.producer.Sender`) and
+polls the key's outcome row. The async shell never blocks its event loop: one thread records and
+publishes in batches (:class:`Outbox`), and one watcher per event loop reads every awaited key at once
+(:class:`tasks.outcomes.OutcomeWatcher`). The relay (tasks.relay) publishes again a recorded request
+whose message was lost, so nothing here publishes twice.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import weakref
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,8 +37,7 @@ from reservations.request_outcomes import RequestResult
 from tasks import messages
 from tasks.app import app as default_app
 from tasks.errors import BrokerUnavailable, ClientClosed, OutcomeTimeout
-from tasks.outbox import Outbox
-from tasks.outcomes import OutcomeWatcher
+from tasks.outcomes import OutcomeWatcher, copied
 from tasks.producer import Producer, Sender, request_of
 from tasks.settings import settings_of
 
@@ -90,6 +84,106 @@ class ReservationHandle:
                 key=self.key, operation=self.operation, stored_operation=stored.operation
             )
         return stored
+
+
+@dataclass(frozen=True, slots=True)
+class Outgoing:
+    """A request queued for the publishing thread, whether it is recorded already (the front door records
+    it as it admits it), and where to tell its sender the task id."""
+
+    request: Request
+    recorded: bool
+    future: asyncio.Future[str]
+    loop: asyncio.AbstractEventLoop
+
+
+class Outbox:
+    """The async shell's publishing thread: event loops queue requests for ``sender``, and one thread takes
+    what is queued, batch after batch, records the batch's requests in one statement, then publishes each
+    on one pooled producer (one broker connection), and settles each sender's future in its own loop.
+    Requests enqueued while a batch is going out wait for the next one."""
+
+    def __init__(self, sender: Sender) -> None:
+        self._sender = sender
+        self._publisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="enqueue")
+        self._queued: list[Outgoing] = []
+        self._lock = threading.Lock()
+        self._draining = False
+        self._closed = False
+
+    async def publish(self, request: Request, *, recorded: bool = False) -> str:
+        """Queue ``request``, starting the publishing thread if it is idle, and await its record and
+        publication; returns its task id."""
+        loop = asyncio.get_running_loop()
+        sent: asyncio.Future[str] = loop.create_future()
+        with self._lock:
+            if self._closed:
+                raise ClientClosed("the client is closed")
+            self._queued.append(Outgoing(request, recorded, sent, loop))
+            start, self._draining = not self._draining, True
+            if start:
+                # Under the lock: close() cannot shut the thread down between the check and this.
+                loop.run_in_executor(self._publisher, self._drain)
+        return await sent
+
+    def _drain(self) -> None:
+        """The publishing thread: send what is queued, batch after batch, until the outbox is empty."""
+        while True:
+            with self._lock:
+                batch, self._queued = self._queued, []
+                if not batch:
+                    self._draining = False
+                    return
+            answers: list[tuple[Outgoing, str | None, BaseException | None]] = []
+            try:
+                self._sender.record([item.request for item in batch if not item.recorded])
+            except Exception as exc:  # nothing of the batch is published unrecorded
+                answers.extend((item, None, copied(exc)) for item in batch)
+                batch = []
+            try:
+                with self._sender.producer.batch() as producer:
+                    for item in batch:
+                        try:
+                            sent = self._sender.producer.publish(item.request, batch=producer)
+                            answers.append((item, sent, None))
+                        except OperationalError:
+                            raise
+                        except Exception as exc:  # this message only (it could not be encoded)
+                            answers.append((item, None, exc))
+            except Exception as exc:
+                # No broker connection, after the publish retries of one message (about 0.6 s): the rest
+                # of the batch would wait as long each, so its senders hear of it now, each with an
+                # error of its own (a sender's raise adds to the error's traceback). Their requests are
+                # recorded: the relay publishes them once the broker answers.
+                answers.extend(
+                    (item, None, BrokerUnavailable.of(exc) if isinstance(exc, OperationalError) else exc)
+                    for item in batch[len(answers) :]
+                )
+            for item, answer, error in answers:
+                with suppress(RuntimeError):  # its loop closed meanwhile: nobody awaits it any more
+                    item.loop.call_soon_threadsafe(_settle, item.future, answer, error)
+
+    def close(self) -> None:
+        """Publish nothing more: messages still queued are refused with ``ClientClosed``, later ones too."""
+        with self._lock:
+            self._closed = True
+            left, self._queued = self._queued, []
+        closed = ClientClosed("the client was closed before this request was published")
+        for item in left:
+            with suppress(RuntimeError):  # its loop closed meanwhile: nobody awaits it any more
+                item.loop.call_soon_threadsafe(_settle, item.future, None, closed)
+        self._publisher.shutdown(wait=False)
+
+
+def _settle(future: asyncio.Future[str], sent: str | None, error: BaseException | None) -> None:
+    if future.done():  # its sender was cancelled; the message went out all the same
+        return
+    if error is not None:
+        future.set_exception(error)
+    elif sent is not None:
+        future.set_result(sent)
+    else:  # pragma: no cover - the publisher answers a message id or an error
+        future.set_exception(RuntimeError("the message was neither sent nor refused"))
 
 
 class ReservationClient:
@@ -150,8 +244,6 @@ class ReservationClient:
     async def _send_async(
         self, name: str, key: str, kwargs: dict[str, Any], deadline: float | None = None
     ) -> ReservationHandle:
-        """Queue the request for the publishing thread and await its record and publication
-        (tasks.outbox)."""
         request = self._request(name, key, kwargs, deadline)
         return self._handle(request, await self._outbox.publish(request))
 
@@ -161,8 +253,8 @@ class ReservationClient:
         return self._handle(request, await self._outbox.publish(request, recorded=True))
 
     # Every enqueue takes ``deadline``: seconds since the epoch after which a worker that takes the
-    # request up ends it ``expired``, touching no stock (tasks.deadlines). It is no part of the request:
-    # the same key sent with another deadline names the same request.
+    # request up ends it ``expired``, touching no stock (tasks.deadlines). It is no part of the
+    # request: the same key sent with another deadline names the same request.
 
     def enqueue_reservation_sync(
         self,
