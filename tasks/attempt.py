@@ -25,7 +25,7 @@ from reservations.counting import counted_units, short_count
 from reservations.redrives import carried_request
 from reservations.request_outcomes import AlreadyApplied, RequestReply, RequestResult
 from reservations.statuses import SUCCEEDED, AttemptResult, RequestStatus
-from tasks import deadlines, failpoints, metrics, observe, policy
+from tasks import failpoints, messages, metrics, observe, policy
 from tasks.answers import Redriven, announce_lost, answer
 from tasks.failpoints import failpoint
 from tasks.hot_sku import Server, beside_local_server, serve_quietly, wait_for_holder
@@ -120,7 +120,7 @@ class Attempt:
         """End a request taken up after its deadline ``expired``, taking no lease and touching no stock;
         the answer is the key's stored outcome (a copy may have decided it first). None: carry it out."""
         message, inventory = self.message, self.res.inventory
-        late = deadlines.late(getattr(self.task.request, DEADLINE, None), key=message.key)
+        late = messages.late(getattr(self.task.request, DEADLINE, None), key=message.key)
         if late is None:
             return None
         try:

@@ -253,7 +253,7 @@ class ReservationClient:
         return self._handle(request, await self._outbox.publish(request, recorded=True))
 
     # Every enqueue takes ``deadline``: seconds since the epoch after which a worker that takes the
-    # request up ends it ``expired``, touching no stock (tasks.deadlines). It is no part of the
+    # request up ends it ``expired``, touching no stock (tasks.messages.late). It is no part of the
     # request: the same key sent with another deadline names the same request.
 
     def enqueue_reservation_sync(

@@ -20,8 +20,10 @@ once a worker that knows its format runs (docs/operations.md, "Message formats")
 from __future__ import annotations
 
 import json
+import logging
 import math
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +33,8 @@ from reservations.errors import InvalidRequest
 from reservations.operations import fingerprint, hold_ms_of
 from reservations.redrives import carried_request
 from reservations.statuses import RequestStatus
+
+log = logging.getLogger("tasks.messages")
 
 # Retry counters travel with the message (see Attempt.again in tasks.attempt); a producer never sets them.
 COUNTERS = ("epoch", "busy", "transient")
@@ -47,7 +51,7 @@ MAX_QUOTED_CHARS = 100  # a value of the message that the refusal names (an unkn
 MAX_EXACT_INT = 2**53
 
 # The headers of a request message (tasks.producer sets them, and a retry keeps its message's): its format,
-# a whole number; its deadline (tasks.deadlines) and when its request was first enqueued (the latency
+# a whole number; its deadline (:func:`late`) and when its request was first enqueued (the latency
 # metrics' start), in seconds since the epoch. Bump CURRENT_FORMAT whenever a worker of the previous release
 # would misread or refuse what producers now send, and add it to FORMATS in the same change.
 FORMAT = "reservations_format"
@@ -56,6 +60,55 @@ ENQUEUED_AT = "reservations_enqueued_at"
 CURRENT_FORMAT = 2
 UNMARKED_FORMAT = 1  # a message without the header
 FORMATS = (1, 2)
+
+
+# A request's deadline travels as a header, not as an argument: the arguments make the request's
+# fingerprint, and the same request sent again with another deadline is still the same request; a worker
+# that does not know the header ignores it, so workers can be upgraded one by one. Taken up after it, a
+# request ends ``expired`` without touching stock or taking a lease (tasks.attempt), so a backlog drained
+# after an outage does not reserve stock for carts abandoned long ago.
+
+
+@dataclass(frozen=True, slots=True)
+class Late:
+    """A request taken up ``late_by`` seconds after its ``deadline`` (seconds since the epoch)."""
+
+    deadline: float
+    late_by: float
+
+    def detail(self, attempts: int = 0) -> dict[str, Any]:
+        """The ``expired`` outcome's detail; ``attempts``: the retries of every kind made at it before."""
+        return {"deadline": self.deadline, "late_by": round(self.late_by, 3), "attempts": attempts}
+
+    def describe(self) -> str:
+        return f"taken up {self.late_by:.3f}s after its deadline {self.deadline:.3f}"
+
+
+def deadline_header(deadline: float | None) -> dict[str, float]:
+    """The headers a message carries for ``deadline`` (checked; none for None)."""
+    checked = valid.deadline(deadline)
+    return {} if checked is None else {DEADLINE: checked}
+
+
+def deadline_of(value: object, *, key: object = None) -> float | None:
+    """The deadline a message's header ``value`` names; None without one, and for a malformed one, which
+    is logged (naming ``key``) and ignored: a sender's bad header must not cost the request its outcome."""
+    try:
+        return valid.deadline(value)
+    except InvalidRequest as exc:
+        log.warning(
+            "ignoring the malformed %s header %r of request %s: %s", DEADLINE, value, key, exc,
+            extra={"event": "malformed_deadline", "key": key},
+        )  # fmt: skip
+        return None
+
+
+def late(value: object, *, clock: Callable[[], float] = time.time, key: object = None) -> Late | None:
+    """Whether a request whose deadline header held ``value`` is taken up too late at ``clock()``: None
+    without a deadline, before it, and for a malformed one."""
+    deadline = deadline_of(value, key=key)
+    now = clock()
+    return Late(deadline, now - deadline) if deadline is not None and now > deadline else None
 
 
 def request_arguments(kwargs: Mapping[str, Any]) -> dict[str, Any]:

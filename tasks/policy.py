@@ -7,7 +7,7 @@ error in an attempt             action
 ==============================  =======================================================================
 malformed message               final ``invalid`` (recorded under its key when it has one;
                                 tasks.request_tasks, before any attempt)
-taken up past its deadline      final ``expired``, before any lease or stock is touched (tasks.deadlines)
+taken up past its deadline      final ``expired``, before any lease or stock is touched (tasks.messages.late)
 InvalidRequest, UnknownSku,     final ``invalid``: it can never succeed
 UnknownReservation,
 InvalidTransition,

@@ -29,7 +29,7 @@ from reservations import validation as valid
 from reservations.acceptance import Request
 from reservations.redrives import Redrive
 from reservations.request_outcomes import request_id
-from tasks import deadlines, messages
+from tasks import messages
 from tasks.messages import DEADLINE, ENQUEUED_AT, FORMAT, SHAPES, request_fingerprint, task_name
 from tasks.settings import Settings
 
@@ -75,7 +75,7 @@ class Producer:
         ``producer``: a kombu producer of this app held across many sends (see :meth:`batch`).
         ``enqueued_at``: when the request was first enqueued, for a copy published again (tasks.app
         stamps the time of publishing otherwise). ``deadline``: seconds since the epoch after which a
-        worker ends the request ``expired`` instead of carrying it out (tasks.deadlines); a header, not
+        worker ends the request ``expired`` instead of carrying it out (tasks.messages.late); a header, not
         an argument, so it is no part of the request's fingerprint. Every message names its format
         (:data:`FORMAT`: ``message_format``, :data:`messages.CURRENT_FORMAT` unless a recorded
         request is published again as it was recorded), which a worker checks before anything else (a
@@ -83,7 +83,7 @@ class Producer:
         task_id = request_id(valid.idempotency_key(key))
         headers = {
             FORMAT: message_format,
-            **deadlines.header(deadline),
+            **messages.deadline_header(deadline),
             **({} if enqueued_at is None else {ENQUEUED_AT: enqueued_at}),
         }
         self.app.send_task(
@@ -126,7 +126,7 @@ class Producer:
 def _stamp_enqueue_time(headers: dict[str, Any] | None = None, **_: Any) -> None:
     """Every task message carries when its request was first enqueued (a retry keeps its request's), so
     a worker can measure enqueue to final outcome. Clocks of different hosts differ by their skew. A retry
-    keeps its request's deadline too (tasks.deadlines): retried past it, the request ends expired; and its
+    keeps its request's deadline too (tasks.messages.late): retried past it, the request ends expired; and its
     message's format (tasks.messages): the retry is laid out as the message it retries."""
     if headers is None:
         return

@@ -24,7 +24,7 @@ from reservations import validation as valid
 from reservations.archive import prepare_partitions
 from reservations.request_outcomes import AlreadyApplied
 from reservations.statuses import RequestStatus
-from tasks import deadlines, logs, messages, observe, policy
+from tasks import logs, messages, observe, policy
 from tasks.answers import RequestTask, as_result, reply
 from tasks.app import app
 from tasks.attempt import Attempt
@@ -84,7 +84,7 @@ def _kept(task: Task, name: str, refused: Reject) -> NoReturn:
     sent = dict(task.request.kwargs or {})
     try:
         key = sent.get("idempotency_key")
-        deadline = deadlines.carried(getattr(task.request, messages.DEADLINE, None), key=key)
+        deadline = messages.deadline_of(getattr(task.request, messages.DEADLINE, None), key=key)
         request = request_of(
             name, valid.idempotency_key(key), messages.request_arguments(sent), deadline=deadline
         )

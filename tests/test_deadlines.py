@@ -1,7 +1,7 @@
 """Request deadlines: a request taken up after the deadline its sender gave ends ``expired``, touching no
 stock and taking no lease.
 
-The decision (tasks.deadlines) is tested with a clock of our own, without services; the deadline's
+The decision (tasks.messages.late) is tested with a clock of our own, without services; the deadline's
 validation in the client too. Then the header on the wire, on a private Redis no worker reads: set by the
 client and the command line, the same on a copy the client publishes again, never among the arguments.
 Then a real ``celery worker`` on SQLite and on PostgreSQL: a request past its deadline ends expired with
@@ -29,8 +29,7 @@ from reservations import InvalidRequest, Inventory, schema
 from reservations import validation as valid
 from reservations.request_outcomes import request_id
 from tasks import ReservationClient, Settings, create_app
-from tasks.deadlines import Late, header, late
-from tasks.messages import DEADLINE
+from tasks.messages import DEADLINE, Late, deadline_header, late
 from tasks.relay import relay_of
 from testing.harness import wait_until
 from testing.redis_servers import RedisServer, redis_server
@@ -72,7 +71,7 @@ def test_a_whole_number_deadline_is_taken_as_seconds() -> None:
 def test_a_malformed_deadline_is_ignored_with_one_warning(
     malformed: object, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="tasks.deadlines"):
+    with caplog.at_level(logging.WARNING, logger="tasks.messages"):
         assert late(malformed, clock=clock(NOW * 2000), key="order-1") is None
     (warned,) = caplog.records
     assert warned.levelno == logging.WARNING
@@ -80,9 +79,9 @@ def test_a_malformed_deadline_is_ignored_with_one_warning(
 
 
 def test_the_header_names_the_checked_deadline() -> None:
-    assert header(None) == {}
-    assert header(int(NOW)) == {DEADLINE: NOW}
-    assert isinstance(header(int(NOW))[DEADLINE], float)
+    assert deadline_header(None) == {}
+    assert deadline_header(int(NOW)) == {DEADLINE: NOW}
+    assert isinstance(deadline_header(int(NOW))[DEADLINE], float)
 
 
 @pytest.mark.parametrize("bad", [0, -1.0, math.nan, math.inf, True, "soon", NOW * 1000])
@@ -91,7 +90,7 @@ def test_a_deadline_is_a_finite_number_of_seconds_since_the_epoch(bad: object) -
         valid.deadline(bad)
     assert refused.value.field == "deadline"
     with pytest.raises(InvalidRequest):
-        header(bad)  # type: ignore[arg-type]
+        deadline_header(bad)  # type: ignore[arg-type]
 
 
 @pytest.fixture
