@@ -18,13 +18,10 @@ otherwise                              publish it again, same task id, arguments
 =====================================  ===================================================================
 
 Looking into the broker (:func:`redis_presence`) tells a lost message from one that is queued or being
-worked on, so that a backlog is not flooded with copies. On Redis (kombu's transport) a message is in one
-of two places: its queue (a list per priority step), or the unacknowledged set (a hash of delivery tag to
-message, with the delivery time in a sorted index) while a worker holds it. A message taken by BRPOP and
-not yet written to the unacknowledged set (a worker killed between the two) is in neither: lost. An
-unacknowledged message whose worker died stays in the set until the visibility timeout gives it back; one
-held longer than ``held_for`` is counted as not carried, so its request is published again long before
-that.
+worked on, so that a backlog is not flooded with copies. On Redis a message is in its queue (a list per
+priority step) or, while a worker holds it, in kombu's unacknowledged set; one taken by BRPOP by a worker
+killed before it wrote the set is in neither: lost. One held longer than ``held_for`` is counted as not
+carried, so its request is published again long before the visibility timeout gives it back.
 
 A copy is harmless by construction: its task id and key are the request's, so a worker that takes a copy
 of a request that has ended replays the stored outcome, and the key's fingerprint refuses anything else.
@@ -40,6 +37,7 @@ beat is one process). Claims keep relays from publishing the same request twice 
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import random
@@ -105,10 +103,7 @@ def decide(due: Due, now: float, carried: set[str] | None, max_publishes: int) -
 def spacing(after: float, spaced: bool) -> list[float]:
     """Seconds until the next look after the n-th publication (the last for any more): ``after`` each
     time where the broker can be looked into, else doubling up to :data:`MOST_SPACING` times it."""
-    if not spaced:
-        return [after]
-    steps = MOST_SPACING.bit_length()
-    return [after * 2**n for n in range(steps)]
+    return [after * 2**n for n in range(MOST_SPACING.bit_length() if spaced else 1)]
 
 
 def ending(action: Action, due: Due, now: float) -> tuple[str, dict[str, Any]]:
@@ -121,18 +116,12 @@ def ending(action: Action, due: Due, now: float) -> tuple[str, dict[str, Any]]:
             "late_by": round(now - record.deadline, 3),
             "reason": f"no outcome by its deadline; published {record.publishes} time(s)",
         }
-    carried = (
-        {}
-        if record.arguments is None
-        else {"request": {"type": record.request_type, "arguments": record.arguments}}
-    )
-    reason = (
-        "recorded without its arguments"
-        if record.arguments is None
-        else f"no outcome after {record.publishes} publications: its messages were lost or killed "
-        "the workers that took them"
-    )
-    return RequestStatus.DEAD_LETTERED, {"reason": "lost", "error": reason, **carried}
+    if record.arguments is None:
+        return RequestStatus.DEAD_LETTERED, {"reason": "lost", "error": "recorded without its arguments"}
+    error = f"no outcome after {record.publishes} publications: its messages were lost or killed the workers"
+    error += " that took them"
+    request = {"type": record.request_type, "arguments": record.arguments}
+    return RequestStatus.DEAD_LETTERED, {"reason": "lost", "error": error, "request": request}
 
 
 @dataclass
@@ -162,7 +151,6 @@ class Relay:
     closing: Callable[[], None] = lambda: None
 
     def close(self) -> None:
-        """Close the relay's database pool, producer and broker connection."""
         self.closing()
         self.inventory.close()
         self.producer.close()
@@ -231,23 +219,13 @@ class Relay:
         record = due.accepted
         try:
             self.inventory.record_outcome(
-                record.key,
-                record.operation,
-                status,
-                detail,
-                task_id=record.task_id,
-                worker=self.worker,
-                fingerprint=record.fingerprint,
-            )
+                record.key, record.operation, status, detail,
+                task_id=record.task_id, worker=self.worker, fingerprint=record.fingerprint,
+            )  # fmt: skip
         except AlreadyApplied:
             return  # a worker decided it meanwhile: that outcome stands
-        log.warning(
-            "relay: request %s ended %s: %s",
-            record.key,
-            status,
-            detail.get("reason") or detail.get("error"),
-            extra={"event": f"relay_{status}", "key": record.key},
-        )
+        extra = {"event": f"relay_{status}", "key": record.key}
+        log.warning("relay: request %s ended %s: %s", record.key, status, detail["reason"], extra=extra)
 
 
 class RelayStep(bootsteps.StartStopStep):  # type: ignore[misc]
@@ -312,26 +290,19 @@ def _text(value: bytes | str) -> str:
 
 def _queued(client: Any, keys: Iterable[str]) -> Iterator[str]:
     for key in keys:
-        start = 0
-        while True:
+        for start in itertools.count(0, CHUNK):
             chunk = client.lrange(key, start, start + CHUNK - 1)
-            for payload in chunk:
-                task_id = _task_id(payload)
-                if task_id is not None:
-                    yield task_id
+            yield from filter(None, map(_task_id, chunk))
             if len(chunk) < CHUNK:
                 break
-            start += CHUNK
 
 
 def _held(client: Any, hash_key: str, index_key: str, since: float) -> Iterator[str]:
     fresh = {_text(tag) for tag in client.zrangebyscore(index_key, since, "+inf")}
     if not fresh:
         return
-    for tag, payload in client.hscan_iter(hash_key, count=CHUNK):
-        task_id = _task_id(payload) if _text(tag) in fresh else None
-        if task_id is not None:
-            yield task_id
+    held = client.hscan_iter(hash_key, count=CHUNK)
+    yield from filter(None, (_task_id(payload) for tag, payload in held if _text(tag) in fresh))
 
 
 def redis_presence(
