@@ -1,36 +1,17 @@
-"""What a request's sender is told, and the Celery task states that name it, for Flower and ``celery events``.
+"""What a request's sender is told, and the Celery task states and events that name it: the table and
+the reasons (the result backend keeps SUCCESS; the events name the outcome) are in docs/operations.md,
+"Task states in Flower and `celery events`".
 
 A sender is told its stored final outcome as a Celery result, or a conflict when its key names a different
 request (then the key's Celery result stays the owning request's). An answer (:func:`reply`) is a plain
 dict, as the result backend stores it and clients read it: ``status``, ``epochs``, ``key``, ``operation``,
-``detail``. Whatever names the task's outcome reads its ``status`` field (the task events below; the
-metrics, :func:`tasks.observe.finished`).
+``detail``.
 
-Celery reports every request that returned as SUCCESS, whatever it was told. The result backend must keep
-SUCCESS (``AsyncResult.ready()`` and ``get()`` wait for a ready state, and a custom one never is), so the
-outcome is named in the monitoring events instead, where a custom event type is a state of its own. The
-result backend column holds where request results are kept (``RESERVATIONS_RESULT_EXPIRES`` above 0); by
-default a request stores none, and its events and outcome row say what happened:
-
-=============================  ==================================  =====================================
-what happened                  event (state in Flower)             result backend
-=============================  ==================================  =====================================
-final outcome                  ``task-<status>``: RESERVED,        SUCCESS, the outcome dict
-                               INSUFFICIENT_STOCK, INVALID,
-                               DEAD_LETTERED, CONFIRMED, ...
-attempt lost its lease,        ``task-lost_ownership``             RETRY, a :class:`Redriven` naming the
-request driven again           (LOST_OWNERSHIP)                    scope, tokens and the next epoch
-queued for its SKU's holder    none (stays STARTED); the server    SUCCESS, written by the server
-                               of its batch sends ``task-<status>``
-=============================  ==================================  =====================================
-
-The final event replaces Celery's ``task-succeeded`` and keeps its ``result`` and ``runtime`` fields and
-adds ``outcome`` and ``epochs`` (a request that lost ownership and was driven again ends with epochs >= 1,
-after its LOST_OWNERSHIP events). It is sent by the worker's main process, which Celery hands only the
-repr of what the task returned; so the pool child hands it an :class:`Answered` instead, the answer's
-status and epochs read from the answer dict itself along with that repr (:meth:`RequestTask.__trace__`).
-The lost-ownership event is sent by the pool child before it publishes the retry, so it always arrives
-before the next attempt's events (a custom state is overtaken only by a later custom or final one).
+The final event replaces Celery's ``task-succeeded`` and is sent by the worker's main process, which Celery
+hands only the repr of what the task returned; so the pool child hands it an :class:`Answered` instead
+(:meth:`RequestTask.__trace__`). The lost-ownership event is sent by the pool child before it publishes
+the retry, so it always arrives before the next attempt's events (a custom state is overtaken only by a
+later custom or final one).
 """
 
 from __future__ import annotations
@@ -68,7 +49,6 @@ _task_events = {"on": False}
 def reply(
     status: str, epochs: int, key: str | None, operation: str, detail: dict[str, Any]
 ) -> dict[str, Any]:
-    """An answer as the Celery result carries it (see the module docstring)."""
     return {"status": str(status), "epochs": epochs, "key": key, "operation": operation, "detail": detail}
 
 
@@ -272,17 +252,12 @@ class RequestTask(Task):  # type: ignore[misc]
                 log.warning("could not store the RETRY state of %s: %s", request.id, failed)
         try:
             published: Retry = super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
-        except Retry:
-            self._stored(stores)
-            raise
-        self._stored(stores)  # throw=False: the caller raises it
-        return published
-
-    def _stored(self, stores: bool) -> None:
-        """The retry is published with the request's own ignore_result; from now on the per-request one,
-        read by Celery as the attempt ends, keeps it from storing RETRY a second time, late."""
-        if stores:
-            self.request.ignore_result = True
+        finally:
+            # The retry is published with the request's own ignore_result; from now on the per-request
+            # one, read by Celery as the attempt ends, keeps it from storing RETRY a second time, late.
+            if stores:
+                request.ignore_result = True
+        return published  # throw=False: the caller raises it
 
 
 def announce_lost(task: Task, reason: Redriven) -> None:
@@ -306,10 +281,8 @@ def note_task_events(instance: Any = None, **_: Any) -> None:
 def announce(app: Celery, outcomes: list[RequestResult], hostname: str | None) -> None:
     """Send the final event of requests served for others in a batch, when this worker sends task events.
     Their own tasks ended without one (queued), so this is what moves them on in Flower."""
-    if not _task_events["on"]:
-        return
     served = [outcome for outcome in outcomes if outcome.task_id]
-    if not served:
+    if not _task_events["on"] or not served:
         return
     with app.events.default_dispatcher(hostname=hostname) as dispatcher:
         for outcome in served:
