@@ -8,13 +8,8 @@ compute; this module only maps a message's arguments onto them.
 
 Workers parse each message here; producers compute the same fingerprint before publishing, so a caller
 whose key already belongs to a different request learns that instead of receiving that request's outcome.
-
-A message names its format in a header (:data:`FORMAT`): how its task name, arguments and retry counters
-are laid out. Producers send :data:`CURRENT_FORMAT`; a message without the header is format 1, what
-every release before the header sent (the same layout as format 2). A worker serves every format in
-:data:`FORMATS`; a message of any other format (one newer than the worker) is read no further than its
-key and ends dead-lettered (:class:`UnknownFormat`), changing nothing, so that it can be driven again
-once a worker that knows its format runs (docs/operations.md, "Message formats").
+A message names its format in a header (:data:`FORMAT`): a worker serves those in :data:`FORMATS`, and
+dead-letters any other, unread (:class:`UnknownFormat`; docs/operations.md, "Message formats").
 """
 
 from __future__ import annotations
@@ -52,8 +47,7 @@ MAX_EXACT_INT = 2**53
 
 # The headers of a request message (tasks.producer sets them, and a retry keeps its message's): its format,
 # a whole number; its deadline (:func:`late`) and when its request was first enqueued (the latency
-# metrics' start), in seconds since the epoch. Bump CURRENT_FORMAT whenever a worker of the previous release
-# would misread or refuse what producers now send, and add it to FORMATS in the same change.
+# metrics' start), in seconds since the epoch. Bump CURRENT_FORMAT as docs/operations.md says.
 FORMAT = "reservations_format"
 DEADLINE = "reservations_deadline"
 ENQUEUED_AT = "reservations_enqueued_at"
@@ -206,10 +200,8 @@ class UnknownFormat(InvalidMessage):
         # Its arguments as sent, for a re-drive; the retry counters are no part of the request. A message
         # with positional arguments cannot be read without its format: it carries none.
         claimed = request_arguments(sent)
-        self.request: dict[str, Any] | None = None
-        self.too_large: dict[str, Any] | None = None
-        if not args:
-            self.request, self.too_large = _carried(name, claimed)
+        self.carried = {} if args else _carried(name, claimed)
+        self.request = self.carried.get("request")
         known = " and ".join(map(str, FORMATS))
         super().__init__(
             f"{name} message of format {clipped(repr(value), MAX_QUOTED_CHARS)}: this worker serves formats "
@@ -221,15 +213,12 @@ class UnknownFormat(InvalidMessage):
         )
 
     def detail(self) -> dict[str, Any]:
-        carried = {} if self.request is None else {"request": self.request}
-        if self.too_large is not None:
-            carried["request_too_large"] = self.too_large
         return {
             "reason": "unknown message format",
             "error": str(self),
             "format": quoted(self.format),
             "formats": list(FORMATS),
-            **carried,
+            **self.carried,
         }
 
 
@@ -262,22 +251,24 @@ def storable(value: Any) -> tuple[Any, str] | None:
         return None
 
 
-def _carried(name: str, claimed: Mapping[str, Any]) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-    """The request a dead letter carries to be driven again, when it fits :data:`MAX_CARRIED_CHARS`;
-    else None and what it says instead: the arguments' size and the start of their JSON."""
+def _carried(name: str, claimed: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``request`` a dead letter carries to be driven again, when it fits :data:`MAX_CARRIED_CHARS`;
+    else what it says instead, ``request_too_large``: the arguments' size and the start of their JSON."""
     written = storable(carried_request(name, dict(claimed)))
     if written is not None and len(written[1]) <= MAX_CARRIED_CHARS:
-        request: dict[str, Any] = written[0]
-        return request, None
+        return {"request": written[0]}
     if written is None:
-        return None, {"type": name, "arguments_chars": None, "why": "nested too deeply to write as JSON"}
+        why = "nested too deeply to write as JSON"
+        return {"request_too_large": {"type": name, "arguments_chars": None, "why": why}}
     arguments = storable(written[0]["arguments"])
     text = written[1] if arguments is None else arguments[1]
-    return None, {
-        "type": name,
-        "arguments_chars": len(text),
-        "arguments_start": text[:CARRIED_PREFIX_CHARS],
-        "why": f"its arguments are over {MAX_CARRIED_CHARS} characters as JSON",
+    return {
+        "request_too_large": {
+            "type": name,
+            "arguments_chars": len(text),
+            "arguments_start": text[:CARRIED_PREFIX_CHARS],
+            "why": f"its arguments are over {MAX_CARRIED_CHARS} characters as JSON",
+        }
     }
 
 
@@ -331,27 +322,26 @@ def _raw_fingerprint(name: str, args: Mapping[str, Any]) -> str:
     return fingerprint(f"malformed {name}", arguments=carried)
 
 
-def _shape_problem(name: str, claimed: Mapping[str, Any]) -> str | None:
+def _checked(name: str, claimed: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
+    """:func:`normalized` for arguments that first fit the request type's parameters."""
     shape = SHAPES[name]
     unknown = sorted(set(claimed) - set(shape.params))
     if unknown:
-        return f"{name} does not take {', '.join(map(repr, unknown))}"
+        raise InvalidRequest(f"{name} does not take {', '.join(map(repr, unknown))}")
     needed = set(shape.params) - shape.optional - {"idempotency_key"}
     missing = [p for p in shape.params if p in needed and p not in claimed]
     if missing:
-        return f"{name} needs {', '.join(map(repr, missing))}"
-    return None
+        raise InvalidRequest(f"{name} needs {', '.join(map(repr, missing))}")
+    return normalized(name, claimed)
 
 
 def request_fingerprint(name: str, args: Mapping[str, Any]) -> str:
     """The fingerprint a worker will record for this request (``args`` without the idempotency key)."""
     claimed = {k: v for k, v in args.items() if k != "idempotency_key"}
     try:
-        if _shape_problem(name, claimed) is None:
-            return normalized(name, claimed)[1]
+        return _checked(name, claimed)[1]
     except InvalidRequest:
-        pass
-    return _raw_fingerprint(name, claimed)
+        return _raw_fingerprint(name, claimed)
 
 
 def parse(
@@ -381,23 +371,21 @@ def parse(
     except InvalidRequest as exc:
         raise InvalidMessage(str(exc), key=None, field="idempotency_key") from None
     claimed = {k: v for k, v in given.items() if k not in COUNTERS}
-
-    def refuse(problem: str, field: str | None = None) -> InvalidMessage:
-        return InvalidMessage(problem, key=key, fingerprint=request_fingerprint(name, claimed), field=field)
-
+    checked: dict[str, Any] = {}
+    problem: InvalidRequest | None = None
+    try:
+        checked, print_ = _checked(name, claimed)
+    except InvalidRequest as exc:
+        problem, print_ = exc, _raw_fingerprint(name, claimed)
     counts: dict[str, int] = {}
     for counter in COUNTERS:
         value = given.get(counter, 0)
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_COUNTER:
-            raise refuse(f"retry counter {counter} must be a whole number from 0 to {MAX_COUNTER}", counter)
+            refusal = f"retry counter {counter} must be a whole number from 0 to {MAX_COUNTER}"
+            raise InvalidMessage(refusal, key=key, fingerprint=print_, field=counter)
         counts[counter] = value
-    problem = _shape_problem(name, claimed)
     if problem is not None:
-        raise refuse(problem)
-    try:
-        checked, print_ = normalized(name, claimed)
-    except InvalidRequest as exc:
-        raise refuse(str(exc), exc.field) from None
+        raise InvalidMessage(str(problem), key=key, fingerprint=print_, field=problem.field) from None
     return Message(
         name=name, operation=shape.operation, key=key, args=checked, fingerprint=print_, counts=counts
     )
