@@ -18,8 +18,8 @@ from fencing import BackendUnavailable
 from reservations import AsyncInventory, Inventory
 from reservations.request_outcomes import RequestResult
 from tasks import ClientClosed, ReservationClient, Settings, TasksError, create_app
+from tasks.client import OutcomeWatcher
 from tasks.errors import OutcomeTimeout, WatcherClosed
-from tasks.outcomes import OutcomeWatcher
 
 
 class CountedReads:
