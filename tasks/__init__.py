@@ -3,12 +3,7 @@
 Start workers with ``celery -A tasks worker`` (the Celery :data:`app`, configured from the environment);
 producers use :class:`ReservationClient` (asyncio and plain code alike), whose handles give each request's
 :class:`RequestResult`. :func:`create_app` builds a Celery app from a :class:`Settings` of one's own. Every
-error a producer can meet imports from here too: the request refused before publishing
-(:class:`InvalidRequest`), a key used for another request (:class:`IdempotencyConflict`), a broker that
-did not take the message (:class:`BrokerUnavailable`, also kombu's ``OperationalError``), waiting past the
-timeout (:class:`OutcomeTimeout`), a closed client (:class:`ClientClosed`, :class:`WatcherClosed`; these
-four are :class:`TasksError`), bad settings (:class:`SettingsError`), an unreachable database
-(:class:`BackendUnavailable`).
+error a producer can meet imports from here too (:mod:`tasks.errors` lists them).
 """
 
 from fencing import BackendUnavailable

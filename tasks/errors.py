@@ -1,8 +1,9 @@
 """The errors the tasks floor raises of its own, under one base, :class:`TasksError`, so a producer can
 catch "anything the client itself refused" in one clause. Each keeps the builtin or library base it had
 (``RuntimeError``, ``TimeoutError``, kombu's ``OperationalError``): code that caught those still does.
-Errors of the floors below (``InvalidRequest``, ``IdempotencyConflict``, ``BackendUnavailable``) keep
-theirs::
+Errors of the floors below keep theirs: the request refused before publishing (``InvalidRequest``), a
+key used for another request (``IdempotencyConflict``), an unreachable database (``BackendUnavailable``),
+bad settings (``SettingsError``)::
 
     TasksError
     ├── ClientClosed (RuntimeError)       enqueue or wait on a closed client

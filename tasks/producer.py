@@ -9,10 +9,9 @@ is therefore not a lost request: the caller hears of it (``BrokerUnavailable``),
 it once the broker answers, or ends it ``expired`` or ``dead_lettered``. A record that cannot be written
 (the database is down) means nothing was published.
 
-The admin CLI, the demo and the chaos run live below the ``tasks`` package in the import order, so they
-publish plain JSON messages with the task id derived from the idempotency key; ``tasks.ReservationClient``
-publishes through :class:`Producer` too. Without a result backend, publishing never touches one: outcomes
-are read from the database, so a result backend that is down does not stop requests from being enqueued.
+Messages are plain JSON, named by task name (the CLI and the demo need not import the workers), with the
+task id derived from the idempotency key. Without a result backend, publishing never touches one: a
+result backend that is down does not stop requests from being enqueued.
 """
 
 from __future__ import annotations
@@ -72,14 +71,10 @@ class Producer:
         message_format: int = messages.CURRENT_FORMAT,
     ) -> str:
         """Publish ``operation`` for ``key``; returns the request's task id (the same for the same key).
-        ``producer``: a kombu producer of this app held across many sends (see :meth:`batch`).
-        ``enqueued_at``: when the request was first enqueued, for a copy published again (tasks.app
-        stamps the time of publishing otherwise). ``deadline``: seconds since the epoch after which a
-        worker ends the request ``expired`` instead of carrying it out (tasks.messages.late); a header, not
-        an argument, so it is no part of the request's fingerprint. Every message names its format
-        (:data:`FORMAT`: ``message_format``, :data:`messages.CURRENT_FORMAT` unless a recorded
-        request is published again as it was recorded), which a worker checks before anything else (a
-        worker of a release before formats ignores the header)."""
+        ``producer``: a kombu producer of this app held across many sends (:meth:`batch`); ``enqueued_at``:
+        when a copy published again was first enqueued (else the time of publishing); ``deadline``: its
+        header (:func:`tasks.messages.late`); ``message_format``: the format a recorded request was
+        recorded in, when it is published again."""
         task_id = request_id(valid.idempotency_key(key))
         headers = {
             FORMAT: message_format,
@@ -124,10 +119,10 @@ class Producer:
 
 @before_task_publish.connect
 def _stamp_enqueue_time(headers: dict[str, Any] | None = None, **_: Any) -> None:
-    """Every task message carries when its request was first enqueued (a retry keeps its request's), so
-    a worker can measure enqueue to final outcome. Clocks of different hosts differ by their skew. A retry
-    keeps its request's deadline too (tasks.messages.late): retried past it, the request ends expired; and its
-    message's format (tasks.messages): the retry is laid out as the message it retries."""
+    """Every task message carries when its request was first enqueued, so a worker can measure enqueue to
+    final outcome (clocks of different hosts differ by their skew). A retry keeps its request's enqueue
+    time, its deadline (retried past it, the request ends expired) and its format (it is laid out as the
+    message it retries)."""
     if headers is None:
         return
     retried = None
