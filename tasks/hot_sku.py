@@ -115,23 +115,6 @@ def serve_quietly(res: Resources, sku: str, **kwargs: Any) -> int:
         return 0
 
 
-def publish(outcomes: list[RequestResult], listed: list[RequestResult]) -> bool:
-    """Give each served request's own Celery task its result, as if it had run the request itself.
-
-    The outcome rows are already committed and are what callers wait on; a result lost here (the server
-    died in between) leaves only ``AsyncResult`` of that request waiting. Stored only where request tasks
-    store theirs (``RESERVATIONS_RESULT_EXPIRES``). Only the ``listed`` ones are announced: a request
-    joined in memory ends in its own task, and Celery announces that. Returns whether every result was
-    stored.
-    """
-    stored = stores_request_results(app) and store_results([o for o in outcomes if o.task_id])
-    try:
-        announce(app, listed, getattr(current_task.request, "hostname", None) if current_task else None)
-    except Exception as exc:  # monitoring events are a convenience too
-        log.warning("could not send the events of %d served requests: %s", len(listed), exc)
-    return stored
-
-
 def store_results(outcomes: list[RequestResult]) -> bool:
     """Store a batch's Celery results in two round trips on a Redis result backend instead of two per
     request: a batch server stores them between two batches, so each round trip here delays the next.
@@ -184,9 +167,14 @@ def _store_pipelined(backend: RedisBackend, outcomes: list[RequestResult]) -> No
 def _batch(
     res: Resources, lease: Lease, sku: str, joined: list[Joined], task_id: str | None, worker: str
 ) -> list[RequestResult]:
-    """One batch: the listed requests and those ``joined`` in memory. Every result is published here (in
-    one pipeline); each joined request is then answered with its outcome, or given back unserved (no
-    outcome for it, or the batch failed), and its own task returns the answer."""
+    """One batch: the listed requests and those ``joined`` in memory; each joined request is then answered
+    with its outcome, or given back unserved (no outcome for it, or the batch failed), and its own task
+    returns the answer.
+
+    Each served request's own Celery task gets its result as if it had run the request itself (where
+    request tasks store theirs, ``RESERVATIONS_RESULT_EXPIRES``): the outcome rows are committed already,
+    so a result lost here leaves only ``AsyncResult`` waiting. Only the listed ones are announced: a
+    request joined in memory ends in its own task, and Celery announces that."""
     outcomes: list[RequestResult] = []
     stored = False
     try:
@@ -203,7 +191,11 @@ def _batch(
         handed = {(request.request.key, request.request.task_id) for request in joined}
         listed = [outcome for outcome in outcomes if (outcome.key, outcome.task_id) not in handed]
         observe.served(listed)
-        stored = publish(outcomes, listed)
+        stored = stores_request_results(app) and store_results([o for o in outcomes if o.task_id])
+        try:
+            announce(app, listed, getattr(current_task.request, "hostname", None) if current_task else None)
+        except Exception as exc:  # monitoring events are a convenience too
+            log.warning("could not send the events of %d served requests: %s", len(listed), exc)
     finally:
         by_key = {outcome.key: outcome for outcome in outcomes}
         for request in joined:
