@@ -1,12 +1,7 @@
-"""One attempt at a checked request message, as one object whose methods are its steps.
-
-:meth:`Attempt.carry_out` gives up when the backend stayed unreachable through every transient retry, ends a
-request taken up past its deadline ``expired``, or takes the request's SKU leases and makes its write
-(:meth:`Attempt.decide`). Every error the attempt meets leads where the table in
-:mod:`tasks.policy` says: to a final outcome (:meth:`Attempt.final`, :meth:`Attempt.give_up`), to a
-retry under one of the counters that travel with the message (:meth:`Attempt.again`), or to the holder
-of a busy lease (:func:`tasks.hot_sku.wait_for_holder`). The final outcome is written once, by
-idempotency key, with the request's fingerprint.
+"""One attempt at a checked request message, as one object whose methods are its steps
+(:meth:`Attempt.carry_out`) and its ways out, where the table of :mod:`tasks.policy` says: a final
+outcome, written once by idempotency key with the request's fingerprint, a retry under one of the
+counters that travel with the message, or the holder of a busy lease (tasks.hot_sku).
 """
 
 from __future__ import annotations
@@ -269,14 +264,9 @@ class Attempt:
         """Record the request's final outcome (once per key); returns the outcome stored under its key."""
         message = self.message
         return self.res.inventory.record_outcome(
-            message.key,
-            message.operation,
-            status,
-            detail,
-            epochs=self.epoch,
-            fingerprint=message.fingerprint,
-            **self.who,
-        )
+            message.key, message.operation, status, detail,
+            epochs=self.epoch, fingerprint=message.fingerprint, **self.who,
+        )  # fmt: skip
 
     def final(self, status: str, detail: dict[str, Any]) -> dict[str, Any]:
         """Record the request's final outcome; the answer is the outcome stored under its key."""
