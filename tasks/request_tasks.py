@@ -14,11 +14,7 @@ from typing import Any, NoReturn
 from celery import Task
 from celery.exceptions import Ignore, Reject, Retry
 
-from fencing import (
-    BackendUnavailable,
-    LeaseBusy,
-    LostOwnership,
-)
+from fencing import BackendUnavailable, LeaseBusy, LostOwnership
 from reservations import InvalidRequest
 from reservations import validation as valid
 from reservations.archive import prepare_partitions
@@ -29,7 +25,7 @@ from tasks.answers import RequestTask, as_result, reply
 from tasks.app import app
 from tasks.attempt import Attempt
 from tasks.hot_sku import serve_pending, serve_quietly
-from tasks.messages import Message, task_name
+from tasks.messages import task_name
 from tasks.producer import request_of
 from tasks.settings import settings_of
 from tasks.worker import Resources, Unbuildable, resources, worker_identity
@@ -39,13 +35,9 @@ log = logging.getLogger("tasks")
 
 def run_request(task: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
     """The request task of every request type (its task's name says which): one attempt at the request
-    the message carries; returns its final outcome (or "queued", not stored, for a request queued
-    for its SKU's lease holder: the server of its batch writes its result) or raises Celery's Retry.
-
-    The message is checked before anything else; a message that can never succeed ends ``invalid``.
-    Three separate counters travel with the message: ``epoch`` (attempts that lost ownership), ``busy``
-    (lease-busy retries) and ``transient`` (unreachable backend), so one kind of retry never uses up
-    another's budget. Every way out but a retry records the request's final outcome.
+    the message carries, checked before anything else; returns its final outcome (or "queued", not stored,
+    for a request queued for its SKU's lease holder: the server of its batch writes its result) or raises
+    Celery's Retry. Every way out but a retry records the request's final outcome.
     """
     # Every line logged while it runs (in fencing too) names the task, its worker, the key and epoch.
     name = task.name.removeprefix(task_name(""))  # the request type
@@ -55,9 +47,11 @@ def run_request(task: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
         try:
             try:
                 res = _resources_or_keep(task, sent)
-                checked = _parsed(name, args, kwargs, messages.format_of(task.request))
-                if isinstance(checked, messages.InvalidMessage):
-                    result = _refused(task, res, checked, messages.SHAPES[name].operation)
+                message_format = messages.format_of(task.request)
+                try:  # a message that can never succeed (or never on this worker: a newer format) ends here
+                    checked = messages.parse(name, args, kwargs, message_format=message_format)
+                except messages.InvalidMessage as invalid:
+                    result = _refused(task, res, invalid, messages.SHAPES[name].operation)
                 else:
                     attempt = Attempt(task, res, checked, sent)
                     logs.note(key=checked.key, operation=checked.operation, epoch=checked.counts["epoch"])
@@ -101,16 +95,6 @@ def _kept(task: Task, name: str, refused: Reject) -> NoReturn:
         request.key, refused.reason, extra={"event": "retry_refused", "key": request.key},
     )
     raise Ignore()
-
-
-def _parsed(
-    name: str, args: tuple[Any, ...], kwargs: dict[str, Any], message_format: object
-) -> Message | messages.InvalidMessage:
-    """The checked message, or why it can never succeed (or never on this worker: a newer format)."""
-    try:
-        return messages.parse(name, args, kwargs, message_format=message_format)
-    except messages.InvalidMessage as exc:
-        return exc
 
 
 def _refused(task: Task, res: Resources, exc: messages.InvalidMessage, operation: str) -> dict[str, Any]:
@@ -172,9 +156,7 @@ def _resources_or_keep(task: Task, sent: dict[str, Any]) -> Resources:
 # The request tasks take their arguments as sent and check them in :func:`messages.parse`, so that a
 # malformed message (a missing or unknown argument, a bad retry counter) still ends with a recorded
 # outcome instead of a TypeError before any code of ours runs. Each is :func:`run_request` itself, under
-# its request type's name; :data:`messages.SHAPES` lists each one's parameters in positional order. A
-# count (a cycle count) reads the stock under the lease, then sets on hand to the figure counted;
-# replenish (to par) reads on hand under the lease, then books par minus what it read.
+# its request type's name; :data:`messages.SHAPES` lists each one's parameters in positional order.
 
 
 def _request_task(name: str) -> Task:
