@@ -47,13 +47,6 @@ __all__ = ["ReservationClient", "ReservationHandle", "enqueue_reservation"]
 log = logging.getLogger("tasks.client")
 
 
-def _payload(name: str, **given: Any) -> dict[str, Any]:
-    """The arguments ``given``, checked as a worker checks them: a request that could never succeed is
-    refused with :class:`InvalidRequest` here, not dead-lettered by a worker."""
-    checked = messages.normalized(name, given)[0]
-    return {k: [list(x) for x in v] if k == "lines" else v for k, v in checked.items() if k in given}
-
-
 def _known(operation: str) -> str:
     if operation not in messages.SHAPES:
         known = ", ".join(sorted(messages.SHAPES))
@@ -354,40 +347,42 @@ class ReservationClient:
         if self._closed:
             raise ClientClosed("the client is closed")
 
-    def _request(self, name: str, key: str, kwargs: dict[str, Any], deadline: float | None) -> Request:
-        """The request; refused before anything is recorded for a closed client, a bad key or deadline."""
+    def _request(
+        self, name: str, key: str, deadline: float | None, sent: dict[str, Any] | None, given: dict[str, Any]
+    ) -> Request:
+        """The request of type ``name``: ``given`` arguments checked first as a worker checks them (one that
+        could never succeed is refused with :class:`InvalidRequest` here, not dead-lettered by a worker), or
+        ``sent`` as they are; refused before anything is recorded for a closed client, a bad key or
+        deadline."""
+        if sent is None:
+            checked = messages.normalized(name, given)[0]
+            sent = {k: [list(x) for x in v] if k == "lines" else v for k, v in checked.items() if k in given}
         self._check_open()
         valid.idempotency_key(key)
         if is_redrive_key(key):  # the name of a re-drive, which only `redrive` may take
             raise InvalidRequest(f"{key!r} is a re-drive's key (<key>~redrive-<n>)", field="idempotency_key")
         valid.deadline(deadline)
-        return request_of(name, key, kwargs, deadline=deadline)
+        return request_of(name, key, sent, deadline=deadline)
 
     def _handle(self, request: Request, task_id: str) -> ReservationHandle:
-        return ReservationHandle(
-            key=request.key,
-            task_id=task_id,
-            client=self,
-            operation=request.operation,
-            fingerprint=request.fingerprint,
-        )
+        return ReservationHandle(request.key, task_id, self, request.operation, request.fingerprint)
 
     # -- recording and publishing: the two shells ---------------------------------------------------
 
     def _send(
-        self, name: str, key: str, kwargs: dict[str, Any], deadline: float | None = None
+        self, name: str, key: str, deadline: float | None, sent: dict[str, Any] | None = None, **given: Any
     ) -> ReservationHandle:
-        request = self._request(name, key, kwargs, deadline)
+        request = self._request(name, key, deadline, sent, given)
         try:
             task_id = self._sender.send(request)
         except OperationalError as exc:  # recorded: the relay publishes it once the broker answers
             raise BrokerUnavailable.of(exc) from exc
         return self._handle(request, task_id)
 
-    async def _send_async(
-        self, name: str, key: str, kwargs: dict[str, Any], deadline: float | None = None
+    async def _queue(
+        self, name: str, key: str, deadline: float | None, sent: dict[str, Any] | None = None, **given: Any
     ) -> ReservationHandle:
-        request = self._request(name, key, kwargs, deadline)
+        request = self._request(name, key, deadline, sent, given)
         return self._handle(request, await self._outbox.publish(request))
 
     async def publish_recorded(self, request: Request) -> ReservationHandle:
@@ -408,12 +403,7 @@ class ReservationClient:
         hold_for: float | None = None,
         deadline: float | None = None,
     ) -> ReservationHandle:
-        return self._send(
-            "reserve",
-            idempotency_key,
-            _payload("reserve", sku=sku, quantity=quantity, hold_for=hold_for),
-            deadline,
-        )
+        return self._send("reserve", idempotency_key, deadline, sku=sku, quantity=quantity, hold_for=hold_for)
 
     async def enqueue_reservation(
         self,
@@ -424,8 +414,9 @@ class ReservationClient:
         hold_for: float | None = None,
         deadline: float | None = None,
     ) -> ReservationHandle:
-        reservation = _payload("reserve", sku=sku, quantity=quantity, hold_for=hold_for)
-        return await self._send_async("reserve", idempotency_key, reservation, deadline)
+        return await self._queue(
+            "reserve", idempotency_key, deadline, sku=sku, quantity=quantity, hold_for=hold_for
+        )
 
     async def enqueue_order(
         self,
@@ -435,53 +426,44 @@ class ReservationClient:
         hold_for: float | None = None,
         deadline: float | None = None,
     ) -> ReservationHandle:
-        return await self._send_async(
-            "reserve_order",
-            idempotency_key,
-            _payload("reserve_order", lines=lines, hold_for=hold_for),
-            deadline,
-        )
+        return await self._queue("reserve_order", idempotency_key, deadline, lines=lines, hold_for=hold_for)
 
     def enqueue_count_sync(
         self, sku: str, counted: int, *, idempotency_key: str, deadline: float | None = None
     ) -> ReservationHandle:
         """A cycle count: the worker reads the SKU's stock under its lease and sets on hand to ``counted``
         (``enqueue_sync("count", shrinkage=...)`` has it count what it read less the shrinkage)."""
-        return self._send("count", idempotency_key, _payload("count", sku=sku, counted=counted), deadline)
+        return self._send("count", idempotency_key, deadline, sku=sku, counted=counted)
 
     async def enqueue_count(
         self, sku: str, counted: int, *, idempotency_key: str, deadline: float | None = None
     ) -> ReservationHandle:
-        return await self._send_async(
-            "count", idempotency_key, _payload("count", sku=sku, counted=counted), deadline
-        )
+        return await self._queue("count", idempotency_key, deadline, sku=sku, counted=counted)
 
     def enqueue_replenish_sync(
         self, sku: str, *, par: int, idempotency_key: str, deadline: float | None = None
     ) -> ReservationHandle:
         """Replenishment to par: the worker reads on hand under its lease and books par minus it."""
-        return self._send("replenish", idempotency_key, _payload("replenish", sku=sku, par=par), deadline)
+        return self._send("replenish", idempotency_key, deadline, sku=sku, par=par)
 
     async def enqueue_replenish(
         self, sku: str, *, par: int, idempotency_key: str, deadline: float | None = None
     ) -> ReservationHandle:
-        return await self._send_async(
-            "replenish", idempotency_key, _payload("replenish", sku=sku, par=par), deadline
-        )
+        return await self._queue("replenish", idempotency_key, deadline, sku=sku, par=par)
 
     def enqueue_sync(
         self, operation: str, *, idempotency_key: str, deadline: float | None = None, **kwargs: Any
     ) -> ReservationHandle:
         """Any request by task operation name: reserve, reserve_order, confirm, release, restock,
-        count, replenish."""
+        count, replenish. Its arguments are sent as given (a worker refuses malformed ones)."""
         valid.idempotency_key(idempotency_key)
-        return self._send(_known(operation), idempotency_key, kwargs, deadline)
+        return self._send(_known(operation), idempotency_key, deadline, kwargs)
 
     async def enqueue(
         self, operation: str, *, idempotency_key: str, deadline: float | None = None, **kwargs: Any
     ) -> ReservationHandle:
         valid.idempotency_key(idempotency_key)
-        return await self._send_async(_known(operation), idempotency_key, kwargs, deadline)
+        return await self._queue(_known(operation), idempotency_key, deadline, kwargs)
 
     # -- driving dead letters again ------------------------------------------------------------------
 
