@@ -208,7 +208,7 @@ def _batch(
 
 
 class Server:
-    """This thread serving ``sku`` under a lease it holds: from construction until :meth:`stop`, requests
+    """This thread serving ``sku`` under a lease it holds: from construction until it exits, requests
     of this process for the SKU join it in memory (tasks.local_servers) instead of taking the lease's
     way; :meth:`drain` serves them and the listed ones in batches."""
 
@@ -221,9 +221,6 @@ class Server:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def stop(self) -> None:
         """Stop serving; the requests still joined are given back unserved (they take the usual way)."""
         if not self.stopped:
             self.stopped = True
