@@ -55,8 +55,6 @@ class Attempt:
         self.leases: dict[str, Lease] = {}
         self.lease_token: int | None = None
 
-    # -- the steps ------------------------------------------------------------------------------------
-
     def carry_out(self) -> dict[str, Any]:
         """The request's final outcome, or "queued" for its SKU's lease holder; raises Celery's Retry.
 
@@ -257,8 +255,6 @@ class Attempt:
             token=lost.token or self.lease_token, detail=policy.printable(lost), **self.who,
         )  # fmt: skip
         return Redriven(f"{policy.printable(lost)}; driven again in epoch {epoch + 1}", fields)
-
-    # -- the ways out ---------------------------------------------------------------------------------
 
     def record(self, status: str, detail: dict[str, Any]) -> RequestResult:
         """Record the request's final outcome (once per key); returns the outcome stored under its key."""

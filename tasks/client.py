@@ -341,8 +341,6 @@ class ReservationClient:
         ] = weakref.WeakKeyDictionary()
         self._inventory: Inventory | None = None
 
-    # -- the core -------------------------------------------------------------------------------------
-
     def _check_open(self) -> None:
         if self._closed:
             raise ClientClosed("the client is closed")
@@ -366,8 +364,6 @@ class ReservationClient:
 
     def _handle(self, request: Request, task_id: str) -> ReservationHandle:
         return ReservationHandle(request.key, task_id, self, request.operation, request.fingerprint)
-
-    # -- recording and publishing: the two shells ---------------------------------------------------
 
     def _send(
         self, name: str, key: str, deadline: float | None, sent: dict[str, Any] | None = None, **given: Any
@@ -465,8 +461,6 @@ class ReservationClient:
         valid.idempotency_key(idempotency_key)
         return await self._queue(_known(operation), idempotency_key, deadline, kwargs)
 
-    # -- driving dead letters again ------------------------------------------------------------------
-
     def redrive_sync(self, key: str, *, by: str | None = None) -> ReservationHandle:
         """Drive the dead-lettered request under ``key`` again as a new request (``<key>~redrive-<n>``,
         same operation and arguments): refused with :class:`RedriveRefused` unless it may be now. The
@@ -491,8 +485,6 @@ class ReservationClient:
         except BaseException:
             await inventory.drop_redrive(claimed.key)
             raise
-
-    # -- waiting ------------------------------------------------------------------------------------
 
     async def wait(self, key: str, *, timeout: float = 30.0) -> RequestResult:
         """The key's final outcome, awaited with every other key this client awaits in its event loop:
@@ -535,8 +527,6 @@ class ReservationClient:
             watcher = OutcomeWatcher(inventory.request_outcomes)
             found = self._watchers[loop] = (watcher, inventory)
         return found
-
-    # -- closing ------------------------------------------------------------------------------------
 
     async def aclose(self) -> None:
         """Close the client: the outcome watcher of this event loop stops (handles still waiting get

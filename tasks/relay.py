@@ -129,7 +129,6 @@ class Pass:
     """What one pass did, by action."""
 
     counts: dict[str, int] = field(default_factory=lambda: {action.value: 0 for action in Action})
-    unpublished: int = 0
 
     def __bool__(self) -> bool:
         return any(self.counts.values())
@@ -179,7 +178,6 @@ class Relay:
             elif self._republish(due):
                 republished.append(key)
             else:  # not counted: looked at again after ``after``, as one still carried
-                done.unpublished += 1
                 waiting.append(key)
         inventory.close_records(closed)
         inventory.look_later(waiting, self.after)
