@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from celery import Celery
 from kombu.exceptions import OperationalError
@@ -45,6 +45,7 @@ from tasks.settings import settings_of
 __all__ = ["ReservationClient", "ReservationHandle", "enqueue_reservation"]
 
 log = logging.getLogger("tasks.client")
+T = TypeVar("T")
 
 
 def _known(operation: str) -> str:
@@ -188,17 +189,9 @@ class OutcomeWatcher:
     def _settle(
         self, key: str, *, result: RequestResult | None = None, error: BaseException | None = None
     ) -> int:
-        settled = 0
-        for future in self._waiting.pop(key, []):
-            if future.done():
-                continue
-            if error is not None:
-                # A copy each: one instance raised in many tasks would collect all their tracebacks.
-                future.set_exception(copied(error))
-            elif result is not None:
-                future.set_result(result)
-            settled += 1
-        return settled
+        # A copy of the error each: one instance raised in many tasks would collect all their tracebacks.
+        waiters = self._waiting.pop(key, [])
+        return sum(_settle(future, result, None if error is None else copied(error)) for future in waiters)
 
     async def aclose(self) -> None:
         """Stop watching; handles still waiting get :class:`WatcherClosed`."""
@@ -210,6 +203,18 @@ class OutcomeWatcher:
             with suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+
+
+def _settle(future: asyncio.Future[T], result: T | None, error: BaseException | None) -> bool:
+    """Resolve ``future`` with ``error``, else ``result``, unless it is done: its awaiter timed out or was
+    cancelled (a message sent meanwhile went out all the same)."""
+    if future.done():
+        return False
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(cast(T, result))
+    return True
 
 
 def copied(error: BaseException) -> BaseException:
@@ -309,17 +314,6 @@ class Outbox:
             with suppress(RuntimeError):  # its loop closed meanwhile: nobody awaits it any more
                 item.loop.call_soon_threadsafe(_settle, item.future, None, closed)
         self._publisher.shutdown(wait=False)
-
-
-def _settle(future: asyncio.Future[str], sent: str | None, error: BaseException | None) -> None:
-    if future.done():  # its sender was cancelled; the message went out all the same
-        return
-    if error is not None:
-        future.set_exception(error)
-    elif sent is not None:
-        future.set_result(sent)
-    else:  # pragma: no cover - the publisher answers a message id or an error
-        future.set_exception(RuntimeError("the message was neither sent nor refused"))
 
 
 class ReservationClient:
