@@ -31,9 +31,9 @@ Each counter travels with the message, so one kind of retry never uses up anothe
 
 from __future__ import annotations
 
-import random
 from collections.abc import Mapping
 from dataclasses import dataclass
+from random import Random
 from typing import Any
 
 from fencing import BackendUnavailable, InvalidLeaseRequest, Lease, LeaseBusy, LeaseLost, LostOwnership
@@ -61,7 +61,7 @@ INVALID = (
     InvalidLeaseRequest,
 )
 
-rng = random.Random()
+rng = Random()
 # The longest pause between transient retries: a database restart or a Redis failover takes that long.
 TRANSIENT_CEILING = 30.0
 
@@ -109,7 +109,7 @@ def decide(
     limits: Limits,
     *,
     can_wait: bool = False,
-    draw: random.Random = rng,
+    draw: Random = rng,
 ) -> Decision:
     """What ``error``, met by an attempt whose message carries ``counts``, leads to. ``can_wait``: a
     single-SKU reservation with batching on, which queues for a busy lease's holder."""
@@ -141,7 +141,7 @@ def decide(
     return Final(RequestStatus.DEAD_LETTERED, {"reason": "unexpected error", "error": repr(error)[:500]})
 
 
-def jitter(retry_after: float, attempt: int, draw: random.Random = rng) -> float:
+def jitter(retry_after: float, attempt: int, draw: Random = rng) -> float:
     """Backoff between task retries: the lease backoff with a broker round trip's larger steps."""
     return backoff(attempt, retry_after, draw, first=0.01, cap=1.0, floor=0.005)
 
@@ -152,12 +152,8 @@ def lost_with_the_lease(leases: dict[str, Lease], exc: BackendUnavailable) -> Le
     go to the next holder instead of waiting for the pause to end."""
     for lease in leases.values():
         if lease.lost or lease.time_left() <= 0:
-            return LeaseLost(
-                scope=lease.scope,
-                token=lease.token,
-                lease_id=lease.lease_id,
-                reason=f"the database ended the transaction after the lease ran out: {exc}",
-            )
+            reason = f"the database ended the transaction after the lease ran out: {exc}"
+            return LeaseLost(scope=lease.scope, token=lease.token, lease_id=lease.lease_id, reason=reason)
     return None
 
 
