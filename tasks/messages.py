@@ -176,17 +176,10 @@ class InvalidMessage(InvalidRequest):
 
 
 class UnknownFormat(InvalidMessage):
-    """A message whose format header names none of :data:`FORMATS`: sent by a producer newer than this
-    worker (or not a format at all). Nothing of it is read but its idempotency key; it ends dead-lettered,
-    with no stock touched and no lease taken, its detail naming its format and the ones this worker serves
-    and carrying its arguments as sent, so that an operator can drive it again once every worker knows
-    its format.
-
-    Whatever the message held, that detail can be recorded: the format is quoted in a bounded form (a
-    number that is not finite, which JSON cannot hold, as its JSON text: ``NaN``, ``Infinity``); the
-    arguments are carried only when their JSON fits :data:`MAX_CARRIED_CHARS` (numbers that are not
-    finite as text), else the detail gives their size and the start of their JSON instead
-    (``request_too_large``), and the request cannot be driven again from it."""
+    """A message whose format header names none of :data:`FORMATS` (docs/operations.md, "Message
+    formats"). Whatever the message held, its detail can be recorded: the format is quoted in a bounded
+    form (:func:`quoted`), and the arguments are carried for a re-drive only when their JSON fits
+    :data:`MAX_CARRIED_CHARS` (:func:`_carried`)."""
 
     status = RequestStatus.DEAD_LETTERED
 
