@@ -3,36 +3,22 @@
 Producers record a request before they publish it (tasks.producer), with the time the relay first looks
 at it (``RESERVATIONS_REPUBLISH_AFTER`` later). Each pass claims the records whose look has come
 (reservations.acceptance.due: disjoint between relays) and decides for each, in :func:`decide`, without
-I/O:
-
-=====================================  ===================================================================
-the record                             action
-=====================================  ===================================================================
-has an outcome                         close: looked at no more
-waits in its hot SKU's queue           wait: the database carries it to the lease holder
-past its deadline                      end it ``expired`` (a worker that takes a copy up later replays it)
-still carried by the broker            wait: queued, or held by a worker for less than ``held_for``
-published ``max_publishes`` times      end it ``dead_lettered``: its messages keep vanishing, or kill
-                                       every worker that takes them
-otherwise                              publish it again, same task id, arguments, format and deadline
-=====================================  ===================================================================
+I/O, as the table of docs/architecture.md ("The relay: nothing accepted vanishes") says; copies are
+harmless by construction (same task id and key).
 
 Looking into the broker (:func:`redis_presence`) tells a lost message from one that is queued or being
 worked on, so that a backlog is not flooded with copies. On Redis a message is in its queue (a list per
 priority step) or, while a worker holds it, in kombu's unacknowledged set; one taken by BRPOP by a worker
 killed before it wrote the set is in neither: lost. One held longer than ``held_for`` is counted as not
-carried, so its request is published again long before the visibility timeout gives it back.
-
-A copy is harmless by construction: its task id and key are the request's, so a worker that takes a copy
-of a request that has ended replays the stored outcome, and the key's fingerprint refuses anything else.
-Where the broker cannot be looked into (RabbitMQ: ``carried`` is None) the relay cannot tell a lost
-message from a slow one, so copies are spaced out: ``after``, then twice as long each time
-(:func:`spacing`). A publish that fails is not counted: the record is looked at again after ``after``.
+carried, so its request is published again long before the visibility timeout gives it back. Where the
+broker cannot be looked into (RabbitMQ: ``carried`` is None) copies are spaced out: ``after``, then twice
+as long each time (:func:`spacing`). A publish that fails is not counted: the record is looked at again
+after ``after``.
 
 Where it runs: in every worker's main process, in a thread of its own (:class:`RelayStep`). Workers are
 wherever requests can be carried at all, so a deployment cannot forget the relay, and it needs no message
 of its own on the broker it repairs (a beat task would wait behind the very backlog it looks after, and
-beat is one process). Claims keep relays from publishing the same request twice in a pass.
+beat is one process).
 """
 
 from __future__ import annotations
@@ -84,7 +70,7 @@ class Action(StrEnum):
 
 
 def decide(due: Due, now: float, carried: set[str] | None, max_publishes: int) -> Action:
-    """What the relay does with a record whose look has come (module docstring's table); ``now`` in
+    """What the relay does with a record whose look has come (the table of docs/architecture.md); ``now`` in
     seconds since the epoch, ``carried`` the task ids the broker carries (None: unknown)."""
     record = due.accepted
     if due.ended:
