@@ -161,11 +161,9 @@ class OutcomeRequest(Request):  # type: ignore[misc]
         return meta
 
     def on_failure(self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False) -> None:
-        """A pool child lost while running a message that was delivered before (requeued when an earlier
-        child was lost on it, or given back by the visibility timeout) is not requeued again: a message
-        that kills every worker that takes it would otherwise come back forever. It is acknowledged, and
-        its request is the relay's (tasks.relay), which publishes it again from its record up to the
-        publication cap and then ends it ``dead_lettered``. A first loss is still requeued at once."""
+        """A pool child lost on a redelivered message acknowledges it instead of requeueing it again: a
+        message that kills every worker that takes it would come back forever. Its request is the relay's,
+        which caps its publications (docs/architecture.md, "The relay"). A first loss is still requeued."""
         exc = getattr(exc_info.exception, "exc", exc_info.exception)
         if isinstance(exc, WorkerLostError) and self.task.acks_late and self.delivery_info.get("redelivered"):
             task_ready(self)

@@ -232,13 +232,9 @@ class Attempt:
         return self.final(SUCCEEDED[message.operation], done.summary())
 
     def served(self, result: dict[str, Any]) -> dict[str, Any]:
-        """``result``, after serving whatever queued up for the lease meanwhile (tasks.hot_sku).
-
-        A request queues itself only after finding the lease busy, and then tries the lease once more, so
-        a release that reports nobody turned away (``contended`` False) means nobody queued behind it: the
-        look at the queue, a round trip per task, is skipped. Any doubt (a lost lease, an older lease
-        record) looks.
-        """
+        """``result``, after serving whatever queued up for the lease meanwhile. A release that reports
+        nobody turned away (``contended`` False) means nobody queued behind it (a request queues only after
+        finding the lease busy, then tries it once more): the look, a round trip per task, is skipped."""
         leases = self.leases.values()
         if self.can_wait and (not leases or any(lease.contended is not False for lease in leases)):
             serve_quietly(self.res, self.message.args["sku"], **self.who)

@@ -62,13 +62,9 @@ def beside_local_server(
 
 
 def wait_for_holder(task: Task, res: Resources, message: Message, who: dict[str, Any]) -> dict[str, Any]:
-    """The lease is busy: queue the request for the holder instead of spinning on the lease.
-
-    The task then ends at once, returning "queued" without storing it: whoever serves the request writes
-    its outcome row and, where request results are kept, its Celery result. The first request to wait on
-    the SKU also schedules a watch of the SKU's queue, which serves it once the lease is free if the
-    holder died.
-    """
+    """The lease is busy: queue the request for the holder instead of spinning on the lease, schedule the
+    SKU's watch if it is the first to wait, and end the task at once, returning "queued" without storing
+    it (docs/architecture.md, "A hot SKU", steps 1, 4 and 6)."""
     settings = res.settings
     key, epoch, sku = message.key, message.counts["epoch"], message.args["sku"]
     queued = res.inventory.hand_off(
@@ -259,13 +255,9 @@ class Server:
 def serve_pending(
     res: Resources, sku: str, *, task_id: str | None, worker: str, known_waiting: bool = False
 ) -> int:
-    """Serve the SKU's pending reservations unless its lease is busy; returns how many got an outcome.
-
-    After releasing the lease it looks again: a request may have queued itself after the last batch
-    while still finding the lease held, and then nobody else would serve it until its SKU's watch looks.
-    A queue emptied under a lease that nobody was turned away from needs no second look.
-    ``known_waiting`` skips the first look (the caller has just queued a request).
-    """
+    """Serve the SKU's pending reservations unless its lease is busy, looking again after releasing only
+    when needed (docs/architecture.md, "A hot SKU", step 3); returns how many got an outcome.
+    ``known_waiting`` skips the first look (the caller has just queued a request)."""
     settings = res.settings
     served = 0
     for round_ in range(SERVE_ROUNDS):
