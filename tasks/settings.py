@@ -15,7 +15,7 @@ import difflib
 import math
 import os
 import stat
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, TypeVar
 from urllib.parse import quote, urlsplit
@@ -333,20 +333,21 @@ class Settings:
                 f"{PREFIX}VISIBILITY_TIMEOUT ({self.visibility_timeout:g}s) must be at least 4x the lease "
                 f"ttl ({self.lease_ttl:g}s, {PREFIX}LEASE_TTL)"
             )
+        problems.extend(self._lease_problems())
+        if problems:
+            raise SettingsError(problems)
+
+    def _lease_problems(self) -> Iterator[str]:
         # A renewal due only after the lease ran out never keeps it: every long task would lose its SKU.
         if self.lease_renew_every is not None and self.lease_renew_every >= self.lease_ttl:
-            problems.append(
+            yield (
                 f"{PREFIX}LEASE_RENEW_EVERY ({self.lease_renew_every:g}s) must be shorter than the lease "
                 f"ttl ({self.lease_ttl:g}s, {PREFIX}LEASE_TTL)"
             )
         # etcd keeps whole-second leases of at least its minimum: a worker would be refused every lease.
         etcd = self.lease_url.startswith(("etcd://", "etcds://"))
         if etcd and (self.lease_ttl != int(self.lease_ttl) or self.lease_ttl < 2):
-            problems.append(
-                f"{PREFIX}LEASE_TTL ({self.lease_ttl:g}s) must be whole seconds, 2 or more, on etcd"
-            )
-        if problems:
-            raise SettingsError(problems)
+            yield (f"{PREFIX}LEASE_TTL ({self.lease_ttl:g}s) must be whole seconds, 2 or more, on etcd")
 
     @classmethod
     def from_env(
