@@ -152,6 +152,7 @@ MODULE_SECONDS = {
     "test_batching_e2e.py": 32,
     "test_inventory.py": 30,
     "test_message_formats.py": 30,
+    "test_etcd_leases.py": 28,
     "test_worker_start.py": 28,
     "test_broker_failover.py": 25,
     "test_observability.py": 23,
