@@ -231,27 +231,34 @@ class EtcdLeaseCore:
         base = int(unb64(base_kv[0]["value"])) if base_kv else 0
         if highest <= base:
             return None
-        done = yield Gateway(
-            "kv/txn",
-            {
-                "compare": [
-                    {
-                        "key": b64(key),
-                        "target": "CREATE",
-                        "result": "EQUAL",
-                        "create_revision": held[0]["create_revision"],
-                    },
-                    {
-                        "key": b64(self.base_key),
-                        "target": "MOD",
-                        "result": "EQUAL",
-                        "mod_revision": base_kv[0]["mod_revision"] if base_kv else 0,
-                    },
-                ],
-                "success": [{"request_put": {"key": b64(self.base_key), "value": b64(str(highest))}}],
-            },
-        )
+        still = {
+            "key": b64(key),
+            "target": "CREATE",
+            "result": "EQUAL",
+            "create_revision": held[0]["create_revision"],
+        }
+        done = yield Gateway("kv/txn", self._raising(base_kv, highest, still))
         return (base, highest) if done.get("succeeded") else None
+
+    def raise_base(self, highest: int) -> Plan[int]:
+        """Raise the base to ``highest`` if it is below: every later token exceeds it. The base after."""
+        while True:
+            (base_kv,) = _kvs((yield Gateway("kv/txn", {"success": [_range(self.base_key)]})))
+            base = int(unb64(base_kv[0]["value"])) if base_kv else 0
+            if highest <= base:
+                return base
+            if (yield Gateway("kv/txn", self._raising(base_kv, highest))).get("succeeded"):
+                return highest
+
+    def _raising(
+        self, base_kv: list[dict[str, Any]], highest: int, *guards: dict[str, Any]
+    ) -> dict[str, Any]:
+        """The transaction that writes ``highest`` as the base, only if the base is still the one read (and
+        ``guards`` hold): a base only rises."""
+        seen = base_kv[0]["mod_revision"] if base_kv else 0
+        unchanged = {"key": b64(self.base_key), "target": "MOD", "result": "EQUAL", "mod_revision": seen}
+        put = {"request_put": {"key": b64(self.base_key), "value": b64(str(highest))}}
+        return {"compare": [*guards, unchanged], "success": [put]}
 
     def current_many(self, scopes: list[str]) -> Plan[list[LeaseInfo | None]]:
         found: list[LeaseInfo | None] = []

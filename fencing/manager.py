@@ -378,6 +378,18 @@ class _Shell(Generic[E]):
         return info
 
     @operation
+    def raise_base(self, highest: int) -> Plan[int | None]:
+        """etcd: make every later token exceed ``highest`` (the protected resource's highest token) by
+        raising the store's base, which only rises: at a worker's start, so a store first used, or restored
+        from a snapshot, is never behind the stock rows. The base after; None on Redis and SQL, whose
+        counters are per scope and repaired one by one (:meth:`handle_stale`)."""
+        validate_token(highest)
+        if not isinstance(self.core, EtcdLeaseCore):
+            return None
+        base: int = yield Atomic(self.core.raise_base(highest))
+        return base
+
+    @operation
     def handle_stale(self, lease: Lease, error: StaleToken) -> Plan[bool]:
         """Repair a coordinator whose counter went backwards; True if it did.
 

@@ -43,6 +43,7 @@ from fencing.engines import TransactionBounds, make_engine, transaction_bounds
 from fencing.sql import SyncSqlExecutor
 from fencing.urls import mask_url
 from reservations import Inventory, schema
+from reservations.models import stock
 from tasks import failpoints, metrics
 from tasks.answers import note_task_events
 from tasks.errors import TasksError
@@ -118,6 +119,18 @@ def wait_for(what: str, where: str, probe: Callable[[], T]) -> T:
         delay = min(5.0, delay * 2)
 
 
+def _highest_token(url: str) -> int:
+    """The highest token any stock row has accepted (0 with none)."""
+    engine = make_engine(url)
+    try:
+        with engine.connect() as conn:
+            return int(
+                conn.execute(sa.select(sa.func.coalesce(sa.func.max(stock.c.fence_token), 0))).scalar_one()
+            )
+    finally:
+        engine.dispose()
+
+
 def _bounds(url: str) -> TransactionBounds:
     engine = make_engine(url, pooling="transaction")
     try:
@@ -148,6 +161,13 @@ def wait_until_usable(settings: Settings) -> None:
     leases = _lease_manager(settings)
     try:
         wait_for("lease backend", leases.url, lambda: leases.current(_PROBE_SCOPE))
+        if leases.backend == "etcd":
+            # An etcd token is the store's base plus a revision: a store first used by a deployment whose
+            # stock rows hold tokens from another store, or restored from a snapshot, is raised above them
+            # before this worker takes a lease, so its first write is not refused as stale.
+            highest = wait_for("database", where, lambda: _highest_token(settings.database_url))
+            if highest:
+                wait_for("lease backend", leases.url, lambda: leases.raise_base(highest))
     except SchemaMissing as exc:
         upgrade = "run `reservations db upgrade` on it"
         refuse(f"the lease backend at {leases.url} has no schema ({exc.reason}): {upgrade}")

@@ -29,6 +29,8 @@ from fencing.etcd_gateway import EtcdRefused, etcd_target
 from fencing.manager import lease_backend
 from fencing.plan import Command, run_sync
 from fencing.urls import mask_url
+from tasks.settings import Settings
+from tasks.worker import wait_until_usable
 from testing.etcd_cluster import EtcdCluster, etcd_cluster, etcd_unavailable
 from testing.fenced_stream import Stream, accepted_tokens, assert_never_backwards, inventory_on, unique
 from testing.harness import wait_until
@@ -346,3 +348,29 @@ def test_a_user_and_password_from_the_url_log_in(tmp_path: Path) -> None:
         refused = LeaseManager.from_url(f"etcd://root:wrong@127.0.0.1:{port}/auth")
         with refused, pytest.raises(EtcdRefused, match="authentication failed"):
             refused.acquire("sku:A", ttl=TTL)
+
+
+def test_a_workers_start_raises_the_store_above_every_stock_row(cluster: EtcdCluster, tmp_path: Path) -> None:
+    """A store first used by a deployment whose stock rows hold higher tokens (from Redis, or an etcd since
+    restored from a snapshot): the worker raises the base at start, so the first write is not refused and
+    nothing is repaired."""
+    inventory = inventory_on(tmp_path, "A")
+    try:
+        with LeaseManager.from_url("sqlite:///" + str(tmp_path / "old.sqlite3")) as old:
+            old.create_schema()
+            for _ in range(300):
+                old.release(old.acquire("sku:A", ttl=TTL))
+            ahead = old.acquire("sku:A", ttl=TTL)
+            inventory.reserve(ahead, "A", 1, key=unique("k"))
+        url = cluster.url(unique("t"))
+        with LeaseManager.from_url(url) as leases:
+            assert leases.acquire("sku:B", ttl=TTL).token < ahead.token  # behind the stock row, as it stands
+        settings = Settings(database_url=inventory.url, lease_url=url, lease_ttl=TTL)
+        wait_until_usable(settings)
+        with LeaseManager.from_url(url) as leases:
+            first = leases.acquire("sku:A", ttl=TTL)
+            assert first.token > ahead.token
+            inventory.reserve(first, "A", 1, key=unique("k"))  # accepted: no stale refusal, no repair
+            assert leases.raise_base(1) == ahead.token  # the base only rises
+    finally:
+        inventory.close()
