@@ -265,19 +265,18 @@ def test_a_live_holder_keeps_its_lease_through_a_leader_change(cluster: EtcdClus
         renewer.start()
         try:
             cluster.wait_for_leader().kill()
-            new_leader = cluster.wait_for_leader(timeout=FAILOVER)
+            cluster.wait_for_leader(timeout=FAILOVER)
             settled = time.monotonic() + 2 * TTL  # renewals keep coming past two ttls under the new leader
             wait_until(
                 lambda: time.monotonic() > settled or not renewer.is_alive(), timeout=3 * TTL, what="ttls"
             )
+            # Asked while the renewals still come: once they stop, the lease runs out its ttl.
+            assert not lease.lost and renewer.is_alive()
+            assert leases.current("sku:A").token == lease.token  # type: ignore[union-attr]
         finally:
             stop.set()
             renewer.join(timeout=FAILOVER)
             healed(cluster)
-        assert new_leader is not None
-        assert not lease.lost
-        assert leases.current("sku:A").token == lease.token  # type: ignore[union-attr]
-        leases.release(lease)
     print(f"\nslowest renew through the leader change: {max(slowest):.3f} s")
 
 
@@ -294,17 +293,17 @@ def test_a_stream_of_fenced_writes_through_a_leader_kill_and_a_frozen_member(
     caplog.set_level(logging.WARNING, logger="fencing")
     threads = stream.run(workers=3)
     try:
-        wait_until(lambda: stream.written() >= 20, timeout=30, what="writes before the kill")
+        wait_until(lambda: stream.written() >= 10, timeout=30, what="writes before the kill")
         killed = time.monotonic()
         cluster.wait_for_leader().kill()
-        wait_until(lambda: stream.writes_since(killed) >= 20, timeout=30, what="writes after the kill")
+        wait_until(lambda: stream.writes_since(killed) >= 10, timeout=30, what="writes after the kill")
         healed(cluster)
         member = next(m for m in cluster.members if m is not cluster.leader())
         frozen = time.monotonic()
         member.freeze()
         try:
             wait_until(
-                lambda: stream.writes_since(frozen) >= 20, timeout=30, what="writes with a member frozen"
+                lambda: stream.writes_since(frozen) >= 10, timeout=30, what="writes with a member frozen"
             )
         finally:
             member.thaw()
