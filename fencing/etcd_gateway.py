@@ -34,8 +34,9 @@ T = TypeVar("T")
 
 ETCD_SCHEMES = ("etcd", "etcds")
 # gRPC codes the gateway answers with when the cluster cannot serve a call now: UNAVAILABLE (no leader, a
-# leader change, a request that timed out in consensus), DEADLINE_EXCEEDED.
-_NOT_NOW = frozenset({14, 4})
+# leader change, a request that timed out in consensus), DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED (too many
+# requests in flight, or the backend quota reached until a compaction: "not now", as Redis's OOM is).
+_NOT_NOW = frozenset({14, 4, 8})
 
 
 @dataclass(frozen=True)
@@ -83,9 +84,10 @@ def unb64(text: str) -> str:
 class _Members:
     """The member to ask next (the one that last answered, then the others in turn), and the auth token."""
 
-    def __init__(self, target: EtcdTarget, retry_for: float) -> None:
+    def __init__(self, target: EtcdTarget, retry_for: float, timeout: float) -> None:
         self.target = target
         self.retry_for = retry_for
+        self.timeout = timeout
         self.first = 0
         self.token: str | None = None  # when the URL names a user
 
@@ -95,26 +97,32 @@ class _Members:
         or raises the refusal or BackendUnavailable."""
         deadline = time.monotonic() + self.retry_for
         count, last, start = len(self.target.members), "no member answered", self.first
+
+        def post(member: str, path: str, body: dict[str, Any], **headers: str) -> httpx.Request:
+            # No request outlives the call's deadline: a member that takes the connection and never
+            # answers costs what is left, not a whole timeout per member.
+            seconds = max(0.05, min(self.timeout, deadline - time.monotonic()))
+            timeout = httpx.Timeout(seconds).as_dict()
+            return httpx.Request(
+                "POST", f"{member}/v3/{path}", json=body, headers=headers, extensions={"timeout": timeout}
+            )
+
         for n in itertools.count():
+            if n and time.monotonic() >= deadline:
+                raise BackendUnavailable(backend="etcd", operation=op.path, detail=last)
             if n and n % count == 0:
-                if time.monotonic() >= deadline:
-                    raise BackendUnavailable(backend="etcd", operation=op.path, detail=last)
                 yield Sleep(0.05)
             self.first = index = (start + n) % count
             member = self.target.members[index]
             try:
                 if self.target.username is not None and self.token is None:
                     login = {"name": self.target.username, "password": self.target.password or ""}
-                    reply = self._answer(
-                        op, (yield httpx.Request("POST", f"{member}/v3/auth/authenticate", json=login))
-                    )
+                    reply = self._answer(op, (yield post(member, "auth/authenticate", login)))
                     if reply is None:
                         continue
                     self.token = reply["token"]
                 headers = {"Authorization": self.token} if self.token else {}
-                response = yield httpx.Request(
-                    "POST", f"{member}/v3/{op.path}", json=op.body, headers=headers
-                )
+                response = yield post(member, op.path, op.body, **headers)
                 if (reply := self._answer(op, response)) is not None:
                     return reply
                 last = response.text
@@ -151,9 +159,9 @@ class SyncEtcdExecutor:
     def __init__(
         self, target: EtcdTarget, sleep: Callable[[float], None], *, retry_for: float = 5.0, **options: Any
     ) -> None:
-        self.members = _Members(target, retry_for)
+        self.members = _Members(target, retry_for, options.pop("timeout", 3.0))
         self.sleep = sleep
-        self.client = httpx.Client(**{"timeout": 3.0, **options})
+        self.client = httpx.Client(**options)
 
     def run(self, plan: Plan[T]) -> T:
         return run_sync(plan, self._handle)
@@ -188,9 +196,9 @@ class AsyncEtcdExecutor:
         retry_for: float = 5.0,
         **options: Any,
     ) -> None:
-        self.members = _Members(target, retry_for)
+        self.members = _Members(target, retry_for, options.pop("timeout", 3.0))
         self.sleep = sleep
-        self.client = httpx.AsyncClient(**{"timeout": 3.0, **options})
+        self.client = httpx.AsyncClient(**options)
 
     async def run(self, plan: Plan[T]) -> T:
         return await run_async(plan, self._handle)

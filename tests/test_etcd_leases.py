@@ -8,6 +8,7 @@ other stores (tests/test_leases.py)."""
 from __future__ import annotations
 
 import logging
+import socket
 import subprocess
 import threading
 import time
@@ -217,6 +218,21 @@ def test_no_member_answering_is_unavailable() -> None:
     leases = LeaseManager.from_url("etcd://127.0.0.1:9/t", retry_for=0.2)
     with leases, pytest.raises(BackendUnavailable):
         leases.acquire("sku:A", ttl=TTL)
+
+
+def test_members_that_take_the_connection_and_never_answer_cost_the_call_its_deadline_only() -> None:
+    """Three members that accept and stay silent (a frozen host): the call fails as unavailable once its
+    retry_for has passed, not after a whole request timeout per member."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)  # the kernel completes the handshakes; nothing ever reads or answers
+        port = silent.getsockname()[1]
+        url = f"etcd://127.0.0.1:{port},127.0.0.1:{port},127.0.0.1:{port}/t"
+        leases = LeaseManager.from_url(url, retry_for=0.5, timeout=3.0)
+        started = time.monotonic()
+        with leases, pytest.raises(BackendUnavailable):
+            leases.acquire("sku:A", ttl=TTL)
+        assert time.monotonic() - started < 1.5  # three whole timeouts would be 9 s
 
 
 # -- through a leader change -----------------------------------------------------------------------------
