@@ -40,7 +40,11 @@ def etcd_lease_id(lease_id: str) -> int:
     return int(lease_id[:15], 16)
 
 
-def whole_seconds(ttl: float, minimum: int) -> int:
+# The shortest ttl a cluster with etcd's default election timeout (1 s) grants: 1.5 of them, rounded up.
+ETCD_MIN_TTL = 2
+
+
+def whole_seconds(ttl: float, minimum: int = ETCD_MIN_TTL) -> int:
     """etcd's TTLs are whole seconds, and the cluster grants no fewer than its minimum (1.5 election
     timeouts): a ttl it would silently lengthen is refused here."""
     if ttl != int(ttl) or ttl < minimum:
@@ -83,7 +87,7 @@ class EtcdLeaseCore:
 
     backend = "etcd"
 
-    def __init__(self, *, prefix: str, history_cap: int, clock: Clock, min_ttl: int = 2) -> None:
+    def __init__(self, *, prefix: str, history_cap: int, clock: Clock, min_ttl: int = ETCD_MIN_TTL) -> None:
         self.prefix = prefix
         self.history_cap = history_cap
         self.clock = clock

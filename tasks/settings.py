@@ -24,6 +24,8 @@ from celery import Celery
 
 from fencing import InvalidLeaseRequest
 from fencing.engines import POOLING_MODES
+from fencing.etcd_backend import ETCD_MIN_TTL, whole_seconds
+from fencing.etcd_gateway import ETCD_SCHEMES
 from fencing.manager import lease_backend
 from fencing.redis_backend import validate_prefix
 from fencing.urls import mask_url, normalize_url
@@ -345,9 +347,14 @@ class Settings:
                 f"ttl ({self.lease_ttl:g}s, {PREFIX}LEASE_TTL)"
             )
         # etcd keeps whole-second leases of at least its minimum: a worker would be refused every lease.
-        etcd = self.lease_url.startswith(("etcd://", "etcds://"))
-        if etcd and (self.lease_ttl != int(self.lease_ttl) or self.lease_ttl < 2):
-            yield (f"{PREFIX}LEASE_TTL ({self.lease_ttl:g}s) must be whole seconds, 2 or more, on etcd")
+        if scheme_of(self.lease_url) in ETCD_SCHEMES:
+            try:
+                whole_seconds(self.lease_ttl)
+            except InvalidLeaseRequest:
+                yield (
+                    f"{PREFIX}LEASE_TTL ({self.lease_ttl:g}s) must be whole seconds, {ETCD_MIN_TTL} or more, "
+                    "on etcd"
+                )
 
     @classmethod
     def from_env(

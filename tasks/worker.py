@@ -40,6 +40,7 @@ from redis.retry import Retry
 
 from fencing import BackendUnavailable, LeaseManager, SchemaMissing
 from fencing.engines import TransactionBounds, make_engine, transaction_bounds
+from fencing.etcd_gateway import ETCD_SCHEMES
 from fencing.sql import SyncSqlExecutor
 from fencing.urls import mask_url
 from reservations import Inventory, schema
@@ -67,7 +68,7 @@ def client_options(url: str, lease_ttl: float, pooling: str = "session") -> dict
     # late): give up then, as unavailable, instead of waiting on TCP for minutes when the worker is cut off
     # from Redis or etcd. On etcd that third also covers asking the other members through an election.
     wait = max(0.5, min(5.0, lease_ttl / 3))
-    if url.startswith(("etcd://", "etcds://")):
+    if url.partition("://")[0].lower() in ETCD_SCHEMES:
         return {"timeout": wait, "retry_for": wait}
     if url.startswith(("redis", "rediss", "unix")):
         # One reconnect for a pooled connection the server closed, none with backoff: redis-py's default

@@ -106,6 +106,17 @@ class EtcdCluster:
     def restart(self, member: EtcdMember) -> None:
         member.start(self.initial, "existing")
 
+    def heal(self, timeout: float = START_TIMEOUT) -> None:
+        """Every member running again on its data, answering, with a leader they all name."""
+        for member in self.members:
+            if member.process is None:
+                self.restart(member)
+        wait_until(
+            lambda: self.leader() is not None and all(m.status() for m in self.members),
+            timeout=timeout,
+            what="every etcd member back in the cluster",
+        )
+
     def leader(self) -> EtcdMember | None:
         """The member every answering member names as leader, once a majority answers."""
         statuses = [(m, m.status()) for m in self.members if m.process is not None]

@@ -87,6 +87,17 @@ class Stream:
             thread.start()
         return threads
 
+    def assert_kept_order(self) -> None:
+        """What the stream's writes must show, whatever its coordinator went through: every call ended in
+        success or a typed error, no row accepted a token backwards, each row holds its last accepted
+        token, and the inventory's invariants hold."""
+        assert self.untyped == []
+        for sku in self.skus:
+            accepted = accepted_tokens(self.inventory, sku)
+            assert_never_backwards(accepted)
+            assert self.inventory.stock(sku).fence_token == accepted[-1][0]
+        assert self.inventory.invariant_violations() == []
+
     def written(self) -> int:
         with self._lock:
             return len(self.writes)

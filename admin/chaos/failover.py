@@ -35,7 +35,7 @@ from admin.chaos.options import (
 )
 from admin.chaos.report import RunReport
 from testing.etcd_cluster import EtcdCluster
-from testing.harness import HarnessError, wait_until
+from testing.harness import HarnessError
 from testing.redis_topologies import SentinelTopology
 
 # Longest wait for each stage of a failover: the sentinels agreeing on the new primary (or the etcd members
@@ -183,12 +183,7 @@ class EtcdLeaderKills(CoordinatorFaults):
         new = cluster.wait_for_leader(STAGE_WITHIN)
         elected = (_now_ms() - run.started_ms) / 1000
         run.cuts = [f"kill -9 of the leader: {new.name} elected after {elected:.1f}s"]
-        cluster.restart(old)
-        wait_until(
-            lambda: old.status() is not None and cluster.leader() is not None,
-            timeout=STAGE_WITHIN,
-            what=f"etcd member {old.name} back in the cluster",
-        )
+        cluster.heal(STAGE_WITHIN)
         run.cuts.append(f"{old.name} restarted on its data, following {new.name}")
 
 
