@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from fencing import LeaseEvent
 from reservations.request_outcomes import request_id
 from testing.harness import process_state, wait_until
 from testing.redis_servers import redis_server
@@ -77,9 +78,17 @@ def test_a_count_decided_before_its_worker_paused_is_refused_and_counted_again(s
         except TimeoutError as exc:
             raise AssertionError(f"{exc}\n{sql.cluster.tails()}") from None
         holder = f"{identity(stopped)}:{request_id('count-short-1')}"
-        (acquired,) = [
-            e for e in sql.leases.history(f"sku:{sku}") if e.event == "acquired" and e.holder == holder
-        ]
+
+        def acquired_by_it() -> list[LeaseEvent]:
+            return [
+                e for e in sql.leases.history(f"sku:{sku}") if e.event == "acquired" and e.holder == holder
+            ]
+
+        try:
+            (acquired,) = wait_until(acquired_by_it, timeout=FAULT_TIMEOUT, what=f"the acquire of {holder}")
+        except TimeoutError as exc:
+            events = sql.leases.history(f"sku:{sku}")
+            raise AssertionError(f"{exc}; the scope's events: {events}\n{sql.cluster.tails()}") from None
         wait_until(
             lambda: sql.leases.current(f"sku:{sku}") is None,
             timeout=FAULT_TIMEOUT,
