@@ -20,6 +20,7 @@ from fencing.sql import AsyncSqlExecutor, SyncSqlExecutor, Translate
 from fencing.urls import mask_url
 from reservations import (
     acceptance,
+    actions,
     audit,
     batching,
     constraints,
@@ -315,6 +316,10 @@ class InventoryBase(Generic[E]):
     claim_redrive = operation.of(redrives.claim)
     drop_redrive = operation.of(redrives.drop)
     skus_with_due_holds = operation.of(outcomes.skus_with_due_holds)
+
+    # what operators did by hand, and why
+    record_action = operation.of(actions.record)
+    operator_actions = operation.of(actions.listed)
 
     # hot-SKU batching
     hand_off = operation(pending.hand_off)

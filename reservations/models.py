@@ -280,3 +280,26 @@ class AcceptedRequest(SQLModel, table=True):
 
 
 accepted_requests = _table(AcceptedRequest)
+
+
+class OperatorAction(SQLModel, table=True):
+    """What an operator did by hand (reservations.actions): a re-drive, a republish, a lease broken, a
+    request cancelled; who did it, when, on what and why. Written after the action took effect, never
+    changed."""
+
+    __tablename__ = "operator_actions"
+    __table_args__ = (
+        sa.Index("ix_operator_actions_at_ms", "at_ms"),
+        sa.Index("ix_operator_actions_target", "target"),
+    )
+
+    id: int | None = Field(default=None, sa_column=_row_id())
+    at_ms: int = Field(sa_column=_bigint())
+    action: str = Field(max_length=32)
+    target: str = Field(max_length=200)  # a request's key, or a SKU
+    by: str = Field(max_length=200)
+    reason: str = Field(max_length=500)
+    detail: str | None = None  # JSON: what the action found and did
+
+
+operator_actions = _table(OperatorAction)

@@ -6,9 +6,11 @@ log lines and URLs, and a grammar is easier to audit than an escaping scheme in 
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import math
 import re
+import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -218,6 +220,34 @@ def since(value: object) -> float | None:
     """A point in time in seconds since the epoch, or None for all time. Before the epoch is allowed:
     "--since 60000d" means everything, not a mistake."""
     return None if value is None else number(value, "since", -MAX_TIMESTAMP, MAX_TIMESTAMP)
+
+
+_RELATIVE = re.compile(r"([0-9]+(?:\.[0-9]+)?)([smhd])")
+
+
+def since_text(text: str | None, *, field: str = "since") -> float | None:
+    """``30m``, ``2h``, ``1d`` ago, or an ISO 8601 time (UTC when it has no zone) -> epoch seconds, within
+    the range :func:`since` takes: what filters in memory must refuse what a query refuses."""
+    if text is None:
+        return None
+    match = _RELATIVE.fullmatch(text)
+    if match:
+        unit = {"s": 1, "m": 60, "h": 3600, "d": 86400}[match.group(2)]
+        moment = time.time() - float(match.group(1)) * unit
+    else:
+        try:
+            at = dt.datetime.fromisoformat(text)
+        except ValueError:
+            raise InvalidRequest(f"{field} {text!r}: use 30m, 2h, 1d or an ISO time", field="since") from None
+        moment = (at if at.tzinfo is not None else at.replace(tzinfo=dt.UTC)).timestamp()
+    try:
+        return since(moment)
+    except InvalidRequest:
+        raise InvalidRequest(
+            f"{field} {text!r} is out of range: times run from about 6000 BC to 9999-12-31"
+            " (use 30m, 2h, 1d or an ISO time)",
+            field="since",
+        ) from None
 
 
 def retention(value: object) -> float:

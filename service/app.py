@@ -18,15 +18,16 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from fencing import AsyncLeaseManager
 from reservations import AsyncInventory, InvalidRequest
-from service import routes
+from service import console, routes
 from service.answers import PROBLEM_MEDIA_TYPE, TYPES, Answer, Problem, problem
 from service.backlog import Backlog
 from service.door import UNANSWERED, Door, unavailable
 from service.metrics import HttpMetrics
 from tasks import ReservationClient
 from tasks import create_app as create_tasks_app
-from tasks.settings import Settings
+from tasks.settings import Settings, SettingsError, read_password_file, variable
 
 Caller = Callable[..., Any]  # a FastAPI dependency returning the caller's name (str) or None (anonymous)
 # A request holds a database connection while it is admitted or looked up, dozens at once: SQLAlchemy's
@@ -122,9 +123,16 @@ def create_app(settings: Settings | None = None, *, caller: Caller | None = None
     settings = settings or Settings.from_env()
     metrics = HttpMetrics(routes.measured())
     state: dict[str, Door] = {}
+    # Read at start: a console whose password cannot be read is a deployment's mistake to see at once.
+    password = None
+    if settings.console_password_file:
+        name = variable("console_password_file").name
+        password = read_password_file(name, settings.console_password_file).removesuffix("\n")
+        if not password:
+            raise SettingsError(f"{name}: {settings.console_password_file} holds no password")
 
     @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         tasks_app = create_tasks_app(settings)
         client = ReservationClient(tasks_app)
         inventory = AsyncInventory.from_url(
@@ -135,11 +143,21 @@ def create_app(settings: Settings | None = None, *, caller: Caller | None = None
         state["door"] = found = Door(
             client, inventory, backlog, queue_bound=settings.queue_bound, overloaded=metrics.refused.inc
         )
+        leases = None
+        if password is not None:
+            # The leases' own database pooling where they live in the inventory's database.
+            options: dict[str, Any] = {}
+            if settings.lease_url == settings.database_url:
+                options["pooling"] = settings.database_pooling
+            leases = AsyncLeaseManager.from_url(settings.lease_url, prefix=settings.lease_prefix, **options)
+            app.state.console = console.Console(password, inventory, leases, client, backlog)
         restore = _drain_on_stop(found, asyncio.get_running_loop())
         try:
             yield
         finally:
             restore()
+            if leases is not None:
+                await leases.close()
             # uvicorn calls this once every connection has had its answer: nothing is waiting to be
             # published (a handler returns only after its request went out, or was refused).
             sampler.cancel()
@@ -163,6 +181,8 @@ def create_app(settings: Settings | None = None, *, caller: Caller | None = None
         app.add_exception_handler(kind, _error)
 
     app.include_router(routes.router(door, metrics, settings, caller))
+    if password is not None:
+        app.include_router(console.router)
     build = app.openapi
     app.openapi = cache(lambda: routes.as_declared(build()))  # type: ignore[method-assign]
     app.add_middleware(_measured, metrics=metrics)

@@ -246,6 +246,11 @@ class Settings:
         0,
         10_000_000,
     )
+    console_password_file: str = setting(
+        "",
+        "a file holding the password of the operator's console, served under /console/ by the HTTP service "
+        "(HTTP Basic: any user name, recorded as the operator's with each action); unset: no console",
+    )
     expiry_interval: float = setting(30.0, "seconds between hold-expiry sweeps by celery beat", 0.1, 86400)
     enforce_fence: bool = setting(
         True, "0 drops the token condition from stock writes: lease-only, for chaos comparisons only"
@@ -541,7 +546,7 @@ def scheme_problem(name: str, url: str, schemes: tuple[str, ...]) -> str | None:
 _PASSWORD_FILE_LIMIT = 4096
 
 
-def _read_password_file(name: str, path: str) -> str:
+def read_password_file(name: str, path: str) -> str:
     """The text of the password file ``path`` (named by the variable ``name``), or SettingsError naming
     the variable. Only a regular file is read: a directory, or a FIFO nobody writes to, would otherwise
     fail with a traceback or block the worker's start forever (open does not wait with O_NONBLOCK)."""
@@ -572,7 +577,7 @@ def with_password(env: Mapping[str, str], variable: Variable, url: str) -> str:
     A sentinel:// URL gets it in every sentinel's part: kombu takes the Redis password from the part it
     currently connects through (it moves to the next after a failed connection), Celery from the first."""
     path = env[variable.password_file]
-    password = _read_password_file(variable.password_file, path).removesuffix("\n").removesuffix("\r")
+    password = read_password_file(variable.password_file, path).removesuffix("\n").removesuffix("\r")
     given = [urlsplit(part) for part in _parts(url)]
     if not password or any(parts.password is not None or not parts.hostname for parts in given):
         raise SettingsError(

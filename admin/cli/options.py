@@ -4,9 +4,6 @@ digits 0-9 only and kept within a range, ``--since`` as a relative or ISO time, 
 
 from __future__ import annotations
 
-import datetime as dt
-import re
-import time
 from collections.abc import Callable
 from typing import Annotated, Any, TypeVar
 
@@ -15,43 +12,15 @@ import typer
 from admin.cli.failures import EXIT_USAGE, fail
 from reservations import numerals
 from reservations import validation as valid
-from reservations.errors import InvalidRequest
-
-_RELATIVE = re.compile(r"([0-9]+(?:\.[0-9]+)?)([smhd])")
 
 # Numbers are written as the settings take them (reservations.numerals); typer's own int type would also
 # take "3.0".
 
 
 def parse_since(text: str | None) -> float | None:
-    """``30m``, ``2h``, ``1d`` ago, or an ISO 8601 time (UTC when it has no zone) -> epoch seconds, within
-    the range the domain takes (:func:`reservations.validation.since`), for every command: one that
-    filters in memory must refuse what one that asks the database refuses."""
-    if text is None:
-        return None
-    moment = _moment(text)
-    try:
-        return valid.since(moment)
-    except InvalidRequest:
-        raise InvalidRequest(
-            f"--since {text!r} is out of range: times run from about 6000 BC to 9999-12-31"
-            " (use 30m, 2h, 1d or an ISO time)",
-            field="since",
-        ) from None
-
-
-def _moment(text: str) -> float:
-    match = _RELATIVE.fullmatch(text)
-    if match:
-        unit = {"s": 1, "m": 60, "h": 3600, "d": 86400}[match.group(2)]
-        return time.time() - float(match.group(1)) * unit
-    try:
-        moment = dt.datetime.fromisoformat(text)
-    except ValueError:
-        raise InvalidRequest(f"--since {text!r}: use 30m, 2h, 1d or an ISO time", field="since") from None
-    if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=dt.UTC)
-    return moment.timestamp()
+    """``30m``, ``2h``, ``1d`` ago, or an ISO 8601 time (UTC when it has no zone) -> epoch seconds, for every
+    command (:func:`reservations.validation.since_text`, as the console takes it too)."""
+    return valid.since_text(text, field="--since")
 
 
 def whole(name: str, low: int = 0, high: int | None = None) -> Callable[[str | int], int]:
