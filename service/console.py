@@ -70,14 +70,18 @@ def when(at: float | None) -> str:
     return datetime.fromtimestamp(at, UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
 
 
-def ago(at: float | None, now: float) -> str:
+def ago(at: float | None, now: float | None = None) -> str:
+    """How long before ``now`` (this moment by default) ``at`` was, in the largest unit that fits."""
     if at is None:
         return ""
-    seconds = max(0.0, now - at)
+    seconds = max(0.0, (time.time() if now is None else now) - at)
     for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
         if seconds >= size:
             return f"{seconds / size:.1f}{unit} ago"
     return f"{seconds:.1f}s ago"
+
+
+_templates.env.globals.update(when=when, ago=ago)
 
 
 @dataclass(frozen=True)
@@ -158,14 +162,11 @@ router = APIRouter(prefix=PREFIX, include_in_schema=False)
 
 
 def _page(request: Request, c: Console, who: str, template: str, **values: Any) -> HTMLResponse:
-    now = time.time()
     values |= {
         "who": who,
         "form_token": c.form_token(who),
         "done": request.query_params.get("done"),
         "failed": request.query_params.get("failed"),
-        "when": when,
-        "ago": lambda at: ago(at, now),
     }
     return _templates.TemplateResponse(request, template, values)
 
