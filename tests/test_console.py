@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import itertools
+import json
 import random
 import shutil
 from collections.abc import Iterator
@@ -27,6 +28,7 @@ from tasks.producer import request_of
 from testing.harness import wait_until
 from testing.redis_servers import redis_server
 from testing.service_process import ServiceProcess, front_door
+from testing.support import run
 from testing.workers import Cluster, cluster, migrated_database
 
 pytestmark = pytest.mark.slow
@@ -213,6 +215,15 @@ def test_breaking_a_lease_ends_it_for_its_holder_and_is_logged(consoled: Console
     assert entry.detail == {"token": held.token, "holder": "stuck-worker:1:t"}
     (broken,) = [e for e in consoled.leases.history(valid.scope_of(sku)) if e.event == "broken"]
     assert broken.detail == "worker host is gone (by ann)"
+    # The command line shows the same log.
+    env = {"RESERVATIONS_DATABASE_URL": consoled.cluster.database_url}
+    shown = run("actions", "--target", sku, "--json", env=env)
+    assert shown.returncode == 0, shown.stderr
+    (listed,) = json.loads(shown.stdout)
+    assert (listed["action"], listed["by"], listed["reason"]) == ("break_lease", "ann", "worker host is gone")
+    # On a narrow terminal the table fits, and wraps its values whole rather than cutting them.
+    narrow = run("actions", "--target", sku, env=env, columns=60).stdout
+    assert max(len(line) for line in narrow.splitlines()) <= 60 and "…" not in narrow, narrow
     # Nothing held: nothing to break, nothing logged.
     with consoled.http() as http:
         again = http.post(

@@ -4,6 +4,7 @@ the configuration. They go straight to the database and the lease coordinator an
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any
 
 import typer
@@ -251,6 +252,43 @@ def dead_letters(
     out.print(render.dead_letters_table(found))
     ready = sum(d.redrivable for d in found)
     out.print(f"{len(found)} dead-lettered request(s), {ready} can be re-driven (reservations redrive)")
+
+
+def actions(
+    target: Annotated[str | None, typer.Option(help="Only actions on this request key or SKU.")] = None,
+    since: Since = None,
+    limit: Limit = 100,
+    as_json: JsonFlag = False,
+) -> None:
+    """The operator action log, newest first: each action taken by hand (re-drive, republish, break a
+    lease) from the console at /console/, with who took it, when, on what and why.
+
+    JSON: [{"id", "at", "action", "target", "by", "reason", "detail"}] (times in ISO 8601, UTC)
+
+    Example: reservations actions --target WIDGET
+    """
+    with errors():
+        starting = parse_since(since)
+        with context.inventory() as inventory:
+            found = inventory.operator_actions(target=target, since=starting, limit=limit)
+    rows = [
+        {"id": a.id, "at": render.iso(a.at), "action": a.action, "target": a.target, "by": a.by,
+         "reason": a.reason, "detail": a.detail}
+        for a in found
+    ]  # fmt: skip
+    if as_json:
+        render.emit_json(rows)
+        return
+    if not found:
+        out.print("no action was taken by hand" + (f" on {target}" if target else ""))
+        return
+    table = Table(title="Actions taken by hand", title_justify="left")
+    for column in ("when (UTC)", "action", "target", "by", "reason", "detail"):
+        table.add_column(column, overflow="fold")
+    for a in found:
+        detail = json.dumps(a.detail, sort_keys=True, separators=(",", ":")) if a.detail else "-"
+        table.add_row(render.when(a.at), a.action, a.target, a.by, a.reason, detail)
+    out.print(table)
 
 
 def requests(
