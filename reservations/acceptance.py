@@ -19,7 +19,7 @@ from fencing.sql import Rows, db_now_ms
 from reservations import validation as valid
 from reservations.errors import InvalidRequest, KeyTaken
 from reservations.models import accepted_requests, pending_reservations, request_outcomes, task_attempts
-from reservations.request_outcomes import RequestResult, request_outcome
+from reservations.request_outcomes import RequestResult, record_outcome, request_outcome
 from reservations.statuses import RequestStatus
 from reservations.values import seconds
 
@@ -153,6 +153,23 @@ def accepted(key: str) -> Plan[Accepted | None]:
     found: Rows = yield Alone(_ACCEPTED, {"key": valid.idempotency_key(key)})
     row = found.first()
     return None if row is None else _accepted_of(row)
+
+
+def cancel(key: str, *, by: str, reason: str) -> Plan[RequestResult]:
+    """End the recorded request under ``key`` ``cancelled``, touching no stock, unless it is decided
+    already: the key's own records decide, first wins. Its outcome row and a tombstone in its idempotency
+    record commit together (request_outcomes.NO_EFFECT), so a worker carrying a copy later replays
+    "closed" instead of applying it, and a worker that applied it first keeps its outcome. Returns the
+    key's outcome: ``cancelled`` by this call, or whatever was stored first; AlreadyApplied when a worker
+    applied it and has not recorded its outcome yet."""
+    record = yield from accepted(key)
+    if record is None:
+        raise InvalidRequest(f"no request is recorded under {key!r}", field="key")
+    detail = {"reason": valid.text(reason, field="reason", max_chars=valid.MAX_REASON_CHARS), "by": by}
+    result: RequestResult = yield from record_outcome(
+        key, record.operation, RequestStatus.CANCELLED, detail, fingerprint=record.fingerprint
+    )
+    return result
 
 
 # -- the relay's side ---------------------------------------------------------------------------------

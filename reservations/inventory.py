@@ -300,6 +300,7 @@ class InventoryBase(Generic[E]):
     close_records = operation.of(acceptance.closed)
     look_later = operation.of(acceptance.later)
     record_republished = operation.of(acceptance.republished)
+    cancel_request = operation.of(acceptance.cancel)
 
     @operation
     def request_outcomes(self, keys: Sequence[str]) -> Plan[dict[str, RequestResult]]:

@@ -292,7 +292,12 @@ def outcomes_of(keys: Sequence[str], *, array: bool = False) -> Plan[dict[str, R
 # Outcomes that end a request without any stock change. Recording one also closes the key for good: a
 # tombstone in the idempotency records makes a copy of the request still in flight (a redelivery, a
 # duplicate enqueue) replay "closed" instead of applying late, and whichever commits first wins.
-NO_EFFECT = (RequestStatus.INVALID, RequestStatus.DEAD_LETTERED, RequestStatus.EXPIRED)
+NO_EFFECT = (
+    RequestStatus.INVALID,
+    RequestStatus.DEAD_LETTERED,
+    RequestStatus.EXPIRED,
+    RequestStatus.CANCELLED,
+)
 
 
 class AlreadyApplied(Exception):

@@ -31,6 +31,8 @@ class RequestStatus(StrEnum):
     DEAD_LETTERED = "dead_lettered"
     # Taken up after the deadline its sender gave: ended without touching stock or taking a lease.
     EXPIRED = "expired"
+    # Ended by an operator before any worker carried it out (reservations.acceptance.cancel).
+    CANCELLED = "cancelled"
 
 
 class AttemptResult(StrEnum):

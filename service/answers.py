@@ -106,6 +106,9 @@ TYPES = {t.name: t for t in (
     ProblemType("expired", 504, "The request's deadline passed before it was carried out",
         "A worker reached the request after its deadline (Request-Deadline) and ended it without "
         "touching stock. Final for the key; send a new key if it is still wanted."),
+    ProblemType("cancelled", 409, "The request was cancelled by an operator",
+        "An operator cancelled the request before a worker carried it out; nothing was reserved by it. "
+        "Final for the key; send a new key if it is still wanted."),
 )}  # fmt: skip
 
 
@@ -266,6 +269,8 @@ def answer_of(key: str, result: RequestResult, *, instance: str, created: bool) 
         found = problem("dead-lettered", f"dead-lettered: {reason}", key=key)
     elif status == RequestStatus.EXPIRED:
         found = problem("expired", _expired(detail), key=key)
+    elif status == RequestStatus.CANCELLED:
+        found = problem("cancelled", f"cancelled: {detail.get('reason') or 'by an operator'}", key=key)
     else:
         return Answer(201 if created and status == RequestStatus.RESERVED else 200, outcome_body(key, result))
     return found.answer(instance)

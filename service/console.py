@@ -1,8 +1,8 @@
 """The operator's console under ``/console/``: server-rendered pages (Jinja2, every value escaped) over
 the same reads as ``reservations requests``, ``show``, ``dead-letters``, ``stock``, ``tokens`` and
 ``leases``, and the actions an operator takes by hand: re-drive a dead letter (one or many), have the relay
-republish a request without an outcome, break a SKU's lease. Each action asks for a reason and is written
-to the operator action log (reservations.actions) once it took effect, which the console and
+republish a request without an outcome, cancel one, break a SKU's lease. Each action asks for a reason and
+is written to the operator action log (reservations.actions) once it took effect, which the console and
 ``reservations actions`` both show.
 
 It is served only when ``RESERVATIONS_CONSOLE_PASSWORD_FILE`` names a password: HTTP Basic, any user name,
@@ -36,6 +36,7 @@ from reservations.acceptance import VIEWS
 from reservations.actions import checked
 from reservations.errors import ReservationError, UnknownReservation, UnknownSku
 from reservations.redrives import RedriveLink
+from reservations.request_outcomes import AlreadyApplied
 from reservations.statuses import RequestStatus
 from reservations.timeline import Epoch, epochs
 from service.backlog import Backlog
@@ -250,6 +251,7 @@ async def one_request(request: Request, c: Con, who: Operator, key: str) -> HTML
         actions=await inventory.operator_actions(target=key, limit=PAGE),
         can_redrive=own is not None and own.status == "dead_lettered" and _redrivable(links),
         can_republish=outcome is None and recorded is not None and recorded.arguments is not None,
+        can_cancel=outcome is None and recorded is not None,
     )
 
 
@@ -274,6 +276,20 @@ async def republish(c: Con, who: Operator, key: str, reason: Reason, form_token:
     detail = {"publishes": recorded.publishes}
     await c.inventory.record_action("republish", key, by=who, reason=reason, detail=detail)
     return _back(f"/requests/{key}", done="handed to the relay: published again now if its message is lost")
+
+
+@router.post("/requests/{key:path}/cancel")
+async def cancel(c: Con, who: Operator, key: str, reason: Reason, form_token: FormToken) -> Response:
+    reason = _checked_form(c, who, form_token, reason)
+    checked("cancel", key, who, reason)
+    try:
+        ended = await c.inventory.cancel_request(valid.idempotency_key(key), by=who, reason=reason)
+    except AlreadyApplied:
+        return _back(f"/requests/{key}", failed="a worker applied it first: its outcome follows")
+    if ended.status != RequestStatus.CANCELLED or ended.detail != {"reason": reason, "by": who}:
+        return _back(f"/requests/{key}", failed=f"it ended first: {ended.status}")
+    await c.inventory.record_action("cancel", key, by=who, reason=reason)
+    return _back(f"/requests/{key}", done="cancelled: a worker reaching it now touches no stock")
 
 
 @router.get("/dead-letters")

@@ -131,7 +131,7 @@ _WRITE = (
     "unavailable",
     "overloaded",
 )
-_FINAL = ("invalid-request", "dead-lettered", "expired")
+_FINAL = ("invalid-request", "dead-lettered", "expired", "cancelled")
 _STEP = ("not-found", "not-reserved", "invalid-transition")
 _READ = ("not-found", "invalid-caller", "unavailable", *_FINAL, "insufficient-stock")
 RESPONSES: dict[tuple[str, str], dict[int | str, dict[str, Any]]] = {
