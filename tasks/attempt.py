@@ -20,7 +20,7 @@ from reservations.counting import counted_units, short_count
 from reservations.redrives import carried_request
 from reservations.request_outcomes import AlreadyApplied, RequestReply, RequestResult
 from reservations.statuses import SUCCEEDED, AttemptResult, RequestStatus
-from tasks import failpoints, messages, metrics, observe, policy
+from tasks import failpoints, messages, metrics, policy
 from tasks.answers import Redriven, announce_lost, answer
 from tasks.failpoints import failpoint
 from tasks.hot_sku import Server, beside_local_server, serve_quietly, wait_for_holder
@@ -245,7 +245,7 @@ class Attempt:
         back to coordination (a new task run takes a new lease, and the idempotency key keeps an effect
         that already landed from being applied twice), unless its epochs are spent."""
         message, epoch = self.message, self.epoch
-        fields = observe.lost_ownership(lost, self.lease_token, message, **self.who)
+        fields = metrics.lost_ownership(lost, self.lease_token, message, **self.who)
         self.res.inventory.record_attempt(
             message.key, message.operation, AttemptResult.LOST_OWNERSHIP,
             token=lost.token or self.lease_token, detail=policy.printable(lost), **self.who,
@@ -272,7 +272,7 @@ class Attempt:
     def give_up(self, detail: dict[str, Any], **facts: Any) -> dict[str, Any]:
         """Dead-letter a request that cannot be carried out now, logged with ``facts`` (the lease's)."""
         error = f": {detail['error'][:200]}" if "error" in detail else ""
-        observe.dead_lettered(self.message, detail["reason"] + error, self.who, **facts)
+        metrics.dead_lettered(self.message, detail["reason"] + error, self.who, **facts)
         return self.final(RequestStatus.DEAD_LETTERED, self.dead_letter(detail))
 
     def failed(self, exc: Exception) -> None:

@@ -17,7 +17,7 @@ from reservations import validation as valid
 from reservations.batch_statement import InHand
 from reservations.operations import hold_ms_of
 from reservations.request_outcomes import RequestResult
-from tasks import failpoints, metrics, observe
+from tasks import failpoints, metrics
 from tasks.answers import QUEUED, announce, answer, as_result, conflict, reply
 from tasks.app import app
 from tasks.failpoints import failpoint
@@ -186,7 +186,7 @@ def _batch(
         failpoint("after_write")
         handed = {(request.request.key, request.request.task_id) for request in joined}
         listed = [outcome for outcome in outcomes if (outcome.key, outcome.task_id) not in handed]
-        observe.served(listed)
+        metrics.served(listed)
         stored = stores_request_results(app) and store_results([o for o in outcomes if o.task_id])
         try:
             announce(app, listed, getattr(current_task.request, "hostname", None) if current_task else None)
@@ -245,7 +245,7 @@ class Server:
         try:
             self.drain(lease)
         except LostOwnership as lost:
-            observe.lost_ownership(
+            metrics.lost_ownership(
                 lost, None, None, "serving joined reservations", task_id=self.task_id, worker=self.worker
             )
         except Exception:
@@ -282,7 +282,7 @@ def serve_pending(
         except LostOwnership as lost:
             # Terminal for this lease: the batch rolled back and its requests stay queued for the next
             # holder or the watch.
-            observe.lost_ownership(
+            metrics.lost_ownership(
                 lost, None, None, "serving pending reservations", task_id=task_id, worker=worker
             )
             break

@@ -20,7 +20,7 @@ from reservations import validation as valid
 from reservations.archive import prepare_partitions
 from reservations.request_outcomes import AlreadyApplied
 from reservations.statuses import RequestStatus
-from tasks import logs, messages, observe, policy
+from tasks import logs, messages, metrics, policy
 from tasks.answers import RequestTask, as_result, reply
 from tasks.app import app
 from tasks.attempt import Attempt
@@ -64,7 +64,7 @@ def run_request(task: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
             if refused.requeue:
                 raise
             _kept(task, name, refused)
-    observe.finished(task.request, result)
+    metrics.finished(task.request, result)
     return result
 
 

@@ -22,7 +22,7 @@ from reservations import (
     UnknownSku,
 )
 from reservations.statuses import RequestStatus
-from tasks import observe
+from tasks import metrics
 from tasks.messages import parse
 from tasks.policy import TRANSIENT_CEILING, Again, Final, HandOff, Limits, decide
 
@@ -129,6 +129,6 @@ def test_a_dead_letter_without_a_lease_still_names_its_sku(caplog: pytest.LogCap
     message names, so that a log query by SKU finds it; one that met a lease logs the lease's."""
     restock = parse("restock", (), {"sku": "W-1", "quantity": 1, "idempotency_key": "k"})
     with caplog.at_level(logging.WARNING, logger="tasks"):
-        observe.dead_lettered(restock, "backend unavailable: refused", {"task_id": "t", "worker": "w"})
-        observe.dead_lettered(restock, "lease busy", {"task_id": "t"}, scope="sku:W-2", token=3)
+        metrics.dead_lettered(restock, "backend unavailable: refused", {"task_id": "t", "worker": "w"})
+        metrics.dead_lettered(restock, "lease busy", {"task_id": "t"}, scope="sku:W-2", token=3)
     assert [record.sku for record in caplog.records] == ["W-1", "W-2"]  # type: ignore[attr-defined]
