@@ -77,6 +77,15 @@ def _value(kv: dict[str, Any]) -> dict[str, Any]:
     return value
 
 
+def _same(key: str, target: str, revision: object) -> dict[str, Any]:
+    """A transaction's compare: ``key``'s CREATE or MOD revision is still ``revision`` (0: absent)."""
+    return {"key": b64(key), "target": target, "result": "EQUAL", f"{target.lower()}_revision": revision}
+
+
+def _base(base_kv: list[dict[str, Any]]) -> int:
+    return int(unb64(base_kv[0]["value"])) if base_kv else 0
+
+
 def _token(kv: dict[str, Any]) -> int:
     """A lease or epoch key's token: the base it was created under plus its create revision."""
     return int(_value(kv).get("base", 0)) + int(kv["create_revision"])
@@ -106,16 +115,8 @@ class EtcdLeaseCore:
         key, epochs, etcd_id = self._lease_key(scope), self._epochs(scope), etcd_lease_id(lease_id)
         granted = False
         while True:
-            seen = yield Gateway(
-                "kv/txn",
-                {
-                    "success": [
-                        _range(key),
-                        _range(self.base_key),
-                        _range(epochs, prefix=True, keys_only=True),
-                    ]
-                },
-            )
+            ranges = [_range(key), _range(self.base_key), _range(epochs, prefix=True, keys_only=True)]
+            seen = yield Gateway("kv/txn", {"success": ranges})
             (held, base_kv, old) = _kvs(seen)
             if held:
                 value = _value(held[0])
@@ -129,7 +130,7 @@ class EtcdLeaseCore:
                     token=_token(held[0]),
                     retry_after=float(value.get("ttl", 1)),
                 )
-            base = int(unb64(base_kv[0]["value"])) if base_kv else 0
+            base = _base(base_kv)
             if base + int(seen["header"]["revision"]) + 1 > MAX_TOKEN:
                 raise TokenOverflow.exhausted(scope, base + int(seen["header"]["revision"]), MAX_TOKEN)
             if not granted:
@@ -141,13 +142,8 @@ class EtcdLeaseCore:
                 "kv/txn",
                 {
                     "compare": [
-                        {"key": b64(key), "target": "CREATE", "result": "EQUAL", "create_revision": 0},
-                        {
-                            "key": b64(self.base_key),
-                            "target": "MOD",
-                            "result": "EQUAL",
-                            "mod_revision": base_kv[0]["mod_revision"] if base_kv else 0,
-                        },
+                        _same(key, "CREATE", 0),
+                        _same(self.base_key, "MOD", base_kv[0]["mod_revision"] if base_kv else 0),
                     ],
                     "success": [
                         _put(key, {"id": lease_id, "h": holder, "ttl": seconds, "base": base}, lease=etcd_id),
@@ -210,20 +206,8 @@ class EtcdLeaseCore:
         if kept:
             ended["at"] = _value(kept[0]).get("at")
             ended["end_at"] = round(time.time() * 1000)
-            yield Gateway(
-                "kv/txn",
-                {
-                    "compare": [
-                        {
-                            "key": b64(epoch),
-                            "target": "CREATE",
-                            "result": "EQUAL",
-                            "create_revision": kept[0]["create_revision"],
-                        }
-                    ],
-                    "success": [_put(epoch, ended)],
-                },
-            )
+            compare = [_same(epoch, "CREATE", kept[0]["create_revision"])]
+            yield Gateway("kv/txn", {"compare": compare, "success": [_put(epoch, ended)]})
         return LeaseInfo(scope=scope, token=_token(held[0]), holder=str(value.get("h")), time_left=0.0)
 
     def repair(self, lease: Lease, highest: int) -> Plan[tuple[int, int] | None]:
@@ -232,15 +216,10 @@ class EtcdLeaseCore:
         held, base_kv = _kvs((yield Gateway("kv/txn", {"success": [_range(key), _range(self.base_key)]})))
         if not held or _value(held[0]).get("id") != lease.lease_id:
             return None
-        base = int(unb64(base_kv[0]["value"])) if base_kv else 0
+        base = _base(base_kv)
         if highest <= base:
             return None
-        still = {
-            "key": b64(key),
-            "target": "CREATE",
-            "result": "EQUAL",
-            "create_revision": held[0]["create_revision"],
-        }
+        still = _same(key, "CREATE", held[0]["create_revision"])
         done = yield Gateway("kv/txn", self._raising(base_kv, highest, still))
         return (base, highest) if done.get("succeeded") else None
 
@@ -248,7 +227,7 @@ class EtcdLeaseCore:
         """Raise the base to ``highest`` if it is below: every later token exceeds it. The base after."""
         while True:
             (base_kv,) = _kvs((yield Gateway("kv/txn", {"success": [_range(self.base_key)]})))
-            base = int(unb64(base_kv[0]["value"])) if base_kv else 0
+            base = _base(base_kv)
             if highest <= base:
                 return base
             if (yield Gateway("kv/txn", self._raising(base_kv, highest))).get("succeeded"):
@@ -259,8 +238,7 @@ class EtcdLeaseCore:
     ) -> dict[str, Any]:
         """The transaction that writes ``highest`` as the base, only if the base is still the one read (and
         ``guards`` hold): a base only rises."""
-        seen = base_kv[0]["mod_revision"] if base_kv else 0
-        unchanged = {"key": b64(self.base_key), "target": "MOD", "result": "EQUAL", "mod_revision": seen}
+        unchanged = _same(self.base_key, "MOD", base_kv[0]["mod_revision"] if base_kv else 0)
         put = {"request_put": {"key": b64(self.base_key), "value": b64(str(highest))}}
         return {"compare": [*guards, unchanged], "success": [put]}
 
@@ -288,20 +266,10 @@ class EtcdLeaseCore:
         return found
 
     def history(self, scope: str, limit: int) -> Plan[list[LeaseEvent]]:
-        reply = yield Gateway(
-            "kv/txn",
-            {
-                "success": [
-                    _range(
-                        self._epochs(scope),
-                        prefix=True,
-                        sort_target="CREATE",
-                        sort_order="DESCEND",
-                        limit=limit,
-                    )
-                ]
-            },
+        newest = _range(
+            self._epochs(scope), prefix=True, sort_target="CREATE", sort_order="DESCEND", limit=limit
         )
+        reply = yield Gateway("kv/txn", {"success": [newest]})
         events: list[LeaseEvent] = []
         for kv in reversed(_kvs(reply)[0]):
             value, lease_id = _value(kv), unb64(kv["key"]).rsplit("/", 1)[1]
