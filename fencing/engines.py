@@ -8,7 +8,7 @@ clients, so nothing may live in a session there: no prepared statements, no per-
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Any, Literal, cast, get_args
 
 import sqlalchemy as sa
 from sqlalchemy import event
@@ -62,11 +62,18 @@ def _bound_transactions(engine: Engine, seconds: float) -> None:
         dbapi_connection.commit()  # a rolled-back transaction would take the settings with it
 
 
-def _postgres_options(kwargs: dict[str, Any], pooling: Pooling, transaction_timeout: float | None) -> None:
-    """``kwargs`` for ``create_engine`` with what ``pooling`` asks of psycopg."""
-    if pooling not in POOLING_MODES:
+def _engine(
+    url: str | URL, asynchronous: bool, pooling: Pooling, transaction_timeout: float | None, **kwargs: Any
+) -> Any:
+    """The one core of both makers: the drivers and session rules of ``url``'s database, set up on the
+    blocking engine (an async engine's ``sync_engine``)."""
+    parsed = normalize_url(url, asynchronous=asynchronous)
+    sqlite = parsed.get_backend_name() == "sqlite"
+    if sqlite:
+        kwargs.setdefault("connect_args", {"timeout": 30})
+    elif pooling not in POOLING_MODES:
         raise InvalidLeaseRequest(f"unknown pooling {pooling!r}; use one of {', '.join(POOLING_MODES)}")
-    if pooling == "transaction":
+    elif pooling == "transaction":
         if transaction_timeout is not None:
             # A per-connection SET would land in whichever server session served it and be lost for the
             # client's later transactions: refuse rather than leave a frozen holder's locks unbounded.
@@ -78,6 +85,15 @@ def _postgres_options(kwargs: dict[str, Any], pooling: Pooling, transaction_time
         # transaction may run in another session (unknown there), or another client's psycopg may name
         # its own statement the same in this one. Never prepare: every statement is parsed where it runs.
         kwargs["connect_args"] = {**kwargs.get("connect_args", {}), "prepare_threshold": None}
+    # No pool_pre_ping: it costs a round trip per transaction. A connection that died with the server
+    # fails its first statement, which surfaces as BackendUnavailable and invalidates the pool.
+    engine: Any = (create_async_engine if asynchronous else sa.create_engine)(parsed, **kwargs)
+    blocking: Engine = engine.sync_engine if asynchronous else engine
+    if sqlite:
+        _sqlite_setup(blocking)
+    elif transaction_timeout is not None:
+        _bound_transactions(blocking, transaction_timeout)
+    return engine
 
 
 def make_engine(
@@ -92,19 +108,7 @@ def make_engine(
     ``pooling="transaction"`` (PostgreSQL behind a transaction pooler) turns prepared statements off and
     refuses a ``transaction_timeout``, which only the database or role can set there
     (:func:`transaction_bounds` reads what is in force)."""
-    parsed = normalize_url(url)
-    if parsed.get_backend_name() == "sqlite":
-        kwargs.setdefault("connect_args", {"timeout": 30})
-        engine = sa.create_engine(parsed, **kwargs)
-        _sqlite_setup(engine)
-        return engine
-    _postgres_options(kwargs, pooling, transaction_timeout)
-    # No pool_pre_ping: it costs a round trip per transaction. A connection that died with the server
-    # fails its first statement, which surfaces as BackendUnavailable and invalidates the pool.
-    engine = sa.create_engine(parsed, **kwargs)
-    if transaction_timeout is not None:
-        _bound_transactions(engine, transaction_timeout)
-    return engine
+    return cast(Engine, _engine(url, False, pooling, transaction_timeout, **kwargs))
 
 
 def make_async_engine(
@@ -115,17 +119,7 @@ def make_async_engine(
     **kwargs: Any,
 ) -> AsyncEngine:
     """The asyncio twin of :func:`make_engine`, with the same options."""
-    parsed = normalize_url(url, asynchronous=True)
-    if parsed.get_backend_name() == "sqlite":
-        kwargs.setdefault("connect_args", {"timeout": 30})
-        engine = create_async_engine(parsed, **kwargs)
-        _sqlite_setup(engine.sync_engine)
-        return engine
-    _postgres_options(kwargs, pooling, transaction_timeout)
-    engine = create_async_engine(parsed, **kwargs)
-    if transaction_timeout is not None:
-        _bound_transactions(engine.sync_engine, transaction_timeout)
-    return engine
+    return cast(AsyncEngine, _engine(url, True, pooling, transaction_timeout, **kwargs))
 
 
 @dataclass(frozen=True, slots=True)
