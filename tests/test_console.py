@@ -7,6 +7,7 @@ driven through its chromedriver) loads every page, uses a filter and takes each 
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import itertools
 import json
@@ -24,6 +25,7 @@ from fencing import LeaseManager, LostOwnership
 from reservations import Inventory
 from reservations import validation as valid
 from service.console import Mark, timeline_marks
+from tasks import ReservationClient
 from tasks.producer import request_of
 from testing.harness import wait_until
 from testing.redis_servers import redis_server
@@ -280,6 +282,45 @@ def test_republish_hands_a_lost_request_to_the_relay(consoled: Consoled) -> None
             data={"form_token": consoled.form_token(http, "/console/actions"), "reason": "x"},
         )
         assert "failed=" in late.headers["location"]
+
+
+def test_a_request_cancelled_from_the_console_stays_cancelled_when_a_worker_gets_it(
+    consoled: Consoled,
+) -> None:
+    sku = consoled.sku("CNL")
+    key = f"to-cancel-{next(_numbers)}-{random.randrange(1 << 30):x}"
+    request = request_of("reserve", key, {"sku": sku, "quantity": 3})
+    consoled.inventory.record_accepted([request], 3600)
+    with consoled.http() as http:
+        page = f"/console/requests/{key}"
+        assert 'id="cancel"' in http.get(page).text
+        done = http.post(
+            f"{page}/cancel",
+            data={"form_token": consoled.form_token(http, page), "reason": "order withdrawn"},
+        )
+        assert done.status_code == 303 and "done=" in done.headers["location"], done.text
+        shown = http.get(page).text
+        assert "cancelled" in shown and 'id="cancel"' not in shown
+    # Its message reaches a worker anyway (a copy published before the cancel): nothing is reserved.
+    with ReservationClient(consoled.cluster.app()) as client:
+        asyncio.run(_published(client, request))
+    marker = f"Task reservations.reserve[{request.task_id}] succeeded"
+    wait_until(
+        lambda: any(marker in worker.log() for worker in consoled.cluster.workers),
+        timeout=OUTCOME_TIMEOUT,
+        what="a worker to carry out the copy",
+    )
+    ended = consoled.inventory.request_outcome(key)
+    assert ended is not None and ended.status == "cancelled"
+    assert ended.detail == {"reason": "order withdrawn", "by": "ann"}
+    assert consoled.inventory.stock(sku).reserved == 0
+    (entry,) = consoled.inventory.operator_actions(target=key)
+    assert (entry.action, entry.reason) == ("cancel", "order withdrawn")
+
+
+async def _published(client: ReservationClient, request: Any) -> None:
+    await client.publish_recorded(request)
+    await client.aclose()
 
 
 # -- a real browser ---------------------------------------------------------------------------------------

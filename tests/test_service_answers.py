@@ -324,6 +324,12 @@ def test_a_dead_letter_is_a_stored_503_and_an_expiry_504() -> None:
     problem_body("expired", {"deadline": NOW, "late_by": 1.5}, "expired", 504)
 
 
+def test_a_cancelled_request_is_a_stored_409_with_the_operators_reason() -> None:
+    said = problem_body("cancelled", {"reason": "order withdrawn", "by": "ann"}, "cancelled", 409)
+    assert said["detail"] == "cancelled: order withdrawn"
+    assert problem_body("cancelled", {}, "cancelled", 409)["detail"] == "cancelled: by an operator"
+
+
 def test_an_expiry_says_whether_the_request_was_ever_taken_up() -> None:
     never = problem_body("expired", {"deadline": NOW, "late_by": 1.5, "attempts": 0}, "expired", 504)
     assert never["detail"] == "the deadline passed before a worker took the request up"
@@ -341,7 +347,7 @@ def test_every_outcome_s_answer_is_declared_on_the_routes_that_read_it() -> None
         detail = {"error": "InvalidTransition"} if status == RequestStatus.INVALID else {}
         found = answer_of("k", result(status, detail), instance="/requests/k", created=False)
         assert found.status in declared, status
-    for ended in ("reserved", "insufficient_stock", "invalid", "dead_lettered", "expired"):
+    for ended in ("reserved", "insufficient_stock", "invalid", "dead_lettered", "expired", "cancelled"):
         made = answer_of("k", result(ended), instance="/reservations/k", created=True)
         assert made.status in RESPONSES[("/reservations", "POST")], ended
 
@@ -374,6 +380,7 @@ def test_each_problem_type_is_named_once_with_its_status() -> None:
         "overloaded": 503,
         "dead-lettered": 503,
         "expired": 504,
+        "cancelled": 409,
     }
     assert all(
         t.name == name and t.uri == f"/problems/{name}" and t.title and t.about for name, t in TYPES.items()
@@ -384,7 +391,9 @@ def test_each_problem_type_is_named_once_with_its_status() -> None:
         for status in RequestStatus
         for error in ("", "InvalidTransition")
     }
-    final_types = ("insufficient-stock", "invalid-request", "invalid-transition", "dead-lettered", "expired")
+    final_types = (
+        "insufficient-stock", "invalid-request", "invalid-transition", "dead-lettered", "expired", "cancelled"
+    )  # fmt: skip
     assert finals == {None} | {TYPES[name].uri for name in final_types}
 
 
