@@ -23,7 +23,9 @@ START_TIMEOUT = 20.0
 
 def etcd_unavailable() -> str | None:
     """Why no cluster can be started here, or None."""
-    return None if shutil.which("etcd") else "etcd is not installed (Debian: etcd-server)"
+    if shutil.which("etcd") is None or shutil.which("etcdctl") is None:
+        return "etcd and etcdctl are not both installed (Debian: etcd-server, etcd-client)"
+    return None
 
 
 @dataclass

@@ -36,7 +36,10 @@ from testing.etcd_cluster import EtcdCluster, etcd_cluster, etcd_unavailable
 from testing.fenced_stream import Stream, inventory_on, unique
 from testing.harness import wait_until
 
-pytestmark = pytest.mark.skipif(etcd_unavailable() is not None, reason=etcd_unavailable() or "")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(etcd_unavailable() is not None, reason=etcd_unavailable() or ""),
+]
 
 TTL = 2  # etcd's minimum with its default election timeout (1 s): 1.5 election timeouts, rounded up
 # Past the ttl, a new leader's election (about one election timeout) and the first keepalive after it.
