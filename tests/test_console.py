@@ -389,11 +389,26 @@ def test_in_a_browser_every_page_loads_a_filter_works_and_each_action_takes_effe
     # One request: open it from the list, re-drive it.
     loaded_after(browser.find_element(By.LINK_TEXT, dead).click, "/console/requests/")
     assert text_of("#state") == "dead_lettered"
-    submit("form.action", "browser re-drive")
+    submit("#redrive form", "browser re-drive")
     assert dead in text_of("#done") and "re-driven" in text_of("#done")
     assert consoled.outcome_of(f"{dead}~redrive-1").status == "reserved"
     browser.refresh()
     assert text_of("#state") == "reserved" and "browser re-drive" in text_of("#actions")
+    # Two recorded requests whose messages never went out: one republished, one cancelled.
+    lost, unwanted = (
+        f"{stem}-{next(_numbers)}-{random.randrange(1 << 30):x}" for stem in ("lost", "unwanted")
+    )
+    consoled.inventory.record_accepted(
+        [request_of("reserve", k, {"sku": sku, "quantity": 1}) for k in (lost, unwanted)], 3600
+    )
+    browser.get(f"{base}/requests/{lost}")
+    assert text_of("#state").startswith("pending")
+    submit("#republish form", "lost in the failover")
+    assert "handed to the relay" in text_of("#done")
+    assert consoled.outcome_of(lost).status == "reserved"
+    browser.get(f"{base}/requests/{unwanted}")
+    submit("#cancel form", "order withdrawn")
+    assert "cancelled" in text_of("#done") and text_of("#state") == "cancelled"
     # Dead letters: choose one and re-drive the chosen.
     other = consoled.dead_letter(sku)
     browser.get(f"{base}/dead-letters")
@@ -427,7 +442,13 @@ def test_in_a_browser_every_page_loads_a_filter_works_and_each_action_takes_effe
     # The action log: every action above, with who and why; filtered by the SKU.
     browser.get(f"{base}/actions")
     log = text_of("#actions")
-    for said in ("browser re-drive", "bulk from the browser", "frozen holder"):
+    for said in (
+        "browser re-drive",
+        "bulk from the browser",
+        "frozen holder",
+        "lost in the failover",
+        "order withdrawn",
+    ):
         assert said in log
     browser.find_element(By.NAME, "target").send_keys(sku)
     loaded_after(browser.find_element(By.ID, "filter").click, "target=")
