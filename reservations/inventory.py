@@ -157,6 +157,7 @@ class InventoryBase(Generic[E]):
 
     # writes
     add_sku = operation.of(operations.add_sku)
+    add_skus = operation(operations.add_skus)
 
     @operation
     def restock(self, lease: Lease, sku: str, quantity: int, *, key: str) -> Plan[Outcome]:
@@ -279,6 +280,8 @@ class InventoryBase(Generic[E]):
     # reads
     stock = operation.of(reads.stock_level)
     all_stock = operation.of(reads.all_stock)
+    existing_skus = operation.of(reads.existing_skus)
+    sku_count = operation.of(reads.sku_count)
     reservation = operation.of(reads.reservation)
     reservations = operation.of(reads.reservation_list)
     history = operation.of(reads.history)

@@ -4,6 +4,7 @@ check lives in :mod:`reservations.audit`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import sqlalchemy as sa
@@ -14,6 +15,9 @@ from reservations import validation as valid
 from reservations.errors import InvalidRequest, UnknownReservation, UnknownSku
 from reservations.models import RESERVATION_STATUSES, reservations, sku_checkpoints, sku_history, stock
 from reservations.values import ArchivedHistory, HistoryEntry, ReservationView, StockLevel, columns, seconds
+
+# SKUs looked up by one existing_skus (one IN list).
+MAX_SKUS_READ = 1_000
 
 STOCK_COLUMNS = (stock.c.sku, stock.c.on_hand, stock.c.reserved, stock.c.available, stock.c.fence_token)
 
@@ -69,6 +73,25 @@ def all_stock(
         query = query.limit(valid.whole(limit, "limit", 1, 2**63 - 1))
     found: Rows = yield query
     return [StockLevel(*r) for r in found.rows]
+
+
+def existing_skus(skus: Sequence[str]) -> Plan[list[str]]:
+    """Those of ``skus`` (at most :data:`~reservations.operations.MAX_SKUS_ADDED`) that have a stock row,
+    in SKU order: one read, for a bulk import to refuse before it writes anything."""
+    names = [valid.sku(sku) for sku in skus]
+    if len(names) > MAX_SKUS_READ:
+        raise InvalidRequest(f"look up at most {MAX_SKUS_READ} SKUs at once", field="skus")
+    found: Rows = yield sa.select(stock.c.sku).where(stock.c.sku.in_(names)).order_by(stock.c.sku)
+    return [row[0] for row in found.rows]
+
+
+def sku_count(*, prefix: str | None = None) -> Plan[int]:
+    """How many SKUs have a stock row (whose SKU starts with ``prefix``)."""
+    query = sa.select(sa.func.count()).select_from(stock)
+    if prefix is not None:
+        query = query.where(stock.c.sku.startswith(valid.sku(prefix), autoescape=True))
+    found: Rows = yield query
+    return int(found.first()[0])
 
 
 def reservation(id_or_key: str) -> Plan[ReservationView]:

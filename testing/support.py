@@ -241,14 +241,15 @@ def _warning_on_stderr(
     sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
 
 
-def run(*args: str, env: Mapping[str, str], columns: int = 80) -> Done:
+def run(*args: str, env: Mapping[str, str], columns: int = 80, stdin: str | None = None) -> Done:
     """The command line in this process, as the installed script runs it from a shell (``_shell``) in a
     process of its own (``_as_its_own_process``), without the second an interpreter takes to start and
-    import it. An exception the script would print as a traceback is raised here."""
+    import it, reading ``stdin`` (nothing by default). An exception the script would print as a
+    traceback is raised here."""
     from typer.testing import CliRunner
 
     with _as_its_own_process():
-        result = CliRunner().invoke(_script_app(), list(args), env=_shell(env, columns))
+        result = CliRunner().invoke(_script_app(), list(args), env=_shell(env, columns), input=stdin)
     if result.exception is not None and not isinstance(result.exception, SystemExit):
         raise result.exception
     return Done(result.exit_code, result.stdout, result.stderr)

@@ -17,7 +17,7 @@ from typing import Annotated, Any
 
 import typer
 
-from admin.cli import archives, metrics, migrations, reads, runs, serve, writes
+from admin.cli import archives, bulk, metrics, migrations, reads, runs, serve, writes
 from admin.cli.context import config
 from admin.cli.failures import EXIT_USAGE, complain, fail
 from tasks.settings import Settings, SettingsError, unknown_name_warnings, variable
@@ -102,6 +102,8 @@ app.command("replenish")(writes.replenish)
 app.command("confirm")(writes.confirm)
 app.command("release")(writes.release)
 app.command("add-sku")(writes.add_sku)
+app.command("import-skus")(bulk.import_skus)
+app.command("export-skus")(bulk.export_skus)
 app.command("redrive")(writes.redrive)
 app.command("archive")(archives.archive_command)
 app.command("config")(reads.show_config)

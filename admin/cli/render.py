@@ -7,11 +7,20 @@ from __future__ import annotations
 import datetime as dt
 import json
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict
 from typing import Any
 
 from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+)
 from rich.table import Table
 
 from reservations.acceptance import Accepted, Listed
@@ -29,6 +38,26 @@ def narrative() -> Console:
     """For a run told line by line (the demo): a terminal wraps each line at its width, a pipe keeps
     each line whole, so nothing breaks mid-sentence in a log or a grep."""
     return Console(soft_wrap=not sys.stdout.isatty())
+
+
+@contextmanager
+def progress(description: str, total: int | None, *, quiet: bool = False) -> Iterator[Callable[[int], None]]:
+    """A progress bar on stderr while a long command works (a spinner when ``total`` is unknown), drawn
+    only when both stdout and stderr are terminals: piped, logged or ``quiet`` (--json), the command says
+    nothing more than its result. Yields the function that counts ``n`` more done.
+
+    Rich decides what a terminal is, so ``TTY_COMPATIBLE=1`` (or ``FORCE_COLOR``) draws it anywhere and
+    ``TTY_COMPATIBLE=0`` never."""
+    if quiet or not (out.is_terminal and err.is_terminal):
+        yield lambda n: None
+        return
+    if total is None:
+        columns: tuple[Any, ...] = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
+    else:
+        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=err) as bar:
+        task = bar.add_task(description, total=total)
+        yield lambda n: bar.advance(task, n)
 
 
 def emit_json(data: Any) -> None:
