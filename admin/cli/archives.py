@@ -86,7 +86,8 @@ def archive_command(
     """
     with errors():
         cutoff = _cutoff(before)
-        with context.inventory() as inventory:
+        # One call archives every day due, so the progress is a spinner with the time it has taken.
+        with context.inventory() as inventory, render.progress("archiving", None, quiet=as_json):
             report = history_archive.archive(
                 inventory.executor.engine, before_ms=cutoff, to=to, dry_run=dry_run
             )

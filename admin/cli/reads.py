@@ -368,7 +368,8 @@ def audit(sku_argument: OneSku = None, sku_option: SkuOption = None, as_json: Js
     with errors(), context.inventory() as inventory:
         if sku is not None:
             inventory.stock(valid.sku(sku))  # unknown SKU -> exit 3
-        found = [v for v in inventory.invariant_violations() if sku is None or v.sku == sku]
+        with render.progress("checking the invariants", None, quiet=as_json):
+            found = [v for v in inventory.invariant_violations() if sku is None or v.sku == sku]
     if as_json:
         render.emit_json(render.violations_json(found))
     elif found:

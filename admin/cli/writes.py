@@ -14,7 +14,7 @@ from typing import Annotated, Any
 
 import typer
 
-from admin.cli import context
+from admin.cli import context, render
 from admin.cli.context import config
 from admin.cli.failures import EXIT_FAILED, EXIT_UNREACHABLE, EXIT_USAGE, complain, errors, fail
 from admin.cli.options import Key, Quantity, Timeout, Wait, decimal, parse_since, whole
@@ -340,16 +340,20 @@ def _since(
     if len(found) == valid.MAX_LIMIT:
         complain(logging.WARNING, f"only the newest {valid.MAX_LIMIT} dead letters: run again for the rest")
     chosen = []
-    for dead in found:
-        if dead.arguments is None:
-            complain(logging.WARNING, f"{dead.key}: its dead letter does not record the request's arguments")
-            continue
-        if not dead.redrivable:
-            continue  # its re-drive is running or ended otherwise: nothing to do for it
-        try:
-            chosen.append(inventory.claim_redrive(dead.key, by=who, dry_run=True))
-        except RedriveRefused as refused:
-            complain(logging.WARNING, str(refused))
+    with render.progress("checking dead letters", len(found)) as advance:
+        for dead in found:
+            advance(1)
+            if dead.arguments is None:
+                complain(
+                    logging.WARNING, f"{dead.key}: its dead letter does not record the request's arguments"
+                )
+                continue
+            if not dead.redrivable:
+                continue  # its re-drive is running or ended otherwise: nothing to do for it
+            try:
+                chosen.append(inventory.claim_redrive(dead.key, by=who, dry_run=True))
+            except RedriveRefused as refused:
+                complain(logging.WARNING, str(refused))
     return chosen
 
 
@@ -365,8 +369,9 @@ def _send_redrives(inventory: Inventory, chosen: list[Redrive], who: str | None)
     except Exception as exc:
         fail(EXIT_UNREACHABLE, f"broker unusable at {mask_url(config.broker_url)}: {exc}")
     sender = Sender(producer, lambda: inventory, config.settings.republish_after)
-    with producer:
+    with producer, render.progress("re-driving", len(chosen)) as advance:
         for claim in chosen:
+            advance(1)
             try:
                 done, task_id = sender.redrive(claim.origin, by=who)
             except RedriveRefused as exc:
