@@ -290,6 +290,7 @@ class InventoryBase(Generic[E]):
     invariant_violations = operation.of(audit.invariant_violations)
     request_outcome = operation.of(outcomes.request_outcome)
     own_outcome = operation.of(outcomes.own_outcome)
+    outcomes_for_tokens = operation.of(outcomes.outcomes_for_tokens)
 
     # -- requests as accepted (reservations.acceptance): the record each request has before it is sent
     admit = operation.of(acceptance.admit)

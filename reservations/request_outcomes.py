@@ -21,6 +21,8 @@ from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import ARRAY
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.functions import FunctionElement
 
 from fencing.plan import Alone, Atomic, Plan
 from fencing.sql import Rows, db_now_ms
@@ -217,6 +219,58 @@ def request_outcome(key: str) -> Plan[RequestResult | None]:
         return None
     reported = yield from _followed({own.key: own})
     return reported[own.key]
+
+
+# Holders' tasks looked up by one outcomes_for_tokens (one IN list).
+MAX_TASKS_READ = 1_000
+
+
+class detail_sku(FunctionElement[str]):
+    """The ``sku`` an outcome's JSON detail names at its top level (a reservation short of units), as
+    each database reads JSON from text: SQLite would cast the text to a number first."""
+
+    type = sa.Text()
+    inherit_cache = True
+
+
+@compiles(detail_sku, "postgresql")
+def _detail_sku_pg(element: detail_sku, compiler: Any, **kw: Any) -> str:
+    return "(CAST(request_outcomes.detail AS json) ->> 'sku')"
+
+
+@compiles(detail_sku, "sqlite")
+def _detail_sku_sqlite(element: detail_sku, compiler: Any, **kw: Any) -> str:
+    return "json_extract(request_outcomes.detail, '$.sku')"
+
+
+def outcomes_for_tokens(
+    sku: str, task_ids: Sequence[str], *, since: float | None = None, limit: int = 1000
+) -> Plan[list[RequestResult]]:
+    """The final outcomes that say what a SKU's lease tokens did besides the history's writes and
+    refusals, oldest first: those of the lease holders' tasks ``task_ids`` (at most
+    :data:`MAX_TASKS_READ`), and the newest ``limit`` since ``since`` whose detail names the SKU, which
+    record no token (a reservation short of units is answered under the SKU's lease and writes only its
+    outcome). One read of what the workers already write; the table has no index on either, so it is
+    scanned: an operator's read, never a worker's."""
+    valid.sku(sku)
+    rows = valid.limit(limit)
+    starting = valid.since(since)
+    tasks = list(task_ids)
+    for task in tasks:
+        valid.task_and_worker(task_id=task)
+    if len(tasks) > MAX_TASKS_READ:
+        raise InvalidRequest(f"look up at most {MAX_TASKS_READ} tasks at once", field="task_ids")
+    named: sa.ColumnElement[bool] = detail_sku() == sku
+    if starting is not None:
+        named = sa.and_(named, request_outcomes.c.at_ms >= int(starting * 1000))
+    newest = (
+        sa.select(request_outcomes.c.key).where(named).order_by(request_outcomes.c.at_ms.desc()).limit(rows)
+    )
+    chosen: sa.ColumnElement[bool] = request_outcomes.c.key.in_(newest.correlate(None).scalar_subquery())
+    if tasks:
+        chosen = sa.or_(chosen, request_outcomes.c.task_id.in_(tasks))
+    found: Rows = yield sa.select(request_outcomes).where(chosen).order_by(request_outcomes.c.at_ms)
+    return [result_of(row) for row in found.rows]
 
 
 def own_outcome(key: str) -> Plan[RequestResult | None]:

@@ -29,6 +29,7 @@ from fencing.manager import MAX_SCOPES_READ
 from reservations import validation as valid
 from reservations.errors import InvalidRequest, UnknownReservation
 from reservations.redrives import REDRIVE_MARK
+from reservations.request_outcomes import MAX_TASKS_READ
 from reservations.timeline import epochs
 
 
@@ -40,14 +41,24 @@ def tokens(
     as_json: JsonFlag = False,
 ) -> None:
     """The SKU's token history: each token with its holder, when it was acquired, how it ended, the
-    writes accepted under it and the stale writes refused (presented token, highest token, holder).
+    writes accepted under it, the stale writes refused (presented token, highest token, holder) and, for
+    a holder that wrote nothing, the final outcome of its request (insufficient_stock, ...), found by the
+    task its lease holder names.
+
+    A last line accounts for every token issued up to the newest: how many wrote or were refused, how
+    many only the lease history knows (Redis keeps a SKU's last 4 epochs), how many were issued without
+    reaching the database, and the SKU's request outcomes recorded without a token (a reservation short
+    of units writes only its outcome). Workers are named host:pid, as their records name them.
 
     History archived by `reservations archive` shows as one line: tokens up to N archived, with the span.
 
     JSON: {"sku", "epochs": [{"token", "holder", "acquired_at", "ended", "writes": [{"at", "operation",
     "quantity", "idempotency_key"}], "rejections": [{"at", "operation", "quantity", "presented_token",
-    "highest_token", "holder", "idempotency_key"}]}], "archived": null or {"highest_token", "before",
-    "archived_at", "archive", "on_hand", "reserved"}}  (times in ISO 8601, UTC)
+    "highest_token", "holder", "idempotency_key"}], "outcome": null or {"key", "status", "worker",
+    "task_id", "at"}}], "archived": null or {"highest_token", "before", "archived_at", "archive",
+    "on_hand", "reserved"}, "issued": {"highest_token", "after_token", "with_records",
+    "lease_history_only", "without_records"}, "tokenless_outcomes": [{"key", "status", "worker",
+    "task_id", "at"}]}  (times in ISO 8601, UTC)
 
     Example: reservations tokens WIDGET --since 1h
     """
@@ -59,18 +70,36 @@ def tokens(
             inventory.stock(sku)  # unknown SKU -> exit 3
             timeline = inventory.timeline(sku, leases, limit=limit)
             archived = inventory.archived(sku)
-        if starting is not None:
-            timeline = [e for e in timeline if e.at >= starting]
-        grouped = epochs(timeline)
+            if starting is not None:
+                timeline = [e for e in timeline if e.at >= starting]
+            grouped = epochs(timeline)
+            # What a holder that wrote nothing did: its request's outcome, by the task its holder names.
+            tasks = {e.token: task for e in grouped if (task := render.holder_task(e.holder)) is not None}
+            newest_tasks = sorted(set(tasks.values()))[-MAX_TASKS_READ:]
+            told = inventory.outcomes_for_tokens(sku, newest_tasks, since=starting, limit=limit)
+    by_task = {o.task_id: o for o in told if o.task_id is not None}
+    outcome_of = {token: by_task[task] for token, task in tasks.items() if task in by_task}
+    explained = {o.key for o in outcome_of.values()}
+    tokenless = [o for o in told if o.detail.get("sku") == sku and o.key not in explained]
+    issued = render.tokens_issued(grouped, archived, tokenless)
     if as_json:
-        render.emit_json(render.epochs_json(sku, grouped) | {"archived": render.archived_json(archived)})
+        shown = render.epochs_json(sku, grouped, outcome_of)
+        render.emit_json(
+            shown
+            | {
+                "archived": render.archived_json(archived),
+                "issued": issued,
+                "tokenless_outcomes": [render.outcome_brief(o) for o in tokenless],
+            }
+        )
         return
     if archived is not None:
         # The tokens of the archived days are in the archive files; the checkpoint keeps the highest.
         out.print(render.archived_line(archived), soft_wrap=True)
-    out.print(render.epochs_table(sku, grouped))
+    out.print(render.epochs_table(sku, grouped, outcome_of))
     rejected = sum(len(e.rejections) for e in grouped)
     out.print(f"{len(grouped)} tokens, {rejected} stale writes rejected")
+    out.print(render.issued_line(issued, tokenless))
 
 
 def leases(sku_argument: OneSku = None, sku_option: SkuOption = None, as_json: JsonFlag = False) -> None:

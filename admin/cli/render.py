@@ -122,7 +122,26 @@ def _rejection_json(r: TimelineEntry | HistoryEntry) -> dict[str, Any]:
     }
 
 
-def epochs_json(sku: str, grouped: Sequence[Epoch]) -> dict[str, Any]:
+def holder_task(holder: str | None) -> str | None:
+    """The task a worker's holder (``host:pid:task id``) names, or None for any other holder."""
+    host, pid, task = [*(holder or "").split(":", 2), "", ""][:3]
+    return task if host and pid.isdigit() and task else None
+
+
+def outcome_brief(outcome: RequestResult) -> dict[str, Any]:
+    return {
+        "key": outcome.key,
+        "status": outcome.status,
+        "worker": outcome.worker,
+        "task_id": outcome.task_id,
+        "at": iso(outcome.at),
+    }
+
+
+def epochs_json(
+    sku: str, grouped: Sequence[Epoch], outcome_of: Mapping[int, RequestResult] | None = None
+) -> dict[str, Any]:
+    told = outcome_of or {}
     return {
         "sku": sku,
         "epochs": [
@@ -133,10 +152,47 @@ def epochs_json(sku: str, grouped: Sequence[Epoch]) -> dict[str, Any]:
                 "ended": e.ended,
                 "writes": [_write_json(w) for w in e.writes],
                 "rejections": [_rejection_json(r) for r in e.rejections],
+                "outcome": outcome_brief(told[e.token]) if e.token in told else None,
             }
             for e in grouped
         ],
     }
+
+
+def tokens_issued(
+    grouped: Sequence[Epoch], archived: ArchivedHistory | None, tokenless: Sequence[RequestResult]
+) -> dict[str, int]:
+    """Every token issued after the archived ones up to the newest known (tokens count up from 1 per
+    SKU), by what records it: a write or a refusal in the history, the lease history alone, or nothing in
+    the database (a holder that wrote nothing with its token)."""
+    after = archived.highest_token if archived is not None else 0
+    live = [e for e in grouped if e.token > after]
+    highest = max((e.token for e in live), default=after)
+    recorded = sum(1 for e in live if e.writes or e.rejections)
+    return {
+        "highest_token": highest,
+        "after_token": after,
+        "with_records": recorded,
+        "lease_history_only": len(live) - recorded,
+        "without_records": highest - after - len(live),
+    }
+
+
+def issued_line(issued: Mapping[str, int], tokenless: Sequence[RequestResult]) -> str:
+    span = issued["highest_token"] - issued["after_token"]
+    since = f" after token {issued['after_token']}" if issued["after_token"] else ""
+    line = (
+        f"{span} token(s) issued{since} up to {issued['highest_token']}: {issued['with_records']} wrote or "
+        f"were refused, {issued['lease_history_only']} known to the lease history alone, "
+        f"{issued['without_records']} issued without reaching the database"
+    )
+    if tokenless:
+        counts: dict[str, int] = {}
+        for outcome in tokenless:
+            counts[outcome.status] = counts.get(outcome.status, 0) + 1
+        listed = ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
+        line += f"; request outcomes of the SKU recorded without a token: {listed}"
+    return line
 
 
 def archived_json(archived: ArchivedHistory | None) -> dict[str, Any] | None:
@@ -160,16 +216,23 @@ def archived_line(archived: ArchivedHistory) -> str:
     )
 
 
-def epochs_table(sku: str, grouped: Sequence[Epoch]) -> Table:
+def epochs_table(
+    sku: str, grouped: Sequence[Epoch], outcome_of: Mapping[int, RequestResult] | None = None
+) -> Table:
+    told = outcome_of or {}
     table = Table(title=f"Tokens of {sku}", title_justify="left", expand=False)
     table.add_column("token", justify="right")
-    table.add_column("holder", no_wrap=True, overflow="ellipsis", max_width=24)
-    table.add_column("acquired (UTC)")
-    table.add_column("ended")
-    table.add_column("writes / rejected", overflow="fold", max_width=24)
+    # A worker's holder (host:pid) is kept on one line where it fits; anything longer folds, whole.
+    widest = max((len(holder_shown(e.holder)) for e in grouped), default=6)
+    table.add_column("holder", overflow="fold", min_width=min(widest, 24), max_width=24)
+    table.add_column("acquired (UTC)", overflow="fold")
+    table.add_column("ended", overflow="fold")
+    table.add_column("did", overflow="fold", max_width=30)
     for e in grouped:
         lines = [f"+ {w.operation} {w.quantity if w.quantity is not None else ''}".rstrip() for w in e.writes]
         lines += [f"x {r.operation}: stale vs {r.highest_token}" for r in e.rejections]
+        if not lines and e.token in told:
+            lines.append(f"= {told[e.token].status} ({told[e.token].key})")
         table.add_row(
             str(e.token),
             holder_shown(e.holder),
