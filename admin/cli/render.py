@@ -87,6 +87,15 @@ def _iso_times(record: Mapping[str, Any]) -> dict[str, Any]:
     return {k: iso(v) if (k == "at" or k.endswith("_at")) and v is not None else v for k, v in record.items()}
 
 
+def folded(table: Table) -> Table:
+    """``table`` with every cell wrapped, whole, when its column is narrower than the value: on a narrow
+    terminal Rich would otherwise cut names and values with an ellipsis, and a cut key or SKU cannot be
+    typed back."""
+    for column in table.columns:
+        column.overflow, column.no_wrap = "fold", False
+    return table
+
+
 def holder_shown(holder: str | None) -> str:
     """A holder as a table shows it: a worker's ``host:pid:task id`` shortened to the host's first label
     and the pid (the process that held it), so it fits one line; JSON and ``show`` keep the whole."""
@@ -222,9 +231,11 @@ def epochs_table(
     told = outcome_of or {}
     table = Table(title=f"Tokens of {sku}", title_justify="left", expand=False)
     table.add_column("token", justify="right")
-    # A worker's holder (host:pid) is kept on one line where it fits; anything longer folds, whole.
+    # A worker's holder (host:pid) is kept on one line on a terminal of 80 columns or more; on a narrower
+    # one, or when longer, it folds, whole, as every cell does.
     widest = max((len(holder_shown(e.holder)) for e in grouped), default=6)
-    table.add_column("holder", overflow="fold", min_width=min(widest, 24), max_width=24)
+    keep = min(widest, 24) if out.width >= 80 else None
+    table.add_column("holder", overflow="fold", min_width=keep, max_width=24)
     table.add_column("acquired (UTC)", overflow="fold")
     table.add_column("ended", overflow="fold")
     table.add_column("did", overflow="fold", max_width=30)
@@ -240,7 +251,7 @@ def epochs_table(
             e.ended or "current",
             "\n".join(lines) or "-",
         )
-    return table
+    return folded(table)
 
 
 # -- leases, stock, rejections --------------------------------------------------------------------------
@@ -252,7 +263,7 @@ def leases_table(rows: Iterable[Mapping[str, Any]], where: str) -> Table:
         table.add_column(column, overflow="fold")
     for row in rows:
         table.add_row(row["sku"], str(row["token"]), holder_shown(row["holder"]), f"{row['time_left']:.1f}s")
-    return table
+    return folded(table)
 
 
 def stock_json(levels: Iterable[StockLevel], waiting: Mapping[str, int]) -> list[dict[str, Any]]:
@@ -272,7 +283,7 @@ def stock_table(levels: Iterable[StockLevel], waiting: Mapping[str, int]) -> Tab
             str(level.fence_token),
             str(waiting.get(level.sku, 0)),
         )
-    return table
+    return folded(table)
 
 
 def rejections_json(counts: Mapping[str, int], entries: Iterable[HistoryEntry]) -> dict[str, Any]:
@@ -285,7 +296,7 @@ def rejection_counts_table(counts: Mapping[str, int]) -> Table:
     table.add_column("count", justify="right")
     for name, count in counts.items():
         table.add_row(name, str(count))
-    return table
+    return folded(table)
 
 
 def rejections_table(sku: str, entries: Iterable[HistoryEntry]) -> Table:
@@ -295,7 +306,7 @@ def rejections_table(sku: str, entries: Iterable[HistoryEntry]) -> Table:
     for h in entries:
         holder = holder_shown(h.holder)
         detail.add_row(short_time(h.at), h.operation, str(h.token), str(h.highest_token), holder)
-    return detail
+    return folded(detail)
 
 
 # -- show, audit ----------------------------------------------------------------------------------------
@@ -440,7 +451,7 @@ def dead_letters_table(found: Iterable[DeadLetter]) -> Table:
     table.add_column("arguments", overflow="fold", max_width=30)
     table.add_column("reason", overflow="fold", max_width=24)
     table.add_column("when (UTC)")
-    table.add_column("worker", no_wrap=True, overflow="ellipsis", max_width=16)
+    table.add_column("worker", max_width=16)
     table.add_column("re-driven", overflow="fold", max_width=22)
     for d in found:
         arguments = (
@@ -449,7 +460,7 @@ def dead_letters_table(found: Iterable[DeadLetter]) -> Table:
         table.add_row(
             d.key, d.operation, arguments, d.reason, when(d.at), holder_shown(d.worker), _redriven_cell(d)
         )
-    return table
+    return folded(table)
 
 
 def requests_json(found: Iterable[Listed]) -> list[dict[str, Any]]:
@@ -483,7 +494,7 @@ def requests_table(found: Iterable[Listed]) -> Table:
         table.add_row(
             r.key, r.operation, r.state, when(r.accepted_at), ended, str(r.attempts), str(r.publishes)
         )
-    return table
+    return folded(table)
 
 
 def violations_json(found: Iterable[Violation]) -> list[dict[str, str]]:
@@ -497,4 +508,4 @@ def violations_table(found: Iterable[Violation]) -> Table:
     table.add_column("message", overflow="fold")
     for v in found:
         table.add_row(str(v.rule), v.sku, v.message)
-    return table
+    return folded(table)
