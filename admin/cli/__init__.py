@@ -6,8 +6,9 @@ Exit codes: 0 success, 1 a check failed, 2 bad usage or input, 3 not found, 4 a 
 (or reachable without its schema: ``reservations db upgrade`` creates it).
 
 Modules: ``context`` (the URLs), ``failures`` (exit codes, error -> one line), ``options`` (shared options
-and number parsers), ``render`` (tables, JSON), and the commands: ``reads``, ``writes``, ``migrations``
-(``db``), ``runs`` (demo, chaos, fence-demo). This module holds the app and the order of its commands.
+and number parsers), ``render`` (tables, JSON, progress), and the commands: ``reads``, ``writes``,
+``bulk`` (import-skus, export-skus), ``archives``, ``migrations`` (``db``), ``runs`` (demo, chaos,
+fence-demo). This module holds the app and the order of its commands.
 """
 
 from __future__ import annotations
