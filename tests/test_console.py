@@ -11,6 +11,7 @@ import asyncio
 import base64
 import itertools
 import json
+import os
 import random
 import shutil
 from collections.abc import Iterator
@@ -372,6 +373,14 @@ def test_in_a_browser_every_page_loads_a_filter_works_and_each_action_takes_effe
             lambda b: b.execute_script("return document.readyState") == "complete"
         )
 
+    # CONSOLE_SCREENSHOTS=docs/images takes the pictures of docs/operations.md from this very run.
+    pictures = os.environ.get("CONSOLE_SCREENSHOTS")
+
+    def picture(name: str) -> None:
+        if pictures:
+            Path(pictures).mkdir(parents=True, exist_ok=True)
+            browser.save_screenshot(str(Path(pictures) / f"console-{name}.png"))
+
     def submit(form_selector: str, reason: str) -> None:
         form = browser.find_element(By.CSS_SELECTOR, form_selector)
         form.find_element(By.NAME, "reason").send_keys(reason)
@@ -401,11 +410,19 @@ def test_in_a_browser_every_page_loads_a_filter_works_and_each_action_takes_effe
     consoled.inventory.record_accepted(
         [request_of("reserve", k, {"sku": sku, "quantity": 1}) for k in (lost, unwanted)], 3600
     )
-    browser.get(f"{base}/requests/{lost}")
+    # The stuck view (no outcome past a bound, here 0 s) lists both; the lost one opens from there.
+    browser.get(f"{base}/requests?state=stuck&stuck_after=0")
+    listed = {a.text for a in browser.find_elements(By.CSS_SELECTOR, "#requests td a")}
+    assert {lost, unwanted} <= listed, listed
+    picture("stuck")
+    loaded_after(browser.find_element(By.LINK_TEXT, lost).click, "/console/requests/")
     assert text_of("#state").startswith("pending")
     submit("#republish form", "lost in the failover")
     assert "handed to the relay" in text_of("#done")
     assert consoled.outcome_of(lost).status == "reserved"
+    browser.refresh()
+    assert text_of("#state") == "reserved"
+    picture("request")
     browser.get(f"{base}/requests/{unwanted}")
     submit("#cancel form", "order withdrawn")
     assert "cancelled" in text_of("#done") and text_of("#state") == "cancelled"
@@ -413,6 +430,7 @@ def test_in_a_browser_every_page_loads_a_filter_works_and_each_action_takes_effe
     other = consoled.dead_letter(sku)
     browser.get(f"{base}/dead-letters")
     browser.find_element(By.CSS_SELECTOR, f'input[type=checkbox][value="{other}"]').click()
+    picture("dead-letters")
     submit("#redrive-many", "bulk from the browser")
     assert f"{other} re-driven as {other}~redrive-1" in text_of("#done")
     assert consoled.outcome_of(f"{other}~redrive-1").status == "reserved"
@@ -424,6 +442,7 @@ def test_in_a_browser_every_page_loads_a_filter_works_and_each_action_takes_effe
     held = consoled.leases.acquire(valid.scope_of(sku), ttl=60, holder="frozen:7:task")
     loaded_after(browser.find_element(By.LINK_TEXT, sku).click, f"/console/skus/{sku}")
     assert f"token {held.token} held by frozen:7:task" in text_of("#lease")
+    picture("sku")
     epochs_drawn = browser.find_elements(By.CSS_SELECTOR, "#timeline rect.epoch")
     writes_drawn = browser.find_elements(By.CSS_SELECTOR, "#timeline circle.write")
     assert len(epochs_drawn) >= 3 and len(writes_drawn) >= 2  # two re-drives wrote under their tokens
@@ -437,11 +456,13 @@ def test_in_a_browser_every_page_loads_a_filter_works_and_each_action_takes_effe
         browser.get(f"{base}/leases")
         assert "host-b:42" in text_of("#workers") and sku in text_of("#workers")
         assert text_of("#depth") != ""
+        picture("leases")
     finally:
         consoled.leases.release(again)
     # The action log: every action above, with who and why; filtered by the SKU.
     browser.get(f"{base}/actions")
     log = text_of("#actions")
+    picture("actions")
     for said in (
         "browser re-drive",
         "bulk from the browser",
