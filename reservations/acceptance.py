@@ -17,7 +17,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from fencing.plan import Alone, Plan
 from fencing.sql import Rows, db_now_ms
 from reservations import validation as valid
-from reservations.errors import InvalidRequest, KeyTaken
+from reservations.errors import InvalidRequest
 from reservations.models import accepted_requests, pending_reservations, request_outcomes, task_attempts
 from reservations.request_outcomes import RequestResult, record_outcome, request_outcome
 from reservations.statuses import RequestStatus
@@ -120,22 +120,35 @@ def _accepted_of(row: Any) -> Accepted:
 
 
 def admit(request: Request, look_after: float) -> Plan[Admission]:
-    """The key's outcome if it has one; else record ``request`` under it, or read the request recorded
-    first (two round trips either way on PostgreSQL: each step is a statement alone)."""
+    """Record ``request`` under its key unless the key has an outcome or a record already: one statement
+    for a new key, the front door's every first request. Otherwise the key's outcome, or the request
+    recorded first under it, read after."""
+    made: Rows = yield Alone(_admission(request.values(look_after)))
+    if made.rows:
+        return Admission(outcome=None, accepted=_accepted_of(made.rows[0]), first=True)
     outcome = yield from request_outcome(request.key)
     if outcome is not None:
         return Admission(outcome=outcome, accepted=None, first=False)
-    try:
-        made: Rows = yield Alone(sa.insert(_T).values(request.values(look_after)).returning(*_T.c))
-        return Admission(outcome=None, accepted=_accepted_of(made.rows[0]), first=True)
-    except KeyTaken as taken:
-        if taken.where != "acceptance":
-            raise
     found: Rows = yield Alone(_ACCEPTED, {"key": request.key})
     row = found.first()
-    if row is None:  # purged between the two statements: this request may take the key after all
+    if row is None:  # purged between the statements: this request may take the key after all
         return (yield from admit(request, look_after))
     return Admission(outcome=None, accepted=_accepted_of(row), first=False)
+
+
+def _admission(values: Mapping[str, Any]) -> sa.Insert:
+    """INSERT .. SELECT of the record, only where the key has no outcome, and nothing where it has a record
+    (``ON CONFLICT DO NOTHING``: the same text on PostgreSQL and SQLite, whose upsert wants the WHERE the
+    SELECT has). It returns the row it made, so no row back means the key was met before."""
+    columns = list(values)
+    row = [v if isinstance(v, sa.ColumnElement) else sa.literal(v, _T.c[c].type) for c, v in values.items()]
+    decided = sa.exists().where(request_outcomes.c.key == values["key"])
+    return (
+        pg_insert(_T)
+        .from_select(columns, sa.select(*row).where(~decided))
+        .on_conflict_do_nothing(index_elements=[_T.c.key])
+        .returning(*_T.c)
+    )
 
 
 def record(batch: Sequence[Request], look_after: float) -> Plan[None]:

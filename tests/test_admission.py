@@ -1,0 +1,81 @@
+"""The front door's admission (``Inventory.admit``) on SQLite and PostgreSQL: a new key is recorded in one
+statement; a key met before is answered with its outcome, or with the request recorded first under it,
+and nothing is written twice.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import sqlalchemy as sa
+
+from reservations import Inventory
+from tasks.producer import request_of
+
+_keys = itertools.count()
+
+
+@contextmanager
+def statements(inventory: Inventory) -> Iterator[list[str]]:
+    sent: list[str] = []
+
+    def seen(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if not statement.startswith("BEGIN"):  # SQLite's write lock, taken with the statement it guards
+            sent.append(statement)
+
+    engine = inventory.executor.engine
+    sa.event.listen(engine, "before_cursor_execute", seen)
+    try:
+        yield sent
+    finally:
+        sa.event.remove(engine, "before_cursor_execute", seen)
+
+
+def reserve(key: str, quantity: int = 1) -> Any:
+    return request_of("reserve", key, {"sku": "ADM", "quantity": quantity})
+
+
+def recorded(inventory: Inventory, key: str) -> int:
+    with inventory.executor.engine.connect() as conn:
+        found = conn.execute(sa.text("SELECT count(*) FROM accepted_requests WHERE key = :k"), {"k": key})
+        return int(found.scalar_one())
+
+
+def test_a_new_key_is_recorded_in_one_statement(inventory: Inventory) -> None:
+    key = f"adm-{next(_keys)}"
+    with statements(inventory) as sent:
+        admission = inventory.admit(reserve(key), 60)
+    assert len(sent) == 1, sent
+    assert admission.first and admission.outcome is None
+    assert admission.accepted is not None and admission.accepted.key == key
+    assert inventory.accepted(key) == admission.accepted
+
+
+def test_a_key_met_again_gets_its_first_record_and_writes_nothing(inventory: Inventory) -> None:
+    key = f"adm-{next(_keys)}"
+    first = inventory.admit(reserve(key, 2), 60)
+    again = inventory.admit(reserve(key, 2), 60)
+    other = inventory.admit(reserve(key, 3), 60)  # another request under the same key
+    assert not again.first and again.accepted == first.accepted and again.outcome is None
+    assert not other.first and other.accepted == first.accepted
+    assert first.accepted is not None and other.accepted is not None
+    assert other.accepted.fingerprint != reserve(key, 3).fingerprint  # the door tells the caller: reused
+    assert recorded(inventory, key) == 1
+
+
+def test_a_key_with_an_outcome_is_answered_with_it_and_not_recorded_again(inventory: Inventory) -> None:
+    key, bare = f"adm-{next(_keys)}", f"adm-{next(_keys)}"
+    inventory.admit(reserve(key), 60)
+    ended = inventory.cancel_request(key, by="ann", reason="withdrawn")
+    after = inventory.admit(reserve(key), 60)
+    assert after.outcome == ended and not after.first
+    # An outcome under a key that no request was recorded for (a library caller's): still the answer.
+    inventory.record_accepted([reserve(bare)], 60)
+    cancelled = inventory.cancel_request(bare, by="ann", reason="withdrawn")
+    with inventory.executor.engine.begin() as conn:
+        conn.execute(sa.text("DELETE FROM accepted_requests WHERE key = :k"), {"k": bare})
+    answered = inventory.admit(reserve(bare), 60)
+    assert answered.outcome == cancelled and recorded(inventory, bare) == 0
