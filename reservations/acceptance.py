@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cache
 from typing import Any
 
 import sqlalchemy as sa
@@ -123,7 +124,9 @@ def admit(request: Request, look_after: float) -> Plan[Admission]:
     """Record ``request`` under its key unless the key has an outcome or a record already: one statement
     for a new key, the front door's every first request. Otherwise the key's outcome, or the request
     recorded first under it, read after."""
-    made: Rows = yield Alone(_admission(request.values(look_after)))
+    values = request.values(look_after)
+    params = {k: v for k, v in values.items() if k not in ("at_ms", "next_look_ms")}
+    made: Rows = yield Alone(_admission(tuple(values)), {**params, "look_ms": round(look_after * 1000)})
     if made.rows:
         return Admission(outcome=None, accepted=_accepted_of(made.rows[0]), first=True)
     outcome = yield from request_outcome(request.key)
@@ -136,16 +139,18 @@ def admit(request: Request, look_after: float) -> Plan[Admission]:
     return Admission(outcome=None, accepted=_accepted_of(row), first=False)
 
 
-def _admission(values: Mapping[str, Any]) -> sa.Insert:
-    """INSERT .. SELECT of the record, only where the key has no outcome, and nothing where it has a record
-    (``ON CONFLICT DO NOTHING``: the same text on PostgreSQL and SQLite, whose upsert wants the WHERE the
-    SELECT has). It returns the row it made, so no row back means the key was met before."""
-    columns = list(values)
-    row = [v if isinstance(v, sa.ColumnElement) else sa.literal(v, _T.c[c].type) for c, v in values.items()]
-    decided = sa.exists().where(request_outcomes.c.key == values["key"])
+@cache
+def _admission(columns: tuple[str, ...]) -> sa.Insert:
+    """INSERT .. SELECT of a record from bound values, only where the key has no outcome, and nothing where
+    it has a record (``ON CONFLICT DO NOTHING``: the same text on PostgreSQL and SQLite, whose upsert wants
+    the WHERE the SELECT has). It returns the row it made, so no row back means the key was met before.
+    Built once: the front door sends it for every request, and building it cost a quarter of its time."""
+    clock = {"at_ms": db_now_ms(), "next_look_ms": db_now_ms() + sa.bindparam("look_ms", type_=sa.BigInteger)}
+    row = [clock.get(name, sa.bindparam(name, type_=_T.c[name].type)) for name in columns]
+    decided = sa.exists().where(request_outcomes.c.key == sa.bindparam("key"))
     return (
         pg_insert(_T)
-        .from_select(columns, sa.select(*row).where(~decided))
+        .from_select(list(columns), sa.select(*row).where(~decided))
         .on_conflict_do_nothing(index_elements=[_T.c.key])
         .returning(*_T.c)
     )
