@@ -7,8 +7,8 @@ Exit codes: 0 success, 1 a check failed, 2 bad usage or input, 3 not found, 4 a 
 
 Modules: ``context`` (the URLs), ``failures`` (exit codes, error -> one line), ``options`` (shared options
 and number parsers), ``render`` (tables, JSON, progress), and the commands: ``reads``, ``writes``,
-``bulk`` (import-skus, export-skus), ``archives``, ``migrations`` (``db``), ``runs`` (demo, chaos,
-fence-demo). This module holds the app and the order of its commands.
+``bulk`` (import-skus, export-skus), ``archives``, ``migrations`` (``db``), ``serve``, ``flower``,
+``runs`` (demo, chaos, fence-demo). This module holds the app and the order of its commands.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Annotated, Any
 
 import typer
 
-from admin.cli import archives, bulk, metrics, migrations, reads, runs, serve, writes
+from admin.cli import archives, bulk, flower, metrics, migrations, reads, runs, serve, writes
 from admin.cli.context import config
 from admin.cli.failures import EXIT_USAGE, complain, fail
 from tasks.settings import Settings, SettingsError, unknown_name_warnings, variable
@@ -110,6 +110,7 @@ app.command("archive")(archives.archive_command)
 app.command("config")(reads.show_config)
 app.command("metrics")(metrics.metrics_command)
 app.command("serve")(serve.serve_command)
+app.command("flower")(flower.flower_command)
 db_app.command("upgrade")(migrations.upgrade)
 db_app.command("current")(migrations.current)
 app.command("demo")(runs.demo_command)
