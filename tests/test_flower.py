@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from admin.cli.flower import exposure_problem, parse_basic_auth, primary_url, sentinels_of
+from admin.cli.flower import broker_problem, exposure_problem, parse_basic_auth, primary_url, sentinels_of
 from tasks import Settings, SettingsError, create_app
 from testing.celery_processes import worker_env
 from testing.harness import end_process, free_port, wait_until
@@ -76,6 +76,18 @@ def test_the_broker_tab_gets_the_primary_with_the_sentinel_urls_password_and_dat
     assert sentinels_of(url) == [("s1", 26379), ("s2", 26379)]
     assert primary_url(url, "10.0.0.5", 6380) == "redis://:p%40ss@10.0.0.5:6380/3"
     assert primary_url("sentinel://s1:26379/0", "::1", 6379) == "redis://[::1]:6379/0"
+
+
+def test_flower_watches_every_broker_but_sqlalchemys() -> None:
+    for url in ("redis://r:6379/0", "rediss://r/0", "sentinel://s1:26379/0;sentinel://s2/0", "amqp://u@q/v"):
+        assert broker_problem(url) is None, url
+    assert "no fanout" in (broker_problem("sqla+sqlite:///broker.sqlite3") or "")
+
+
+@needs_flower
+def test_flower_refuses_a_sqlalchemy_broker() -> None:
+    done = run("flower", env={"RESERVATIONS_BROKER_URL": "sqla+sqlite:///broker.sqlite3"})
+    assert done.returncode == 2 and "RESERVATIONS_BROKER_URL" in done.stderr, done.stderr
 
 
 @needs_flower

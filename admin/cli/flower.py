@@ -25,7 +25,7 @@ import typer
 from admin.cli.context import config
 from admin.cli.failures import EXIT_USAGE, fail
 from admin.cli.options import count
-from tasks.settings import SettingsError, is_sentinel, read_password_file
+from tasks.settings import SettingsError, is_sentinel, read_password_file, scheme_of, variable
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -53,6 +53,17 @@ def exposure_problem(address: str, authenticated: bool) -> str | None:
     return (
         f"--host {address or '(every interface)'} is not loopback: give {AUTH_FILE_OPTION} "
         "(or FLOWER_BASIC_AUTH) so that Flower asks for a password"
+    )
+
+
+def broker_problem(url: str) -> str | None:
+    """Why Flower cannot watch the broker at ``url``, or None. kombu's SQLAlchemy transport (the embedded
+    demo's) has no fanout exchange: no worker would answer Flower's broadcasts and no event would reach it."""
+    if scheme_of(url) != "sqla":
+        return None
+    return (
+        f"{variable('broker_url').name} is a SQLAlchemy (sqla+) broker, which has no fanout exchange: "
+        "Flower would see no worker and no task; use a Redis, Sentinel or RabbitMQ broker"
     )
 
 
@@ -190,6 +201,9 @@ def flower_command(
         fail(EXIT_USAGE, "Flower is not installed: pip install 'fenced-reservations[flower]'")
     from tasks import create_app
 
+    problem = broker_problem(config.settings.broker_url)
+    if problem:
+        fail(EXIT_USAGE, problem)
     auth = None
     if basic_auth_file is not None:
         try:
