@@ -8,6 +8,7 @@ Without services: the address and auth-file checks, and the primary's URL built 
 from __future__ import annotations
 
 import importlib.util
+import logging
 import shutil
 import signal
 import subprocess
@@ -90,8 +91,22 @@ def test_flower_refuses_a_sqlalchemy_broker() -> None:
     assert done.returncode == 2 and "RESERVATIONS_BROKER_URL" in done.stderr, done.stderr
 
 
+@pytest.fixture
+def root_logger_kept() -> Iterator[None]:
+    """Flower's option parsing sets the root logger up for its process (tornado's
+    enable_pretty_logging): put it back for the tests that run after, in this process."""
+    root = logging.getLogger()
+    level = root.level
+    yield
+    root.setLevel(level)
+    for handler in root.handlers[:]:
+        if type(handler.formatter).__module__ == "tornado.log":
+            root.removeHandler(handler)
+
+
 @needs_flower
 @pytest.mark.parametrize("address", ["0.0.0.0", "::"])
+@pytest.mark.usefixtures("root_logger_kept")
 def test_flower_refuses_every_interface_without_a_password(address: str) -> None:
     done = run("flower", "--host", address, env={"FLOWER_BASIC_AUTH": None})
     assert done.returncode == 2, done.stderr
