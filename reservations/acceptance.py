@@ -46,20 +46,21 @@ class Request:
 
     def values(self, look_after: float) -> dict[str, Any]:
         """The record's columns; the relay first looks at it ``look_after`` seconds from now."""
-        arguments = valid.stored_json(self.arguments, "arguments")
+        return {**self.given(), "at_ms": db_now_ms(), "next_look_ms": db_now_ms() + round(look_after * 1000)}
+
+    def given(self) -> dict[str, Any]:
+        """The record's columns that come from the request, checked; the clock's are the database's."""
         return {
             "key": valid.idempotency_key(self.key),
             "operation": valid.operation(self.operation),
             "fingerprint": self.fingerprint,
-            "at_ms": db_now_ms(),
             "deadline_ms": None if self.deadline is None else round(self.deadline * 1000),
             "caller": self.caller,
             "request_type": valid.operation(self.request_type),
-            "arguments": arguments,
+            "arguments": valid.stored_json(self.arguments, "arguments"),
             "task_id": self.task_id,
             "message_format": self.message_format,
             "publishes": 1,
-            "next_look_ms": db_now_ms() + round(look_after * 1000),
         }
 
 
@@ -124,9 +125,8 @@ def admit(request: Request, look_after: float) -> Plan[Admission]:
     """Record ``request`` under its key unless the key has an outcome or a record already: one statement
     for a new key, the front door's every first request. Otherwise the key's outcome, or the request
     recorded first under it, read after."""
-    values = request.values(look_after)
-    params = {k: v for k, v in values.items() if k not in ("at_ms", "next_look_ms")}
-    made: Rows = yield Alone(_admission(tuple(values)), {**params, "look_ms": round(look_after * 1000)})
+    given = request.given()
+    made: Rows = yield Alone(_admission(tuple(given)), {**given, "look_ms": round(look_after * 1000)})
     if made.rows:
         return Admission(outcome=None, accepted=_accepted_of(made.rows[0]), first=True)
     outcome = yield from request_outcome(request.key)
@@ -141,16 +141,17 @@ def admit(request: Request, look_after: float) -> Plan[Admission]:
 
 @cache
 def _admission(columns: tuple[str, ...]) -> sa.Insert:
-    """INSERT .. SELECT of a record from bound values, only where the key has no outcome, and nothing where
-    it has a record (``ON CONFLICT DO NOTHING``: the same text on PostgreSQL and SQLite, whose upsert wants
-    the WHERE the SELECT has). It returns the row it made, so no row back means the key was met before.
-    Built once: the front door sends it for every request, and building it cost a quarter of its time."""
+    """INSERT .. SELECT of a record from bound values (``columns``) and the database's clock, only where
+    the key has no outcome, and nothing where it has a record (``ON CONFLICT DO NOTHING``: the same text
+    on PostgreSQL and SQLite, whose upsert wants the WHERE the SELECT has). It returns the row it made, so
+    no row back means the key was met before. Built once: the front door sends it for every request, and
+    building it cost a quarter of its time."""
     clock = {"at_ms": db_now_ms(), "next_look_ms": db_now_ms() + sa.bindparam("look_ms", type_=sa.BigInteger)}
-    row = [clock.get(name, sa.bindparam(name, type_=_T.c[name].type)) for name in columns]
+    row = [*(sa.bindparam(name, type_=_T.c[name].type) for name in columns), *clock.values()]
     decided = sa.exists().where(request_outcomes.c.key == sa.bindparam("key"))
     return (
         pg_insert(_T)
-        .from_select(list(columns), sa.select(*row).where(~decided))
+        .from_select([*columns, *clock], sa.select(*row).where(~decided))
         .on_conflict_do_nothing(index_elements=[_T.c.key])
         .returning(*_T.c)
     )
