@@ -25,7 +25,7 @@ from service.answers import PROBLEM_MEDIA_TYPE, TYPES, Answer, Problem, problem
 from service.backlog import Backlog
 from service.door import UNANSWERED, Door, unavailable
 from service.metrics import HttpMetrics
-from tasks import ReservationClient
+from tasks import ReservationClient, logs, otel, tracing
 from tasks import create_app as create_tasks_app
 from tasks.settings import Settings, SettingsError, read_password_file, variable
 
@@ -65,6 +65,34 @@ def _measured(app: ASGIApp, metrics: HttpMetrics) -> ASGIApp:
             metrics.latency.labels(template, scope["method"]).observe(time.perf_counter() - start)
 
     return measured
+
+
+def _traced(app: ASGIApp) -> ASGIApp:
+    """Each request in a span of this service under the caller's ``traceparent`` (a malformed or missing
+    one starts a new trace, never an error): current while it is served, so its message carries it to the
+    worker and its log lines (uvicorn's access line too) name it; the answer's ``traceparent`` header
+    names it to the caller."""
+
+    async def traced(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await app(scope, receive, send)
+            return
+        header = tracing.HEADER.encode()
+        sent_by = next((v.decode("latin-1") for k, v in scope["headers"] if k.lower() == header), None)
+        with (
+            tracing.hop(scope["method"], sent_by, kind="server") as trace,
+            logs.bound(**trace.fields()),
+        ):
+            answered = [(header, trace.traceparent.encode())]
+
+            async def sent(message: Message) -> None:
+                if message["type"] == "http.response.start":
+                    message["headers"] = [*message.get("headers", ()), *answered]
+                await send(message)
+
+            await app(scope, receive, sent)
+
+    return traced
 
 
 async def _error(request: Request, exc: Exception) -> Response:
@@ -121,6 +149,8 @@ def _drain_on_stop(door: Door, loop: asyncio.AbstractEventLoop) -> Callable[[], 
 def create_app(settings: Settings | None = None, *, caller: Caller | None = None) -> FastAPI:
     """The front door's app, on ``settings`` (the environment's by default)."""
     settings = settings or Settings.from_env()
+    if tracing.OTEL in settings.tracing_modes:
+        otel.switch_on()  # TracingUnavailable without the otel extra: the service does not start
     metrics = HttpMetrics(routes.measured())
     state: dict[str, Door] = {}
     # Read at start: a console whose password cannot be read is a deployment's mistake to see at once.
@@ -186,4 +216,5 @@ def create_app(settings: Settings | None = None, *, caller: Caller | None = None
     build = app.openapi
     app.openapi = cache(lambda: routes.as_declared(build()))  # type: ignore[method-assign]
     app.add_middleware(_measured, metrics=metrics)
+    app.add_middleware(_traced)
     return app

@@ -36,11 +36,12 @@ from reservations.acceptance import Request
 from reservations.errors import InvalidRequest
 from reservations.redrives import is_redrive_key
 from reservations.request_outcomes import MAX_KEYS_PER_READ, RequestResult
-from tasks import messages
+from tasks import messages, tracing
 from tasks.app import app as default_app
 from tasks.errors import BrokerUnavailable, ClientClosed, OutcomeTimeout, WatcherClosed
 from tasks.producer import Producer, Sender, request_of
 from tasks.settings import settings_of
+from tasks.tracing import Trace
 
 __all__ = ["ReservationClient", "ReservationHandle", "enqueue_reservation"]
 
@@ -53,6 +54,22 @@ def _known(operation: str) -> str:
         known = ", ".join(sorted(messages.SHAPES))
         raise InvalidRequest(f"unknown operation {operation!r}; one of {known}", field="operation")
     return operation
+
+
+def _trace(traceparent: str | None) -> Trace | None:
+    """The span a request's message names as its worker's parent: the caller's ``traceparent``, else the
+    trace this thread or task is in (the HTTP service's span of the request it serves), else none (the
+    worker starts a trace). A malformed one is refused: it is the calling code's, not a header heard."""
+    if traceparent is None:
+        return tracing.current.get()
+    found = tracing.parse(traceparent)
+    if found is None:
+        raise InvalidRequest(
+            f"{traceparent!r} is no W3C traceparent (00-<32 hex digits>-<16 hex digits>-<2 hex digits>, "
+            "lower case, ids not all zeros)",
+            field="traceparent",
+        )
+    return found
 
 
 @dataclass(frozen=True)
@@ -236,6 +253,7 @@ class Outgoing:
     recorded: bool
     future: asyncio.Future[str]
     loop: asyncio.AbstractEventLoop
+    trace: Trace | None
 
 
 class Outbox:
@@ -252,15 +270,15 @@ class Outbox:
         self._draining = False
         self._closed = False
 
-    async def publish(self, request: Request, *, recorded: bool = False) -> str:
-        """Queue ``request``, starting the publishing thread if it is idle, and await its record and
-        publication; returns its task id."""
+    async def publish(self, request: Request, *, recorded: bool = False, trace: Trace | None = None) -> str:
+        """Queue ``request`` (its message naming ``trace`` as the worker's parent span), starting the
+        publishing thread if it is idle, and await its record and publication; returns its task id."""
         loop = asyncio.get_running_loop()
         sent: asyncio.Future[str] = loop.create_future()
         with self._lock:
             if self._closed:
                 raise ClientClosed("the client is closed")
-            self._queued.append(Outgoing(request, recorded, sent, loop))
+            self._queued.append(Outgoing(request, recorded, sent, loop, trace))
             start, self._draining = not self._draining, True
             if start:
                 # Under the lock: close() cannot shut the thread down between the check and this.
@@ -285,7 +303,9 @@ class Outbox:
                 with self._sender.producer.batch() as producer:
                     for item in batch:
                         try:
-                            sent = self._sender.producer.publish(item.request, batch=producer)
+                            sent = self._sender.producer.publish(
+                                item.request, batch=producer, trace=item.trace
+                            )
                             answers.append((item, sent, None))
                         except OperationalError:
                             raise
@@ -360,29 +380,50 @@ class ReservationClient:
         return ReservationHandle(request.key, task_id, self, request.operation, request.fingerprint)
 
     def _send(
-        self, name: str, key: str, deadline: float | None, sent: dict[str, Any] | None = None, **given: Any
+        self,
+        name: str,
+        key: str,
+        deadline: float | None,
+        sent: dict[str, Any] | None = None,
+        *,
+        traceparent: str | None = None,
+        **given: Any,
     ) -> ReservationHandle:
+        trace = _trace(traceparent)
         request = self._request(name, key, deadline, sent, given)
         try:
-            task_id = self._sender.send(request)
+            task_id = self._sender.send(request, trace)
         except OperationalError as exc:  # recorded: the relay publishes it once the broker answers
             raise BrokerUnavailable.of(exc) from exc
         return self._handle(request, task_id)
 
     async def _queue(
-        self, name: str, key: str, deadline: float | None, sent: dict[str, Any] | None = None, **given: Any
+        self,
+        name: str,
+        key: str,
+        deadline: float | None,
+        sent: dict[str, Any] | None = None,
+        *,
+        traceparent: str | None = None,
+        **given: Any,
     ) -> ReservationHandle:
+        trace = _trace(traceparent)
         request = self._request(name, key, deadline, sent, given)
-        return self._handle(request, await self._outbox.publish(request))
+        return self._handle(request, await self._outbox.publish(request, trace=trace))
 
-    async def publish_recorded(self, request: Request) -> ReservationHandle:
+    async def publish_recorded(
+        self, request: Request, *, traceparent: str | None = None
+    ) -> ReservationHandle:
         """Publish a request its caller recorded already (the front door records it as it admits it)."""
+        trace = _trace(traceparent)
         self._check_open()
-        return self._handle(request, await self._outbox.publish(request, recorded=True))
+        return self._handle(request, await self._outbox.publish(request, recorded=True, trace=trace))
 
     # Every enqueue takes ``deadline``: seconds since the epoch after which a worker that takes the
     # request up ends it ``expired``, touching no stock (tasks.messages.late). It is no part of the
-    # request: the same key sent with another deadline names the same request.
+    # request: the same key sent with another deadline names the same request. And ``traceparent``: the
+    # W3C traceparent of the caller's span, which the worker's log lines and spans continue (unset: the
+    # trace the caller is in, tasks.tracing.current, if any).
 
     def enqueue_reservation_sync(
         self,
@@ -392,8 +433,12 @@ class ReservationClient:
         idempotency_key: str,
         hold_for: float | None = None,
         deadline: float | None = None,
+        traceparent: str | None = None,
     ) -> ReservationHandle:
-        return self._send("reserve", idempotency_key, deadline, sku=sku, quantity=quantity, hold_for=hold_for)
+        return self._send(
+            "reserve", idempotency_key, deadline, traceparent=traceparent, sku=sku, quantity=quantity,
+            hold_for=hold_for,
+        )  # fmt: skip
 
     async def enqueue_reservation(
         self,
@@ -403,10 +448,12 @@ class ReservationClient:
         idempotency_key: str,
         hold_for: float | None = None,
         deadline: float | None = None,
+        traceparent: str | None = None,
     ) -> ReservationHandle:
         return await self._queue(
-            "reserve", idempotency_key, deadline, sku=sku, quantity=quantity, hold_for=hold_for
-        )
+            "reserve", idempotency_key, deadline, traceparent=traceparent, sku=sku, quantity=quantity,
+            hold_for=hold_for,
+        )  # fmt: skip
 
     async def enqueue_order(
         self,
@@ -415,45 +462,97 @@ class ReservationClient:
         idempotency_key: str,
         hold_for: float | None = None,
         deadline: float | None = None,
+        traceparent: str | None = None,
     ) -> ReservationHandle:
-        return await self._queue("reserve_order", idempotency_key, deadline, lines=lines, hold_for=hold_for)
+        return await self._queue(
+            "reserve_order",
+            idempotency_key,
+            deadline,
+            traceparent=traceparent,
+            lines=lines,
+            hold_for=hold_for,
+        )
 
     def enqueue_count_sync(
-        self, sku: str, counted: int, *, idempotency_key: str, deadline: float | None = None
+        self,
+        sku: str,
+        counted: int,
+        *,
+        idempotency_key: str,
+        deadline: float | None = None,
+        traceparent: str | None = None,
     ) -> ReservationHandle:
         """A cycle count: the worker reads the SKU's stock under its lease and sets on hand to ``counted``
         (``enqueue_sync("count", shrinkage=...)`` has it count what it read less the shrinkage)."""
-        return self._send("count", idempotency_key, deadline, sku=sku, counted=counted)
+        return self._send(
+            "count", idempotency_key, deadline, traceparent=traceparent, sku=sku, counted=counted
+        )
 
     async def enqueue_count(
-        self, sku: str, counted: int, *, idempotency_key: str, deadline: float | None = None
+        self,
+        sku: str,
+        counted: int,
+        *,
+        idempotency_key: str,
+        deadline: float | None = None,
+        traceparent: str | None = None,
     ) -> ReservationHandle:
-        return await self._queue("count", idempotency_key, deadline, sku=sku, counted=counted)
+        return await self._queue(
+            "count", idempotency_key, deadline, traceparent=traceparent, sku=sku, counted=counted
+        )
 
     def enqueue_replenish_sync(
-        self, sku: str, *, par: int, idempotency_key: str, deadline: float | None = None
+        self,
+        sku: str,
+        *,
+        par: int,
+        idempotency_key: str,
+        deadline: float | None = None,
+        traceparent: str | None = None,
     ) -> ReservationHandle:
         """Replenishment to par: the worker reads on hand under its lease and books par minus it."""
-        return self._send("replenish", idempotency_key, deadline, sku=sku, par=par)
+        return self._send("replenish", idempotency_key, deadline, traceparent=traceparent, sku=sku, par=par)
 
     async def enqueue_replenish(
-        self, sku: str, *, par: int, idempotency_key: str, deadline: float | None = None
+        self,
+        sku: str,
+        *,
+        par: int,
+        idempotency_key: str,
+        deadline: float | None = None,
+        traceparent: str | None = None,
     ) -> ReservationHandle:
-        return await self._queue("replenish", idempotency_key, deadline, sku=sku, par=par)
+        return await self._queue(
+            "replenish", idempotency_key, deadline, traceparent=traceparent, sku=sku, par=par
+        )
 
     def enqueue_sync(
-        self, operation: str, *, idempotency_key: str, deadline: float | None = None, **kwargs: Any
+        self,
+        operation: str,
+        *,
+        idempotency_key: str,
+        deadline: float | None = None,
+        traceparent: str | None = None,
+        **kwargs: Any,
     ) -> ReservationHandle:
         """Any request by task operation name: reserve, reserve_order, confirm, release, restock,
         count, replenish. Its arguments are sent as given (a worker refuses malformed ones)."""
         valid.idempotency_key(idempotency_key)
-        return self._send(_known(operation), idempotency_key, deadline, kwargs)
+        return self._send(_known(operation), idempotency_key, deadline, kwargs, traceparent=traceparent)
 
     async def enqueue(
-        self, operation: str, *, idempotency_key: str, deadline: float | None = None, **kwargs: Any
+        self,
+        operation: str,
+        *,
+        idempotency_key: str,
+        deadline: float | None = None,
+        traceparent: str | None = None,
+        **kwargs: Any,
     ) -> ReservationHandle:
         valid.idempotency_key(idempotency_key)
-        return await self._queue(_known(operation), idempotency_key, deadline, kwargs)
+        return await self._queue(
+            _known(operation), idempotency_key, deadline, kwargs, traceparent=traceparent
+        )
 
     def redrive_sync(self, key: str, *, by: str | None = None) -> ReservationHandle:
         """Drive the dead-lettered request under ``key`` again as a new request (``<key>~redrive-<n>``,
@@ -576,8 +675,10 @@ async def enqueue_reservation(
     idempotency_key: str,
     hold_for: float | None = None,
     deadline: float | None = None,
+    traceparent: str | None = None,
 ) -> ReservationHandle:
     """``handle = await enqueue_reservation(...)``; ``outcome = await handle.result(timeout=...)``."""
     return await _default_client().enqueue_reservation(
-        sku, quantity, idempotency_key=idempotency_key, hold_for=hold_for, deadline=deadline
-    )
+        sku, quantity, idempotency_key=idempotency_key, hold_for=hold_for, deadline=deadline,
+        traceparent=traceparent,
+    )  # fmt: skip

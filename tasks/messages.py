@@ -28,6 +28,7 @@ from reservations.errors import InvalidRequest
 from reservations.operations import fingerprint, hold_ms_of
 from reservations.redrives import carried_request
 from reservations.statuses import RequestStatus
+from tasks import tracing
 
 log = logging.getLogger("tasks.messages")
 
@@ -47,10 +48,13 @@ MAX_EXACT_INT = 2**53
 
 # The headers of a request message (tasks.producer sets them, and a retry keeps its message's): its format,
 # a whole number; its deadline (:func:`late`) and when its request was first enqueued (the latency
-# metrics' start), in seconds since the epoch. Bump CURRENT_FORMAT as docs/operations.md says.
+# metrics' start), in seconds since the epoch; the W3C traceparent of its sender's span (tasks.tracing),
+# which a worker that does not know it ignores, as any header. Bump CURRENT_FORMAT as docs/operations.md
+# says.
 FORMAT = "reservations_format"
 DEADLINE = "reservations_deadline"
 ENQUEUED_AT = "reservations_enqueued_at"
+TRACE = tracing.HEADER
 CURRENT_FORMAT = 2
 UNMARKED_FORMAT = 1  # a message without the header
 FORMATS = (1, 2)

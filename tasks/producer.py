@@ -29,8 +29,9 @@ from reservations.acceptance import Request
 from reservations.redrives import Redrive
 from reservations.request_outcomes import request_id
 from tasks import messages
-from tasks.messages import DEADLINE, ENQUEUED_AT, FORMAT, SHAPES, request_fingerprint, task_name
+from tasks.messages import DEADLINE, ENQUEUED_AT, FORMAT, SHAPES, TRACE, request_fingerprint, task_name
 from tasks.settings import Settings
+from tasks.tracing import Trace, current
 
 
 class Producer:
@@ -69,17 +70,19 @@ class Producer:
         enqueued_at: float | None = None,
         deadline: float | None = None,
         message_format: int = messages.CURRENT_FORMAT,
+        trace: Trace | None = None,
     ) -> str:
         """Publish ``operation`` for ``key``; returns the request's task id (the same for the same key).
         ``producer``: a kombu producer of this app held across many sends (:meth:`batch`); ``enqueued_at``:
         when a copy published again was first enqueued (else the time of publishing); ``deadline``: its
         header (:func:`tasks.messages.late`); ``message_format``: the format a recorded request was
-        recorded in, when it is published again."""
+        recorded in, when it is published again; ``trace``: the sender's span, the worker's parent."""
         task_id = request_id(valid.idempotency_key(key))
-        headers = {
+        headers: dict[str, Any] = {
             FORMAT: message_format,
             **messages.deadline_header(deadline),
             **({} if enqueued_at is None else {ENQUEUED_AT: enqueued_at}),
+            **({} if trace is None else {TRACE: trace.traceparent}),
         }
         self.app.send_task(
             task_name(operation),
@@ -90,9 +93,17 @@ class Producer:
         )
         return task_id
 
-    def publish(self, request: Request, *, batch: Any = None, enqueued_at: float | None = None) -> str:
+    def publish(
+        self,
+        request: Request,
+        *,
+        batch: Any = None,
+        enqueued_at: float | None = None,
+        trace: Trace | None = None,
+    ) -> str:
         """Publish a recorded request as it was recorded (same task id, arguments, format and deadline);
-        ``batch``: a kombu producer held across many publishes (:meth:`batch`)."""
+        ``batch``: a kombu producer held across many publishes (:meth:`batch`); ``trace``: its sender's
+        span (none for a copy the relay publishes again: the record keeps no trace)."""
         return self.send(
             request.request_type,
             request.key,
@@ -101,6 +112,7 @@ class Producer:
             enqueued_at=enqueued_at,
             deadline=request.deadline,
             message_format=request.message_format,
+            trace=trace,
         )
 
     def batch(self) -> Any:
@@ -121,14 +133,18 @@ class Producer:
 def _stamp_enqueue_time(headers: dict[str, Any] | None = None, **_: Any) -> None:
     """Every task message carries when its request was first enqueued, so a worker can measure enqueue to
     final outcome (clocks of different hosts differ by their skew). A retry keeps its request's enqueue
-    time, its deadline (retried past it, the request ends expired) and its format (it is laid out as the
-    message it retries)."""
+    time, its deadline (retried past it, the request ends expired), its format (it is laid out as the
+    message it retries) and its trace: its sender's span, or the span the worker started for a message
+    that came without one, so that every attempt at a request is of one trace."""
     if headers is None:
         return
     retried = None
     if current_task and current_task.request.id == headers.get("id"):  # the proxy is false outside a task
         retried = current_task.request
-    for kept in (DEADLINE, FORMAT):
+        trace = current.get()
+        if trace is not None and getattr(retried, TRACE, None) is None:
+            headers.setdefault(TRACE, trace.traceparent)
+    for kept in (DEADLINE, FORMAT, TRACE):
         value = getattr(retried, kept, None)
         if value is not None:
             headers.setdefault(kept, value)
@@ -177,10 +193,10 @@ class Sender:
         """Record ``requests`` in one statement (a key recorded already keeps its first record)."""
         self._inventory().record_accepted(requests, self.look_after)
 
-    def send(self, request: Request) -> str:
-        """Record ``request``, then publish it; returns its task id."""
+    def send(self, request: Request, trace: Trace | None = None) -> str:
+        """Record ``request``, then publish it (``trace``: its sender's span); returns its task id."""
         self.record([request])
-        return self.producer.publish(request)
+        return self.producer.publish(request, trace=trace)
 
     def redrive(self, key: str, *, by: str | None = None) -> tuple[Redrive, str]:
         """Claim the next re-drive of the dead letter under ``key`` (reservations.redrives decides whether it

@@ -20,7 +20,7 @@ from reservations import validation as valid
 from reservations.archive import prepare_partitions
 from reservations.request_outcomes import AlreadyApplied
 from reservations.statuses import RequestStatus
-from tasks import logs, messages, metrics, policy
+from tasks import logs, messages, metrics, policy, tracing
 from tasks.answers import RequestTask, as_result, reply
 from tasks.app import app
 from tasks.attempt import Attempt
@@ -39,9 +39,14 @@ def run_request(task: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
     for a request queued for its SKU's lease holder: the server of its batch writes its result) or raises
     Celery's Retry. Every way out but a retry records the request's final outcome.
     """
-    # Every line logged while it runs (in fencing too) names the task, its worker, the key and epoch.
+    # Every line logged while it runs (in fencing too) names the task, its worker, the key and epoch, and
+    # the trace its sender handed on (tasks.tracing): the worker's own span under the sender's.
     name = task.name.removeprefix(task_name(""))  # the request type
-    with logs.bound(task_id=task.request.id, worker=worker_identity()):
+    sender = getattr(task.request, messages.TRACE, None)
+    with (
+        tracing.hop(task.name, sender, kind="consumer") as trace,
+        logs.bound(task_id=task.request.id, worker=worker_identity(), **trace.fields()),
+    ):
         sent = dict(task.request.kwargs or {})
         attempt: Attempt | None = None
         try:

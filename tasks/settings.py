@@ -30,6 +30,7 @@ from fencing.manager import lease_backend
 from fencing.redis_backend import validate_prefix
 from fencing.urls import mask_url, normalize_url
 from reservations import numerals
+from tasks import tracing
 
 PREFIX = "RESERVATIONS_"
 
@@ -272,6 +273,12 @@ class Settings:
     log_format: str = setting(
         "text", "text or json: json writes each log line of workers, beat and the CLI as one JSON object"
     )
+    tracing: str = setting(
+        "",
+        "what a request's W3C trace adds to the trace_id and span_id of its log lines (always there), "
+        "comma-separated: sql, a sqlcommenter comment on each of the worker's statements (statements are "
+        "then never prepared); otel, OpenTelemetry spans (needs the otel extra)",
+    )
     metrics_port: int = setting(
         0,
         "a worker serves Prometheus metrics on this port (0: off); PROMETHEUS_MULTIPROC_DIR, if set, must "
@@ -333,6 +340,10 @@ class Settings:
             problems.append(f"{PREFIX}DATABASE_POOLING=transaction needs a PostgreSQL {PREFIX}DATABASE_URL")
         if self.log_format not in ("text", "json"):
             problems.append(f"{PREFIX}LOG_FORMAT must be text or json, got {self.log_format!r}")
+        try:
+            tracing.modes(self.tracing)
+        except ValueError as exc:
+            problems.append(f"{PREFIX}TRACING: {exc}")
         # Redelivery must never overtake a live attempt: an unacked message comes back only after the
         # longest a lease can be held plus the retry countdowns in between.
         if self.visibility_timeout < 4 * self.lease_ttl:
@@ -410,6 +421,11 @@ class Settings:
     def __repr__(self) -> str:
         # Celery prints its configuration (``celery report``); this object must not leak passwords there.
         return f"Settings({', '.join(f'{k}={v}' for k, v in self.masked().items())})"
+
+    @property
+    def tracing_modes(self) -> frozenset[str]:
+        """What ``RESERVATIONS_TRACING`` names (checked when the settings were made)."""
+        return tracing.modes(self.tracing)
 
     def transport_options(self, url: str, *, broker: bool) -> dict[str, Any]:
         """The kombu transport options a broker or result backend URL takes, and only those: py-amqp and

@@ -45,7 +45,7 @@ from fencing.sql import SyncSqlExecutor
 from fencing.urls import mask_url
 from reservations import Inventory, schema
 from reservations.models import stock
-from tasks import failpoints, metrics
+from tasks import failpoints, metrics, otel, tracing
 from tasks.answers import note_task_events
 from tasks.errors import TasksError
 from tasks.failpoints import failpoint
@@ -253,7 +253,7 @@ def worker_identity() -> str:
 def _build_inventory(settings: Settings) -> Inventory:
     try:
         failpoint("build_inventory")
-        return Inventory.from_url(
+        inventory = Inventory.from_url(
             settings.database_url,
             enforce_fence=settings.enforce_fence,
             before_statement=lambda lease: failpoint("in_write"),
@@ -264,6 +264,14 @@ def _build_inventory(settings: Settings) -> Inventory:
         )
     except Exception as exc:
         raise Unbuildable("database", exc) from exc
+    _commented(settings, inventory.executor)
+    return inventory
+
+
+def _commented(settings: Settings, executor: object) -> None:
+    """With ``RESERVATIONS_TRACING=sql``, the statements of a SQL client carry the request's trace."""
+    if tracing.SQL in settings.tracing_modes and isinstance(executor, SyncSqlExecutor):
+        tracing.comment_statements(executor.engine)
 
 
 def _lease_manager(settings: Settings) -> LeaseManager:
@@ -276,6 +284,7 @@ def _build_leases(resources: Resources) -> None:
         failpoint("build_leases")
         resources.lease_manager = _lease_manager(resources.settings)
         resources.lease_error = None
+        _commented(resources.settings, resources.lease_manager.executor)
     except Exception as exc:
         resources.lease_error = Unbuildable("lease backend", exc)
         log.error("%s", resources.lease_error, extra={"event": "client_unbuildable", "backend": "leases"})
@@ -339,14 +348,26 @@ worker_shutdown.connect(close_resources)
 celeryd_after_setup.connect(note_task_events)
 
 
+@worker_process_shutdown.connect
+def _flush_spans(**_: Any) -> None:
+    otel.flush()  # a pool child's spans made since the last batch went out
+
+
 @celeryd_after_setup.connect
 def _after_setup(instance: Any = None, **_: Any) -> None:
     """Warn of each RESERVATIONS_* name that is no setting (a typo, otherwise ignored without a word), then
-    switch metrics on before the pool forks (RESERVATIONS_METRICS_PORT): metrics that cannot work stop
-    the worker at start with one line, as a bad setting does."""
+    switch OpenTelemetry spans (RESERVATIONS_TRACING=otel) and metrics (RESERVATIONS_METRICS_PORT) on
+    before the pool forks: either that cannot work stops the worker at start with one line, as a bad
+    setting does."""
     for line in unknown_name_warnings():
         log.warning(line)
-    if not _settings(instance).metrics_port:
+    settings = _settings(instance)
+    if tracing.OTEL in settings.tracing_modes:
+        try:
+            otel.switch_on()
+        except otel.TracingUnavailable as exc:
+            refuse(str(exc))
+    if not settings.metrics_port:
         return
     try:
         metrics.switch_on()
