@@ -85,6 +85,7 @@ SPREAD_POLL = f"reserve, {SPREAD} SKUs, DB outcome poll"
 SQL_SPREAD_RESULT = f"reserve, {SPREAD} SKUs, SQL leases, AsyncResult.get"
 ETCD_SPREAD_RESULT = f"reserve, {SPREAD} SKUs, etcd leases (3 members), AsyncResult.get"
 METRICS_SPREAD_RESULT = f"reserve, {SPREAD} SKUs, metrics on, AsyncResult.get"
+TRACED_SPREAD_RESULT = f"reserve, {SPREAD} SKUs, trace comment on, AsyncResult.get"
 RAW_RESERVE = f"raw reservation task (lock, one statement), Celery defaults, {SPREAD} SKUs, AsyncResult.get"
 LIFE = "a reservation's life as tasks: reserve then confirm"
 NOOP_PAIR = "two Celery no-ops with results"
@@ -230,9 +231,10 @@ def tasks_vs_noop(
         etcd_spread = [f"E-{n}" for n in range(SPREAD)]
         counted_skus = [f"C-{n}" for n in range(SPREAD)]
         metered = [f"M-{n}" for n in range(SPREAD)]
+        commented = [f"T-{n}" for n in range(SPREAD)]
         lives = [f"L-{n}" for n in range(SPREAD)]  # reserved, then confirmed: on hand goes down
         raw_skus = [f"R-{n}" for n in range(SPREAD)]  # the physical reference's, locked by name only
-        seeded = spread + counted_skus + metered + lives + raw_skus
+        seeded = spread + counted_skus + metered + commented + lives + raw_skus
         _seed(database_url, seeded + (sql_spread if sql_leases else []) + etcd_spread)
 
         # One redis-server, one database number per role; every worker has a broker database of its
@@ -268,6 +270,10 @@ def tasks_vs_noop(
         metrics_settings = redis_settings.with_(
             broker_url=f"{base}/9", result_backend=f"{base}/10", metrics_port=free_port()
         )
+        # And with each statement carrying its request's trace as a comment (RESERVATIONS_TRACING=sql).
+        traced_settings = redis_settings.with_(
+            broker_url=f"{base}/14", result_backend=f"{base}/15", tracing="sql"
+        )
         # The project's workers run its own app as shipped, request results kept RESULT_EXPIRES for the
         # waits. Without Celery's extended metadata (off in the project's app) a result carries no retry
         # count: the retries column shows '-' for them (the hot-SKU section counts retries).
@@ -275,6 +281,7 @@ def tasks_vs_noop(
         envs: dict[str, tuple[str, Settings | Mapping[str, str]]] = {
             "bench-redis": (project, redis_settings),
             "bench-metrics": (project, metrics_settings),
+            "bench-traced": (project, traced_settings),
             "bench-defaults": ("bench.celery_defaults", defaults_env),
             "bench-raw": (raw_tasks.__name__, raw_env),
             "bench-count": (project, count_settings),
@@ -325,6 +332,10 @@ def tasks_vs_noop(
         cases.append(TaskCase(METRICS_SPREAD_RESULT,
                               reserve_burst_result(metrics_app, metrics_client, metered, in_flight),
                               workers["bench-metrics"]))  # fmt: skip
+        traced_app, traced_client = producer(traced_settings)
+        cases.append(TaskCase(TRACED_SPREAD_RESULT,
+                              reserve_burst_result(traced_app, traced_client, commented, in_flight),
+                              workers["bench-traced"]))  # fmt: skip
         if sql_leases:
             sql_app, sql_client = producer(sql_settings)
             sql_case = reserve_burst_result(sql_app, sql_client, sql_spread, in_flight)
@@ -353,6 +364,7 @@ def tasks_vs_noop(
         expected = _round_robin(spread, bursts + bursts)
         expected |= _round_robin(counted_skus, [COUNT_WARMUP, COUNTED])
         expected |= _round_robin(metered, bursts)
+        expected |= _round_robin(commented, bursts)
         if sql_leases:
             expected |= _round_robin(sql_spread, bursts)
         if etcd_settings is not None:
@@ -382,6 +394,8 @@ def tasks_vs_noop(
                     stats, ETCD_SPREAD_RESULT, SPREAD_RESULT)  # fmt: skip
     results.add(f"Celery end to end: reservation task with metrics on vs off (bursts of {count})",
                 stats, METRICS_SPREAD_RESULT, SPREAD_RESULT)  # fmt: skip
+    results.add(f"Celery end to end: reservation task with the trace comment on vs off (bursts of {count})",
+                stats, TRACED_SPREAD_RESULT, SPREAD_RESULT)  # fmt: skip
     results.add(f"Celery end to end: a reservation's life vs two no-ops (bursts of {count} lives)",
                 stats, LIFE, NOOP_PAIR)  # fmt: skip
 

@@ -1,7 +1,8 @@
 """The W3C trace context (tasks.tracing) without services: parsing, every malformed form ignored, a span's
 child, the setting; then the SQL comment on a real SQLite engine, the client refusing a malformed
-traceparent before anything is recorded, OpenTelemetry's spans (the SDK's in-memory exporter) with the
-service's span the parent of the worker's, and a process without OpenTelemetry.
+traceparent before anything is recorded, the message's header on a private Redis, OpenTelemetry's spans
+(the SDK's in-memory exporter) with the service's span the parent of the worker's, and a process without
+OpenTelemetry.
 """
 
 from __future__ import annotations
@@ -14,11 +15,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 import sqlalchemy as sa
 
 from reservations import InvalidRequest, Inventory
 from tasks import ReservationClient, Settings, SettingsError, create_app, otel, tracing
+from tasks.messages import TRACE
+from tasks.producer import Producer
 from tasks.tracing import Trace, comment_statements, continued, hop, modes, parse, started
+from testing.redis_servers import redis_server
+from testing.support import queued_messages
 
 # The specification's own example.
 EXAMPLE = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
@@ -158,6 +164,16 @@ def test_the_client_refuses_a_malformed_traceparent_before_recording_anything(
         assert inventory.accepted("k-trace") is None
 
 
+def test_a_message_names_its_sender_s_span_in_its_header_and_only_then(tmp_path: Path) -> None:
+    sender = Trace(TRACE_ID, SPAN_ID)
+    with redis_server(tmp_path / "redis") as server, Producer(server.url(0)) as producer:
+        producer.send("restock", "k-traced", {"sku": "W", "quantity": 1}, trace=sender)
+        producer.send("restock", "k-untraced", {"sku": "W", "quantity": 1})
+        with redis.Redis.from_url(server.url(0)) as broker:
+            traced, untraced = (message["headers"] for message in queued_messages(broker))
+    assert traced[TRACE] == EXAMPLE and TRACE not in untraced
+
+
 # -- OpenTelemetry -------------------------------------------------------------------------------------------
 
 
@@ -219,6 +235,8 @@ class NoOpenTelemetry:
             raise ImportError(f"No module named {name!r}")
 sys.meta_path.insert(0, NoOpenTelemetry())
 import tasks, tasks.otel, tasks.request_tasks
+from tasks.messages import TRACE
+from tasks.producer import Producer
 from tasks.tracing import hop
 with hop("reservations.reserve", None, kind="consumer") as trace:
     print(trace.trace_id)

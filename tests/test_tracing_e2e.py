@@ -4,7 +4,8 @@ answered with the service's span of that trace; the service's log line and the w
 that request name the trace, each with its own span; and on PostgreSQL the statement that wrote the stock
 row carried the worker's span as its sqlcommenter comment, as the server saw it (a trigger keeps
 ``current_query()``: the text the server received, comment included). A malformed ``traceparent``, or
-none, starts a new trace instead.
+none, starts a new trace instead. And a worker asked for OpenTelemetry spans it cannot export refuses to
+start.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from testing.celery_processes import worker_env
 from testing.harness import free_port, wait_until
 from testing.redis_servers import RedisServer, redis_server
 from testing.service_process import ServiceProcess
+from testing.support import refused_worker
 from testing.workers import Cluster, cluster, migrated_database
 
 pytestmark = pytest.mark.slow
@@ -197,3 +199,23 @@ def test_a_malformed_or_missing_traceparent_starts_a_new_trace(traced: Traced) -
         assert new is not None and new.trace_id != TRACE_ID
         if traced.kind == "postgresql":
             assert any(new.trace_id in statement for statement in traced.statements())
+
+
+def test_a_worker_asked_for_spans_it_cannot_export_refuses_to_start(
+    migrated_sqlite: Path, tmp_path: Path
+) -> None:
+    """Exit 2 and one line naming the exporter, before the pool forks (the otel extra missing altogether
+    says what to install: tests/test_tracing.py)."""
+    database = tmp_path / "inventory.sqlite3"
+    database.write_bytes(migrated_sqlite.read_bytes())
+    settings = {
+        "RESERVATIONS_DATABASE_URL": f"sqlite:///{database}",
+        "RESERVATIONS_BROKER_URL": f"sqla+sqlite:///{tmp_path / 'broker.sqlite3'}",
+        "RESERVATIONS_RESULT_BACKEND": f"db+sqlite:///{tmp_path / 'results.sqlite3'}",
+        "RESERVATIONS_TRACING": "otel",
+    }
+    done = refused_worker({**worker_env(settings), "OTEL_TRACES_EXPORTER": "no-such-exporter"})
+    assert done.returncode == 2, done.stderr + done.stdout
+    assert "Traceback" not in done.stderr + done.stdout
+    (line,) = [line for line in done.stderr.splitlines() if line.startswith("reservations:")]
+    assert "OTEL_TRACES_EXPORTER names 'no-such-exporter', which no installed package provides" in line
