@@ -187,8 +187,14 @@ def switch_on() -> None:
                 stale.unlink()
         except OSError as exc:
             raise MetricsUnusable(f"{MULTIPROC_DIR}={folder} cannot be used: {exc.strerror or exc}") from exc
+    # prometheus_client picks where its values live (this process, or the directory) when it is first
+    # imported, and Celery may have imported it before the directory was set: Flower's `celery flower`
+    # command, found through its entry point whenever the celery command starts, imports it. So the
+    # choice is made again now, before any of the metrics is made.
+    from prometheus_client import values
+
+    values.ValueClass = values.get_value_class()  # type: ignore[no-untyped-call]
     try:
-        # prometheus_client is imported here, after the directory is set: it reads it then.
         current = On()
     except OSError as exc:
         raise MetricsUnusable(f"{MULTIPROC_DIR}={folder} cannot be written: {exc.strerror or exc}") from exc
