@@ -154,7 +154,12 @@ def execute_alone(engine: Engine, sql: str, params: dict[str, Any] | None) -> Ro
     is one such statement). The rows are named tuples with the statement's column names, read by
     attribute as SQLAlchemy's rows are. A driver error comes out as SQLAlchemy's DBAPIError, as from
     SQLAlchemy's own execution, and a lost connection is invalidated with its pool's generation."""
-    pooled = engine.raw_connection()
+    try:
+        pooled = engine.raw_connection()
+    except psycopg.Error as exc:
+        # The pool hands out the driver's own error where connect() would wrap it: a server that refuses
+        # connections (down, or not yet promoted) must reach the caller as unavailable, like a lost one.
+        raise DBAPIError.instance(sql, params, exc, psycopg.Error, dialect=engine.dialect) from exc
     driver = cast(psycopg.Connection[Any], pooled.driver_connection)  # the psycopg dialect's
     cursor = None
     try:
