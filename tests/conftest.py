@@ -182,6 +182,7 @@ MODULE_SECONDS = {
     "test_shell_parity.py": 10,
     "test_cli_audit.py": 9,
     "test_partitions.py": 9,
+    "test_pg_failover.py": 8,
     "test_redis_faults.py": 8,
     "test_consumer_survives.py": 8,
     "test_counting_e2e.py": 7,
@@ -230,6 +231,9 @@ SERVICE_NAMES = frozenset(
         "redis_server",
         "SentinelTopology",
         "ClusterTopology",
+        # testing.pg_cluster: a PostgreSQL primary and standby of a test's own
+        "pg_cluster",
+        "PgCluster",
         "bouncer",
         "pgbouncer",
         "prometheus",
