@@ -172,15 +172,19 @@ class PgCluster:
     """A primary and one standby streaming from it under the application name :data:`STANDBY_NAME`,
     synchronous (``synchronous_commit = on`` waits for its flush) or not, under ``folder``."""
 
-    def __init__(self, folder: Path, *, synchronous: bool = True) -> None:
+    def __init__(
+        self, folder: Path, *, synchronous: bool = True, primary_settings: Mapping[str, str] | None = None
+    ) -> None:
         self.folder = folder
         self.synchronous = synchronous
+        self.primary_settings = dict(primary_settings or {})
         self.primary = PgServer("primary", folder)
         self.standby = PgServer("standby", folder)
 
-    def start(self) -> None:
-        """initdb and start the primary, then make the standby from its base backup and wait until it
-        streams (and, when synchronous, until the primary counts it as its synchronous standby)."""
+    def start(self, *, standby: bool = True) -> None:
+        """initdb and start the primary, then (``standby``) make the standby from its base backup and wait
+        until it streams (and, when synchronous, until the primary counts it as its synchronous standby).
+        Without, the standby is the caller's to make, as a deployment's own script makes it."""
         as_server_user(
             [PG_BIN / "initdb", "-D", self.primary.data, "-U", OS_USER, "--auth=trust", "-E", "UTF8",
              "--no-instructions", "--no-sync"]
@@ -191,9 +195,12 @@ class PgCluster:
                 "wal_level": "replica",
                 "synchronous_commit": "on",
                 "synchronous_standby_names": f"'{STANDBY_NAME}'" if self.synchronous else "''",
+                **self.primary_settings,
             }
         )
         self.primary.start()
+        if not standby:
+            return
         self.base_backup()
         self.standby.start()
         self.wait_streaming()
@@ -254,12 +261,15 @@ def server_folder(prefix: str) -> Path:
 
 
 @contextmanager
-def pg_cluster(*, synchronous: bool = True) -> Iterator[PgCluster]:
-    """A started primary and standby; both stopped and their folder removed on exit, whatever happened."""
+def pg_cluster(
+    *, synchronous: bool = True, standby: bool = True, primary_settings: Mapping[str, str] | None = None
+) -> Iterator[PgCluster]:
+    """A started primary and (``standby``) its standby; both stopped and their folder removed on exit,
+    whatever happened. ``primary_settings`` go into the primary's configuration after the cluster's own."""
     folder = server_folder("pg-cluster-")
-    cluster = PgCluster(folder, synchronous=synchronous)
+    cluster = PgCluster(folder, synchronous=synchronous, primary_settings=primary_settings)
     try:
-        cluster.start()
+        cluster.start(standby=standby)
         yield cluster
     finally:
         cluster.stop()

@@ -3,7 +3,8 @@ policies, passwords only from secret files, light health checks that work agains
 resource limits, worker events, a RabbitMQ profile; and an image that installs the project, not a checkout.
 With every profile: images pinned to releases, rotated logs, ports on loopback only, a Redis that asks for
 its password and refuses writes when full rather than evict, Flower behind basic auth on the app's broker;
-the app through PgBouncer in transaction pooling, with one ttl bounding leases, database and pooler.
+the app through PgBouncer in transaction pooling, with one ttl bounding leases, database and pooler; a
+PostgreSQL standby made by its own entrypoint script, which postgres waits for only when told.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from tasks.settings import Settings, SettingsError
 from testing.celery_processes import CeleryProcess, start_all, stop_all, worker_env
 from testing.compose import COMPOSE, compose, resolved
 from testing.harness import free_port, wait_until
+from testing.pg_cluster import PG_BIN, pg_cluster, pg_unavailable, server_folder
 from testing.redis_servers import redis_server
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -325,7 +327,7 @@ def everything(project: Path) -> dict[str, dict[str, Any]]:
 
 
 def test_the_file_has_profiles() -> None:
-    assert {"rabbitmq", "etcd", "monitoring", "flower"} <= set(PROFILES)
+    assert {"rabbitmq", "etcd", "monitoring", "flower", "pg-standby"} <= set(PROFILES)
 
 
 @needs_compose
@@ -630,3 +632,91 @@ def test_pgbouncer_starts_from_the_secret_and_asks_for_the_password(
             server.wait(timeout=10)
             log.close()
             shutil.rmtree(base, ignore_errors=True)
+
+
+# -- the pg-standby profile: a synchronous standby of postgres, made by its own entrypoint script ----------
+
+
+def settings_of(command: list[str]) -> dict[str, str]:
+    """A postgres command's ``-c name=value`` options, as name -> value."""
+    pairs = [command[i + 1] for i, arg in enumerate(command) if arg == "-c"]
+    return dict(pair.split("=", 1) for pair in pairs)
+
+
+def test_the_standby_is_a_profile_and_postgres_waits_for_it_only_when_told(
+    everything: dict[str, dict[str, Any]], project: Path
+) -> None:
+    """Without the variable postgres waits for no standby (a commit that waits for one that is not there
+    never returns); with it, for the standby by the name the standby gives. Once promoted the standby
+    bounds sessions as postgres does, and itself waits for none."""
+    primary, standby = everything["postgres"], everything["postgres-standby"]
+    assert standby["profiles"] == ["pg-standby"] and primary.get("profiles") is None
+    assert settings_of(primary["command"])["synchronous_standby_names"] == ""
+    told = resolved(
+        "--profile", "pg-standby", file=project / "compose.yaml", RESERVATIONS_PG_SYNC_STANDBY="standby"
+    )["services"]
+    assert settings_of(told["postgres"]["command"])["synchronous_standby_names"] == "standby"
+    assert standby["environment"]["STANDBY_NAME"] == "standby"
+    ours = settings_of(standby["command"])
+    assert "synchronous_standby_names" not in ours
+    assert ours == {
+        k: v for k, v in settings_of(primary["command"]).items() if k != "synchronous_standby_names"
+    }
+    assert standby["environment"]["REPLICATION_PASSWORD_FILE"] == POSTGRES_SECRET
+    assert standby["environment"]["PRIMARY_HOST"] == "postgres"
+    for service in (primary, standby):
+        assert any(v.endswith(":/etc/postgresql/pg_hba.conf:ro") for v in service["volumes"])
+
+
+@pytest.mark.skipif(pg_unavailable() is not None, reason=str(pg_unavailable()))
+def test_the_standby_entrypoint_makes_a_synchronous_standby_of_postgres(
+    everything: dict[str, dict[str, Any]],
+) -> None:
+    """The profile's own entrypoint script, run as the postgres user against a local primary started with
+    postgres's settings and client rules (the container's paths pointed at this test's): a base backup,
+    then a standby the primary counts as synchronous; started again, it follows without a new backup."""
+    primary, standby = everything["postgres"], everything["postgres-standby"]
+    folder = server_folder("compose-standby-")
+    try:
+        for name in ("pg_hba.conf", "standby-entrypoint.sh"):
+            shutil.copy(ROOT / "deploy" / "postgres" / name, folder / name)
+        secret = folder / "postgres_password"
+        secret.write_text("5ecret-0f-the-test\n")
+        for path in folder.iterdir():
+            shutil.chown(path, "postgres", "postgres")
+        local = {"hba_file": str(folder / "pg_hba.conf"), "synchronous_standby_names": "standby"}
+        settings = {**settings_of(primary["command"]), **local}
+        quoted = {name: f"'{value}'" for name, value in settings.items()}
+        with pg_cluster(standby=False, primary_settings=quoted) as cluster:
+            wrong = cluster.primary.query("SELECT error FROM pg_hba_file_rules WHERE error <> ''")
+            assert wrong == []
+            rules = cluster.primary.query("SELECT database, user_name, auth_method FROM pg_hba_file_rules")
+            assert (["replication"], ["reservations"], "scram-sha-256") in rules
+
+            server = cluster.standby
+            env = {
+                **standby["environment"],
+                "PRIMARY_HOST": "127.0.0.1", "PRIMARY_PORT": str(cluster.primary.port),
+                "REPLICATION_USER": "postgres", "REPLICATION_PASSWORD_FILE": str(secret),
+                "PGDATA": str(server.data), "HOME": str(folder),
+                "PATH": f"{PG_BIN}:{os.environ['PATH']}",
+            }  # fmt: skip
+            options = {**settings_of(standby["command"]), "hba_file": str(folder / "pg_hba.conf")}
+            command = [
+                "sh", str(folder / "standby-entrypoint.sh"), str(PG_BIN / "postgres"), "-p", str(server.port),
+                *(arg for name, value in options.items() for arg in ("-c", f"{name}={value}")),
+                "-c", "listen_addresses=127.0.0.1", "-c", "unix_socket_directories=",
+            ]  # fmt: skip
+            for _ in range(2):  # the first start makes the standby, the second finds it made
+                server.start(command, env)
+                cluster.wait_streaming()
+                cluster.primary.query("CREATE TABLE IF NOT EXISTS replicated (n int)")
+                cluster.primary.query("INSERT INTO replicated VALUES (1)")  # returns: the standby has it
+                server.stop()
+            assert stat.S_IMODE((folder / "standby.pgpass").stat().st_mode) == 0o600
+            assert "5ecret-0f-the-test" in (folder / "standby.pgpass").read_text()
+            conf = (server.data / "postgresql.auto.conf").read_text()
+            assert "application_name=standby" in conf and "5ecret" not in conf
+            assert (server.data / "standby.signal").exists()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
