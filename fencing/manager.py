@@ -534,6 +534,7 @@ class AsyncLeaseManager(_Shell[AsyncRedisExecutor | AsyncSqlExecutor | AsyncEtcd
         lease = await self.acquire(scope, ttl=ttl, holder=holder, wait=wait)
 
         async def renew_loop() -> None:
+            me = asyncio.current_task()
             wait: float | None = _renew_interval(lease, renew_every)
             while wait is not None:
                 await asyncio.sleep(wait)
@@ -541,7 +542,12 @@ class AsyncLeaseManager(_Shell[AsyncRedisExecutor | AsyncSqlExecutor | AsyncEtcd
                     await self.renew(lease)
                     wait = _renew_interval(lease, renew_every)
                 except Exception as exc:
-                    wait = retry_renewal(lease, exc)
+                    wait = None if me is not None and me.cancelling() else retry_renewal(lease, exc)
+                # The hold ended while a renewal was in flight, and the client turned the cancel into an
+                # answer or an error (a connection it drops): the cancel still stands, so stop here (the
+                # hold releases the lease) rather than renew on under a hold that waits for this task.
+                if me is not None and me.cancelling():
+                    return
 
         renewer = asyncio.create_task(renew_loop(), name=f"renew:{scope}")
         try:
