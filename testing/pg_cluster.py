@@ -60,18 +60,25 @@ def pg_unavailable() -> str | None:
     return None
 
 
+def _as_owner(env: Mapping[str, str] | None) -> dict[str, Any]:
+    """How a process runs as the servers' OS user (initdb and postgres refuse root), with ``env`` added."""
+    owner = pwd.getpwnam(OS_USER)
+    return {
+        "user": owner.pw_uid,
+        "group": owner.pw_gid,
+        "extra_groups": [],
+        "env": {**os.environ, **(env or {})},
+    }
+
+
 def as_server_user(
     argv: Sequence[str | Path], *, env: Mapping[str, str] | None = None, timeout: float = START_TIMEOUT
 ) -> str:
     """Run one of the binaries as the servers' OS user to its end; its output, or :class:`HarnessError`
     with it."""
-    owner = pwd.getpwnam(OS_USER)
     done = subprocess.run(
         [str(a) for a in argv],
-        user=owner.pw_uid,
-        group=owner.pw_gid,
-        extra_groups=[],
-        env={**os.environ, **(env or {})},
+        **_as_owner(env),
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -79,7 +86,7 @@ def as_server_user(
     )
     if done.returncode != 0:
         raise HarnessError(f"{' '.join(map(str, argv))} exited {done.returncode}: {done.stderr.strip()}")
-    return done.stdout
+    return str(done.stdout)
 
 
 @dataclass
@@ -119,14 +126,10 @@ class PgServer:
         """Start the server (``command``: what starts it, by default the postgres binary on its data
         directory and port) in a session of its own, and wait until it takes connections."""
         argv = command or [PG_BIN / "postgres", "-D", self.data, "-p", str(self.port)]
-        owner = pwd.getpwnam(OS_USER)
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(
                 [str(a) for a in argv],
-                user=owner.pw_uid,
-                group=owner.pw_gid,
-                extra_groups=[],
-                env={**os.environ, **(env or {})},
+                **_as_owner(env),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
