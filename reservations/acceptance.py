@@ -46,7 +46,7 @@ class Request:
 
     def values(self, look_after: float) -> dict[str, Any]:
         """The record's columns; the relay first looks at it ``look_after`` seconds from now."""
-        return {**self.given(), "at_ms": db_now_ms(), "next_look_ms": db_now_ms() + round(look_after * 1000)}
+        return {**self.given(), **_clock(round(look_after * 1000))}
 
     def given(self) -> dict[str, Any]:
         """The record's columns that come from the request, checked; the clock's are the database's."""
@@ -62,6 +62,12 @@ class Request:
             "message_format": self.message_format,
             "publishes": 1,
         }
+
+
+def _clock(look_ms: int | sa.ColumnElement[int]) -> dict[str, sa.ColumnElement[int]]:
+    """A record's columns from the database's clock: accepted now, first looked at by the relay
+    ``look_ms`` milliseconds from now (a number, or the bound value of a statement built once)."""
+    return {"at_ms": db_now_ms(), "next_look_ms": db_now_ms() + look_ms}
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,7 +152,7 @@ def _admission(columns: tuple[str, ...]) -> sa.Insert:
     on PostgreSQL and SQLite, whose upsert wants the WHERE the SELECT has). It returns the row it made, so
     no row back means the key was met before. Built once: the front door sends it for every request, and
     building it cost a quarter of its time."""
-    clock = {"at_ms": db_now_ms(), "next_look_ms": db_now_ms() + sa.bindparam("look_ms", type_=sa.BigInteger)}
+    clock = _clock(sa.bindparam("look_ms", type_=sa.BigInteger))
     row = [*(sa.bindparam(name, type_=_T.c[name].type) for name in columns), *clock.values()]
     decided = sa.exists().where(request_outcomes.c.key == sa.bindparam("key"))
     return (
