@@ -18,7 +18,7 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.ext.compiler import compiles
-from sqlalchemy.sql.expression import FunctionElement
+from sqlalchemy.sql.expression import ClauseElement, Executable, FunctionElement
 from sqlalchemy.util import await_only, greenlet_spawn
 
 from fencing.errors import BackendUnavailable, SchemaMissing
@@ -60,6 +60,27 @@ def _now_pg(element: db_now_ms, compiler: Any, **kw: Any) -> str:
 @compiles(db_now_ms, "sqlite")
 def _now_sqlite(element: db_now_ms, compiler: Any, **kw: Any) -> str:
     return "CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)"
+
+
+class one_snapshot(Executable, ClauseElement):
+    """A plan's first statement when its later reads must agree with each other: every statement of the
+    transaction then reads the database as of one moment. PostgreSQL's default (READ COMMITTED) gives each
+    statement its own snapshot, so a read of the stock and a later read of its history, taken while a
+    worker commits between them, disagree on a consistent inventory; REPEATABLE READ READ ONLY takes one
+    snapshot for the whole transaction and, reading only, can never fail to serialize. SQLite's
+    transactions are serialized already (BEGIN IMMEDIATE, fencing.engines): there it asks nothing."""
+
+    inherit_cache = True
+
+
+@compiles(one_snapshot, "postgresql")
+def _snapshot_pg(element: one_snapshot, compiler: Any, **kw: Any) -> str:
+    return "SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY"
+
+
+@compiles(one_snapshot, "sqlite")
+def _snapshot_sqlite(element: one_snapshot, compiler: Any, **kw: Any) -> str:
+    return "SELECT 1"
 
 
 @dataclass(frozen=True, slots=True)

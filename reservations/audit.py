@@ -14,7 +14,7 @@ from enum import StrEnum
 import sqlalchemy as sa
 
 from fencing.plan import Plan
-from fencing.sql import Rows
+from fencing.sql import Rows, one_snapshot
 from reservations.models import HELD, reservations, sku_history
 from reservations.reads import NEWEST_CHECKPOINTS, STOCK_COLUMNS
 
@@ -76,6 +76,9 @@ def invariant_violations() -> Plan[list[Violation]]:
     accepted write (nor than the checkpoint's highest); each idempotency key created one reservation;
     no replenishment ordered on hand past its par.
     """
+    # Read as of one moment: an audit of a live inventory must not see a write in its history that its
+    # read of the stock (taken a statement earlier) did not.
+    yield one_snapshot()
     levels: Rows = yield sa.select(*STOCK_COLUMNS)
     held: Rows = yield (
         sa.select(reservations.c.sku, sa.func.sum(reservations.c.quantity))
