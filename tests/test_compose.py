@@ -278,15 +278,29 @@ def test_health_checks_read_what_the_worker_and_beat_write(
         services["worker"]["environment"]["RESERVATIONS_HEARTBEAT_FILE"], str(heartbeat)
     )
     # The harness names beat's schedule after the process: "celerybeat-schedule*", as in the container.
-    beat_check = health_command(services["beat"]).replace("/tmp", str(folder))
-    wait_until(lambda: shell_passes(worker_check) and shell_passes(beat_check), timeout=30, what="healthy")
+    beat_command = health_command(services["beat"])
 
-    # Files an hour old: unhealthy, until the worker touches its heartbeat and beat rewrites its schedule.
+    def beat_check(where: Path) -> str:
+        return beat_command.replace("/tmp", str(where))
+
+    wait_until(
+        lambda: shell_passes(worker_check) and shell_passes(beat_check(folder)), timeout=30, what="healthy"
+    )
+
+    # Files an hour old are unhealthy: shown on copies, which no process rewrites between aging and check
+    # (beat rewrites its schedule every half second here).
+    aged = folder / "aged"
+    aged.mkdir()
+    for path in [heartbeat, *folder.glob("celerybeat-schedule*")]:
+        copy = Path(shutil.copy2(path, aged))
+        os.utime(copy, (copy.stat().st_atime, copy.stat().st_mtime - 3600))
+    assert not shell_passes(worker_check.replace(str(heartbeat), str(aged / heartbeat.name)))
+    assert not shell_passes(beat_check(aged))
+    # The live files, aged the same way, are healthy again once the worker and beat write them.
     for path in [heartbeat, *folder.glob("celerybeat-schedule*")]:
         os.utime(path, (path.stat().st_atime, path.stat().st_mtime - 3600))
-    assert not shell_passes(worker_check) and not shell_passes(beat_check)
     wait_until(lambda: shell_passes(worker_check), timeout=15, what="the worker to touch its heartbeat")
-    wait_until(lambda: shell_passes(beat_check), timeout=15, what="beat to rewrite its schedule")
+    wait_until(lambda: shell_passes(beat_check(folder)), timeout=15, what="beat to rewrite its schedule")
 
 
 # -- every profile: pinned images, rotated logs, loopback ports, Redis's password and memory, Flower --------
