@@ -11,6 +11,9 @@ Members are tried in turn. A member that cannot be reached, or answers "not now"
 change, a request that timed out in consensus), sends the call to the next, for up to ``retry_for``
 seconds; then the call fails as :class:`BackendUnavailable`, whose effect is unknown (the core makes
 every write safe to repeat or to leave undone).
+
+httpx is imported where a call is made, not with this module: every process that reads lease URLs imports
+this one (the worker, the command line), and only those on etcd need an HTTP client.
 """
 
 from __future__ import annotations
@@ -21,14 +24,15 @@ import time
 from collections.abc import Awaitable, Callable, Generator
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import unquote, urlsplit
-
-import httpx
 
 from fencing.errors import BackendUnavailable, InvalidLeaseRequest
 from fencing.plan import Atomic, Gateway, Op, Plan, Sleep, foreign, run_async, run_sync
 from fencing.redis_backend import validate_prefix
+
+if TYPE_CHECKING:
+    import httpx
 
 T = TypeVar("T")
 
@@ -95,6 +99,8 @@ class _Members:
         """The exchange for one gateway call, written once for both executors: it yields each request to
         send (or a pause between rounds of the members) and receives the response; it returns the reply,
         or raises the refusal or BackendUnavailable."""
+        import httpx
+
         deadline = time.monotonic() + self.retry_for
         count, last, start = len(self.target.members), "no member answered", self.first
 
@@ -159,6 +165,8 @@ class SyncEtcdExecutor:
     def __init__(
         self, target: EtcdTarget, sleep: Callable[[float], None], *, retry_for: float = 5.0, **options: Any
     ) -> None:
+        import httpx
+
         self.members = _Members(target, retry_for, options.pop("timeout", 3.0))
         self.sleep = sleep
         self.client = httpx.Client(**options)
@@ -196,6 +204,8 @@ class AsyncEtcdExecutor:
         retry_for: float = 5.0,
         **options: Any,
     ) -> None:
+        import httpx
+
         self.members = _Members(target, retry_for, options.pop("timeout", 3.0))
         self.sleep = sleep
         self.client = httpx.AsyncClient(**options)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from celery import Celery
 
+from tasks import producer as _producer  # noqa: F401  (stamps the headers of every message published)
 from tasks import transport
 from tasks.relay import RelayStep
 from tasks.settings import REDIS, Settings, scheme_of

@@ -17,10 +17,8 @@ import os
 import stat
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import quote, urlsplit
-
-from celery import Celery
 
 from fencing import InvalidLeaseRequest
 from fencing.engines import POOLING_MODES
@@ -31,6 +29,9 @@ from fencing.redis_backend import validate_prefix
 from fencing.urls import mask_url, normalize_url
 from reservations import numerals
 from tasks import tracing
+
+if TYPE_CHECKING:
+    from celery import Celery
 
 PREFIX = "RESERVATIONS_"
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import signal
 from collections.abc import Callable, Iterator
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import sqlalchemy as sa
 import typer
@@ -26,8 +26,10 @@ from reservations.inventory import Inventory
 from reservations.models import request_outcomes
 from reservations.statuses import RequestStatus
 from tasks.logs import say
-from tasks.producer import Producer
 from tasks.settings import Settings
+
+if TYPE_CHECKING:
+    from tasks.producer import Producer
 
 DEFAULT_PORT = 9809
 # A scope no lease is taken of: reading it asks the lease backend without touching any SKU's lease.
@@ -165,6 +167,8 @@ def metrics_command(
     status, queued requests. The workers' own metrics are served by each worker
     (RESERVATIONS_METRICS_PORT). Exit 1 when it cannot listen there (the port is taken), 4 when the
     database does not answer (--once)."""
+    from tasks.producer import Producer  # here: Celery's app would cost every other command its start
+
     inventory, leases = context.inventory(), context.leases()
     producer = Producer.configured(context.config.settings)
     registry = CollectorRegistry(auto_describe=False)
