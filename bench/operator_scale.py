@@ -195,7 +195,7 @@ def main() -> None:
             bare = [
                 sys.executable,
                 "-c",
-                "import sqlalchemy.orm, sqlalchemy.ext.asyncio, sqlmodel, typer, rich, psycopg",
+                "import sqlalchemy.orm, sqlalchemy.ext.asyncio, sqlmodel, typer, rich, psycopg, redis",
             ]
             rows.append(("reference: the libraries' imports alone", _timed(_command(bare, env)), None))
         finally:
