@@ -15,7 +15,8 @@ from reservations.audit import Rule
 from reservations.errors import ConstraintRefused, KeyTaken
 
 # The unique keys a request's rows carry, by PostgreSQL constraint name and by SQLite's ``table.column``:
-# which of the request's rows already exists under its key.
+# which of the request's rows already exists under its key. (A request's record, accepted_requests, is
+# never refused on its key: every insert of it says ON CONFLICT, reservations.acceptance.)
 _KEYS = {
     "reservations_idempotency_key_key": "reservation",
     "reservations.idempotency_key": "reservation",
@@ -30,9 +31,6 @@ _KEYS = {
     "request_redrives.redrive_key": "redrive",
     "uq_request_redrives_origin_number": "redrive",
     "request_redrives.origin_key": "redrive",
-    # A request the front door accepted under the key (reservations.acceptance).
-    "accepted_requests_pkey": "acceptance",
-    "accepted_requests.key": "acceptance",
 }
 
 # The CHECK constraints that state an invariant of the audit (reservations.models declares them).

@@ -18,7 +18,8 @@
     ├── IdempotencyConflict     the key was used before for a different request
     ├── RequestClosed           the key's request already ended without effect (invalid, dead-lettered)
     ├── KeyTaken                a row under the request's key exists already: a concurrent copy of the
-    │                           request committed first (where: reservation, record, outcome, pending)
+    │                           request committed first (where: reservation, record, outcome, pending,
+    │                           redrive)
     ├── ConstraintRefused       the database refused a write that would break a rule (constraint, rule):
     │                           a bug or a foreign writer, never retried
     ├── ArchiveInterrupted      an archive run stopped at a span (partition, why) with nothing of it lost:
