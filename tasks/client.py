@@ -5,27 +5,30 @@ are read from the database's request outcomes (written once per key), not the re
 resolves after the result expired or its worker died, and publishing needs only the broker. An outcome
 stored under the key by a different request raises :class:`IdempotencyConflict` instead.
 
-The blocking methods (``*_sync``) and the async ones call one core without I/O: the payload checked
-before anything is recorded, the request's record, its handle, whether a stored outcome is the handle's
-own. The sync shell records and publishes from the calling thread (:class:`tasks.producer.Sender`) and
-polls the key's outcome row. The async shell never blocks its event loop: one thread records and
-publishes in batches (:class:`Outbox`), and one watcher per event loop reads every awaited key at once
-(:class:`OutcomeWatcher`). The relay (tasks.relay) publishes again a recorded request
-whose message was lost, so nothing here publishes twice.
+Each enqueue is written once, as a function that says what it asks for (:class:`Asked`): the client's
+method of that name awaits it and its ``*_sync`` twin blocks on it. Both call one core without I/O: the
+payload checked before anything is recorded, the request's record, its handle, whether a stored outcome
+is the handle's own. The sync shell records and publishes from the calling thread
+(:class:`tasks.producer.Sender`) and polls the key's outcome row. The async shell never blocks its event
+loop: one thread records and publishes in batches (:class:`Outbox`), and one watcher per event loop reads
+every awaited key at once (:class:`OutcomeWatcher`). The relay (tasks.relay) publishes again a recorded
+request whose message was lost, so nothing here publishes twice.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import inspect
 import logging
 import threading
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
-from dataclasses import dataclass
-from typing import Any, TypeVar, cast
+from dataclasses import dataclass, field
+from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 
 from celery import Celery
 from kombu.exceptions import OperationalError
@@ -47,6 +50,7 @@ __all__ = ["ReservationClient", "ReservationHandle", "enqueue_reservation"]
 
 log = logging.getLogger("tasks.client")
 T = TypeVar("T")
+P = ParamSpec("P")
 
 
 def _known(operation: str) -> str:
@@ -336,6 +340,131 @@ class Outbox:
         self._publisher.shutdown(wait=False)
 
 
+@dataclass(frozen=True)
+class Asked:
+    """An enqueue as its caller asked for it, before anything is checked, recorded or sent: the task's
+    name, the key, the deadline, the caller's traceparent, and the arguments (``given``, checked as a
+    worker checks them, or ``sent`` as they are)."""
+
+    name: str
+    key: str
+    deadline: float | None
+    traceparent: str | None
+    given: dict[str, Any] = field(default_factory=dict)
+    sent: dict[str, Any] | None = None
+
+
+# Every enqueue takes ``deadline``: seconds since the epoch after which a worker that takes the request up
+# ends it ``expired``, touching no stock (tasks.messages.late). It is no part of the request: the same key
+# sent with another deadline names the same request. And ``traceparent``: the W3C traceparent of the
+# caller's span, which the worker's log lines and spans continue (unset: the trace the caller is in,
+# tasks.tracing.current, if any).
+
+
+def reservation(
+    sku: str,
+    quantity: int,
+    *,
+    idempotency_key: str,
+    hold_for: float | None = None,
+    deadline: float | None = None,
+    traceparent: str | None = None,
+) -> Asked:
+    """A reservation of ``quantity`` units of ``sku``, held ``hold_for`` seconds (the workers' hold
+    unless given) until it is confirmed or released."""
+    given = {"sku": sku, "quantity": quantity, "hold_for": hold_for}
+    return Asked("reserve", idempotency_key, deadline, traceparent, given)
+
+
+def order(
+    lines: list[tuple[str, int]],
+    *,
+    idempotency_key: str,
+    hold_for: float | None = None,
+    deadline: float | None = None,
+    traceparent: str | None = None,
+) -> Asked:
+    """An order: every line's units reserved under every line's lease, or none."""
+    return Asked(
+        "reserve_order", idempotency_key, deadline, traceparent, {"lines": lines, "hold_for": hold_for}
+    )
+
+
+def count(
+    sku: str,
+    counted: int,
+    *,
+    idempotency_key: str,
+    deadline: float | None = None,
+    traceparent: str | None = None,
+) -> Asked:
+    """A cycle count: the worker reads the SKU's stock under its lease and sets on hand to ``counted``
+    (``enqueue_sync("count", shrinkage=...)`` has it count what it read less the shrinkage)."""
+    return Asked("count", idempotency_key, deadline, traceparent, {"sku": sku, "counted": counted})
+
+
+def replenish(
+    sku: str,
+    *,
+    par: int,
+    idempotency_key: str,
+    deadline: float | None = None,
+    traceparent: str | None = None,
+) -> Asked:
+    """Replenishment to par: the worker reads on hand under its lease and books par minus it."""
+    return Asked("replenish", idempotency_key, deadline, traceparent, {"sku": sku, "par": par})
+
+
+def any_request(
+    operation: str,
+    *,
+    idempotency_key: str,
+    deadline: float | None = None,
+    traceparent: str | None = None,
+    **kwargs: Any,
+) -> Asked:
+    """Any request by task operation name: reserve, reserve_order, confirm, release, restock, count,
+    replenish. Its arguments are sent as given (a worker refuses malformed ones)."""
+    valid.idempotency_key(idempotency_key)
+    return Asked(_known(operation), idempotency_key, deadline, traceparent, sent=kwargs)
+
+
+def _as_method(enqueue: Callable[..., Any], asks: Callable[..., Asked], name: str) -> None:
+    """``enqueue`` dressed as ``asks`` made the client's method ``name``: its docstring, and its parameters
+    after ``self``."""
+    functools.update_wrapper(enqueue, asks)
+    enqueue.__name__, enqueue.__qualname__ = name, f"ReservationClient.{name}"
+    signature = inspect.signature(asks)
+    self = inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)
+    enqueue.__signature__ = signature.replace(  # type: ignore[attr-defined]
+        parameters=[self, *signature.parameters.values()], return_annotation="ReservationHandle"
+    )
+
+
+def _blocking(
+    asks: Callable[P, Asked], name: str
+) -> Callable[Concatenate[ReservationClient, P], ReservationHandle]:
+    """The client method that records and publishes, from the calling thread, what ``asks`` says."""
+
+    def enqueue(self: ReservationClient, /, *args: P.args, **kwargs: P.kwargs) -> ReservationHandle:
+        return self._send(asks(*args, **kwargs))
+
+    _as_method(enqueue, asks, name)
+    return enqueue
+
+
+def _awaited(
+    asks: Callable[P, Asked], name: str
+) -> Callable[Concatenate[ReservationClient, P], Coroutine[Any, Any, ReservationHandle]]:
+    """The client coroutine method that has the publishing thread record and publish what ``asks`` says."""
+
+    async def enqueue(self: ReservationClient, /, *args: P.args, **kwargs: P.kwargs) -> ReservationHandle:
+        return await self._queue(asks(*args, **kwargs))
+
+    _as_method(enqueue, asks, name)
+    return enqueue
+
+
 class ReservationClient:
     """Producer side. Create one per process (or per event loop for the async methods) and close it."""
 
@@ -359,56 +488,41 @@ class ReservationClient:
         if self._closed:
             raise ClientClosed("the client is closed")
 
-    def _request(
-        self, name: str, key: str, deadline: float | None, sent: dict[str, Any] | None, given: dict[str, Any]
-    ) -> Request:
-        """The request of type ``name``: ``given`` arguments checked first as a worker checks them (one that
-        could never succeed is refused with :class:`InvalidRequest` here, not dead-lettered by a worker), or
+    def _request(self, asked: Asked) -> Request:
+        """The request asked for: ``given`` arguments checked first as a worker checks them (one that could
+        never succeed is refused with :class:`InvalidRequest` here, not dead-lettered by a worker), or
         ``sent`` as they are; refused before anything is recorded for a closed client, a bad key or
         deadline."""
+        name, sent, given = asked.name, asked.sent, asked.given
         if sent is None:
             checked = messages.normalized(name, given)[0]
             sent = {k: [list(x) for x in v] if k == "lines" else v for k, v in checked.items() if k in given}
         self._check_open()
-        valid.idempotency_key(key)
-        if is_redrive_key(key):  # the name of a re-drive, which only `redrive` may take
-            raise InvalidRequest(f"{key!r} is a re-drive's key (<key>~redrive-<n>)", field="idempotency_key")
-        valid.deadline(deadline)
-        return request_of(name, key, sent, deadline=deadline)
+        valid.idempotency_key(asked.key)
+        if is_redrive_key(asked.key):  # the name of a re-drive, which only `redrive` may take
+            raise InvalidRequest(
+                f"{asked.key!r} is a re-drive's key (<key>~redrive-<n>)", field="idempotency_key"
+            )
+        valid.deadline(asked.deadline)
+        return request_of(name, asked.key, sent, deadline=asked.deadline)
 
     def _handle(self, request: Request, task_id: str) -> ReservationHandle:
         return ReservationHandle(request.key, task_id, self, request.operation, request.fingerprint)
 
-    def _send(
-        self,
-        name: str,
-        key: str,
-        deadline: float | None,
-        sent: dict[str, Any] | None = None,
-        *,
-        traceparent: str | None = None,
-        **given: Any,
-    ) -> ReservationHandle:
-        trace = _trace(traceparent)
-        request = self._request(name, key, deadline, sent, given)
+    def _send(self, asked: Asked) -> ReservationHandle:
+        """The blocking shell of every enqueue: recorded and published from the calling thread."""
+        trace = _trace(asked.traceparent)
+        request = self._request(asked)
         try:
             task_id = self._sender.send(request, trace)
         except OperationalError as exc:  # recorded: the relay publishes it once the broker answers
             raise BrokerUnavailable.of(exc) from exc
         return self._handle(request, task_id)
 
-    async def _queue(
-        self,
-        name: str,
-        key: str,
-        deadline: float | None,
-        sent: dict[str, Any] | None = None,
-        *,
-        traceparent: str | None = None,
-        **given: Any,
-    ) -> ReservationHandle:
-        trace = _trace(traceparent)
-        request = self._request(name, key, deadline, sent, given)
+    async def _queue(self, asked: Asked) -> ReservationHandle:
+        """The async shell of every enqueue: recorded and published by the publishing thread, in batches."""
+        trace = _trace(asked.traceparent)
+        request = self._request(asked)
         return self._handle(request, await self._outbox.publish(request, trace=trace))
 
     async def publish_recorded(
@@ -419,140 +533,17 @@ class ReservationClient:
         self._check_open()
         return self._handle(request, await self._outbox.publish(request, recorded=True, trace=trace))
 
-    # Every enqueue takes ``deadline``: seconds since the epoch after which a worker that takes the
-    # request up ends it ``expired``, touching no stock (tasks.messages.late). It is no part of the
-    # request: the same key sent with another deadline names the same request. And ``traceparent``: the
-    # W3C traceparent of the caller's span, which the worker's log lines and spans continue (unset: the
-    # trace the caller is in, tasks.tracing.current, if any).
-
-    def enqueue_reservation_sync(
-        self,
-        sku: str,
-        quantity: int,
-        *,
-        idempotency_key: str,
-        hold_for: float | None = None,
-        deadline: float | None = None,
-        traceparent: str | None = None,
-    ) -> ReservationHandle:
-        return self._send(
-            "reserve", idempotency_key, deadline, traceparent=traceparent, sku=sku, quantity=quantity,
-            hold_for=hold_for,
-        )  # fmt: skip
-
-    async def enqueue_reservation(
-        self,
-        sku: str,
-        quantity: int,
-        *,
-        idempotency_key: str,
-        hold_for: float | None = None,
-        deadline: float | None = None,
-        traceparent: str | None = None,
-    ) -> ReservationHandle:
-        return await self._queue(
-            "reserve", idempotency_key, deadline, traceparent=traceparent, sku=sku, quantity=quantity,
-            hold_for=hold_for,
-        )  # fmt: skip
-
-    async def enqueue_order(
-        self,
-        lines: list[tuple[str, int]],
-        *,
-        idempotency_key: str,
-        hold_for: float | None = None,
-        deadline: float | None = None,
-        traceparent: str | None = None,
-    ) -> ReservationHandle:
-        return await self._queue(
-            "reserve_order",
-            idempotency_key,
-            deadline,
-            traceparent=traceparent,
-            lines=lines,
-            hold_for=hold_for,
-        )
-
-    def enqueue_count_sync(
-        self,
-        sku: str,
-        counted: int,
-        *,
-        idempotency_key: str,
-        deadline: float | None = None,
-        traceparent: str | None = None,
-    ) -> ReservationHandle:
-        """A cycle count: the worker reads the SKU's stock under its lease and sets on hand to ``counted``
-        (``enqueue_sync("count", shrinkage=...)`` has it count what it read less the shrinkage)."""
-        return self._send(
-            "count", idempotency_key, deadline, traceparent=traceparent, sku=sku, counted=counted
-        )
-
-    async def enqueue_count(
-        self,
-        sku: str,
-        counted: int,
-        *,
-        idempotency_key: str,
-        deadline: float | None = None,
-        traceparent: str | None = None,
-    ) -> ReservationHandle:
-        return await self._queue(
-            "count", idempotency_key, deadline, traceparent=traceparent, sku=sku, counted=counted
-        )
-
-    def enqueue_replenish_sync(
-        self,
-        sku: str,
-        *,
-        par: int,
-        idempotency_key: str,
-        deadline: float | None = None,
-        traceparent: str | None = None,
-    ) -> ReservationHandle:
-        """Replenishment to par: the worker reads on hand under its lease and books par minus it."""
-        return self._send("replenish", idempotency_key, deadline, traceparent=traceparent, sku=sku, par=par)
-
-    async def enqueue_replenish(
-        self,
-        sku: str,
-        *,
-        par: int,
-        idempotency_key: str,
-        deadline: float | None = None,
-        traceparent: str | None = None,
-    ) -> ReservationHandle:
-        return await self._queue(
-            "replenish", idempotency_key, deadline, traceparent=traceparent, sku=sku, par=par
-        )
-
-    def enqueue_sync(
-        self,
-        operation: str,
-        *,
-        idempotency_key: str,
-        deadline: float | None = None,
-        traceparent: str | None = None,
-        **kwargs: Any,
-    ) -> ReservationHandle:
-        """Any request by task operation name: reserve, reserve_order, confirm, release, restock,
-        count, replenish. Its arguments are sent as given (a worker refuses malformed ones)."""
-        valid.idempotency_key(idempotency_key)
-        return self._send(_known(operation), idempotency_key, deadline, kwargs, traceparent=traceparent)
-
-    async def enqueue(
-        self,
-        operation: str,
-        *,
-        idempotency_key: str,
-        deadline: float | None = None,
-        traceparent: str | None = None,
-        **kwargs: Any,
-    ) -> ReservationHandle:
-        valid.idempotency_key(idempotency_key)
-        return await self._queue(
-            _known(operation), idempotency_key, deadline, kwargs, traceparent=traceparent
-        )
+    # Each enqueue is written once, as what it asks for (the functions below the class); ``name`` awaits
+    # it and ``name_sync`` blocks on it.
+    enqueue_reservation = _awaited(reservation, "enqueue_reservation")
+    enqueue_reservation_sync = _blocking(reservation, "enqueue_reservation_sync")
+    enqueue_order = _awaited(order, "enqueue_order")
+    enqueue_count = _awaited(count, "enqueue_count")
+    enqueue_count_sync = _blocking(count, "enqueue_count_sync")
+    enqueue_replenish = _awaited(replenish, "enqueue_replenish")
+    enqueue_replenish_sync = _blocking(replenish, "enqueue_replenish_sync")
+    enqueue = _awaited(any_request, "enqueue")
+    enqueue_sync = _blocking(any_request, "enqueue_sync")
 
     def redrive_sync(self, key: str, *, by: str | None = None) -> ReservationHandle:
         """Drive the dead-lettered request under ``key`` again as a new request (``<key>~redrive-<n>``,
