@@ -161,6 +161,13 @@ class DelayProxy:
             with self._lock:
                 self._sockets.discard(sock)
 
+    def cut(self) -> None:
+        """Close every connection open now, as a dropped link or a restarted server would; later ones are
+        accepted as before."""
+        with self._lock:
+            open_sockets = list(self._sockets)
+        self._close(*open_sockets)
+
     def close(self) -> None:
         self._closed.set()
         with suppress(OSError):

@@ -7,10 +7,12 @@ with the database down instead, nothing is recorded and nothing published."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from contextlib import suppress
 from pathlib import Path
 
 import pytest
+import redis
 from celery import Celery
 from kombu.exceptions import OperationalError
 
@@ -21,6 +23,9 @@ from tasks import BrokerUnavailable, ReservationClient
 from tasks.app import create_app
 from tasks.settings import Settings
 from testing.harness import free_port
+from testing.proxy import DelayProxy
+from testing.redis_servers import redis_server
+from testing.support import queued_messages
 
 CALLERS = 100
 # One publish retry round is about 0.6 s and the callers span two batches; a round per message took 61 s.
@@ -106,3 +111,45 @@ async def test_nothing_is_published_when_the_request_cannot_be_recorded(tmp_path
                     await client.enqueue_reservation("SKU", 1, idempotency_key="k")
     finally:
         app.close()
+
+
+async def test_a_batch_whose_pipeline_fails_is_published_again_one_by_one(tmp_path: Path) -> None:
+    """A batch's pushes go in one pipeline on the publishing thread's pooled connection. When the link
+    drops while the pipeline is on its way, every push of it is uncertain: each message is published
+    again one by one, reconnecting, so every caller still gets its task id and every request is on the
+    queue (a copy twice is harmless), none told the broker is down."""
+    cuts: list[bytes] = []
+
+    def watch() -> Callable[[bytes], None]:
+        def seen(chunk: bytes) -> None:
+            if not cuts and chunk.count(b"LPUSH") >= 2:  # a pipeline of pushes, the first one only
+                cuts.append(chunk)
+                link.cut()
+
+        return seen
+
+    with redis_server(tmp_path / "redis") as server:
+        link = DelayProxy(("127.0.0.1", server.port), delay=0, fraction=0, observe=watch).start()
+        app = create_app(
+            Settings.from_env(
+                {
+                    "RESERVATIONS_BROKER_URL": f"redis://127.0.0.1:{link.port}/0",
+                    "RESERVATIONS_DATABASE_URL": database(tmp_path),
+                }
+            )
+        )
+        broker = redis.Redis.from_url(server.url(0))
+        client = ReservationClient(app)
+        try:
+            keys = [f"cut-{i}" for i in range(CALLERS)]
+            handles = await asyncio.gather(
+                *(client.enqueue_reservation("SKU", 1, idempotency_key=key) for key in keys)
+            )
+            assert cuts, "no pipeline of pushes went through the link"
+            assert [handle.key for handle in handles] == keys
+            queued = [message["kwargs"]["idempotency_key"] for message in queued_messages(broker)]
+            assert set(queued) == set(keys)
+        finally:
+            await client.aclose()
+            broker.close()
+            link.close()
