@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 
-from testing.harness import STOP_TIMEOUT, HarnessError, end_process, free_port, wait_until
+from testing.harness import STOP_TIMEOUT, HarnessError, end_process, free_port, tls, wait_until
 
 START_TIMEOUT = 20.0
 
@@ -84,7 +84,7 @@ class EtcdMember:
     def status(self) -> dict[str, str] | None:
         """The member's /v3/maintenance/status, or None while it does not answer."""
         try:
-            reply = httpx.post(f"{self.client_url}/v3/maintenance/status", json={}, timeout=0.5)
+            reply = httpx.post(f"{self.client_url}/v3/maintenance/status", json={}, timeout=0.5, verify=tls())
         except httpx.HTTPError:
             return None
         return reply.json() if reply.status_code == 200 else None
@@ -142,7 +142,12 @@ class EtcdCluster:
         }
         for member in self.members:
             with suppress(httpx.HTTPError):
-                if httpx.post(f"{member.client_url}/v3/kv/put", json=body, timeout=2).status_code == 200:
+                if (
+                    httpx.post(
+                        f"{member.client_url}/v3/kv/put", json=body, timeout=2, verify=tls()
+                    ).status_code
+                    == 200
+                ):
                     return
         raise HarnessError(f"no etcd member took the write of {key!r}")
 

@@ -11,10 +11,12 @@ group reaches a worker's pool children too.
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import signal
 import socket
+import ssl
 import subprocess
 import time
 from collections.abc import Callable
@@ -27,6 +29,15 @@ T = TypeVar("T")
 POLL = 0.02
 START_TIMEOUT = 60.0  # a worker imports celery, sqlalchemy and the app: seconds on a busy 2-CPU box
 STOP_TIMEOUT = 10.0
+
+
+@functools.cache
+def tls() -> ssl.SSLContext:
+    """The TLS context every HTTP client of this process is given (``httpx.Client(verify=tls())``): without
+    one, httpx builds a context per client and loads the CA bundle into it, about 30 ms of CPU, and a wait
+    that polls with a client of its own each time spent most of a core on that. The harness's clients speak
+    plain HTTP to loopback; the context is there for the odd https URL."""
+    return ssl.create_default_context()
 
 
 class HarnessError(RuntimeError):

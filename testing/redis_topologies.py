@@ -17,6 +17,10 @@ import redis
 from testing.harness import HarnessError, free_port, wait_until
 from testing.redis_servers import RedisNode
 
+# How often a topology's state is asked while it converges (seconds of gossip and elections): each look
+# opens a connection per node and sentinel, so the harness's usual 20 ms would spend a core on asking.
+LOOK = 0.1
+
 # Settings every data node of a topology runs with: no persistence (a kill loses the data, as with
 # RedisServer), and a full resync (a replica joining, a demoted primary) started at once instead of after
 # the 5 s Redis waits by default for more replicas to share the transfer.
@@ -165,7 +169,9 @@ class SentinelTopology:
         return ports.pop() if len(ports) == 1 else None
 
     def primary(self, timeout: float = 30) -> RedisNode:
-        return self.node(wait_until(self.named_primary, timeout=timeout, what="the sentinels to agree"))
+        return self.node(
+            wait_until(self.named_primary, timeout=timeout, what="the sentinels to agree", interval=LOOK)
+        )
 
     def replica(self, timeout: float = 30) -> RedisNode:
         primary = self.primary(timeout)
@@ -199,7 +205,7 @@ class SentinelTopology:
         return True
 
     def wait_healthy(self, timeout: float = 30) -> None:
-        wait_until(self.healthy, timeout=timeout, what="the sentinel topology to be healthy")
+        wait_until(self.healthy, timeout=timeout, what="the sentinel topology to be healthy", interval=LOOK)
 
     def failover(self, timeout: float = 30) -> RedisNode:
         """``SENTINEL FAILOVER``: the replica is promoted while the primary still runs; the sentinels
@@ -221,7 +227,9 @@ class SentinelTopology:
             port = self.named_primary()
             return port if port not in (None, old.port) else None
 
-        return self.node(wait_until(moved, timeout=timeout, what=f"a primary other than {old.name}"))
+        return self.node(
+            wait_until(moved, timeout=timeout, what=f"a primary other than {old.name}", interval=LOOK)
+        )
 
     def heal(self, timeout: float = 30) -> None:
         """Bring a killed data node back as a replica of the current primary, as an operator would (left
@@ -285,7 +293,7 @@ class ClusterTopology:
         )
         if created.returncode != 0:
             raise HarnessError(f"redis-cli --cluster create failed:\n{created.stdout}{created.stderr}")
-        wait_until(self.ok, timeout=timeout, what="the cluster to be ok on every node")
+        wait_until(self.ok, timeout=timeout, what="the cluster to be ok on every node", interval=LOOK)
 
     def stop(self) -> None:
         for node in self.nodes:
@@ -348,4 +356,5 @@ class ClusterTopology:
             lambda: self.ok() and self.owner(slot) is target,
             timeout=timeout,
             what=f"every node to agree that {target.name} serves slot {slot}",
+            interval=LOOK,
         )

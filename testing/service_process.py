@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 
-from testing.harness import HarnessError, free_port
+from testing.harness import HarnessError, free_port, tls
 
 START_TIMEOUT = 60.0
 STOP_TIMEOUT = 20.0
@@ -57,7 +57,7 @@ class ServiceProcess:
 
     def wait_ready(self, path: str = "/healthz", timeout: float = START_TIMEOUT) -> None:
         deadline = time.monotonic() + timeout
-        with httpx.Client(timeout=2.0) as client:
+        with httpx.Client(timeout=2.0, verify=tls()) as client:
             while True:
                 if self.process is None or self.process.poll() is not None:
                     raise HarnessError(f"{self.name} exited\n{self.tail()}")

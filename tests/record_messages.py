@@ -52,7 +52,7 @@ import redis
 from reservations import Inventory, schema
 from reservations.request_outcomes import request_id
 from testing.celery_processes import worker_env
-from testing.harness import free_port, wait_until
+from testing.harness import free_port, tls, wait_until
 from testing.redis_servers import RedisServer, redis_server
 
 ROOT = Path(__file__).resolve().parent
@@ -262,7 +262,7 @@ def service(env: dict[str, str], log: Path) -> Iterator[str]:
         def ready() -> bool:
             assert process.poll() is None, log.read_text()
             try:
-                return httpx.get(url + "/readyz", timeout=2).status_code == 200
+                return httpx.get(url + "/readyz", timeout=2, verify=tls()).status_code == 200
             except httpx.TransportError:
                 return False
 
@@ -291,7 +291,10 @@ def record_service(folder: Path, server: RedisServer, database_url: str, workdir
         ("count", f"/skus/{SKU_A}/count", {"counted": 7}, {"skus": [SKU_A]}),
     ]
     try:
-        with service(env, workdir / "service.log") as url, httpx.Client(base_url=url, timeout=30) as http:
+        with (
+            service(env, workdir / "service.log") as url,
+            httpx.Client(base_url=url, timeout=30, verify=tls()) as http,
+        ):
             for case, path, body, stand_ins in posts:
                 answer = http.post(path, json=body, headers={**async_, "Idempotency-Key": k(case)})
                 assert answer.status_code == 202, answer.text

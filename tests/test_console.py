@@ -28,7 +28,7 @@ from reservations import validation as valid
 from service.console import Mark, timeline_marks
 from tasks import ReservationClient
 from tasks.producer import request_of
-from testing.harness import wait_until
+from testing.harness import tls, wait_until
 from testing.redis_servers import redis_server
 from testing.service_process import ServiceProcess, front_door
 from testing.support import run
@@ -51,7 +51,9 @@ class Consoled:
     leases: LeaseManager
 
     def http(self, auth: tuple[str, str] | None = AUTH) -> httpx.Client:
-        return httpx.Client(base_url=self.service.url, auth=auth, timeout=30, follow_redirects=False)
+        return httpx.Client(
+            base_url=self.service.url, auth=auth, timeout=30, follow_redirects=False, verify=tls()
+        )
 
     def form_token(self, http: httpx.Client, path: str) -> str:
         page = http.get(path)
@@ -166,7 +168,7 @@ def test_every_page_asks_for_the_password_and_a_name(consoled: Consoled) -> None
         assert http.get("/console/").headers["location"] == "/console/requests"
         assert http.get("/console/requests").status_code == 200
     # Not on the API's description: the console is for operators, not callers.
-    assert "/console" not in httpx.get(consoled.service.url + "/openapi.json").text
+    assert "/console" not in httpx.get(consoled.service.url + "/openapi.json", verify=tls()).text
 
 
 def test_a_refused_action_changes_nothing(consoled: Consoled) -> None:

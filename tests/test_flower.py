@@ -25,7 +25,7 @@ import pytest
 from admin.cli.flower import broker_problem, exposure_problem, parse_basic_auth, primary_url, sentinels_of
 from tasks import Settings, SettingsError, create_app
 from testing.celery_processes import worker_env
-from testing.harness import end_process, free_port, wait_until
+from testing.harness import end_process, free_port, tls, wait_until
 from testing.redis_servers import redis_server
 from testing.redis_topologies import SentinelTopology, sentinel_topology
 from testing.support import run
@@ -172,7 +172,9 @@ def flower(env: dict[str, str], folder: Path) -> Iterator[tuple[httpx.Client, su
         process = subprocess.Popen(
             command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
-    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", auth=(USER, PASSWORD), timeout=5.0)
+    client = httpx.Client(
+        base_url=f"http://127.0.0.1:{port}", auth=(USER, PASSWORD), timeout=5.0, verify=tls()
+    )
 
     def answers() -> bool:
         if process.poll() is not None:
@@ -212,8 +214,13 @@ def test_flower_sees_the_worker_and_its_task_on_each_broker(
             app = create_app(Settings.from_env(running.settings))
             with flower(worker_env(running.settings), tmp_path) as (client, process, log):
                 # Its API asks for the password: none, or a wrong one, is refused.
-                assert httpx.get(client.base_url.join("/api/workers"), timeout=5).status_code == 401
-                wrong = httpx.get(client.base_url.join("/api/workers"), auth=(USER, "nope"), timeout=5)
+                assert (
+                    httpx.get(client.base_url.join("/api/workers"), timeout=5, verify=tls()).status_code
+                    == 401
+                )
+                wrong = httpx.get(
+                    client.base_url.join("/api/workers"), auth=(USER, "nope"), timeout=5, verify=tls()
+                )
                 assert wrong.status_code == 401
 
                 def worker_listed() -> str | None:
@@ -236,6 +243,7 @@ def test_flower_sees_the_worker_and_its_task_on_each_broker(
                     # The Broker tab follows a failover, with the URL's first sentinel gone.
                     topology.failover()
                     topology.sentinels[0].kill()
+
                     # Polled with a deadline: on a loaded machine an answer may take past one call's 5 s.
                     def lengths() -> Any:
                         try:

@@ -39,7 +39,7 @@ from reservations import Inventory
 from reservations import validation as valid
 from service.routes import RESPONSES
 from testing.celery_processes import worker_env
-from testing.harness import free_port, wait_until
+from testing.harness import free_port, tls, wait_until
 from testing.redis_servers import RedisServer, redis_server
 from testing.support import SCRIPT, run
 from testing.workers import Cluster, cluster, migrated_database
@@ -100,7 +100,7 @@ class Service:
             if self.process.poll() is not None:
                 raise AssertionError(f"{self.name} exited with {self.process.returncode}\n{self.tail()}")
             try:
-                return httpx.get(self.url + path, timeout=2).status_code == 200
+                return httpx.get(self.url + path, timeout=2, verify=tls()).status_code == 200
             except httpx.TransportError:
                 return False
 
@@ -125,7 +125,7 @@ class Service:
                 self._log.close()
 
     def client(self) -> httpx.Client:
-        return httpx.Client(base_url=self.url, timeout=30)
+        return httpx.Client(base_url=self.url, timeout=30, verify=tls())
 
 
 def stopped_cleanly(service: Service) -> None:
@@ -183,7 +183,9 @@ def sampled_depth(service: Service, depth: int) -> None:
     """Wait until the service's own sample of its queue (``/readyz``) is ``depth``."""
 
     def seen() -> bool:
-        return bool(httpx.get(service.url + "/readyz", timeout=5).json().get("queue_depth") == depth)
+        return bool(
+            httpx.get(service.url + "/readyz", timeout=5, verify=tls()).json().get("queue_depth") == depth
+        )
 
     wait_until(seen, timeout=10, what=f"{service.name} to sample a queue of {depth}", interval=0.05)
 

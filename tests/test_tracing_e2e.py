@@ -29,7 +29,7 @@ from reservations import Inventory
 from reservations import validation as valid
 from tasks.tracing import parse
 from testing.celery_processes import worker_env
-from testing.harness import free_port, wait_until
+from testing.harness import free_port, tls, wait_until
 from testing.redis_servers import RedisServer, redis_server
 from testing.service_process import ServiceProcess
 from testing.support import refused_worker
@@ -147,7 +147,9 @@ def _reserve(traced: Traced, sku: str, key: str, traceparent: str | None) -> htt
         **({} if traceparent is None else {"traceparent": traceparent}),
     }
     body = {"sku": sku, "quantity": 2}
-    return httpx.post(f"{traced.service.url}/reservations", json=body, headers=headers, timeout=30)
+    return httpx.post(
+        f"{traced.service.url}/reservations", json=body, headers=headers, timeout=30, verify=tls()
+    )
 
 
 def test_a_request_is_followed_from_the_caller_through_the_service_to_the_worker_and_its_statement(

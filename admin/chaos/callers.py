@@ -23,6 +23,7 @@ from admin.chaos.options import FOLLOW_EVERY
 from admin.chaos.workload import Sent
 from fencing.engines import make_engine
 from reservations.models import accepted_requests, request_outcomes
+from testing.harness import tls
 
 # The anonymous caller's space: the front door stores an anonymous caller's key K as "*:K".
 SPACE = "*:"
@@ -90,7 +91,7 @@ class Callers:
             thread.join()
 
     def _call(self) -> None:
-        with httpx.Client(base_url=self.url, timeout=REQUEST_TIMEOUT) as client:
+        with httpx.Client(base_url=self.url, timeout=REQUEST_TIMEOUT, verify=tls()) as client:
             while (request := self._queue.get()) is not None:
                 # The same requests ask for an answer at once in every run of a seed.
                 at_once = zlib.crc32(request.key.encode()) % 1000 < self.respond_async * 1000
@@ -109,7 +110,7 @@ class Callers:
         self.figures.answered_later = len(later)
         found: dict[str, float] = {}
         last: dict[str, int] = {}
-        with httpx.Client(base_url=self.url, timeout=REQUEST_TIMEOUT) as client:
+        with httpx.Client(base_url=self.url, timeout=REQUEST_TIMEOUT, verify=tls()) as client:
             while len(found) < len(later) and time.monotonic() < deadline:
                 step()
                 for key in later:
