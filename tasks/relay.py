@@ -179,10 +179,17 @@ class Relay:
     def _carried(self, dues: list[Due]) -> set[str] | None:
         if self.carried is None:
             return None
-        if all(due.ended or due.queued for due in dues):
+        sought = [due.accepted.task_id for due in dues if not (due.ended or due.queued)]
+        if not sought:
             return set()  # nothing to look for: no scan of the broker
         try:
-            return self.carried()
+            found = self.carried()
+            # A worker takes a message off the queue, then records it as held (kombu, after the pop): for
+            # that moment it is in neither place. What one look misses is looked for once more, by when
+            # it is in the record; only what both miss is lost.
+            if any(task_id not in found for task_id in sought):
+                found |= self.carried()
+            return found
         except Exception as exc:  # the broker does not answer: nothing can be published either
             log.warning("relay: could not look into the broker: %s", exc)
             return None

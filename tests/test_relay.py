@@ -96,6 +96,29 @@ def test_a_lost_message_is_published_again_up_to_the_cap_then_dead_lettered() ->
     assert decide(due(publishes=3), NOW, None, 6) == Action.REPUBLISH
 
 
+def test_a_message_between_the_queue_and_a_workers_record_is_looked_for_again(
+    tmp_path: Path, migrated_sqlite: Path
+) -> None:
+    """A worker takes a message off the queue, then records it as held: for that moment the broker
+    carries it in neither place, and a look then misses it. A request a look misses is looked for once
+    more, so the relay leaves it alone when the second look finds it (and copies it when none does)."""
+    with migrated_database("sqlite", tmp_path, migrated_sqlite) as url, Inventory.from_url(url) as inventory:
+        settings = Settings.from_env(
+            {"RESERVATIONS_DATABASE_URL": url, "RESERVATIONS_BROKER_URL": "redis://127.0.0.1:9/0"}
+        )
+        taken = request_of("reserve", "in-transit", {"sku": "W", "quantity": 1, "hold_for": None})
+        inventory.record_accepted([taken], 0)
+        looks: list[set[str]] = [set(), {taken.task_id}]  # missed, then found in the worker's record
+        relay = Relay(
+            inventory, Producer.configured(settings), after=60, max_publishes=6, carried=lambda: looks.pop(0)
+        )
+        try:
+            done = relay.run_once()
+        finally:
+            relay.producer.close()
+    assert (done.counts[Action.WAIT], done.counts[Action.REPUBLISH], looks) == (1, 0, [])
+
+
 def test_copies_are_spaced_out_only_where_the_broker_cannot_be_looked_into() -> None:
     assert spacing(2.0, spaced=False) == [2.0]
     steps = spacing(2.0, spaced=True)
