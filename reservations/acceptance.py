@@ -163,14 +163,22 @@ def _admission(columns: tuple[str, ...]) -> sa.Insert:
     )
 
 
+# The requests one statement records at most: a record is a dozen bound values, and a statement takes at
+# most 65,535 of them on PostgreSQL and 32,766 on SQLite. A burst of 10,000 enqueues awaited at once is
+# one batch of the publishing thread (tasks.client.Outbox).
+RECORDED_PER_STATEMENT = 1000
+
+
 def record(batch: Sequence[Request], look_after: float) -> Plan[None]:
-    """Record the requests of ``batch`` in one statement; a key recorded already keeps its first record (a
-    second request under it is the same request, or a conflict its worker reports). ``ON CONFLICT DO
-    NOTHING`` is the same text on PostgreSQL and SQLite."""
-    if not batch:
-        return
+    """Record the requests of ``batch``, all of them or none: one statement in autocommit for up to
+    RECORDED_PER_STATEMENT requests, and beyond that a statement per so many in one transaction. A key
+    recorded already keeps its first record (a second request under it is the same request, or a conflict
+    its worker reports). ``ON CONFLICT DO NOTHING`` is the same text on PostgreSQL and SQLite."""
     rows = [request.values(look_after) for request in batch]
-    yield Alone(pg_insert(_T).values(rows).on_conflict_do_nothing(index_elements=[_T.c.key]))
+    chunks = [rows[i : i + RECORDED_PER_STATEMENT] for i in range(0, len(rows), RECORDED_PER_STATEMENT)]
+    for chunk in chunks:
+        insert = pg_insert(_T).values(chunk).on_conflict_do_nothing(index_elements=[_T.c.key])
+        yield Alone(insert) if len(chunks) == 1 else insert
 
 
 def accepted(key: str) -> Plan[Accepted | None]:

@@ -79,3 +79,17 @@ def test_a_key_with_an_outcome_is_answered_with_it_and_not_recorded_again(invent
         conn.execute(sa.text("DELETE FROM accepted_requests WHERE key = :k"), {"k": bare})
     answered = inventory.admit(reserve(bare), 60)
     assert answered.outcome == cancelled and recorded(inventory, bare) == 0
+
+
+def test_a_burst_larger_than_a_statement_takes_is_recorded_whole(inventory: Inventory) -> None:
+    """The publishing thread records a whole batch at once, and 10,000 enqueues awaited together are one
+    batch: more bound values than one statement may carry on either database. Every request is recorded,
+    in one transaction."""
+    burst = [reserve(f"burst-{n}") for n in range(6000)]  # 72,000 values: past PostgreSQL's 65,535
+    with statements(inventory) as sent:
+        inventory.record_accepted(burst, 60)
+    inserts = [s for s in sent if s.startswith("INSERT")]
+    assert len(inserts) == 6
+    with inventory.executor.engine.connect() as conn:
+        keys = conn.execute(sa.text("SELECT key FROM accepted_requests WHERE key LIKE 'burst-%'")).scalars()
+        assert sorted(keys) == sorted(r.key for r in burst)
