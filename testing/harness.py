@@ -19,10 +19,10 @@ import socket
 import ssl
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import suppress
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -59,6 +59,29 @@ def wait_until(check: Callable[[], T | None], *, timeout: float, what: str, inte
         if time.monotonic() > deadline:
             raise HarnessTimeout(f"gave up after {timeout:.0f}s waiting for {what}")
         time.sleep(interval)
+
+
+def spawn(argv: Sequence[str | Path], log: Path, **options: Any) -> subprocess.Popen[bytes]:
+    """``argv`` started in a session of its own, its output appended to ``log``; ``options`` go to Popen
+    (the environment, the working directory, the user)."""
+    with log.open("ab") as out:
+        return subprocess.Popen(
+            [str(a) for a in argv], stdout=out, stderr=subprocess.STDOUT, start_new_session=True, **options
+        )
+
+
+def wait_answering(
+    process: subprocess.Popen[bytes], answers: Callable[[], bool], *, name: str, log: Path, timeout: float
+) -> None:
+    """Wait until the server ``process`` ``answers()``; :class:`HarnessError` at once, pointing at its
+    ``log``, when it exits first."""
+
+    def up() -> bool:
+        if process.poll() is not None:
+            raise HarnessError(f"{name} exited: see {log}")
+        return answers()
+
+    wait_until(up, timeout=timeout, what=f"{name} to answer")
 
 
 def free_port() -> int:

@@ -26,7 +26,15 @@ from typing import Any
 
 import psycopg
 
-from testing.harness import STOP_TIMEOUT, HarnessError, end_process, free_port, wait_until
+from testing.harness import (
+    STOP_TIMEOUT,
+    HarnessError,
+    end_process,
+    free_port,
+    spawn,
+    wait_answering,
+    wait_until,
+)
 
 PG_BIN = Path(os.environ.get("PG_BIN", "/usr/lib/postgresql/15/bin"))
 OS_USER = "postgres"
@@ -126,26 +134,17 @@ class PgServer:
         """Start the server (``command``: what starts it, by default the postgres binary on its data
         directory and port) in a session of its own, and wait until it takes connections."""
         argv = command or [PG_BIN / "postgres", "-D", self.data, "-p", str(self.port)]
-        with self.log_path.open("ab") as log:
-            self.process = subprocess.Popen(
-                [str(a) for a in argv],
-                **_as_owner(env),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        process = self.process
+        self.process = spawn(argv, self.log_path, **_as_owner(env))
 
         def answers() -> bool:
-            if process.poll() is not None:
-                raise HarnessError(f"PostgreSQL {self.name} exited: see {self.log_path}")
             try:
                 psycopg.connect(self.conninfo(dbname="postgres"), connect_timeout=2).close()
             except psycopg.OperationalError:
                 return False
             return True
 
-        wait_until(answers, timeout=START_TIMEOUT, what=f"PostgreSQL {self.name} on port {self.port}")
+        name = f"PostgreSQL {self.name} on port {self.port}"
+        wait_answering(self.process, answers, name=name, log=self.log_path, timeout=START_TIMEOUT)
 
     def query(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
         """One statement in autocommit as the superuser; its rows."""

@@ -26,7 +26,7 @@ from pathlib import Path
 import sqlalchemy as sa
 
 from fencing.engines import make_engine
-from testing.harness import free_port, wait_until
+from testing.harness import free_port, spawn, wait_until
 from testing.stores import POSTGRES_URL
 
 PGBOUNCER = "/usr/sbin/pgbouncer"
@@ -91,8 +91,7 @@ def pgbouncer(
         for path in (folder, *folder.iterdir()):
             os.chown(path, owner.pw_uid, owner.pw_gid)
         command[1:1] = ["-u", "postgres"]
-    with open(folder / "pgbouncer.log", "wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    process = spawn(command, folder / "pgbouncer.log")
     running = PgBouncer(port, folder)
     try:
 

@@ -14,7 +14,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from testing.harness import STOP_TIMEOUT, HarnessError, end_process, free_port, wait_until
+from testing.harness import STOP_TIMEOUT, end_process, free_port, spawn, wait_answering
 
 
 class _RedisProcess:
@@ -60,33 +60,28 @@ class RedisServer(_RedisProcess):
     def start(self) -> None:
         """Start (or restart, on the same port) and wait until it answers PING."""
         self.folder.mkdir(parents=True, exist_ok=True)
-        with self.log_path.open("ab") as log:
-            self.process = subprocess.Popen(
-                [
-                    *("redis-server", "--port", str(self.port), "--bind", "127.0.0.1", *self.binds),
-                    *("--save", "", "--appendonly", "no", "--dir", str(self.folder)),
-                    *("--databases", str(self.databases)),
-                    # Protected mode answers only loopback; the other address is the hosts' service
-                    # address, which nothing but the run's own namespaces reaches.
-                    *(("--protected-mode", "no") if self.binds else ()),
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        process = self.process
+        self.process = spawn(
+            [
+                *("redis-server", "--port", str(self.port), "--bind", "127.0.0.1", *self.binds),
+                *("--save", "", "--appendonly", "no", "--dir", str(self.folder)),
+                *("--databases", str(self.databases)),
+                # Protected mode answers only loopback; the other address is the hosts' service
+                # address, which nothing but the run's own namespaces reaches.
+                *(("--protected-mode", "no") if self.binds else ()),
+            ],
+            self.log_path,
+        )
         client = redis.Redis(port=self.port, socket_connect_timeout=0.5, socket_timeout=0.5)
 
         def answers() -> bool:
-            if process.poll() is not None:
-                raise HarnessError(f"redis-server on port {self.port} exited: see {self.log_path}")
             try:
                 return bool(client.ping())
             except redis.RedisError:
                 return False
 
         try:
-            wait_until(answers, timeout=10, what=f"redis-server on port {self.port} to answer PING")
+            name = f"redis-server on port {self.port}"
+            wait_answering(self.process, answers, name=name, log=self.log_path, timeout=10)
             self.version = str(client.info("server")["redis_version"])
         finally:
             client.close()
@@ -164,21 +159,13 @@ class RedisNode(_RedisProcess):
         if not self.config_path.exists():
             self.config_path.write_text("\n".join(self._settings) + "\n")
         mode = ["--sentinel"] if self.sentinel else []
-        with self.log_path.open("ab") as log:
-            self.process = subprocess.Popen(
-                ["redis-server", str(self.config_path), *mode, *options],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        process = self.process
+        self.process = spawn(["redis-server", str(self.config_path), *mode, *options], self.log_path)
 
         def answers() -> bool:
-            if process.poll() is not None:
-                raise HarnessError(f"redis-server on port {self.port} exited: see {self.log_path}")
             try:
                 return bool(self.ask("PING"))
             except redis.RedisError:
                 return False
 
-        wait_until(answers, timeout=10, what=f"redis-server on port {self.port} to answer PING")
+        name = f"redis-server on port {self.port}"
+        wait_answering(self.process, answers, name=name, log=self.log_path, timeout=10)

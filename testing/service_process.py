@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 
-from testing.harness import HarnessError, free_port, tls
+from testing.harness import HarnessError, free_port, spawn, tls
 
 START_TIMEOUT = 60.0
 STOP_TIMEOUT = 20.0
@@ -45,11 +45,9 @@ class ServiceProcess:
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with self.log_path.open("ab") as log:
-            self.process = subprocess.Popen(
-                self.command, env={**self.env, "PYTHONUNBUFFERED": "1"}, cwd=self.cwd, stdout=log,
-                stderr=subprocess.STDOUT, start_new_session=True,
-            )  # fmt: skip
+        self.process = spawn(
+            self.command, self.log_path, env={**self.env, "PYTHONUNBUFFERED": "1"}, cwd=self.cwd
+        )
 
     def tail(self, lines: int = 30) -> str:
         text = self.log_path.read_text(errors="replace").splitlines()[-lines:]
