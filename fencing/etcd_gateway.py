@@ -33,6 +33,8 @@ from fencing.plan import Atomic, Gateway, Op, Plan, Sleep, foreign, run_async, r
 from fencing.redis_backend import validate_prefix
 
 if TYPE_CHECKING:
+    import ssl
+
     import httpx
 
 T = TypeVar("T")
@@ -161,7 +163,7 @@ class EtcdRefused(Exception):
 
 
 @functools.cache
-def _verifying() -> Any:
+def _verifying() -> ssl.SSLContext:
     """httpx's default TLS context (the system's CA bundle loaded), made once per process and shared by
     every client not given one: httpx makes one per client otherwise, about 30 ms of CPU each."""
     import httpx
