@@ -16,6 +16,7 @@ from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import redis
 from celery import Celery
 
 from fencing import LeaseManager
@@ -23,6 +24,7 @@ from reservations import Inventory
 from reservations.request_outcomes import RequestResult
 from tasks import OutcomeTimeout, ReservationClient, ReservationHandle, Settings, create_app
 from testing.celery_processes import CeleryProcess, start_all, stop_all, worker_env
+from testing.harness import wait_until
 from testing.redis_servers import RedisServer
 from testing.stores import own_pg_schema
 
@@ -108,9 +110,28 @@ class Cluster:
     def client(self) -> ReservationClient:
         return ReservationClient(self.app())
 
-    def arm(self, point: str) -> None:
-        """Arm a one-shot failpoint: the next worker process to reach it fires it."""
+    def arm(self, point: str, *, settle: bool = True) -> None:
+        """Arm a one-shot failpoint once no message is in flight: the next worker process to reach it fires
+        it, for the next request enqueued. A message an earlier request left behind (a second enqueue under
+        the same key, answered from the stored outcome before its message was consumed) would otherwise
+        reach the point first, in a worker the test does not watch. ``settle=False``: arm at once, for a
+        test whose own requests are in flight and meant to reach the point."""
+        if settle:
+            self.settle()
         (self.failpoint_dir / point).unlink(missing_ok=True)
+
+    def settle(self, timeout: float = 30.0) -> None:
+        """Wait until a Redis broker holds no message, queued or delivered and unacknowledged (a RabbitMQ
+        vhost is the cluster's own and not looked at)."""
+        url = self.settings["RESERVATIONS_BROKER_URL"]
+        if not url.startswith("redis"):
+            return
+        with redis.Redis.from_url(url) as broker:
+
+            def idle() -> bool:
+                return broker.llen("celery") == 0 and broker.hlen("unacked") == 0
+
+            wait_until(idle, timeout=timeout, what="the broker to hold no message")
 
     def tails(self, lines: int = 30) -> str:
         return "\n".join(worker.tail(lines) for worker in self.workers)

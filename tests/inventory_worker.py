@@ -8,6 +8,7 @@ of every answer it got.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import sys
@@ -141,6 +142,7 @@ class Worker:
         self.inventory = Inventory.from_url(args.db_url, enforce_fence=args.enforce)
         self.leases = LeaseManager.from_url(args.lease_url, prefix=args.prefix)
         self.finished: list[Request] = []  # confirm/release requests sent, for redelivery
+        self.takeovers = 0
 
     def start(self, phase: str) -> None:
         self.workload = WORKLOADS[phase]
@@ -182,11 +184,30 @@ class Worker:
 
     def outlive(self, lease: Lease, sku: str) -> None:
         """The sleeper's fault: a pause past its lease's expiry that lasts until a newer epoch has written
-        the SKU (or SUPERSEDED_WITHIN ttls), so its write arrives late, not merely after expiry."""
+        the SKU, so its write arrives late, not merely after expiry. When no other worker took the SKU over
+        within SUPERSEDED_WITHIN ttls (it drew a quiet SKU, or the others finished first on a slow
+        machine), the sleeper makes that takeover itself, as a holder of its own."""
         deadline = time.monotonic() + SUPERSEDED_WITHIN * self.args.ttl
         time.sleep(1.2 * self.args.ttl)
-        while self.inventory.stock(sku).fence_token <= lease.token and time.monotonic() < deadline:
+        while self.inventory.stock(sku).fence_token <= lease.token:
+            if time.monotonic() >= deadline:
+                self.take_over(sku)
+                return
             time.sleep(self.args.ttl / 5)
+
+    def take_over(self, sku: str) -> None:
+        """A restock of ``sku`` under a newer lease than the sleeper's, with a key of its own."""
+        self.takeovers += 1
+        request = Request("restock", f"rst.{sku}.{self.holder}.takeover.{self.takeovers}", ((sku, 1),))
+        newer = self.leases.acquire(
+            scope_of(sku), ttl=self.args.ttl, holder=f"{self.holder}-next", wait=ACQUIRE_WAIT
+        )
+        try:
+            outcome = self.inventory.restock(newer, sku, 1, key=request.key)
+            self.answer(request, "applied", outcome)
+        finally:
+            with contextlib.suppress(LeaseLost):
+                self.leases.release(newer)
 
     def attempt(self, request: Request, pause: Callable[[], None], write: Callable[[], Outcome]) -> None:
         started = time.monotonic()

@@ -172,7 +172,7 @@ def test_a_holder_paused_while_serving_is_fenced_off(hot: Stack) -> None:
     mine = leases.acquire(scope_of(sku), ttl=30, holder="test")
     queued_behind(hot, sku, keys, quantity=2)
     # The first task to take the lease after us stops itself right before serving its first batch.
-    hot.cluster.arm("before_write")
+    hot.cluster.arm("before_write", settle=False)  # its requests wait on our lease
     leases.release(mine)
     stopped = None
     try:
