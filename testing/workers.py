@@ -129,7 +129,7 @@ class Cluster:
         with redis.Redis.from_url(url) as broker:
 
             def idle() -> bool:
-                return broker.llen("celery") == 0 and broker.hlen("unacked") == 0
+                return int(broker.llen("celery")) + int(broker.hlen("unacked")) == 0
 
             wait_until(idle, timeout=timeout, what="the broker to hold no message")
 
