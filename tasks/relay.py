@@ -57,6 +57,8 @@ MOST_SPACING = 2**5
 # s, tasks.policy) on top of a lease ttl of waiting. Held longer, its worker is taken to be dead.
 RETRY_COUNTDOWN = 30.0
 WORKER_NAME = "relay"
+# Seconds between the two looks into the broker that must both miss a message for it to count as lost.
+SECOND_LOOK = 0.25
 # Messages read per LRANGE or HSCAN: a 10,000-message backlog is ten round trips.
 CHUNK = 1000
 
@@ -132,6 +134,7 @@ class Relay:
     max_publishes: int
     carried: Callable[[], set[str]] | None
     clock: Callable[[], float] = time.time
+    pause: Callable[[float], None] = time.sleep
     worker: str = WORKER_NAME
     closing: Callable[[], None] = lambda: None
 
@@ -185,9 +188,11 @@ class Relay:
         try:
             found = self.carried()
             # A worker takes a message off the queue, then records it as held (kombu, after the pop): for
-            # that moment it is in neither place. What one look misses is looked for once more, by when
-            # it is in the record; only what both miss is lost.
+            # that moment it is in neither place, and a worker descheduled in between on a loaded host
+            # stays there for tens of milliseconds. What one look misses is looked for once more, a
+            # moment later, by when it is in the record; only what both miss is lost.
             if any(task_id not in found for task_id in sought):
+                self.pause(SECOND_LOOK)
                 found |= self.carried()
             return found
         except Exception as exc:  # the broker does not answer: nothing can be published either

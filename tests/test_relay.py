@@ -31,7 +31,7 @@ from reservations.validation import scope_of
 from tasks import ReservationClient, Settings, create_app
 from tasks.messages import CURRENT_FORMAT, ENQUEUED_AT
 from tasks.producer import Producer, request_of
-from tasks.relay import MOST_SPACING, Action, Relay, decide, ending, relay_of, spacing
+from tasks.relay import MOST_SPACING, SECOND_LOOK, Action, Relay, decide, ending, relay_of, spacing
 from testing.harness import wait_until
 from testing.redis_servers import RedisServer, redis_server
 from testing.support import queued_messages
@@ -109,14 +109,25 @@ def test_a_message_between_the_queue_and_a_workers_record_is_looked_for_again(
         taken = request_of("reserve", "in-transit", {"sku": "W", "quantity": 1, "hold_for": None})
         inventory.record_accepted([taken], 0)
         looks: list[set[str]] = [set(), {taken.task_id}]  # missed, then found in the worker's record
+        paused: list[float] = []
         relay = Relay(
-            inventory, Producer.configured(settings), after=60, max_publishes=6, carried=lambda: looks.pop(0)
+            inventory,
+            Producer.configured(settings),
+            after=60,
+            max_publishes=6,
+            carried=lambda: looks.pop(0),
+            pause=paused.append,
         )
         try:
             done = relay.run_once()
         finally:
             relay.producer.close()
-    assert (done.counts[Action.WAIT], done.counts[Action.REPUBLISH], looks) == (1, 0, [])
+    assert (done.counts[Action.WAIT], done.counts[Action.REPUBLISH], looks, paused) == (
+        1,
+        0,
+        [],
+        [SECOND_LOOK],
+    )
 
 
 def test_copies_are_spaced_out_only_where_the_broker_cannot_be_looked_into() -> None:
