@@ -44,8 +44,10 @@ class Sleep:
 class Alone:
     """One statement that is a whole transaction by itself: on PostgreSQL sent without BEGIN and COMMIT
     (autocommit), so it costs one round trip and holds no lock past its own execution; SQLite runs it in
-    a transaction of its own. ``statement`` is a SQLAlchemy statement, or driver-level SQL with named
-    ``%(name)s`` parameters in ``params`` (PostgreSQL only). The shell answers with its rows."""
+    a transaction of its own. ``statement`` is a SQLAlchemy statement (on PostgreSQL sent on the driver's
+    cursor as compiled when it comes with ``params`` and SQLAlchemy would convert nothing:
+    :func:`fencing.sql.driver_text`), or driver-level SQL with named ``%(name)s`` parameters in
+    ``params`` (PostgreSQL only). The shell answers with its rows."""
 
     statement: Executable | str
     params: dict[str, Any] | None = None

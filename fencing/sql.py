@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, cast
 
 import psycopg
@@ -214,6 +215,43 @@ def execute_alone(engine: Engine, sql: str, params: dict[str, Any] | None) -> Ro
         pooled.close()
 
 
+def driver_text(op: Alone, engine: Engine) -> str | None:
+    """The text the driver takes for ``op``'s statement when SQLAlchemy would add nothing to what goes
+    to the driver or comes back (:func:`_plain`), else None. Only a statement sent with bound values is
+    looked at: those are built once (a statement of literal values is built per call, and SQLAlchemy
+    compiles it anyway)."""
+    if op.params is None or isinstance(op.statement, str):
+        return None
+    return _plain(cast(ClauseElement, op.statement), engine.dialect)
+
+
+@lru_cache(maxsize=256)
+def _plain(statement: ClauseElement, dialect: sa.Dialect) -> str | None:
+    """``statement`` compiled once for ``dialect``, when every value it sends is one of its bound names,
+    sent as given (no bind processing, no expanding list, no value of its own), and every column it
+    returns is read as the driver reads it (no result processing): then the driver's cursor runs it as
+    SQLAlchemy would. None otherwise."""
+    compiled = cast(Any, statement.compile(dialect=dialect))
+    if compiled.positional or compiled._bind_processors:
+        return None
+    if compiled.post_compile_params or compiled.literal_execute_params:
+        return None
+    if any(bind.value is not None or bind.callable is not None for bind in compiled.binds.values()):
+        return None
+    if any(_converted(col.type, dialect) for col in compiled._result_columns):
+        return None
+    return str(compiled.string)
+
+
+def _converted(type_: Any, dialect: sa.Dialect) -> bool:
+    """Whether SQLAlchemy converts what the driver returns for a column of ``type_``; a type that cannot
+    say so before it sees the column's type code (PostgreSQL's NUMERIC) counts as converted."""
+    try:
+        return type_._cached_result_processor(dialect, None) is not None
+    except Exception:
+        return True
+
+
 def _just(op: Alone) -> Plan[Rows]:
     """``op`` as a plan of one statement, for a database that has no autocommit round trip to save."""
     if isinstance(op.statement, str):
@@ -257,12 +295,11 @@ class SyncSqlExecutor:
                 if isinstance(op, Alone):
                     # In autocommit, outside the plan's transaction (sent from here, not from a helper,
                     # so that a one-statement write is the fewest calls from its task).
-                    if isinstance(op.statement, str) and not (
-                        self.engine.dialect.is_async or watched(self.engine)
-                    ):
+                    text = op.statement if isinstance(op.statement, str) else driver_text(op, self.engine)
+                    if text is not None and not (self.engine.dialect.is_async or watched(self.engine)):
                         # On the driver's cursor: the one-statement writes pay no SQLAlchemy execution
                         # around them. An engine whose statements are watched runs them below instead.
-                        return execute_alone(self.engine, op.statement, op.params)
+                        return execute_alone(self.engine, text, op.params)
                     with self.engine.connect() as alone:
                         auto = alone.execution_options(isolation_level="AUTOCOMMIT")
                         if isinstance(op.statement, str):

@@ -12,8 +12,12 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from fencing.engines import make_engine
+from fencing.plan import Alone
+from fencing.sql import driver_text
 from reservations import Inventory
 from tasks.producer import request_of
+from testing.stores import POSTGRES_URL
 
 _keys = itertools.count()
 
@@ -93,3 +97,47 @@ def test_a_burst_larger_than_a_statement_takes_is_recorded_whole(inventory: Inve
     with inventory.executor.engine.connect() as conn:
         keys = conn.execute(sa.text("SELECT key FROM accepted_requests WHERE key LIKE 'burst-%'")).scalars()
         assert sorted(keys) == sorted(r.key for r in burst)
+
+
+def test_one_request_is_recorded_in_one_statement_and_read_back_alike_on_both_paths(
+    inventory: Inventory,
+) -> None:
+    """A producer records each request it enqueues alone: one statement, the same text every time. Read
+    back on the driver's cursor (PostgreSQL, nothing listening) and through SQLAlchemy (a listener makes
+    the engine watched), the record is the same."""
+    first, second = reserve("alone-1"), reserve("alone-2")
+    with statements(inventory) as sent:
+        inventory.record_accepted([first], 60)
+        inventory.record_accepted([second], 60)
+    assert len(sent) == 2 and sent[0] == sent[1] and sent[0].startswith("INSERT")
+    plain = inventory.accepted(first.key)
+    with statements(inventory):
+        watched = inventory.accepted(first.key)
+    assert plain == watched
+    assert plain is not None and (plain.key, plain.arguments) == (first.key, dict(first.arguments))
+
+
+def test_a_statement_goes_to_the_drivers_cursor_only_when_sqlalchemy_adds_nothing() -> None:
+    """fencing.sql.driver_text: a statement built once and sent with bound values runs on the driver's
+    cursor as compiled; one with an expanding list, a value of its own, a bind or result type that
+    SQLAlchemy converts, or sent without bound values stays with SQLAlchemy."""
+    engine = make_engine(POSTGRES_URL)
+    try:
+        columns = [sa.column("k", sa.String), sa.column("n", sa.BigInteger), sa.column("j", sa.JSON)]
+        table = sa.table("t", *columns, sa.column("x", sa.Numeric(asdecimal=False)))
+        by_key = sa.select(table.c.k, table.c.n).where(table.c.k == sa.bindparam("k"))
+        text = driver_text(Alone(by_key, {"k": "a"}), engine)
+        assert text is not None and "%(k)s" in text
+        assert driver_text(Alone(by_key), engine) is None  # no bound values: built per call
+        others = {
+            "an expanding list": sa.select(table.c.k).where(
+                table.c.k.in_(sa.bindparam("ks", expanding=True))
+            ),
+            "a value of its own": sa.select(table.c.k).where(table.c.n == 5, table.c.k == sa.bindparam("k")),
+            "a converted bind": sa.update(table).values(j=sa.bindparam("j")),
+            "a converted result": sa.select(table.c.x).where(table.c.k == sa.bindparam("k")),
+        }
+        kept = {name: driver_text(Alone(stmt, {"k": "a"}), engine) for name, stmt in others.items()}
+        assert kept == dict.fromkeys(others)
+    finally:
+        engine.dispose()
