@@ -175,22 +175,26 @@ def execute_alone(engine: Engine, sql: str, params: dict[str, Any] | None) -> Ro
     and Row objects cost more client time per call than psycopg's own sending and reading (a reservation
     is one such statement). The rows are named tuples with the statement's column names, read by
     attribute as SQLAlchemy's rows are. A driver error comes out as SQLAlchemy's DBAPIError, as from
-    SQLAlchemy's own execution, and a lost connection is invalidated with its pool's generation."""
+    SQLAlchemy's own execution, and a lost connection is invalidated with its pool's generation. On an
+    async engine (``sync_engine`` of one, run in SQLAlchemy's greenlet bridge as every async plan is) the
+    connection is psycopg's AsyncConnection, and each of the same steps is awaited through the bridge."""
+    step: Callable[[Any], Any] = await_only if engine.dialect.is_async else _done
     try:
         pooled = engine.raw_connection()
     except psycopg.Error as exc:
         # The pool hands out the driver's own error where connect() would wrap it: a server that refuses
         # connections (down, or not yet promoted) must reach the caller as unavailable, like a lost one.
         raise DBAPIError.instance(sql, params, exc, psycopg.Error, dialect=engine.dialect) from exc
-    driver = cast(psycopg.Connection[Any], pooled.driver_connection)  # the psycopg dialect's
+    # psycopg's Connection, or its AsyncConnection on an async engine.
+    driver: Any = pooled.driver_connection
     cursor = None
     try:
-        driver.autocommit = True
+        step(driver.set_autocommit(True))
         cursor = driver.cursor(row_factory=namedtuple_row)
-        cursor.execute(sql, params)
+        step(cursor.execute(sql, params))
         # Whether it returned rows from the result's status: cursor.description builds a column per column.
         returned = cursor.pgresult is not None and cursor.pgresult.status == ExecStatus.TUPLES_OK
-        return Rows(cursor.fetchall() if returned else [])
+        return Rows(step(cursor.fetchall()) if returned else [])
     except psycopg.Error as exc:
         lost = engine.dialect.is_disconnect(cast(Any, exc), pooled, cast(Any, cursor))
         if lost:
@@ -206,13 +210,18 @@ def execute_alone(engine: Engine, sql: str, params: dict[str, Any] | None) -> Ro
         ) from exc
     finally:
         if cursor is not None:
-            cursor.close()
+            step(cursor.close())
         if pooled.is_valid:
             if driver.info.transaction_status == TransactionStatus.IDLE:
-                driver.autocommit = False  # as the pool lends it: statements open a transaction
+                step(driver.set_autocommit(False))  # as the pool lends it: statements open a transaction
             else:  # interrupted mid-statement: no state to hand the next borrower
                 pooled.invalidate()
         pooled.close()
+
+
+def _done(value: Any) -> Any:
+    """A step of the sync driver: its result is there already."""
+    return value
 
 
 def driver_text(op: Alone, engine: Engine) -> str | None:
@@ -296,7 +305,7 @@ class SyncSqlExecutor:
                     # In autocommit, outside the plan's transaction (sent from here, not from a helper,
                     # so that a one-statement write is the fewest calls from its task).
                     text = op.statement if isinstance(op.statement, str) else driver_text(op, self.engine)
-                    if text is not None and not (self.engine.dialect.is_async or watched(self.engine)):
+                    if text is not None and not watched(self.engine):
                         # On the driver's cursor: the one-statement writes pay no SQLAlchemy execution
                         # around them. An engine whose statements are watched runs them below instead.
                         return execute_alone(self.engine, text, op.params)
