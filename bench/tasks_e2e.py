@@ -188,7 +188,7 @@ def _etcd_settings(stack: ExitStack, workdir: Path, settings: Settings, base: st
     (workdir / "etcd").mkdir()
     cluster = stack.enter_context(etcd_cluster(workdir / "etcd"))
     url = cluster.url("bench")
-    return settings.with_(broker_url=f"{base}/14", result_backend=f"{base}/15", lease_url=url)
+    return settings.with_(broker_url=f"{base}/16", result_backend=f"{base}/17", lease_url=url)
 
 
 def tasks_vs_noop(
@@ -216,7 +216,8 @@ def tasks_vs_noop(
         stack.callback(shutil.rmtree, workdir, ignore_errors=True)
         if progress:
             progress("  starting a private redis-server, migrating a fresh schema, starting workers")
-        server = stack.enter_context(redis_server(workdir / "redis"))
+        # A database number per worker role and store (see below): more than Redis's default 16.
+        server = stack.enter_context(redis_server(workdir / "redis", databases=32))
         base = server.url(None)
         in_flight = InFlight()
         stack.callback(in_flight.release)  # after the workers stop, before the redis-server does
