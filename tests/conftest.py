@@ -25,7 +25,9 @@ from reservations import Inventory
 from testing.stores import (
     REDIS_URL,
     Stack,
+    drop_migrated_schemas,
     migrate_pg_schema,
+    migrated_pg_schema,
     own_pg_schema,
     own_redis_prefix,
     schema_of,
@@ -113,14 +115,31 @@ def migrated_sqlite(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.fixture
+def migrated_pg_url() -> Iterator[str]:
+    """A PostgreSQL schema holding the newest inventory schema and no rows, emptied after the test for the
+    next one of this process (testing.stores.migrated_pg_schema)."""
+    with migrated_pg_schema() as url:
+        yield url
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _migrated_schemas_dropped() -> Iterator[None]:
+    """The schemas a process kept for its next test are dropped when its run ends."""
+    yield
+    drop_migrated_schemas()
+
+
 @pytest.fixture(params=["sqlite", "postgresql"])
 def inventory_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """A migrated inventory database: a copy of the migrated SQLite file, or a fresh PostgreSQL schema (the
     ``pg_url`` of the test) migrated by replay (:func:`migrate_pg_schema`)."""
     if request.param == "postgresql":
-        url: str = request.getfixturevalue("pg_url")
-        migrate_pg_schema(schema_of(url))
-        return url
+        if "pg_url" in request.fixturenames:  # the test reaches the same schema through pg_url too
+            url: str = request.getfixturevalue("pg_url")
+            migrate_pg_schema(schema_of(url))
+            return url
+        return str(request.getfixturevalue("migrated_pg_url"))
     path = tmp_path / "inventory.sqlite3"
     shutil.copyfile(request.getfixturevalue("migrated_sqlite"), path)
     return f"sqlite:///{path}"
