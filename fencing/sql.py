@@ -225,11 +225,13 @@ def _done(value: Any) -> Any:
 
 
 def driver_text(op: Alone, engine: Engine) -> str | None:
-    """The text the driver takes for ``op``'s statement when SQLAlchemy would add nothing to what goes
-    to the driver or comes back (:func:`_plain`), else None. Only a statement sent with bound values is
-    looked at: those are built once (a statement of literal values is built per call, and SQLAlchemy
-    compiles it anyway)."""
-    if op.params is None or isinstance(op.statement, str):
+    """The text the driver takes for ``op``'s statement: its own when it is driver-level SQL, else its
+    compiled text when SQLAlchemy would add nothing to what goes to the driver or comes back
+    (:func:`_plain`); None otherwise. Only a statement sent with bound values is compiled here: those are
+    built once (a statement of literal values is built per call, and SQLAlchemy compiles it anyway)."""
+    if isinstance(op.statement, str):
+        return op.statement
+    if op.params is None:
         return None
     return _plain(cast(ClauseElement, op.statement), engine.dialect)
 
@@ -304,8 +306,8 @@ class SyncSqlExecutor:
                 if isinstance(op, Alone):
                     # In autocommit, outside the plan's transaction (sent from here, not from a helper,
                     # so that a one-statement write is the fewest calls from its task).
-                    text = op.statement if isinstance(op.statement, str) else driver_text(op, self.engine)
-                    if text is not None and not watched(self.engine):
+                    text = None if watched(self.engine) else driver_text(op, self.engine)
+                    if text is not None:
                         # On the driver's cursor: the one-statement writes pay no SQLAlchemy execution
                         # around them. An engine whose statements are watched runs them below instead.
                         return execute_alone(self.engine, text, op.params)

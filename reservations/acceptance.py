@@ -152,12 +152,11 @@ def _admission(columns: tuple[str, ...]) -> sa.Insert:
     on PostgreSQL and SQLite, whose upsert wants the WHERE the SELECT has). It returns the row it made, so
     no row back means the key was met before. Built once: the front door sends it for every request, and
     building it cost a quarter of its time."""
-    clock = _clock(sa.bindparam("look_ms", type_=sa.BigInteger))
-    row = [*(sa.bindparam(name, type_=_T.c[name].type) for name in columns), *clock.values()]
+    row = _bound(columns)
     decided = sa.exists().where(request_outcomes.c.key == sa.bindparam("key"))
     return (
         pg_insert(_T)
-        .from_select([*columns, *clock], sa.select(*row).where(~decided))
+        .from_select(list(row), sa.select(*row.values()).where(~decided))
         .on_conflict_do_nothing(index_elements=[_T.c.key])
         .returning(*_T.c)
     )
@@ -190,9 +189,16 @@ def _recording(columns: tuple[str, ...]) -> sa.Insert:
     """INSERT of one record from bound values (``columns``) and the database's clock that keeps a key's
     first record. Built once, as :func:`_admission` is: a statement of literal values is compiled anew
     on every call, about a millisecond of the producer's CPU per request."""
-    row = {name: sa.bindparam(name, type_=_T.c[name].type) for name in columns}
-    clock = _clock(sa.bindparam("look_ms", type_=sa.BigInteger))
-    return pg_insert(_T).values({**row, **clock}).on_conflict_do_nothing(index_elements=[_T.c.key])
+    return pg_insert(_T).values(_bound(columns)).on_conflict_do_nothing(index_elements=[_T.c.key])
+
+
+def _bound(columns: tuple[str, ...]) -> dict[str, sa.ColumnElement[Any]]:
+    """A record's columns as the statements built once send them: ``columns`` as bound values of their
+    own names, and the database's clock with the relay's first look ``look_ms`` (bound) from now."""
+    row: dict[str, sa.ColumnElement[Any]] = {
+        name: sa.bindparam(name, type_=_T.c[name].type) for name in columns
+    }
+    return {**row, **_clock(sa.bindparam("look_ms", type_=sa.BigInteger))}
 
 
 def accepted(key: str) -> Plan[Accepted | None]:
