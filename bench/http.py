@@ -39,10 +39,11 @@ import aiohttp
 import httpx
 import uvloop
 
-from bench import http_baseline
+from bench import celery_defaults, http_baseline, raw_tasks
 from bench.costs import group_cpu
 from bench.env import Scratch
 from bench.leases import UnexpectedReply
+from bench.reserve import conninfo
 from bench.tasks_e2e import CONCURRENCY, POOL
 from bench.timing import CaseStats, Progress, Results
 from reservations import Inventory, schema
@@ -60,6 +61,10 @@ SECTION_HEALTH = "http: GET /healthz every 20 ms on its own connection"
 SECTION_CLIENT = "http: load generator cost, GET /healthz"
 SERVICE = "POST /reservations, service"
 BASELINE = "POST /noop, FastAPI + Celery no-op"
+# The physical reference for a front door that writes a reservation: the baseline's handler around the
+# physical reference task (bench.raw_tasks), on SKUs of its own.
+RAW = "POST /raw, FastAPI + raw reservation task"
+RAW_SKUS = "R-"
 
 CONNECTIONS = 64
 SPREAD = 256
@@ -107,14 +112,19 @@ def _service(settings: Settings, workdir: Path) -> Server:
     return front_door(worker_env(settings), workdir / "service.log")
 
 
-def _baseline(broker_url: str, backend_url: str, workdir: Path) -> Server:
+def _baseline(broker_url: str, backend_url: str, raw_broker_url: str, workdir: Path) -> Server:
     port = free_port()
     command = [
         sys.executable, "-m", "uvicorn", f"{http_baseline.__name__}:create_app", "--factory",
         "--host", "127.0.0.1", "--port", str(port), "--workers", "1", "--loop", "uvloop",
         "--http", "httptools", "--no-access-log",
     ]  # fmt: skip
-    env = {**worker_env({}), http_baseline.BROKER_ENV: broker_url, http_baseline.BACKEND_ENV: backend_url}
+    env = {
+        **worker_env({}),
+        http_baseline.BROKER_ENV: broker_url,
+        http_baseline.BACKEND_ENV: backend_url,
+        http_baseline.RAW_BROKER_ENV: raw_broker_url,
+    }
     return Server("baseline", command, env, workdir / "baseline.log", port, cwd=ROOT)
 
 
@@ -192,11 +202,11 @@ def _expect(what: str, found: Round, status: int) -> None:
         raise UnexpectedReply(f"{what}: answers other than {status}: {wrong}; first bodies: {found.samples}")
 
 
-def _post_round(server: Server, path: str, tag: str, count: int) -> Round:
+def _post_round(server: Server, path: str, tag: str, count: int, skus: str = "S-") -> Round:
     async def go() -> Round:
         async with _session(CONNECTIONS) as session:
             samples: dict[int, str] = {}
-            send = _poster(session, server.url + path, tag, lambda i: f"S-{i % SPREAD}", samples)
+            send = _poster(session, server.url + path, tag, lambda i: f"{skus}{i % SPREAD}", samples)
             found = await _closed_loop(send, CONNECTIONS, count, timeout=max(120.0, count / 20))
             found.samples = samples
             return found
@@ -216,28 +226,32 @@ class Spent:
 
 
 def _throughput(
-    service: Server, baseline: Server, worker: CeleryProcess, results: Results, size: Sizing,
-    progress: Progress | None,
+    service: Server, baseline: Server, worker: CeleryProcess, raw_worker: CeleryProcess, results: Results,
+    size: Sizing, progress: Progress | None,
 ) -> int:  # fmt: skip
-    """Alternating rounds of each; returns how many reservations the service made."""
+    """Rounds of each case in turn; returns how many reservations the service made."""
     run_id = uuid.uuid4().hex[:8]
-    cases = [(SERVICE, service, "/reservations"), (BASELINE, baseline, "/noop")]
+    cases = [
+        (SERVICE, service, "/reservations", worker, "S-"),
+        (BASELINE, baseline, "/noop", worker, "S-"),
+        (RAW, baseline, "/raw", raw_worker, RAW_SKUS),
+    ]
     if progress:
         progress(f"  warm-up: {size.warmup} POSTs each")
-    for _, server, path in cases:
-        _post_round(server, path, f"{run_id}-w-{server.name}", size.warmup)
+    for _, server, path, _, skus in cases:
+        _post_round(server, path, f"{run_id}-w-{path[1:]}", size.warmup, skus)
     made = size.warmup
-    stats = {name: CaseStats(name) for name, _, _ in cases}
-    spent = {name: Spent() for name, _, _ in cases}
+    stats = {name: CaseStats(name) for name, *_ in cases}
+    spent = {name: Spent() for name, *_ in cases}
     for repeat in range(size.repeats):
         shift = repeat % len(cases)
-        for name, server, path in [*cases[shift:], *cases[:shift]]:
+        for name, server, path, serving, skus in [*cases[shift:], *cases[:shift]]:
             if progress:
                 progress(f"  run {repeat + 1}/{size.repeats}: {name} ({size.posts} POSTs)")
-            groups = {"server": server.pid, "worker": worker.pid}
+            groups = {"server": server.pid, "worker": serving.pid}
             before = {k: group_cpu(pid) for k, pid in groups.items()}
             client_before = time.process_time()
-            found = _post_round(server, path, f"{run_id}-r{repeat}-{server.name}", size.posts)
+            found = _post_round(server, path, f"{run_id}-r{repeat}-{path[1:]}", size.posts, skus)
             spent[name].cpu["client"] += time.process_time() - client_before
             for k, pid in groups.items():
                 spent[name].cpu[k] += group_cpu(pid) - before[k]
@@ -246,6 +260,8 @@ def _throughput(
             stats[name].latencies.extend(found.latencies)
         made += size.posts
     results.add(SECTION_POST, stats, SERVICE, BASELINE)
+    results.add(SECTION_POST, stats, RAW, BASELINE)
+    results.add(SECTION_POST, stats, SERVICE, RAW)
     for name, used in spent.items():
         per = 1000 / used.requests
         values = {f"{k} CPU s": f"{v * per:.2f}" for k, v in used.cpu.items()}
@@ -352,16 +368,29 @@ async def _settle(service: Server, open_now: Callable[[], int]) -> None:
     raise UnexpectedReply(f"the {IN_FLIGHT} POSTs were not queued within {SETTLE_TIMEOUT:.0f} s")
 
 
+async def _answered_once(found: Health, open_now: Callable[[], int]) -> None:
+    """Until every connection has its POST open and as many POSTs were answered: the first burst is past."""
+    deadline = time.perf_counter() + SETTLE_TIMEOUT
+    while time.perf_counter() < deadline:
+        await asyncio.sleep(0.25)
+        if open_now() >= IN_FLIGHT and len(found.posts.latencies) >= IN_FLIGHT:
+            return
+    raise UnexpectedReply(f"the first {IN_FLIGHT} POSTs were not answered within {SETTLE_TIMEOUT:.0f} s")
+
+
 async def _health_under_load(
-    service: Server, groups: Mapping[str, int], seconds: float, run_id: str
+    service: Server, groups: Mapping[str, int], seconds: float, run_id: str, baseline: bool = False
 ) -> Health:
+    """/healthz polled with :data:`IN_FLIGHT` POSTs open: reservations on the hot SKU, or with
+    ``baseline`` the baseline's no-op round trips (which keep no /metrics: settled once as many were
+    answered)."""
     found = Health()
     stop = asyncio.Event()
     numbers = iter(range(10**9))
     open_now = 0
 
     async with _session(IN_FLIGHT) as session:
-        url = service.url + "/reservations"
+        url = service.url + ("/noop" if baseline else "/reservations")
         send = _poster(session, url, f"{run_id}-hot", lambda i: HOT_SKU, found.posts.samples)
 
         async def sender() -> None:
@@ -381,10 +410,15 @@ async def _health_under_load(
         began = time.perf_counter()
         senders = [asyncio.create_task(sender()) for _ in range(IN_FLIGHT)]
         try:
-            await _settle(service, lambda: open_now)
+            if baseline:
+                await _answered_once(found, lambda: open_now)
+            else:
+                await _settle(service, lambda: open_now)
             found.settled_in = time.perf_counter() - began
             counted = len(found.posts.latencies)
-            gauge = asyncio.create_task(_gauge(service.url + "/metrics", stop, found))
+            gauge = asyncio.create_task(
+                _gauge(service.url + "/metrics", stop, found) if not baseline else stop.wait()
+            )
             with _cpu_shares(groups, found.shares):
                 await _poll(service.url + "/healthz", seconds, found, lambda: open_now)
             found.posts.seconds = found.polled_for
@@ -418,9 +452,10 @@ def _quantile(values: list[float], q: int) -> float:
 
 
 def _health(
-    service: Server, worker: CeleryProcess, results: Results, size: Sizing, progress: Progress | None
-) -> float:
-    """Returns the p99 of /healthz under load, in seconds."""
+    service: Server, baseline: Server, worker: CeleryProcess, results: Results, size: Sizing,
+    progress: Progress | None,
+) -> tuple[float, float]:  # fmt: skip
+    """Returns the p99 of /healthz under load, the service's and the baseline's, in seconds."""
     if progress:
         progress(f"  /healthz idle for {size.idle_seconds:.0f} s")
     groups = {"service": service.pid, "worker": worker.pid}
@@ -428,7 +463,20 @@ def _health(
     if progress:
         progress(f"  /healthz for {size.health_seconds:.0f} s with {IN_FLIGHT} POSTs open on {HOT_SKU}")
     loaded: Health = _run(_health_under_load(service, groups, size.health_seconds, uuid.uuid4().hex[:8]))
-    for case, found in (("idle", idle), (f"{IN_FLIGHT} POSTs open on one hot SKU", loaded)):
+    if progress:
+        progress(
+            f"  the baseline's /healthz for {size.health_seconds:.0f} s with {IN_FLIGHT} no-op POSTs open"
+        )
+    plain = {"service": baseline.pid, "worker": worker.pid}
+    reference: Health = _run(
+        _health_under_load(baseline, plain, size.health_seconds, uuid.uuid4().hex[:8], baseline=True)
+    )
+    cases = (
+        ("idle", idle),
+        (f"{IN_FLIGHT} POSTs open on one hot SKU", loaded),
+        (f"baseline: {IN_FLIGHT} no-op POSTs open", reference),
+    )
+    for case, found in cases:
         posts = found.posts
         values = {
             "polls": f"{len(found.latencies)}",
@@ -464,9 +512,12 @@ def _health(
         "over the polls of the service's process, the worker's group, this load generator and the whole "
         "machine (/proc/stat, "
         f"every process of every tenant; {os.cpu_count()} cores in all): a machine near its core count "
-        "leaves the service waiting for a core, which /healthz then measures too."
+        "leaves the service waiting for a core, which /healthz then measures too. The baseline's row: the "
+        f"same polls of the baseline server (FastAPI + Celery no-op) while {IN_FLIGHT} connections each keep "
+        f"one POST /noop open, from when the first {IN_FLIGHT} were answered ({reference.settled_in:.1f} s), "
+        "the least a front door awaiting a Celery round trip does per request."
     )
-    return _quantile(loaded.latencies, 99)
+    return _quantile(loaded.latencies, 99), _quantile(reference.latencies, 99)
 
 
 # -- 3. the load generator's cost ------------------------------------------------------------------
@@ -600,6 +651,7 @@ def http_front_door(
             for n in range(SPREAD):
                 inventory.add_sku(f"S-{n}", on_hand=ON_HAND)
             inventory.add_sku(HOT_SKU, on_hand=ON_HAND)
+            inventory.add_skus([(f"{RAW_SKUS}{n}", ON_HAND) for n in range(SPREAD)])
         settings = Settings(
             broker_url=f"{base}/0",
             result_backend=f"{base}/1",
@@ -610,36 +662,52 @@ def http_front_door(
             "bench-http", worker_env(settings), workdir / "worker.log", pool=POOL, concurrency=CONCURRENCY,
             cwd=ROOT,
         )  # fmt: skip
-        stack.callback(stop_all, [worker])
+        # The physical reference task's worker (bench.raw_tasks): Celery's defaults, a broker of its own.
+        raw_env = {
+            celery_defaults.BROKER_ENV: f"{base}/3",
+            celery_defaults.BACKEND_ENV: f"{base}/4",
+            raw_tasks.DATABASE_ENV: conninfo(database_url),
+            raw_tasks.LOCK_ENV: f"{base}/5",
+        }
+        raw_worker = CeleryProcess(
+            "bench-http-raw", worker_env(raw_env), workdir / "raw-worker.log", app=raw_tasks.__name__,
+            pool=POOL, concurrency=CONCURRENCY, cwd=ROOT,
+        )  # fmt: skip
+        stack.callback(stop_all, [worker, raw_worker])
         worker.start()
+        raw_worker.start()
         service = _service(settings, workdir)
-        baseline = _baseline(settings.broker_url, settings.result_backend, workdir)
+        baseline = _baseline(settings.broker_url, settings.result_backend, f"{base}/3", workdir)
         stack.enter_context(_running([service, baseline]))
         worker.wait_ready()
+        raw_worker.wait_ready()
         service.wait_ready("/readyz")
         baseline.wait_ready("/healthz")
 
         started = time.perf_counter()
-        made = _throughput(service, baseline, worker, results, size, progress)
+        made = _throughput(service, baseline, worker, raw_worker, results, size, progress)
         stock = _check_stock(database_url, made)
         throughput_took = time.perf_counter() - started
         if progress:
             progress(f"  load generators: {CLIENT_CONNECTIONS} connections on /healthz")
         _clients(service, results, size, progress)
-        p99 = _health(service, worker, results, size, progress)
+        p99, baseline_p99 = _health(service, baseline, worker, results, size, progress)
     results.notes.append(
         f"http POST rows: {CONNECTIONS} connections, each sending its next request once answered (distinct "
         f"Idempotency-Keys, {SPREAD} SKUs of {ON_HAND:,} units, Prefer: {WAIT}, every answer 201); "
-        f"{size.posts} POSTs per case and run, {size.repeats} runs alternating the two, after {size.warmup} "
-        f"each ({throughput_took:.0f} s); {stock}. Both servers are one uvicorn process on uvloop + "
-        "httptools, access log off (reservations serve --workers 1 --no-access-log; the baseline is "
+        f"{size.posts} POSTs per case and run, {size.repeats} runs taking the cases in turn, after "
+        f"{size.warmup} each ({throughput_took:.0f} s); {stock}. Both servers are one uvicorn process on "
+        "uvloop + httptools, access log off (reservations serve --workers 1 --no-access-log; the baseline is "
         "bench.http_baseline: the same body model, Celery send_task of reservations.noop from one thread, "
-        "its result awaited through one Redis pattern subscription), in front of one worker (prefork "
+        "its result awaited through one Redis pattern subscription; its POST /raw the same round trip of "
+        "the physical reference task, bench.raw_tasks, on a worker of its own at Celery's defaults, on SKUs "
+        f"{RAW_SKUS}0 to {RAW_SKUS}{SPREAD - 1}), in front of one worker (prefork "
         f"-c {CONCURRENCY}, Redis leases) on a private redis-server; one process each because the "
         "machine's cores are shared with the worker, PostgreSQL, Redis and this load generator. CPU per "
         "1,000: the serving process, the worker's group (pool children included), this client."
     )
     results.notes.append(
         f"http /healthz p99 with {IN_FLIGHT} POSTs open: {_ms(p99)} "
-        f"({'within' if p99 < 0.050 else 'over'} the 50 ms goal)."
+        f"({'within' if p99 < 0.050 else 'over'} the 50 ms goal); the baseline's with {IN_FLIGHT} no-op "
+        f"POSTs open: {_ms(baseline_p99)}."
     )

@@ -10,8 +10,14 @@ each result to the future its handler awaits. That is the least a handler can do
 from asyncio: no polling, one subscription for every task. The Celery app has no result backend of its own,
 so ``send_task`` subscribes to nothing and Celery's own result consumer never runs.
 
-Run as ``uvicorn bench.http_baseline:create_app --factory`` with :data:`BROKER_ENV` and
-:data:`BACKEND_ENV` set.
+``POST /raw`` is the same handler around the physical reference for a reservation task
+(:mod:`bench.raw_tasks`: a plain lock and one raw statement writing a reservation's rows, no fence and no
+idempotency), published to that task's own worker on :data:`RAW_BROKER_ENV`, keyed by the request's
+``Idempotency-Key``: a front door that does strictly less than the service, so its ratio shows what this
+machine allows a front door whose worker writes a reservation.
+
+Run as ``uvicorn bench.http_baseline:create_app --factory`` with :data:`BROKER_ENV`, :data:`BACKEND_ENV`
+and :data:`RAW_BROKER_ENV` set.
 """
 
 from __future__ import annotations
@@ -28,12 +34,15 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from celery import Celery
-from fastapi import FastAPI
+from fastapi import FastAPI, Header
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from bench.raw_tasks import RAW_RESERVE
+
 BROKER_ENV = "BENCH_HTTP_BROKER_URL"
 BACKEND_ENV = "BENCH_HTTP_RESULT_BACKEND"
+RAW_BROKER_ENV = "BENCH_HTTP_RAW_BROKER_URL"
 NOOP = "reservations.noop"
 # Celery's Redis result backend stores a result under this prefix and the task id, and publishes it on a
 # channel of the same name.
@@ -80,6 +89,8 @@ def create_app() -> FastAPI:
     backend_url = os.environ[BACKEND_ENV]
     celery = Celery("bench-http-baseline", broker=broker_url)
     celery.conf.update(task_serializer="json", accept_content=["json"])
+    raw = Celery("bench-http-raw", broker=os.environ[RAW_BROKER_ENV])
+    raw.conf.update(task_serializer="json", accept_content=["json"])
     publisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="publish")
     results = Results(backend_url)
 
@@ -97,22 +108,33 @@ def create_app() -> FastAPI:
             await results.close()
             publisher.shutdown(wait=True)
             celery.close()
+            raw.close()
 
     app = FastAPI(title="bench baseline", lifespan=lifespan)
 
-    @app.post("/noop", status_code=201)
-    async def noop(body: NoopBody) -> JSONResponse:
+    async def round_trip(send: partial[Any], task_id: str) -> JSONResponse:
         loop = asyncio.get_running_loop()
-        task_id = str(uuid.uuid4())
         done: asyncio.Future[dict[str, Any]] = loop.create_future()
         results.waiting[task_id] = done
         try:
-            send = partial(celery.send_task, NOOP, args=[body.quantity], task_id=task_id)
             await loop.run_in_executor(publisher, send)
             meta = await asyncio.wait_for(done, RESULT_TIMEOUT)
         finally:
             results.waiting.pop(task_id, None)
         return JSONResponse({"task_id": task_id, "status": meta["status"], "result": meta["result"]}, 201)
+
+    @app.post("/noop", status_code=201)
+    async def noop(body: NoopBody) -> JSONResponse:
+        task_id = str(uuid.uuid4())
+        return await round_trip(
+            partial(celery.send_task, NOOP, args=[body.quantity], task_id=task_id), task_id
+        )
+
+    @app.post("/raw", status_code=201)
+    async def raw_reserve(body: NoopBody, idempotency_key: str = Header()) -> JSONResponse:
+        task_id = str(uuid.uuid4())
+        args = [body.sku, body.quantity, idempotency_key]
+        return await round_trip(partial(raw.send_task, RAW_RESERVE, args=args, task_id=task_id), task_id)
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
