@@ -13,6 +13,7 @@ from functools import cache
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from fencing.plan import Alone, Plan
@@ -143,6 +144,57 @@ def admit(request: Request, look_after: float) -> Plan[Admission]:
     if row is None:  # purged between the statements: this request may take the key after all
         return (yield from admit(request, look_after))
     return Admission(outcome=None, accepted=_accepted_of(row), first=False)
+
+
+def admit_many(requests: Sequence[Request], look_after: float, *, arrays: bool) -> Plan[list[Admission]]:
+    """Admit each of ``requests`` as :func:`admit` does, in order: what the front door's publishing thread
+    does with the requests that arrived while it was busy. With ``arrays`` (PostgreSQL) every new key is
+    recorded by one statement built once, each column's values sent as one array; a key met before is read
+    after, as :func:`admit` reads it. The same key twice in ``requests`` is admitted first for the first,
+    and the second finds that record. Without ``arrays`` (SQLite) each request is admitted in turn."""
+    admitted: list[Admission] = []
+    if not arrays or len(requests) == 1:
+        for request in requests:
+            admitted.append((yield from admit(request, look_after)))
+        return admitted
+    given = [request.given() for request in requests]
+    columns = tuple(given[0])
+    values = {name: [row[name] for row in given] for name in columns}
+    made: Rows = yield Alone(_admissions(columns), {**values, "look_ms": round(look_after * 1000)})
+    new = {row.key: _accepted_of(row) for row in made.rows}
+    firsts: set[str] = set()
+    for request in requests:
+        record = new.get(request.key)
+        if record is None:
+            admitted.append((yield from admit(request, look_after)))
+        else:
+            admitted.append(Admission(outcome=None, accepted=record, first=request.key not in firsts))
+            firsts.add(request.key)
+    return admitted
+
+
+@cache
+def _admissions(columns: tuple[str, ...]) -> sa.Insert:
+    """:func:`_admission` for many requests on PostgreSQL: the rows are the arrays of ``columns`` (bound
+    values of their own names) unnested side by side, so the text is the same whatever the batch's size
+    and the driver prepares it once. Unnesting keeps the arrays' order, and ``ON CONFLICT DO NOTHING``
+    keeps the first row of a key sent twice. Text goes as ``text[]``: a cast to ``varchar(n)`` would cut
+    a value too long, where the insert refuses it."""
+    arrays = [sa.cast(sa.bindparam(name), ARRAY(_unbounded(_T.c[name].type))) for name in columns]
+    rows = sa.func.unnest(*arrays).table_valued(*columns).render_derived(name="given")
+    decided = sa.exists().where(request_outcomes.c.key == rows.c.key)
+    clock = _clock(sa.bindparam("look_ms", type_=sa.BigInteger))
+    chosen = sa.select(*(rows.c[name] for name in columns), *clock.values()).where(~decided)
+    return (
+        pg_insert(_T)
+        .from_select([*columns, *clock], chosen)
+        .on_conflict_do_nothing(index_elements=[_T.c.key])
+        .returning(*_T.c)
+    )
+
+
+def _unbounded(type_: Any) -> Any:
+    return type_ if isinstance(type_, sa.Integer) else sa.Text()
 
 
 @cache

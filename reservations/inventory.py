@@ -35,6 +35,7 @@ from reservations import (
 )
 from reservations import request_outcomes as outcomes
 from reservations import validation as valid
+from reservations.acceptance import Admission
 from reservations.counting import StockSeen, count_step, replenish_step
 from reservations.errors import InvalidRequest
 from reservations.keyed_steps import alone, request
@@ -294,6 +295,12 @@ class InventoryBase(Generic[E]):
 
     # -- requests as accepted (reservations.acceptance): the record each request has before it is sent
     admit = operation.of(acceptance.admit)
+
+    @operation
+    def admit_many(self, requests: Sequence[acceptance.Request], look_after: float) -> Plan[list[Admission]]:
+        """:meth:`admit` of each of ``requests``, the new keys in one statement on PostgreSQL."""
+        return acceptance.admit_many(requests, look_after, arrays=self.dialect == "postgresql")
+
     record_accepted = operation.of(acceptance.record)
     accepted = operation.of(acceptance.accepted)
     unfinished = operation.of(acceptance.unfinished)

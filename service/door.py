@@ -71,20 +71,22 @@ class Door:
             # Not enqueued; a key that has its outcome already is still answered.
             done = await self.inventory.request_outcome(key)
             return self._overloaded() if done is None else self._final(shown_key, done, message, location)
-        admission = await self.inventory.admit(request, self.client.settings.republish_after)
+        admitted = await self.client.admit(request)
+        admission = admitted.admission
         if admission.outcome is not None:
             return self._final(shown_key, admission.outcome, message, location)
         accepted = admission.accepted
         assert accepted is not None  # an admission without an outcome holds its record
         if not accepted.names(message.operation, message.fingerprint):
             return _reused(shown_key, accepted.operation, location)
-        if admission.first:
-            try:
-                await self.client.publish_recorded(request)
-            except UNANSWERED as exc:
-                # Recorded: the request is accepted, and the relay publishes it once the broker answers.
-                log.warning("request %s recorded but not published (the relay will): %s", key, exc)
-                return pending(shown_key, location)
+        if admitted.unpublished is not None:
+            if not isinstance(admitted.unpublished, UNANSWERED):
+                raise admitted.unpublished
+            # Recorded: the request is accepted, and the relay publishes it once the broker answers.
+            log.warning(
+                "request %s recorded but not published (the relay will): %s", key, admitted.unpublished
+            )
+            return pending(shown_key, location)
         waiting = asyncio.ensure_future(self.client.wait(key, timeout=0.0 if self.draining else wait))
         self._waits.add(waiting)
         try:

@@ -35,7 +35,7 @@ from kombu.exceptions import BatchPublishError, OperationalError
 
 from reservations import AsyncInventory, IdempotencyConflict, Inventory
 from reservations import validation as valid
-from reservations.acceptance import Request
+from reservations.acceptance import Admission, Request
 from reservations.errors import InvalidRequest
 from reservations.redrives import is_redrive_key
 from reservations.request_outcomes import MAX_KEYS_PER_READ, RequestResult
@@ -248,16 +248,37 @@ def copied(error: BaseException) -> BaseException:
     return copied
 
 
+# What the publishing thread does with a request before it publishes it: records it (an enqueue), nothing
+# (recorded already), or admits it under its key (the front door's), publishing it only when it is the
+# first request there.
+RECORD, RECORDED, ADMIT = "record", "recorded", "admit"
+
+
 @dataclass(frozen=True, slots=True)
 class Outgoing:
-    """A request queued for the publishing thread, whether it is recorded already (the front door records
-    it as it admits it), and where to tell its sender the task id."""
+    """A request queued for the publishing thread, its ``step`` before publishing, and where to tell its
+    sender the task id (or, for one admitted, what :class:`Admitted` says)."""
 
     request: Request
-    recorded: bool
-    future: asyncio.Future[str]
+    step: str
+    future: asyncio.Future[Any]
     loop: asyncio.AbstractEventLoop
     trace: Trace | None
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """A request the publishing thread admitted: what its key held (``admission``) and, when it was the
+    first request under its key, its publication: the ``task_id``, or the error that left it recorded but
+    unpublished (``unpublished``: the relay publishes it)."""
+
+    admission: Admission
+    task_id: str | None = None
+    unpublished: BaseException | None = None
+
+
+def _first(admission: Admission | None) -> bool:
+    return admission is not None and admission.first
 
 
 # A message of a batch and what its sender hears: its task id, or the error it met.
@@ -281,12 +302,22 @@ class Outbox:
     async def publish(self, request: Request, *, recorded: bool = False, trace: Trace | None = None) -> str:
         """Queue ``request`` (its message naming ``trace`` as the worker's parent span), starting the
         publishing thread if it is idle, and await its record and publication; returns its task id."""
+        task_id: str = await self._queue(request, RECORDED if recorded else RECORD, trace)
+        return task_id
+
+    async def admit(self, request: Request, *, trace: Trace | None = None) -> Admitted:
+        """Queue ``request`` to be admitted under its key with what else is queued, and published when it
+        is the first request there."""
+        admitted: Admitted = await self._queue(request, ADMIT, trace)
+        return admitted
+
+    async def _queue(self, request: Request, step: str, trace: Trace | None) -> Any:
         loop = asyncio.get_running_loop()
-        sent: asyncio.Future[str] = loop.create_future()
+        sent: asyncio.Future[Any] = loop.create_future()
         with self._lock:
             if self._closed:
                 raise ClientClosed("the client is closed")
-            self._queued.append(Outgoing(request, recorded, sent, loop, trace))
+            self._queued.append(Outgoing(request, step, sent, loop, trace))
             start, self._draining = not self._draining, True
             if start:
                 # Under the lock: close() cannot shut the thread down between the check and this.
@@ -303,10 +334,14 @@ class Outbox:
                     return
             answers: list[Answer] = []
             try:
-                self._sender.record([item.request for item in batch if not item.recorded])
+                if recording := [item.request for item in batch if item.step == RECORD]:
+                    self._sender.record(recording)
             except Exception as exc:  # nothing of the batch is published unrecorded
-                answers.extend((item, None, copied(exc)) for item in batch)
-                batch = []
+                answers.extend((item, None, copied(exc)) for item in batch if item.step == RECORD)
+                batch = [item for item in batch if item.step != RECORD]
+            admitted = self._admit([item for item in batch if item.step == ADMIT], answers)
+            # An admitted request is published only when it is the first under its key.
+            batch = [item for item in batch if item.step != ADMIT or _first(admitted.get(id(item)))]
             try:
                 self._publish(batch, answers)
             except Exception as exc:
@@ -321,8 +356,26 @@ class Outbox:
                     if id(item) not in answered
                 )
             for item, answer, error in answers:
+                said: Any = answer
+                if item.step == ADMIT and id(item) in admitted:  # admitted: a publish error is its news
+                    said, error = Admitted(admitted[id(item)], answer, error), None
                 with suppress(RuntimeError):  # its loop closed meanwhile: nobody awaits it any more
-                    item.loop.call_soon_threadsafe(_settle, item.future, answer, error)
+                    item.loop.call_soon_threadsafe(_settle, item.future, said, error)
+
+    def _admit(self, items: list[Outgoing], answers: list[Answer]) -> dict[int, Admission]:
+        """Admit ``items`` in one statement (reservations.acceptance.admit_many): each item's admission by
+        its id; one that is not the first under its key is answered now. When the admission fails, every
+        item hears its error and none is published."""
+        if not items:
+            return {}
+        try:
+            admissions = self._sender.admit([item.request for item in items])
+        except Exception as exc:
+            answers.extend((item, None, copied(exc)) for item in items)
+            return {}
+        made = {id(item): admission for item, admission in zip(items, admissions, strict=True)}
+        answers.extend((item, None, None) for item in items if not made[id(item)].first)
+        return made
 
     def _publish(self, batch: list[Outgoing], answers: list[Answer]) -> None:
         """Publish ``batch`` on one pooled producer, adding each message's answer to ``answers``: its task
@@ -553,10 +606,21 @@ class ReservationClient:
     async def publish_recorded(
         self, request: Request, *, traceparent: str | None = None
     ) -> ReservationHandle:
-        """Publish a request its caller recorded already (the front door records it as it admits it)."""
+        """Publish a request its caller recorded already."""
         trace = _trace(traceparent)
         self._check_open()
         return self._handle(request, await self._outbox.publish(request, recorded=True, trace=trace))
+
+    async def admit(self, request: Request, *, traceparent: str | None = None) -> Admitted:
+        """Admit ``request`` under its key (:func:`reservations.acceptance.admit`: recorded unless the key
+        has an outcome or a record) and publish it when it is the first request there: the front door's
+        every request. The publishing thread admits what arrived meanwhile in one statement, and publishes
+        the batch's first requests in one round trip; a publish that fails leaves the request recorded,
+        and :class:`Admitted` says so."""
+        trace = _trace(traceparent)
+        self._check_open()
+        request.given()  # checked here: a request that cannot be recorded fails alone, not its batch
+        return await self._outbox.admit(request, trace=trace)
 
     # Each enqueue is written once, as what it asks for (the functions below the class); ``name`` awaits
     # it and ``name_sync`` blocks on it.

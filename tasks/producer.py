@@ -25,7 +25,7 @@ from celery.signals import before_task_publish
 
 from reservations import Inventory
 from reservations import validation as valid
-from reservations.acceptance import Request
+from reservations.acceptance import Admission, Request
 from reservations.redrives import Redrive
 from reservations.request_outcomes import request_id
 from tasks import messages
@@ -192,6 +192,10 @@ class Sender:
     def record(self, requests: Sequence[Request]) -> None:
         """Record ``requests`` in one statement (a key recorded already keeps its first record)."""
         self._inventory().record_accepted(requests, self.look_after)
+
+    def admit(self, requests: Sequence[Request]) -> list[Admission]:
+        """Admit ``requests`` (reservations.acceptance.admit_many): the new keys recorded in one statement."""
+        return self._inventory().admit_many(requests, self.look_after)
 
     def send(self, request: Request, trace: Trace | None = None) -> str:
         """Record ``request``, then publish it (``trace``: its sender's span); returns its task id."""

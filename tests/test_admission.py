@@ -85,6 +85,44 @@ def test_a_key_with_an_outcome_is_answered_with_it_and_not_recorded_again(invent
     assert answered.outcome == cancelled and recorded(inventory, bare) == 0
 
 
+def test_many_admitted_at_once_answer_as_each_admitted_alone(inventory: Inventory) -> None:
+    """The front door's publishing thread admits what arrived while it was busy at once: each request hears
+    what it would have heard admitted alone, in order. New keys are recorded, the same key twice is first
+    only for the first, a key met before gets its first record and a key with an outcome that outcome;
+    nothing is recorded twice or over an outcome."""
+    n = next(_keys)
+    ended, met, new, twice = (f"many-{n}-{name}" for name in ("ended", "met", "new", "twice"))
+    inventory.admit(reserve(ended), 60)
+    outcome = inventory.cancel_request(ended, by="ann", reason="withdrawn")
+    first_met = inventory.admit(reserve(met), 60).accepted
+    batch = [reserve(new), reserve(twice), reserve(met, 5), reserve(ended), reserve(twice, 2)]
+    admitted = inventory.admit_many(batch, 60)
+    assert [a.first for a in admitted] == [True, True, False, False, False]
+    assert [a.outcome for a in admitted] == [None, None, None, outcome, None]
+    assert admitted[0].accepted == inventory.accepted(new)
+    assert admitted[1].accepted == admitted[4].accepted == inventory.accepted(twice)
+    assert admitted[4].accepted is not None and admitted[4].accepted.fingerprint == batch[1].fingerprint
+    assert admitted[2].accepted == first_met
+    assert {key: recorded(inventory, key) for key in (ended, met, new, twice)} == {
+        ended: 1, met: 1, new: 1, twice: 1
+    }  # fmt: skip
+
+
+def test_new_keys_admitted_at_once_are_one_statement_on_postgresql(inventory: Inventory) -> None:
+    """On PostgreSQL every new key of a batch is recorded by one statement whatever the batch's size (its
+    columns sent as arrays, the text the same each time); SQLite admits each request in turn."""
+    n = next(_keys)
+    batches = [[reserve(f"arr-{n}-{size}-{i}") for i in range(size)] for size in (3, 40)]
+    with statements(inventory) as sent:
+        for batch in batches:
+            assert all(admission.first for admission in inventory.admit_many(batch, 60))
+    if inventory.dialect == "postgresql":
+        assert len(sent) == 2 and sent[0] == sent[1], sent
+    else:
+        assert len(sent) == 43
+    assert all(recorded(inventory, request.key) == 1 for batch in batches for request in batch)
+
+
 def test_a_burst_larger_than_a_statement_takes_is_recorded_whole(inventory: Inventory) -> None:
     """The publishing thread records a whole batch at once, and 10,000 enqueues awaited together are one
     batch: more bound values than one statement may carry on either database. Every request is recorded,

@@ -1,17 +1,21 @@
 """The shared outcome watcher on SQLite and PostgreSQL: many awaiting handles are resolved by a few reads
 of all their keys at once, timeouts and cancellation leave nothing behind, a closed watcher fails its
 waiters, an unreachable database (or broker) reaches each waiter (or enqueuer) as an error rather than a
-silent timeout, and a closed client neither publishes nor waits.
+silent timeout, and a closed client neither publishes nor waits. And the front door's admissions, which the
+same client's publishing thread admits together: one record and one message per key.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import random
 import time
 from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 
 import pytest
+import redis
 from kombu.exceptions import OperationalError
 
 from fencing import BackendUnavailable
@@ -20,6 +24,8 @@ from reservations.request_outcomes import RequestResult
 from tasks import ClientClosed, ReservationClient, Settings, TasksError, create_app
 from tasks.client import OutcomeWatcher
 from tasks.errors import OutcomeTimeout, WatcherClosed
+from tasks.producer import request_of
+from testing.redis_servers import redis_server
 
 
 class CountedReads:
@@ -202,3 +208,35 @@ async def test_looks_at_every_key_leave_the_loop_time_while_new_keys_are_still_h
         waiter.cancel()
     await asyncio.gather(*never, return_exceptions=True)
     await watcher.aclose()
+
+
+async def test_requests_admitted_together_are_recorded_and_published_once_per_key(
+    inventory_url: str, tmp_path: Path
+) -> None:
+    """The front door admits each request through the client's publishing thread, which admits together
+    what arrived while it was busy (on PostgreSQL in one statement). Copies of one request admitted at once
+    are recorded and published once, and only one copy is told it was first; a different request sent at
+    the same time under one of the keys hears the record that took the key."""
+    keys = [f"together-{i}" for i in range(10)]
+    sent = [request_of("reserve", k, {"sku": "T", "quantity": 1}) for k in keys * 5]
+    sent.append(request_of("reserve", keys[0], {"sku": "T", "quantity": 2}))
+    random.Random(3).shuffle(sent)
+    with redis_server(tmp_path / "broker") as server:
+        settings = {"RESERVATIONS_BROKER_URL": server.url(0), "RESERVATIONS_DATABASE_URL": inventory_url}
+        app = create_app(Settings.from_env(settings))
+        try:
+            async with ReservationClient(app) as client:
+                admitted = await asyncio.gather(*(client.admit(request) for request in sent))
+            with redis.Redis.from_url(server.url(0)) as broker:
+                queued = sum(int(broker.llen(k)) for k in broker.scan_iter("celery*"))
+        finally:
+            app.close()
+    firsts = [request.key for request, one in zip(sent, admitted, strict=True) if one.admission.first]
+    assert sorted(firsts) == sorted(keys)
+    assert all((one.task_id is not None) == one.admission.first for one in admitted)
+    assert all(one.unpublished is None and one.admission.outcome is None for one in admitted)
+    taken = {one.admission.accepted.key: one.admission.accepted for one in admitted if one.admission.first}
+    assert all(
+        one.admission.accepted == taken[request.key] for request, one in zip(sent, admitted, strict=True)
+    )
+    assert queued == len(keys)

@@ -533,7 +533,8 @@ PAIRS = [
         twin=_client_twin,
         async_only={
             "enqueue_order": "no enqueue_order_sync yet; enqueue_sync('reserve_order', ...) serves",
-            "publish_recorded": "the front door's, which records a request as it admits it in its event loop",
+            "publish_recorded": "a request recorded already, published by the event loop's publishing thread",
+            "admit": "the front door's, admitted with what else came by the event loop's publishing thread",
         },
     ),
     Pair(ReservationHandle, ReservationHandle, twin=_client_twin),
