@@ -60,8 +60,13 @@ class Backlog:
             self._connection.ensure_connection(max_retries=1)
         try:
             declared = self._connection.default_channel.queue_declare(queue=self.queue, passive=True)
-        except ChannelError:  # not declared yet (RabbitMQ closes the channel: a new one next time)
-            self.close()
+        except ChannelError:
+            # No queue: on Redis an empty one (its list exists only while it holds messages), and the
+            # connection serves the next sample; on RabbitMQ one not declared yet, whose channel the broker
+            # closed: a new connection next time. Reconnecting at every sample of an empty Redis queue
+            # cost about 4 ms of CPU, twice a second.
+            if self._connection.transport.driver_type != "redis":
+                self.close()
             return 0
         return int(declared.message_count)
 
