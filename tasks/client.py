@@ -203,8 +203,10 @@ class OutcomeWatcher:
                 for key in chunk:
                     self._settle(key, error=exc)
                 continue
-            for key, result in found.items():
+            for n, (key, result) in enumerate(found.items(), 1):
                 resolved += self._settle(key, result=result)
+                if n % SETTLED_PER_TURN == 0:
+                    await asyncio.sleep(0)  # the woken handlers run, and the loop looks at its sockets
         return resolved
 
     def _settle(
@@ -281,6 +283,23 @@ def _first(admission: Admission | None) -> bool:
     return admission is not None and admission.first
 
 
+# A sender's future and what it is told: the answer, or the error.
+Told = tuple["asyncio.Future[Any]", Any, BaseException | None]
+
+# Futures settled in one turn of their event loop at most: the senders of a whole batch woken in one turn
+# would run their handlers back to back, and a request answered meanwhile (a health check) would wait for
+# all of them.
+SETTLED_PER_TURN = 8
+
+
+def _settle_few(loop: asyncio.AbstractEventLoop, told: list[Told]) -> None:
+    """Settle the first :data:`SETTLED_PER_TURN` of ``told`` now and the rest in the loop's next turns."""
+    for future, answer, error in told[:SETTLED_PER_TURN]:
+        _settle(future, answer, error)
+    if len(told) > SETTLED_PER_TURN:
+        loop.call_soon(_settle_few, loop, told[SETTLED_PER_TURN:])
+
+
 # A message of a batch and what its sender hears: its task id, or the error it met.
 Answer = tuple[Outgoing, str | None, BaseException | None]
 
@@ -355,12 +374,15 @@ class Outbox:
                     for item in batch
                     if id(item) not in answered
                 )
+            told: dict[asyncio.AbstractEventLoop, list[Told]] = {}
             for item, answer, error in answers:
                 said: Any = answer
                 if item.step == ADMIT and id(item) in admitted:  # admitted: a publish error is its news
                     said, error = Admitted(admitted[id(item)], answer, error), None
+                told.setdefault(item.loop, []).append((item.future, said, error))
+            for loop, each in told.items():
                 with suppress(RuntimeError):  # its loop closed meanwhile: nobody awaits it any more
-                    item.loop.call_soon_threadsafe(_settle, item.future, said, error)
+                    loop.call_soon_threadsafe(_settle_few, loop, each)
 
     def _admit(self, items: list[Outgoing], answers: list[Answer]) -> dict[int, Admission]:
         """Admit ``items`` in one statement (reservations.acceptance.admit_many): each item's admission by

@@ -22,7 +22,7 @@ from fencing import BackendUnavailable
 from reservations import AsyncInventory, Inventory
 from reservations.request_outcomes import RequestResult
 from tasks import ClientClosed, ReservationClient, Settings, TasksError, create_app
-from tasks.client import OutcomeWatcher
+from tasks.client import SETTLED_PER_TURN, OutcomeWatcher, _settle_few
 from tasks.errors import OutcomeTimeout, WatcherClosed
 from tasks.producer import request_of
 from testing.redis_servers import redis_server
@@ -240,3 +240,18 @@ async def test_requests_admitted_together_are_recorded_and_published_once_per_ke
         one.admission.accepted == taken[request.key] for request, one in zip(sent, admitted, strict=True)
     )
     assert queued == len(keys)
+
+
+async def test_a_batch_s_senders_are_woken_a_few_per_turn_of_their_loop() -> None:
+    """The publishing thread answers a whole batch at once; its senders are settled a few per turn of
+    their event loop, so that a request the loop serves meanwhile (a health check) waits for a few
+    handlers, not for the batch."""
+    loop = asyncio.get_running_loop()
+    futures = [loop.create_future() for _ in range(2 * SETTLED_PER_TURN + 3)]
+    _settle_few(loop, [(future, n, None) for n, future in enumerate(futures)])
+    done = []
+    for _ in range(4):
+        done.append(sum(future.done() for future in futures))
+        await asyncio.sleep(0)
+    assert done == [SETTLED_PER_TURN, 2 * SETTLED_PER_TURN, len(futures), len(futures)]
+    assert [future.result() for future in futures] == list(range(len(futures)))
