@@ -28,8 +28,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import unquote, urlsplit
 
+from sqlalchemy.util import await_only, greenlet_spawn
+
 from fencing.errors import BackendUnavailable, InvalidLeaseRequest
-from fencing.plan import Atomic, Gateway, Op, Plan, Sleep, foreign, run_async, run_sync
+from fencing.plan import Atomic, Gateway, Op, Plan, Sleep, foreign, run_sync
 from fencing.redis_backend import validate_prefix
 
 if TYPE_CHECKING:
@@ -171,17 +173,30 @@ def _verifying() -> ssl.SSLContext:
     return httpx.create_ssl_context()
 
 
+def _same(value: Any) -> Any:
+    return value
+
+
 class SyncEtcdExecutor:
-    """Runs plans' gateway calls with a blocking httpx client."""
+    """Runs plans' gateway calls with a blocking httpx client, or with ``client`` given and each of its
+    answers taken through ``wait`` (:class:`AsyncEtcdExecutor`'s asyncio client, awaited)."""
 
     def __init__(
-        self, target: EtcdTarget, sleep: Callable[[float], None], *, retry_for: float = 5.0, **options: Any
+        self,
+        target: EtcdTarget,
+        sleep: Callable[[float], None],
+        *,
+        retry_for: float = 5.0,
+        client: Any = None,
+        wait: Callable[[Any], Any] = _same,
+        **options: Any,
     ) -> None:
         import httpx
 
         self.members = _Members(target, retry_for, options.pop("timeout", 3.0))
         self.sleep = sleep
-        self.client = httpx.Client(**{"verify": _verifying(), **options})
+        self.client = client or httpx.Client(**{"verify": _verifying(), **options})
+        self._wait = wait
 
     def run(self, plan: Plan[T]) -> T:
         return run_sync(plan, self._handle)
@@ -199,14 +214,15 @@ class SyncEtcdExecutor:
         return run_sync(self.members.call(op), self._send)
 
     def _send(self, step: httpx.Request | Sleep) -> Any:
-        return self.sleep(step.seconds) if isinstance(step, Sleep) else self.client.send(step)
+        return self.sleep(step.seconds) if isinstance(step, Sleep) else self._wait(self.client.send(step))
 
     def close(self) -> None:
         self.client.close()
 
 
 class AsyncEtcdExecutor:
-    """:class:`SyncEtcdExecutor` on an asyncio httpx client: the same exchange, awaited."""
+    """:class:`SyncEtcdExecutor` on an asyncio httpx client: the same executor, run through SQLAlchemy's
+    greenlet bridge as :class:`fencing.sql.AsyncSqlExecutor` runs the SQL one, each request awaited."""
 
     def __init__(
         self,
@@ -218,24 +234,19 @@ class AsyncEtcdExecutor:
     ) -> None:
         import httpx
 
-        self.members = _Members(target, retry_for, options.pop("timeout", 3.0))
-        self.sleep = sleep
+        timeout = options.pop("timeout", 3.0)
         self.client = httpx.AsyncClient(**{"verify": _verifying(), **options})
+        self._blocking = SyncEtcdExecutor(
+            target,
+            lambda seconds: await_only(sleep(seconds)),
+            retry_for=retry_for,
+            timeout=timeout,
+            client=self.client,
+            wait=await_only,
+        )
 
     async def run(self, plan: Plan[T]) -> T:
-        return await run_async(plan, self._handle)
-
-    async def _handle(self, op: Op) -> Any:
-        if isinstance(op, Sleep):
-            return await self.sleep(op.seconds)
-        if isinstance(op, Atomic):
-            return await self.run(op.plan)
-        if not isinstance(op, Gateway):
-            raise foreign("etcd", op)
-        return await run_async(self.members.call(op), self._send)
-
-    async def _send(self, step: httpx.Request | Sleep) -> Any:
-        return await (self.sleep(step.seconds) if isinstance(step, Sleep) else self.client.send(step))
+        return await greenlet_spawn(self._blocking.run, plan)
 
     async def close(self) -> None:
         await self.client.aclose()
