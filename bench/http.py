@@ -39,11 +39,10 @@ import aiohttp
 import httpx
 import uvloop
 
-from bench import celery_defaults, http_baseline, raw_tasks
+from bench import http_baseline, raw_tasks
 from bench.costs import group_cpu
 from bench.env import Scratch
 from bench.leases import UnexpectedReply
-from bench.reserve import conninfo
 from bench.tasks_e2e import CONCURRENCY, POOL
 from bench.timing import CaseStats, Progress, Results
 from reservations import Inventory, schema
@@ -663,12 +662,7 @@ def http_front_door(
             cwd=ROOT,
         )  # fmt: skip
         # The physical reference task's worker (bench.raw_tasks): Celery's defaults, a broker of its own.
-        raw_env = {
-            celery_defaults.BROKER_ENV: f"{base}/3",
-            celery_defaults.BACKEND_ENV: f"{base}/4",
-            raw_tasks.DATABASE_ENV: conninfo(database_url),
-            raw_tasks.LOCK_ENV: f"{base}/5",
-        }
+        raw_env = raw_tasks.environment(base, 3, database_url)
         raw_worker = CeleryProcess(
             "bench-http-raw", worker_env(raw_env), workdir / "raw-worker.log", app=raw_tasks.__name__,
             pool=POOL, concurrency=CONCURRENCY, cwd=ROOT,

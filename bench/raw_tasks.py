@@ -25,7 +25,7 @@ from psycopg import sql
 
 from bench import celery_defaults
 from bench.leases import COMPARE_AND_DELETE
-from bench.reserve import NOW_MS, RESERVATION_CTES
+from bench.reserve import NOW_MS, RESERVATION_CTES, conninfo
 from reservations.operations import fingerprint, new_reservation_id
 
 DATABASE_ENV = "BENCH_RAW_DATABASE_URL"  # a libpq conninfo or postgresql:// URL
@@ -54,6 +54,17 @@ STATEMENT = (
     .format(ctes=RESERVATION_CTES, now=NOW_MS)
     .as_bytes()
 )
+
+
+def environment(redis_base: str, first_db: int, database_url: str) -> dict[str, str]:
+    """A worker's environment for this app: its broker, results and lock in three databases of the
+    redis-server at ``redis_base`` from ``first_db`` on, the rows in the database at ``database_url``."""
+    return {
+        celery_defaults.BROKER_ENV: f"{redis_base}/{first_db}",
+        celery_defaults.BACKEND_ENV: f"{redis_base}/{first_db + 1}",
+        DATABASE_ENV: conninfo(database_url),
+        LOCK_ENV: f"{redis_base}/{first_db + 2}",
+    }
 
 
 @dataclass

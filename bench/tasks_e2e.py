@@ -49,7 +49,6 @@ from bench.costs import (
     proxied,
 )
 from bench.env import Scratch
-from bench.reserve import conninfo
 from bench.timing import CaseStats, Progress, Results
 from bench.wire import CountingProxy
 from fencing.urls import mask_url
@@ -257,12 +256,7 @@ def tasks_vs_noop(
             celery_defaults.BACKEND_ENV: f"{base}/6",
         }
         # The physical reference (bench.raw_tasks): Celery's defaults, a plain lock, one raw statement.
-        raw_env = {
-            celery_defaults.BROKER_ENV: f"{base}/11",
-            celery_defaults.BACKEND_ENV: f"{base}/12",
-            raw_tasks.DATABASE_ENV: conninfo(database_url),
-            raw_tasks.LOCK_ENV: f"{base}/13",
-        }
+        raw_env = raw_tasks.environment(base, 11, database_url)
         # The project's worker again, reaching PostgreSQL through the counting proxy; never timed.
         count_settings = redis_settings.with_(
             broker_url=f"{base}/7", result_backend=f"{base}/8", database_url=proxied(database_url, proxy)

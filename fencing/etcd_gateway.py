@@ -31,7 +31,7 @@ from urllib.parse import unquote, urlsplit
 from sqlalchemy.util import await_only, greenlet_spawn
 
 from fencing.errors import BackendUnavailable, InvalidLeaseRequest
-from fencing.plan import Atomic, Gateway, Op, Plan, Sleep, foreign, run_sync
+from fencing.plan import Atomic, Gateway, Op, Plan, Sleep, foreign, run_sync, taken
 from fencing.redis_backend import validate_prefix
 
 if TYPE_CHECKING:
@@ -173,10 +173,6 @@ def _verifying() -> ssl.SSLContext:
     return httpx.create_ssl_context()
 
 
-def _same(value: Any) -> Any:
-    return value
-
-
 class SyncEtcdExecutor:
     """Runs plans' gateway calls with a blocking httpx client, or with ``client`` given and each of its
     answers taken through ``wait`` (:class:`AsyncEtcdExecutor`'s asyncio client, awaited)."""
@@ -188,7 +184,7 @@ class SyncEtcdExecutor:
         *,
         retry_for: float = 5.0,
         client: Any = None,
-        wait: Callable[[Any], Any] = _same,
+        wait: Callable[[Any], Any] = taken,
         **options: Any,
     ) -> None:
         import httpx

@@ -157,6 +157,12 @@ async def run_async(plan: Generator[OpT, Any, T], handle: Callable[[OpT], Awaita
             error = exc
 
 
+def taken(answer: Any) -> Any:
+    """A blocking executor's answer, taken as it is: where an async shell runs the same executor in
+    SQLAlchemy's greenlet bridge, its step is ``await_only`` instead."""
+    return answer
+
+
 def foreign(executor: str, op: Op) -> TypeError:
     """The error for an operation of another backend's plans, which this executor cannot run."""
     return TypeError(f"the {executor} executor cannot run {type(op).__name__}")

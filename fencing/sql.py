@@ -38,6 +38,7 @@ from fencing.plan import (
     T,
     foreign,
     run_sync,
+    taken,
 )
 
 
@@ -178,7 +179,7 @@ def execute_alone(engine: Engine, sql: str, params: dict[str, Any] | None) -> Ro
     SQLAlchemy's own execution, and a lost connection is invalidated with its pool's generation. On an
     async engine (``sync_engine`` of one, run in SQLAlchemy's greenlet bridge as every async plan is) the
     connection is psycopg's AsyncConnection, and each of the same steps is awaited through the bridge."""
-    step: Callable[[Any], Any] = await_only if engine.dialect.is_async else _done
+    step: Callable[[Any], Any] = await_only if engine.dialect.is_async else taken
     try:
         pooled = engine.raw_connection()
     except psycopg.Error as exc:
@@ -217,11 +218,6 @@ def execute_alone(engine: Engine, sql: str, params: dict[str, Any] | None) -> Ro
             else:  # interrupted mid-statement: no state to hand the next borrower
                 pooled.invalidate()
         pooled.close()
-
-
-def _done(value: Any) -> Any:
-    """A step of the sync driver: its result is there already."""
-    return value
 
 
 def driver_text(op: Alone, engine: Engine) -> str | None:

@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from dataclasses import dataclass, field
@@ -300,6 +300,17 @@ def _settle_few(loop: asyncio.AbstractEventLoop, told: list[Told]) -> None:
         loop.call_soon(_settle_few, loop, told[SETTLED_PER_TURN:])
 
 
+def _tell(answers: Iterable[tuple[Outgoing, Any, BaseException | None]]) -> None:
+    """Tell senders their answers from the publishing thread: one call into each sender's event loop,
+    which settles them a few per turn (:func:`_settle_few`)."""
+    told: dict[asyncio.AbstractEventLoop, list[Told]] = {}
+    for item, answer, error in answers:
+        told.setdefault(item.loop, []).append((item.future, answer, error))
+    for loop, each in told.items():
+        with suppress(RuntimeError):  # its loop closed meanwhile: nobody awaits it any more
+            loop.call_soon_threadsafe(_settle_few, loop, each)
+
+
 # A message of a batch and what its sender hears: its task id, or the error it met.
 Answer = tuple[Outgoing, str | None, BaseException | None]
 
@@ -374,15 +385,12 @@ class Outbox:
                     for item in batch
                     if id(item) not in answered
                 )
-            told: dict[asyncio.AbstractEventLoop, list[Told]] = {}
-            for item, answer, error in answers:
-                said: Any = answer
-                if item.step == ADMIT and id(item) in admitted:  # admitted: a publish error is its news
-                    said, error = Admitted(admitted[id(item)], answer, error), None
-                told.setdefault(item.loop, []).append((item.future, said, error))
-            for loop, each in told.items():
-                with suppress(RuntimeError):  # its loop closed meanwhile: nobody awaits it any more
-                    loop.call_soon_threadsafe(_settle_few, loop, each)
+            _tell(
+                (item, Admitted(admitted[id(item)], answer, error), None)
+                if item.step == ADMIT and id(item) in admitted  # admitted: a publish error is its news
+                else (item, answer, error)
+                for item, answer, error in answers
+            )
 
     def _admit(self, items: list[Outgoing], answers: list[Answer]) -> dict[int, Admission]:
         """Admit ``items`` in one statement (reservations.acceptance.admit_many): each item's admission by
@@ -434,9 +442,7 @@ class Outbox:
             self._closed = True
             left, self._queued = self._queued, []
         closed = ClientClosed("the client was closed before this request was published")
-        for item in left:
-            with suppress(RuntimeError):  # its loop closed meanwhile: nobody awaits it any more
-                item.loop.call_soon_threadsafe(_settle, item.future, None, closed)
+        _tell((item, None, closed) for item in left)
         self._publisher.shutdown(wait=False)
 
 
