@@ -14,7 +14,7 @@ from typing import Any
 
 import redis
 
-from testing.harness import HarnessError, free_port, wait_until
+from testing.harness import HarnessError, HarnessTimeout, free_port, wait_until
 from testing.redis_servers import RedisNode
 
 # How often a topology's state is asked while it converges (seconds of gossip and elections): each look
@@ -139,7 +139,7 @@ class SentinelTopology:
         auth = f":{self.password}@" if self.password else ""
         return ";".join(f"sentinel://{auth}{s.name}/{db}" for s in self.sentinels)
 
-    def start(self, timeout: float = 30) -> None:
+    def start(self, timeout: float = 60) -> None:
         for node in [*self.data, *self.sentinels]:
             node.start()
         self.wait_healthy(timeout)
@@ -178,34 +178,54 @@ class SentinelTopology:
         return next(node for node in self.data if node is not primary)
 
     def healthy(self) -> bool:
-        """The sentinels agree on a primary that says it is one, with the other node replicating it, and
-        every sentinel sees the other two and that replica, none of them down or failing over."""
+        return self.unhealthy() is None
+
+    def unhealthy(self) -> str | None:
+        """What keeps the topology from being healthy, None once it is: the sentinels agree on a primary
+        that says it is one, with the other node replicating it, and every sentinel sees the other two and
+        that replica, none of them down or failing over."""
         port = self.named_primary()
-        if port is None or not all(node.alive() for node in self.data):
-            return False
+        if port is None:
+            return "the sentinels do not agree on a primary"
+        if not all(node.alive() for node in self.data):
+            return "a data node has exited"
         replica = next(node for node in self.data if node.port != port)
         try:
-            if self.node(port).info("replication")["role"] != "master":
-                return False
+            role = self.node(port).info("replication")["role"]
+            if role != "master":
+                return f"the primary the sentinels name ({port}) says it is a {role}"
             link = replica.info("replication")
             # A replica of the first primary may reach it through the relay.
             upstream = {port} | ({self.relay.port} if self.relay is not None else set())
             if link.get("master_port") not in upstream or link.get("master_link_status") != "up":
-                return False
+                return f"the replica's link: {link.get('master_port')} {link.get('master_link_status')}"
             for sentinel in self.sentinels:
                 master = _pairs(sentinel.ask("SENTINEL", "MASTER", self.service))
                 if master["flags"] != "master" or master["num-other-sentinels"] != "2":
-                    return False
+                    flags, others = master["flags"], master["num-other-sentinels"]
+                    return f"sentinel {sentinel.port}: primary flags {flags}, {others} other sentinels"
                 replicas = [_pairs(r) for r in sentinel.ask("SENTINEL", "REPLICAS", self.service)]
                 seen = {int(r["port"]): r["flags"] for r in replicas}
                 if seen.get(replica.port) != "slave":
-                    return False
-        except redis.RedisError:
-            return False
-        return True
+                    return f"sentinel {sentinel.port}: the replica's flags {seen.get(replica.port)}"
+        except redis.RedisError as exc:
+            return f"a node does not answer: {exc}"
+        return None
 
     def wait_healthy(self, timeout: float = 30) -> None:
-        wait_until(self.healthy, timeout=timeout, what="the sentinel topology to be healthy", interval=LOOK)
+        """Wait until the topology is healthy; at the deadline, the error says what still kept it from
+        being so, with the end of each sentinel's log (a loaded machine's TILT mode, a failover)."""
+        why: list[str | None] = [None]
+
+        def healthy() -> bool:
+            why[0] = self.unhealthy()
+            return why[0] is None
+
+        try:
+            wait_until(healthy, timeout=timeout, what="the sentinel topology to be healthy", interval=LOOK)
+        except HarnessTimeout as exc:
+            logs = "\n".join(f"{s.name}: {_tail(s.log_path)}" for s in self.sentinels)
+            raise HarnessTimeout(f"{exc}: {why[0]}\n{logs}") from None
 
     def failover(self, timeout: float = 30) -> RedisNode:
         """``SENTINEL FAILOVER``: the replica is promoted while the primary still runs; the sentinels
@@ -358,3 +378,10 @@ class ClusterTopology:
             what=f"every node to agree that {target.name} serves slot {slot}",
             interval=LOOK,
         )
+
+
+def _tail(path: Path, lines: int = 8) -> str:
+    try:
+        return " | ".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError as exc:
+        return f"no log ({exc})"

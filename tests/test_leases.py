@@ -218,9 +218,11 @@ def test_one_renewer_thread_keeps_every_hold_of_a_manager_alive(manager: LeaseMa
     outlived: list[bool] = []
 
     def hold(scope: str) -> None:
-        with manager.hold(scope, ttl=0.3, holder=scope, renew_every=0.05) as lease:
+        # A ttl that a loaded machine's SQLite write transactions (four holders and the renewer) get
+        # through: only the renewals keep each hold past twice the ttl.
+        with manager.hold(scope, ttl=1.0, holder=scope, renew_every=0.1) as lease:
             ready.wait(10)
-            deadline = lease.acquired_at + 0.6  # twice the ttl: only renewals keep it
+            deadline = lease.acquired_at + 2.0
             wait_until(lambda: time.monotonic() > deadline, timeout=WAIT, what="twice the ttl to pass")
             info = manager.current(scope)
             outlived.append(info is not None and info.token == lease.token and not lease.lost)
