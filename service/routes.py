@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from reservations import UnknownSku
 from reservations.validation import MAX_QUANTITY
 from service.answers import (
+    ANONYMOUS,
     DEADLINE_HEADER,
     KEY_HEADER,
     PROBLEM_MEDIA_TYPE,
@@ -38,9 +39,6 @@ from tasks.settings import Settings
 
 log = logging.getLogger("service")
 Handler = TypeVar("Handler", bound=Callable[..., Any])
-# What a write route carries its request with: write(task type, the route its outcome is read at,
-# arguments, under=the key of the reservation a confirm or release names).
-Writer = Callable[..., Awaitable[Response]]
 # Readiness: the broker answered a queue sample within this many of the sampler's intervals.
 BROKER_SILENT_AFTER = 4
 READINESS_KEY = "readiness:probe"
@@ -192,10 +190,10 @@ KeyHeader = Annotated[
         description="required: names the request; the same key answers the same request's outcome",
     ),
 ]
-PreferHeader = Annotated[
+Prefer = Annotated[
     str | None, Header(description="RFC 7240: wait=N seconds for the outcome, or respond-async")
 ]
-DeadlineHeader = Annotated[
+Until = Annotated[
     str | None,
     Header(
         alias=DEADLINE_HEADER,
@@ -243,14 +241,17 @@ def _route(api: APIRouter, method: str, path: str, **options: Any) -> Callable[[
     return api.api_route(served, methods=[method], responses=RESPONSES[(path, method)], **options)
 
 
-async def _anyone() -> None:
-    return None
+def _space_of(caller: Callable[..., Any] | None) -> Callable[..., Awaitable[str]]:
+    """The dependency naming a request's key space: the deployment's caller dependency's name, checked;
+    without one, every request's is the anonymous space, with nothing more to solve per request."""
+    if caller is None:
 
+        async def anonymous() -> str:
+            return ANONYMOUS
 
-def router(
-    door: Callable[[], Door], metrics: HttpMetrics, settings: Settings, caller: Callable[..., Any] | None
-) -> APIRouter:
-    async def space_of(name: Annotated[object, Depends(caller or _anyone)]) -> str:
+        return anonymous
+
+    async def space_of(name: Annotated[object, Depends(caller)]) -> str:
         try:
             return caller_space(name)
         except Problem:
@@ -258,41 +259,56 @@ def router(
             log.warning("403 invalid-caller: the caller dependency returned %s", unfit_name(name))
             raise
 
-    Space = Annotated[str, Depends(space_of)]
+    return space_of
+
+
+def router(
+    door: Callable[[], Door], metrics: HttpMetrics, settings: Settings, caller: Callable[..., Any] | None
+) -> APIRouter:
+    Space = Annotated[str, Depends(_space_of(caller))]
     in_flight = InFlight(settings.http_caller_bound)
     api = APIRouter()
 
-    async def writer(
-        space: Space, own_key: KeyHeader = None, prefer: PreferHeader = None, deadline: DeadlineHeader = None
-    ) -> Writer:
-        """A write's caller and headers, bound: a route's request carried under them to its answer."""
-
-        async def write(name: str, read_at: str, args: dict[str, Any], under: str | None = None) -> Response:
-            stored = new_key(space, own_key)
-            if under is not None:  # a confirm or release: its own key first, then the reservation it names
-                reservation = await door().reservation_under(scoped_key(space, under), shown_key=under)
-                args = {"reservation_id": reservation}
-            until = deadline_of(deadline, settings.request_deadline, time.time())
-            wait = wait_of(prefer, settings.http_wait, settings.http_max_wait)
-            if not in_flight.take(space):
-                said = "this caller has as many requests in flight here as this service takes from one caller"
-                retry = {"Retry-After": str(TOO_MANY_RETRY_AFTER)}
-                raise problem("too-many-requests", f"{said} ({in_flight.bound})", headers=retry)
-            try:
-                answer = await door().submit(
-                    name, stored, args, caller=space, deadline=until, wait=wait, read_at=read_at
-                )
-            finally:
-                in_flight.give_back(space)
-            return respond(answer)
-
-        return write
-
-    Write = Annotated[Writer, Depends(writer)]
+    async def write(
+        sent: tuple[str, str | None, str | None, str | None],
+        name: str,
+        read_at: str,
+        args: dict[str, Any],
+        under: str | None = None,
+    ) -> Response:
+        """A route's request carried to its answer under its caller's space and headers (``sent``: the
+        space, Idempotency-Key, Prefer and the deadline); ``under``: the key of the reservation a confirm
+        or release names. The routes take the headers themselves: a dependency more to solve costs every
+        write its share of the event loop."""
+        space, own_key, prefer, deadline = sent
+        stored = new_key(space, own_key)
+        if under is not None:  # a confirm or release: its own key first, then the reservation it names
+            reservation = await door().reservation_under(scoped_key(space, under), shown_key=under)
+            args = {"reservation_id": reservation}
+        until = deadline_of(deadline, settings.request_deadline, time.time())
+        wait = wait_of(prefer, settings.http_wait, settings.http_max_wait)
+        if not in_flight.take(space):
+            said = "this caller has as many requests in flight here as this service takes from one caller"
+            retry = {"Retry-After": str(TOO_MANY_RETRY_AFTER)}
+            raise problem("too-many-requests", f"{said} ({in_flight.bound})", headers=retry)
+        try:
+            answer = await door().submit(
+                name, stored, args, caller=space, deadline=until, wait=wait, read_at=read_at
+            )
+        finally:
+            in_flight.give_back(space)
+        return respond(answer)
 
     @_route(api, "POST", "/reservations", status_code=201, summary="Reserve units of a SKU")
-    async def reserve(body: ReservationBody, write: Write) -> Response:
-        return await write("reserve", "/reservations", body.model_dump(exclude_none=True))
+    async def reserve(
+        body: ReservationBody,
+        space: Space,
+        own_key: KeyHeader = None,
+        prefer: Prefer = None,
+        deadline: Until = None,
+    ) -> Response:
+        sent = (space, own_key, prefer, deadline)
+        return await write(sent, "reserve", "/reservations", body.model_dump(exclude_none=True))
 
     def look(read_at: str, name: str, summary: str) -> None:
         @_route(api, "GET", f"{read_at}/{{key}}", summary=summary, name=name)
@@ -304,8 +320,14 @@ def router(
         summary = f"{step.capitalize()} the reservation made under a key"
 
         @_route(api, "POST", f"/reservations/{{key}}/{step}", summary=summary, name=step)
-        async def change(key: KeyPath, write: Write) -> Response:
-            return await write(step, "/requests", {}, under=key)
+        async def change(
+            key: KeyPath,
+            space: Space,
+            own_key: KeyHeader = None,
+            prefer: Prefer = None,
+            deadline: Until = None,
+        ) -> Response:
+            return await write((space, own_key, prefer, deadline), step, "/requests", {}, under=key)
 
     look("/reservations", "outcome", "The outcome of the reservation requested under a key")
     lifecycle("confirm")
@@ -313,8 +335,17 @@ def router(
     look("/requests", "request", "The outcome of any request (a confirm, release or count) by its key")
 
     @_route(api, "POST", "/skus/{sku}/count", summary="Set a SKU's on-hand units to a count, under its lease")
-    async def count(sku: SkuPath, body: CountBody, write: Write) -> Response:
-        return await write("count", "/requests", {"sku": sku, "counted": body.counted})
+    async def count(
+        sku: SkuPath,
+        body: CountBody,
+        space: Space,
+        own_key: KeyHeader = None,
+        prefer: Prefer = None,
+        deadline: Until = None,
+    ) -> Response:
+        return await write(
+            (space, own_key, prefer, deadline), "count", "/requests", {"sku": sku, "counted": body.counted}
+        )
 
     _reads(api, door, metrics)
     return api

@@ -71,13 +71,16 @@ class Producer:
         deadline: float | None = None,
         message_format: int = messages.CURRENT_FORMAT,
         trace: Trace | None = None,
+        task_id: str | None = None,
     ) -> str:
         """Publish ``operation`` for ``key``; returns the request's task id (the same for the same key).
         ``producer``: a kombu producer of this app held across many sends (:meth:`batch`); ``enqueued_at``:
         when a copy published again was first enqueued (else the time of publishing); ``deadline``: its
         header (:func:`tasks.messages.late`); ``message_format``: the format a recorded request was
-        recorded in, when it is published again; ``trace``: the sender's span, the worker's parent."""
-        task_id = request_id(valid.idempotency_key(key))
+        recorded in, when it is published again; ``trace``: the sender's span, the worker's parent;
+        ``task_id``: the one a recorded request has already (a uuid5 of its key otherwise)."""
+        if task_id is None:
+            task_id = request_id(valid.idempotency_key(key))
         headers: dict[str, Any] = {
             FORMAT: message_format,
             **messages.deadline_header(deadline),
@@ -113,6 +116,7 @@ class Producer:
             deadline=request.deadline,
             message_format=request.message_format,
             trace=trace,
+            task_id=request.task_id,
         )
 
     def batch(self) -> Any:
