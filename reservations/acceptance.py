@@ -216,7 +216,7 @@ def _admission(columns: tuple[str, ...]) -> sa.Insert:
 
 # The requests one statement records at most: a record is a dozen bound values, and a statement takes at
 # most 65,535 of them on PostgreSQL and 32,766 on SQLite. A burst of 10,000 enqueues awaited at once is
-# one batch of the publishing thread (tasks.client.Outbox).
+# one batch of the publishing thread (tasks.outbox.Outbox).
 RECORDED_PER_STATEMENT = 1000
 
 

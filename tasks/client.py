@@ -10,9 +10,9 @@ method of that name awaits it and its ``*_sync`` twin blocks on it. Both call on
 payload checked before anything is recorded, the request's record, its handle, whether a stored outcome
 is the handle's own. The sync shell records and publishes from the calling thread
 (:class:`tasks.producer.Sender`) and polls the key's outcome row. The async shell never blocks its event
-loop: one thread records and publishes in batches (:class:`Outbox`), and one watcher per event loop reads
-every awaited key at once (:class:`OutcomeWatcher`). The relay (tasks.relay) publishes again a recorded
-request whose message was lost, so nothing here publishes twice.
+loop: one thread records and publishes in batches (:class:`tasks.outbox.Outbox`), and one watcher per event
+loop reads every awaited key at once (:class:`tasks.outcomes.OutcomeWatcher`). The relay (tasks.relay)
+publishes again a recorded request whose message was lost, so nothing here publishes twice.
 """
 
 from __future__ import annotations
@@ -20,36 +20,32 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
-import logging
-import threading
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import suppress
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any, Concatenate, ParamSpec, TypeVar, cast
+from typing import Any, Concatenate, ParamSpec
 
 from celery import Celery
-from kombu.exceptions import BatchPublishError, OperationalError
+from kombu.exceptions import OperationalError
 
 from reservations import AsyncInventory, IdempotencyConflict, Inventory
 from reservations import validation as valid
-from reservations.acceptance import Admission, Request
+from reservations.acceptance import Request
 from reservations.errors import InvalidRequest
 from reservations.redrives import is_redrive_key
-from reservations.request_outcomes import MAX_KEYS_PER_READ, RequestResult
+from reservations.request_outcomes import RequestResult
 from tasks import messages, tracing
 from tasks.app import app as default_app
-from tasks.errors import BrokerUnavailable, ClientClosed, OutcomeTimeout, WatcherClosed
+from tasks.errors import BrokerUnavailable, ClientClosed, OutcomeTimeout
+from tasks.outbox import Admitted, Outbox
+from tasks.outcomes import OutcomeWatcher
 from tasks.producer import Producer, Sender, request_of
 from tasks.settings import settings_of
 from tasks.tracing import Trace
 
 __all__ = ["ReservationClient", "ReservationHandle", "enqueue_reservation"]
 
-log = logging.getLogger("tasks.client")
-T = TypeVar("T")
 P = ParamSpec("P")
 
 
@@ -102,348 +98,6 @@ class ReservationHandle:
                 key=self.key, operation=self.operation, stored_operation=stored.operation
             )
         return stored
-
-
-Read = Callable[[Sequence[str]], Awaitable[dict[str, RequestResult]]]
-
-
-class OutcomeWatcher:
-    """Reads the outcomes of every key awaited in one event loop, in one query per look, on one connection.
-
-    The outcome row is the truth and a look is a plain read of it: an outcome written by any worker, a
-    batch server, the relay or the beat sweep resolves its handles alike. A new key brings the next look
-    within ``FIRST`` seconds; while looks find nothing the pace slows to ``SLOWEST``. Timeouts and
-    cancellation remove a waiter at once; the watcher stops when nobody waits.
-    """
-
-    FIRST = 0.005
-    SLOWEST = 0.1
-    # A look at every waiting key is followed by a pause of at least this many times its own length: with
-    # thousands waiting, a look costs the event loop milliseconds, and looks back to back (a key arriving
-    # every few milliseconds asks for the next) would leave the loop nothing else. Keys that arrived since
-    # the last look are looked at on their own in between, so a new request still hears within FIRST.
-    SPACING = 3.0
-
-    def __init__(self, read: Read) -> None:
-        self._read = read
-        self._waiting: dict[str, list[asyncio.Future[RequestResult]]] = {}
-        self._fresh: set[str] = set()  # keys that arrived since the last look
-        self._task: asyncio.Task[None] | None = None
-        self._news: asyncio.Event | None = None
-        self._closed = False
-
-    @property
-    def waiting(self) -> int:
-        """Keys with at least one waiter."""
-        return len(self._waiting)
-
-    async def wait(self, key: str, timeout: float) -> RequestResult:
-        """The key's outcome, within ``timeout`` seconds (:class:`OutcomeTimeout` past it)."""
-        if self._closed:
-            raise WatcherClosed("the client is closed")
-        future: asyncio.Future[RequestResult] = asyncio.get_running_loop().create_future()
-        self._waiting.setdefault(key, []).append(future)
-        self._fresh.add(key)
-        self._start()
-        try:
-            return await asyncio.wait_for(future, timeout)
-        except TimeoutError:
-            raise OutcomeTimeout(key, timeout) from None
-        finally:
-            waiters = self._waiting.get(key)  # None once a look or aclose settled the key
-            if waiters is not None:
-                with suppress(ValueError):
-                    waiters.remove(future)
-                if not waiters:
-                    del self._waiting[key]
-
-    def _start(self) -> None:
-        if self._news is None:
-            self._news = asyncio.Event()
-        self._news.set()
-        if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._watch(), name="outcome-watcher")
-
-    async def _watch(self) -> None:
-        assert self._news is not None
-        pause = self.FIRST  # FIRST after a look that found outcomes or after new keys, growing otherwise
-        # Paced on the event loop's clock, as its sleeps are.
-        ticks = asyncio.get_running_loop().time
-        spaced_until = ticks()  # no look at every key before this: SPACING times the last one's length
-        while self._waiting:
-            if self._news.is_set():
-                # Keys keep arriving in a burst: gather them for one look instead of a look each.
-                self._news.clear()
-                pause = self.FIRST
-                await asyncio.sleep(self.FIRST)
-            began = ticks()
-            if began >= spaced_until:
-                keys, every = list(self._waiting), True
-            else:  # too soon after the last look at every key: the new keys only
-                keys, every = [k for k in self._fresh if k in self._waiting], False
-            self._fresh.clear()
-            found = await self._look(keys) if keys else 0
-            if every:
-                spaced_until = ticks() + self.SPACING * (ticks() - began)
-            pause = self.FIRST if found else min(pause * 1.5, self.SLOWEST)
-            with suppress(TimeoutError):
-                await asyncio.wait_for(self._news.wait(), max(pause, spaced_until - ticks()))
-
-    async def _look(self, keys: list[str]) -> int:
-        """Read the keys' outcomes and hand each to its waiters; returns how many were resolved."""
-        resolved = 0
-        for start in range(0, len(keys), MAX_KEYS_PER_READ):
-            chunk = keys[start : start + MAX_KEYS_PER_READ]
-            try:
-                found = await self._read(chunk)
-            except Exception as exc:
-                # As when each handle read for itself: the waiters of this look get the error (an
-                # unreachable database is BackendUnavailable) instead of waiting out their timeouts.
-                log.warning("could not read %d outcomes: %s", len(chunk), exc)
-                for key in chunk:
-                    self._settle(key, error=exc)
-                continue
-            for n, (key, result) in enumerate(found.items(), 1):
-                resolved += self._settle(key, result=result)
-                if n % SETTLED_PER_TURN == 0:
-                    await asyncio.sleep(0)  # the woken handlers run, and the loop looks at its sockets
-        return resolved
-
-    def _settle(
-        self, key: str, *, result: RequestResult | None = None, error: BaseException | None = None
-    ) -> int:
-        # A copy of the error each: one instance raised in many tasks would collect all their tracebacks.
-        waiters = self._waiting.pop(key, [])
-        return sum(_settle(future, result, None if error is None else copied(error)) for future in waiters)
-
-    async def aclose(self) -> None:
-        """Stop watching; handles still waiting get :class:`WatcherClosed`."""
-        self._closed = True
-        for key in list(self._waiting):
-            self._settle(key, error=WatcherClosed("the client was closed"))
-        if self._task is not None:
-            self._task.cancel()
-            with suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-
-
-def _settle(future: asyncio.Future[T], result: T | None, error: BaseException | None) -> bool:
-    """Resolve ``future`` with ``error``, else ``result``, unless it is done: its awaiter timed out or was
-    cancelled (a message sent meanwhile went out all the same)."""
-    if future.done():
-        return False
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(cast(T, result))
-    return True
-
-
-def copied(error: BaseException) -> BaseException:
-    """The same error as a new instance (same type, arguments and attributes), caused by the original."""
-    kind = type(error)
-    copied = kind.__new__(kind)
-    copied.args = error.args
-    copied.__dict__.update(vars(error))
-    copied.__cause__ = error
-    return copied
-
-
-# What the publishing thread does with a request before it publishes it: records it (an enqueue), nothing
-# (recorded already), or admits it under its key (the front door's), publishing it only when it is the
-# first request there.
-RECORD, RECORDED, ADMIT = "record", "recorded", "admit"
-
-
-@dataclass(frozen=True, slots=True)
-class Outgoing:
-    """A request queued for the publishing thread, its ``step`` before publishing, and where to tell its
-    sender the task id (or, for one admitted, what :class:`Admitted` says)."""
-
-    request: Request
-    step: str
-    future: asyncio.Future[Any]
-    loop: asyncio.AbstractEventLoop
-    trace: Trace | None
-
-
-@dataclass(frozen=True, slots=True)
-class Admitted:
-    """A request the publishing thread admitted: what its key held (``admission``) and, when it was the
-    first request under its key, its publication: the ``task_id``, or the error that left it recorded but
-    unpublished (``unpublished``: the relay publishes it)."""
-
-    admission: Admission
-    task_id: str | None = None
-    unpublished: BaseException | None = None
-
-
-def _first(admission: Admission | None) -> bool:
-    return admission is not None and admission.first
-
-
-# A sender's future and what it is told: the answer, or the error.
-Told = tuple["asyncio.Future[Any]", Any, BaseException | None]
-
-# Futures settled in one turn of their event loop at most: the senders of a whole batch woken in one turn
-# would run their handlers back to back, and a request answered meanwhile (a health check) would wait for
-# all of them.
-SETTLED_PER_TURN = 8
-
-
-def _settle_few(loop: asyncio.AbstractEventLoop, told: list[Told]) -> None:
-    """Settle the first :data:`SETTLED_PER_TURN` of ``told`` now and the rest in the loop's next turns."""
-    for future, answer, error in told[:SETTLED_PER_TURN]:
-        _settle(future, answer, error)
-    if len(told) > SETTLED_PER_TURN:
-        loop.call_soon(_settle_few, loop, told[SETTLED_PER_TURN:])
-
-
-def _tell(answers: Iterable[tuple[Outgoing, Any, BaseException | None]]) -> None:
-    """Tell senders their answers from the publishing thread: one call into each sender's event loop,
-    which settles them a few per turn (:func:`_settle_few`)."""
-    told: dict[asyncio.AbstractEventLoop, list[Told]] = {}
-    for item, answer, error in answers:
-        told.setdefault(item.loop, []).append((item.future, answer, error))
-    for loop, each in told.items():
-        with suppress(RuntimeError):  # its loop closed meanwhile: nobody awaits it any more
-            loop.call_soon_threadsafe(_settle_few, loop, each)
-
-
-# A message of a batch and what its sender hears: its task id, or the error it met.
-Answer = tuple[Outgoing, str | None, BaseException | None]
-
-
-class Outbox:
-    """The async shell's publishing thread: event loops queue requests for ``sender``, and one thread takes
-    what is queued, batch after batch, records the batch's requests in one statement, then publishes each
-    on one pooled producer (one broker connection), and settles each sender's future in its own loop.
-    Requests enqueued while a batch is going out wait for the next one."""
-
-    def __init__(self, sender: Sender) -> None:
-        self._sender = sender
-        self._publisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="enqueue")
-        self._queued: list[Outgoing] = []
-        self._lock = threading.Lock()
-        self._draining = False
-        self._closed = False
-
-    async def publish(self, request: Request, *, recorded: bool = False, trace: Trace | None = None) -> str:
-        """Queue ``request`` (its message naming ``trace`` as the worker's parent span), starting the
-        publishing thread if it is idle, and await its record and publication; returns its task id."""
-        task_id: str = await self._queue(request, RECORDED if recorded else RECORD, trace)
-        return task_id
-
-    async def admit(self, request: Request, *, trace: Trace | None = None) -> Admitted:
-        """Queue ``request`` to be admitted under its key with what else is queued, and published when it
-        is the first request there."""
-        admitted: Admitted = await self._queue(request, ADMIT, trace)
-        return admitted
-
-    async def _queue(self, request: Request, step: str, trace: Trace | None) -> Any:
-        loop = asyncio.get_running_loop()
-        sent: asyncio.Future[Any] = loop.create_future()
-        with self._lock:
-            if self._closed:
-                raise ClientClosed("the client is closed")
-            self._queued.append(Outgoing(request, step, sent, loop, trace))
-            start, self._draining = not self._draining, True
-            if start:
-                # Under the lock: close() cannot shut the thread down between the check and this.
-                loop.run_in_executor(self._publisher, self._drain)
-        return await sent
-
-    def _drain(self) -> None:
-        """The publishing thread: send what is queued, batch after batch, until the outbox is empty."""
-        while True:
-            with self._lock:
-                batch, self._queued = self._queued, []
-                if not batch:
-                    self._draining = False
-                    return
-            answers: list[Answer] = []
-            try:
-                if recording := [item.request for item in batch if item.step == RECORD]:
-                    self._sender.record(recording)
-            except Exception as exc:  # nothing of the batch is published unrecorded
-                answers.extend((item, None, copied(exc)) for item in batch if item.step == RECORD)
-                batch = [item for item in batch if item.step != RECORD]
-            admitted = self._admit([item for item in batch if item.step == ADMIT], answers)
-            # An admitted request is published only when it is the first under its key.
-            batch = [item for item in batch if item.step != ADMIT or _first(admitted.get(id(item)))]
-            try:
-                self._publish(batch, answers)
-            except Exception as exc:
-                # No broker connection, after the publish retries of one message (about 0.6 s): the rest
-                # of the batch would wait as long each, so its senders hear of it now, each with an
-                # error of its own (a sender's raise adds to the error's traceback). Their requests are
-                # recorded: the relay publishes them once the broker answers.
-                answered = {id(item) for item, _, _ in answers}
-                answers.extend(
-                    (item, None, BrokerUnavailable.of(exc) if isinstance(exc, OperationalError) else exc)
-                    for item in batch
-                    if id(item) not in answered
-                )
-            _tell(
-                (item, Admitted(admitted[id(item)], answer, error), None)
-                if item.step == ADMIT and id(item) in admitted  # admitted: a publish error is its news
-                else (item, answer, error)
-                for item, answer, error in answers
-            )
-
-    def _admit(self, items: list[Outgoing], answers: list[Answer]) -> dict[int, Admission]:
-        """Admit ``items`` in one statement (reservations.acceptance.admit_many): each item's admission by
-        its id; one that is not the first under its key is answered now. When the admission fails, every
-        item hears its error and none is published."""
-        if not items:
-            return {}
-        try:
-            admissions = self._sender.admit([item.request for item in items])
-        except Exception as exc:
-            answers.extend((item, None, copied(exc)) for item in items)
-            return {}
-        made = {id(item): admission for item, admission in zip(items, admissions, strict=True)}
-        answers.extend((item, None, None) for item in items if not made[id(item)].first)
-        return made
-
-    def _publish(self, batch: list[Outgoing], answers: list[Answer]) -> None:
-        """Publish ``batch`` on one pooled producer, adding each message's answer to ``answers``: its task
-        id, or an error of its own (it could not be encoded). On Redis the pushes go in one pipeline
-        (kombu's ``Producer.batch``): one round trip for the batch, and about half the publishing thread's
-        CPU per message. A pipeline that fails (a pooled connection the broker dropped) leaves each push
-        uncertain, so its messages are published again one by one, with kombu's retries: a second copy is
-        harmless, as the relay's are (the idempotency key). Raises what a publish raises when the broker
-        cannot be reached."""
-        if not batch:
-            return
-        publish = self._sender.producer.publish
-        with self._sender.producer.batch() as producer:
-            pushed: list[tuple[Outgoing, str]] = []
-            try:
-                with producer.batch():  # RabbitMQ: published at once, as without it
-                    for item in batch:
-                        try:
-                            pushed.append((item, publish(item.request, batch=producer, trace=item.trace)))
-                        except (OperationalError, BatchPublishError):
-                            raise
-                        except Exception as exc:  # this message only (it could not be encoded)
-                            answers.append((item, None, exc))
-                answers.extend((item, sent, None) for item, sent in pushed)
-            except BatchPublishError:
-                answered = {id(item) for item, _, _ in answers}
-                for item in batch:
-                    if id(item) not in answered:
-                        answers.append((item, publish(item.request, batch=producer, trace=item.trace), None))
-
-    def close(self) -> None:
-        """Publish nothing more: messages still queued are refused with ``ClientClosed``, later ones too."""
-        with self._lock:
-            self._closed = True
-            left, self._queued = self._queued, []
-        closed = ClientClosed("the client was closed before this request was published")
-        _tell((item, None, closed) for item in left)
-        self._publisher.shutdown(wait=False)
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,9 @@ from fencing import BackendUnavailable
 from reservations import AsyncInventory, Inventory
 from reservations.request_outcomes import RequestResult
 from tasks import ClientClosed, ReservationClient, Settings, TasksError, create_app
-from tasks.client import SETTLED_PER_TURN, OutcomeWatcher, _settle_few
 from tasks.errors import OutcomeTimeout, WatcherClosed
+from tasks.outbox import _settle_few
+from tasks.outcomes import SETTLED_PER_TURN, OutcomeWatcher
 from tasks.producer import request_of
 from testing.redis_servers import redis_server
 

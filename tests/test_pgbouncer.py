@@ -23,7 +23,7 @@ import sqlalchemy as sa
 from fencing import BackendUnavailable, LeaseBusy, LeaseManager
 from fencing.engines import make_engine, transaction_bounds
 from reservations import AsyncInventory, Inventory, schema, scope_of
-from tasks.client import OutcomeWatcher
+from tasks.outcomes import OutcomeWatcher
 from testing import pgbouncer as bouncer
 from testing.celery_processes import worker_env
 from testing.harness import wait_until
