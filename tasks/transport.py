@@ -199,12 +199,25 @@ class _Screened:
 
     QoS = QoS
     sep: str
+    pool: Any
+    _shared_client: Any = None
 
     def _create_client(self, asynchronous: bool = False) -> Any:
-        client = super()._create_client(asynchronous)  # type: ignore[misc]
-        if asynchronous:  # the client whose connection BRPOPs (kombu's Channel.client)
-            parse = client.response_callbacks.get("BRPOP")
-            client.set_response_callback("BRPOP", lambda reply, **opts: self._screen(parse, reply, opts))
+        if not asynchronous:
+            # kombu makes a client for each command it sends on the pool (a delivery's unacked record,
+            # each ack, each publish), and a redis-py client builds its table of reply parsers as it is
+            # made: about a tenth of a worker's main process. One client per pool serves them all, the
+            # pool handing each command a connection; a new pool (kombu drops it on a reconnect) gets
+            # a client of its own.
+            pool = self.pool
+            shared = self._shared_client
+            if shared is None or shared.connection_pool is not pool:
+                shared = self._shared_client = super()._create_client(False)  # type: ignore[misc]
+            return shared
+        # The client whose connection BRPOPs (kombu's Channel.client).
+        client = super()._create_client(True)  # type: ignore[misc]
+        parse = client.response_callbacks.get("BRPOP")
+        client.set_response_callback("BRPOP", lambda reply, **opts: self._screen(parse, reply, opts))
         return client
 
     def _screen(self, parse: Callable[..., Any] | None, reply: Any, options: dict[str, Any]) -> Any:

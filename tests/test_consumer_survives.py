@@ -225,6 +225,26 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
         yield running
 
 
+def test_a_channel_sends_its_commands_through_one_client_per_pool(server: RedisServer) -> None:
+    """kombu made a redis-py client for every command on the channel's pool (each ack, each unacked
+    record, each publish): the channel keeps one per pool, and a pool kombu drops on a reconnect takes its
+    client with it."""
+    app = create_app(Settings.from_env({"RESERVATIONS_BROKER_URL": server.url(3)}))
+    try:
+        with app.connection_for_write() as connection:
+            channel = connection.default_channel
+            with channel.conn_or_acquire() as first, channel.conn_or_acquire() as second:
+                assert first is second
+                assert first.ping()
+            channel._disconnect_pools()  # what kombu does when the broker connection is lost
+            with channel.conn_or_acquire() as third:
+                assert third is not first
+                assert third.connection_pool is channel.pool and third.ping()
+            assert channel.client is not third  # the BRPOP client keeps its own pool and reply parser
+    finally:
+        app.close()
+
+
 @pytest.fixture(scope="module")
 def consuming(
     server: RedisServer, migrated_sqlite: Path, tmp_path_factory: pytest.TempPathFactory
