@@ -254,8 +254,9 @@ class ReservationClient:
         ``sent`` as they are; refused before anything is recorded for a closed client, a bad key or
         deadline."""
         name, sent, given = asked.name, asked.sent, asked.given
+        print_ = None  # the fingerprint, once the arguments are checked here
         if sent is None:
-            checked = messages.normalized(name, given)[0]
+            checked, print_ = messages.normalized(name, given)
             sent = {k: [list(x) for x in v] if k == "lines" else v for k, v in checked.items() if k in given}
         self._check_open()
         valid.idempotency_key(asked.key)
@@ -264,7 +265,7 @@ class ReservationClient:
                 f"{asked.key!r} is a re-drive's key (<key>~redrive-<n>)", field="idempotency_key"
             )
         valid.deadline(asked.deadline)
-        return request_of(name, asked.key, sent, deadline=asked.deadline)
+        return request_of(name, asked.key, sent, deadline=asked.deadline, fingerprint=print_)
 
     def _handle(self, request: Request, task_id: str) -> ReservationHandle:
         return ReservationHandle(request.key, task_id, self, request.operation, request.fingerprint)
