@@ -157,10 +157,8 @@ def admit_many(requests: Sequence[Request], look_after: float, *, arrays: bool) 
         for request in requests:
             admitted.append((yield from admit(request, look_after)))
         return admitted
-    given = [request.given() for request in requests]
-    columns = tuple(given[0])
-    values = {name: [row[name] for row in given] for name in columns}
-    made: Rows = yield Alone(_admissions(columns), {**values, "look_ms": round(look_after * 1000)})
+    columns, values = _arrays(requests, look_after)
+    made: Rows = yield Alone(_unnested(columns, admitting=True), values)
     new = {row.key: _accepted_of(row) for row in made.rows}
     firsts: set[str] = set()
     for request in requests:
@@ -173,24 +171,36 @@ def admit_many(requests: Sequence[Request], look_after: float, *, arrays: bool) 
     return admitted
 
 
+def _arrays(requests: Sequence[Request], look_after: float) -> tuple[tuple[str, ...], dict[str, Any]]:
+    """The records of ``requests`` as :func:`_unnested` sends them: their columns, and each column's
+    values as one array (with the relay's first look)."""
+    given = [request.given() for request in requests]
+    columns = tuple(given[0])
+    values = {name: [row[name] for row in given] for name in columns}
+    return columns, {**values, "look_ms": round(look_after * 1000)}
+
+
 @cache
-def _admissions(columns: tuple[str, ...]) -> sa.Insert:
-    """:func:`_admission` for many requests on PostgreSQL: the rows are the arrays of ``columns`` (bound
-    values of their own names) unnested side by side, so the text is the same whatever the batch's size
-    and the driver prepares it once. Unnesting keeps the arrays' order, and ``ON CONFLICT DO NOTHING``
+def _unnested(columns: tuple[str, ...], *, admitting: bool) -> sa.Insert:
+    """The records of many requests in one statement on PostgreSQL: the rows are the arrays of ``columns``
+    (bound values of their own names) unnested side by side, so the text is the same whatever the batch's
+    size and the driver prepares it once (a statement of a row of values each is compiled anew for every
+    batch: half a producer's CPU). Unnesting keeps the arrays' order, and ``ON CONFLICT DO NOTHING``
     keeps the first row of a key sent twice. Text goes as ``text[]``: a cast to ``varchar(n)`` would cut
-    a value too long, where the insert refuses it."""
+    a value too long, where the insert refuses it. ``admitting``: as :func:`_admission`, nothing for a
+    key with an outcome, and the rows made returned."""
     arrays = [sa.cast(sa.bindparam(name), ARRAY(_unbounded(_T.c[name].type))) for name in columns]
     rows = sa.func.unnest(*arrays).table_valued(*columns).render_derived(name="given")
-    decided = sa.exists().where(request_outcomes.c.key == rows.c.key)
     clock = _clock(sa.bindparam("look_ms", type_=sa.BigInteger))
-    chosen = sa.select(*(rows.c[name] for name in columns), *clock.values()).where(~decided)
-    return (
+    chosen = sa.select(*(rows.c[name] for name in columns), *clock.values())
+    if admitting:
+        chosen = chosen.where(~sa.exists().where(request_outcomes.c.key == rows.c.key))
+    insert = (
         pg_insert(_T)
         .from_select([*columns, *clock], chosen)
         .on_conflict_do_nothing(index_elements=[_T.c.key])
-        .returning(*_T.c)
     )
+    return insert.returning(*_T.c) if admitting else insert
 
 
 def _unbounded(type_: Any) -> Any:
@@ -220,14 +230,19 @@ def _admission(columns: tuple[str, ...]) -> sa.Insert:
 RECORDED_PER_STATEMENT = 1000
 
 
-def record(batch: Sequence[Request], look_after: float) -> Plan[None]:
-    """Record the requests of ``batch``, all of them or none: one statement in autocommit for up to
-    RECORDED_PER_STATEMENT requests, and beyond that a statement per so many in one transaction. A key
-    recorded already keeps its first record (a second request under it is the same request, or a conflict
-    its worker reports). ``ON CONFLICT DO NOTHING`` is the same text on PostgreSQL and SQLite."""
+def record(batch: Sequence[Request], look_after: float, *, arrays: bool) -> Plan[None]:
+    """Record the requests of ``batch``, all of them or none. A key recorded already keeps its first record
+    (a second request under it is the same request, or a conflict its worker reports). With ``arrays``
+    (PostgreSQL) one statement built once records any batch (:func:`_unnested`); without (SQLite) one
+    statement in autocommit for up to RECORDED_PER_STATEMENT requests, and beyond that a statement per so
+    many in one transaction. ``ON CONFLICT DO NOTHING`` is the same text on PostgreSQL and SQLite."""
     if len(batch) == 1:  # a producer's every single enqueue: the statement built once
         given = batch[0].given()
         yield Alone(_recording(tuple(given)), {**given, "look_ms": round(look_after * 1000)})
+        return
+    if arrays:
+        columns, values = _arrays(batch, look_after)
+        yield Alone(_unnested(columns, admitting=False), values)
         return
     rows = [request.values(look_after) for request in batch]
     chunks = [rows[i : i + RECORDED_PER_STATEMENT] for i in range(0, len(rows), RECORDED_PER_STATEMENT)]

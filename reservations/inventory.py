@@ -301,7 +301,12 @@ class InventoryBase(Generic[E]):
         """:meth:`admit` of each of ``requests``, the new keys in one statement on PostgreSQL."""
         return acceptance.admit_many(requests, look_after, arrays=self.dialect == "postgresql")
 
-    record_accepted = operation.of(acceptance.record)
+    @operation
+    def record_accepted(self, batch: Sequence[acceptance.Request], look_after: float) -> Plan[None]:
+        """Record ``batch`` (:func:`reservations.acceptance.record`): one statement built once on
+        PostgreSQL, whatever the batch's size."""
+        return acceptance.record(batch, look_after, arrays=self.dialect == "postgresql")
+
     accepted = operation.of(acceptance.accepted)
     unfinished = operation.of(acceptance.unfinished)
     accepted_requests = operation.of(acceptance.listed)

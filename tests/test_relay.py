@@ -24,7 +24,7 @@ import sqlalchemy as sa
 
 from fencing import LeaseManager
 from reservations import Inventory
-from reservations.acceptance import Accepted, Due, accepted, record
+from reservations.acceptance import Accepted, Due, accepted
 from reservations.models import accepted_requests
 from reservations.request_outcomes import RequestResult, request_id
 from reservations.validation import scope_of
@@ -487,7 +487,7 @@ def test_requests_lists_each_recorded_request_in_its_state_a_page_at_a_time(inve
     }
     with Inventory.from_url(inventory_url) as inventory:
         requests = [request_of(op, key, {"sku": "W", "quantity": 1}) for key, (op, _, _) in made.items()]
-        inventory.executor.run(record(requests, 10))
+        inventory.record_accepted(requests, 10)
         for key, (op, status, tried) in made.items():
             if tried:
                 inventory.record_attempt(key, op, "transient", task_id=f"t-{key}", worker="w1")
