@@ -32,11 +32,13 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import httpx
+import sqlalchemy as sa
 import uvloop
 
 from bench import http_baseline, raw_tasks
@@ -80,9 +82,6 @@ REQUEST_TIMEOUT = 90.0
 KEEPALIVE_EXPIRY = 4.0
 IN_FLIGHT_GAUGE = re.compile(rb"^reservations_http_in_flight(?:\{[^}]*\})? ([0-9.e+-]+)$", re.M)
 QUEUE_GAUGE = re.compile(rb"^reservations_http_queue_depth(?:\{[^}]*\})? ([0-9.e+-]+)$", re.M)
-# The polls start once the broker's queue holds this share of the open requests: the service has admitted
-# and published the burst of the first 1,000 and they are waiting for their outcomes.
-SETTLED = 0.9
 SETTLE_TIMEOUT = 60.0
 
 
@@ -268,6 +267,16 @@ def _throughput(
     return made
 
 
+def _recorded(inventory: Inventory, prefix: str) -> int:
+    """How many requests the database holds a record of under keys starting ``prefix`` (any caller's
+    space: the stored key is ``<space>:<key>``)."""
+    with inventory.executor.engine.connect() as conn:
+        found = conn.execute(
+            sa.text("SELECT count(*) FROM accepted_requests WHERE key LIKE :keys"), {"keys": f"%:{prefix}%"}
+        )
+        return int(found.scalar_one())
+
+
 def _check_stock(database_url: str, made: int) -> str:
     with Inventory.from_url(database_url) as inventory:
         problems = inventory.invariant_violations()
@@ -351,20 +360,17 @@ async def _gauge(url: str, stop: asyncio.Event, found: Health) -> None:
                 await asyncio.wait_for(stop.wait(), METRICS_EVERY)
 
 
-async def _settle(service: Server, open_now: Callable[[], int]) -> None:
-    """Until every connection has its POST open and the broker's queue (as the service last sampled it)
-    holds :data:`SETTLED` of them: the burst is admitted and published, the requests wait for outcomes."""
+async def _settle(recorded: Callable[[], int], open_now: Callable[[], int]) -> None:
+    """Until every connection has its POST open and the database holds a record of as many (``recorded``):
+    the burst is admitted and published (a batch's requests are published as soon as they are recorded),
+    and the requests wait for outcomes. The broker's queue says less: the worker drains it as fast as it
+    hands the hot SKU's requests to the holder's queue."""
     deadline = time.perf_counter() + SETTLE_TIMEOUT
-    async with _session(1) as session:
-        while time.perf_counter() < deadline:
-            await asyncio.sleep(0.25)
-            if open_now() < IN_FLIGHT:
-                continue
-            async with session.get(service.url + "/metrics") as response:
-                match = QUEUE_GAUGE.search(await response.read())
-            if match and float(match.group(1)) >= SETTLED * IN_FLIGHT:
-                return
-    raise UnexpectedReply(f"the {IN_FLIGHT} POSTs were not queued within {SETTLE_TIMEOUT:.0f} s")
+    while time.perf_counter() < deadline:
+        await asyncio.sleep(0.25)
+        if open_now() >= IN_FLIGHT and await asyncio.to_thread(recorded) >= IN_FLIGHT:
+            return
+    raise UnexpectedReply(f"the {IN_FLIGHT} POSTs were not recorded within {SETTLE_TIMEOUT:.0f} s")
 
 
 async def _answered_once(found: Health, open_now: Callable[[], int]) -> None:
@@ -378,18 +384,22 @@ async def _answered_once(found: Health, open_now: Callable[[], int]) -> None:
 
 
 async def _health_under_load(
-    service: Server, groups: Mapping[str, int], seconds: float, run_id: str, baseline: bool = False
+    service: Server,
+    groups: Mapping[str, int],
+    seconds: float,
+    run_id: str,
+    recorded: Callable[[str], int] | None = None,
 ) -> Health:
-    """/healthz polled with :data:`IN_FLIGHT` POSTs open: reservations on the hot SKU, or with
-    ``baseline`` the baseline's no-op round trips (which keep no /metrics: settled once as many were
-    answered)."""
+    """/healthz polled with :data:`IN_FLIGHT` POSTs open: reservations on the hot SKU, settled once
+    ``recorded(prefix)`` counts as many records of keys with the run's prefix; without ``recorded``, the
+    baseline's no-op round trips (which record nothing: settled once as many were answered)."""
     found = Health()
     stop = asyncio.Event()
     numbers = iter(range(10**9))
     open_now = 0
 
     async with _session(IN_FLIGHT) as session:
-        url = service.url + ("/noop" if baseline else "/reservations")
+        url = service.url + ("/noop" if recorded is None else "/reservations")
         send = _poster(session, url, f"{run_id}-hot", lambda i: HOT_SKU, found.posts.samples)
 
         async def sender() -> None:
@@ -409,14 +419,14 @@ async def _health_under_load(
         began = time.perf_counter()
         senders = [asyncio.create_task(sender()) for _ in range(IN_FLIGHT)]
         try:
-            if baseline:
+            if recorded is None:
                 await _answered_once(found, lambda: open_now)
             else:
-                await _settle(service, lambda: open_now)
+                await _settle(partial(recorded, f"{run_id}-hot-"), lambda: open_now)
             found.settled_in = time.perf_counter() - began
             counted = len(found.posts.latencies)
             gauge = asyncio.create_task(
-                _gauge(service.url + "/metrics", stop, found) if not baseline else stop.wait()
+                _gauge(service.url + "/metrics", stop, found) if recorded is not None else stop.wait()
             )
             with _cpu_shares(groups, found.shares):
                 await _poll(service.url + "/healthz", seconds, found, lambda: open_now)
@@ -452,7 +462,7 @@ def _quantile(values: list[float], q: int) -> float:
 
 def _health(
     service: Server, baseline: Server, worker: CeleryProcess, results: Results, size: Sizing,
-    progress: Progress | None,
+    progress: Progress | None, recorded: Callable[[str], int],
 ) -> tuple[float, float]:  # fmt: skip
     """Returns the p99 of /healthz under load, the service's and the baseline's, in seconds."""
     if progress:
@@ -461,15 +471,14 @@ def _health(
     idle: Health = _run(_idle_health(service, groups, size.idle_seconds))
     if progress:
         progress(f"  /healthz for {size.health_seconds:.0f} s with {IN_FLIGHT} POSTs open on {HOT_SKU}")
-    loaded: Health = _run(_health_under_load(service, groups, size.health_seconds, uuid.uuid4().hex[:8]))
+    run_id = uuid.uuid4().hex[:8]
+    loaded: Health = _run(_health_under_load(service, groups, size.health_seconds, run_id, recorded))
     if progress:
         progress(
             f"  the baseline's /healthz for {size.health_seconds:.0f} s with {IN_FLIGHT} no-op POSTs open"
         )
     plain = {"service": baseline.pid, "worker": worker.pid}
-    reference: Health = _run(
-        _health_under_load(baseline, plain, size.health_seconds, uuid.uuid4().hex[:8], baseline=True)
-    )
+    reference: Health = _run(_health_under_load(baseline, plain, size.health_seconds, uuid.uuid4().hex[:8]))
     cases = (
         ("idle", idle),
         (f"{IN_FLIGHT} POSTs open on one hot SKU", loaded),
@@ -502,7 +511,7 @@ def _health(
         f"http /healthz: polled every {POLL_EVERY * 1000:.0f} ms on a connection of its own (a late poll "
         f"goes at once), {size.idle_seconds:.0f} s idle, then {size.health_seconds:.0f} s while "
         f"{IN_FLIGHT} connections each keep one POST /reservations on {HOT_SKU} open (Prefer: {WAIT}, the "
-        f"next sent once one is answered), from when the broker's queue held {SETTLED:.0%} of them "
+        f"next sent once one is answered), from when the database held a record of {IN_FLIGHT} of them "
         f"({loaded.settled_in:.1f} s after the first: the burst admitted and published); open (client) = "
         "the client's count at each poll, in flight "
         f"(/metrics) = reservations_http_in_flight read every {METRICS_EVERY:.0f} s (it counts the poll "
@@ -668,6 +677,7 @@ def http_front_door(
             pool=POOL, concurrency=CONCURRENCY, cwd=ROOT,
         )  # fmt: skip
         stack.callback(stop_all, [worker, raw_worker])
+        reader = stack.enter_context(Inventory.from_url(database_url))
         worker.start()
         raw_worker.start()
         service = _service(settings, workdir)
@@ -685,7 +695,9 @@ def http_front_door(
         if progress:
             progress(f"  load generators: {CLIENT_CONNECTIONS} connections on /healthz")
         _clients(service, results, size, progress)
-        p99, baseline_p99 = _health(service, baseline, worker, results, size, progress)
+        p99, baseline_p99 = _health(
+            service, baseline, worker, results, size, progress, partial(_recorded, reader)
+        )
     results.notes.append(
         f"http POST rows: {CONNECTIONS} connections, each sending its next request once answered (distinct "
         f"Idempotency-Keys, {SPREAD} SKUs of {ON_HAND:,} units, Prefer: {WAIT}, every answer 201); "
