@@ -26,7 +26,6 @@ from celery.events.state import State
 
 from fencing import LeaseManager
 from reservations import Inventory, schema
-from reservations.acceptance import record
 from reservations.models import sku_history
 from reservations.request_outcomes import request_id
 from tasks.logs import use_json_on_stderr
@@ -417,9 +416,8 @@ def test_the_exporter_counts_requests_without_an_outcome_default_rows_and_asks_t
     migrate_pg_schema(schema_of(pg_url))
     with Inventory.from_url(pg_url) as inventory:
         inventory.add_sku("OBS-U", on_hand=3)
-        inventory.executor.run(
-            record([request_of("reserve", "obs-unfinished", {"sku": "OBS-U", "quantity": 1})], 10)
-        )
+        unfinished = request_of("reserve", "obs-unfinished", {"sku": "OBS-U", "quantity": 1})
+        inventory.record_accepted([unfinished], 10)
         with inventory.executor.engine.begin() as conn:  # 2100-01-01: no day partition, so DEFAULT
             conn.execute(
                 sa.insert(sku_history).values(
