@@ -138,23 +138,27 @@ class EtcdLeaseCore:
                 granted = True
             old.sort(key=lambda kv: int(kv["create_revision"]))
             at = round(time.time() * 1000)
-            done = yield Gateway(
-                "kv/txn",
-                {
-                    "compare": [
-                        _same(key, "CREATE", 0),
-                        _same(self.base_key, "MOD", base_kv[0]["mod_revision"] if base_kv else 0),
-                    ],
-                    "success": [
-                        _put(key, {"id": lease_id, "h": holder, "ttl": seconds, "base": base}, lease=etcd_id),
-                        _put(epochs + lease_id, {"h": holder, "at": at, "base": base}),
-                        *(
-                            {"request_delete_range": {"key": kv["key"]}}
-                            for kv in old[: max(0, len(old) + 1 - self.history_cap)]
-                        ),
-                    ],
-                },
-            )
+            compare = [
+                _same(key, "CREATE", 0),
+                _same(self.base_key, "MOD", base_kv[0]["mod_revision"] if base_kv else 0),
+            ]
+            success = [
+                _put(key, {"id": lease_id, "h": holder, "ttl": seconds, "base": base}, lease=etcd_id),
+                _put(epochs + lease_id, {"h": holder, "at": at, "base": base}),
+                *(
+                    {"request_delete_range": {"key": kv["key"]}}
+                    for kv in old[: max(0, len(old) + 1 - self.history_cap)]
+                ),
+            ]
+            try:
+                done = yield Gateway("kv/txn", {"compare": compare, "success": success})
+            except EtcdRefused as exc:
+                if "lease not found" not in exc.message:
+                    raise
+                # The etcd lease granted for the key expired before the key was written (the cluster
+                # stalled past its ttl, or lost its leader): nothing was written under it. Grant it again.
+                granted = False
+                continue
             if done.get("succeeded"):
                 token = base + int(done["header"]["revision"])
                 return Lease(scope, token, lease_id, holder, ttl, sent_at, clock=self.clock)

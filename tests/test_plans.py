@@ -19,12 +19,14 @@ import pytest
 
 from fencing import Fence, LeaseBusy, LeaseLost, LeaseManager, StaleToken
 from fencing.errors import ScopeMismatch, TokenOverflow
+from fencing.etcd_backend import EtcdLeaseCore, etcd_lease_id
+from fencing.etcd_gateway import EtcdRefused
 from fencing.fence import FenceOutcome
 from fencing.lease import MAX_TOKEN, Lease, new_lease_id
 from fencing.plan import Atomic
 from fencing.redis_backend import RedisLeaseCore, Reply
 from fencing.sql_backend import SqlLeaseCore
-from testing.scripted import Clock, Script, kinds, rows, sql_params, sql_text
+from testing.scripted import Clock, Raises, Script, kinds, rows, sql_params, sql_text
 from testing.support import items
 
 SCOPE = "sku:A-1"
@@ -314,3 +316,33 @@ def test_a_redis_renewal_refused_says_why_and_loses_the_lease(counter: int, reas
     with pytest.raises(LeaseLost) as lost:
         script.run(redis_core().renew(held))
     assert lost.value.reason == reason and held.lost_reason == reason
+
+
+# -- etcd ------------------------------------------------------------------------------------------------
+
+_FREE = {"header": {"revision": "7"}, "responses": [{"response_range": {}}] * 3}  # no key, no base, no epoch
+
+
+def test_an_etcd_grant_that_expired_before_its_key_was_written_is_granted_again() -> None:
+    """The cluster stalled past the granted ttl between the grant and the write (a leader lost, a member
+    frozen): etcd refuses the write under a lease it no longer knows. Nothing was written, so the acquire
+    grants again and writes, rather than raise an untyped error out of the lease manager."""
+    core = EtcdLeaseCore(prefix="p", history_cap=4, clock=Clock())
+    lease_id = new_lease_id()
+    expired = EtcdRefused("kv/txn", 5, "etcdserver: requested lease not found")
+    granted = {"ID": str(etcd_lease_id(lease_id)), "TTL": "5"}
+    written = {"succeeded": True, "header": {"revision": "9"}}
+    script = Script([_FREE, granted, Raises(expired), _FREE, granted, written])
+    lease = script.run(core.acquire("sku:E", 5, "w1", lease_id))
+    assert isinstance(lease, Lease) and lease.token == 9
+    assert [op.path for op in script.ops] == [
+        "kv/txn", "lease/grant", "kv/txn", "kv/txn", "lease/grant", "kv/txn"
+    ]  # fmt: skip
+
+
+def test_an_etcd_write_refused_for_another_reason_is_raised() -> None:
+    core = EtcdLeaseCore(prefix="p", history_cap=4, clock=Clock())
+    refused = EtcdRefused("kv/txn", 3, "etcdserver: too many operations in txn request")
+    script = Script([_FREE, {"TTL": "5"}, Raises(refused)])
+    with pytest.raises(EtcdRefused, match="too many operations"):
+        script.run(core.acquire("sku:E", 5, "w1", new_lease_id()))
