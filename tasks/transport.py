@@ -11,6 +11,10 @@ that none of these ends the consumer, and with it the worker's main process and 
 * A broker restarted under a consumer holding messages: kombu restores them through a connection it has
   already let go (AttributeError). :class:`QoS` leaves them to the broker then.
 
+A channel also keeps one redis-py client per connection pool for the commands it sends on the pool (each
+ack, a delivery's unacked record, each publish), where kombu made a client for every one: about a tenth of
+a worker's main process, and of a producer's publishing thread.
+
 :func:`install` edits kombu's alias table rather than naming a transport in ``broker_transport``: kombu
 gives ``rediss://`` its TLS default only for a transport named ``rediss``, and on failover to the next
 sentinel of a list takes the transport from that URL's scheme again.
