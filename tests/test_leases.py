@@ -352,8 +352,9 @@ async def test_async_manager_follows_the_same_rules(async_manager: AsyncLeaseMan
 async def test_async_hold_renews_and_releases(async_manager: AsyncLeaseManager) -> None:
     import asyncio
 
-    async with async_manager.hold("sku:A", ttl=0.3, holder="A", renew_every=0.05) as lease:
-        deadline = lease.expires_at + 0.3
+    # As the blocking hold's test: a ttl a loaded machine's SQLite write transactions get through.
+    async with async_manager.hold("sku:A", ttl=0.6, holder="A", renew_every=0.1) as lease:
+        deadline = lease.expires_at + 0.6
         while time.monotonic() < deadline:  # outlive the ttl while renewals keep the lease
             await asyncio.sleep(0.02)
         info = await async_manager.current("sku:A")
