@@ -29,7 +29,7 @@ import time
 from typing import Any
 from urllib.parse import quote
 
-from fencing.errors import InvalidLeaseRequest, LeaseBusy, TokenOverflow
+from fencing.errors import BackendUnavailable, InvalidLeaseRequest, LeaseBusy, TokenOverflow
 from fencing.etcd_gateway import EtcdRefused, b64, unb64
 from fencing.lease import MAX_TOKEN, Clock, Lease, LeaseEvent, LeaseInfo
 from fencing.plan import Gateway, Plan
@@ -39,6 +39,9 @@ def etcd_lease_id(lease_id: str) -> int:
     """The etcd lease of a holder's lease: 60 bits of its 128 random ones (etcd lease IDs are int64)."""
     return int(lease_id[:15], 16)
 
+
+# How many times an acquire grants its etcd lease again when it expired before the key was written.
+REGRANTS = 3
 
 # The shortest ttl a cluster with etcd's default election timeout (1 s) grants: 1.5 of them, rounded up.
 ETCD_MIN_TTL = 2
@@ -113,7 +116,7 @@ class EtcdLeaseCore:
         seconds = whole_seconds(ttl, self.min_ttl)
         sent_at = self.clock()
         key, epochs, etcd_id = self._lease_key(scope), self._epochs(scope), etcd_lease_id(lease_id)
-        granted = False
+        granted, expired = False, 0
         while True:
             ranges = [_range(key), _range(self.base_key), _range(epochs, prefix=True, keys_only=True)]
             seen = yield Gateway("kv/txn", {"success": ranges})
@@ -156,7 +159,11 @@ class EtcdLeaseCore:
                 if "lease not found" not in exc.message:
                     raise
                 # The etcd lease granted for the key expired before the key was written (the cluster
-                # stalled past its ttl, or lost its leader): nothing was written under it. Grant it again.
+                # stalled past its ttl, or lost its leader): nothing was written under it. Grant it again,
+                # a few times: a cluster that keeps losing them is unavailable.
+                expired += 1
+                if expired > REGRANTS:
+                    raise BackendUnavailable(backend="etcd", operation="acquire", detail=exc.message) from exc
                 granted = False
                 continue
             if done.get("succeeded"):

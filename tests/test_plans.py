@@ -17,9 +17,9 @@ from typing import Any, cast
 
 import pytest
 
-from fencing import Fence, LeaseBusy, LeaseLost, LeaseManager, StaleToken
+from fencing import BackendUnavailable, Fence, LeaseBusy, LeaseLost, LeaseManager, StaleToken
 from fencing.errors import ScopeMismatch, TokenOverflow
-from fencing.etcd_backend import EtcdLeaseCore, etcd_lease_id
+from fencing.etcd_backend import REGRANTS, EtcdLeaseCore, etcd_lease_id
 from fencing.etcd_gateway import EtcdRefused
 from fencing.fence import FenceOutcome
 from fencing.lease import MAX_TOKEN, Lease, new_lease_id
@@ -338,6 +338,16 @@ def test_an_etcd_grant_that_expired_before_its_key_was_written_is_granted_again(
     assert [op.path for op in script.ops] == [
         "kv/txn", "lease/grant", "kv/txn", "kv/txn", "lease/grant", "kv/txn"
     ]  # fmt: skip
+
+
+def test_an_etcd_cluster_that_keeps_losing_the_grant_is_unavailable() -> None:
+    """Granted again a few times (REGRANTS), then the acquire gives up with a typed, transient error."""
+    core = EtcdLeaseCore(prefix="p", history_cap=4, clock=Clock())
+    expired = Raises(EtcdRefused("kv/txn", 5, "etcdserver: requested lease not found"))
+    script = Script([_FREE, {"TTL": "5"}, expired] * (REGRANTS + 1))
+    with pytest.raises(BackendUnavailable, match="requested lease not found"):
+        script.run(core.acquire("sku:E", 5, "w1", new_lease_id()))
+    assert [op.path for op in script.ops].count("lease/grant") == REGRANTS + 1
 
 
 def test_an_etcd_write_refused_for_another_reason_is_raised() -> None:
