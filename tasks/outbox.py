@@ -81,9 +81,9 @@ Answer = tuple[Outgoing, str | None, BaseException | None]
 
 class Outbox:
     """The async shell's publishing thread: event loops queue requests for ``sender``, and one thread takes
-    what is queued, batch after batch, records the batch's requests in one statement, then publishes each
-    on one pooled producer (one broker connection), and settles each sender's future in its own loop.
-    Requests enqueued while a batch is going out wait for the next one."""
+    what is queued, batch after batch, records (or admits) the batch's requests in one statement, then
+    publishes each on one pooled producer (one broker connection), and settles each sender's future in its
+    own loop. Requests enqueued while a batch is going out wait for the next one."""
 
     def __init__(self, sender: Sender) -> None:
         self._sender = sender

@@ -177,9 +177,6 @@ class SentinelTopology:
         primary = self.primary(timeout)
         return next(node for node in self.data if node is not primary)
 
-    def healthy(self) -> bool:
-        return self.unhealthy() is None
-
     def unhealthy(self) -> str | None:
         """What keeps the topology from being healthy, None once it is: the sentinels agree on a primary
         that says it is one, with the other node replicating it, and every sentinel sees the other two and
@@ -215,17 +212,18 @@ class SentinelTopology:
     def wait_healthy(self, timeout: float = 30) -> None:
         """Wait until the topology is healthy; at the deadline, the error says what still kept it from
         being so, with the end of each sentinel's log (a loaded machine's TILT mode, a failover)."""
-        why: list[str | None] = [None]
+        why: str | None = None
 
         def healthy() -> bool:
-            why[0] = self.unhealthy()
-            return why[0] is None
+            nonlocal why
+            why = self.unhealthy()
+            return why is None
 
         try:
             wait_until(healthy, timeout=timeout, what="the sentinel topology to be healthy", interval=LOOK)
         except HarnessTimeout as exc:
             logs = "\n".join(f"{s.name}: {_tail(s.log_path)}" for s in self.sentinels)
-            raise HarnessTimeout(f"{exc}: {why[0]}\n{logs}") from None
+            raise HarnessTimeout(f"{exc}: {why}\n{logs}") from None
 
     def failover(self, timeout: float = 30) -> RedisNode:
         """``SENTINEL FAILOVER``: the replica is promoted while the primary still runs; the sentinels
