@@ -22,6 +22,7 @@ from typing import Any
 
 from celery import Celery, current_task
 from celery.signals import before_task_publish
+from kombu.messaging import Producer as KombuProducer
 
 from reservations import Inventory
 from reservations import validation as valid
@@ -32,6 +33,20 @@ from tasks import messages
 from tasks.messages import DEADLINE, ENQUEUED_AT, FORMAT, SHAPES, TRACE, request_fingerprint, task_name
 from tasks.settings import Settings
 from tasks.tracing import Trace, current
+
+
+class _Publisher(KombuProducer):
+    """kombu's producer, except that a queue this connection has declared already is not bound first.
+    kombu's ``maybe_declare`` binds a copy of the routed queue to the channel on every message before it
+    looks in the connection's record of what it declared (which kombu clears whenever it forgets its
+    declarations, on a reconnect): about a tenth of publishing. The same record decides here, first."""
+
+    def maybe_declare(self, entity: Any, retry: bool = False, **retry_policy: Any) -> Any:
+        connection = getattr(self.channel, "connection", None)
+        declared = () if connection is None else connection.client.declared_entities
+        if entity and entity.can_cache_declaration and hash(entity) in declared:
+            return False
+        return super().maybe_declare(entity, retry, **retry_policy)  # type: ignore[no-untyped-call]
 
 
 class Producer:
@@ -52,6 +67,7 @@ class Producer:
             broker_transport_options=transport_options or {},
             broker_connection_retry_on_startup=True,
         )
+        self.app.amqp.producer_pool.Producer = _Publisher
 
     @classmethod
     def configured(cls, settings: Settings) -> Producer:

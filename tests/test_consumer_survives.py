@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 import redis
+from kombu.entity import Queue
 from kombu.transport import pyamqp
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -33,6 +34,7 @@ from reservations import Inventory
 from reservations.request_outcomes import RequestResult, request_id
 from tasks import ReservationClient, Settings, create_app
 from tasks import transport as screening
+from tasks.producer import Producer
 from testing.celery_processes import CeleryProcess, stop_all, worker_env
 from testing.harness import free_port, wait_until
 from testing.redis_servers import RedisServer, redis_server
@@ -243,6 +245,29 @@ def test_a_channel_sends_its_commands_through_one_client_per_pool(server: RedisS
             assert channel.client is not third  # the BRPOP client keeps its own pool and reply parser
     finally:
         app.close()
+
+
+def test_a_producer_declares_its_queue_once_per_connection_and_again_once_the_connection_forgets(
+    server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kombu bound a copy of the routed queue to the channel for every message before it found the queue
+    in the connection's record of what it declared: a producer binds it once, and declares it again when
+    kombu forgets its declarations (as on a reconnect)."""
+    binds = []
+    bind = Queue.bind
+    monkeypatch.setattr(
+        Queue, "bind", lambda queue, channel: binds.append(queue.name) or bind(queue, channel)
+    )
+    broker = redis.Redis.from_url(server.url(4))
+    with Producer(server.url(4)) as producer, producer.batch() as publisher:
+        for i in range(20):
+            producer.send("reserve", f"declared-{i}", {"sku": "A", "quantity": 1}, producer=publisher)
+        assert binds == ["celery"] and broker.llen("celery") == 20
+        publisher.connection.declared_entities.clear()  # what kombu does on a reconnect
+        producer.send("reserve", "declared-again", {"sku": "A", "quantity": 1}, producer=publisher)
+        assert binds == ["celery", "celery"] and broker.llen("celery") == 21
+    broker.flushdb()
+    broker.close()
 
 
 @pytest.fixture(scope="module")
