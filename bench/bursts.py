@@ -296,23 +296,27 @@ def _two_steps(
     ), values
 
 
-def _reservation_of(tag: str, index: int, outcome: dict[str, Any]) -> str:
-    """The id of the one reservation a reserve's outcome made; a reserve that made none ends the burst."""
-    ids = outcome.get("detail", {}).get("reservation_ids") or []
-    if outcome.get("status") != "reserved" or len(ids) != 1:
+def _reservation_of(tag: str, index: int, outcome: dict[str, Any]) -> tuple[str, str]:
+    """The id and SKU of the one reservation a reserve's outcome made; a reserve that made none ends the
+    burst."""
+    detail = outcome.get("detail", {})
+    ids, stock = detail.get("reservation_ids") or [], detail.get("stock") or []
+    if outcome.get("status") != "reserved" or len(ids) != 1 or len(stock) != 1:
         raise UnexpectedReply(f"reservation {index} of {tag} has nothing to confirm: {outcome!r}")
-    return str(ids[0])
+    return str(ids[0]), str(stock[0]["sku"])
 
 
 def life_burst(app: Celery, client: ReservationClient, skus: list[str], in_flight: InFlight) -> BurstFn:
     """A reservation's life as requests: its reserve, waited on as :func:`reserve_burst_result` waits, then
-    a confirm of the reservation it made, enqueued through the client and waited on the same way."""
+    a confirm of the reservation it made, enqueued through the client with the SKU its reserve's outcome
+    names (the worker's lease taken without a read) and waited on the same way."""
 
     def run(tag: str, count: int) -> Burst:
         def confirm(index: int, outcome: dict[str, Any]) -> AsyncResult:
-            reservation = _reservation_of(tag, index, outcome)
+            reservation, sku = _reservation_of(tag, index, outcome)
+            key = f"{tag}-{index}-confirm"
             handle = client.enqueue_sync(
-                "confirm", idempotency_key=f"{tag}-{index}-confirm", reservation_id=reservation
+                "confirm", idempotency_key=key, reservation_id=reservation, sku_hint=sku
             )
             return app.AsyncResult(request_id(handle.key))
 

@@ -33,7 +33,9 @@ class Request:
     """A request as its producer records it before publishing: ``request_type`` and ``arguments`` are
     what a message of ``message_format`` carries (the idempotency key apart), ``operation`` and
     ``fingerprint`` what its outcome will name; ``caller`` is the caller's space (None: the operator's);
-    ``deadline`` in seconds since the epoch."""
+    ``deadline`` in seconds since the epoch; ``sku_hint``: the SKU of the reservation a confirm or release
+    names, when its producer knows it, which its message carries for the worker's lease and its record
+    does not keep (a copy published again from the record goes without it)."""
 
     key: str
     request_type: str
@@ -44,6 +46,7 @@ class Request:
     message_format: int
     deadline: float | None = None
     caller: str | None = None
+    sku_hint: str | None = None
 
     def values(self, look_after: float) -> dict[str, Any]:
         """The record's columns; the relay first looks at it ``look_after`` seconds from now."""
@@ -98,7 +101,7 @@ class Accepted:
     def request(self) -> Request:
         """The request as it was recorded, to publish it again; a record older than its arguments has
         none to publish (ValueError)."""
-        fields = {name: getattr(self, name) for name in Request.__dataclass_fields__}
+        fields = {name: getattr(self, name) for name in Request.__dataclass_fields__ if name != "sku_hint"}
         if None in (self.request_type, self.arguments, self.task_id, self.message_format):
             raise ValueError(f"the record of {self.key!r} holds no arguments to publish")
         return Request(**fields)

@@ -112,10 +112,21 @@ class UnknownRequest(ReservationError, LookupError):
 
 
 class InvalidTransition(ReservationError):
-    def __init__(self, *, reservation_id: str, status: str, operation: str, detail: str = "") -> None:
+    """``belongs_to``: the reservation's SKU, when the refusal is that it is not the lease's."""
+
+    def __init__(
+        self,
+        *,
+        reservation_id: str,
+        status: str,
+        operation: str,
+        detail: str = "",
+        belongs_to: str | None = None,
+    ) -> None:
         self.reservation_id = reservation_id
         self.status = status
         self.operation = operation
+        self.belongs_to = belongs_to
         suffix = f": {detail}" if detail else ""
         super().__init__(f"cannot {operation} reservation {reservation_id} (status {status}){suffix}")
 

@@ -107,6 +107,7 @@ def refusal(written: keyed.Written, fence: Fence, row: Any) -> NoReturn:
             status=row.status,
             operation=operation,
             detail=f"it belongs to SKU {row.reservation_sku}, the lease is for {lease.scope}",
+            belongs_to=row.reservation_sku,
         )
     if row.status != ReservationStatus.HELD:
         raise InvalidTransition(reservation_id=reservation_id, status=row.status, operation=operation)

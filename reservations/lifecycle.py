@@ -175,6 +175,7 @@ def _finish(
                 status=row.status,
                 operation=operation,
                 detail=f"it belongs to SKU {row.sku}, the lease is for {lease.scope}",
+                belongs_to=row.sku,
             )
         if row.status != HELD:
             raise InvalidTransition(reservation_id=reservation_id, status=row.status, operation=operation)

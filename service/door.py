@@ -58,15 +58,18 @@ class Door:
         deadline: float | None,
         wait: float,
         read_at: str,
+        sku_hint: str | None = None,
     ) -> Answer:
         """Carry the request of task type ``name`` under the stored ``key`` of the ``caller``'s space to its
-        answer, which names the caller's own key and where its outcome is read (``read_at``)."""
+        answer, which names the caller's own key and where its outcome is read (``read_at``); ``sku_hint``:
+        a confirm's or release's reservation's SKU (:func:`tasks.producer.request_of`)."""
         shown_key = caller_key(caller, key)
         location = location_of(read_at, shown_key)
         message = messages.parse(name, [], {**args, "idempotency_key": key})
         request = request_of(
-            name, key, message.args, deadline=deadline, caller=caller, fingerprint=message.fingerprint
-        )
+            name, key, message.args, deadline=deadline, caller=caller, fingerprint=message.fingerprint,
+            sku_hint=sku_hint,
+        )  # fmt: skip
         if self.backlog.over(self.queue_bound):
             # Not enqueued; a key that has its outcome already is still answered.
             done = await self.inventory.request_outcome(key)
@@ -140,8 +143,9 @@ class Door:
             return pending(shown_key, location)
         return answer_of(shown_key, result, instance=location, created=False)
 
-    async def reservation_under(self, key: str, *, shown_key: str) -> str:
-        """The id of the reservation made under ``key``, for confirming or releasing it."""
+    async def reservation_under(self, key: str, *, shown_key: str) -> tuple[str, str | None]:
+        """The id of the reservation made under ``key``, for confirming or releasing it, and its SKU (the
+        lease the worker takes without reading the reservation first), as the reserve's outcome names it."""
         result = await self._seen(key, shown_key)
         under = f"the request under {shown_key!r}"
         if result is None:
@@ -151,7 +155,8 @@ class Door:
         ids = result.detail.get("reservation_ids") or []
         if result.status != RequestStatus.RESERVED or len(ids) != 1:
             raise problem("not-reserved", f"{under} ended {result.status}", key=shown_key)
-        return str(ids[0])
+        stock = result.detail.get("stock") or []
+        return str(ids[0]), str(stock[0]["sku"]) if len(stock) == 1 else None
 
 
 def _reused(shown_key: str, stored_operation: str, location: str) -> Answer:

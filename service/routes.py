@@ -281,9 +281,9 @@ def router(
         or release names. The routes take the headers themselves: a dependency more to solve costs every
         write its share of the event loop."""
         space, own_key, prefer, deadline = sent
-        stored = new_key(space, own_key)
+        stored, sku_hint = new_key(space, own_key), None
         if under is not None:  # a confirm or release: its own key first, then the reservation it names
-            reservation = await door().reservation_under(scoped_key(space, under), shown_key=under)
+            reservation, sku_hint = await door().reservation_under(scoped_key(space, under), shown_key=under)
             args = {"reservation_id": reservation}
         until = deadline_of(deadline, settings.request_deadline, time.time())
         wait = wait_of(prefer, settings.http_wait, settings.http_max_wait)
@@ -293,7 +293,14 @@ def router(
             raise problem("too-many-requests", f"{said} ({in_flight.bound})", headers=retry)
         try:
             answer = await door().submit(
-                name, stored, args, caller=space, deadline=until, wait=wait, read_at=read_at
+                name,
+                stored,
+                args,
+                caller=space,
+                deadline=until,
+                wait=wait,
+                read_at=read_at,
+                sku_hint=sku_hint,
             )
         finally:
             in_flight.give_back(space)

@@ -15,7 +15,7 @@ from typing import Any
 from celery import Task
 
 from fencing import BackendUnavailable, Lease, LeaseBusy, LostOwnership
-from reservations import InsufficientStock, Outcome
+from reservations import InsufficientStock, InvalidTransition, Outcome
 from reservations.counting import counted_units, short_count
 from reservations.redrives import carried_request
 from reservations.request_outcomes import AlreadyApplied, RequestReply, RequestResult
@@ -54,6 +54,11 @@ class Attempt:
         self.can_wait = message.name == "reserve" and res.settings.batching
         self.leases: dict[str, Lease] = {}
         self.lease_token: int | None = None
+        # The SKU whose lease a confirm or release takes without reading its reservation first, when the
+        # message names it (tasks.messages.sku_hint).
+        self.sku_hint: str | None = None
+        if message.name in ("confirm", "release"):
+            self.sku_hint = messages.sku_hint(getattr(task.request, messages.SKU_HINT, None), key=message.key)
 
     def carry_out(self) -> dict[str, Any]:
         """The request's final outcome, or "queued" for its SKU's lease holder; raises Celery's Retry.
@@ -105,6 +110,13 @@ class Attempt:
                 failpoint("after_write")
                 if server is not None:  # requests of this process that found the lease held meanwhile
                     server.drain_joined(*leases.values())
+        except InvalidTransition as exc:
+            if exc.belongs_to is None or self.sku_hint in (None, exc.belongs_to):
+                return self.after(exc)
+            # The hint named another SKU than the reservation's: nothing was written under its lease, which
+            # is released; the refusal names the reservation's SKU, whose lease is taken now.
+            self.sku_hint = exc.belongs_to
+            return self.carry_out()
         except (InsufficientStock, LeaseBusy, LostOwnership, *policy.INVALID) as exc:
             return self.after(exc)
         return self.served(self.succeeded(written))
@@ -181,6 +193,8 @@ class Attempt:
         args = self.message.args
         if self.message.name == "reserve_order":
             return [sku for sku, _ in args["lines"]]
+        if self.sku_hint is not None:
+            return [self.sku_hint]
         if self.message.name in ("confirm", "release"):
             return [self.res.inventory.reservation(args["reservation_id"]).sku]
         return [args["sku"]]

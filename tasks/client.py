@@ -112,6 +112,7 @@ class Asked:
     traceparent: str | None
     given: dict[str, Any] = field(default_factory=dict)
     sent: dict[str, Any] | None = None
+    sku_hint: str | None = None
 
 
 # Every enqueue takes ``deadline``: seconds since the epoch after which a worker that takes the request up
@@ -181,12 +182,18 @@ def any_request(
     idempotency_key: str,
     deadline: float | None = None,
     traceparent: str | None = None,
+    sku_hint: str | None = None,
     **kwargs: Any,
 ) -> Asked:
     """Any request by task operation name: reserve, reserve_order, confirm, release, restock, count,
-    replenish. Its arguments are sent as given (a worker refuses malformed ones)."""
+    replenish. Its arguments are sent as given (a worker refuses malformed ones). ``sku_hint``: a confirm's
+    or release's reservation's SKU, when the caller knows it (the reserve's outcome names it), so that the
+    worker takes its lease without reading the reservation first; a wrong one costs a lease more, not the
+    request."""
     valid.idempotency_key(idempotency_key)
-    return Asked(_known(operation), idempotency_key, deadline, traceparent, sent=kwargs)
+    if sku_hint is not None:
+        valid.sku(sku_hint)
+    return Asked(_known(operation), idempotency_key, deadline, traceparent, sent=kwargs, sku_hint=sku_hint)
 
 
 def _as_method(enqueue: Callable[..., Any], asks: Callable[..., Asked], name: str) -> None:
@@ -265,7 +272,9 @@ class ReservationClient:
                 f"{asked.key!r} is a re-drive's key (<key>~redrive-<n>)", field="idempotency_key"
             )
         valid.deadline(asked.deadline)
-        return request_of(name, asked.key, sent, deadline=asked.deadline, fingerprint=print_)
+        return request_of(
+            name, asked.key, sent, deadline=asked.deadline, fingerprint=print_, sku_hint=asked.sku_hint
+        )
 
     def _handle(self, request: Request, task_id: str) -> ReservationHandle:
         return ReservationHandle(request.key, task_id, self, request.operation, request.fingerprint)

@@ -49,12 +49,14 @@ MAX_EXACT_INT = 2**53
 # The headers of a request message (tasks.producer sets them, and a retry keeps its message's): its format,
 # a whole number; its deadline (:func:`late`) and when its request was first enqueued (the latency
 # metrics' start), in seconds since the epoch; the W3C traceparent of its sender's span (tasks.tracing),
-# which a worker that does not know it ignores, as any header. Bump CURRENT_FORMAT as docs/operations.md
+# which a worker that does not know it ignores, as any header; and the SKU of the reservation a confirm or
+# release names, when its sender knows it (:func:`sku_hint`). Bump CURRENT_FORMAT as docs/operations.md
 # says.
 FORMAT = "reservations_format"
 DEADLINE = "reservations_deadline"
 ENQUEUED_AT = "reservations_enqueued_at"
 TRACE = tracing.HEADER
+SKU_HINT = "reservations_sku"
 CURRENT_FORMAT = 2
 UNMARKED_FORMAT = 1  # a message without the header
 FORMATS = (1, 2)
@@ -97,6 +99,23 @@ def deadline_of(value: object, *, key: object = None) -> float | None:
         log.warning(
             "ignoring the malformed %s header %r of request %s: %s", DEADLINE, value, key, exc,
             extra={"event": "malformed_deadline", "key": key},
+        )  # fmt: skip
+        return None
+
+
+def sku_hint(value: object, *, key: object = None) -> str | None:
+    """The SKU a confirm's or release's header ``value`` names as its reservation's: the lease the worker
+    takes without reading the reservation first. It is no part of the request (its fingerprint, its
+    record): a wrong one costs the worker a lease on that SKU, then it takes the right one, which the
+    refusal names. None without one, and for a malformed one, which is logged (naming ``key``)."""
+    if value is None:
+        return None
+    try:
+        return valid.sku(value)
+    except InvalidRequest as exc:
+        log.warning(
+            "ignoring the malformed %s header of request %s: %s", SKU_HINT, key, exc,
+            extra={"event": "malformed_sku_hint", "key": key},
         )  # fmt: skip
         return None
 

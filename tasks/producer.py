@@ -88,13 +88,15 @@ class Producer:
         message_format: int = messages.CURRENT_FORMAT,
         trace: Trace | None = None,
         task_id: str | None = None,
+        sku_hint: str | None = None,
     ) -> str:
         """Publish ``operation`` for ``key``; returns the request's task id (the same for the same key).
         ``producer``: a kombu producer of this app held across many sends (:meth:`batch`); ``enqueued_at``:
         when a copy published again was first enqueued (else the time of publishing); ``deadline``: its
         header (:func:`tasks.messages.late`); ``message_format``: the format a recorded request was
         recorded in, when it is published again; ``trace``: the sender's span, the worker's parent;
-        ``task_id``: the one a recorded request has already (a uuid5 of its key otherwise)."""
+        ``task_id``: the one a recorded request has already (a uuid5 of its key otherwise); ``sku_hint``:
+        the SKU of the reservation a confirm or release names (:func:`tasks.messages.sku_hint`)."""
         if task_id is None:
             task_id = request_id(valid.idempotency_key(key))
         headers: dict[str, Any] = {
@@ -102,6 +104,7 @@ class Producer:
             **messages.deadline_header(deadline),
             **({} if enqueued_at is None else {ENQUEUED_AT: enqueued_at}),
             **({} if trace is None else {TRACE: trace.traceparent}),
+            **({} if sku_hint is None else {messages.SKU_HINT: sku_hint}),
         }
         self.app.send_task(
             task_name(operation),
@@ -133,6 +136,7 @@ class Producer:
             message_format=request.message_format,
             trace=trace,
             task_id=request.task_id,
+            sku_hint=request.sku_hint,
         )
 
     def batch(self) -> Any:
@@ -155,7 +159,7 @@ def _stamp_enqueue_time(headers: dict[str, Any] | None = None, **_: Any) -> None
     final outcome (clocks of different hosts differ by their skew). A retry keeps its request's enqueue
     time, its deadline (retried past it, the request ends expired), its format (it is laid out as the
     message it retries) and its trace: its sender's span, or the span the worker started for a message
-    that came without one, so that every attempt at a request is of one trace."""
+    that came without one, so that every attempt at a request is of one trace; and its SKU hint."""
     if headers is None:
         return
     retried = None
@@ -164,7 +168,7 @@ def _stamp_enqueue_time(headers: dict[str, Any] | None = None, **_: Any) -> None
         trace = current.get()
         if trace is not None and getattr(retried, TRACE, None) is None:
             headers.setdefault(TRACE, trace.traceparent)
-    for kept in (DEADLINE, FORMAT, TRACE):
+    for kept in (DEADLINE, FORMAT, TRACE, messages.SKU_HINT):
         value = getattr(retried, kept, None)
         if value is not None:
             headers.setdefault(kept, value)
@@ -182,10 +186,11 @@ def request_of(
     deadline: float | None = None,
     caller: str | None = None,
     fingerprint: str | None = None,
+    sku_hint: str | None = None,
 ) -> Request:
     """The record of request type ``name`` under ``key`` with the message arguments ``kwargs`` (without the
-    key), as this release publishes it; ``fingerprint`` when the caller parsed the message already. No
-    I/O."""
+    key), as this release publishes it; ``fingerprint`` when the caller parsed the message already;
+    ``sku_hint``: a confirm's or release's reservation's SKU, when the caller knows it. No I/O."""
     return Request(
         key=valid.idempotency_key(key),
         request_type=name,
@@ -196,6 +201,7 @@ def request_of(
         message_format=messages.CURRENT_FORMAT,
         deadline=deadline,
         caller=caller,
+        sku_hint=sku_hint,
     )
 
 

@@ -42,11 +42,13 @@ from tasks.messages import (
     DEADLINE,
     FORMAT,
     FORMATS,
+    SKU_HINT,
     UNMARKED_FORMAT,
     UnknownFormat,
     format_of,
     parse,
     request_fingerprint,
+    sku_hint,
 )
 from tasks.producer import Producer
 from testing.harness import wait_until
@@ -132,6 +134,17 @@ def test_a_message_without_the_header_is_format_1() -> None:
     assert format_of(Delivered()) == UNMARKED_FORMAT == 1
     assert format_of(Delivered(**{FORMAT: 2})) == 2
     assert format_of(Delivered(**{FORMAT: "7"})) == "7"  # as sent: parse refuses it
+
+
+def test_a_sku_hint_header_is_followed_when_it_is_a_sku_and_ignored_otherwise(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The SKU hint is a header no format names, as the deadline is: a worker that does not know it ignores
+    it, and one that does ignores a malformed one (logged) and reads the reservation instead."""
+    assert sku_hint("A-1") == "A-1" and sku_hint(None) is None
+    for malformed in ("two words", "", 7, ["A"], "x" * 1000):
+        assert sku_hint(malformed, key="k") is None
+    assert caplog.text.count(SKU_HINT) == 5 and "x" * 100 not in caplog.text
 
 
 @pytest.mark.parametrize("message_format", FORMATS)

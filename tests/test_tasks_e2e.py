@@ -20,6 +20,7 @@ import redis
 
 from reservations import InvalidRequest
 from reservations.request_outcomes import request_id
+from reservations.validation import scope_of
 from tasks import ReservationHandle
 from testing.harness import process_state, wait_until
 from testing.redis_servers import RedisServer, redis_server
@@ -186,6 +187,35 @@ def test_mixed_batch_every_request_gets_one_outcome(sql: Stack) -> None:
         "E4": (6, 2, 4),
     }
     assert inv.invariant_violations() == []
+
+
+def test_a_confirm_takes_the_lease_its_sku_hint_names_and_a_wrong_hint_costs_a_lease_not_the_request(
+    sql: Stack,
+) -> None:
+    """A confirm or release that names its reservation's SKU has its worker take that SKU's lease without
+    reading the reservation first. A wrong SKU is refused by the write, which names the right one, and the
+    worker takes that lease: the request still ends as it would have."""
+    client, inv = sql.client, sql.inventory
+    inv.add_sku("HINT1", on_hand=5)
+    inv.add_sku("HINT2", on_hand=5)
+    made = sql.results(
+        [client.enqueue_reservation_sync("HINT1", 1, idempotency_key=f"hint-{i}") for i in range(2)]
+    )
+    kept, let_go = (outcome.detail["reservation_ids"][0] for outcome in made)
+    with pytest.raises(InvalidRequest):
+        client.enqueue_sync("confirm", idempotency_key="hint-bad", reservation_id=kept, sku_hint="no sku")
+    right = client.enqueue_sync(
+        "confirm", idempotency_key="hint-right", reservation_id=kept, sku_hint="HINT1"
+    )
+    wrong = client.enqueue_sync(
+        "release", idempotency_key="hint-wrong", reservation_id=let_go, sku_hint="HINT2"
+    )
+    assert [outcome.status for outcome in sql.results([right, wrong])] == ["confirmed", "released"]
+    # The wrong hint was followed (a lease on HINT2, which nothing else takes), and wrote nothing there.
+    assert [event.event for event in sql.leases.history(scope_of("HINT2"))].count("acquired") == 1
+    stock = {sku: inv.stock(sku) for sku in ("HINT1", "HINT2")}
+    assert {sku: (s.on_hand, s.reserved) for sku, s in stock.items()} == {"HINT1": (4, 0), "HINT2": (5, 0)}
+    assert [entry.idempotency_key for entry in inv.history("HINT2")] == [None]  # its add_sku alone
 
 
 # -- faults ----------------------------------------------------------------------------------------------
