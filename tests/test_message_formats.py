@@ -29,6 +29,7 @@ from typing import Any
 
 import pytest
 import redis
+from celery.utils.saferepr import saferepr
 
 from fencing import LeaseManager
 from reservations import Inventory
@@ -134,6 +135,28 @@ def test_a_message_without_the_header_is_format_1() -> None:
     assert format_of(Delivered()) == UNMARKED_FORMAT == 1
     assert format_of(Delivered(**{FORMAT: 2})) == 2
     assert format_of(Delivered(**{FORMAT: "7"})) == "7"  # as sent: parse refuses it
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"sku": "A-1", "quantity": 2, "hold_for": 90.5, "idempotency_key": "k-1"},
+        {"lines": [["A", 1], ["B", 2]], "hold_for": None, "idempotency_key": "o"},
+        {"sku": 'it\'s "q"', "counted": None, "shrinkage": 3, "idempotency_key": "c"},
+        {"lines": [[f"SKU-{n}", n] for n in range(200)], "idempotency_key": "long"},  # past Celery's cut
+    ],
+)
+def test_a_producers_kwargsrepr_header_is_the_one_celery_makes(kwargs: dict[str, Any]) -> None:
+    """The producer makes the header with repr, not Celery's slower saferepr: the same text, cut where
+    Celery cuts it (the transport reads a poison message's key from it)."""
+    producer = Producer("redis://127.0.0.1:1/0")
+    try:
+        amqp = producer.app.amqp
+        message = amqp.create_task_message("t", "reservations.reserve", (), kwargs)
+        assert message.headers["kwargsrepr"] == saferepr(kwargs, amqp.kwargsrepr_maxsize, maxlevels=3)
+        assert message.headers["argsrepr"] == "()"
+    finally:
+        producer.close()
 
 
 def test_a_sku_hint_header_is_followed_when_it_is_a_sku_and_ignored_otherwise(
