@@ -279,7 +279,7 @@ class InventoryBase(Generic[E]):
     purge_requests = operation.of(outcomes.purge)
 
     # reads
-    stock = operation.of(reads.stock_level)
+    stock = operation.of(reads.stock_alone)
     all_stock = operation.of(reads.all_stock)
     existing_skus = operation.of(reads.existing_skus)
     sku_count = operation.of(reads.sku_count)

@@ -1,5 +1,9 @@
 """The read side as plans: stock, reservations, per-SKU history and rejection counts. The invariant
 check lives in :mod:`reservations.audit`.
+
+Each read the inventory offers is one statement, sent :class:`~fencing.plan.Alone`: in autocommit on
+PostgreSQL, one round trip where a transaction around it would add its BEGIN and COMMIT. A write's own
+read of its stock row (:func:`stock_level` from a plan) stays in the write's transaction.
 """
 
 from __future__ import annotations
@@ -9,7 +13,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from fencing.plan import Plan
+from fencing.plan import Alone, Plan
 from fencing.sql import Rows
 from reservations import validation as valid
 from reservations.errors import InvalidRequest, UnknownReservation, UnknownSku
@@ -34,6 +38,13 @@ NEWEST_CHECKPOINTS = sa.select(sku_checkpoints).join(
 )
 
 
+_STOCK_OF = sa.select(*STOCK_COLUMNS).where(stock.c.sku == sa.bindparam("sku"))
+# A reservation by id or by the key that made it, built once: sent with its value, on the driver's cursor.
+_BY_REF = sa.select(reservations).where(
+    sa.or_(reservations.c.id == sa.bindparam("ref"), reservations.c.idempotency_key == sa.bindparam("ref"))
+)
+
+
 def _reservation(row: Any) -> ReservationView:
     return ReservationView(
         id=row.id,
@@ -51,8 +62,19 @@ def _reservation(row: Any) -> ReservationView:
 
 
 def stock_level(sku: str) -> Plan[StockLevel]:
+    """A SKU's stock, read in the transaction of the plan that reads it."""
     valid.sku(sku)
     found: Rows = yield sa.select(*STOCK_COLUMNS).where(stock.c.sku == sku)
+    return _level(sku, found)
+
+
+def stock_alone(sku: str) -> Plan[StockLevel]:
+    """A SKU's stock: on hand, reserved, available and the token of its last write."""
+    found: Rows = yield Alone(_STOCK_OF, {"sku": valid.sku(sku)})
+    return _level(sku, found)
+
+
+def _level(sku: str, found: Rows) -> StockLevel:
     row = found.first()
     if row is None:
         raise UnknownSku(sku)
@@ -71,7 +93,7 @@ def all_stock(
         query = query.where(stock.c.sku.startswith(valid.sku(prefix), autoescape=True))
     if limit is not None:
         query = query.limit(valid.whole(limit, "limit", 1, 2**63 - 1))
-    found: Rows = yield query
+    found: Rows = yield Alone(query)
     return [StockLevel(*r) for r in found.rows]
 
 
@@ -81,7 +103,7 @@ def existing_skus(skus: Sequence[str]) -> Plan[list[str]]:
     names = [valid.sku(sku) for sku in skus]
     if len(names) > MAX_SKUS_READ:
         raise InvalidRequest(f"look up at most {MAX_SKUS_READ} SKUs at once", field="skus")
-    found: Rows = yield sa.select(stock.c.sku).where(stock.c.sku.in_(names)).order_by(stock.c.sku)
+    found: Rows = yield Alone(sa.select(stock.c.sku).where(stock.c.sku.in_(names)).order_by(stock.c.sku))
     return [row[0] for row in found.rows]
 
 
@@ -90,16 +112,14 @@ def sku_count(*, prefix: str | None = None) -> Plan[int]:
     query = sa.select(sa.func.count()).select_from(stock)
     if prefix is not None:
         query = query.where(stock.c.sku.startswith(valid.sku(prefix), autoescape=True))
-    found: Rows = yield query
+    found: Rows = yield Alone(query)
     return int(found.first()[0])
 
 
 def reservation(id_or_key: str) -> Plan[ReservationView]:
     """A reservation by id (``r_...``) or by the idempotency key that created it."""
     valid.reservation_ref(id_or_key)
-    found: Rows = yield sa.select(reservations).where(
-        sa.or_(reservations.c.id == id_or_key, reservations.c.idempotency_key == id_or_key)
-    )
+    found: Rows = yield Alone(_BY_REF, {"ref": id_or_key})
     row = found.first()
     if row is None:
         raise UnknownReservation(id_or_key)
@@ -119,7 +139,7 @@ def reservation_list(
         query = query.where(reservations.c.status == status)
     if order_key is not None:
         query = query.where(reservations.c.order_key == valid.idempotency_key(order_key))
-    found: Rows = yield query
+    found: Rows = yield Alone(query)
     return [_reservation(r) for r in found.rows]
 
 
@@ -130,13 +150,13 @@ def history(sku: str, *, limit: int = 1000, since: float | None = None) -> Plan[
     rows = valid.limit(limit)
     if starting is not None:
         query = query.where(sku_history.c.at_ms >= int(starting * 1000))
-    found: Rows = yield query.order_by(sku_history.c.id.desc()).limit(rows)
+    found: Rows = yield Alone(query.order_by(sku_history.c.id.desc()).limit(rows))
     return [HistoryEntry(**columns(r)) for r in reversed(found.rows)]
 
 
 def archived(sku: str) -> Plan[ArchivedHistory | None]:
     """The SKU's history that was archived, as its newest checkpoint sums it up; None if none was."""
-    found: Rows = yield NEWEST_CHECKPOINTS.where(sku_checkpoints.c.sku == valid.sku(sku))
+    found: Rows = yield Alone(NEWEST_CHECKPOINTS.where(sku_checkpoints.c.sku == valid.sku(sku)))
     row = found.first()
     if row is None:
         return None
@@ -151,5 +171,5 @@ def rejection_counts(*, since: float | None = None) -> Plan[dict[str, int]]:
     starting = valid.since(since)
     if starting is not None:
         query = query.where(sku_history.c.at_ms >= int(starting * 1000))
-    found: Rows = yield query.group_by(sku_history.c.sku).order_by(sku_history.c.sku)
+    found: Rows = yield Alone(query.group_by(sku_history.c.sku).order_by(sku_history.c.sku))
     return {r[0]: int(r[1]) for r in found.rows}

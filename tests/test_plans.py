@@ -23,9 +23,12 @@ from fencing.etcd_backend import REGRANTS, EtcdLeaseCore, etcd_lease_id
 from fencing.etcd_gateway import EtcdRefused
 from fencing.fence import FenceOutcome
 from fencing.lease import MAX_TOKEN, Lease, new_lease_id
-from fencing.plan import Atomic
+from fencing.plan import Alone, Atomic
 from fencing.redis_backend import RedisLeaseCore, Reply
+from fencing.sql import Rows as SqlRows
 from fencing.sql_backend import SqlLeaseCore
+from reservations import reads
+from reservations.errors import UnknownReservation, UnknownSku
 from testing.scripted import Clock, Raises, Script, kinds, rows, sql_params, sql_text
 from testing.support import items
 
@@ -356,3 +359,27 @@ def test_an_etcd_write_refused_for_another_reason_is_raised() -> None:
     script = Script([_FREE, {"TTL": "5"}, Raises(refused)])
     with pytest.raises(EtcdRefused, match="too many operations"):
         script.run(core.acquire("sku:E", 5, "w1", new_lease_id()))
+
+
+@pytest.mark.parametrize(
+    "read",
+    [
+        partial(reads.stock_alone, "A"),
+        reads.all_stock,
+        partial(reads.existing_skus, ["A", "B"]),
+        reads.sku_count,
+        partial(reads.reservation, "r_1"),
+        partial(reads.reservation_list, "A"),
+        partial(reads.history, "A"),
+        partial(reads.archived, "A"),
+        reads.rejection_counts,
+    ],
+)
+def test_every_inventory_read_is_one_statement_alone(read: Any) -> None:
+    """A read the inventory offers asks for one statement sent alone (autocommit on PostgreSQL: one round
+    trip, where a transaction around it adds its BEGIN and COMMIT), and nothing else."""
+    plan = read()
+    assert isinstance(next(plan), Alone)
+    answer = SqlRows([(0,)]) if read is reads.sku_count else SqlRows([])
+    with pytest.raises((StopIteration, UnknownSku, UnknownReservation)):
+        plan.send(answer)
