@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import signal
 import threading
 import time
@@ -182,9 +183,15 @@ def create_app(settings: Settings | None = None, *, caller: Caller | None = None
             leases = AsyncLeaseManager.from_url(settings.lease_url, prefix=settings.lease_prefix, **options)
             app.state.console = console.Console(password, inventory, leases, client, backlog)
         restore = _drain_on_stop(found, asyncio.get_running_loop())
+        # A full collection of the cyclic garbage collector walks every object the process holds and stops
+        # the event loop meanwhile: 60 ms and more once the libraries are loaded, which every request in
+        # flight and every health check waits out. What the process made until now lives as long as it
+        # does, so collections leave it out from here on and walk only what requests make.
+        gc.freeze()
         try:
             yield
         finally:
+            gc.unfreeze()
             restore()
             if leases is not None:
                 await leases.close()

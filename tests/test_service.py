@@ -15,6 +15,7 @@ with requests in flight that loses none of them.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import random
 import re
@@ -37,7 +38,9 @@ import redis
 from fencing import LeaseManager
 from reservations import Inventory
 from reservations import validation as valid
+from service.app import create_app
 from service.routes import RESPONSES
+from tasks.settings import Settings
 from testing.celery_processes import worker_env
 from testing.harness import free_port, tls, wait_until
 from testing.redis_servers import RedisServer, redis_server
@@ -1050,3 +1053,18 @@ async def test_a_stop_answers_waiting_requests_202_at_once_and_loses_none(
     assert served.inventory.stock(item).reserved == len(keys)
     stored = sorted(r.idempotency_key or "" for r in served.inventory.reservations(item))
     assert stored == sorted(f"*:{k}" for k in keys)
+
+
+async def test_while_it_serves_collections_leave_out_what_the_service_started_with(tmp_path: Path) -> None:
+    """A full garbage collection stops the event loop for as long as it walks the process's objects: from
+    the end of its start the service freezes what it made until then (gc.freeze), so a collection walks
+    only what requests make; its stop unfreezes them."""
+    database = f"sqlite:///{tmp_path / 'frozen.db'}"
+    settings = Settings.from_env(
+        {"RESERVATIONS_DATABASE_URL": database, "RESERVATIONS_BROKER_URL": f"sqla+{database}"}
+    )
+    app = create_app(settings)
+    assert gc.get_freeze_count() == 0
+    async with app.router.lifespan_context(app):
+        assert gc.get_freeze_count() > 10_000
+    assert gc.get_freeze_count() == 0
