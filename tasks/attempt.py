@@ -114,8 +114,10 @@ class Attempt:
             if exc.belongs_to is None or self.sku_hint in (None, exc.belongs_to):
                 return self.after(exc)
             # The hint named another SKU than the reservation's: nothing was written under its lease, which
-            # is released; the refusal names the reservation's SKU, whose lease is taken now.
+            # is released; the refusal names the reservation's SKU, whose lease is taken now. A retry of the
+            # message (that lease busy) carries the SKU found, not the wrong one (tasks.producer keeps it).
             self.sku_hint = exc.belongs_to
+            setattr(self.task.request, messages.SKU_HINT, exc.belongs_to)
             return self.carry_out()
         except (InsufficientStock, LeaseBusy, LostOwnership, *policy.INVALID) as exc:
             return self.after(exc)

@@ -177,7 +177,8 @@ def _stamp_enqueue_time(headers: dict[str, Any] | None = None, **_: Any) -> None
     final outcome (clocks of different hosts differ by their skew). A retry keeps its request's enqueue
     time, its deadline (retried past it, the request ends expired), its format (it is laid out as the
     message it retries) and its trace: its sender's span, or the span the worker started for a message
-    that came without one, so that every attempt at a request is of one trace; and its SKU hint."""
+    that came without one, so that every attempt at a request is of one trace; and its SKU hint, or the SKU
+    the attempt found in the hint's place (tasks.attempt)."""
     if headers is None:
         return
     retried = None
@@ -186,10 +187,14 @@ def _stamp_enqueue_time(headers: dict[str, Any] | None = None, **_: Any) -> None
         trace = current.get()
         if trace is not None and getattr(retried, TRACE, None) is None:
             headers.setdefault(TRACE, trace.traceparent)
-    for kept in (DEADLINE, FORMAT, TRACE, messages.SKU_HINT):
+    for kept in (DEADLINE, FORMAT, TRACE):
         value = getattr(retried, kept, None)
         if value is not None:
             headers.setdefault(kept, value)
+    # Celery copies the message's own headers into its retry: the hint the attempt ended with replaces them.
+    hint = getattr(retried, messages.SKU_HINT, None)
+    if hint is not None:
+        headers[messages.SKU_HINT] = hint
     if ENQUEUED_AT in headers:
         return
     inherited = getattr(retried, ENQUEUED_AT, None)

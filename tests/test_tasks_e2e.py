@@ -194,7 +194,8 @@ def test_a_confirm_takes_the_lease_its_sku_hint_names_and_a_wrong_hint_costs_a_l
 ) -> None:
     """A confirm or release that names its reservation's SKU has its worker take that SKU's lease without
     reading the reservation first. A wrong SKU is refused by the write, which names the right one, and the
-    worker takes that lease: the request still ends as it would have."""
+    worker takes that lease: the request still ends as it would have. Found busy, that lease is waited for
+    by a retry that carries the SKU found, so the wrong one costs one lease, not one per retry."""
     client, inv = sql.client, sql.inventory
     inv.add_sku("HINT1", on_hand=5)
     inv.add_sku("HINT2", on_hand=5)
@@ -207,11 +208,22 @@ def test_a_confirm_takes_the_lease_its_sku_hint_names_and_a_wrong_hint_costs_a_l
     right = client.enqueue_sync(
         "confirm", idempotency_key="hint-right", reservation_id=kept, sku_hint="HINT1"
     )
-    wrong = client.enqueue_sync(
-        "release", idempotency_key="hint-wrong", reservation_id=let_go, sku_hint="HINT2"
-    )
-    assert [outcome.status for outcome in sql.results([right, wrong])] == ["confirmed", "released"]
-    # The wrong hint was followed (a lease on HINT2, which nothing else takes), and wrote nothing there.
+    assert sql.result(right).status == "confirmed"
+    held = sql.leases.acquire(scope_of("HINT1"), ttl=60, holder="the test")
+    try:
+        wrong = client.enqueue_sync(
+            "release", idempotency_key="hint-wrong", reservation_id=let_go, sku_hint="HINT2"
+        )
+        retried = f"Task reservations.release[{wrong.task_id}] retry"
+        wait_until(
+            lambda: any(retried in worker.log() for worker in sql.cluster.workers) or None,
+            timeout=FAULT_TIMEOUT,
+            what="the release retried, its reservation's lease held",
+        )
+    finally:
+        sql.leases.release(held)
+    assert sql.result(wrong).status == "released"
+    # The wrong hint was followed once (a lease on HINT2, which nothing else takes), and wrote nothing there.
     assert [event.event for event in sql.leases.history(scope_of("HINT2"))].count("acquired") == 1
     stock = {sku: inv.stock(sku) for sku in ("HINT1", "HINT2")}
     assert {sku: (s.on_hand, s.reserved) for sku, s in stock.items()} == {"HINT1": (4, 0), "HINT2": (5, 0)}
