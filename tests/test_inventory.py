@@ -434,7 +434,10 @@ def test_lease_of_another_sku_cannot_write(inventory: Inventory, leases: LeaseMa
     with pytest.raises(InvalidTransition) as foreign:  # someone else's reservation
         inventory.confirm(gadget_lease, held.reservation_id or "", key="k2")
     assert "belongs to SKU WIDGET" in str(foreign.value)
+    # The refusal names the reservation's SKU: a worker that took the wrong lease takes that one next.
+    assert foreign.value.belongs_to == widget
     assert level(inventory, widget) == (10, 1, 9)
+    assert [entry.operation for entry in inventory.history("GADGET")] == ["create"]
 
 
 def test_final_reservation_cannot_be_finished_again(
