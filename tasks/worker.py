@@ -9,6 +9,7 @@ child must not reuse the parent's sockets (two processes on one connection corru
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import socket
@@ -332,6 +333,14 @@ def _init_process(**_: Any) -> None:
         resources(_settings(None))
     except Unbuildable as exc:  # each task tries again, and keeps its request until one can record it
         log.error("%s", exc, extra={"event": "client_unbuildable", "backend": exc.backend})
+    _leave_out_of_collections()
+
+
+def _leave_out_of_collections() -> None:
+    """A full collection of the cyclic garbage collector walks every object the process tracks, a few
+    hundred milliseconds once Celery, kombu, SQLAlchemy and the clients are loaded, and the task waits it
+    out. What the process made until it takes tasks lives as long as it does: collections leave it out."""
+    gc.freeze()
 
 
 @celeryd_init.connect
@@ -389,6 +398,7 @@ def _ready(sender: Any = None, **_: Any) -> None:
         f"broker {mask_url(settings.broker_url)}, lease ttl {settings.lease_ttl:g}s",
         event="worker_ready",
     )
+    _leave_out_of_collections()  # the consumer's process, and the one that runs tasks without a prefork pool
     port, host = settings.metrics_port, settings.metrics_host
     if not port:
         return
