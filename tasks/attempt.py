@@ -55,8 +55,10 @@ class Attempt:
         self.leases: dict[str, Lease] = {}
         self.lease_token: int | None = None
         # The SKU whose lease a confirm or release takes without reading its reservation first, when the
-        # message names it (tasks.messages.sku_hint).
+        # message names it (tasks.messages.sku_hint); ``sku_known``: the reservation named it (a read, or
+        # a write's refusal), where a hint is its sender's word.
         self.sku_hint: str | None = None
+        self.sku_known = False
         if message.name in ("confirm", "release"):
             self.sku_hint = messages.sku_hint(getattr(task.request, messages.SKU_HINT, None), key=message.key)
 
@@ -114,12 +116,17 @@ class Attempt:
             if exc.belongs_to is None or self.sku_hint in (None, exc.belongs_to):
                 return self.after(exc)
             # The hint named another SKU than the reservation's: nothing was written under its lease, which
-            # is released; the refusal names the reservation's SKU, whose lease is taken now. A retry of the
-            # message (that lease busy) carries the SKU found, not the wrong one (tasks.producer keeps it).
-            self.sku_hint = exc.belongs_to
-            setattr(self.task.request, messages.SKU_HINT, exc.belongs_to)
+            # is released; the refusal names the reservation's SKU, whose lease is taken now.
+            self.found(exc.belongs_to)
             return self.carry_out()
-        except (InsufficientStock, LeaseBusy, LostOwnership, *policy.INVALID) as exc:
+        except LeaseBusy as exc:
+            if self.sku_hint is None or self.sku_known:
+                return self.after(exc)
+            # A hinted SKU's lease is held: the hint may be wrong, and a retry would come back to the same
+            # lease until the busy budget ran out. The reservation's SKU is read, as without a hint.
+            self.sku_hint = None
+            return self.carry_out()
+        except (InsufficientStock, LostOwnership, *policy.INVALID) as exc:
             return self.after(exc)
         return self.served(self.succeeded(written))
 
@@ -195,11 +202,19 @@ class Attempt:
         args = self.message.args
         if self.message.name == "reserve_order":
             return [sku for sku, _ in args["lines"]]
-        if self.sku_hint is not None:
-            return [self.sku_hint]
         if self.message.name in ("confirm", "release"):
-            return [self.res.inventory.reservation(args["reservation_id"]).sku]
+            sku = self.sku_hint
+            if sku is None:
+                sku = self.res.inventory.reservation(args["reservation_id"]).sku
+                self.found(sku)
+            return [sku]
         return [args["sku"]]
+
+    def found(self, sku: str) -> None:
+        """The SKU of a confirm's or release's reservation, as the reservation named it. A retry of the
+        message carries it (tasks.producer keeps the request's hint), so that it needs no read."""
+        self.sku_hint, self.sku_known = sku, True
+        setattr(self.task.request, messages.SKU_HINT, sku)
 
     def decide(self, leases: dict[str, Lease]) -> Write:
         """The write to make under ``leases``, read for and decided now: a count or a replenishment reads

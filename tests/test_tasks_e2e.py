@@ -195,36 +195,57 @@ def test_a_confirm_takes_the_lease_its_sku_hint_names_and_a_wrong_hint_costs_a_l
     """A confirm or release that names its reservation's SKU has its worker take that SKU's lease without
     reading the reservation first. A wrong SKU is refused by the write, which names the right one, and the
     worker takes that lease: the request still ends as it would have. Found busy, that lease is waited for
-    by a retry that carries the SKU found, so the wrong one costs one lease, not one per retry."""
+    by a retry that carries the SKU found, so the wrong one costs one lease, not one per retry; and a wrong
+    SKU whose own lease is busy is not waited for: the worker reads the reservation's."""
     client, inv = sql.client, sql.inventory
     inv.add_sku("HINT1", on_hand=5)
     inv.add_sku("HINT2", on_hand=5)
     made = sql.results(
-        [client.enqueue_reservation_sync("HINT1", 1, idempotency_key=f"hint-{i}") for i in range(2)]
+        [client.enqueue_reservation_sync("HINT1", 1, idempotency_key=f"hint-{i}") for i in range(3)]
     )
-    kept, let_go = (outcome.detail["reservation_ids"][0] for outcome in made)
+    kept, let_go, let_go_too = (outcome.detail["reservation_ids"][0] for outcome in made)
     with pytest.raises(InvalidRequest):
         client.enqueue_sync("confirm", idempotency_key="hint-bad", reservation_id=kept, sku_hint="no sku")
     right = client.enqueue_sync(
         "confirm", idempotency_key="hint-right", reservation_id=kept, sku_hint="HINT1"
     )
     assert sql.result(right).status == "confirmed"
-    held = sql.leases.acquire(scope_of("HINT1"), ttl=60, holder="the test")
-    try:
-        wrong = client.enqueue_sync(
-            "release", idempotency_key="hint-wrong", reservation_id=let_go, sku_hint="HINT2"
-        )
-        retried = f"Task reservations.release[{wrong.task_id}] retry"
-        wait_until(
-            lambda: any(retried in worker.log() for worker in sql.cluster.workers) or None,
-            timeout=FAULT_TIMEOUT,
-            what="the release retried, its reservation's lease held",
-        )
-    finally:
-        sql.leases.release(held)
+
+    def held_until_retried(sku: str, key: str, reservation: str) -> ReservationHandle:
+        """The release sent with the hint HINT2 while the test holds ``sku``'s lease, which it lets go once
+        the release was retried (nothing else holds that lease for long); or once it ended, if it did not
+        wait for the lease."""
+        held = sql.leases.acquire(scope_of(sku), ttl=60, holder="the test")
+        try:
+            handle = client.enqueue_sync(
+                "release", idempotency_key=key, reservation_id=reservation, sku_hint="HINT2"
+            )
+            retried = f"Task reservations.release[{handle.task_id}] retry"
+            wait_until(
+                lambda: (
+                    any(retried in worker.log() for worker in sql.cluster.workers)
+                    or inv.request_outcome(key) is not None
+                    or None
+                ),
+                timeout=FAULT_TIMEOUT,
+                what=f"the release retried or ended, {sku}'s lease held",
+            )
+        finally:
+            sql.leases.release(held)
+        return handle
+
+    # The right SKU's lease is held: the release takes HINT2's (free), is refused there, finds HINT1's held
+    # and retries; the retry goes straight to HINT1.
+    wrong = held_until_retried("HINT1", "hint-wrong", let_go)
     assert sql.result(wrong).status == "released"
-    # The wrong hint was followed once (a lease on HINT2, which nothing else takes), and wrote nothing there.
-    assert [event.event for event in sql.leases.history(scope_of("HINT2"))].count("acquired") == 1
+    acquired = [event.event for event in sql.leases.history(scope_of("HINT2"))].count("acquired")
+    assert acquired == 1  # the wrong hint was followed once, and wrote nothing there
+    # The hinted SKU's lease is held: the release reads its reservation's SKU and takes that lease at once.
+    waiting = held_until_retried("HINT2", "hint-wrong-busy", let_go_too)
+    assert sql.result(waiting).status == "released"
+    assert inv.request_outcome("hint-wrong-busy") is not None
+    history = [event.event for event in sql.leases.history(scope_of("HINT2"))]
+    assert history.count("acquired") == acquired + 1  # the test's own hold, nothing of the worker's
     stock = {sku: inv.stock(sku) for sku in ("HINT1", "HINT2")}
     assert {sku: (s.on_hand, s.reserved) for sku, s in stock.items()} == {"HINT1": (4, 0), "HINT2": (5, 0)}
     assert [entry.idempotency_key for entry in inv.history("HINT2")] == [None]  # its add_sku alone
