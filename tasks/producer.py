@@ -62,6 +62,14 @@ class _Messages(AMQP):  # type: ignore[misc]
             kwargsrepr = shown if len(shown) <= self.kwargsrepr_maxsize else None
         return super().as_task_v2(task_id, name, *args, kwargsrepr=kwargsrepr, **options)
 
+    @property
+    def producer_pool(self) -> Any:
+        """Celery's pool of kombu producers, whose producers are :class:`_Publisher`: set on every look,
+        because Celery makes the pool anew after a fork."""
+        pool = super().producer_pool
+        pool.Producer = _Publisher
+        return pool
+
 
 class Producer:
     def __init__(
@@ -85,7 +93,6 @@ class Producer:
             broker_transport_options=transport_options or {},
             broker_connection_retry_on_startup=True,
         )
-        self.app.amqp.producer_pool.Producer = _Publisher
 
     @classmethod
     def configured(cls, settings: Settings) -> Producer:
