@@ -186,7 +186,9 @@ def create_app(settings: Settings | None = None, *, caller: Caller | None = None
         # A full collection of the cyclic garbage collector walks every object the process holds and stops
         # the event loop meanwhile: 60 ms and more once the libraries are loaded, which every request in
         # flight and every health check waits out. What the process made until now lives as long as it
-        # does, so collections leave it out from here on and walk only what requests make.
+        # does, so collections leave it out from here on and walk only what requests make; what of it is
+        # garbage already is collected first, once, or it would stay for good.
+        gc.collect()
         gc.freeze()
         try:
             yield

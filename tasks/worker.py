@@ -333,13 +333,18 @@ def _init_process(**_: Any) -> None:
         resources(_settings(None))
     except Unbuildable as exc:  # each task tries again, and keeps its request until one can record it
         log.error("%s", exc, extra={"event": "client_unbuildable", "backend": exc.backend})
-    _leave_out_of_collections()
+    _leave_out_of_collections(collect=False)
 
 
-def _leave_out_of_collections() -> None:
+def _leave_out_of_collections(*, collect: bool = True) -> None:
     """A full collection of the cyclic garbage collector walks every object the process tracks, a few
     hundred milliseconds once Celery, kombu, SQLAlchemy and the clients are loaded, and the task waits it
-    out. What the process made until it takes tasks lives as long as it does: collections leave it out."""
+    out. What the process made until it takes tasks lives as long as it does: collections leave it out.
+    What of it is garbage already is collected first, or it would stay for good; not in a pool child,
+    where a collection writes to every object it inherited and so copies every page it shares with its
+    parent: what it inherited as garbage, left over from the parent's start, is kept, a fixed amount."""
+    if collect:
+        gc.collect()
     gc.freeze()
 
 
