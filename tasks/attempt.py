@@ -112,20 +112,10 @@ class Attempt:
                 failpoint("after_write")
                 if server is not None:  # requests of this process that found the lease held meanwhile
                     server.drain_joined(*leases.values())
-        except InvalidTransition as exc:
-            if exc.belongs_to is None or self.sku_hint in (None, exc.belongs_to):
-                return self.after(exc)
-            # The hint named another SKU than the reservation's: nothing was written under its lease, which
-            # is released; the refusal names the reservation's SKU, whose lease is taken now.
-            self.found(exc.belongs_to)
-            return self.carry_out()
-        except LeaseBusy as exc:
-            if self.sku_hint is None or self.sku_known:
-                return self.after(exc)
-            # A hinted SKU's lease is held: the hint may be wrong, and a retry would come back to the same
-            # lease until the busy budget ran out. The reservation's SKU is read, as without a hint.
-            self.sku_hint = None
-            return self.carry_out()
+        except (InvalidTransition, LeaseBusy) as exc:
+            if self.hint_was_wrong(exc):
+                return self.carry_out()
+            return self.after(exc)
         except (InsufficientStock, LostOwnership, *policy.INVALID) as exc:
             return self.after(exc)
         return self.served(self.succeeded(written))
@@ -209,6 +199,25 @@ class Attempt:
                 self.found(sku)
             return [sku]
         return [args["sku"]]
+
+    def hint_was_wrong(self, error: InvalidTransition | LeaseBusy) -> bool:
+        """Whether a confirm's or release's SKU hint named another SKU than its reservation's, which the
+        attempt now takes the lease of. Nothing was written under the hint's lease, which is released. A
+        write refused under it names the reservation's SKU. A lease of it found held has the SKU read, as
+        without a hint: a retry would come back to that lease until the busy budget ran out."""
+        if self.sku_hint is None or self.sku_known:
+            return False
+        if isinstance(error, InvalidTransition):
+            if error.belongs_to is None or error.belongs_to == self.sku_hint:
+                return False
+            self.found(error.belongs_to)
+            return True
+        hinted, self.sku_hint = self.sku_hint, None
+        try:
+            (sku,) = self.skus()
+        except policy.INVALID:  # carried out again without a hint, it meets this where it is answered
+            return True
+        return sku != hinted
 
     def found(self, sku: str) -> None:
         """The SKU of a confirm's or release's reservation, as the reservation named it. A retry of the
