@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime as dt
 import time
+import uuid
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -241,14 +242,24 @@ def reserve_burst_result(
     return _reserved_burst(lambda tag, count: _reserves(app, client, skus, in_flight, tag, count), in_flight)
 
 
-def raw_reserve_burst(app: Celery, skus: list[str], in_flight: InFlight, task: str) -> BurstFn:
+def raw_reserve_burst(
+    app: Celery,
+    skus: list[str],
+    in_flight: InFlight,
+    task: str,
+    record: Callable[[dict[str, Any], str], None] | None = None,
+) -> BurstFn:
     """The physical reference's reservations (bench.raw_tasks), round-robin over ``skus``, waited on as
-    :func:`reserve_burst_result` waits. Its app stores no retry counts, so its retries are not seen."""
+    :func:`reserve_burst_result` waits. Its app stores no retry counts, so its retries are not seen.
+    ``record``: writes each request's record (its arguments, its task id) before it is published."""
 
     def send(tag: str, count: int) -> Iterator[Sent]:
         for i in range(count):
             kwargs = {"sku": skus[i % len(skus)], "quantity": 1, "idempotency_key": f"{tag}-{i}"}
-            yield time.time(), in_flight.track(app.send_task(task, kwargs=kwargs))
+            at, task_id = time.time(), str(uuid.uuid4())
+            if record is not None:
+                record(kwargs, task_id)
+            yield at, in_flight.track(app.send_task(task, kwargs=kwargs, task_id=task_id))
 
     return _reserved_burst(send, in_flight)
 

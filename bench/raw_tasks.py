@@ -14,6 +14,7 @@ its attempt), so the gap between it and the project's reservation task is the pr
 
 from __future__ import annotations
 
+import json
 import os
 import uuid
 from dataclasses import dataclass
@@ -54,6 +55,37 @@ STATEMENT = (
     .format(ctes=RESERVATION_CTES, now=NOW_MS)
     .as_bytes()
 )
+
+
+# The request's record a producer writes before it publishes, as the project's client writes it (the same
+# table and columns, the relay's next look included), in one plain INSERT: no key conflict handled.
+RECORD = (
+    sql.SQL(
+        "INSERT INTO accepted_requests (key, operation, fingerprint, at_ms, request_type, arguments, "
+        "task_id, message_format, publishes, next_look_ms) VALUES (%(key)s, 'reserve', %(fingerprint)s, "
+        "{now}, 'reserve', %(arguments)s, %(task_id)s, 2, 1, {now} + 30000)"
+    )
+    .format(now=NOW_MS)
+    .as_bytes()
+)
+
+
+class Recorder:
+    """The producer's side of the reference with a record: each request's row written in autocommit on a
+    connection of its own before the request is published, as "nothing accepted vanishes" needs."""
+
+    def __init__(self, database_url: str) -> None:
+        self.database = psycopg.connect(conninfo(database_url), autocommit=True)
+
+    def __call__(self, kwargs: dict[str, Any], task_id: str) -> None:
+        print_ = fingerprint("reserve", sku=kwargs["sku"], quantity=kwargs["quantity"], hold_ms=None)
+        arguments = json.dumps(kwargs, separators=(",", ":"))
+        key = kwargs["idempotency_key"]
+        params = {"key": key, "fingerprint": print_, "arguments": arguments, "task_id": task_id}
+        self.database.execute(RECORD, params)
+
+    def close(self) -> None:
+        self.database.close()
 
 
 def environment(redis_base: str, first_db: int, database_url: str) -> dict[str, str]:

@@ -86,6 +86,7 @@ ETCD_SPREAD_RESULT = f"reserve, {SPREAD} SKUs, etcd leases (3 members), AsyncRes
 METRICS_SPREAD_RESULT = f"reserve, {SPREAD} SKUs, metrics on, AsyncResult.get"
 TRACED_SPREAD_RESULT = f"reserve, {SPREAD} SKUs, trace comment on, AsyncResult.get"
 RAW_RESERVE = f"raw reservation task (lock, one statement), Celery defaults, {SPREAD} SKUs, AsyncResult.get"
+RAW_RECORDED = f"raw reservation task, its request recorded first, {SPREAD} SKUs, AsyncResult.get"
 LIFE = "a reservation's life as tasks: reserve then confirm"
 NOOP_PAIR = "two Celery no-ops with results"
 
@@ -234,7 +235,8 @@ def tasks_vs_noop(
         commented = [f"T-{n}" for n in range(SPREAD)]
         lives = [f"L-{n}" for n in range(SPREAD)]  # reserved, then confirmed: on hand goes down
         raw_skus = [f"R-{n}" for n in range(SPREAD)]  # the physical reference's, locked by name only
-        seeded = spread + counted_skus + metered + commented + lives + raw_skus
+        recorded_skus = [f"D-{n}" for n in range(SPREAD)]  # the same, each request recorded first
+        seeded = spread + counted_skus + metered + commented + lives + raw_skus + recorded_skus
         _seed(database_url, seeded + (sql_spread if sql_leases else []) + etcd_spread)
 
         # One redis-server, one database number per role; every worker has a broker database of its
@@ -307,6 +309,8 @@ def tasks_vs_noop(
         stack.callback(defaults_app.close)
         raw_app = celery_defaults.create_app(f"{base}/11", f"{base}/12")
         stack.callback(raw_app.close)
+        recorder = raw_tasks.Recorder(database_url)
+        stack.callback(recorder.close)
         commands = RedisCommands(f"{base}/0")
         stack.callback(commands.close)
         cases = [
@@ -318,6 +322,9 @@ def tasks_vs_noop(
                      workers["bench-redis"]),
             TaskCase(SPREAD_POLL, reserve_burst_poll(client, spread), workers["bench-redis"]),
             TaskCase(RAW_RESERVE, raw_reserve_burst(raw_app, raw_skus, in_flight, raw_tasks.RAW_RESERVE),
+                     workers["bench-raw"]),
+            TaskCase(RAW_RECORDED,
+                     raw_reserve_burst(raw_app, recorded_skus, in_flight, raw_tasks.RAW_RESERVE, recorder),
                      workers["bench-raw"]),
             TaskCase(NOOP_PAIR, noop_pair_burst(defaults_app, in_flight, celery_defaults.NOOP),
                      workers["bench-defaults"]),
@@ -365,14 +372,16 @@ def tasks_vs_noop(
         if etcd_settings is not None:
             expected |= _round_robin(etcd_spread, bursts)
         expected |= _round_robin(raw_skus, bursts)
+        expected |= _round_robin(recorded_skus, bursts)
         expected |= dict.fromkeys(lives, 0)  # every life's reservation confirmed: none held
         checked = _check_stock(database_url, expected, confirmed=_round_robin(lives, bursts))
 
     stats = runs.stats
     section = f"Celery end to end: reservation task vs no-op tasks (bursts of {count})"
-    for baseline in (NOOP_DEFAULTS, NOOP_IGNORED, NOOP_PROJECT, RAW_RESERVE):
+    for baseline in (NOOP_DEFAULTS, NOOP_IGNORED, NOOP_PROJECT, RAW_RESERVE, RAW_RECORDED):
         results.add(section, stats, SPREAD_RESULT, baseline)
     results.add(section, stats, RAW_RESERVE, NOOP_DEFAULTS)
+    results.add(section, stats, RAW_RECORDED, RAW_RESERVE)
     # Waiting on the outcome row needs no Celery result: its like-for-like no-op stores none either.
     results.add(section, stats, SPREAD_POLL, NOOP_IGNORED)
     results.add(section, stats, SPREAD_POLL, SPREAD_RESULT)
@@ -457,6 +466,12 @@ def tasks_vs_noop(
         "and attempt). No fencing token, idempotency lookup, stock row lock, message checks, late acks or "
         "lease renewal: its gap to the no-op is what a lock and the rows cost, and the reservation task's "
         "gap to it is the project's own work."
+    )
+    results.notes.append(
+        f"'{RAW_RECORDED}': the same reference, its producer writing each request's record first (one plain "
+        "INSERT into accepted_requests, in autocommit, of the columns the project's client writes), as "
+        "nothing accepted may vanish: the reference that does strictly less than the reservation task and "
+        "still keeps every request."
     )
     results.notes.append(
         f"'{LIFE}': a burst of {count} reserve requests on {SPREAD} SKUs of their own, each waited on by "
