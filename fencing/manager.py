@@ -1,9 +1,9 @@
 """Lease managers: the blocking and the asyncio shell, both made from one set of plans (:class:`_Shell`).
 
-``from_url`` picks the backend from the URL: Redis for ``redis://``, ``rediss://``, ``unix://``,
-``redis+sentinel://`` and ``redis+cluster://`` (:class:`fencing.redis_executor.RedisTopology`), SQL for
-any SQLAlchemy URL. Written per shell are only its executors, the schema, :meth:`hold` with its renewal
-(a :class:`Renewer` thread, or a task) and closing.
+``from_url`` picks the backend from the URL's scheme (:func:`lease_backend`): Redis in any of its
+topologies (:class:`fencing.redis_executor.RedisTopology`), etcd, or SQL for a database URL. Written per
+shell are only its executors, the schema, :meth:`hold` with its renewal (a :class:`Renewer` thread, or a
+task) and closing.
 """
 
 from __future__ import annotations
@@ -102,22 +102,19 @@ def lease_backend(url: object) -> str:
     """``"redis"``, ``"etcd"`` or ``"sql"``: the backend ``from_url`` builds for ``url``, checked without
     connecting, so a process can refuse a URL it cannot use before it says it is ready. InvalidLeaseRequest
     says why."""
-    if _etcd_target(url) is not None:
-        return "etcd"
-    return "sql" if _redis_topology(url) is None else "redis"
+    target = _target(url)
+    return "etcd" if isinstance(target, EtcdTarget) else "sql" if isinstance(target, str) else "redis"
 
 
-def _etcd_target(url: object) -> EtcdTarget | None:
-    if isinstance(url, str) and url.partition("://")[0].lower() in ETCD_SCHEMES:
-        return etcd_target(url)
-    return None
-
-
-def _redis_topology(url: object) -> RedisTopology | None:
-    """Where a Redis lease URL puts the keys; None for a database URL; InvalidLeaseRequest for neither."""
+def _target(url: object) -> Target:
+    """Where a lease URL points: etcd's members, a Redis topology, or the database URL itself;
+    InvalidLeaseRequest for anything else."""
     if not isinstance(url, str) or not url:
         raise InvalidLeaseRequest(f"the lease URL must be a non-empty string, not {type(url).__name__}")
-    if url.partition("://")[0].lower() in REDIS_SCHEMES:
+    scheme = url.partition("://")[0].lower()
+    if scheme in ETCD_SCHEMES:
+        return etcd_target(url)
+    if scheme in REDIS_SCHEMES:
         return redis_topology(url)
     try:
         normalize_url(url)
@@ -126,7 +123,7 @@ def _redis_topology(url: object) -> RedisTopology | None:
             f"unsupported lease URL {mask_url(url)}: use redis://, rediss://, unix://, redis+sentinel://, "
             "redis+cluster://, etcd://, etcds:// or a database URL (sqlite, postgresql)"
         ) from None
-    return None
+    return url
 
 
 def _renew_interval(lease: Lease, renew_every: float | None) -> float:
@@ -274,16 +271,15 @@ class _Shell(Generic[E]):
         cap = history_cap
         if isinstance(cap, bool) or not isinstance(cap, int) or not 1 <= cap <= MAX_HISTORY_CAP:
             raise InvalidLeaseRequest(f"history_cap must be a whole number from 1 to {MAX_HISTORY_CAP}")
-        etcd = _etcd_target(url)
-        topology = None if etcd is not None else _redis_topology(url)
-        executor = cls.executor_for(etcd or topology or url, sleep, client_options)
+        target = _target(url)
+        executor = cls.executor_for(target, sleep, client_options)
         core: LeaseCore
-        if etcd is not None:
-            core = EtcdLeaseCore(prefix=etcd.prefix or prefix, history_cap=history_cap, clock=clock)
-        elif topology is None:
+        if isinstance(target, EtcdTarget):
+            core = EtcdLeaseCore(prefix=target.prefix or prefix, history_cap=history_cap, clock=clock)
+        elif isinstance(target, str):
             core = SqlLeaseCore(dialect=executor.engine.dialect.name, clock=clock)
         else:
-            cluster = topology.kind == "cluster"
+            cluster = target.kind == "cluster"
             core = RedisLeaseCore(prefix, history_cap, _RETENTION_MS, clock, cluster=cluster)
         return cls(core, executor, clock=clock, url=url)
 

@@ -189,9 +189,7 @@ def count_step(
             operation="count", key=key, token=lease.token, stock=(level,), quantity=change, detail=detail
         )
 
-    def rejection(stale: StaleToken) -> sa.Executable:
-        return ledger.rejection(stale, lease, sku, "count", key, counted)
-
+    rejection = partial(ledger.rejection, lease=lease, sku=sku, operation="count", key=key, quantity=counted)
     several = partial(ledger.idempotent, key, "count", print_, apply, rejection, ledger.lock_skus(sku))
     written = keyed.Written(lease, key, "count", print_, SUCCEEDED["count"], detail=detail)
     return stock_statement.step(ledger.fence, written, sku, Change.SET, counted, several, rejection)
@@ -210,9 +208,9 @@ def replenish_step(ledger: Ledger, lease: Lease, sku: str, par: int, key: str, s
 
     print_ = replenish_fingerprint(sku, par)
 
-    def rejection(stale: StaleToken) -> sa.Executable:
-        return ledger.rejection(stale, lease, sku, "replenish", key, order)
-
+    rejection = partial(
+        ledger.rejection, lease=lease, sku=sku, operation="replenish", key=key, quantity=order
+    )
     several = partial(change_on_hand, ledger, lease, sku, order, key, "replenish", print_, detail=detail)
     written = keyed.Written(lease, key, "replenish", print_, SUCCEEDED["replenish"], detail=detail)
     return stock_statement.step(ledger.fence, written, sku, Change.ADD, order, several, rejection)

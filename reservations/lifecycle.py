@@ -69,8 +69,9 @@ def reserve_step(
     hold_ms = hold_ms_of(hold_for)
     print_ = fingerprint("reserve", sku=sku, quantity=quantity, hold_ms=hold_ms)
 
-    def rejection(stale: StaleToken) -> sa.Executable:
-        return ledger.rejection(stale, lease, sku, "reserve", key, quantity)
+    rejection = partial(
+        ledger.rejection, lease=lease, sku=sku, operation="reserve", key=key, quantity=quantity
+    )
 
     def several() -> Plan[Outcome]:  # built only when the step takes it (SQLite, a lost lease)
         held = partial(hold_one, ledger, lease, sku, quantity, key, hold_ms)

@@ -9,9 +9,7 @@ import json
 from functools import partial
 from typing import Any
 
-import sqlalchemy as sa
-
-from fencing import Lease, StaleToken
+from fencing import Lease
 from fencing.plan import Plan
 from reservations import keyed_statement as keyed
 from reservations import stock_statement
@@ -34,9 +32,9 @@ def restock_step(ledger: Ledger, lease: Lease, sku: str, quantity: int, key: str
     written = keyed.Written(lease, key, "restock", print_, SUCCEEDED["restock"])
     several = partial(change_on_hand, ledger, lease, sku, quantity, key, "restock", print_)
 
-    def rejection(stale: StaleToken) -> sa.Executable:
-        return ledger.rejection(stale, lease, sku, "restock", key, quantity)
-
+    rejection = partial(
+        ledger.rejection, lease=lease, sku=sku, operation="restock", key=key, quantity=quantity
+    )
     return stock_statement.step(ledger.fence, written, sku, Change.ADD, quantity, several, rejection)
 
 
@@ -73,7 +71,5 @@ def change_on_hand(
             detail=detail or {},
         )
 
-    def rejection(stale: StaleToken) -> sa.Executable:
-        return ledger.rejection(stale, lease, sku, operation, key, delta)
-
+    rejection = partial(ledger.rejection, lease=lease, sku=sku, operation=operation, key=key, quantity=delta)
     return ledger.idempotent(key, operation, print_, apply, rejection, ledger.lock_skus(sku))

@@ -29,6 +29,7 @@ from service.metrics import HttpMetrics
 from tasks import ReservationClient, logs, otel, tracing
 from tasks import create_app as create_tasks_app
 from tasks.settings import Settings, SettingsError, read_password_file, variable
+from tasks.worker import leave_start_out_of_collections
 
 Caller = Callable[..., Any]  # a FastAPI dependency returning the caller's name (str) or None (anonymous)
 # A request holds a database connection while it is admitted or looked up, dozens at once: SQLAlchemy's
@@ -183,13 +184,7 @@ def create_app(settings: Settings | None = None, *, caller: Caller | None = None
             leases = AsyncLeaseManager.from_url(settings.lease_url, prefix=settings.lease_prefix, **options)
             app.state.console = console.Console(password, inventory, leases, client, backlog)
         restore = _drain_on_stop(found, asyncio.get_running_loop())
-        # A full collection of the cyclic garbage collector walks every object the process holds and stops
-        # the event loop meanwhile: 60 ms and more once the libraries are loaded, which every request in
-        # flight and every health check waits out. What the process made until now lives as long as it
-        # does, so collections leave it out from here on and walk only what requests make; what of it is
-        # garbage already is collected first, once, or it would stay for good.
-        gc.collect()
-        gc.freeze()
+        leave_start_out_of_collections()
         try:
             yield
         finally:

@@ -333,16 +333,18 @@ def _init_process(**_: Any) -> None:
         resources(_settings(None))
     except Unbuildable as exc:  # each task tries again, and keeps its request until one can record it
         log.error("%s", exc, extra={"event": "client_unbuildable", "backend": exc.backend})
-    _leave_out_of_collections(collect=False)
+    leave_start_out_of_collections(collect=False)
 
 
-def _leave_out_of_collections(*, collect: bool = True) -> None:
-    """A full collection of the cyclic garbage collector walks every object the process tracks, a few
-    hundred milliseconds once Celery, kombu, SQLAlchemy and the clients are loaded, and the task waits it
-    out. What the process made until it takes tasks lives as long as it does: collections leave it out.
-    What of it is garbage already is collected first, or it would stay for good; not in a pool child,
-    where a collection writes to every object it inherited and so copies every page it shares with its
-    parent: what it inherited as garbage, left over from the parent's start, is kept, a fixed amount."""
+def leave_start_out_of_collections(*, collect: bool = True) -> None:
+    """A full collection of the cyclic garbage collector walks every object the process tracks: a few
+    hundred milliseconds once Celery, kombu, SQLAlchemy and the clients are loaded, which a task waits out
+    (or, in the HTTP service, every request in flight and every health check, the event loop stopped
+    meanwhile). What the process made until it serves lives as long as it does: collections leave it out
+    and walk only what requests make. What of it is garbage already is collected first, or it would stay
+    for good; not in a pool child, where a collection writes to every object it inherited and so copies
+    every page it shares with its parent: what it inherited as garbage, left over from the parent's start,
+    is kept, a fixed amount."""
     if collect:
         gc.collect()
     gc.freeze()
@@ -403,7 +405,8 @@ def _ready(sender: Any = None, **_: Any) -> None:
         f"broker {mask_url(settings.broker_url)}, lease ttl {settings.lease_ttl:g}s",
         event="worker_ready",
     )
-    _leave_out_of_collections()  # the consumer's process, and the one that runs tasks without a prefork pool
+    # The consumer's process, and the one that runs tasks without a prefork pool.
+    leave_start_out_of_collections()
     port, host = settings.metrics_port, settings.metrics_host
     if not port:
         return
