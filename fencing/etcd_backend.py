@@ -1,25 +1,18 @@
-"""etcd lease backend: the token is a revision that a majority of the cluster agreed on.
+"""etcd lease backend: the token is a revision that a majority of the cluster agreed on, so no failover
+hands one out twice; what that buys and costs, what is kept of an epoch, and the base after a restore:
+docs/operations.md, "etcd".
 
 Each live lease is a key, ``<prefix>/lease/<scope>``, attached to an etcd lease whose TTL is the lease's
 ttl, so the cluster expires it by its own clock. Acquire creates the key in a transaction that succeeds only
-if the key is absent; the token is the key's create revision plus the store's *base* (``<prefix>/base``,
-0 until raised). A revision is assigned by the leader and committed by a majority: it never goes back
-through a leader change or the loss of a minority, so, unlike a Redis counter lost in a failover, no token
-is ever issued twice and nothing needs repairing. It does go back after a restore from a snapshot or a
-rebuilt cluster, and a deployment moving from Redis holds higher tokens in its stock rows: there the first
-refused write proves the store behind, and :meth:`EtcdLeaseCore.repair` raises the base above the
-resource's highest token (docs/operations.md, "etcd").
+if the key is absent; the token is the key's create revision plus the store's *base* (``<prefix>/base``, 0
+until raised), which :meth:`EtcdLeaseCore.repair` raises when a refused write proves the store behind.
 
 The key is removed only with its etcd lease (a release or a break revokes it; expiry drops both), so a
 keepalive that finds the etcd lease alive finds the key alive: renew is one keepalive, release one revoke.
 The etcd lease's ID is derived from the holder's own lease id, which makes a grant repeated after a lost
-answer harmless and lets a stale holder reach only its own, expired, lease.
-
-A busy acquire only reads (a linearizable read, no consensus write). Contention is therefore not marked:
-a release reports "maybe contended", and the hot-SKU queue checks for waiters as it does after any
-contended lease. History: each epoch is a key under ``<prefix>/epoch/<scope>/``, the last
-``history_cap`` kept per scope by the acquire that adds one; a release is not recorded (it would be a
-second consensus write), a break is. Times are the acquirer's wall clock.
+answer harmless and lets a stale holder reach only its own, expired, lease. Each epoch is a key under
+``<prefix>/epoch/<scope>/``, trimmed to ``history_cap`` by the acquire that adds one; its times are the
+acquirer's wall clock.
 """
 
 from __future__ import annotations

@@ -7,10 +7,9 @@ talks to one member and cannot authenticate; aetcd is asyncio-only and brings gr
 means rewriting this file only: the lease core (:mod:`fencing.etcd_backend`) yields :class:`Gateway`
 calls and reads the gateway's JSON.
 
-Members are tried in turn. A member that cannot be reached, or answers "not now" (no leader, a leader
-change, a request that timed out in consensus), sends the call to the next, for up to ``retry_for``
-seconds; then the call fails as :class:`BackendUnavailable`, whose effect is unknown (the core makes
-every write safe to repeat or to leave undone).
+Members are tried in turn for up to ``retry_for`` seconds (:meth:`_Members.call`); a call that then fails
+as :class:`BackendUnavailable` may or may not have taken effect, so the core makes every write safe to
+repeat or to leave undone.
 
 httpx is imported where a call is made, not with this module: every process that reads lease URLs imports
 this one (the worker, the command line), and only those on etcd need an HTTP client.

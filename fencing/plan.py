@@ -1,9 +1,7 @@
-"""Plans: the one core behind the sync and async shells.
+"""Plans: the one core behind the sync and async shells (docs/architecture.md, "Sync and async").
 
-Every lease and fence operation is written once, as a generator that *yields* the I/O it needs (an
-:data:`Op`: a SQL statement, a Redis script call or command, a pause, an inner atomic step) and receives
-the result. A sync shell and an async shell each drive it; neither contains decisions, so the two cannot
-drift apart. :class:`operation` makes a shell method of a plan.
+A plan is a generator that *yields* the I/O it needs (an :data:`Op`) and receives the result; the shells
+only drive it, so they cannot drift apart. :class:`operation` makes a shell method of a plan.
 """
 
 from __future__ import annotations
@@ -42,10 +40,9 @@ class Sleep:
 
 @dataclass(frozen=True, slots=True)
 class Alone:
-    """One statement that is a whole transaction by itself: on PostgreSQL sent without BEGIN and COMMIT
-    (autocommit), so it costs one round trip and holds no lock past its own execution; SQLite runs it in
-    a transaction of its own. ``statement`` is a SQLAlchemy statement (on PostgreSQL sent on the driver's
-    cursor as compiled when it comes with ``params`` and SQLAlchemy would convert nothing:
+    """One statement that is a whole transaction by itself: in autocommit on PostgreSQL, in a transaction
+    of its own on SQLite (docs/architecture.md, "One statement and the portable plan"). ``statement`` is a
+    SQLAlchemy statement (with ``params``, possibly sent on the driver's cursor:
     :func:`fencing.sql.driver_text`), or driver-level SQL with named ``%(name)s`` parameters in
     ``params`` (PostgreSQL only). The shell answers with its rows."""
 
@@ -196,12 +193,10 @@ class AwaitingShell(Protocol):
 
 
 class operation(Generic[P, T]):
-    """A shell method written once as the plan it runs: blocking on a shell whose class says
-    ``awaits = False`` (it returns the result), a coroutine function on one that says ``awaits = True``
-    (the plan is built, and its arguments checked, when the call is awaited, as in an ``async def``).
-    Each keeps the name, parameters, defaults and docstring of what it was made from, its plan's result
-    type as its return annotation, and the plan builder as ``__wrapped__``; for the type checker
-    ``__get__`` is overloaded on the shell's executor."""
+    """A shell method written once as the plan it runs (docs/architecture.md, "Sync and async"): blocking
+    where the shell's class says ``awaits = False``, a coroutine function where it says ``awaits = True``
+    (the plan is built, and its arguments checked, when the call is awaited, as in an ``async def``). Its
+    return annotation is its plan's result type, and ``__wrapped__`` the plan builder."""
 
     def __init__(self, build: Callable[Concatenate[Any, P], Plan[T]], *, named: bool = True) -> None:
         self.build = build
@@ -249,9 +244,9 @@ class operation(Generic[P, T]):
         return method if instance is None else MethodType(method, instance)
 
 
-# A blocking method drives the plan itself, in the executor's unit of work, so that a worker's statement is
-# sent three calls below the operation (the method, the driver loop, the plan), not through an executor's
-# ``run``. An awaiting one awaits ``run``: the async SQL executor runs a whole plan in one greenlet.
+# A blocking method drives the plan itself in the executor's unit of work, not through the executor's
+# ``run``: one frame fewer on every write (docs/architecture.md, "A write's path, in frames"). An awaiting
+# one awaits ``run``: the async SQL executor runs a whole plan in one greenlet.
 
 
 def _blocking(build: Callable[..., Plan[Any]]) -> Callable[..., Any]:

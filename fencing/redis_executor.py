@@ -1,15 +1,6 @@
-"""Redis as the lease backend reaches it: where a lease URL puts the keys (:class:`RedisTopology`: one
-server, a primary found through Redis Sentinel, or a Redis Cluster, read from the URL without
-connecting), the clients that reach them, which of their errors are an outage, and the sync and async
-shells that run Redis plans on them.
-
-A lease pair is two script calls, so what redis-py does around each call counts as much as the call: on
-one server or a Sentinel-managed primary the sync shell sends a script's EVALSHA itself, packed here, on a
-connection it keeps between calls (:class:`_Wire`). redis-py's own client layer (taking the connection
-from the pool and giving it back, its command metrics, the script object) costs more than the round trip
-to a local Redis; what it does for a connection's health is kept: the same connections and their retry
-policy, the check for a connection the server closed, Sentinel's READONLY handling. A Cluster client
-routes by slot, so a Cluster keeps redis-py's path.
+"""Redis as the lease backend reaches it: where a lease URL puts the keys (:class:`RedisTopology`), the
+clients that reach them, which of their errors are an outage, and the sync and async shells that run
+Redis plans on them (script calls on one server or a Sentinel-managed primary go through :class:`_Wire`).
 """
 
 from __future__ import annotations
@@ -72,19 +63,14 @@ _NOT_IN_HOST = frozenset(" \t/?#@[],")
 
 @dataclass(frozen=True, slots=True)
 class RedisTopology:
-    """Where a lease URL puts the lease keys, read from the URL without connecting (:func:`redis_topology`).
+    """Where a lease URL puts the lease keys, read from the URL without connecting (:func:`redis_topology`;
+    docs/operations.md, "Redis Sentinel and Cluster for leases").
 
     ``server``: one Redis server, ``redis://``, ``rediss://`` or ``unix://``, handed to redis-py as it is.
-    ``sentinel`` (``_FORMS`` gives the URL): the sentinels at ``nodes`` name the primary of ``service``; the
-    client asks them again whenever it has to connect, so it follows the primary through a failover.
+    ``sentinel`` (``_FORMS`` gives the URL): the sentinels at ``nodes`` name the primary of ``service``.
     ``cluster``: any reachable node of ``nodes`` gives the slot map; every lease script touches one slot
-    (:mod:`fencing.redis_backend`), and the client sends it to the node serving that slot, following MOVED
-    and ASK while slots move.
-
-    A port left out is the scheme's usual one (26379 for sentinels, 6379 for cluster nodes). The user and
-    password are the data nodes'. The sentinels are sent the same ones: a deployment that protects its
-    data nodes gives its sentinels that password as their ``requirepass`` too (it is also what sentinels
-    use with one another); sentinels without one would refuse it.
+    (:mod:`fencing.redis_backend`). The user and password are the data nodes', sent to the sentinels too
+    (a sentinel's ``requirepass`` is also what sentinels use with one another).
     """
 
     kind: str
@@ -164,12 +150,11 @@ def _node(text: str, default_port: int) -> tuple[str, int]:
     return host, int(port)
 
 
-# What Redis says "not now" with: the call did not run, and the same call can succeed once a failover, a
-# resharding or a restart is over. redis-py raises a class of its own for the answers it knows, and the
-# Sentinel and Cluster clients act on some before anyone sees them: a Sentinel client turns READONLY (a
-# primary demoted under its connection) into a ConnectionError and asks the sentinels again; a Cluster
-# client follows MOVED and ASK, waits out TRYAGAIN and CLUSTERDOWN, and raises only once it has run out of
-# tries. LOADING (a node reading its data at start) is a ConnectionError of redis-py's.
+# What Redis says "not now" with: the call did not run and can succeed once a failover, a resharding or a
+# restart is over (docs/operations.md, "Redis Sentinel and Cluster for leases"). redis-py raises a class of
+# its own for the answers it knows, and some never reach this code: a Sentinel client turns READONLY into
+# a ConnectionError and asks the sentinels again; a Cluster client follows MOVED and ASK, waits out
+# TRYAGAIN and CLUSTERDOWN, and raises only once it has run out of tries; LOADING is a ConnectionError.
 _NOT_NOW_TYPES = (
     ReadOnlyError,  # READONLY: a replica, or a primary demoted to one
     TryAgainError,  # TRYAGAIN: a slot being migrated holds some of a script's keys on each node
@@ -219,10 +204,10 @@ AsyncClient: TypeAlias = redis.asyncio.Redis | redis.asyncio.cluster.RedisCluste
 def redis_client(topology: RedisTopology, options: dict[str, Any], *, asynchronous: bool = False) -> Any:
     """The client of ``redis`` (``redis.asyncio`` if ``asynchronous``) for ``topology`` with the caller's
     ``options`` (socket timeouts...); InvalidLeaseRequest for a malformed port, database number or option.
-    The blocking client of a Cluster is the function that builds it: redis-py's Cluster client asks a node
-    for the slot map as it is built, and a cluster that does not answer yet must fail an operation as
-    BackendUnavailable, not the building of a lease manager (:class:`SyncRedisExecutor` calls it on first
-    use). Every other client connects on first use of its own."""
+    A blocking Cluster client comes as the function that builds it, which :class:`SyncRedisExecutor` calls
+    on first use: redis-py's asks a node for the slot map as it is built, and a cluster that does not answer
+    yet must fail an operation as BackendUnavailable, not the building of a lease manager. Every other
+    client connects on first use of its own."""
     lib: Any = redis.asyncio if asynchronous else redis
     auth = topology.auth()
     try:
@@ -280,7 +265,13 @@ class _Script:
 
 class _Wire:
     """Script calls sent straight on connections of a :class:`redis.Redis` client's pool, kept here between
-    calls, one per caller at a time (the renewer thread and the caller's)."""
+    calls, one per caller at a time (the renewer thread and the caller's), as EVALSHA packed here.
+
+    A lease pair is two script calls, and redis-py's client layer around each (the pool's take and give
+    back, its command metrics, the script object) costs more than the round trip to a local Redis. What it
+    does for a connection's health is kept: the pool's connections and their retry policy, the check for a
+    connection the server closed, Sentinel's READONLY handling. A Cluster client routes by slot, so a
+    Cluster keeps redis-py's path."""
 
     def __init__(self, client: redis.Redis) -> None:
         self._pool = client.connection_pool

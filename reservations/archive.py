@@ -1,26 +1,12 @@
 """Archiving the history: whole UTC days of ``sku_history`` and ``task_attempts`` leave the database for
-one gzip CSV file each (with a JSON manifest: rows, first and last ``at_ms``, SHA-256 of the CSV), and each
-SKU's stock as that history explained it stays behind as a checkpoint (``sku_checkpoints``), from which the
-audit and the token history start.
+one gzip CSV file each (with a JSON manifest), and each SKU's stock as that history explained it stays
+behind as a checkpoint (``sku_checkpoints``), from which the audit and the token history start.
 
-PostgreSQL (revision 0010) range-partitions both tables by ``at_ms``, one partition per UTC day named
-``<table>_pYYYYMMDD``, with a DEFAULT partition for any write outside them; partitions are made ahead of
-the clock by the hourly ``reservations.purge`` and by every archive run. Per partition, oldest first:
-
-1. one transaction: DETACH the partition (it waits for the writes in flight into it and takes no more),
-   and, for ``sku_history``, write every SKU's checkpoint from the detached rows and the SKU's previous
-   checkpoint. From this commit on, checkpoint + attached rows explain the stock, as before.
-2. COPY the detached table to ``<partition>.csv.gz`` (written to a temporary name, fsynced, renamed),
-   read the file back: its rows and checksum must match the table's count and the copy's checksum; then
-   the manifest, likewise.
-3. DROP the detached table.
-
-A run that stops anywhere is taken up by the next: a crash in 1 leaves nothing done, one after 1 leaves a
-detached table, which the next run finds in the catalog and copies again before it drops it.
-
-SQLite has no partitions: per UTC day the rows go to the same files first, then one transaction checks the
-day still holds exactly the rows written, writes the checkpoints and deletes the rows (the append-only
-trigger lets a row go only once a checkpoint of its SKU covers its time and id).
+On PostgreSQL a day is a partition: detach it and write the checkpoints in one transaction, copy it out
+and read the file back, drop it; a run that stops after the detach is taken up by the next. SQLite has no
+partitions: the day's rows are written out first, then checked, checkpointed and deleted in one
+transaction. The steps, what a stopped run leaves and what a run refuses: docs/operations.md, "History
+partitions and archiving".
 """
 
 from __future__ import annotations
@@ -307,13 +293,10 @@ def _finish_file(
 def archive(
     engine: sa.Engine, *, before_ms: int, to: Path, dry_run: bool = False, now_ms: int | None = None
 ) -> ArchiveReport:
-    """Archive every whole UTC day of history that ends at or before ``before_ms`` into ``to``.
-
-    The current day and the future are refused: their rows are still written, and on PostgreSQL a day
-    whose partition left would take its later rows into the default partition, which no run archives.
-    ``now_ms`` is when "now" is (the database's clock by default; a test's own, to archive what it wrote
-    today). Two runs of one database exclude each other (ArchiveBusy); ``to`` is made and written to
-    before anything of the database changes."""
+    """Archive every whole UTC day of history that ends at or before ``before_ms`` into ``to``. A cutoff in
+    the current UTC day or later is refused, and so is a second run of one database (ArchiveBusy); why:
+    docs/operations.md, "History partitions and archiving". ``now_ms`` is when "now" is (the database's
+    clock by default; a test's own, to archive what it wrote today)."""
     if isinstance(before_ms, bool) or not isinstance(before_ms, int):
         raise InvalidRequest("the cutoff must be milliseconds since the epoch", field="before")
     if not 0 <= before_ms < day_ms(date(9999, 12, 31)):

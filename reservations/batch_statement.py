@@ -1,13 +1,10 @@
-"""The writes of a hot SKU's batch on PostgreSQL as ONE statement, inside the batch's transaction.
+"""The writes of a hot SKU's batch on PostgreSQL as ONE statement, inside the batch's transaction
+(docs/architecture.md, "A hot SKU: requests served in batches by the lease holder", step 2).
 
-The batch (:mod:`reservations.batching`) locks the SKU's stock row, reads its waiting requests and decides
-each one in arrival order; what it decided is written here: the fenced stock change for the units held,
-one reservation and one history row per held request, every request's idempotency record, final outcome
-and attempt, and the removal of the listed requests. Five multi-row inserts, an update and a delete were
-as many round trips, each compiled again for its number of rows; here the rows travel as JSON arrays in a
-statement sent as it is, so it has one text for a batch of any size. The fence predicate and the database
-clock are :mod:`fencing`'s (rendered by :mod:`reservations.sql_text`); the held-units trigger checks the
-statement's reservations together with its stock change, as for the one-statement reservation.
+:mod:`reservations.batching` decides each request against the locked stock row; this writes what it
+decided. Five multi-row inserts, an update and a delete were as many round trips, each compiled again for
+its number of rows; here the rows travel as JSON arrays in a statement sent as it is, so it has one text
+for a batch of any size.
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
 """A later fenced write under an idempotency key as ONE statement: the parts every such statement shares.
 
 :mod:`reservations.finish_statement` (confirm, release) and :mod:`reservations.stock_statement` (restock,
-replenish, count) fold what the ledger's envelope does in a transaction into one data-modifying CTE sent
-in autocommit, as :mod:`reservations.reserve_statement` does for a reservation: the :data:`HEAD`, the
-write of its own that ends in a CTE named ``upd``, and the :data:`TAIL` written only when ``upd`` wrote. A
-key whose record or outcome a concurrent copy inserted first fails the statement on a unique key, writing
-nothing; the next round answers from what that copy stored.
+replenish, count) fold the ledger's envelope into one data-modifying CTE sent in autocommit, as
+:mod:`reservations.reserve_statement` does for a reservation and with the same answer to a concurrent
+copy of the key: the :data:`HEAD`, the write of its own that ends in a CTE named ``upd``, and the
+:data:`TAIL` written only when ``upd`` wrote.
 """
 
 from __future__ import annotations

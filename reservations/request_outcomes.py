@@ -3,10 +3,8 @@
 The stock change itself is made idempotent by :mod:`reservations.operations`; this module records what
 a caller waits for. The first final outcome written for a key wins; later writers get it back.
 
-A dead-lettered request driven again (:mod:`reservations.redrives`) keeps its outcome row as written; its
-key then reports the latest re-drive's outcome, marked as such (:class:`Redriven`), by following the
-link in ``request_redrives``. Only a dead-lettered outcome is followed, so every other read stays one
-round trip.
+A dead-lettered key driven again reports its latest re-drive's outcome (:class:`Redriven`, :func:`_followed`;
+docs/architecture.md, "Dead letters driven again").
 """
 
 from __future__ import annotations

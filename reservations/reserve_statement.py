@@ -1,11 +1,12 @@
 """A single-SKU reservation on PostgreSQL as ONE statement: one round trip, no open transaction.
 
-The multi-statement plan (:func:`reservations.lifecycle.reserve_step`'s ``several``: lock, look up the
-key, fenced UPDATE, three inserts, commit) stays the reference and the SQLite path; this is the same work
-and the same decisions folded into one data-modifying CTE, sent in autocommit. Every guarantee stays in
-the statement itself: the fence condition sits in the UPDATE's WHERE, the triggers still check every row,
-and a key whose record or outcome was inserted concurrently fails the statement on a unique key (nothing
-is written), so the next round answers from what that writer stored.
+The work and decisions of the multi-statement plan (:func:`reservations.lifecycle.reserve_step`'s
+``several``: lock, look up the key, fenced UPDATE, three inserts, commit) folded into one data-modifying
+CTE sent in autocommit; why the plan stays beside it: docs/architecture.md, "One statement and the
+portable plan". Every guarantee stays in the statement itself: the fence condition sits in the UPDATE's
+WHERE, the triggers still check every row, and a key whose record or outcome was inserted concurrently
+fails the statement on a unique key (nothing is written), so the next round answers from what that writer
+stored.
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
-"""What a request's sender is told, and the Celery task states and events that name it: the table and
-the reasons (the result backend keeps SUCCESS; the events name the outcome) are in docs/operations.md,
-"Task states in Flower and `celery events`".
-
-A sender is told its stored final outcome as a Celery result, or a conflict when its key names a different
-request (then the key's Celery result stays the owning request's). An answer (:func:`reply`) is a plain
-dict, as the result backend stores it and clients read it: ``status``, ``epochs``, ``key``, ``operation``,
-``detail``.
-
-The final event replaces Celery's ``task-succeeded`` and is sent by the worker's main process, which Celery
-hands only the repr of what the task returned; so the pool child hands it an :class:`Answered` instead
-(:meth:`RequestTask.__trace__`). The lost-ownership event is sent by the pool child before it publishes
-the retry, so it always arrives before the next attempt's events (a custom state is overtaken only by a
-later custom or final one).
+"""What a request's sender is told, and the Celery task states and events that name it (the table and the
+reasons: docs/operations.md, "Task states in Flower and `celery events`"). An answer (:func:`reply`) is a
+plain dict, as the result backend stores it: ``status``, ``epochs``, ``key``, ``operation``, ``detail``;
+a key naming a different request answers a conflict and keeps the owning request's Celery result. The
+final event comes from the worker's main process, which Celery hands only the repr of what the task
+returned, so the pool child hands it an :class:`Answered` (:meth:`RequestTask.__trace__`).
 """
 
 from __future__ import annotations

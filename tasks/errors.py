@@ -1,16 +1,10 @@
 """The errors the tasks floor raises of its own, under one base, :class:`TasksError`, so a producer can
-catch "anything the client itself refused" in one clause. Each keeps the builtin or library base it had
-(``RuntimeError``, ``TimeoutError``, kombu's ``OperationalError``): code that caught those still does.
-Errors of the floors below keep theirs: the request refused before publishing (``InvalidRequest``), a
-key used for another request (``IdempotencyConflict``), an unreachable database (``BackendUnavailable``),
-bad settings (``SettingsError``)::
-
-    TasksError
-    ├── ClientClosed (RuntimeError)       enqueue or wait on a closed client
-    ├── WatcherClosed (RuntimeError)      the client closed while a handle waited
-    ├── OutcomeTimeout (TimeoutError)     no final outcome within the wait; ``key``
-    ├── BrokerUnavailable (OperationalError)  the broker did not take the message
-    └── Redriven                          a worker's retry reason after a lost lease (tasks.answers)
+catch "anything the client itself refused" in one clause (the classes below, and
+:class:`tasks.answers.Redriven`, a worker's retry reason after a lost lease). Each keeps the builtin or
+library base it had (``RuntimeError``, ``TimeoutError``, kombu's ``OperationalError``): code that caught
+those still does. Errors of the floors below keep theirs: the request refused before publishing
+(``InvalidRequest``), a key used for another request (``IdempotencyConflict``), an unreachable database
+(``BackendUnavailable``), bad settings (``SettingsError``).
 """
 
 from __future__ import annotations

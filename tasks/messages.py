@@ -64,9 +64,8 @@ FORMATS = (1, 2)
 
 # A request's deadline travels as a header, not as an argument: the arguments make the request's
 # fingerprint, and the same request sent again with another deadline is still the same request; a worker
-# that does not know the header ignores it, so workers can be upgraded one by one. Taken up after it, a
-# request ends ``expired`` without touching stock or taking a lease (tasks.attempt), so a backlog drained
-# after an outage does not reserve stock for carts abandoned long ago.
+# that does not know the header ignores it, so workers can be upgraded one by one. A request taken up
+# after it ends ``expired`` (tasks.attempt; README.md, "Running it", ``deadline=``).
 
 
 @dataclass(frozen=True, slots=True)

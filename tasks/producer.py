@@ -1,17 +1,11 @@
 """Record, then publish: how every producer hands a request to the workers, by task name, without
-importing them.
+importing them (the CLI and the demo need not import the workers).
 
-The database holds the request; the broker only carries it (reservations.acceptance). So a request is
-recorded, whole, before its message is published, and a message lost after that (a worker killed after
-fetching it, a broker failover, a retry the broker refused) is published again by the relay
-(tasks.relay) from the record, under the same task id. A publish that fails after the record was written
-is therefore not a lost request: the caller hears of it (``BrokerUnavailable``), and the relay publishes
-it once the broker answers, or ends it ``expired`` or ``dead_lettered``. A record that cannot be written
-(the database is down) means nothing was published.
-
-Messages are plain JSON, named by task name (the CLI and the demo need not import the workers), with the
-task id derived from the idempotency key. Without a result backend, publishing never touches one: a
-result backend that is down does not stop requests from being enqueued.
+A request is recorded whole before its message is published, so a publish that fails after that loses
+nothing: the caller hears ``BrokerUnavailable`` and the relay (tasks.relay) publishes it again from the
+record under the same task id, derived from the idempotency key. A record that cannot be written means
+nothing was published. Messages are plain JSON. Without a result backend (as :meth:`Producer.configured`
+builds it), publishing never touches one: a result backend that is down does not stop enqueueing.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """The relay: every recorded request ends in one outcome, whatever happened to its messages.
 
-Producers record a request before they publish it (tasks.producer), with the time the relay first looks
-at it (``RESERVATIONS_REPUBLISH_AFTER`` later). Each pass claims the records whose look has come
-(reservations.acceptance.due: disjoint between relays) and decides for each, in :func:`decide`, without
-I/O, as the table of docs/architecture.md ("The relay: nothing accepted vanishes") says; copies are
-harmless by construction (same task id and key).
+Each pass claims the records whose look has come (reservations.acceptance.due) and decides for each in
+:func:`decide`, without I/O (the table: docs/architecture.md, "The relay: nothing accepted vanishes").
 
 Looking into the broker (:func:`redis_presence`) tells a lost message from one that is queued or being
 worked on, so that a backlog is not flooded with copies. On Redis a message is in its queue (a list per
