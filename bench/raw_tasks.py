@@ -23,15 +23,18 @@ from typing import Any
 import psycopg
 import redis
 from psycopg import sql
+from psycopg.rows import namedtuple_row
 
 from bench import celery_defaults
-from bench.leases import COMPARE_AND_DELETE
+from bench.leases import COMPARE_AND_DELETE, UnexpectedReply
 from bench.reserve import NOW_MS, RESERVATION_CTES, conninfo
 from reservations.operations import fingerprint, new_reservation_id
+from reservations.reserve_statement import STATEMENTS as FENCED_STATEMENTS
 
 DATABASE_ENV = "BENCH_RAW_DATABASE_URL"  # a libpq conninfo or postgresql:// URL
 LOCK_ENV = "BENCH_RAW_LOCK_URL"
 RAW_RESERVE = "bench.raw_reserve"
+RAW_FENCED = "bench.raw_fenced_reserve"
 LOCK_TTL_MS = 30_000
 BUSY_COUNTDOWN = 0.005
 
@@ -70,6 +73,17 @@ RECORD = (
 )
 
 
+# The fenced reference's lock: SET NX PX and, when it is taken, the SKU's next token, in one round trip.
+LOCK_WITH_TOKEN = (
+    "if redis.call('set',KEYS[1],ARGV[1],'NX','PX',ARGV[2]) then return redis.call('incr',KEYS[2]) "
+    "else return 0 end"
+)
+# The project's reservation statement with its fence and its request's outcome and attempt, as the
+# reservation task sends it (reservations.reserve_statement), rows held as long as the task's hold.
+FENCED = FENCED_STATEMENTS[(True, True)]
+FENCED_HOLD_MS = 15 * 60 * 1000
+
+
 class Recorder:
     """The producer's side of the reference with a record: each request's row written in autocommit on a
     connection of its own before the request is published, as "nothing accepted vanishes" needs."""
@@ -105,6 +119,7 @@ class _Clients:
     lock: redis.Redis
     release: Any
     database: psycopg.Connection[Any]
+    take: Any
 
 
 _clients: _Clients | None = None
@@ -116,7 +131,8 @@ def clients() -> _Clients:
     if _clients is None or _clients.pid != os.getpid():
         lock = redis.Redis.from_url(os.environ[LOCK_ENV])
         database = psycopg.connect(os.environ[DATABASE_ENV], autocommit=True)
-        _clients = _Clients(os.getpid(), lock, lock.register_script(COMPARE_AND_DELETE), database)
+        release, take = lock.register_script(COMPARE_AND_DELETE), lock.register_script(LOCK_WITH_TOKEN)
+        _clients = _Clients(os.getpid(), lock, release, database, take)
     return _clients
 
 
@@ -148,5 +164,39 @@ def raw_reserve(self: Any, sku: str, quantity: int, idempotency_key: str) -> dic
     return {
         "status": "reserved", "epochs": 0, "key": idempotency_key, "operation": "reserve",
         "detail": {"reservation_ids": [reservation], "token": 0, "quantity": quantity,
+                   "stock": [{"sku": sku, "on_hand": on_hand, "reserved": reserved, "available": available}]},
+    }  # fmt: skip
+
+
+@app.task(name=RAW_FENCED, bind=True, max_retries=None)  # type: ignore[untyped-decorator]
+def raw_fenced_reserve(self: Any, sku: str, quantity: int, idempotency_key: str) -> dict[str, Any]:
+    """The reference that keeps every guarantee of the reservation task's writes and none of its layers:
+    a lock that hands out a token (one script), the project's one statement with its fence, idempotency
+    lookup, stock row lock, outcome and attempt, sent on a plain autocommit connection, and the lock's
+    release. No message checks, late acks, lease renewal, epoch log or hot-SKU protocol."""
+    c = clients()
+    name, holder = f"raw-lock:{sku}", uuid.uuid4().hex
+    token = int(c.take(keys=[name, f"raw-token:{sku}"], args=[holder, LOCK_TTL_MS]))
+    if not token:
+        raise self.retry(countdown=BUSY_COUNTDOWN, exc=LockTaken(sku))
+    reservation = new_reservation_id()
+    values = {
+        "key": idempotency_key, "sku": sku, "quantity": quantity, "token": token, "lease_id": holder,
+        "holder": holder, "hold_ms": FENCED_HOLD_MS, "reservation_id": reservation, "record": True,
+        "fingerprint": fingerprint("reserve", sku=sku, quantity=quantity, hold_ms=None),
+        "task_id": self.request.id, "worker": self.request.hostname, "epochs": 0,
+    }  # fmt: skip
+    try:
+        with c.database.cursor(row_factory=namedtuple_row) as cur:
+            cur.execute(FENCED.text, FENCED.bind(values))
+            row: Any = cur.fetchone()
+    finally:
+        c.release(keys=[name], args=[holder])
+    if row is None or not row.applied:
+        raise UnexpectedReply(f"the fenced reference's reservation of {sku} was not applied: {row}")
+    on_hand, reserved, available = row.on_hand, row.reserved, row.available
+    return {
+        "status": "reserved", "epochs": 0, "key": idempotency_key, "operation": "reserve",
+        "detail": {"reservation_ids": [reservation], "token": token, "quantity": quantity,
                    "stock": [{"sku": sku, "on_hand": on_hand, "reserved": reserved, "available": available}]},
     }  # fmt: skip
