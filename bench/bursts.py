@@ -339,6 +339,40 @@ def life_burst(app: Celery, client: ReservationClient, skus: list[str], in_fligh
     return run
 
 
+def raw_life_burst(
+    app: Celery,
+    skus: list[str],
+    in_flight: InFlight,
+    reserve: str,
+    confirm: str,
+    record: Callable[[dict[str, Any], str, str], None],
+) -> BurstFn:
+    """A reservation's life on the physical reference (bench.raw_tasks): its reserve, then a confirm of
+    the reservation it made, each recorded before it is published and waited on as :func:`life_burst`
+    waits."""
+
+    def run(tag: str, count: int) -> Burst:
+        def reserves() -> Iterator[Sent]:
+            for i in range(count):
+                kwargs = {"sku": skus[i % len(skus)], "quantity": 1, "idempotency_key": f"{tag}-{i}"}
+                at, task_id = time.time(), str(uuid.uuid4())
+                record(kwargs, task_id, "reserve")
+                yield at, in_flight.track(app.send_task(reserve, kwargs=kwargs, task_id=task_id))
+
+        def confirmed(index: int, outcome: dict[str, Any]) -> AsyncResult:
+            reservation, sku = _reservation_of(tag, index, outcome)
+            kwargs = {"sku": sku, "reservation_id": reservation, "idempotency_key": f"{tag}-{index}-confirm"}
+            task_id = str(uuid.uuid4())
+            record(kwargs, task_id, "confirm")
+            return app.send_task(confirm, kwargs=kwargs, task_id=task_id)
+
+        burst, outcomes = _two_steps(reserves(), confirmed, in_flight, _deadline(2 * count))
+        _all_ended("confirmed", tag, [outcome.get("status") for outcome in outcomes])
+        return burst
+
+    return run
+
+
 def noop_pair_burst(app: Celery, in_flight: InFlight, task: str) -> BurstFn:
     """Two no-ops a request, as :func:`life_burst` has a reserve and a confirm: the second no-op enqueued
     with the first one's result once it is in."""

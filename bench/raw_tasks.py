@@ -28,13 +28,16 @@ from psycopg.rows import namedtuple_row
 from bench import celery_defaults
 from bench.leases import COMPARE_AND_DELETE, UnexpectedReply
 from bench.reserve import NOW_MS, RESERVATION_CTES, conninfo
+from reservations.finish_statement import STATEMENTS as FINISH_STATEMENTS
 from reservations.operations import fingerprint, new_reservation_id
 from reservations.reserve_statement import STATEMENTS as FENCED_STATEMENTS
+from reservations.statuses import ReservationStatus
 
 DATABASE_ENV = "BENCH_RAW_DATABASE_URL"  # a libpq conninfo or postgresql:// URL
 LOCK_ENV = "BENCH_RAW_LOCK_URL"
 RAW_RESERVE = "bench.raw_reserve"
 RAW_FENCED = "bench.raw_fenced_reserve"
+RAW_FENCED_CONFIRM = "bench.raw_fenced_confirm"
 LOCK_TTL_MS = 30_000
 BUSY_COUNTDOWN = 0.005
 
@@ -65,8 +68,8 @@ STATEMENT = (
 RECORD = (
     sql.SQL(
         "INSERT INTO accepted_requests (key, operation, fingerprint, at_ms, request_type, arguments, "
-        "task_id, message_format, publishes, next_look_ms) VALUES (%(key)s, 'reserve', %(fingerprint)s, "
-        "{now}, 'reserve', %(arguments)s, %(task_id)s, 2, 1, {now} + 30000)"
+        "task_id, message_format, publishes, next_look_ms) VALUES (%(key)s, %(operation)s, %(fingerprint)s, "
+        "{now}, %(operation)s, %(arguments)s, %(task_id)s, 2, 1, {now} + 30000)"
     )
     .format(now=NOW_MS)
     .as_bytes()
@@ -81,6 +84,8 @@ LOCK_WITH_TOKEN = (
 # The project's reservation statement with its fence and its request's outcome and attempt, as the
 # reservation task sends it (reservations.reserve_statement), rows held as long as the task's hold.
 FENCED = FENCED_STATEMENTS[(True, True)]
+# And the project's confirm statement (reservations.finish_statement), as a confirm's task sends it.
+FENCED_CONFIRM = FINISH_STATEMENTS[ReservationStatus.CONFIRMED][(True, True)]
 FENCED_HOLD_MS = 15 * 60 * 1000
 
 
@@ -91,11 +96,17 @@ class Recorder:
     def __init__(self, database_url: str) -> None:
         self.database = psycopg.connect(conninfo(database_url), autocommit=True)
 
-    def __call__(self, kwargs: dict[str, Any], task_id: str) -> None:
-        print_ = fingerprint("reserve", sku=kwargs["sku"], quantity=kwargs["quantity"], hold_ms=None)
+    def __call__(self, kwargs: dict[str, Any], task_id: str, operation: str = "reserve") -> None:
+        if operation == "reserve":
+            print_ = fingerprint("reserve", sku=kwargs["sku"], quantity=kwargs["quantity"], hold_ms=None)
+        else:
+            print_ = fingerprint(operation, reservation_id=kwargs["reservation_id"])
         arguments = json.dumps(kwargs, separators=(",", ":"))
         key = kwargs["idempotency_key"]
-        params = {"key": key, "fingerprint": print_, "arguments": arguments, "task_id": task_id}
+        params = {
+            "key": key, "operation": operation, "fingerprint": print_, "arguments": arguments,
+            "task_id": task_id,
+        }  # fmt: skip
         self.database.execute(RECORD, params)
 
     def close(self) -> None:
@@ -199,4 +210,38 @@ def raw_fenced_reserve(self: Any, sku: str, quantity: int, idempotency_key: str)
         "status": "reserved", "epochs": 0, "key": idempotency_key, "operation": "reserve",
         "detail": {"reservation_ids": [reservation], "token": token, "quantity": quantity,
                    "stock": [{"sku": sku, "on_hand": on_hand, "reserved": reserved, "available": available}]},
+    }  # fmt: skip
+
+
+@app.task(name=RAW_FENCED_CONFIRM, bind=True, max_retries=None)  # type: ignore[untyped-decorator]
+def raw_fenced_confirm(self: Any, sku: str, reservation_id: str, idempotency_key: str) -> dict[str, Any]:
+    """The fenced reference's confirm: the SKU's lock with its next token, the project's confirm statement
+    (the reservation's SKU checked against the lock's, the fence, the idempotency lookup, the outcome and
+    attempt) on the plain connection, the lock's release."""
+    c = clients()
+    name, holder = f"raw-lock:{sku}", uuid.uuid4().hex
+    token = int(c.take(keys=[name, f"raw-token:{sku}"], args=[holder, LOCK_TTL_MS]))
+    if not token:
+        raise self.retry(countdown=BUSY_COUNTDOWN, exc=LockTaken(sku))
+    values = {
+        "key": idempotency_key, "operation": "confirm", "status": ReservationStatus.CONFIRMED.value,
+        "fingerprint": fingerprint("confirm", reservation_id=reservation_id), "token": token,
+        "lease_id": holder, "holder": holder, "reservation_id": reservation_id,
+        "reservation_ids": json.dumps([reservation_id]), "detail": "{}", "history_detail": None,
+        "record": True, "task_id": self.request.id, "worker": self.request.hostname, "epochs": 0,
+        "final": ReservationStatus.CONFIRMED.value, "lease_sku": sku,
+    }  # fmt: skip
+    try:
+        with c.database.cursor(row_factory=namedtuple_row) as cur:
+            cur.execute(FENCED_CONFIRM.text, FENCED_CONFIRM.bind(values))
+            row: Any = cur.fetchone()
+    finally:
+        c.release(keys=[name], args=[holder])
+    if row is None or not row.applied:
+        raise UnexpectedReply(f"the fenced reference's confirm of {reservation_id} was not applied: {row}")
+    return {
+        "status": "confirmed", "epochs": 0, "key": idempotency_key, "operation": "confirm",
+        "detail": {"reservation_ids": [reservation_id], "token": token, "quantity": row.quantity,
+                   "stock": [{"sku": sku, "on_hand": row.on_hand, "reserved": row.reserved,
+                              "available": row.available}]},
     }  # fmt: skip

@@ -30,6 +30,7 @@ from bench.bursts import (
     noop_burst,
     noop_no_result_burst,
     noop_pair_burst,
+    raw_life_burst,
     raw_reserve_burst,
     reserve_burst_poll,
     reserve_burst_result,
@@ -92,6 +93,7 @@ RAW_FENCED = (
     f"request recorded first, {SPREAD} SKUs, AsyncResult.get"
 )
 LIFE = "a reservation's life as tasks: reserve then confirm"
+RAW_LIFE = "the fenced reference's life: reserve then confirm, each recorded first"
 NOOP_PAIR = "two Celery no-ops with results"
 
 
@@ -241,7 +243,11 @@ def tasks_vs_noop(
         raw_skus = [f"R-{n}" for n in range(SPREAD)]  # the physical reference's, locked by name only
         recorded_skus = [f"D-{n}" for n in range(SPREAD)]  # the same, each request recorded first
         fenced_skus = [f"F-{n}" for n in range(SPREAD)]  # the fenced reference's, each request recorded
-        seeded = spread + counted_skus + metered + commented + lives + raw_skus + recorded_skus + fenced_skus
+        raw_lives = [f"G-{n}" for n in range(SPREAD)]  # the fenced reference's lives: reserved, confirmed
+        seeded = [
+            *spread, *counted_skus, *metered, *commented, *lives, *raw_skus, *recorded_skus, *fenced_skus,
+            *raw_lives,
+        ]
         _seed(database_url, seeded + (sql_spread if sql_leases else []) + etcd_spread)
 
         # One redis-server, one database number per role; every worker has a broker database of its
@@ -337,6 +343,10 @@ def tasks_vs_noop(
             TaskCase(NOOP_PAIR, noop_pair_burst(defaults_app, in_flight, celery_defaults.NOOP),
                      workers["bench-defaults"]),
             TaskCase(LIFE, life_burst(app, client, lives, in_flight), workers["bench-redis"]),
+            TaskCase(RAW_LIFE,
+                     raw_life_burst(raw_app, raw_lives, in_flight, raw_tasks.RAW_FENCED,
+                                    raw_tasks.RAW_FENCED_CONFIRM, recorder),
+                     workers["bench-raw"]),
         ]  # fmt: skip
         metrics_app, metrics_client = producer(metrics_settings)
         cases.append(TaskCase(METRICS_SPREAD_RESULT,
@@ -383,7 +393,9 @@ def tasks_vs_noop(
         expected |= _round_robin(recorded_skus, bursts)
         expected |= _round_robin(fenced_skus, bursts)
         expected |= dict.fromkeys(lives, 0)  # every life's reservation confirmed: none held
-        checked = _check_stock(database_url, expected, confirmed=_round_robin(lives, bursts))
+        expected |= dict.fromkeys(raw_lives, 0)
+        confirmed = _round_robin(lives, bursts) | _round_robin(raw_lives, bursts)
+        checked = _check_stock(database_url, expected, confirmed=confirmed)
 
     stats = runs.stats
     section = f"Celery end to end: reservation task vs no-op tasks (bursts of {count})"
@@ -411,8 +423,10 @@ def tasks_vs_noop(
                 stats, METRICS_SPREAD_RESULT, SPREAD_RESULT)  # fmt: skip
     results.add(f"Celery end to end: reservation task with the trace comment on vs off (bursts of {count})",
                 stats, TRACED_SPREAD_RESULT, SPREAD_RESULT)  # fmt: skip
-    results.add(f"Celery end to end: a reservation's life vs two no-ops (bursts of {count} lives)",
-                stats, LIFE, NOOP_PAIR)  # fmt: skip
+    lives_section = f"Celery end to end: a reservation's life vs two no-ops (bursts of {count} lives)"
+    results.add(lives_section, stats, LIFE, NOOP_PAIR)
+    results.add(lives_section, stats, RAW_LIFE, NOOP_PAIR)
+    results.add(lives_section, stats, LIFE, RAW_LIFE)
 
     per_task = {name: seen.per_task(runs.idle) for name, seen in runs.commands.items()}
     reserving = {SPREAD_RESULT, SPREAD_POLL}  # the counted worker runs with metrics off
@@ -501,6 +515,13 @@ def tasks_vs_noop(
         "ops/s = lives (reserve + confirm) per second; p50 / p99 from a life's reserve enqueued to its "
         f"confirm stored; its costs are per life. '{NOOP_PAIR}': the same with two no-ops a life on the "
         "Celery-defaults worker, the second enqueued with the first's result."
+    )
+    results.notes.append(
+        f"'{RAW_LIFE}': the same life on the fenced reference (bench.raw_tasks): its reserve, then, as each "
+        "reservation is in, a confirm of it by the project's confirm statement "
+        "(reservations.finish_statement) under the SKU's lock and next token, each request recorded first "
+        "by the same plain INSERT, on the reference's worker at Celery's defaults. What a life cannot do "
+        "without on this machine, less the project's code around it."
     )
     idle_total = sum(runs.idle.values())
     results.notes.append(
