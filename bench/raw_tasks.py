@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,7 @@ from bench.reserve import NOW_MS, RESERVATION_CTES, conninfo
 from reservations.finish_statement import STATEMENTS as FINISH_STATEMENTS
 from reservations.operations import fingerprint, new_reservation_id
 from reservations.reserve_statement import STATEMENTS as FENCED_STATEMENTS
+from reservations.sql_text import Sent
 from reservations.statuses import ReservationStatus
 
 DATABASE_ENV = "BENCH_RAW_DATABASE_URL"  # a libpq conninfo or postgresql:// URL
@@ -179,37 +181,50 @@ def raw_reserve(self: Any, sku: str, quantity: int, idempotency_key: str) -> dic
     }  # fmt: skip
 
 
+def _fenced(
+    task: Any, sku: str, statement: Sent, values: Callable[[int, str], dict[str, Any]], what: str
+) -> tuple[int, Any]:
+    """The fenced reference's write: the SKU's lock with its next token (one script), ``statement`` sent
+    with ``values(token, holder)`` on the plain autocommit connection, the lock's release; the statement's
+    row, which must say it wrote (``what`` names the write)."""
+    c = clients()
+    name, holder = f"raw-lock:{sku}", uuid.uuid4().hex
+    token = int(c.take(keys=[name, f"raw-token:{sku}"], args=[holder, LOCK_TTL_MS]))
+    if not token:
+        raise task.retry(countdown=BUSY_COUNTDOWN, exc=LockTaken(sku))
+    try:
+        with c.database.cursor(row_factory=namedtuple_row) as cur:
+            cur.execute(statement.text, statement.bind(values(token, holder)))
+            row: Any = cur.fetchone()
+    finally:
+        c.release(keys=[name], args=[holder])
+    if row is None or not row.applied:
+        raise UnexpectedReply(f"the fenced reference's {what} was not applied: {row}")
+    return token, row
+
+
 @app.task(name=RAW_FENCED, bind=True, max_retries=None)  # type: ignore[untyped-decorator]
 def raw_fenced_reserve(self: Any, sku: str, quantity: int, idempotency_key: str) -> dict[str, Any]:
     """The reference that keeps every guarantee of the reservation task's writes and none of its layers:
     a lock that hands out a token (one script), the project's one statement with its fence, idempotency
     lookup, stock row lock, outcome and attempt, sent on a plain autocommit connection, and the lock's
     release. No message checks, late acks, lease renewal, epoch log or hot-SKU protocol."""
-    c = clients()
-    name, holder = f"raw-lock:{sku}", uuid.uuid4().hex
-    token = int(c.take(keys=[name, f"raw-token:{sku}"], args=[holder, LOCK_TTL_MS]))
-    if not token:
-        raise self.retry(countdown=BUSY_COUNTDOWN, exc=LockTaken(sku))
     reservation = new_reservation_id()
-    values = {
-        "key": idempotency_key, "sku": sku, "quantity": quantity, "token": token, "lease_id": holder,
-        "holder": holder, "hold_ms": FENCED_HOLD_MS, "reservation_id": reservation, "record": True,
-        "fingerprint": fingerprint("reserve", sku=sku, quantity=quantity, hold_ms=None),
-        "task_id": self.request.id, "worker": self.request.hostname, "epochs": 0,
-    }  # fmt: skip
-    try:
-        with c.database.cursor(row_factory=namedtuple_row) as cur:
-            cur.execute(FENCED.text, FENCED.bind(values))
-            row: Any = cur.fetchone()
-    finally:
-        c.release(keys=[name], args=[holder])
-    if row is None or not row.applied:
-        raise UnexpectedReply(f"the fenced reference's reservation of {sku} was not applied: {row}")
-    on_hand, reserved, available = row.on_hand, row.reserved, row.available
+
+    def values(token: int, holder: str) -> dict[str, Any]:
+        return {
+            "key": idempotency_key, "sku": sku, "quantity": quantity, "token": token, "lease_id": holder,
+            "holder": holder, "hold_ms": FENCED_HOLD_MS, "reservation_id": reservation, "record": True,
+            "fingerprint": fingerprint("reserve", sku=sku, quantity=quantity, hold_ms=None),
+            "task_id": self.request.id, "worker": self.request.hostname, "epochs": 0,
+        }  # fmt: skip
+
+    token, row = _fenced(self, sku, FENCED, values, f"reservation of {sku}")
     return {
         "status": "reserved", "epochs": 0, "key": idempotency_key, "operation": "reserve",
         "detail": {"reservation_ids": [reservation], "token": token, "quantity": quantity,
-                   "stock": [{"sku": sku, "on_hand": on_hand, "reserved": reserved, "available": available}]},
+                   "stock": [{"sku": sku, "on_hand": row.on_hand, "reserved": row.reserved,
+                              "available": row.available}]},
     }  # fmt: skip
 
 
@@ -218,27 +233,18 @@ def raw_fenced_confirm(self: Any, sku: str, reservation_id: str, idempotency_key
     """The fenced reference's confirm: the SKU's lock with its next token, the project's confirm statement
     (the reservation's SKU checked against the lock's, the fence, the idempotency lookup, the outcome and
     attempt) on the plain connection, the lock's release."""
-    c = clients()
-    name, holder = f"raw-lock:{sku}", uuid.uuid4().hex
-    token = int(c.take(keys=[name, f"raw-token:{sku}"], args=[holder, LOCK_TTL_MS]))
-    if not token:
-        raise self.retry(countdown=BUSY_COUNTDOWN, exc=LockTaken(sku))
-    values = {
-        "key": idempotency_key, "operation": "confirm", "status": ReservationStatus.CONFIRMED.value,
-        "fingerprint": fingerprint("confirm", reservation_id=reservation_id), "token": token,
-        "lease_id": holder, "holder": holder, "reservation_id": reservation_id,
-        "reservation_ids": json.dumps([reservation_id]), "detail": "{}", "history_detail": None,
-        "record": True, "task_id": self.request.id, "worker": self.request.hostname, "epochs": 0,
-        "final": ReservationStatus.CONFIRMED.value, "lease_sku": sku,
-    }  # fmt: skip
-    try:
-        with c.database.cursor(row_factory=namedtuple_row) as cur:
-            cur.execute(FENCED_CONFIRM.text, FENCED_CONFIRM.bind(values))
-            row: Any = cur.fetchone()
-    finally:
-        c.release(keys=[name], args=[holder])
-    if row is None or not row.applied:
-        raise UnexpectedReply(f"the fenced reference's confirm of {reservation_id} was not applied: {row}")
+
+    def values(token: int, holder: str) -> dict[str, Any]:
+        return {
+            "key": idempotency_key, "operation": "confirm", "status": ReservationStatus.CONFIRMED.value,
+            "fingerprint": fingerprint("confirm", reservation_id=reservation_id), "token": token,
+            "lease_id": holder, "holder": holder, "reservation_id": reservation_id,
+            "reservation_ids": json.dumps([reservation_id]), "detail": "{}", "history_detail": None,
+            "record": True, "task_id": self.request.id, "worker": self.request.hostname, "epochs": 0,
+            "final": ReservationStatus.CONFIRMED.value, "lease_sku": sku,
+        }  # fmt: skip
+
+    token, row = _fenced(self, sku, FENCED_CONFIRM, values, f"confirm of {reservation_id}")
     return {
         "status": "confirmed", "epochs": 0, "key": idempotency_key, "operation": "confirm",
         "detail": {"reservation_ids": [reservation_id], "token": token, "quantity": row.quantity,
