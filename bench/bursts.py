@@ -12,6 +12,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from celery import Celery
@@ -242,26 +243,29 @@ def reserve_burst_result(
     return _reserved_burst(lambda tag, count: _reserves(app, client, skus, in_flight, tag, count), in_flight)
 
 
+# Writes a request's record (its arguments, its task id, its operation) before it is published.
+Record = Callable[[dict[str, Any], str, str], None]
+
+
+def _raw_reserves(
+    app: Celery, skus: list[str], in_flight: InFlight, task: str, record: Record | None, tag: str, count: int
+) -> Iterator[Sent]:
+    """The physical reference's reservations (bench.raw_tasks, task ``task``), round-robin over ``skus``,
+    each recorded first when there is a ``record``."""
+    for i in range(count):
+        kwargs = {"sku": skus[i % len(skus)], "quantity": 1, "idempotency_key": f"{tag}-{i}"}
+        at, task_id = time.time(), str(uuid.uuid4())
+        if record is not None:
+            record(kwargs, task_id, "reserve")
+        yield at, in_flight.track(app.send_task(task, kwargs=kwargs, task_id=task_id))
+
+
 def raw_reserve_burst(
-    app: Celery,
-    skus: list[str],
-    in_flight: InFlight,
-    task: str,
-    record: Callable[[dict[str, Any], str], None] | None = None,
+    app: Celery, skus: list[str], in_flight: InFlight, task: str, record: Record | None = None
 ) -> BurstFn:
-    """The physical reference's reservations (bench.raw_tasks), round-robin over ``skus``, waited on as
-    :func:`reserve_burst_result` waits. Its app stores no retry counts, so its retries are not seen.
-    ``record``: writes each request's record (its arguments, its task id) before it is published."""
-
-    def send(tag: str, count: int) -> Iterator[Sent]:
-        for i in range(count):
-            kwargs = {"sku": skus[i % len(skus)], "quantity": 1, "idempotency_key": f"{tag}-{i}"}
-            at, task_id = time.time(), str(uuid.uuid4())
-            if record is not None:
-                record(kwargs, task_id)
-            yield at, in_flight.track(app.send_task(task, kwargs=kwargs, task_id=task_id))
-
-    return _reserved_burst(send, in_flight)
+    """:func:`_raw_reserves` waited on as :func:`reserve_burst_result` waits. Its app stores no retry
+    counts, so its retries are not seen."""
+    return _reserved_burst(partial(_raw_reserves, app, skus, in_flight, task, record), in_flight)
 
 
 def reserve_burst_poll(client: ReservationClient, skus: list[str]) -> BurstFn:
@@ -345,20 +349,13 @@ def raw_life_burst(
     in_flight: InFlight,
     reserve: str,
     confirm: str,
-    record: Callable[[dict[str, Any], str, str], None],
+    record: Record,
 ) -> BurstFn:
     """A reservation's life on the physical reference (bench.raw_tasks): its reserve, then a confirm of
     the reservation it made, each recorded before it is published and waited on as :func:`life_burst`
     waits."""
 
     def run(tag: str, count: int) -> Burst:
-        def reserves() -> Iterator[Sent]:
-            for i in range(count):
-                kwargs = {"sku": skus[i % len(skus)], "quantity": 1, "idempotency_key": f"{tag}-{i}"}
-                at, task_id = time.time(), str(uuid.uuid4())
-                record(kwargs, task_id, "reserve")
-                yield at, in_flight.track(app.send_task(reserve, kwargs=kwargs, task_id=task_id))
-
         def confirmed(index: int, outcome: dict[str, Any]) -> AsyncResult:
             reservation, sku = _reservation_of(tag, index, outcome)
             kwargs = {"sku": sku, "reservation_id": reservation, "idempotency_key": f"{tag}-{index}-confirm"}
@@ -366,7 +363,8 @@ def raw_life_burst(
             record(kwargs, task_id, "confirm")
             return app.send_task(confirm, kwargs=kwargs, task_id=task_id)
 
-        burst, outcomes = _two_steps(reserves(), confirmed, in_flight, _deadline(2 * count))
+        reserves = _raw_reserves(app, skus, in_flight, reserve, record, tag, count)
+        burst, outcomes = _two_steps(reserves, confirmed, in_flight, _deadline(2 * count))
         _all_ended("confirmed", tag, [outcome.get("status") for outcome in outcomes])
         return burst
 

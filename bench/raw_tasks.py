@@ -98,7 +98,7 @@ class Recorder:
     def __init__(self, database_url: str) -> None:
         self.database = psycopg.connect(conninfo(database_url), autocommit=True)
 
-    def __call__(self, kwargs: dict[str, Any], task_id: str, operation: str = "reserve") -> None:
+    def __call__(self, kwargs: dict[str, Any], task_id: str, operation: str) -> None:
         if operation == "reserve":
             print_ = fingerprint("reserve", sku=kwargs["sku"], quantity=kwargs["quantity"], hold_ms=None)
         else:
